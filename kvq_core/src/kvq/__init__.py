@@ -1,0 +1,22 @@
+"""kvq: KV-cache compression for LLMs run with MLX (mlx-lm), as a plugin framework.
+
+Public entry points: :func:`select` (the implementation per op for a shape), :func:`register` (add a method or
+implementation that is not installed as an entry point), :func:`methods`, :func:`make_params`, and the cache
+(:func:`make_prompt_cache`). See DESIGN.md for the vocabulary.
+"""
+
+from .encoded import Encoded
+from .hookspecs import OPS, hookimpl
+from .methods import BitsAccounting, Method
+from .problem import Problem
+from .plugins import (PluginLoadWarning, RegistrationError, all_implementations, make_params, methods,
+                       register, registry, unregister)
+from .select import Plan, select
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "OPS", "BitsAccounting", "Encoded", "Method", "Plan", "PluginLoadWarning", "Problem", "RegistrationError",
+    "all_implementations", "hookimpl", "make_params", "methods", "register", "registry", "select",
+    "unregister", "__version__",
+]

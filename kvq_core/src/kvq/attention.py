@@ -1,0 +1,165 @@
+"""Attention over parts of a cache, with log-sum-exp merging (FlashAttention-style online softmax).
+
+The cache splits a layer's tokens into parts (sinks, compressed blocks, residual window). Each part is
+attended on its own, returning ``(out, lse)``; :func:`merge_parts` combines them exactly. Within a part,
+:func:`blockwise_attend` walks the keys in blocks with an online softmax, so that neither an fp16 copy of
+compressed keys nor the full ``[T_q, T]`` score matrix of a long prefill chunk is ever materialised.
+GQA is handled by reshaping queries to ``[B, H_kv, n_rep, T_q, D]``; keys and values are never repeated.
+
+Source: Milakov & Gimelshein, "Online normalizer calculation for softmax" (2018); Dao et al.,
+FlashAttention (2022).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import mlx.core as mx
+
+#: Bytes of fp32 scores one block may hold; bounds prefill memory.
+SCORE_BUDGET_BYTES = 32 * 2**20
+NEG_INF = float("-inf")
+
+
+def block_size_for(batch: int, num_q_heads: int, num_queries: int, num_keys: int) -> int:
+    """Keys per block so that one block of fp32 scores fits :data:`SCORE_BUDGET_BYTES` (at least 256)."""
+    per_key = 4 * batch * num_q_heads * max(num_queries, 1)
+    size = max(256, SCORE_BUDGET_BYTES // per_key)
+    return min(max(num_keys, 1), 1 << (size.bit_length() - 1))
+
+
+def split_heads(queries: mx.array, num_kv_heads: int) -> mx.array:
+    """``[B, H_q, T_q, D]`` -> ``[B, H_kv, n_rep, T_q, D]`` (GQA grouping, no copy of keys needed).
+
+    :raises ValueError: ``H_q`` not a multiple of ``num_kv_heads``.
+    """
+    B, Hq, Tq, D = queries.shape
+    if Hq % num_kv_heads:
+        raise ValueError(f"queries: H_q={Hq} must be a multiple of the keys' H_kv={num_kv_heads}")
+    return queries.reshape(B, num_kv_heads, Hq // num_kv_heads, Tq, D)
+
+
+def split_mask(mask: mx.array | None, num_kv_heads: int) -> mx.array | None:
+    """A boolean mask broadcastable to ``[B, H_q, T_q, T]`` -> broadcastable to ``[B, H_kv, n_rep, T_q, T]``."""
+    if mask is None:
+        return None
+    if mask.dtype != mx.bool_:
+        raise TypeError(f"mask must be boolean (True = may attend); got {mask.dtype}")
+    while mask.ndim < 4:
+        mask = mask[None]
+    B, H, Tq, T = mask.shape
+    if H == 1:
+        return mask[:, :, None]
+    return mask.reshape(B, num_kv_heads, H // num_kv_heads, Tq, T)
+
+
+def blockwise_attend(
+    queries: mx.array,
+    num_keys: int,
+    num_kv_heads: int,
+    scores_fn: Callable[[mx.array, int, int], mx.array],
+    values_fn: Callable[[mx.array, int, int], mx.array],
+    scale: float,
+    mask: mx.array | None = None,
+    block_size: int | None = None,
+) -> tuple[mx.array, mx.array]:
+    """Online-softmax attention over ``num_keys`` keys served block by block.
+
+    :param queries: ``[B, H_q, T_q, D]`` float.
+    :param scores_fn: ``(q, start, stop) -> [B, H_kv, n_rep, T_q, stop - start]`` float32 scores, where ``q``
+        is the scaled float32 query ``[B, H_kv, n_rep, T_q, D]``.
+    :param values_fn: ``(p, start, stop) -> [B, H_kv, n_rep, T_q, D_v]`` float32: ``p @ V[start:stop]``
+        for unnormalised probabilities ``p`` (float32, same layout as the scores).
+    :param mask: boolean, broadcastable to ``[B, H_q, T_q, num_keys]``; ``True`` = may attend.
+    :return: ``(out [B, H_q, T_q, D_v] float32, lse [B, H_q, T_q] float32)``; ``lse = -inf``, ``out = 0``
+        for queries that see no key.
+    """
+    B, Hq, Tq, _ = queries.shape
+    q = split_heads(queries.astype(mx.float32) * scale, num_kv_heads)
+    mask = split_mask(mask, num_kv_heads)
+    block_size = block_size or block_size_for(B, Hq, Tq, num_keys)
+    m = l = acc = None
+    for start in range(0, num_keys, block_size):
+        stop = min(start + block_size, num_keys)
+        s = scores_fn(q, start, stop)
+        if mask is not None:
+            s = mx.where(mask[..., start:stop], s, NEG_INF)
+        block_max = mx.max(s, axis=-1, keepdims=True)
+        m_new = block_max if m is None else mx.maximum(m, block_max)
+        # a row that has seen only masked keys keeps m = -inf; exponentiate against 0 there
+        m_safe = mx.where(m_new == NEG_INF, 0.0, m_new)
+        p = mx.exp(s - m_safe)
+        pv = values_fn(p, start, stop)
+        if m is None:
+            l, acc = p.sum(axis=-1, keepdims=True), pv
+        else:
+            correction = mx.exp(m - m_safe)
+            l = l * correction + p.sum(axis=-1, keepdims=True)
+            acc = acc * correction + pv
+        m = m_new
+    if m is None:  # no keys at all
+        return empty_part(queries, queries.shape[-1])
+    seen = l > 0
+    out = acc / mx.where(seen, l, 1.0)
+    lse = mx.where(seen, m + mx.log(mx.where(seen, l, 1.0)), NEG_INF)
+    Dv = out.shape[-1]
+    return out.reshape(B, Hq, Tq, Dv), lse.reshape(B, Hq, Tq)
+
+
+def empty_part(queries: mx.array, value_dim: int) -> tuple[mx.array, mx.array]:
+    """``(out, lse)`` of a part with no keys: zeros and ``-inf``."""
+    B, Hq, Tq, _ = queries.shape
+    return mx.zeros((B, Hq, Tq, value_dim), mx.float32), mx.full((B, Hq, Tq), NEG_INF, mx.float32)
+
+
+def dense_attend(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    scale: float,
+    mask: mx.array | None = None,
+    block_size: int | None = None,
+) -> tuple[mx.array, mx.array]:
+    """:func:`blockwise_attend` over uncompressed keys ``[B, H_kv, T, D]`` and values ``[B, H_kv, T, D_v]``.
+
+    Scores and accumulation are float32 whatever the input dtype (key norms of several hundred overflow
+    fp16 products).
+    """
+    Hkv, T = keys.shape[1], keys.shape[2]
+
+    def scores_fn(q, start, stop):
+        k = keys[:, :, None, start:stop].astype(mx.float32)
+        return q @ k.swapaxes(-1, -2)
+
+    def values_fn(p, start, stop):
+        return p @ values[:, :, None, start:stop].astype(mx.float32)
+
+    return blockwise_attend(queries, T, Hkv, scores_fn, values_fn, scale, mask, block_size)
+
+
+def merge_parts(parts: Sequence[tuple[mx.array, mx.array]]) -> tuple[mx.array, mx.array]:
+    """Exact softmax over the union of the parts' keys, from each part's ``(out, lse)``.
+
+    :param parts: ``(out [B, H_q, T_q, D_v], lse [B, H_q, T_q])`` pairs, as returned by an ``attend``.
+    :return: merged ``(out, lse)``; rows that no part attends give ``out = 0`` and ``lse = -inf``.
+    """
+    lses = mx.stack([lse for _, lse in parts])
+    top = mx.max(lses, axis=0)
+    top_safe = mx.where(top == NEG_INF, 0.0, top)
+    weights = mx.exp(lses - top_safe)  # [P, B, H, Tq]
+    total = weights.sum(axis=0)
+    out = sum(w[..., None] * o for w, (o, _) in zip(weights, parts))
+    seen = total > 0
+    out = out / mx.where(seen, total, 1.0)[..., None]
+    lse = mx.where(seen, top_safe + mx.log(mx.where(seen, total, 1.0)), NEG_INF)
+    return out, lse
+
+
+def sinks_part(sinks: mx.array, queries: mx.array, value_dim: int) -> tuple[mx.array, mx.array]:
+    """The learned attention-sink logits (gpt-oss style: one logit per query head, no value) as a part.
+
+    :param sinks: ``[H_q]`` logits.
+    """
+    B, Hq, Tq, _ = queries.shape
+    lse = mx.broadcast_to(sinks.astype(mx.float32)[None, :, None], (B, Hq, Tq))
+    return mx.zeros((B, Hq, Tq, value_dim), mx.float32), lse

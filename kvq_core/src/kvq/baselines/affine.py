@@ -1,0 +1,100 @@
+"""``affine``: per-group min-max quantization with ``mx.quantize``, the numerics of mlx-lm's QuantizedKVCache.
+
+Each group of ``group_size`` coordinates of a vector gets a scale and a bias (16-bit each), so side data costs
+``32 / group_size`` bits per coordinate (KIVI, Liu et al. 2024, quantizes keys per channel instead; mlx-lm and
+this baseline quantize per token). Attention runs on the packed codes with ``mx.quantized_matmul``, block by
+block, so no fp16 copy of the keys or values is made.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import attrs
+import mlx.core as mx
+
+from ..attention import blockwise_attend
+from ..costmodel import estimate
+from ..encoded import Encoded
+from ..methods import BitsAccounting, Method
+from ..validate import attrs_one_of, float_array, head_dim_multiple
+
+BITS = (2, 3, 4, 5, 6, 8)
+GROUP_SIZES = (32, 64, 128)
+
+
+@attrs.frozen
+class AffineParams:
+    """Parameters of ``affine``.
+
+    :param bits: code width, one of 2, 3, 4, 5, 6, 8.
+    :param group_size: coordinates sharing one scale and bias, one of 32, 64, 128; must divide head_dim.
+    """
+
+    method: ClassVar[str] = "affine"
+    bits: int = attrs.field(default=4, validator=attrs_one_of(BITS))
+    group_size: int = attrs.field(default=64, validator=attrs_one_of(GROUP_SIZES))
+
+    def accounting(self, head_dim: int) -> BitsAccounting:
+        """Codes (``bits`` per coordinate) plus a 16-bit scale and a 16-bit bias per group."""
+        groups = head_dim // self.group_size
+        return BitsAccounting(head_dim, {"codes": self.bits * head_dim, "scales": 16 * groups,
+                                         "biases": 16 * groups})
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """:raises ValueError: ``group_size`` does not divide ``head_dim``."""
+        head_dim_multiple("affine", head_dim, self.group_size, f"group_size={self.group_size} must divide it")
+
+
+METHOD = Method("affine", AffineParams, "per-group min-max quantization (mx.quantize), bits 2-8",
+                source="mlx-lm QuantizedKVCache; KIVI (arXiv 2402.02750)")
+
+
+class AffineMLX:
+    """Pure-MLX ``affine`` built on ``mx.quantize`` / ``mx.dequantize`` / ``mx.quantized_matmul``."""
+
+    method = "affine"
+    backend = "mlx"
+
+    def supports(self, problem) -> bool:
+        return problem.head_dim % (problem.params or AffineParams()).group_size == 0
+
+    def cost(self, problem) -> float:
+        B, H, T, D = problem.shape
+        bits = (problem.params or AffineParams()).bits
+        return estimate(problem, launches=6, bytes_moved=B * H * T * D * (2 + bits / 8), flops=8 * B * H * T * D)
+
+    def kvq_quantize(self, x, params):
+        x = float_array("x", x)
+        params.check_head_dim(x.shape[-1])
+        # float32 input is stored with float16 scales, as the accounting (and mlx-lm's fp16 models) assume
+        x = x.astype(mx.float16) if x.dtype == mx.float32 else x
+        codes, scales, biases = mx.quantize(x, group_size=params.group_size, bits=params.bits)
+        return Encoded(params, {"codes": codes, "scales": scales, "biases": biases}, x.shape[-1])
+
+    def kvq_dequantize(self, encoded, dtype):
+        p, d = encoded.params, encoded.data
+        scales, biases = d["scales"], d["biases"]
+        if dtype == mx.float32:  # exact products, as mx.quantized_matmul computes them
+            scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
+        x = mx.dequantize(d["codes"], scales, biases, group_size=p.group_size, bits=p.bits)
+        return x.astype(dtype)
+
+    def kvq_attend(self, queries, keys, values, scale, mask):
+        kp, vp = keys.params, values.params
+        K, V = keys.data, values.data
+        if values.method != "affine":
+            raise ValueError(f"values: affine attend needs affine-encoded values; got {values.method!r}")
+
+        def block(data, start, stop):
+            return [data[n][:, :, None, start:stop] for n in ("codes", "scales", "biases")]
+
+        def scores_fn(q, start, stop):
+            c, s, b = block(K, start, stop)
+            return mx.quantized_matmul(q, c, s, b, transpose=True, group_size=kp.group_size, bits=kp.bits)
+
+        def values_fn(p, start, stop):
+            c, s, b = block(V, start, stop)
+            return mx.quantized_matmul(p, c, s, b, transpose=False, group_size=vp.group_size, bits=vp.bits)
+
+        return blockwise_attend(queries, keys.num_tokens, keys.shape[1], scores_fn, values_fn, scale, mask)

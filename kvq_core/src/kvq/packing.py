@@ -1,0 +1,92 @@
+"""Dense bit packing in pure MLX: b-bit codes cost exactly b bits (codes may straddle uint32 words).
+
+32 codes of b bits fill exactly b words, so codes are handled in groups of 32: word ``j`` of a group is the
+OR (here: the sum, since the bit ranges are disjoint) of every code's bits that fall in ``[32j, 32j + 32)``.
+The shift tables are static per ``bits`` and cached.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import mlx.core as mx
+import numpy as np
+
+MAX_BITS = 16
+
+
+def _check(bits: int) -> None:
+    if not isinstance(bits, int) or not 1 <= bits <= MAX_BITS:
+        raise ValueError(f"bits must be an int in 1..{MAX_BITS}; got {bits!r}")
+
+
+def packed_words(count: int, bits: int) -> int:
+    """uint32 words that ``count`` codes of ``bits`` bits occupy: ``ceil(count * bits / 32)``."""
+    return -(-count * bits // 32)
+
+
+@lru_cache(maxsize=None)
+def _pack_tables(bits: int):
+    offsets = np.arange(32) * bits  # bit offset of each code in its group
+    word_start = np.arange(bits)[:, None] * 32  # [bits, 1]
+    rel = offsets[None, :] - word_start  # where code i starts relative to word j
+    overlaps = (rel > -bits) & (rel < 32)
+    left = np.where(overlaps & (rel >= 0), rel, 0).astype(np.uint32)
+    right = np.where(overlaps & (rel < 0), -rel, 0).astype(np.uint32)
+    return mx.array(left), mx.array(right), mx.array(overlaps)
+
+
+@lru_cache(maxsize=None)
+def _unpack_tables(bits: int):
+    offsets = np.arange(32) * bits
+    lo_word, shift = offsets // 32, offsets % 32
+    hi_word = np.minimum(lo_word + 1, bits - 1)
+    straddles = shift + bits > 32
+    hi_shift = np.where(straddles, 32 - shift, 0).astype(np.uint32)
+    return (mx.array(lo_word), mx.array(hi_word), mx.array(shift.astype(np.uint32)), mx.array(hi_shift),
+            mx.array(straddles))
+
+
+def pack(codes: mx.array, bits: int) -> mx.array:
+    """Pack ``codes [..., N]`` (unsigned ints below ``2**bits``) into uint32 ``[..., ceil(N*bits/32)]``.
+
+    :raises ValueError: ``bits`` outside 1..16. Codes are not range-checked here (hot path); values at or
+        above ``2**bits`` are masked to their low bits.
+    """
+    _check(bits)
+    *lead, N = codes.shape
+    pad = (-N) % 32
+    c = codes.astype(mx.uint32) & ((1 << bits) - 1)
+    if pad:
+        c = mx.pad(c, [(0, 0)] * len(lead) + [(0, pad)])
+    c = c.reshape(*lead, -1, 1, 32)  # [..., G, 1, 32]
+    left, right, overlaps = _pack_tables(bits)
+    parts = mx.where(overlaps, mx.right_shift(mx.left_shift(c, left), right), 0)
+    words = _sum_u32(parts)
+    words = words.reshape(*lead, -1)
+    return words[..., : packed_words(N, bits)]
+
+
+def _sum_u32(parts: mx.array) -> mx.array:
+    # bit ranges are disjoint, so the sum equals the OR and cannot overflow
+    return mx.sum(parts.astype(mx.uint32), axis=-1).astype(mx.uint32)
+
+
+def unpack(packed: mx.array, bits: int, count: int) -> mx.array:
+    """Inverse of :func:`pack`: uint32 ``[..., W]`` -> uint32 codes ``[..., count]``.
+
+    :raises ValueError: ``bits`` outside 1..16, or ``W`` too small for ``count`` codes.
+    """
+    _check(bits)
+    *lead, W = packed.shape
+    if W < packed_words(count, bits):
+        raise ValueError(f"packed has {W} words; {count} codes of {bits} bits need {packed_words(count, bits)}")
+    groups = -(-count // 32)
+    pad = groups * bits - W
+    w = mx.pad(packed, [(0, 0)] * len(lead) + [(0, pad)]) if pad > 0 else packed[..., : groups * bits]
+    w = w.reshape(*lead, groups, bits)
+    lo_word, hi_word, shift, hi_shift, straddles = _unpack_tables(bits)
+    lo = mx.right_shift(mx.take(w, lo_word, axis=-1), shift)
+    hi = mx.where(straddles, mx.left_shift(mx.take(w, hi_word, axis=-1), hi_shift), 0).astype(mx.uint32)
+    codes = (lo | hi) & ((1 << bits) - 1)
+    return codes.reshape(*lead, groups * 32)[..., :count]

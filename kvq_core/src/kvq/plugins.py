@@ -1,0 +1,218 @@
+"""The capability registry: methods, implementations, and entry-point discovery.
+
+kvq owns one :class:`pluggy.PluginManager`. Entry points in group ``kvq`` are loaded on first use, each under
+its own guard: a plugin that fails to import, has no ``kvq_register``, registers something malformed, or
+whose hooks have the wrong signature is named in a :class:`PluginLoadWarning` and skipped (all of what it
+registered is rolled back). ``KVQ_STRICT_PLUGINS=1`` (or ``load(strict=True)``) turns that into an error.
+``KVQ_LOAD_PLUGINS=a,b`` loads only the named entry points (empty: none), like llm's ``LLM_LOAD_PLUGINS``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import warnings
+from importlib.metadata import entry_points
+from typing import Any, Iterable
+
+import pluggy
+
+from . import hookspecs
+from .hookspecs import OPS
+from .methods import Method
+
+GROUP = "kvq"
+#: ``Implementation.method`` value of implementations that serve every method (bit packing).
+ANY_METHOD = "*"
+_SPEC_NAMES = {n for n in dir(hookspecs) if n.startswith("kvq_")}
+#: op -> hook names an implementation must define to serve it.
+OP_HOOKS = {"quantize": ("kvq_quantize",), "dequantize": ("kvq_dequantize",), "attend": ("kvq_attend",),
+            "pack": ("kvq_pack", "kvq_unpack")}
+
+
+class RegistrationError(ValueError):
+    """A method or implementation object that kvq cannot accept (the message says why)."""
+
+
+class PluginLoadWarning(UserWarning):
+    """A kvq plugin that was skipped because it failed to load or register."""
+
+
+class _PluginManager(pluggy.PluginManager):
+    """pluggy's manager that also accepts undecorated ``kvq_*`` methods as hook implementations."""
+
+    def parse_hookimpl_opts(self, plugin, name):
+        opts = super().parse_hookimpl_opts(plugin, name)
+        if opts is None and name.startswith("kvq_") and callable(getattr(plugin, name, None)):
+            return {}
+        return opts
+
+
+def implemented_ops(impl: Any) -> tuple[str, ...]:
+    """The ops (``quantize``, ``dequantize``, ``attend``, ``pack``) that ``impl`` defines every hook of."""
+    return tuple(op for op in OPS if all(callable(getattr(impl, h, None)) for h in OP_HOOKS[op]))
+
+
+def _check_hook_names(obj: Any) -> None:
+    for name in dir(obj):
+        if name.startswith("kvq_") and name not in _SPEC_NAMES:
+            near = difflib.get_close_matches(name, sorted(_SPEC_NAMES), n=1)
+            hint = f" (did you mean {near[0]}?)" if near else ""
+            raise RegistrationError(f"{obj!r} defines unknown hook {name}{hint}; known: {', '.join(sorted(_SPEC_NAMES))}")
+
+
+def _check_implementation(obj: Any) -> None:
+    for attr in ("method", "backend"):
+        if not isinstance(getattr(obj, attr, None), str):
+            raise RegistrationError(f"implementation {obj!r} needs a string attribute {attr!r}")
+    for attr in ("supports", "cost"):
+        if not callable(getattr(obj, attr, None)):
+            raise RegistrationError(f"implementation {obj!r} needs a method {attr}(problem)")
+    if not implemented_ops(obj):
+        raise RegistrationError(f"implementation {obj!r} implements none of the op hooks {', '.join(sorted(_SPEC_NAMES - {'kvq_register'}))}")
+
+
+class Registry:
+    """Methods and implementations known to kvq, and the pluggy manager that validated them."""
+
+    def __init__(self) -> None:
+        self.pm = _PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self.methods: dict[str, Method] = {}
+        self.implementations: dict[tuple[str, str], Any] = {}
+        self.origin: dict[Any, str] = {}  # method name or (method, backend) -> who registered it
+        self.failures: dict[str, str] = {}  # entry point name -> error message
+        self.generation = 0  # bumped on every change; selection caches key on it
+        self.loaded = False
+
+    # -- registration -------------------------------------------------------------------------------
+    def register(self, obj: Any, origin: str = "kvq.register") -> Any:
+        """Register a :class:`Method` declaration or an implementation object; returns ``obj``.
+
+        :raises RegistrationError: a duplicate name, a missing attribute, an unknown hook name.
+        :raises pluggy.PluginValidationError: a hook whose argument names are not in its spec.
+        """
+        if isinstance(obj, Method):
+            if obj.name in self.methods:
+                raise RegistrationError(f"method {obj.name!r} is already registered by {self.origin[obj.name]}")
+            if getattr(obj.params_class, "method", None) != obj.name:
+                raise RegistrationError(f"{obj.params_class.__name__}.method must equal the method name {obj.name!r}")
+            self.methods[obj.name] = obj
+            self.origin[obj.name] = origin
+        else:
+            _check_implementation(obj)
+            _check_hook_names(obj)
+            key = (obj.method, obj.backend)
+            if key in self.implementations:
+                raise RegistrationError(f"implementation {key[0]}:{key[1]} is already registered by {self.origin[key]}")
+            self.pm.register(obj, name=f"{obj.method}:{obj.backend}")  # validates hook signatures
+            self.implementations[key] = obj
+            self.origin[key] = origin
+        self.generation += 1
+        return obj
+
+    def unregister(self, obj: Any) -> None:
+        """Remove a method declaration or implementation object (tests use this to clean up)."""
+        if isinstance(obj, Method):
+            self.methods.pop(obj.name, None)
+            self.origin.pop(obj.name, None)
+        else:
+            key = (obj.method, obj.backend)
+            if self.implementations.get(key) is obj:
+                del self.implementations[key]
+                self.origin.pop(key, None)
+                self.pm.unregister(obj)
+        self.generation += 1
+
+    # -- discovery ----------------------------------------------------------------------------------
+    def load_entry_points(self, strict: bool | None = None) -> None:
+        """Load every entry point of group ``kvq`` (once), each under its own guard."""
+        if self.loaded:
+            return
+        self.loaded = True
+        strict = os.environ.get("KVQ_STRICT_PLUGINS", "") not in ("", "0") if strict is None else strict
+        only = os.environ.get("KVQ_LOAD_PLUGINS")
+        allowed = None if only is None else {n.strip() for n in only.split(",") if n.strip()}
+        for ep in sorted(entry_points(group=GROUP), key=lambda e: e.name):
+            if allowed is None or ep.name in allowed:
+                self._load_one(ep, strict)
+
+    def _load_one(self, ep, strict: bool) -> None:
+        done: list[Any] = []
+        try:
+            module = ep.load()
+            if not callable(getattr(module, "kvq_register", None)):
+                raise RegistrationError(f"{ep.value} has no kvq_register(register) function")
+            self.pm.register(module, name=f"entry-point:{ep.name}")  # validates kvq_register's signature
+            staged: list[Any] = []
+            module.kvq_register(register=staged.append)
+            for obj in staged:
+                done.append(self.register(obj, origin=f"plugin {ep.name!r}"))
+        except Exception as exc:  # a broken plugin must never take kvq down
+            for obj in done:
+                self.unregister(obj)
+            if self.pm.has_plugin(f"entry-point:{ep.name}"):
+                self.pm.unregister(name=f"entry-point:{ep.name}")
+            message = f"kvq plugin {ep.name!r} ({ep.value}) was skipped: {type(exc).__name__}: {exc}"
+            if strict:
+                raise RegistrationError(message) from exc
+            self.failures[ep.name] = message
+            warnings.warn(message, PluginLoadWarning, stacklevel=3)
+
+    # -- queries ------------------------------------------------------------------------------------
+    def method(self, name: str) -> Method:
+        """The declaration of ``name``. :raises ValueError: unknown name (lists the known ones)."""
+        if name not in self.methods:
+            known = ", ".join(sorted(self.methods)) or "(none installed)"
+            raise ValueError(f"method must be one of {known}; got {name!r}")
+        return self.methods[name]
+
+    def implementations_of(self, method: str, op: str) -> list[Any]:
+        """Implementations that serve ``op`` for ``method`` (generic ones for ``pack`` included)."""
+        return [impl for (m, _), impl in sorted(self.implementations.items())
+                if m in (method, ANY_METHOD) and op in implemented_ops(impl)]
+
+
+_REGISTRY: Registry | None = None
+
+
+def registry() -> Registry:
+    """kvq's registry, with entry points loaded on first use."""
+    global _REGISTRY
+    if _REGISTRY is None:
+        _REGISTRY = Registry()
+    _REGISTRY.load_entry_points()
+    return _REGISTRY
+
+
+def register(obj: Any) -> Any:
+    """Register a :class:`Method` or an implementation object that is not installed as an entry point.
+
+    Returns ``obj`` (so it can be used as a decorator on a class instance factory). Errors as
+    :meth:`Registry.register`.
+    """
+    return registry().register(obj)
+
+
+def unregister(obj: Any) -> None:
+    """Undo :func:`register`."""
+    registry().unregister(obj)
+
+
+def methods() -> dict[str, Method]:
+    """Installed methods, by name."""
+    return dict(registry().methods)
+
+
+def make_params(method: str, **kwargs: Any):
+    """Validated parameters for ``method`` (see :meth:`Method.make_params`).
+
+    :raises ValueError: unknown method (the message lists the installed ones) or a value out of range.
+    :raises TypeError: an unknown parameter name.
+    """
+    return registry().method(method).make_params(**kwargs)
+
+
+def all_implementations() -> Iterable[Any]:
+    """Every registered implementation object."""
+    return list(registry().implementations.values())

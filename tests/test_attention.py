@@ -1,0 +1,58 @@
+"""Online-softmax attention and log-sum-exp merging against a direct softmax."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from kvq.attention import dense_attend, merge_parts, sinks_part
+
+
+def _reference(q, k, v, scale, mask=None, sinks=None):
+    rep = q.shape[1] // k.shape[1]
+    s = (q * scale) @ mx.repeat(k, rep, axis=1).swapaxes(-1, -2)
+    if mask is not None:
+        s = mx.where(mask, s, -mx.inf)
+    if sinks is not None:
+        s = mx.concatenate([mx.broadcast_to(sinks[None, :, None, None], s.shape[:3] + (1,)), s], axis=-1)
+        p = mx.softmax(s, axis=-1)[..., 1:]
+    else:
+        p = mx.softmax(s, axis=-1)
+    return p @ mx.repeat(v, rep, axis=1)
+
+
+@pytest.mark.parametrize("block_size", [7, 64, 1000])
+def test_blockwise_equals_softmax(block_size):
+    q, k, v = mx.random.normal((2, 6, 3, 16)), mx.random.normal((2, 2, 100, 16)), mx.random.normal((2, 2, 100, 16))
+    out, lse = dense_attend(q, k, v, 0.25, block_size=block_size)
+    assert mx.allclose(out, _reference(q, k, v, 0.25), atol=1e-5).item()
+    s = (q * 0.25) @ mx.repeat(k, 3, axis=1).swapaxes(-1, -2)
+    assert mx.allclose(lse, mx.logsumexp(s, axis=-1), atol=1e-5).item()
+
+
+def test_split_parts_merge_exactly_with_masks_and_sinks():
+    q, k, v = mx.random.normal((1, 4, 5, 8)), mx.random.normal((1, 2, 40, 8)), mx.random.normal((1, 2, 40, 8))
+    mask = mx.arange(35, 40)[:, None] >= mx.arange(40)[None]
+    sinks = mx.random.normal((4,))
+    parts = [dense_attend(q, k[:, :, a:b], v[:, :, a:b], 0.3, mask[:, a:b], block_size=4)
+             for a, b in [(0, 3), (3, 30), (30, 40)]]
+    out, _ = merge_parts(parts + [sinks_part(sinks, q, 8)])
+    assert mx.allclose(out, _reference(q, k, v, 0.3, mask, sinks), atol=1e-5).item()
+
+
+def test_fully_masked_rows_give_zero_not_nan():
+    q, k, v = mx.random.normal((1, 1, 2, 8)), mx.random.normal((1, 1, 4, 8)), mx.random.normal((1, 1, 4, 8))
+    mask = mx.array([[False] * 4, [True, False, False, False]])
+    out, lse = dense_attend(q, k, v, 1.0, mask, block_size=2)
+    assert mx.all(mx.isfinite(out)).item()
+    assert mx.array_equal(out[0, 0, 0], mx.zeros(8)).item() and lse[0, 0, 0].item() == -float("inf")
+    assert mx.allclose(out[0, 0, 1], v[0, 0, 0]).item()
+    merged, _ = merge_parts([(out, lse), (out, lse)])
+    assert mx.all(mx.isfinite(merged)).item()
+
+
+def test_large_norm_keys_in_fp16_do_not_overflow():
+    k = (mx.random.normal((1, 1, 64, 64)) * 90).astype(mx.float16)  # |k| ~ 700
+    q = (mx.random.normal((1, 1, 1, 64)) * 90).astype(mx.float16)
+    out, lse = dense_attend(q, k, k, 64**-0.5)
+    assert mx.all(mx.isfinite(out)).item() and mx.isfinite(lse).all().item()

@@ -1,0 +1,167 @@
+"""Plugin contract: hook validation, guarded entry-point discovery, strict mode, the example plugin."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from importlib.metadata import EntryPoint
+from pathlib import Path
+
+import attrs
+import pluggy
+import pytest
+
+import kvq
+from kvq import plugins as registry_mod
+from kvq.baselines.affine import AffineMLX
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class BadSignature(AffineMLX):
+    """An affine copy whose quantize hook takes an argument the spec does not have."""
+
+    backend = "bad"
+
+    def kvq_quantize(self, x, params, temperature):
+        raise AssertionError("never called")
+
+
+class Misspelled(AffineMLX):
+    backend = "typo"
+
+    def kvq_quantise(self, x, params):
+        raise AssertionError("never called")
+
+
+class NoOps:
+    method, backend = "affine", "empty"
+
+    def supports(self, problem):
+        return True
+
+    def cost(self, problem):
+        return 0.0
+
+
+def test_builtin_methods_come_through_the_entry_point():
+    reg = kvq.registry()
+    assert {"fp16", "affine"} <= set(reg.methods)
+    assert reg.origin["affine"] == "plugin 'baselines'"
+    assert reg.origin[("affine", "mlx")] == "plugin 'baselines'"
+
+
+def test_wrong_hook_signature_is_rejected_with_the_argument_named():
+    with pytest.raises(pluggy.PluginValidationError, match="temperature"):
+        kvq.register(BadSignature())
+    assert ("affine", "bad") not in kvq.registry().implementations
+
+
+def test_unknown_hook_name_is_rejected_with_a_suggestion():
+    with pytest.raises(kvq.RegistrationError, match="kvq_quantise.*did you mean kvq_quantize"):
+        kvq.register(Misspelled())
+
+
+def test_object_without_op_hooks_is_rejected():
+    with pytest.raises(kvq.RegistrationError, match="implements none of the op hooks"):
+        kvq.register(NoOps())
+
+
+def test_duplicate_registration_names_the_owner():
+    with pytest.raises(kvq.RegistrationError, match="affine:mlx is already registered by plugin 'baselines'"):
+        kvq.register(AffineMLX())
+
+
+def _fake_entry_points(tmp_path, monkeypatch, modules: dict[str, str]):
+    """Write modules to tmp_path and make them the only entry points of group kvq."""
+    for name, source in modules.items():
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    eps = [EntryPoint(name, name, "kvq") for name in modules]
+    monkeypatch.setattr(registry_mod, "entry_points", lambda group: eps if group == "kvq" else [])
+
+
+GOOD = """
+    from kvq.baselines import fp16
+    class Twin(fp16.Fp16MLX):
+        backend = "twin"
+    def kvq_register(register):
+        register(Twin())
+"""
+BROKEN_IMPORT = "import module_that_does_not_exist\n"
+BAD_HOOK = """
+    from kvq.baselines import fp16
+    from kvq.methods import Method
+    class P:
+        method = "half"
+    class Bad(fp16.Fp16MLX):
+        method, backend = "half", "mlx"
+        def kvq_dequantize(self, encoded, dtype, extra):
+            pass
+    def kvq_register(register):
+        register(Method("half", P, "registered before the bad implementation; must be rolled back"))
+        register(Bad())
+"""
+
+
+def test_broken_plugins_are_skipped_with_a_warning_naming_them(tmp_path, monkeypatch):
+    _fake_entry_points(tmp_path, monkeypatch, {"good_plugin": GOOD, "broken_import": BROKEN_IMPORT,
+                                               "bad_hook": BAD_HOOK})
+    reg = registry_mod.Registry()
+    with pytest.warns(kvq.PluginLoadWarning) as caught:
+        reg.load_entry_points(strict=False)
+    messages = " | ".join(str(w.message) for w in caught)
+    assert "'broken_import'" in messages and "ModuleNotFoundError" in messages
+    assert "'bad_hook'" in messages and "extra" in messages
+    assert ("fp16", "twin") in reg.implementations  # the good one still loads
+    assert "half" not in reg.methods  # everything the failed plugin registered is rolled back
+    assert set(reg.failures) == {"broken_import", "bad_hook"}
+
+
+def test_strict_mode_raises(tmp_path, monkeypatch):
+    _fake_entry_points(tmp_path, monkeypatch, {"broken_import": BROKEN_IMPORT})
+    monkeypatch.setenv("KVQ_STRICT_PLUGINS", "1")
+    with pytest.raises(kvq.RegistrationError, match="broken_import"):
+        registry_mod.Registry().load_entry_points()
+
+
+def test_load_plugins_env_limits_discovery(tmp_path, monkeypatch):
+    _fake_entry_points(tmp_path, monkeypatch, {"good_plugin": GOOD, "broken_import": BROKEN_IMPORT})
+    monkeypatch.setenv("KVQ_LOAD_PLUGINS", "good_plugin")
+    reg = registry_mod.Registry()
+    reg.load_entry_points()
+    assert ("fp16", "twin") in reg.implementations and not reg.failures
+
+
+def _install_example(target: Path) -> None:
+    source = ROOT / "examples" / "kvq-example-plugin"
+    uv = ["uv", "pip", "install", "--quiet", "--no-deps", "--target", str(target), str(source)]
+    pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target), str(source)]
+    try:
+        subprocess.run(uv, check=True, capture_output=True, text=True)
+    except (FileNotFoundError, subprocess.CalledProcessError):
+        subprocess.run(pip, check=True, capture_output=True, text=True)
+
+
+def test_example_plugin_is_installed_discovered_and_selected(tmp_path):
+    _install_example(tmp_path / "site")
+    script = textwrap.dedent("""
+        import json, kvq, mlx.core as mx
+        plan = kvq.select("absmax8", (1, 2, 64, 32))
+        x = mx.random.normal((1, 2, 64, 32))
+        enc = plan.quantize(x, plan.params)
+        err = float(mx.abs(plan.dequantize(enc, mx.float32) - x).max())
+        print(json.dumps({"origin": kvq.registry().origin["absmax8"], "backend": plan.choices["quantize"].backend,
+                          "attend": plan.attend is None, "err": err,
+                          "bits": plan.params.accounting(32).bits_per_coordinate}))
+    """)
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "site"))
+    out = subprocess.run([sys.executable, "-c", script], env=env, check=True, capture_output=True, text=True)
+    import json
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["origin"] == "plugin 'absmax8'"
+    assert result["backend"] == "mlx" and result["attend"]
+    assert result["err"] < 4.5 / 127  # half a step of the largest |x| (about 4 for 64x32 N(0,1) draws)
+    assert result["bits"] == 8.5  # 8-bit codes + one fp16 scale per 32 coordinates
