@@ -62,6 +62,8 @@ def blockwise_attend(
     scale: float,
     mask: mx.array | None = None,
     block_size: int | None = None,
+    prepare: Callable[[mx.array], mx.array] | None = None,
+    finish: Callable[[mx.array], mx.array] | None = None,
 ) -> tuple[mx.array, mx.array]:
     """Online-softmax attention over ``num_keys`` keys served block by block.
 
@@ -71,11 +73,16 @@ def blockwise_attend(
     :param values_fn: ``(p, start, stop) -> [B, H_kv, n_rep, T_q, D_v]`` float32: ``p @ V[start:stop]``
         for unnormalised probabilities ``p`` (float32, same layout as the scores).
     :param mask: boolean, broadcastable to ``[B, H_q, T_q, num_keys]``; ``True`` = may attend.
+    :param prepare: applied once to the scaled, grouped query before the loop (e.g. a rotation); ``scores_fn``
+        then receives its result.
+    :param finish: applied once to the normalised ``[B, H_kv, n_rep, T_q, D_v]`` output (e.g. the inverse
+        rotation of values accumulated in a rotated domain).
     :return: ``(out [B, H_q, T_q, D_v] float32, lse [B, H_q, T_q] float32)``; ``lse = -inf``, ``out = 0``
         for queries that see no key.
     """
     B, Hq, Tq, _ = queries.shape
     q = split_heads(queries.astype(mx.float32) * scale, num_kv_heads)
+    q = prepare(q) if prepare is not None else q
     mask = split_mask(mask, num_kv_heads)
     block_size = block_size or block_size_for(B, Hq, Tq, num_keys)
     m = l = acc = None
@@ -101,6 +108,7 @@ def blockwise_attend(
         return empty_part(queries, queries.shape[-1])
     seen = l > 0
     out = acc / mx.where(seen, l, 1.0)
+    out = finish(out) if finish is not None else out
     lse = mx.where(seen, m + mx.log(mx.where(seen, l, 1.0)), NEG_INF)
     Dv = out.shape[-1]
     return out.reshape(B, Hq, Tq, Dv), lse.reshape(B, Hq, Tq)
@@ -163,3 +171,50 @@ def sinks_part(sinks: mx.array, queries: mx.array, value_dim: int) -> tuple[mx.a
     B, Hq, Tq, _ = queries.shape
     lse = mx.broadcast_to(sinks.astype(mx.float32)[None, :, None], (B, Hq, Tq))
     return mx.zeros((B, Hq, Tq, value_dim), mx.float32), lse
+
+
+def attend_encoded(
+    queries: mx.array,
+    keys,
+    values,
+    scale: float,
+    mask: mx.array | None,
+    key_impl,
+    value_impl,
+    block_size: int | None = None,
+) -> tuple[mx.array, mx.array]:
+    """Attention over :class:`kvq.Encoded` keys and values that may come from different methods.
+
+    Each side uses its implementation's block protocol when it has one, and otherwise decodes one block at a
+    time with ``kvq_dequantize`` (never the whole cache):
+
+    * ``key_impl.prepare_queries(q, keys) -> q'``: once, on the scaled float32 ``[B, H_kv, n_rep, T_q, D]`` query;
+    * ``key_impl.scores(q', keys, start, stop)`` -> float32 ``[B, H_kv, n_rep, T_q, stop - start]``;
+    * ``value_impl.weighted_values(p, values, start, stop)`` -> float32 ``[B, H_kv, n_rep, T_q, D_v']``;
+    * ``value_impl.finish_values(out, values)`` -> ``[..., D_v]``: once, on the normalised output.
+
+    :return: ``(out [B, H_q, T_q, D_v], lse [B, H_q, T_q])``, float32, as the ``kvq_attend`` spec says.
+    """
+    Hkv, T = keys.shape[1], keys.num_tokens
+    if values.num_tokens != T:
+        raise ValueError(f"values: {values.num_tokens} tokens, but keys have {T}")
+    prepare = getattr(key_impl, "prepare_queries", None)
+    finish = getattr(value_impl, "finish_values", None)
+    if hasattr(key_impl, "scores"):
+        def scores_fn(q, start, stop):
+            return key_impl.scores(q, keys, start, stop)
+    else:
+        def scores_fn(q, start, stop):
+            k = key_impl.kvq_dequantize(keys.tokens(start, stop), mx.float32)
+            return q @ k[:, :, None].swapaxes(-1, -2)
+    if hasattr(value_impl, "weighted_values"):
+        def values_fn(p, start, stop):
+            return value_impl.weighted_values(p, values, start, stop)
+    else:
+        def values_fn(p, start, stop):
+            return p @ value_impl.kvq_dequantize(values.tokens(start, stop), mx.float32)[:, :, None]
+    return blockwise_attend(
+        queries, T, Hkv, scores_fn, values_fn, scale, mask, block_size,
+        prepare=None if prepare is None else (lambda q: prepare(q, keys)),
+        finish=None if finish is None else (lambda out: finish(out, values)),
+    )

@@ -13,7 +13,7 @@ from typing import ClassVar
 import attrs
 import mlx.core as mx
 
-from ..attention import blockwise_attend
+from ..attention import attend_encoded
 from ..costmodel import estimate
 from ..encoded import Encoded
 from ..methods import BitsAccounting, Method
@@ -80,21 +80,24 @@ class AffineMLX:
         x = mx.dequantize(d["codes"], scales, biases, group_size=p.group_size, bits=p.bits)
         return x.astype(dtype)
 
+    def scores(self, q, keys, start, stop):
+        """Block protocol (:func:`kvq.attention.attend_encoded`): ``q @ K[start:stop]^T`` on packed codes."""
+        c, s, b = _block(keys, start, stop)
+        p = keys.params
+        return mx.quantized_matmul(q, c, s, b, transpose=True, group_size=p.group_size, bits=p.bits)
+
+    def weighted_values(self, p, values, start, stop):
+        """Block protocol: ``p @ V[start:stop]`` on packed codes."""
+        c, s, b = _block(values, start, stop)
+        vp = values.params
+        return mx.quantized_matmul(p, c, s, b, transpose=False, group_size=vp.group_size, bits=vp.bits)
+
     def kvq_attend(self, queries, keys, values, scale, mask):
-        kp, vp = keys.params, values.params
-        K, V = keys.data, values.data
         if values.method != "affine":
             raise ValueError(f"values: affine attend needs affine-encoded values; got {values.method!r}")
+        return attend_encoded(queries, keys, values, scale, mask, self, self)
 
-        def block(data, start, stop):
-            return [data[n][:, :, None, start:stop] for n in ("codes", "scales", "biases")]
 
-        def scores_fn(q, start, stop):
-            c, s, b = block(K, start, stop)
-            return mx.quantized_matmul(q, c, s, b, transpose=True, group_size=kp.group_size, bits=kp.bits)
-
-        def values_fn(p, start, stop):
-            c, s, b = block(V, start, stop)
-            return mx.quantized_matmul(p, c, s, b, transpose=False, group_size=vp.group_size, bits=vp.bits)
-
-        return blockwise_attend(queries, keys.num_tokens, keys.shape[1], scores_fn, values_fn, scale, mask)
+def _block(encoded, start, stop):
+    """codes, scales, biases of tokens ``start:stop`` with a broadcast axis for the GQA query groups."""
+    return [encoded.data[n][:, :, None, start:stop] for n in ("codes", "scales", "biases")]

@@ -52,5 +52,15 @@ class Fp16MLX:
     def kvq_dequantize(self, encoded, dtype):
         return encoded.data["x"].astype(dtype)
 
+    def scores(self, q, keys, start, stop):
+        """Block protocol (:func:`kvq.attention.attend_encoded`)."""
+        return q @ keys.data["x"][:, :, None, start:stop].astype(mx.float32).swapaxes(-1, -2)
+
+    def weighted_values(self, p, values, start, stop):
+        """Block protocol."""
+        return p @ values.data["x"][:, :, None, start:stop].astype(mx.float32)
+
     def kvq_attend(self, queries, keys, values, scale, mask):
+        if values.method != "fp16":
+            raise ValueError(f"values: fp16 attend needs fp16-encoded values; got {values.method!r}")
         return dense_attend(queries, keys.data["x"], values.data["x"], scale, mask)
