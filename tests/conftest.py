@@ -30,3 +30,23 @@ def registered():
 
 def has_gpu() -> bool:
     return mx.metal.is_available() or (hasattr(mx, "cuda") and mx.cuda.is_available())
+
+
+def tiny_llama(hidden=256, layers=2, heads=4, kv_heads=2, vocab=256, dtype=mx.float16, seed=0, head_dim=None):
+    """A random llama from an mlx-lm config dict (no download); head_dim defaults to hidden // heads."""
+    from mlx_lm.models import llama
+
+    mx.random.seed(seed)
+    args = llama.ModelArgs.from_dict(dict(
+        model_type="llama", hidden_size=hidden, num_hidden_layers=layers, intermediate_size=2 * hidden,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, rms_norm_eps=1e-5, vocab_size=vocab,
+        rope_theta=10000.0, tie_word_embeddings=False, head_dim=head_dim))
+    model = llama.Model(args)
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.fixture(scope="module")
+def llama_model():
+    return tiny_llama()

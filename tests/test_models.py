@@ -11,8 +11,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-import kvq.models as models
-from kvq.models import ModelError, fetch, gguf_convert
+from kvq import models
+from kvq.models import ModelError, fetch
 
 TEXT = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is Rome."
 # Mean next-token cross-entropy (nats) of a float32 transformers conversion of the same GGUF, no BOS token
@@ -122,7 +122,7 @@ def write_tiny_gguf(path: Path, arch: str = "llama") -> dict[str, np.ndarray]:
         stored = permute(value, HEADS if kind == "attn_q" else KV_HEADS) if kind in ("attn_q", "attn_k") else value
         if kind.startswith("ffn_") and kind != "ffn_norm":
             q8 = gguf.quants.quantize(stored, gguf.GGMLQuantizationType.Q8_0)
-            writer.add_tensor(name, q8, raw_shape=stored.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(name, q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
             writer.add_tensor(name, stored)
     writer.write_header_to_file()
@@ -136,7 +136,7 @@ def write_tiny_gguf(path: Path, arch: str = "llama") -> dict[str, np.ndarray]:
 
 @pytest.mark.slow
 def test_default_model_loss_matches_reference(default_model):
-    folder, model, tokenizer = default_model
+    _, model, tokenizer = default_model
     ids = tokenizer.encode(TEXT)
     assert ids[0] != tokenizer.bos_token_id  # SmolLM2's tokenizer adds no BOS
     assert tokenizer.decode(ids) == TEXT

@@ -1,5 +1,40 @@
-"""kvq plugin for the turboquant method (skeleton: the method lands with its own issue)."""
+"""kvq plugin: TurboQuant KV-cache compression (Zandieh et al., TurboQuant, arXiv 2504.19874).
+
+Two methods, each with a pure-MLX implementation (:class:`~kvq_backends_turboquant.impl.TurboQuantMLX`):
+
+* ``turboquant`` (TurboQuant-mse): random rotation (randomized Hadamard, or dense QR), then a per-coordinate
+  Lloyd-Max quantizer for the exact coordinate distribution of a rotated unit vector, plus the vector's norm.
+  Encoded fields, all ``[B, H_kv, T, ...]``: ``codes`` uint32 ``[..., ceil((D_pad - k) * bits / 32)]``,
+  ``outlier_codes`` uint32 (only when ``outlier_channels = k > 0``), ``norms`` ``[B, H_kv, T]`` float16/32.
+* ``turboquant_prod`` (TurboQuant-prod): the MSE stage at ``bits - 1`` plus a 1-bit QJL sketch of the residual;
+  inner products are unbiased. Adds ``signs`` uint32 ``[..., D_pad / 32]`` and ``residual_norms`` ``[B, H_kv, T]``.
+
+``D_pad`` is head_dim rounded up to a power of two. Parameters: :class:`TurboQuantParams`,
+:class:`TurboQuantProdParams`; their ``accounting(head_dim)`` gives the exact bits per coordinate.
+"""
+
+from __future__ import annotations
+
+import kvq
+
+from .impl import TurboQuantMLX
+from .params import TurboQuantParams, TurboQuantProdParams
+
+SOURCE = "Zandieh et al., TurboQuant, arXiv 2504.19874"
+
+TURBOQUANT = kvq.Method(
+    "turboquant", TurboQuantParams,
+    "random rotation + Lloyd-Max codebook per coordinate + norm (TurboQuant-mse), bits 1-4", source=SOURCE)
+TURBOQUANT_PROD = kvq.Method(
+    "turboquant_prod", TurboQuantProdParams,
+    "TurboQuant-mse at bits-1 + 1-bit QJL sketch of the residual: unbiased inner products, bits 1-4",
+    source=SOURCE)
+
+__all__ = ["TURBOQUANT", "TURBOQUANT_PROD", "TurboQuantMLX", "TurboQuantParams", "TurboQuantProdParams",
+           "kvq_register"]
 
 
 def kvq_register(register):
-    """Entry point ``turboquant``: registers nothing yet."""
+    """Entry point ``turboquant``: both methods and their pure-MLX implementations."""
+    for obj in (TURBOQUANT, TURBOQUANT_PROD, TurboQuantMLX("turboquant"), TurboQuantMLX("turboquant_prod")):
+        register(obj)

@@ -17,7 +17,10 @@ from typing import Callable, Sequence
 import mlx.core as mx
 
 #: Bytes of fp32 scores one block may hold; bounds prefill memory.
-SCORE_BUDGET_BYTES = 32 * 2**20
+SCORE_BUDGET_BYTES = 16 * 2**20
+#: Blocks with more score bytes than this are evaluated one at a time: MLX would otherwise schedule the
+#: independent score blocks of a long prefill together and hold all of them at once.
+EVAL_EACH_BLOCK_BYTES = 4 * 2**20
 NEG_INF = float("-inf")
 
 
@@ -86,6 +89,7 @@ def blockwise_attend(
     mask = split_mask(mask, num_kv_heads)
     block_size = block_size or block_size_for(B, Hq, Tq, num_keys)
     m = l = acc = None
+    eval_each = 4 * B * Hq * Tq * block_size > EVAL_EACH_BLOCK_BYTES and num_keys > block_size
     for start in range(0, num_keys, block_size):
         stop = min(start + block_size, num_keys)
         s = scores_fn(q, start, stop)
@@ -104,6 +108,8 @@ def blockwise_attend(
             l = l * correction + p.sum(axis=-1, keepdims=True)
             acc = acc * correction + pv
         m = m_new
+        if eval_each:
+            mx.eval(m, l, acc)
     if m is None:  # no keys at all
         return empty_part(queries, queries.shape[-1])
     seen = l > 0

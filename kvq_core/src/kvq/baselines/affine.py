@@ -81,13 +81,21 @@ class AffineMLX:
         return x.astype(dtype)
 
     def scores(self, q, keys, start, stop):
-        """Block protocol (:func:`kvq.attention.attend_encoded`): ``q @ K[start:stop]^T`` on packed codes."""
+        """Block protocol (:func:`kvq.attention.attend_encoded`): ``q @ K[start:stop]^T`` on packed codes.
+
+        On the CPU one block is decoded to float32 and multiplied with BLAS instead: MLX's CPU
+        ``quantized_matmul`` is an order of magnitude slower, and the products are identical (fp32 scales).
+        """
+        if _on_cpu():
+            return q @ self.kvq_dequantize(keys.tokens(start, stop), mx.float32)[:, :, None].swapaxes(-1, -2)
         c, s, b = _block(keys, start, stop)
         p = keys.params
         return mx.quantized_matmul(q, c, s, b, transpose=True, group_size=p.group_size, bits=p.bits)
 
     def weighted_values(self, p, values, start, stop):
-        """Block protocol: ``p @ V[start:stop]`` on packed codes."""
+        """Block protocol: ``p @ V[start:stop]`` on packed codes (decoded block on the CPU, as above)."""
+        if _on_cpu():
+            return p @ self.kvq_dequantize(values.tokens(start, stop), mx.float32)[:, :, None]
         c, s, b = _block(values, start, stop)
         vp = values.params
         return mx.quantized_matmul(p, c, s, b, transpose=False, group_size=vp.group_size, bits=vp.bits)
@@ -96,6 +104,10 @@ class AffineMLX:
         if values.method != "affine":
             raise ValueError(f"values: affine attend needs affine-encoded values; got {values.method!r}")
         return attend_encoded(queries, keys, values, scale, mask, self, self)
+
+
+def _on_cpu() -> bool:
+    return mx.default_device() == mx.cpu
 
 
 def _block(encoded, start, stop):

@@ -71,7 +71,8 @@ def _pip_download(dest: Path) -> None:
     failure = ""
     for launcher in launchers:
         try:
-            done = subprocess.run(launcher + args, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+            done = subprocess.run(launcher + args, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                                  check=False)
         except OSError as error:
             failure = f"{launcher[0]}: {error}"
             continue

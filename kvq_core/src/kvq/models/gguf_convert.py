@@ -91,7 +91,8 @@ def model_config(metadata: dict[str, Any], tensor_names: set[str]) -> dict[str, 
     """
     architecture = metadata.get("general.architecture")
     if architecture not in SUPPORTED_ARCHITECTURES:
-        raise ModelError(f"unsupported GGUF architecture {architecture!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
+        raise ModelError(f"unsupported GGUF architecture {architecture!r} (supported: {supported})")
 
     def key(name: str) -> str:
         return f"{architecture}.{name}"
@@ -125,7 +126,9 @@ def model_config(metadata: dict[str, Any], tensor_names: set[str]) -> dict[str, 
 
 
 def mlx_name(gguf_name: str) -> str:
-    """The mlx-lm llama parameter name of a GGUF tensor name, e.g. blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight.
+    """The mlx-lm llama parameter name of a GGUF tensor name.
+
+    Example: blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight.
 
     Raises:
         ModelError: the tensor name is not part of a llama model.
@@ -225,10 +228,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, dtype: mx.Dtype = mx.float32
     try:
         config = model_config(metadata, {tensor.name for tensor in reader.tensors})
         write_tokenizer(metadata, out_dir)
+        weights = convert_tensors(reader, config, dtype, progress)
+        _check_parameters(config, weights)
     except KeyError as error:
-        raise ModelError(f"GGUF file {gguf_path.name} lacks metadata key {error.args[0]!r}") from error
-    weights = convert_tensors(reader, config, dtype, progress)
-    _check_parameters(config, weights)
+        raise ModelError(f"{gguf_path.name}: GGUF metadata lacks {error.args[0]!r}") from error
+    except ModelError as error:
+        raise ModelError(f"{gguf_path.name}: {error}") from error
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
     with open(out_dir / "config.json", "w", encoding="utf-8") as file:
         json.dump(config, file, indent=2)

@@ -1,0 +1,159 @@
+"""Parameters and bits accounting of ``turboquant`` and ``turboquant_prod`` (Zandieh et al., arXiv 2504.19874).
+
+Both methods rotate each vector (padded to ``D_pad``, the next power of two) and quantize every rotated coordinate
+with a Lloyd-Max codebook. Stored per token and head:
+
+* ``turboquant``: ``D_pad`` codes of ``bits`` bits, and the vector's norm.
+* ``turboquant_prod``: ``D_pad`` codes of ``bits - 1`` bits (none at 1 bit), ``D_pad`` QJL sign bits of the
+  residual, the vector's norm and the residual's norm.
+
+Mixed precision (the paper's fractional settings, e.g. 2.5 and 3.5 bits): the first ``outlier_channels``
+coordinates *of the rotated vector* use ``outlier_bits`` instead of ``bits``. The paper picks outlier channels of
+the original vector from data and rotates the two groups separately; kvq's ``quantize`` is stateless (every block
+is encoded on its own and every stored array has a token axis), so a data-chosen channel set would have to be
+stored with every token (``k * log2(D)`` bits: 1.75 bits per coordinate for k = 32, D = 128, more than the
+extra bits buy). After the random rotation all coordinates are exchangeable, so a fixed set costs no index bits and
+has the same expected error as any other set: ``(k * D_mse(outlier_bits) + (D_pad - k) * D_mse(bits)) / D_pad``
+for unit vectors (before the padding is dropped). Choosing channels from data needs per-layer state that the
+contract does not carry yet.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import attrs
+
+import kvq
+from kvq.packing import packed_words
+from kvq.validate import attrs_one_of
+
+from . import codebook as codebook_module
+from .rotation import ROTATIONS, padded_dim, rotation
+
+BITS = (1, 2, 3, 4)
+NORM_DTYPES = ("float16", "float32")
+#: Largest head_dim accepted (padded to 1024; the largest in use is 576).
+MAX_HEAD_DIM = 1024
+
+
+def _non_negative_int(instance, attribute, value):
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{attribute.name} must be an int >= 0; got {value!r}")
+
+
+def _default_outlier_bits(self) -> int:
+    return min(self.bits + 1, BITS[-1])
+
+
+@attrs.frozen
+class _Params:
+    """Fields shared by both variants (see the subclasses for their meaning)."""
+
+    bits: int = attrs.field(default=4, validator=attrs_one_of(BITS))
+    rotation: str = attrs.field(default="hadamard", validator=attrs_one_of(ROTATIONS))
+    seed: int = attrs.field(default=0, validator=_non_negative_int)
+    outlier_channels: int = attrs.field(default=0, validator=_non_negative_int)
+    outlier_bits: int = attrs.field(default=attrs.Factory(_default_outlier_bits, takes_self=True),
+                                    validator=attrs_one_of(BITS))
+    norm_dtype: str = attrs.field(default="float16", validator=attrs_one_of(NORM_DTYPES))
+
+    @property
+    def stage_bits(self) -> tuple[int, int]:
+        """``(regular, outlier)`` code bits of the Lloyd-Max stage; 0 means that group stores no codes."""
+        raise NotImplementedError
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """:raises ValueError: ``head_dim`` outside 1..1024, or ``outlier_channels`` above the padded head_dim."""
+        if not isinstance(head_dim, int) or not 1 <= head_dim <= MAX_HEAD_DIM:
+            raise ValueError(f"{self.method}: head_dim {head_dim!r} is not supported: it must be an int in "
+                             f"1..{MAX_HEAD_DIM}")
+        if self.outlier_channels > padded_dim(head_dim):
+            raise ValueError(f"outlier_channels must be at most the padded head_dim {padded_dim(head_dim)} "
+                             f"(head_dim {head_dim}); got {self.outlier_channels}")
+
+    def groups(self, head_dim: int) -> tuple[tuple[str, int, int], ...]:
+        """``(field, coordinates, bits)`` of both code groups, in rotated-coordinate order: ``outlier_codes`` (the
+        first ``outlier_channels`` coordinates) and ``codes`` (the rest). A group with 0 coordinates or 0 bits
+        stores nothing (its coordinates decode to 0)."""
+        regular, outlier = self.stage_bits
+        k = self.outlier_channels
+        return (("outlier_codes", k, outlier), ("codes", padded_dim(head_dim) - k, regular))
+
+    @property
+    def norm_bits(self) -> int:
+        """Bits of one stored norm (16 for float16, 32 for float32)."""
+        return 16 if self.norm_dtype == "float16" else 32
+
+    def _per_token(self, head_dim: int) -> dict[str, float]:
+        # packed words, exactly as the arrays hold them (a partial last word costs a whole word)
+        bits = {name: 32 * packed_words(n, b) for name, n, b in self.groups(head_dim) if n and b}
+        return {**bits, "norms": self.norm_bits}
+
+    def _shared_bytes(self, head_dim: int) -> int:
+        dim = padded_dim(head_dim)
+        tables = {b for _, n, b in self.groups(head_dim) if n and b}
+        return rotation(self.rotation, dim, self.seed).nbytes + sum(
+            codebook_module.codebook(dim, b).nbytes for b in tables)
+
+
+@attrs.frozen
+class TurboQuantParams(_Params):
+    """Parameters of ``turboquant`` (TurboQuant-mse, Zandieh et al., arXiv 2504.19874, algorithm 1).
+
+    :param bits: code width per rotated coordinate, 1..4 (default 4).
+    :param rotation: ``"hadamard"`` (randomized fast Walsh-Hadamard, default) or ``"qr"`` (dense, for checks).
+    :param seed: int >= 0 seeding the rotation (same seed, same rotation in every process).
+    :param outlier_channels: number of rotated coordinates quantized with ``outlier_bits`` (0 = off); at most the
+        padded head_dim. E.g. ``bits=2, outlier_channels=64, outlier_bits=3`` at head_dim 128 stores 2.5 bits of
+        codes per coordinate.
+    :param outlier_bits: code width of those coordinates, 1..4 (default ``min(bits + 1, 4)``).
+    :param norm_dtype: ``"float16"`` (default) or ``"float32"``: storage of the per-vector norm (computed in
+        float32; float16 saturates at 65504).
+    :raises ValueError: any value outside those ranges (the message names the parameter and what is allowed).
+    """
+
+    method: ClassVar[str] = "turboquant"
+
+    @property
+    def stage_bits(self) -> tuple[int, int]:
+        """``(bits, outlier_bits)``: the whole budget goes to the Lloyd-Max codes."""
+        return self.bits, self.outlier_bits
+
+    def accounting(self, head_dim: int) -> kvq.BitsAccounting:
+        """Per token: the packed codes of ``D_pad`` rotated coordinates and one norm; shared: rotation and codebooks.
+
+        :raises ValueError: unsupported ``head_dim`` (see :meth:`check_head_dim`).
+        """
+        self.check_head_dim(head_dim)
+        return kvq.BitsAccounting(head_dim, self._per_token(head_dim), self._shared_bytes(head_dim))
+
+
+@attrs.frozen
+class TurboQuantProdParams(_Params):
+    """Parameters of ``turboquant_prod`` (TurboQuant-prod, arXiv 2504.19874, algorithm 2): unbiased inner products.
+
+    ``bits`` is the total per coordinate: the MSE stage uses ``bits - 1`` (and ``outlier_bits - 1`` on the
+    outlier coordinates), and a 1-bit QJL sketch of the residual (``S`` i.i.d. N(0, 1), ``D_pad x D_pad``,
+    seeded by ``seed``) plus the residual's norm make the estimate unbiased. Fields and errors as
+    :class:`TurboQuantParams`.
+    """
+
+    method: ClassVar[str] = "turboquant_prod"
+
+    @property
+    def stage_bits(self) -> tuple[int, int]:
+        """``(bits - 1, outlier_bits - 1)``: one bit per coordinate goes to the QJL sketch."""
+        return self.bits - 1, self.outlier_bits - 1
+
+    def accounting(self, head_dim: int) -> kvq.BitsAccounting:
+        """Per token: MSE-stage codes, ``D_pad`` sign bits, the norm and the residual norm; shared: rotation,
+        codebooks and ``S`` (float32).
+
+        :raises ValueError: unsupported ``head_dim`` (see :meth:`check_head_dim`).
+        """
+        self.check_head_dim(head_dim)
+        dim = padded_dim(head_dim)
+        per_token = {**self._per_token(head_dim), "signs": 32 * packed_words(dim, 1),
+                     "residual_norms": self.norm_bits}
+        return kvq.BitsAccounting(head_dim, per_token, self._shared_bytes(head_dim) + 4 * dim * dim)

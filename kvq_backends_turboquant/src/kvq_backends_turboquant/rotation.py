@@ -1,0 +1,109 @@
+"""Seeded random rotations of the (zero-padded) head dimension, and the QJL sketch matrix.
+
+TurboQuant (Zandieh et al., arXiv 2504.19874) multiplies every vector by a random rotation so that each coordinate
+follows the same known distribution. Two rotations are offered:
+
+* ``"hadamard"`` (default): random ±1 signs, then the fast Walsh-Hadamard transform normalised by
+  ``1/sqrt(D_pad)`` (``mx.hadamard_transform``): ``O(D log D)`` per vector and ``D_pad`` signs of state.
+* ``"qr"``: a dense Haar-random orthogonal matrix (QR of a Gaussian matrix, signs fixed by ``diag(R)``), for
+  checks; ``O(D²)`` per vector.
+
+A head_dim that is not a power of two (80, 96, 192, 576) is zero-padded to the next power of two ``D_pad`` (a
+Hadamard of the wrong size is a known pitfall). Every constant comes from ``numpy.random.default_rng`` seeded with
+``(seed, D_pad, purpose)``, never from global state, so every process builds the same matrices.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import attrs
+import mlx.core as mx
+import numpy as np
+
+ROTATIONS = ("hadamard", "qr")
+_PURPOSE_ROTATION, _PURPOSE_SKETCH = 1, 2
+
+
+def padded_dim(head_dim: int) -> int:
+    """``D_pad``: the smallest power of two ``>= head_dim`` (at least 2, the smallest sphere with a density)."""
+    return 1 << max(1, (head_dim - 1).bit_length())
+
+
+def _rng(seed: int, dim: int, purpose: int) -> np.random.Generator:
+    return np.random.default_rng([seed, dim, purpose])
+
+
+@attrs.frozen(eq=False)
+class Rotation:
+    """An orthogonal map of ``R^D_pad``, applied along the last axis.
+
+    :param kind: ``"hadamard"`` or ``"qr"``. :param dim: ``D_pad``, a power of two.
+    :param signs: float32 ``[D_pad]`` random ±1 (``hadamard``), or ``None``.
+    :param matrix: float32 ``[D_pad, D_pad]`` orthogonal ``Π`` (``qr``), or ``None``.
+    """
+
+    kind: str
+    dim: int
+    signs: mx.array | None = None
+    matrix: mx.array | None = None
+
+    def forward(self, x: mx.array) -> mx.array:
+        """``Π x``: float32 ``[..., D]`` with ``D <= D_pad`` (zero-padded here) -> float32 ``[..., D_pad]``."""
+        pad = self.dim - x.shape[-1]
+        if pad:
+            x = mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+        if self.kind == "qr":
+            return x @ self.matrix.T
+        return _hadamard(x * self.signs)
+
+    def inverse(self, y: mx.array) -> mx.array:
+        """``Πᵀ y``: float32 ``[..., D_pad]`` -> ``[..., D_pad]`` (the caller drops the padding)."""
+        if self.kind == "qr":
+            return y @ self.matrix
+        # the normalised Sylvester Hadamard matrix is symmetric and orthogonal: it is its own inverse
+        return _hadamard(y) * self.signs
+
+    def dense(self) -> mx.array:
+        """``Π`` as a float32 ``[D_pad, D_pad]`` matrix (tests, and checks of orthogonality)."""
+        return self.forward(mx.eye(self.dim)).T
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of resident state (a shared constant, reported apart from per-token bits)."""
+        return sum(a.nbytes for a in (self.signs, self.matrix) if a is not None)
+
+
+def _hadamard(x: mx.array) -> mx.array:
+    """Normalised fast Walsh-Hadamard transform along the last axis (empty blocks, T = 0, pass through)."""
+    return mx.hadamard_transform(x, scale=x.shape[-1] ** -0.5) if x.size else x
+
+
+@lru_cache(maxsize=None)
+def rotation(kind: str, dim: int, seed: int) -> Rotation:
+    """The seeded rotation of ``R^dim`` (cached per process).
+
+    :param kind: one of :data:`ROTATIONS`. :param dim: ``D_pad``, a power of two. :param seed: int >= 0.
+    :raises ValueError: unknown ``kind``, or ``dim`` not a power of two.
+    """
+    if kind not in ROTATIONS:
+        raise ValueError(f"rotation must be one of {', '.join(ROTATIONS)}; got {kind!r}")
+    if dim < 1 or dim & (dim - 1):
+        raise ValueError(f"dim must be a power of two (the padded head_dim); got {dim}")
+    rng = _rng(seed, dim, _PURPOSE_ROTATION)
+    if kind == "hadamard":
+        signs = rng.integers(0, 2, size=dim) * 2.0 - 1.0
+        return Rotation(kind, dim, signs=mx.array(signs.astype(np.float32)))
+    q, r = np.linalg.qr(rng.standard_normal((dim, dim)))
+    q = q * np.sign(np.diag(r))[None, :]  # makes the distribution Haar (uniform over rotations)
+    return Rotation(kind, dim, matrix=mx.array(q.astype(np.float32)))
+
+
+@lru_cache(maxsize=None)
+def sketch_matrix(dim: int, seed: int) -> mx.array:
+    """QJL's ``S``: float32 ``[dim, dim]`` with i.i.d. N(0, 1) entries, seeded (TurboQuant-prod, section 3.2).
+
+    It acts in the rotated domain; a Gaussian matrix times a rotation is again i.i.d. Gaussian, so this is the
+    same estimator as a sketch of the unrotated residual.
+    """
+    return mx.array(_rng(seed, dim, _PURPOSE_SKETCH).standard_normal((dim, dim)).astype(np.float32))

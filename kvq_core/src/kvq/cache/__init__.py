@@ -1,0 +1,118 @@
+"""kvq's cache for mlx-lm: compressed storage, attention over the compressed form, prompt-cache files.
+
+    cache = kvq.make_prompt_cache(model, "affine", bits=4)
+    mlx_lm.generate(model, tokenizer, prompt, prompt_cache=cache)
+
+Also :func:`patch_model` (so that ``mlx_lm.server`` and anything calling ``make_prompt_cache(model)`` get kvq
+caches) and :func:`load_prompt_cache` (mlx-lm's loader with kvq's checks).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx_lm.models.cache as mlx_cache
+
+from ..plugins import registry
+from . import patch as _patch
+from .batch import BatchKVQCache
+from .layer import CacheConfig, CompressedView, KVQCache
+
+# mlx-lm's load_prompt_cache rebuilds caches by class name from its own module's globals
+mlx_cache.KVQCache = KVQCache
+mlx_cache.BatchKVQCache = BatchKVQCache
+
+
+def _params(method: str | None, overrides: dict | None, shared: dict):
+    declaration = registry().method(method)
+    return declaration.make_params(**{**shared, **(overrides or {})})
+
+
+def make_config(method: str | None = "affine", *, key_method: str | None = None, value_method: str | None = None,
+                key_params: dict | None = None, value_params: dict | None = None, sinks: int = 4,
+                window: int = 128, step: int = 256, **params: Any) -> CacheConfig:
+    """A validated :class:`CacheConfig`.
+
+    :param method: method for keys and values (``key_method``/``value_method`` override it per side).
+    :param key_params: parameters for the keys only (merged over ``params``); ``value_params`` likewise.
+    :param params: parameters shared by both sides (``bits=4``).
+    :raises ValueError: unknown method, parameter out of range. :raises TypeError: unknown parameter name.
+    """
+    kp = _params(key_method or method, key_params, params)
+    vp = _params(value_method or method, value_params, params)
+    return CacheConfig(kp, vp, sinks, window, step)
+
+
+def _head_dims(model) -> tuple[int, int] | None:
+    args = getattr(model, "args", None)
+    if args is None:
+        return None
+    heads = getattr(args, "num_attention_heads", None)
+    head_dim = getattr(args, "head_dim", None) or (heads and args.hidden_size // heads)
+    return (head_dim, getattr(args, "v_head_dim", None) or head_dim) if head_dim else None
+
+
+def make_prompt_cache(model, method: str | None = "affine", **kwargs: Any) -> list:
+    """One kvq cache per attention layer of an mlx-lm model (drop-in for ``mlx_lm``'s function).
+
+    Layers whose model-made cache is not a plain ``KVCache`` (sliding-window ``RotatingKVCache``, SSM state)
+    keep it. Also patches mlx-lm's attention (:mod:`kvq.cache.patch`).
+
+    :param model: an mlx-lm model (``model.layers``; ``model.make_cache`` is used when present).
+    :param method, kwargs: as :func:`make_config` (``bits=``, ``key_params=``, ``sinks=``, ``window=`` ...).
+    :raises ValueError: bad method/parameters, or a head_dim the method does not support (named).
+    """
+    config = make_config(method, **kwargs)
+    dims = _head_dims(model)
+    if dims is not None:
+        config.key_params.check_head_dim(dims[0])
+        config.value_params.check_head_dim(dims[1])
+    _patch.patch()
+    make_cache = getattr(model, "_kvq_original_make_cache", None) or getattr(model, "make_cache", None)
+    if make_cache is None:
+        return [KVQCache(config) for _ in model.layers]
+    return [KVQCache(config) if type(c) is mlx_cache.KVCache else c for c in make_cache()]
+
+
+def patch_model(model, method: str | None = "affine", **kwargs: Any):
+    """Make ``model.make_cache()`` return kvq caches, so ``mlx_lm.server`` and ``mlx_lm.generate`` use them.
+
+    Every call of ``make_cache`` builds fresh caches. Returns ``model``. Undo with :func:`unpatch_model`.
+    """
+    make_config(method, **kwargs)  # fail now, not at the first request
+    if not hasattr(model, "_kvq_original_make_cache"):
+        model._kvq_original_make_cache = getattr(model, "make_cache", None)
+    model.make_cache = lambda: make_prompt_cache(model, method, **kwargs)
+    return model
+
+
+def unpatch_model(model):
+    """Undo :func:`patch_model`."""
+    if hasattr(model, "_kvq_original_make_cache"):
+        original = model.__dict__.pop("_kvq_original_make_cache")
+        if original is None:
+            model.__dict__.pop("make_cache", None)
+        else:
+            model.make_cache = original
+    return model
+
+
+def load_prompt_cache(file_name: str, *, expect: CacheConfig | None = None, return_metadata: bool = False):
+    """``mlx_lm.load_prompt_cache`` with kvq's checks; nothing is modified if a check fails.
+
+    :param expect: if given, every kvq layer in the file must have this method and parameters.
+    :raises ValueError: a file written by another kvq format or with other methods/parameters than ``expect``.
+    """
+    cache, metadata = mlx_cache.load_prompt_cache(file_name, return_metadata=True)
+    if expect is not None:
+        for i, c in enumerate(cache):
+            got = getattr(c, "config", None)
+            if got is not None and (got.key_params, got.value_params) != (expect.key_params, expect.value_params):
+                raise ValueError(f"{file_name}: layer {i} holds keys {got.key_params!r} / values "
+                                 f"{got.value_params!r}, not the expected {expect.key_params!r} / "
+                                 f"{expect.value_params!r}")
+    return (cache, metadata) if return_metadata else cache
+
+
+__all__ = ["BatchKVQCache", "CacheConfig", "CompressedView", "KVQCache", "load_prompt_cache", "make_config",
+           "make_prompt_cache", "patch_model", "unpatch_model"]

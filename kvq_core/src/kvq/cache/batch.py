@@ -1,0 +1,116 @@
+"""``BatchKVQCache``: kvq caches for mlx-lm's batched generation (``BatchGenerator``, ``mlx_lm.server``).
+
+Each sequence keeps its own :class:`KVQCache` row, so sequences of different lengths need no padding in the
+compressed store: right padding announced by ``prepare`` is simply not stored, and attention runs per row with
+that row's token positions. Rows are independent, so ``merge``/``extract``/``filter``/``extend`` move rows.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import mlx.core as mx
+
+
+class BatchKVQCache:
+    """A batch of :class:`KVQCache` rows behind mlx-lm's batch-cache interface.
+
+    :param rows: one single-sequence cache per batch entry (``B = 1`` each).
+    """
+
+    def __init__(self, rows: list) -> None:
+        self.rows = list(rows)
+        self._remaining = None  # real tokens still to come per row during a padded prefill
+        self._starts = [0] * len(self.rows)  # position of each row's first query in the current step
+
+    @property
+    def offset(self) -> mx.array:
+        """Per-row token counts (mlx-lm uses them as RoPE offsets)."""
+        return mx.array([r.offset for r in self.rows])
+
+    def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
+        """Announce the real lengths of the next (right-padded) tokens; padding is never stored."""
+        if left_padding is not None and any(left_padding):
+            raise ValueError("BatchKVQCache stores no padding: left_padding must be zeros; got "
+                             f"{list(left_padding)}")
+        if lengths is not None and right_padding is not None and max(right_padding) > 0:
+            self._remaining = list(lengths)
+
+    def finalize(self) -> None:
+        """End of a padded prefill."""
+        self._remaining = None
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """Store ``[B, H, T, D]`` keys/values row by row (only each row's real tokens)."""
+        if keys.shape[0] != len(self.rows):
+            raise ValueError(f"keys: batch of {keys.shape[0]} for a cache of {len(self.rows)} rows")
+        T, views = keys.shape[2], None
+        for i, row in enumerate(self.rows):
+            n = T if self._remaining is None else min(T, self._remaining[i])
+            self._starts[i] = row.offset
+            if n:
+                views = row.update_and_fetch(keys[i : i + 1, :, :n], values[i : i + 1, :, :n])
+            if self._remaining is not None:
+                self._remaining[i] -= n
+        return views
+
+    def kvq_attend(self, queries: mx.array, scale: float, mask=None, sinks=None) -> mx.array:
+        """Attention per row, each with its own token positions; ``[B, H_q, T_q, D_v]``."""
+        outs = [row.kvq_attend(queries[i : i + 1], scale, None, sinks, query_start=self._starts[i])
+                for i, row in enumerate(self.rows)]
+        return mx.concatenate(outs, axis=0)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
+        """Positions are handled per row inside attention; only sliding windows are refused."""
+        return self.rows[0].make_mask(N, return_array, window_size) if self.rows else None
+
+    # -- batching -----------------------------------------------------------------------------------
+    @classmethod
+    def merge(cls, caches) -> "BatchKVQCache":
+        """A batch of copies of ``caches`` (single caches or batches), in order."""
+        rows = []
+        for c in caches:
+            rows += c.rows if isinstance(c, BatchKVQCache) else [c]
+        return cls([copy.deepcopy(r) for r in rows])
+
+    def extract(self, idx: int):
+        """A copy of row ``idx`` as a single-sequence :class:`KVQCache`."""
+        return copy.deepcopy(self.rows[idx])
+
+    def filter(self, batch_indices) -> None:
+        """Keep only the rows at ``batch_indices`` (in that order)."""
+        indices = batch_indices.tolist() if isinstance(batch_indices, mx.array) else list(batch_indices)
+        self.rows = [self.rows[i] for i in indices]
+        self._starts = [self._starts[i] for i in indices]
+
+    def extend(self, other: "BatchKVQCache") -> None:
+        """Append ``other``'s rows."""
+        self.rows += other.rows
+        self._starts += other._starts
+
+    # -- cache protocol -------------------------------------------------------------------------------
+    def size(self) -> int:
+        return max((r.offset for r in self.rows), default=0)
+
+    def empty(self) -> bool:
+        return all(r.empty() for r in self.rows)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        return max((r.trim(n) for r in self.rows), default=0)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.rows)
+
+    @property
+    def state(self) -> dict:
+        return {"rows": [r.state for r in self.rows]}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "BatchKVQCache":
+        from .layer import KVQCache
+
+        return cls([KVQCache.from_state(s) for s in state.get("rows", [])])

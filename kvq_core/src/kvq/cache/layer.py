@@ -1,0 +1,336 @@
+"""``KVQCache``: one layer's KV cache for mlx-lm that stores compressed keys and values.
+
+Layout along the token axis: sinks (the first ``sinks`` tokens, uncompressed) | compressed tokens (the
+methods' :class:`kvq.Encoded` form, in an :class:`EncodedStore`) | residual window (the most recent
+``window`` tokens, uncompressed). A token leaves the window for the compressed store as soon as a newer token
+pushes it out. Attention (:meth:`KVQCache.attend`) runs on each part and merges them with log-sum-exp, so no
+fp16 copy of compressed tokens is made.
+
+Sinks and window follow StreamingLLM (Xiao et al., arXiv 2309.17453) and KIVI's residual (arXiv 2402.02750).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import attrs
+import mlx.core as mx
+
+from ..attention import dense_attend, merge_parts, sinks_part
+from ..plugins import registry
+from ..select import select
+from ..validate import float_array
+from ..encoded import Encoded
+from .state import config_from_json, config_to_json
+from .store import DenseBuffer, EncodedStore
+
+
+@attrs.frozen
+class CacheConfig:
+    """What a layer stores and how: key and value methods with their parameters, sinks and window sizes.
+
+    :param key_params: parameter object of the keys' method (``key_params.method`` names it).
+    :param value_params: parameter object of the values' method.
+    :param sinks: first tokens kept uncompressed (>= 0; default 4).
+    :param window: most recent tokens kept uncompressed (>= 0; default 128).
+    :param step: tokens per allocation step of the compressed store.
+    """
+
+    key_params: Any
+    value_params: Any
+    sinks: int = attrs.field(default=4)
+    window: int = attrs.field(default=128)
+    step: int = attrs.field(default=256)
+
+    @sinks.validator
+    @window.validator
+    @step.validator
+    def _non_negative(self, attribute, value):
+        low = 1 if attribute.name == "step" else 0
+        if not isinstance(value, int) or value < low:
+            raise ValueError(f"{attribute.name} must be an int >= {low}; got {value!r}")
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """:raises ValueError: a head_dim that the key or value method does not support."""
+        self.key_params.check_head_dim(head_dim)
+        self.value_params.check_head_dim(head_dim)
+
+
+class CompressedView:
+    """Stand-in returned by ``update_and_fetch``: models pass it on to attention, which kvq intercepts.
+
+    It carries the logical ``shape`` ``(B, H_kv, T, D)`` and ``dtype`` for code that inspects them.
+    """
+
+    def __init__(self, shape: tuple[int, ...], dtype) -> None:
+        self.shape, self.dtype = shape, dtype
+        self.ndim = len(shape)
+
+
+class KVQCache:
+    """A drop-in replacement for mlx-lm's ``KVCache`` that stores keys and values compressed.
+
+    Works with ``mlx_lm.generate``/``stream_generate``/``generate_step`` (chunked prefill included), prompt-cache
+    files (``save_prompt_cache``/``load_prompt_cache``), ``trim``, and batching (``merge``). Build it with
+    :func:`kvq.make_prompt_cache`. ``nbytes`` is the bytes really allocated.
+
+    :param config: :class:`CacheConfig`.
+    """
+
+    def __init__(self, config: CacheConfig) -> None:
+        self.config = config
+        self.offset = 0
+        self.sinks = DenseBuffer(config.sinks)
+        self.window = DenseBuffer(config.window)
+        self.compressed_keys = EncodedStore(config.step)
+        self.compressed_values = EncodedStore(config.step)
+        self._layout = None  # (B, H, D_k, D_v, dtype), fixed by the first update
+
+    @property
+    def sink_keys(self):
+        """``[B, H, n_sinks, D]`` view of the uncompressed first tokens, or None."""
+        return self.sinks.view()[0]
+
+    @property
+    def sink_values(self):
+        return self.sinks.view()[1]
+
+    @property
+    def window_keys(self):
+        """``[B, H, n_window, D]`` view of the uncompressed most recent tokens, or None."""
+        return self.window.view()[0]
+
+    @property
+    def window_values(self):
+        return self.window.view()[1]
+
+    # -- storage ------------------------------------------------------------------------------------
+    def _check(self, keys: mx.array, values: mx.array) -> None:
+        float_array("keys", keys)
+        float_array("values", values)
+        if keys.shape[:3] != values.shape[:3]:
+            raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} must agree on B, H, T")
+        if keys.dtype != values.dtype:
+            raise TypeError(f"keys ({keys.dtype}) and values ({values.dtype}) must have the same dtype")
+        layout = (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3], keys.dtype)
+        if self._layout is None:
+            self.config.key_params.check_head_dim(keys.shape[3])
+            self.config.value_params.check_head_dim(values.shape[3])
+            self._layout = layout
+        elif layout != self._layout:
+            B, H, Dk, Dv, dt = self._layout
+            raise ValueError(f"keys/values of layout (B={layout[0]}, H={layout[1]}, D_k={layout[2]}, "
+                             f"D_v={layout[3]}, {layout[4]}) do not match this cache's (B={B}, H={H}, "
+                             f"D_k={Dk}, D_v={Dv}, {dt})")
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """Store new tokens (``[B, H_kv, T, D]`` keys and values); returns stand-ins for attention.
+
+        :raises ValueError/TypeError: mismatched shapes or dtypes, or a head_dim the methods do not support.
+        """
+        self._check(keys, values)
+        self.offset += keys.shape[2]
+        keys, values = self._fill_sinks(keys, values)
+        if keys.shape[2]:
+            self._push_window(keys, values)
+        return self._views()
+
+    def _fill_sinks(self, keys, values):
+        take = min(self.config.sinks - self.sinks.length, keys.shape[2])
+        if take <= 0:
+            return keys, values
+        self.sinks.append(keys[:, :, :take], values[:, :, :take])
+        return keys[:, :, take:], values[:, :, take:]
+
+    def _push_window(self, keys, values):
+        held_k, held_v = self.window.view()
+        if held_k is not None:
+            keys = mx.concatenate([held_k, keys], axis=2)
+            values = mx.concatenate([held_v, values], axis=2)
+        overflow = max(keys.shape[2] - self.config.window, 0)
+        if overflow:
+            self._compress(keys[:, :, :overflow], values[:, :, :overflow])
+        self.window.replace(keys[:, :, overflow:], values[:, :, overflow:])
+
+    def _compress(self, keys, values):
+        kp, vp = self.config.key_params, self.config.value_params
+        quantize_k = select(kp.method, keys.shape, dtype=keys.dtype, op="quantize", params=kp).quantize
+        quantize_v = select(vp.method, values.shape, dtype=values.dtype, op="quantize", params=vp).quantize
+        self.compressed_keys.append(quantize_k(keys, kp))
+        self.compressed_values.append(quantize_v(values, vp))
+
+    def _views(self):
+        B, H, Dk, Dv, dtype = self._layout
+        return CompressedView((B, H, self.offset, Dk), dtype), CompressedView((B, H, self.offset, Dv), dtype)
+
+    # -- attention ----------------------------------------------------------------------------------
+    def kvq_attend(self, queries: mx.array, scale: float, mask=None, sinks: mx.array | None = None,
+                   query_start: int | None = None) -> mx.array:
+        """Attention of ``queries [B, H_q, T_q, D]`` (the newest ``T_q`` tokens) over everything stored.
+
+        :param mask: mlx-lm's mask: ``None``, ``"causal"``, or a boolean/additive array whose last axis spans
+            all ``offset`` tokens (batch padding); causality is also enforced from token positions.
+        :param sinks: optional learned sink logits ``[H_q]`` (gpt-oss), added to the softmax normaliser.
+        :param query_start: position of the first query (default ``offset - T_q``; batches with padding pass it).
+        :return: ``[B, H_q, T_q, D_v]`` in the queries' dtype.
+        """
+        Tq = queries.shape[2]
+        start_q = self.offset - Tq if query_start is None else query_start
+        q_pos = mx.arange(start_q, start_q + Tq)
+        user_mask = _bool_mask(mask)
+        parts, start = [], 0
+        for kind, length in self._parts():
+            part_mask = self._part_mask(q_pos, start_q, start, length, user_mask)
+            parts.append(self._attend_part(kind, queries, scale, part_mask))
+            start += length
+        if sinks is not None:
+            parts.append(sinks_part(sinks, queries, parts[0][0].shape[-1]))
+        out, _ = merge_parts(parts)
+        return out.astype(queries.dtype)
+
+    def _parts(self):
+        return [(k, n) for k, n in (("sinks", self.sinks.length), ("compressed", self.compressed_keys.length),
+                                    ("window", self.window.length)) if n]
+
+    def _part_mask(self, q_pos, first_query, start, length, user_mask):
+        if user_mask is None and start + length - 1 <= first_query:
+            return None  # every key of this part precedes every query
+        mask = q_pos[:, None] >= mx.arange(start, start + length)[None]
+        if user_mask is not None:
+            mask = mask & user_mask[..., start : start + length]
+        return mask
+
+    def _attend_part(self, kind, queries, scale, mask):
+        if kind == "sinks":
+            return dense_attend(queries, self.sink_keys, self.sink_values, scale, mask)
+        if kind == "window":
+            return dense_attend(queries, self.window_keys, self.window_values, scale, mask)
+        keys, values = self.compressed_keys.view(), self.compressed_values.view()
+        return self._attend_fn(keys, queries)(queries, keys, values, scale, mask)
+
+    def _attend_fn(self, keys, queries):
+        kp, vp = self.config.key_params, self.config.value_params
+        B, Hq, Tq, _ = queries.shape
+        if kp.method == vp.method:
+            plan = select(kp.method, keys.shape, dtype=queries.dtype, op="attend", params=kp,
+                          num_queries=Tq, num_q_heads=Hq)
+            return plan.attend
+        # different methods for keys and values: each side's pure-MLX block protocol
+        from ..attention import attend_encoded
+
+        impls = registry().implementations
+        k_impl, v_impl = impls[(kp.method, "mlx")], impls[(vp.method, "mlx")]
+        return lambda q, k, v, s, m: attend_encoded(q, k, v, s, m, k_impl, v_impl)
+
+    # -- mlx-lm cache protocol ------------------------------------------------------------------------
+    def __deepcopy__(self, memo):
+        """A copy that shares nothing mutable (``mx.Dtype`` cannot be pickled, so it is passed through)."""
+        if self._layout is not None:
+            memo[id(self._layout[4])] = self._layout[4]
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
+
+    def size(self) -> int:
+        """Tokens stored."""
+        return self.offset
+
+    def empty(self) -> bool:
+        """True before the first token is stored."""
+        return self.offset == 0
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Forget the newest ``n`` tokens; returns how many were removed.
+
+        Tokens are removed from the window first, then from the compressed store (exactly: encodings are per
+        token), then from the sinks. Tokens left behind keep the form they had: after trimming more than the
+        window holds, the newest remaining tokens are compressed where a fresh run would hold them uncompressed.
+        """
+        n = max(0, min(n, self.offset))
+        left = n - self.window.trim(n)
+        if left:
+            self.compressed_values.trim(left)
+            left -= self.compressed_keys.trim(left)
+        self.sinks.trim(left)
+        self.offset -= n
+        if self.offset == 0:
+            self.__init__(self.config)  # a fresh cache accepts a new layout
+        return n
+
+    @classmethod
+    def merge(cls, caches):
+        """mlx-lm's batching hook: a :class:`BatchKVQCache` of copies of ``caches``."""
+        from .batch import BatchKVQCache
+
+        return BatchKVQCache.merge(caches)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        """mlx-lm's mask hook: kvq enforces causality from positions, so only sliding windows are refused."""
+        if window_size is not None:
+            raise ValueError("kvq caches do not support sliding-window attention layers (window_size); "
+                             "kvq.make_prompt_cache leaves those layers' own caches in place")
+        return None if N == 1 else "causal"
+
+    # -- prompt-cache files ---------------------------------------------------------------------------
+    @property
+    def state(self) -> dict:
+        """Everything needed to rebuild this cache, for ``mlx_lm.save_prompt_cache``: the compressed form.
+
+        A dict of arrays (compressed fields trimmed to the stored length), ints and one JSON string holding
+        the configuration, the layout, the kvq version and the file-format version.
+        """
+        keys, values = self.compressed_keys.view(), self.compressed_values.view()
+        return {
+            "config": config_to_json(self.config, self._layout),
+            "offset": self.offset,
+            "sink_keys": self.sink_keys, "sink_values": self.sink_values,
+            "window_keys": self.window_keys, "window_values": self.window_values,
+            "keys": {} if keys is None else dict(keys.data),
+            "values": {} if values is None else dict(values.data),
+        }
+
+    @classmethod
+    def from_state(cls, state: dict) -> "KVQCache":
+        """Rebuild a cache from :attr:`state` (what ``mlx_lm.load_prompt_cache`` calls).
+
+        :raises ValueError: a file of another format version, or of a method that is not installed, or
+            inconsistent contents; the message says which.
+        """
+        config, layout = config_from_json(state["config"])
+        cache = cls(config)
+        cache._layout = layout
+        cache.offset = int(state["offset"])
+        for buffer, name in ((cache.sinks, "sink"), (cache.window, "window")):
+            if state.get(f"{name}_keys") is not None:
+                buffer.replace(state[f"{name}_keys"], state[f"{name}_values"])
+        head_dims = (None, None) if layout is None else (layout[2], layout[3])
+        for store, name, params, head_dim in ((cache.compressed_keys, "keys", config.key_params, head_dims[0]),
+                                              (cache.compressed_values, "values", config.value_params,
+                                               head_dims[1])):
+            if state.get(name):
+                store.append(Encoded(params, dict(state[name]), head_dim))
+        stored = cache.sinks.length + cache.window.length
+        if stored + cache.compressed_keys.length != cache.offset:
+            raise ValueError(f"prompt cache: {stored + cache.compressed_keys.length} tokens stored but offset "
+                             f"is {cache.offset}; the file is inconsistent")
+        return cache
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes resident: sinks, window and the allocated compressed store (codes and side data)."""
+        return self.sinks.nbytes + self.window.nbytes + self.compressed_keys.nbytes + \
+            self.compressed_values.nbytes
+
+
+def _bool_mask(mask):
+    """mlx-lm's mask as a boolean array (True = may attend), or None for ``None``/``"causal"``."""
+    if mask is None or isinstance(mask, str):
+        return None
+    if mask.dtype == mx.bool_:
+        return mask
+    return mask > mx.finfo(mask.dtype).min / 2  # additive mask: large negative = masked

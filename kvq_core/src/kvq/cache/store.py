@@ -1,0 +1,136 @@
+"""Compressed tokens of one layer: the fields of an :class:`kvq.Encoded`, preallocated in steps."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from ..encoded import Encoded
+
+
+class EncodedStore:
+    """An append-only (and trimmable) store of encoded tokens along axis 2.
+
+    Capacity grows in whole steps of ``step`` tokens: every field gets one new zero block and one
+    concatenation per growth, never one per token (the pattern of mlx-lm's ``KVCache``). Appending writes
+    into the preallocated space with a slice assignment.
+
+    :param step: tokens per growth step.
+    """
+
+    def __init__(self, step: int = 256) -> None:
+        self.step = step
+        self.data: dict[str, mx.array] | None = None
+        self.params: Any = None
+        self.head_dim = 0
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the allocated arrays can hold."""
+        return 0 if self.data is None else next(iter(self.data.values())).shape[2]
+
+    def append(self, encoded: Encoded) -> None:
+        """Store ``encoded``'s tokens after the current ones.
+
+        :raises ValueError: ``encoded`` has other fields, params or head_dim than what is stored.
+        """
+        n = encoded.num_tokens
+        if self.data is not None and (set(encoded.data) != set(self.data) or encoded.params != self.params):
+            raise ValueError(f"encoded: fields/params {sorted(encoded.data)} {encoded.params!r} differ from the "
+                             f"stored {sorted(self.data)} {self.params!r}")
+        if self.length + n > self.capacity:
+            self._grow(encoded, self.length + n)
+        for name, array in encoded.data.items():
+            # mx.array(...) copies: a slice assignment covering a whole array would alias its source
+            self.data[name][:, :, self.length : self.length + n] = mx.array(array)
+        self.length += n
+
+    def _grow(self, encoded: Encoded, needed: int) -> None:
+        steps = -(-(needed - self.capacity) // self.step)
+        self.params, self.head_dim = encoded.params, encoded.head_dim
+        grown = {}
+        for name, array in encoded.data.items():
+            shape = list(array.shape)
+            shape[2] = steps * self.step
+            block = mx.zeros(shape, array.dtype)
+            if self.data is None:
+                grown[name] = block
+            else:
+                grown[name] = mx.concatenate([self.data[name][:, :, : self.length], block], axis=2)
+        self.data = grown
+
+    def view(self) -> Encoded | None:
+        """The stored tokens as one :class:`Encoded` (views of the arrays, no copy); ``None`` if empty."""
+        if self.data is None or self.length == 0:
+            return None
+        return Encoded(self.params, {k: v[:, :, : self.length] for k, v in self.data.items()}, self.head_dim)
+
+    def trim(self, n: int) -> int:
+        """Forget the last ``n`` tokens (encodings are per token, so this is exact); returns how many."""
+        n = min(n, self.length)
+        self.length -= n
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated (resident), including unused preallocated capacity."""
+        return 0 if self.data is None else sum(v.nbytes for v in self.data.values())
+
+
+class DenseBuffer:
+    """Uncompressed keys and values of at most ``capacity`` tokens, in arrays this buffer owns.
+
+    Writing copies into preallocated arrays, so the buffer never keeps alive a larger array that a slice of
+    the caller's input would point into (a prefill chunk, say): ``nbytes`` is what is really resident.
+
+    :param capacity: the most tokens held (the sinks count, or the residual window).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.keys = self.values = None
+        self.length = 0
+
+    def _allocate(self, keys: mx.array, values: mx.array) -> None:
+        B, H, _, Dk = keys.shape
+        self.keys = mx.zeros((B, H, self.capacity, Dk), keys.dtype)
+        self.values = mx.zeros((B, H, self.capacity, values.shape[3]), values.dtype)
+
+    def append(self, keys: mx.array, values: mx.array) -> None:
+        """Copy tokens after the held ones. :raises ValueError: more than the capacity."""
+        n = keys.shape[2]
+        if self.length + n > self.capacity:
+            raise ValueError(f"{self.length + n} tokens exceed this buffer's capacity of {self.capacity}")
+        if n == 0:
+            return
+        if self.keys is None:
+            self._allocate(keys, values)
+        # mx.array(...) copies: a slice assignment covering the whole buffer would otherwise alias (and keep
+        # alive) the array that ``keys`` is a slice of, such as a whole prefill chunk
+        self.keys[:, :, self.length : self.length + n] = mx.array(keys)
+        self.values[:, :, self.length : self.length + n] = mx.array(values)
+        self.length += n
+
+    def replace(self, keys: mx.array, values: mx.array) -> None:
+        """Hold exactly these tokens (a copy)."""
+        self.length = 0
+        self.append(keys, values)
+
+    def view(self):
+        """``(keys, values)`` of the held tokens, or ``(None, None)`` when empty."""
+        if self.length == 0:
+            return None, None
+        return self.keys[:, :, : self.length], self.values[:, :, : self.length]
+
+    def trim(self, n: int) -> int:
+        """Forget the newest ``n`` tokens; returns how many."""
+        n = min(n, self.length)
+        self.length -= n
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated."""
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes

@@ -1,0 +1,216 @@
+"""The kvq cache inside mlx-lm: parity with KVCache, compressed storage, files, trim, batching, errors."""
+
+from __future__ import annotations
+
+import copy
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models import cache as mlx_cache
+
+import kvq
+from kvq.cache import KVQCache, load_prompt_cache, make_config, make_prompt_cache, patch, patch_model, unpatch_model
+
+PROMPT = mx.array([(7 * i + 3) % 256 for i in range(200)])
+
+
+def logits_run(model, cache, prompt=PROMPT, chunk=None, steps=32, forced=None):
+    """Prefill (optionally chunked), then decode greedily (or the ``forced`` tokens); [steps + 1, vocab] logits."""
+    chunk = chunk or prompt.size
+    for i in range(0, prompt.size, chunk):
+        logits = model(prompt[None, i : i + chunk], cache=cache)[0, -1]
+    out = [logits]
+    for i in range(steps):
+        y = mx.argmax(out[-1]) if forced is None else forced[i]
+        out.append(model(y.reshape(1, 1), cache=cache)[0, -1])
+    return mx.stack(out).astype(mx.float32)
+
+
+def greedy(model, cache, prompt=PROMPT, n=12, prefill_step_size=64):
+    gen = generate_step(prompt, model, max_tokens=n, prompt_cache=cache, sampler=lambda x: mx.argmax(x, -1),
+                        prefill_step_size=prefill_step_size)
+    return [int(t) for t, _ in gen]
+
+
+@pytest.mark.parametrize("window, chunk", [(128, None), (0, 64), (16, 48)])
+def test_fp16_equals_mlx_lm_kvcache(llama_model, window, chunk):
+    ref = logits_run(llama_model, mlx_cache.make_prompt_cache(llama_model), chunk=chunk)
+    ours = logits_run(llama_model, make_prompt_cache(llama_model, "fp16", window=window), chunk=chunk)
+    assert mx.allclose(ours, ref, atol=2e-2, rtol=1e-2).item(), mx.abs(ours - ref).max()
+    assert mx.array_equal(mx.argmax(ours, -1), mx.argmax(ref, -1)).item()
+
+
+def test_affine_8bit_top1_matches_fp16(llama_model):
+    ref = logits_run(llama_model, make_prompt_cache(llama_model, "fp16"), chunk=64)
+    ours = logits_run(llama_model, make_prompt_cache(llama_model, "affine", bits=8, window=16), chunk=64)
+    assert mx.array_equal(mx.argmax(ours, -1), mx.argmax(ref, -1)).item()
+
+
+def test_affine_matches_mlx_lm_quantized_cache_numerics(llama_model):
+    """No sinks, no window: the same stored codes as mlx-lm's QuantizedKVCache, so close logits (teacher forced;
+    mlx-lm attends in fp16, kvq in fp32)."""
+    forced = mx.arange(32) * 5 % 256
+    ref = logits_run(llama_model, [mlx_cache.QuantizedKVCache(64, 4) for _ in llama_model.layers], chunk=50,
+                     forced=forced)
+    ours = logits_run(llama_model, make_prompt_cache(llama_model, "affine", bits=4, sinks=0, window=0), chunk=50,
+                      forced=forced)
+    assert mx.allclose(ours, ref, atol=5e-2, rtol=1e-2).item(), mx.abs(ours - ref).max()
+
+
+def test_layout_and_no_fp16_copy_of_compressed_tokens(llama_model):
+    cache = make_prompt_cache(llama_model, "affine", bits=4, sinks=4, window=32)
+    logits_run(llama_model, cache, chunk=50, steps=3)
+    layer = cache[0]
+    assert layer.offset == 203 and layer.sink_keys.shape[2] == 4 and layer.window_keys.shape[2] == 32
+    assert layer.compressed_keys.length == 203 - 36
+    assert layer.compressed_keys.data["codes"].dtype == mx.uint32
+    # nothing else is held: the resident bytes are exactly sinks + window + compressed store
+    fp = 2 * (4 + 32) * 2 * 64 * 2  # sinks and window buffers: K and V, H_kv 2, D 64, fp16
+    assert layer.nbytes == fp + layer.compressed_keys.nbytes + layer.compressed_values.nbytes
+
+
+def test_prompt_cache_file_round_trip_bit_exact_and_continues(llama_model, tmp_path):
+    cache = make_prompt_cache(llama_model, "affine", bits=4, window=16)
+    first = greedy(llama_model, cache, n=6)
+    file = str(tmp_path / "cache.safetensors")
+    mlx_cache.save_prompt_cache(file, cache, {"note": "kvq"})
+    loaded, meta = load_prompt_cache(file, expect=make_config("affine", bits=4, window=16), return_metadata=True)
+    assert meta["note"] == "kvq" and isinstance(loaded[0], KVQCache)
+    for a, b in zip(cache, loaded):
+        sa, sb = a.state, b.state
+        for name in ("keys", "values"):
+            for field in sa[name]:
+                assert mx.array_equal(sa[name][field], sb[name][field])
+        assert mx.array_equal(sa["window_keys"], sb["window_keys"]) and sa["offset"] == sb["offset"]
+    nxt = mx.array([first[-1]])
+    assert greedy(llama_model, loaded, nxt, n=6) == greedy(llama_model, cache, nxt, n=6)
+
+
+def test_loading_a_file_of_another_method_or_format_fails_cleanly(llama_model, tmp_path):
+    cache = make_prompt_cache(llama_model, "affine", bits=4)
+    greedy(llama_model, cache, n=2)
+    file = str(tmp_path / "c.safetensors")
+    mlx_cache.save_prompt_cache(file, cache)
+    with pytest.raises(ValueError, match=r"holds keys AffineParams\(bits=4.*not the expected"):
+        load_prompt_cache(file, expect=make_config("affine", bits=8))
+    arrays, meta = mx.load(file, return_metadata=True)
+    config = cache[0].state["config"].replace('"format": 1', '"format": 99')
+    bad = copy.copy(cache[0])
+    with pytest.raises(ValueError, match="file format 99 .* not supported"):
+        KVQCache.from_state({**bad.state, "config": config})
+    assert mx.load(file).keys() == arrays.keys()  # the file is untouched
+
+
+def test_trim_then_regenerate(llama_model):
+    cache = make_prompt_cache(llama_model, "affine", bits=8, window=32)
+    tokens = greedy(llama_model, cache, n=10)
+    extra = cache[0].offset - (PROMPT.size + 4)  # keep the prompt and the first 4 generated tokens
+    for c in cache:
+        assert c.trim(extra) == extra and c.offset == PROMPT.size + 4
+    again = greedy(llama_model, cache, mx.array(tokens[4:5]), n=5)
+    assert again == tokens[5:10]
+
+
+def test_fp16_trim_past_the_window_is_exact(llama_model):
+    cache = make_prompt_cache(llama_model, "fp16", window=4)
+    ref = logits_run(llama_model, make_prompt_cache(llama_model, "fp16", window=4), PROMPT[:150], steps=0)
+    logits_run(llama_model, cache, PROMPT, steps=0)
+    for c in cache:
+        assert c.trim(51) == 51
+    out = logits_run(llama_model, cache, PROMPT[149:150], steps=0)
+    assert mx.allclose(out, ref, atol=1e-3).item()
+
+
+def test_generate_twice_starts_from_empty_caches(llama_model):
+    model = patch_model(llama_model, "affine", bits=8)
+    try:
+        made = mlx_cache.make_prompt_cache(model)
+        assert all(isinstance(c, KVQCache) and c.empty() for c in made)
+        first = greedy(model, None, n=6)
+        second = greedy(model, None, n=6)
+        assert first == second
+    finally:
+        unpatch_model(llama_model)
+    assert not hasattr(llama_model, "_kvq_original_make_cache")
+    assert type(mlx_cache.make_prompt_cache(llama_model)[0]) is mlx_cache.KVCache
+
+
+def test_patch_is_idempotent_reversible_and_scoped(llama_model):
+    from mlx_lm.models import llama
+
+    ref = logits_run(llama_model, mlx_cache.make_prompt_cache(llama_model), steps=2)
+    patch.patch()
+    patch.patch()
+    assert patch.is_patched("mlx_lm.models.llama")
+    assert mx.array_equal(logits_run(llama_model, mlx_cache.make_prompt_cache(llama_model), steps=2), ref)
+    patch.unpatch()
+    assert llama.scaled_dot_product_attention is patch._ORIGINAL
+    patch.patch()
+
+
+def test_batch_generation_matches_single_sequences(llama_model):
+    from mlx_lm.generate import BatchGenerator
+
+    prompts = [[(5 * i + 1) % 256 for i in range(n)] for n in (40, 23, 57)]
+    singles = [greedy(llama_model, make_prompt_cache(llama_model, "affine", bits=8, window=8), mx.array(p), n=5,
+                      prefill_step_size=16) for p in prompts]
+    model = patch_model(llama_model, "affine", bits=8, window=8)
+    try:
+        gen = BatchGenerator(model, stop_tokens=[], prefill_step_size=16,
+                             sampler=lambda x: mx.argmax(x, -1))
+        uids = gen.insert(prompts, [5] * 3)
+        got = {u: [] for u in uids}
+        for _ in range(50):  # bounded: 5 tokens each need far fewer steps
+            responses = gen.next_generated()
+            if not responses:
+                break
+            for r in responses:
+                got[r.uid].append(int(r.token))
+        gen.close()
+    finally:
+        unpatch_model(llama_model)
+    assert [got[u] for u in uids] == singles
+
+
+@pytest.mark.parametrize("keys, values, error, match", [
+    (mx.zeros((1, 2, 3, 64)), mx.zeros((1, 2, 4, 64)), ValueError, "must agree on B, H, T"),
+    (mx.zeros((1, 2, 3, 64)), mx.zeros((1, 2, 3, 64), mx.float16), TypeError, "same dtype"),
+    (mx.zeros((1, 2, 3, 96)), mx.zeros((1, 2, 3, 96)), ValueError, "head_dim 96 is not supported"),
+    (mx.zeros((2, 3, 64)), mx.zeros((2, 3, 64)), ValueError, r"keys must have rank 4"),
+])
+def test_bad_updates_are_rejected_and_nothing_is_stored(keys, values, error, match):
+    cache = KVQCache(make_config("affine", bits=4))
+    with pytest.raises(error, match=match):
+        cache.update_and_fetch(keys, values)
+    assert cache.empty() and cache.nbytes == 0
+
+
+def test_layout_change_is_rejected():
+    cache = KVQCache(make_config("affine", bits=4, window=0))
+    cache.update_and_fetch(mx.zeros((1, 2, 3, 64)), mx.zeros((1, 2, 3, 64)))
+    before = cache.nbytes
+    with pytest.raises(ValueError, match=r"do not match this cache's \(B=1, H=2"):
+        cache.update_and_fetch(mx.zeros((1, 4, 1, 64)), mx.zeros((1, 4, 1, 64)))
+    assert cache.offset == 3 and cache.nbytes == before
+
+
+def test_make_prompt_cache_checks_the_model_head_dim():
+    from conftest import tiny_llama
+
+    model = tiny_llama(hidden=96, heads=2, kv_heads=1)  # head_dim 48
+    with pytest.raises(ValueError, match="head_dim 48 is not supported"):
+        make_prompt_cache(model, "affine", bits=4)
+    with pytest.raises(ValueError, match="window must be an int >= 0"):
+        make_prompt_cache(model, "fp16", window=-1)
+    with pytest.raises(TypeError, match="unknown parameter"):
+        make_prompt_cache(model, "fp16", bits=4)
+
+
+def test_separate_key_and_value_methods(llama_model):
+    cache = make_prompt_cache(llama_model, key_method="affine", value_method="fp16", key_params={"bits": 8},
+                              window=8)
+    ours = logits_run(llama_model, cache, chunk=64, steps=4)
+    ref = logits_run(llama_model, make_prompt_cache(llama_model, "fp16"), chunk=64, steps=4)
+    assert mx.array_equal(mx.argmax(ours, -1), mx.argmax(ref, -1)).item()
+    assert cache[0].compressed_values.data.keys() == {"x"} and "codes" in cache[0].compressed_keys.data
