@@ -15,8 +15,19 @@ from .select import Plan, select
 
 __version__ = "0.1.0"
 
+_CACHE_API = ("make_prompt_cache", "patch_model", "unpatch_model", "load_prompt_cache", "KVQCache")
+
+
+def __getattr__(name):
+    # the cache imports mlx-lm (and transformers): load it on first use, not with ``import kvq``
+    if name in _CACHE_API:
+        from . import cache
+
+        return getattr(cache, name)
+    raise AttributeError(f"module 'kvq' has no attribute {name!r}")
+
 __all__ = [
     "OPS", "BitsAccounting", "Encoded", "Method", "Plan", "PluginLoadWarning", "Problem", "RegistrationError",
     "all_implementations", "hookimpl", "make_params", "methods", "register", "registry", "select",
-    "unregister", "__version__",
+    "unregister", "__version__", *_CACHE_API,
 ]
