@@ -55,8 +55,17 @@ def pack(codes: mx.array, bits: int) -> mx.array:
     """
     _check(bits)
     *lead, N = codes.shape
-    pad = (-N) % 32
     c = codes.astype(mx.uint32) & ((1 << bits) - 1)
+    if N == 0 or 0 in lead:
+        return mx.zeros((*lead, packed_words(N, bits)), mx.uint32)
+    if 32 % bits == 0:  # codes never straddle words: one shift per lane
+        per_word = 32 // bits
+        pad = (-N) % per_word
+        if pad:
+            c = mx.pad(c, [(0, 0)] * len(lead) + [(0, pad)])
+        shifts = mx.arange(per_word, dtype=mx.uint32) * bits
+        return _sum_u32(mx.left_shift(c.reshape(*lead, -1, per_word), shifts))
+    pad = (-N) % 32
     if pad:
         c = mx.pad(c, [(0, 0)] * len(lead) + [(0, pad)])
     c = c.reshape(*lead, -1, 1, 32)  # [..., G, 1, 32]
@@ -81,6 +90,14 @@ def unpack(packed: mx.array, bits: int, count: int) -> mx.array:
     *lead, W = packed.shape
     if W < packed_words(count, bits):
         raise ValueError(f"packed has {W} words; {count} codes of {bits} bits need {packed_words(count, bits)}")
+    if count == 0 or 0 in lead:
+        return mx.zeros((*lead, count), mx.uint32)
+    if 32 % bits == 0:
+        per_word = 32 // bits
+        words = packed[..., : -(-count // per_word)]
+        shifts = mx.arange(per_word, dtype=mx.uint32) * bits
+        codes = mx.right_shift(words[..., None], shifts) & ((1 << bits) - 1)
+        return codes.reshape(*lead, -1)[..., :count]
     groups = -(-count // 32)
     pad = groups * bits - W
     w = mx.pad(packed, [(0, 0)] * len(lead) + [(0, pad)]) if pad > 0 else packed[..., : groups * bits]

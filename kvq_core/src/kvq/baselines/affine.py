@@ -93,8 +93,12 @@ class AffineMLX:
         return mx.quantized_matmul(q, c, s, b, transpose=True, group_size=p.group_size, bits=p.bits)
 
     def weighted_values(self, p, values, start, stop):
-        """Block protocol: ``p @ V[start:stop]`` on packed codes (decoded block on the CPU, as above)."""
-        if _on_cpu():
+        """Block protocol: ``p @ V[start:stop]`` on packed codes.
+
+        The block is decoded instead on the CPU (as above) and on CUDA, where MLX 0.32 has no
+        ``quantized_matmul(transpose=False)`` for some shapes.
+        """
+        if _on_cpu() or _on_cuda():
             return p @ self.kvq_dequantize(values.tokens(start, stop), mx.float32)[:, :, None]
         c, s, b = _block(values, start, stop)
         vp = values.params
@@ -108,6 +112,10 @@ class AffineMLX:
 
 def _on_cpu() -> bool:
     return mx.default_device() == mx.cpu
+
+
+def _on_cuda() -> bool:
+    return not _on_cpu() and not mx.metal.is_available()
 
 
 def _block(encoded, start, stop):

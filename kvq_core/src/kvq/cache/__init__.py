@@ -56,7 +56,8 @@ def make_prompt_cache(model, method: str | None = "affine", **kwargs: Any) -> li
     """One kvq cache per attention layer of an mlx-lm model (drop-in for ``mlx_lm``'s function).
 
     Layers whose model-made cache is not a plain ``KVCache`` (sliding-window ``RotatingKVCache``, SSM state)
-    keep it. Also patches mlx-lm's attention (:mod:`kvq.cache.patch`).
+    keep it. Layer ``i`` gets ``config.for_layer(i)``: parameters with a ``for_layer(i)`` method (per-layer
+    calibration) are specialised for it. Also patches mlx-lm's attention (:mod:`kvq.cache.patch`).
 
     :param model: an mlx-lm model (``model.layers``; ``model.make_cache`` is used when present).
     :param method, kwargs: as :func:`make_config` (``bits=``, ``key_params=``, ``sinks=``, ``window=`` ...).
@@ -70,8 +71,9 @@ def make_prompt_cache(model, method: str | None = "affine", **kwargs: Any) -> li
     _patch.patch()
     make_cache = getattr(model, "_kvq_original_make_cache", None) or getattr(model, "make_cache", None)
     if make_cache is None:
-        return [KVQCache(config) for _ in model.layers]
-    return [KVQCache(config) if type(c) is mlx_cache.KVCache else c for c in make_cache()]
+        return [KVQCache(config.for_layer(i)) for i in range(len(model.layers))]
+    return [KVQCache(config.for_layer(i)) if type(c) is mlx_cache.KVCache else c
+            for i, c in enumerate(make_cache())]
 
 
 def patch_model(model, method: str | None = "affine", **kwargs: Any):

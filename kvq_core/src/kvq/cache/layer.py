@@ -51,6 +51,15 @@ class CacheConfig:
         if not isinstance(value, int) or value < low:
             raise ValueError(f"{attribute.name} must be an int >= {low}; got {value!r}")
 
+    def for_layer(self, layer: int) -> "CacheConfig":
+        """This configuration for layer ``layer``: parameters that define ``for_layer(layer)`` (per-layer
+        calibration such as VecInfer's codebooks) are specialised; the others are shared."""
+        def specialise(params):
+            hook = getattr(params, "for_layer", None)
+            return params if hook is None else hook(layer)
+
+        return attrs.evolve(self, key_params=specialise(self.key_params), value_params=specialise(self.value_params))
+
     def check_head_dim(self, head_dim: int) -> None:
         """:raises ValueError: a head_dim that the key or value method does not support."""
         self.key_params.check_head_dim(head_dim)
