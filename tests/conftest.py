@@ -32,6 +32,14 @@ def has_gpu() -> bool:
     return mx.metal.is_available() or (hasattr(mx, "cuda") and mx.cuda.is_available())
 
 
+def pytest_collection_modifyitems(config, items):
+    if not has_gpu():
+        skip = pytest.mark.skip(reason="needs an MLX GPU back end (Metal or CUDA)")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
 def tiny_llama(hidden=256, layers=2, heads=4, kv_heads=2, vocab=256, dtype=mx.float16, seed=0, head_dim=None):
     """A random llama from an mlx-lm config dict (no download); head_dim defaults to hidden // heads."""
     from mlx_lm.models import llama

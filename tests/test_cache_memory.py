@@ -66,3 +66,19 @@ def test_prefill_peak_below_mlx_lm_caches():
     quantized = _prefill_peak(model, [mlx_cache.QuantizedKVCache(64, 4) for _ in model.layers], prompt)
     ours = _prefill_peak(model, make_prompt_cache(model, "affine", bits=4), prompt)
     assert ours < 0.6 * quantized and ours < 0.5 * fp, (ours / 2**20, quantized / 2**20, fp / 2**20)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method, params", [("affine", {"bits": 4}), ("turboquant", {"bits": 4})])
+def test_prefill_peak_below_mlx_lm_caches_fp16_on_gpu(method, params):
+    """The same comparison with a float16 model (a real fp16 KV cache of 268 MB) on a GPU."""
+    model = tiny_llama(hidden=1024, layers=4, heads=8, kv_heads=8, vocab=512, dtype=mx.float16, head_dim=128)
+    prompt = mx.random.randint(0, 512, (8192,))
+    kvcache = mlx_cache.make_prompt_cache(model)
+    fp = _prefill_peak(model, kvcache, prompt)
+    assert sum(c.nbytes for c in kvcache) >= 100e6
+    del kvcache
+    quantized = _prefill_peak(model, [mlx_cache.QuantizedKVCache(64, 4) for _ in model.layers], prompt)
+    ours = _prefill_peak(model, make_prompt_cache(model, method, **params), prompt)
+    print(f"peak MB: kvq {method} {ours / 2**20:.1f}, mlx-lm q4 {quantized / 2**20:.1f}, fp16 {fp / 2**20:.1f}")
+    assert ours < quantized and ours < fp

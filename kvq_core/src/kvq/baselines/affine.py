@@ -86,7 +86,7 @@ class AffineMLX:
         On the CPU one block is decoded to float32 and multiplied with BLAS instead: MLX's CPU
         ``quantized_matmul`` is an order of magnitude slower, and the products are identical (fp32 scales).
         """
-        if _on_cpu():
+        if not _packed_matmul_ok(q):
             return q @ self.kvq_dequantize(keys.tokens(start, stop), mx.float32)[:, :, None].swapaxes(-1, -2)
         c, s, b = _block(keys, start, stop)
         p = keys.params
@@ -98,7 +98,7 @@ class AffineMLX:
         The block is decoded instead on the CPU (as above) and on CUDA, where MLX 0.32 has no
         ``quantized_matmul(transpose=False)`` for some shapes.
         """
-        if _on_cpu() or _on_cuda():
+        if _on_cpu() or not mx.metal.is_available():
             return p @ self.kvq_dequantize(values.tokens(start, stop), mx.float32)[:, :, None]
         c, s, b = _block(values, start, stop)
         vp = values.params
@@ -114,8 +114,15 @@ def _on_cpu() -> bool:
     return mx.default_device() == mx.cpu
 
 
-def _on_cuda() -> bool:
-    return not _on_cpu() and not mx.metal.is_available()
+def _packed_matmul_ok(q: mx.array) -> bool:
+    """Whether ``mx.quantized_matmul`` serves scores for these queries: on Metal always; on CUDA (MLX 0.32)
+    only for decode-sized query groups, since larger ones raise "No implementation for problem shape"."""
+    if _on_cpu():
+        return False
+    if mx.metal.is_available():
+        return True
+    rows_per_head = q.shape[-2] * q.shape[-3]  # n_rep * T_q
+    return rows_per_head <= 8
 
 
 def _block(encoded, start, stop):
