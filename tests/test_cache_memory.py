@@ -49,6 +49,19 @@ def _prefill_peak(model, cache, prompt) -> float:
     return mx.get_peak_memory() - base
 
 
+def _three_peaks(model, vocab, method, params):
+    """Peak bytes of an 8K-token prefill with mlx-lm's KVCache, its QuantizedKVCache (4-bit), and kvq."""
+    prompt = mx.random.randint(0, vocab, (8192,))
+    kvcache = mlx_cache.make_prompt_cache(model)
+    fp = _prefill_peak(model, kvcache, prompt)
+    assert sum(c.nbytes for c in kvcache) >= 100e6
+    del kvcache
+    quantized = _prefill_peak(model, [mlx_cache.QuantizedKVCache(64, 4) for _ in model.layers], prompt)
+    ours = _prefill_peak(model, make_prompt_cache(model, method, **params), prompt)
+    print(f"peak MB: kvq {method} {ours / 2**20:.1f}, mlx-lm q4 {quantized / 2**20:.1f}, KVCache {fp / 2**20:.1f}")
+    return fp, quantized, ours
+
+
 @pytest.mark.slow
 def test_prefill_peak_below_mlx_lm_caches():
     """8K-token prefill in chunks of 2048 through a random llama whose uncompressed KV cache is 201 MB.
@@ -58,14 +71,8 @@ def test_prefill_peak_below_mlx_lm_caches():
     per chunk; kvq walks the keys in blocks with an online softmax, so its peak stays near the model's own.
     """
     model = tiny_llama(hidden=256, layers=3, heads=8, kv_heads=8, vocab=256, dtype=mx.float32, head_dim=128)
-    prompt = mx.random.randint(0, 256, (8192,))
-    kvcache = mlx_cache.make_prompt_cache(model)
-    fp = _prefill_peak(model, kvcache, prompt)
-    assert sum(c.nbytes for c in kvcache) >= 100e6
-    del kvcache
-    quantized = _prefill_peak(model, [mlx_cache.QuantizedKVCache(64, 4) for _ in model.layers], prompt)
-    ours = _prefill_peak(model, make_prompt_cache(model, "affine", bits=4), prompt)
-    assert ours < 0.6 * quantized and ours < 0.5 * fp, (ours / 2**20, quantized / 2**20, fp / 2**20)
+    fp, quantized, ours = _three_peaks(model, 256, "affine", {"bits": 4})
+    assert ours < 0.6 * quantized and ours < 0.5 * fp
 
 
 @pytest.mark.gpu
@@ -73,12 +80,5 @@ def test_prefill_peak_below_mlx_lm_caches():
 def test_prefill_peak_below_mlx_lm_caches_fp16_on_gpu(method, params):
     """The same comparison with a float16 model (a real fp16 KV cache of 268 MB) on a GPU."""
     model = tiny_llama(hidden=1024, layers=4, heads=8, kv_heads=8, vocab=512, dtype=mx.float16, head_dim=128)
-    prompt = mx.random.randint(0, 512, (8192,))
-    kvcache = mlx_cache.make_prompt_cache(model)
-    fp = _prefill_peak(model, kvcache, prompt)
-    assert sum(c.nbytes for c in kvcache) >= 100e6
-    del kvcache
-    quantized = _prefill_peak(model, [mlx_cache.QuantizedKVCache(64, 4) for _ in model.layers], prompt)
-    ours = _prefill_peak(model, make_prompt_cache(model, method, **params), prompt)
-    print(f"peak MB: kvq {method} {ours / 2**20:.1f}, mlx-lm q4 {quantized / 2**20:.1f}, fp16 {fp / 2**20:.1f}")
+    fp, quantized, ours = _three_peaks(model, 512, method, params)
     assert ours < quantized and ours < fp
