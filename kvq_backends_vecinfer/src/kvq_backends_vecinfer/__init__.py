@@ -1,5 +1,38 @@
-"""kvq plugin for the vecinfer method (skeleton: the method lands with its own issue)."""
+"""kvq plugin: VecInfer KV-cache compression (Yao et al., VecInfer, arXiv 2510.06175).
+
+Method ``vecinfer``: keys are smoothed per channel and Hadamard-rotated (queries get the inverse smoothing and the
+same rotation, so scores are unchanged), values are rotated only; then product vector quantization: each vector is
+split into sub-vectors of ``sub_dim`` coordinates, each stored as the index of its nearest centroid in a k-means
+codebook of ``2**code_bits`` entries. ``code_bits / sub_dim`` bits per coordinate, nothing else per token.
+
+Codebooks and smoothing factors come from ``kvq calibrate --model M`` and are per layer, so the parameters carry
+the model id and the layer (:meth:`VecInferParams.for_layer`). Build caches with :func:`make_prompt_cache` (or
+``kvq.make_prompt_cache`` once it calls ``for_layer``). Modules: :mod:`.params`, :mod:`.impl` (quantize,
+dequantize, attend by lookup tables), :mod:`.vq`, :mod:`.hadamard`, :mod:`.kmeans`, :mod:`.storage` (files),
+:mod:`.collect` and :mod:`.calibrate` (calibration), :mod:`.cache`.
+"""
+
+from __future__ import annotations
+
+import kvq
+
+from .cache import bind_layers, make_prompt_cache
+from .impl import VecInferMLX
+from .params import VecInferParams
+from .storage import CalibrationError
+
+SOURCE = "Yao et al., VecInfer, arXiv 2510.06175"
+
+VECINFER = kvq.Method(
+    "vecinfer", VecInferParams,
+    "smoothing + Hadamard + product VQ with calibrated k-means codebooks, code_bits/sub_dim bits (e.g. 2, 1)",
+    source=SOURCE, needs_calibration=True)
+
+__all__ = ["VECINFER", "CalibrationError", "VecInferMLX", "VecInferParams", "bind_layers", "kvq_register",
+           "make_prompt_cache"]
 
 
 def kvq_register(register):
-    """Entry point ``vecinfer``: registers nothing yet."""
+    """Entry point ``vecinfer``: the method and its pure-MLX implementation."""
+    for obj in (VECINFER, VecInferMLX()):
+        register(obj)

@@ -108,11 +108,11 @@ def load_prompt_cache(file_name: str, *, expect: CacheConfig | None = None, retu
     cache, metadata = mlx_cache.load_prompt_cache(file_name, return_metadata=True)
     if expect is not None:
         for i, c in enumerate(cache):
-            got = getattr(c, "config", None)
-            if got is not None and (got.key_params, got.value_params) != (expect.key_params, expect.value_params):
+            got, want = getattr(c, "config", None), expect.for_layer(i)
+            if got is not None and (got.key_params, got.value_params) != (want.key_params, want.value_params):
                 raise ValueError(f"{file_name}: layer {i} holds keys {got.key_params!r} / values "
-                                 f"{got.value_params!r}, not the expected {expect.key_params!r} / "
-                                 f"{expect.value_params!r}")
+                                 f"{got.value_params!r}, not the expected {want.key_params!r} / "
+                                 f"{want.value_params!r}")
     return (cache, metadata) if return_metadata else cache
 
 
