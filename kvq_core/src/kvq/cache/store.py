@@ -80,7 +80,9 @@ class EncodedStore:
 
 
 class DenseBuffer:
-    """Uncompressed keys and values of at most ``capacity`` tokens, in arrays this buffer owns.
+    """Uncompressed keys and values of at most ``capacity`` tokens, in 16-bit arrays this buffer owns.
+
+    float16 and bfloat16 inputs are kept as they are; float32 inputs are stored as float16.
 
     Writing copies into preallocated arrays, so the buffer never keeps alive a larger array that a slice of
     the caller's input would point into (a prefill chunk, say): ``nbytes`` is what is really resident.
@@ -105,6 +107,8 @@ class DenseBuffer:
             raise ValueError(f"{self.length + n} tokens exceed this buffer's capacity of {self.capacity}")
         if n == 0:
             return
+        # uncompressed tokens are kept in 16 bits (DESIGN.md): float32 models (the CPU) are stored as float16
+        keys, values = (x.astype(mx.float16) if x.dtype == mx.float32 else x for x in (keys, values))
         if self.keys is None:
             self._allocate(keys, values)
         # mx.array(...) copies: a slice assignment covering the whole buffer would otherwise alias (and keep

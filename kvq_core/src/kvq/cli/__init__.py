@@ -8,6 +8,10 @@ import sys
 COMMANDS = {
     "list": ("kvq.cli.list_cmd", "plugins, methods, backends, and what runs on this machine"),
     "select": ("kvq.cli.select_cmd", "the implementation chosen per op for a shape, and why"),
+    "eval": ("kvq.cli.eval_cmd", "perplexity, KL, attention error, needle retrieval and memory per method"),
+    "generate": ("kvq.cli.generate_cmd", "generate with a real model and a compressed cache; speed, bytes, vs fp16"),
+    "demo": ("kvq.cli.demo_cmd", "the main job, no arguments: a 1,100-token prompt, the best ~3-bit cache against fp16"),
+    "calibrate": ("kvq.cli.calibrate_cmd", "codebooks and smoothing factors from a model's keys/values (vecinfer)"),
 }
 
 

@@ -1,0 +1,316 @@
+"""``kvq generate``: generate text with a real model and a compressed KV cache, and say what it cost.
+
+    kvq generate --method turboquant --bits 3 --prompt "Why is the sky blue?" --compare fp16
+
+Streams the generated text (``mlx_lm.stream_generate`` with a cache from ``kvq.make_prompt_cache``), then prints
+prompt and generation tokens/s, the KV bytes resident for the compressed cache and for fp16 (``nbytes`` and the
+measured growth of ``mx.get_active_memory``), the ratio, and with ``--compare fp16`` how well the method follows
+the fp16 cache: top-1 agreement and mean KL(fp16 || method) on the fp16 cache's greedy tokens, teacher-forced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import attrs
+import mlx.core as mx
+import numpy as np
+
+from .. import quality
+from .select_cmd import parse_param
+
+#: The reference cache: every token stored as a 16-bit float (no sinks or window held in the model's dtype).
+FP16 = {"method": "fp16", "sinks": 0, "window": 0}
+#: Prompt tokens per prefill step (mlx-lm uses 2048; on a 2-core CPU 512 was as fast, and holds less memory).
+PREFILL_STEP = 512
+
+
+@dataclass
+class Run:
+    """What one generation with one cache produced and cost.
+
+    ``nbytes`` and ``measured`` are the cache's bytes after generation: the layers' ``nbytes`` and the growth of
+    ``mx.get_active_memory`` from the empty cache to the filled one (everything else freed). ``logprobs`` holds
+    the float32 ``[V]`` distribution of every generated token when recorded (the reference run).
+    """
+
+    label: str
+    options: dict
+    tokens: list[int]
+    text: str
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tps: float
+    cached_tokens: int
+    nbytes: int
+    measured: int
+    logprobs: list[np.ndarray] = field(default_factory=list)
+    comparison: quality.Comparison | None = None
+
+
+def cache_options(args: argparse.Namespace) -> dict:
+    """``kvq.make_prompt_cache`` keyword arguments from the parsed command line."""
+    shared = dict(parse_param(p) for p in args.param)
+    if args.bits is not None:
+        shared["bits"] = args.bits
+    options = {"method": args.method, "sinks": args.sinks, "window": args.window, **shared}
+    if args.key_method or args.key_param:
+        options["key_method"] = args.key_method
+        options["key_params"] = dict(parse_param(p) for p in args.key_param)
+    if args.value_method or args.value_param:
+        options["value_method"] = args.value_method
+        options["value_params"] = dict(parse_param(p) for p in args.value_param)
+    return options
+
+
+def params_label(params) -> str:
+    """``"turboquant bits=3"``: the method with its bits and every parameter that differs from the default."""
+    shown = [f.name for f in attrs.fields(type(params))
+             if f.init and (f.name == "bits" or getattr(params, f.name) != _default(f, params))]
+    return " ".join([params.method, *(f"{name}={getattr(params, name)}" for name in shown)])
+
+
+def _default(field_: attrs.Attribute, params):
+    """The default of an attrs field, given the other values of ``params`` (for defaults that depend on them)."""
+    default = field_.default
+    if isinstance(default, attrs.Factory):
+        return default.factory(params) if default.takes_self else default.factory()
+    return default
+
+
+def cache_label(options: dict) -> str:
+    """One line naming the key and value methods of ``options`` (as :func:`cache_options` returns them)."""
+    from ..cache import make_config
+
+    config = make_config(**options)
+    keys, values = params_label(config.key_params), params_label(config.value_params)
+    return keys if keys == values else f"K {keys} / V {values}"
+
+
+def bits_per_coordinate(options: dict, model) -> tuple[float, float]:
+    """``(keys, values)`` bits per coordinate of the compressed tokens (``accounting(head_dim)``)."""
+    from ..cache import make_config
+
+    config = make_config(**options)
+    _, key_dim, value_dim = quality.kv_layout(model)
+    return (config.key_params.accounting(key_dim).bits_per_coordinate,
+            config.value_params.accounting(value_dim).bits_per_coordinate)
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    """The prompt text from ``--prompt`` or ``--prompt-file`` (``-`` reads standard input).
+
+    :raises ValueError: the file cannot be read, or the prompt is empty.
+    """
+    if args.prompt is not None:
+        text = args.prompt
+    elif args.prompt_file == "-":
+        text = sys.stdin.read()
+    else:
+        try:
+            text = Path(args.prompt_file).read_text()
+        except (OSError, UnicodeDecodeError) as error:
+            raise ValueError(f"cannot read --prompt-file {args.prompt_file}: {error}") from None
+    if not text.strip():
+        raise ValueError("the prompt is empty")
+    return text
+
+
+def prompt_ids(tokenizer, text: str, chat: bool | None) -> list[int]:
+    """Token ids of ``text``, wrapped in the tokenizer's chat template as one user message when ``chat``.
+
+    :param chat: ``None``: use the chat template when the tokenizer has one.
+    :raises ValueError: ``chat`` is True but the tokenizer has no chat template.
+    """
+    if chat is None:
+        chat = bool(getattr(tokenizer, "has_chat_template", False))
+    if not chat:
+        return list(tokenizer.encode(text))
+    if not getattr(tokenizer, "has_chat_template", False):
+        raise ValueError("--chat: this model's tokenizer has no chat template (use --no-chat)")
+    messages = [{"role": "user", "content": text}]
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def prefill(model, cache: list, ids: list[int], step: int = PREFILL_STEP, label: str = "") -> float:
+    """Run ``ids`` through the model into ``cache`` in chunks of ``step`` tokens; returns the seconds it took.
+
+    A progress bar (standard error, terminals only) shows the tokens done.
+    """
+    from tqdm import tqdm
+
+    start = time.perf_counter()
+    with tqdm(total=len(ids), unit="tok", desc=f"prefill {label}".strip(), leave=False, disable=None) as bar:
+        for first in range(0, len(ids), step):
+            model(mx.array(ids[first : first + step])[None], cache=cache)
+            mx.eval([layer.state for layer in cache])
+            mx.clear_cache()
+            bar.update(min(step, len(ids) - first))
+    return time.perf_counter() - start
+
+
+def run_cache(model, tokenizer, ids: list[int], options: dict, max_tokens: int, *, record: bool = False,
+              reference: Run | None = None, on_text: Callable[[str], None] | None = None) -> Run:
+    """Generate greedily from ``ids`` with a fresh kvq cache, measuring speed and bytes.
+
+    The prompt except its last token is prefilled here (timed); ``mlx_lm.stream_generate`` then runs on the last
+    token, as ``generate_step`` itself would. With ``reference``, a copy of the prefilled cache first replays the
+    reference's tokens (:func:`kvq.quality.compare_to_reference`); the copy is freed before bytes are measured.
+
+    :param options: ``kvq.make_prompt_cache`` keyword arguments (``method=``, ``bits=``, ``sinks=`` ...).
+    :param record: keep every generated token's log-probabilities (for use as a reference).
+    :param on_text: called with each new piece of text as it is generated.
+    :return: :class:`Run`.
+    :raises ValueError: bad method or parameters, or a head_dim the method does not support.
+    """
+    import mlx_lm
+
+    from ..cache import make_prompt_cache
+
+    cache = make_prompt_cache(model, **options)
+    label = cache_label(options)
+    before = quality.settle()
+    prefill_seconds = prefill(model, cache, ids[:-1], label=label)
+    comparison = None
+    if reference is not None:
+        forced = copy.deepcopy(cache)
+        comparison = quality.compare_to_reference(model, forced, ids[-1], reference.tokens, reference.logprobs)
+        del forced
+    tokens, pieces, logprobs = [], [], []
+    for response in mlx_lm.stream_generate(model, tokenizer, mx.array(ids[-1:]), max_tokens=max_tokens,
+                                           prompt_cache=cache):
+        tokens.append(response.token)
+        pieces.append(response.text)
+        if record:
+            logprobs.append(np.array(response.logprobs.astype(mx.float32)))
+        if on_text is not None:
+            on_text(response.text)
+        first_token_seconds, generation_tps = 1 / response.prompt_tps, response.generation_tps
+    del response
+    measured = quality.settle() - before
+    return Run(label, options, tokens, "".join(pieces), len(ids), len(ids) / (prefill_seconds + first_token_seconds),
+               generation_tps, cache[0].size(), quality.cache_nbytes(cache), measured, logprobs, comparison)
+
+
+def fp16_bytes(model, run: Run, reference: Run | None) -> tuple[int, int, str]:
+    """``(nbytes, measured, note)`` of an fp16 cache holding as many tokens as ``run``'s cache.
+
+    The reference run's own bytes when it holds that many tokens; otherwise an fp16 cache filled with zeros to
+    that length (:func:`kvq.quality.filled_cache_bytes`), which the note says.
+    """
+    if reference is not None and reference.cached_tokens == run.cached_tokens:
+        return reference.nbytes, reference.measured, ""
+    nbytes, measured = quality.filled_cache_bytes(model, run.cached_tokens, **FP16)
+    return nbytes, measured, f"fp16 bytes: an fp16 cache filled with the same {run.cached_tokens} tokens (not run)"
+
+
+def megabytes(n: int) -> str:
+    """``"12.35 MB"`` (10^6 bytes)."""
+    return f"{n / 1e6:.2f} MB"
+
+
+def summary_rows(model, run: Run, reference: Run | None) -> tuple[list[list[str]], list[str]]:
+    """Table rows (label, fp16, method) comparing ``run`` with fp16, and footnotes."""
+    ref_nbytes, ref_measured, note = fp16_bytes(model, run, reference)
+    kb, vb = bits_per_coordinate(run.options, model)
+    dash = "-"
+    rows = [
+        ["cache", "fp16", run.label],
+        ["bits/coordinate (K / V)", "16 / 16", f"{kb:.2f} / {vb:.2f}"],
+        ["prompt tokens/s", dash if reference is None else f"{reference.prompt_tps:.1f}", f"{run.prompt_tps:.1f}"],
+        ["generation tokens/s", dash if reference is None else f"{reference.generation_tps:.1f}",
+         f"{run.generation_tps:.1f}"],
+        ["tokens in cache", str(reference.cached_tokens if reference and not note else run.cached_tokens),
+         str(run.cached_tokens)],
+        ["KV bytes (nbytes)", megabytes(ref_nbytes), megabytes(run.nbytes)],
+        ["KV bytes (measured)", megabytes(ref_measured), megabytes(run.measured)],
+        ["compression vs fp16 (nbytes)", "1.00x", f"{ref_nbytes / run.nbytes:.2f}x"],
+        ["compression vs fp16 (measured)", "1.00x", f"{ref_measured / max(run.measured, 1):.2f}x"],
+    ]
+    if reference is not None and run.comparison is not None:
+        c = run.comparison
+        rows += [["top-1 agreement (fp16 tokens)", dash, f"{c.agreement}/{len(c)}"],
+                 ["mean KL(fp16 || method)", dash, f"{c.mean_kl:.4f} nats"],
+                 ["identical greedy prefix", dash,
+                  f"{quality.common_prefix(reference.tokens, run.tokens)}/{len(reference.tokens)} tokens"]]
+    notes = [note] if note else []
+    notes.append("measured: growth of mx.get_active_memory from the empty cache to the filled one (it also counts "
+                 "constants a method allocates once, such as rotations and codebooks)")
+    return rows, notes
+
+
+def render_table(rows: list[list[str]]) -> str:
+    """Plain-text table; the first row is the header, underlined."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+             for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def stream_to_stdout(text: str) -> None:
+    """Print a piece of generated text at once."""
+    print(text, end="", flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvq generate`` argument parser."""
+    p = argparse.ArgumentParser(prog="kvq generate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="mlx-lm folder, .gguf file or Hub id (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--method", default="affine", help="method for keys and values (see 'kvq list'; default affine)")
+    p.add_argument("--bits", type=int, default=None, help="shorthand for --param bits=B")
+    p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="method parameter, repeatable")
+    p.add_argument("--key-method", default=None, help="method for the keys only (e.g. qjl)")
+    p.add_argument("--value-method", default=None, help="method for the values only")
+    p.add_argument("--key-param", action="append", default=[], metavar="NAME=VALUE", help="keys' parameter")
+    p.add_argument("--value-param", action="append", default=[], metavar="NAME=VALUE", help="values' parameter")
+    p.add_argument("--sinks", type=int, default=4, help="first tokens kept uncompressed (default 4)")
+    p.add_argument("--window", type=int, default=128, help="recent tokens kept uncompressed (default 128)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", default=None, help="the prompt text")
+    source.add_argument("--prompt-file", default=None, help="read the prompt from a file ('-': standard input)")
+    p.add_argument("--max-tokens", type=int, default=100, help="most tokens to generate (default 100)")
+    p.add_argument("--compare", choices=["fp16"], default=None,
+                   help="also generate with an fp16 cache; report agreement and KL(fp16 || method)")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap the prompt in the chat template (default: when the tokenizer has one)")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    """Run ``kvq generate``; returns 0.
+
+    :raises ValueError: unknown model or method, bad parameters, a head_dim the method does not support, an
+        unreadable or empty prompt (the dispatcher prints it as one line and exits 1).
+    :raises TypeError: an unknown parameter name.
+    """
+    from .. import models
+    from ..cache import make_config, make_prompt_cache
+
+    args = build_parser().parse_args(argv)
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be at least 1; got {args.max_tokens}")
+    options = cache_options(args)
+    make_config(**options)  # bad methods and parameters fail before the model is loaded
+    text = read_prompt(args)
+    model, tokenizer = models.load(args.model)
+    ids = prompt_ids(tokenizer, text, args.chat)
+    make_prompt_cache(model, **options)  # a head_dim the method does not support fails before any output
+    reference = None
+    if args.compare:
+        print("--- fp16 ---", flush=True)
+        reference = run_cache(model, tokenizer, ids, FP16, args.max_tokens, record=True, on_text=stream_to_stdout)
+        print()
+    print(f"--- {cache_label(options)} ---", flush=True)
+    run = run_cache(model, tokenizer, ids, options, args.max_tokens, reference=reference, on_text=stream_to_stdout)
+    rows, notes = summary_rows(model, run, reference)
+    print("\n\n" + render_table(rows))
+    print("\n".join(notes))
+    return 0

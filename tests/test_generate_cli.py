@@ -1,0 +1,203 @@
+"""``kvq generate`` and ``kvq demo`` end to end; bad input gives one line on stderr and a non-zero exit."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_models import leftovers, write_tiny_gguf
+
+from kvq import models, quality
+from kvq.cli import main
+from kvq.cli.demo_cmd import demo_prompt
+
+# About 190 tokens: with a 16-token window most of them are compressed
+PROMPT = demo_prompt('The "raise" statement', "What does raise do?")[:800]
+
+
+@pytest.fixture(scope="session")
+def default_folder() -> Path:
+    """The default model's folder in the kvq cache of this machine ($KVQ_CACHE_DIR or platformdirs).
+
+    Unlike test_models.py, which converts into a fresh cache to test the conversion, these tests reuse the cached
+    conversion (made once per machine), as ``kvq demo`` does.
+    """
+    return models.default_model_path(progress=False)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    """An empty kvq cache for one test (for models converted from GGUF files written by the test)."""
+    monkeypatch.setenv("KVQ_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def row(text: str, label: str) -> list[str]:
+    """The cells after ``label`` in the summary table (two or more spaces separate cells)."""
+    line = next(line for line in text.splitlines() if line.startswith(label))
+    return re.split(r"\s{2,}", line[len(label):].strip())
+
+
+def one_line_error(capsys, command: str) -> str:
+    """The single line that a failed command wrote to standard error."""
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"kvq {command}: error: "), captured.err
+    return lines[0]
+
+
+# End to end on the default model -------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_generate_reports_speed_bytes_and_agreement(default_folder, capsys):
+    argv = ["generate", "--model", str(default_folder), "--method", "turboquant", "--bits", "3", "--sinks", "4",
+            "--window", "16", "--prompt", PROMPT, "--max-tokens", "6", "--compare", "fp16"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "--- fp16 ---" in out and "--- turboquant bits=3 ---" in out
+    for label in ("prompt tokens/s", "generation tokens/s"):
+        assert all(float(cell) > 0 for cell in row(out, label))
+    assert row(out, "bits/coordinate (K / V)") == ["16 / 16", "3.25 / 3.25"]
+    fp16_bytes, method_bytes = (float(cell.split()[0]) for cell in row(out, "KV bytes (nbytes)"))
+    measured = [float(cell.split()[0]) for cell in row(out, "KV bytes (measured)")]
+    assert method_bytes < fp16_bytes and measured[1] < measured[0]
+    assert float(row(out, "compression vs fp16 (nbytes)")[1].rstrip("x")) > 1.5
+    assert method_bytes == pytest.approx(measured[1], rel=0.1)  # nbytes is what is really resident
+    agreed, total = map(int, row(out, "top-1 agreement (fp16 tokens)")[1].split("/"))
+    assert total >= 1 and 0 <= agreed <= total
+    assert float(row(out, "mean KL(fp16 || method)")[1].split()[0]) >= 0
+
+
+@pytest.mark.slow
+def test_generate_without_compare_measures_an_fp16_cache_of_the_same_length(default_folder, capsys):
+    argv = ["generate", "--model", str(default_folder), "--key-method", "qjl", "--value-method", "affine",
+            "--value-param", "bits=3", "--window", "16", "--prompt", PROMPT, "--max-tokens", "3", "--no-chat"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "K qjl" in out and "V affine bits=3" in out
+    assert "an fp16 cache filled with the same" in out and "agreement" not in out
+    assert float(row(out, "compression vs fp16 (nbytes)")[1].rstrip("x")) > 1.5
+
+
+@pytest.mark.slow
+def test_demo_prints_answers_and_table(capsys):
+    start = time.perf_counter()
+    assert main(["demo"]) == 0
+    seconds = time.perf_counter() - start
+    out = capsys.readouterr().out
+    assert "fp16 cache answers:" in out and "kvq cache (turboquant bits=3) answers:" in out
+    for label in ("bits/coordinate (K / V)", "prompt tokens/s", "generation tokens/s", "KV bytes (nbytes)",
+                  "KV bytes (measured)", "top-1 agreement (fp16 tokens)", "mean KL(fp16 || method)"):
+        assert len(row(out, label)) == 2, label
+    assert float(row(out, "compression vs fp16 (nbytes)")[1].rstrip("x")) > 2.5
+    print(f"kvq demo took {seconds:.1f} s")  # shown with pytest -s; the target is under a minute on 2 CPU cores
+
+
+# A tiny random GGUF model: the whole pipeline, fast -------------------------------------------------------------
+
+def test_generate_on_a_tiny_gguf_model(tmp_path, cache, capsys):
+    source = tmp_path / "tiny.gguf"
+    write_tiny_gguf(source)
+    argv = ["generate", "--model", str(source), "--method", "turboquant", "--bits", "2", "--sinks", "0",
+            "--window", "0", "--prompt", "the the the the", "--max-tokens", "4", "--compare", "fp16"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "prompt tokens/s" in out and "KV bytes (measured)" in out and "top-1 agreement" in out
+    assert leftovers(cache) == []
+
+
+def test_teacher_forcing_replays_the_reference_and_leaves_the_cache_alone(tmp_path, cache):
+    from kvq.cli.generate_cmd import FP16, run_cache
+
+    source = tmp_path / "tiny.gguf"
+    write_tiny_gguf(source)
+    model, tokenizer = models.load(source, progress=False)
+    ids = tokenizer.encode("the the the the the")
+    reference = run_cache(model, tokenizer, ids, FP16, 6, record=True)
+    again = run_cache(model, tokenizer, ids, FP16, 6, reference=reference)
+    assert again.comparison.agreement == len(reference.tokens) == len(again.comparison)
+    assert again.comparison.mean_kl == pytest.approx(0, abs=1e-6)  # the same cache, forced or free
+    options = {"method": "turboquant", "bits": 2, "sinks": 0, "window": 0}
+    free = run_cache(model, tokenizer, ids, options, 6)
+    forced_first = run_cache(model, tokenizer, ids, options, 6, reference=reference)
+    assert forced_first.label == free.label == "turboquant bits=2"
+    assert forced_first.tokens == free.tokens and forced_first.nbytes == free.nbytes
+
+
+# Bad input: one line on stderr, exit 1, nothing half-written ----------------------------------------------------
+
+def test_unknown_model_path(cache, capsys):
+    assert main(["generate", "--model", "/no/such/model", "--prompt", "hi"]) == 1
+    assert "unknown model '/no/such/model'" in one_line_error(capsys, "generate")
+
+
+def test_gguf_of_unsupported_architecture(tmp_path, cache, capsys):
+    source = tmp_path / "other.gguf"
+    write_tiny_gguf(source, arch="gpt2")
+    assert main(["generate", "--model", str(source), "--prompt", "hi"]) == 1
+    assert "unsupported GGUF architecture 'gpt2'" in one_line_error(capsys, "generate")
+    assert leftovers(cache) == [] and not any((cache / "models").glob("other-*"))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_corrupt_gguf(tmp_path, cache, capsys, damage):
+    whole = tmp_path / "whole.gguf"
+    write_tiny_gguf(whole)
+    data = whole.read_bytes()
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"GGUF" + bytes(range(256)) * 8)
+    assert main(["generate", "--model", str(corrupt), "--prompt", "hi"]) == 1
+    assert "corrupt.gguf" in one_line_error(capsys, "generate")
+    assert leftovers(cache) == [] and not any((cache / "models").glob("corrupt-*"))
+
+
+@pytest.mark.slow
+def test_method_that_does_not_support_the_head_dim(default_folder, capsys):
+    argv = ["generate", "--model", str(default_folder), "--method", "affine", "--param", "group_size=128",
+            "--prompt", "hi", "--compare", "fp16"]
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""  # refused before anything was generated
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "group_size=128" in lines[0] and "64" in lines[0], captured.err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--method", "nope"], "method must be one of"),
+    (["--method", "affine", "--param", "colour=red"], "unknown parameter(s) colour"),
+    (["--method", "turboquant", "--bits", "9"], "bits"),
+    (["--prompt-file", "/no/such/prompt.txt"], "cannot read --prompt-file /no/such/prompt.txt"),
+    (["--max-tokens", "0"], "--max-tokens must be at least 1"),
+])
+def test_bad_options_fail_before_loading_a_model(argv, message, capsys, monkeypatch):
+    monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    if "--prompt-file" not in argv:
+        argv = [*argv, "--prompt", "hi"]
+    assert main(["generate", *argv]) == 1
+    assert message in one_line_error(capsys, "generate")
+
+
+def test_exit_code_and_stderr_of_the_installed_script(cache):
+    script = Path(sys.executable).parent / "kvq"
+    result = subprocess.run([str(script), "generate", "--model", "missing.gguf", "--prompt", "hi"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.strip().count("\n") == 0 and "unknown model 'missing.gguf'" in result.stderr
+
+
+# kvq.quality ----------------------------------------------------------------------------------------------------
+
+def test_kl_divergence_and_agreement_helpers():
+    p = np.log(np.array([[0.5, 0.25, 0.25], [1 / 3, 1 / 3, 1 / 3]]))
+    q = np.log(np.array([[0.25, 0.5, 0.25], [1 / 3, 1 / 3, 1 / 3]]))
+    np.testing.assert_allclose(quality.kl_divergence(p, q), [0.25 * np.log(2), 0.0], atol=1e-12)
+    assert quality.common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+    comparison = quality.Comparison((0.1, 0.3), (True, False))
+    assert comparison.mean_kl == pytest.approx(0.2) and comparison.agreement == 1 and len(comparison) == 2
+    with pytest.raises(ValueError, match="cannot be compared"):
+        quality.kl_divergence(p, q[:1])
