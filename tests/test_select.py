@@ -19,7 +19,7 @@ class FastForLongContext(AffineMLX):
         return problem.head_dim == 128
 
     def cost(self, problem):
-        return 1e-3 if problem.shape[2] > 16384 else 1.0
+        return 0.0 if problem.shape[2] > 16384 else 1.0
 
     def explain(self, problem):
         return "head_dim 128 only" if problem.head_dim != 128 else "fake crossover at 16384"

@@ -83,8 +83,9 @@ class AffineMLX:
     def scores(self, q, keys, start, stop):
         """Block protocol (:func:`kvq.attention.attend_encoded`): ``q @ K[start:stop]^T`` on packed codes.
 
-        On the CPU one block is decoded to float32 and multiplied with BLAS instead: MLX's CPU
-        ``quantized_matmul`` is an order of magnitude slower, and the products are identical (fp32 scales).
+        On the CPU and on CUDA one block is decoded to float32 and multiplied instead: MLX's CPU
+        ``quantized_matmul`` is an order of magnitude slower, its CUDA one lacks many shapes, and the products are
+        identical (fp32 scales).
         """
         if not _packed_matmul_ok(q):
             return q @ self.kvq_dequantize(keys.tokens(start, stop), mx.float32)[:, :, None].swapaxes(-1, -2)
@@ -95,10 +96,9 @@ class AffineMLX:
     def weighted_values(self, p, values, start, stop):
         """Block protocol: ``p @ V[start:stop]`` on packed codes.
 
-        The block is decoded instead on the CPU (as above) and on CUDA, where MLX 0.32 has no
-        ``quantized_matmul(transpose=False)`` for some shapes.
+        The block is decoded instead on the CPU and on CUDA (see :func:`_packed_matmul_ok`).
         """
-        if _on_cpu() or not mx.metal.is_available():
+        if not _packed_matmul_ok(p):
             return p @ self.kvq_dequantize(values.tokens(start, stop), mx.float32)[:, :, None]
         c, s, b = _block(values, start, stop)
         vp = values.params
@@ -115,14 +115,9 @@ def _on_cpu() -> bool:
 
 
 def _packed_matmul_ok(q: mx.array) -> bool:
-    """Whether ``mx.quantized_matmul`` serves scores for these queries: on Metal always; on CUDA (MLX 0.32)
-    only for decode-sized query groups, since larger ones raise "No implementation for problem shape"."""
-    if _on_cpu():
-        return False
-    if mx.metal.is_available():
-        return True
-    rows_per_head = q.shape[-2] * q.shape[-3]  # n_rep * T_q
-    return rows_per_head <= 8
+    """Whether ``mx.quantized_matmul`` serves scores: on Metal. Not on the CPU (slow) nor on CUDA, where MLX
+    0.32 raises "No implementation for problem shape" for float32 activations at many block sizes."""
+    return not _on_cpu() and mx.metal.is_available()
 
 
 def _block(encoded, start, stop):
