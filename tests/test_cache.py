@@ -47,6 +47,8 @@ def test_affine_8bit_top1_matches_fp16(llama_model):
     assert mx.array_equal(mx.argmax(ours, -1), mx.argmax(ref, -1)).item()
 
 
+@pytest.mark.skipif(mx.default_device() == mx.gpu and not mx.metal.is_available(),
+                    reason="mlx-lm's QuantizedKVCache raises on MLX 0.32 CUDA (quantized_matmul shapes)")
 def test_affine_matches_mlx_lm_quantized_cache_numerics(llama_model):
     """No sinks, no window: the same stored codes as mlx-lm's QuantizedKVCache, so close logits (teacher forced;
     mlx-lm attends in fp16, kvq in fp32)."""
