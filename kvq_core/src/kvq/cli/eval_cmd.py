@@ -1,0 +1,163 @@
+"""``kvq eval --methods fp16,affine:4,...``: quality and memory of methods on a model, against the fp16 cache.
+
+Protocol (REFERENCE_VALUES.md): windows of the text at fixed offsets; each window's context is prefilled in
+chunks of 512, then the next --score-tokens are scored by teacher forcing. Per method, against the fp16 cache
+on the same tokens in the same run: perplexity and its change, mean KL(fp16 || method), top-1 agreement,
+attention-output error per layer, needle retrieval, bits per coordinate, KV bytes (nbytes and measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+from ..evaluation import spec as spec_module
+
+EPILOG = "method strings:\n" + spec_module.__doc__.split("Grammar", 1)[1].split("\n", 1)[1] + """
+The fp16 cache is always run first as the reference (added if not listed). kvq caches keep --sinks first and
+--window last tokens uncompressed; their bits per coordinate exclude those tokens (the table also gives the
+effective bits at the context length). mlx-affine quantizes every token.
+"""
+
+
+def _ints(text: str, name: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ValueError(f"{name} must be positive integers separated by commas; got {text!r}")
+    return values
+
+
+def _depths(text: str) -> tuple[float, ...]:
+    if text.strip().lower() in ("", "none"):
+        return ()
+    try:
+        depths = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        depths = (-1.0,)
+    if not all(0 <= d <= 1 for d in depths):
+        raise ValueError(f"--needle-depths must be numbers in 0..1 separated by commas (or 'none'); got {text!r}")
+    return depths
+
+
+def _text(path: str | None) -> tuple[str, str]:
+    if path is None:
+        from ..textdata import language_reference
+
+        text, source = language_reference(), "Python language reference (pydoc_data.topics, sorted, joined)"
+    else:
+        try:
+            text, source = Path(path).read_text(encoding="utf-8"), str(path)
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--text: cannot read {path}: {exc}") from None
+    if not text.strip():
+        raise ValueError(f"--text: {source} is empty")
+    return text, source
+
+
+def _model_config(name: str | None) -> tuple[Path, dict]:
+    from ..models import resolve_model
+
+    path = resolve_model(name)
+    config = json.loads((path / "config.json").read_text())
+    config = config.get("text_config", config)
+    return path, config
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvq eval", description=__doc__, epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="model name, folder, .gguf or Hub id (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--methods", required=True, help="comma-separated method strings (see below)")
+    p.add_argument("--text", default=None, help="UTF-8 text file (default: the Python language reference)")
+    p.add_argument("--context", default="2048", help="context lengths, comma-separated (default 2048)")
+    p.add_argument("--windows", type=int, default=3, help="text windows per context (default 3)")
+    p.add_argument("--score-tokens", type=int, default=256, help="tokens scored per window (default 256)")
+    p.add_argument("--chunk", type=int, default=512, help="prefill chunk size (default 512)")
+    p.add_argument("--sinks", type=int, default=4, help="kvq caches: uncompressed first tokens (default 4)")
+    p.add_argument("--window", type=int, default=128, help="kvq caches: uncompressed last tokens (default 128)")
+    p.add_argument("--needle-depths", default="0.1,0.5,0.9", help="needle trials, depths in 0..1 ('none': skip)")
+    p.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON (after every method)")
+    p.add_argument("--markdown", default=None, metavar="OUT", help="write the tables as markdown")
+    p.add_argument("--plot", default=None, metavar="OUT.png", help="plot PPL change and KL vs bits per coordinate")
+    p.add_argument("--mlx-quantized-matmul", action="store_true",
+                   help="mlx-affine attention through mlx-lm's quantized_matmul path even on CPU (slow there; the "
+                        "default on CPU is dequantize + float attention, the same products)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def check(args) -> tuple[list, list[int], str, str, Path, dict]:
+    """Every input check that needs no model weights. :raises ValueError: the first bad input, named."""
+    contexts = _ints(args.context, "--context")
+    for name in ("windows", "score_tokens", "chunk"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
+    if args.sinks < 0 or args.window < 0:
+        raise ValueError("--sinks and --window must be >= 0")
+    _depths(args.needle_depths)
+    text, source = _text(args.text)
+    specs = spec_module.parse_methods(args.methods, sinks=args.sinks, window=args.window)
+    path, config = _model_config(args.model)
+    limit = config.get("max_position_embeddings")
+    if limit is not None and max(contexts) > limit:
+        raise ValueError(f"--context {max(contexts)} is longer than the model's max_position_embeddings ({limit})")
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    for spec in specs:
+        spec_module.validate(spec, head_dim, args.sinks, args.window)
+    return specs, contexts, text, source, path, config
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    specs, contexts, text, source, path, config = check(args)
+    import mlx.core as mx
+
+    from ..evaluation import EvalSettings, Evaluation, report
+    from ..models import load
+
+    model, tokenizer = load(path)
+    text_ids = list(tokenizer.encode(text, add_special_tokens=False))
+    limit = config.get("max_position_embeddings")
+    notes = [f"context {c} + {args.score_tokens} scored tokens exceed max_position_embeddings {limit}"
+             for c in contexts if limit is not None and c + args.score_tokens > limit]
+    for note in notes:
+        print(f"kvq eval: note: {note}", file=sys.stderr)
+    document = {"meta": {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": "kvq eval " + " ".join(argv), "model": args.model or "SmolLM2-135M-Instruct",
+        "model_path": str(path), "model_dtype": str(model.layers[0].self_attn.q_proj.weight.dtype),
+        "text": source, "text_tokens": len(text_ids), "versions": report.versions(), "notes": notes,
+    }, "runs": []}
+    for context in contexts:
+        settings = EvalSettings(context, args.windows, args.score_tokens, args.chunk, args.sinks, args.window,
+                                _depths(args.needle_depths), dequantize_mlx=(mx.default_device() == mx.cpu
+                                                                            and not args.mlx_quantized_matmul),
+                                progress=not args.no_progress)
+        evaluation = Evaluation(model, tokenizer, text_ids, settings)
+        run = {"settings": _settings_dict(settings), "offsets": evaluation.offsets, "rows": []}
+        document["runs"].append(run)
+
+        def save(row, run=run):
+            run["rows"].append(row)
+            if args.json:
+                report.write_json(document, args.json)
+
+        evaluation.run(specs, on_row=save)
+    print(report.markdown(document))
+    if args.markdown:
+        Path(args.markdown).write_text(report.markdown_file(document))
+    if args.plot:
+        report.plot(document, args.plot)
+    return 0
+
+
+def _settings_dict(settings) -> dict:
+    import attrs
+
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in attrs.asdict(settings).items()}

@@ -1,0 +1,187 @@
+"""One evaluation at one context length: every method on the same windows, against the fp16 reference run.
+
+The reference (``fp16``) runs first; its log-probabilities, and at window 0 its keys, values and queries, are kept
+so that every later method is compared on the same tokens in the same process.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Callable
+
+import attrs
+import mlx.core as mx
+from tqdm import tqdm
+
+from .attention_error import AttentionHook, LayerReference, dense_kv
+from .needle import CODES, greedy_answer, is_match, needle_prompt
+from .perplexity import prefill, score, summarize, token_metrics, window_offsets
+from .spec import MethodSpec, bits_per_coordinate, make_cache
+
+#: Bits of an uncompressed coordinate (sinks, window) when quoting effective bits: a float16 model's.
+DENSE_BITS = 16
+
+
+@attrs.frozen
+class EvalSettings:
+    """How one context length is evaluated (the defaults are the protocol of REFERENCE_VALUES.md).
+
+    :param context: tokens prefilled before the scored ones.
+    :param windows: text windows (at fixed offsets, see :func:`window_offsets`).
+    :param score_tokens: tokens scored per window, in one teacher-forced forward pass.
+    :param chunk: prefill chunk size.
+    :param sinks, window: kvq caches' uncompressed first and last tokens (a method string may override them).
+    :param needle_depths: one needle trial per depth (0..1) at ``context`` tokens; empty: no needle test.
+    :param dequantize_mlx: serve mlx-affine attention as dequantize + float attention (same products; MLX's
+        CPU quantized_matmul is slow).
+    :param progress: show a tqdm progress bar on stderr.
+    """
+
+    context: int
+    windows: int = 3
+    score_tokens: int = 256
+    chunk: int = 512
+    sinks: int = 4
+    window: int = 128
+    needle_depths: tuple[float, ...] = (0.1, 0.5, 0.9)
+    dequantize_mlx: bool = True
+    progress: bool = True
+
+
+def _head_dim(model) -> int:
+    args = model.args
+    return getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+
+
+def _eos_ids(tokenizer) -> set[int]:
+    ids = getattr(tokenizer, "eos_token_ids", None) or {tokenizer.eos_token_id}
+    return {int(i) for i in ids}
+
+
+class Evaluation:
+    """Runs :class:`MethodSpec` rows one after the other (the first must be the fp16 reference)."""
+
+    def __init__(self, model, tokenizer, text_ids: list[int], settings: EvalSettings) -> None:
+        self.model, self.tokenizer, self.settings = model, tokenizer, settings
+        s = settings
+        self.head_dim = _head_dim(model)
+        self.offsets = window_offsets(len(text_ids), s.context + s.score_tokens + 1, s.windows)
+        self.windows = [mx.array(text_ids[o : o + s.context + s.score_tokens + 1]) for o in self.offsets]
+        self.needles = [needle_prompt(tokenizer, text_ids[self.offsets[i % s.windows]:], s.context, depth,
+                                      CODES[i % len(CODES)]) for i, depth in enumerate(s.needle_depths)]
+        self.reference_logprobs: list[mx.array] = []
+        self.reference_nll: list[mx.array] = []
+        self.layers: LayerReference | None = None
+        self.reference_row: dict | None = None
+
+    @property
+    def steps_per_method(self) -> int:
+        return self.settings.windows + 1 + len(self.settings.needle_depths)
+
+    def run(self, specs: list[MethodSpec], on_row: Callable[[dict], None] | None = None) -> list[dict]:
+        """Evaluate ``specs`` (fp16 first); ``on_row`` is called with each finished row."""
+        rows = []
+        bar = tqdm(total=len(specs) * self.steps_per_method, desc=f"kvq eval {self.settings.context}",
+                   unit="step", disable=not self.settings.progress, dynamic_ncols=True)
+        with AttentionHook(self.model, self.settings.dequantize_mlx) as hook, bar:
+            for spec in specs:
+                rows.append(self.run_one(spec, hook, bar))
+                if on_row is not None:
+                    on_row(rows[-1])
+        return rows
+
+    def run_one(self, spec: MethodSpec, hook: AttentionHook, bar) -> dict:
+        """All measurements of one method string; returns its row."""
+        s, start = self.settings, time.perf_counter()
+        sinks, window = spec.sinks_window(s.sinks, s.window)
+        per_window, seconds, memory = [], {"prefill": [], "score": []}, None
+        for w, ids in enumerate(self.windows):
+            bar.set_postfix_str(f"{spec.label}: window {w + 1}/{s.windows}")
+            metrics, mem = self._window(spec, hook, w, ids, seconds)
+            per_window.append(metrics)
+            memory = memory or mem
+            bar.update(1)
+        bar.set_postfix_str(f"{spec.label}: attention error")
+        t = time.perf_counter()
+        errors = self.layers.errors(spec, hook, s.sinks, s.window)
+        seconds["attention_error"] = time.perf_counter() - t
+        bar.update(1)
+        t = time.perf_counter()
+        needle = self._needles(spec, bar)
+        seconds["needle"] = time.perf_counter() - t
+        seconds["total"] = time.perf_counter() - start
+        row = self._row(spec, sinks, window, summarize(per_window, self.reference_nll), errors, needle, memory)
+        row["seconds"] = seconds
+        self.reference_row = self.reference_row or row
+        return row
+
+    def _window(self, spec, hook, w, ids, seconds):
+        s = self.settings
+        gc.collect()
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        t = time.perf_counter()
+        cache = make_cache(self.model, spec, s.sinks, s.window)
+        prefill(self.model, cache, ids[: s.context], s.chunk)
+        seconds["prefill"].append(time.perf_counter() - t)
+        memory = {"kv_bytes": sum(c.nbytes for c in cache), "active_memory_growth": mx.get_active_memory() - before,
+                  "peak_memory_growth": mx.get_peak_memory() - before}
+        record = self.layers is None and w == 0
+        hook.recording = {} if record else None
+        t = time.perf_counter()
+        logprobs = score(self.model, cache, ids[s.context : -1])
+        seconds["score"].append(time.perf_counter() - t)
+        if record:
+            self._record_layers(hook.recording, cache)
+            hook.recording = None
+        if len(self.reference_logprobs) <= w:  # the reference run
+            self.reference_logprobs.append(logprobs)
+        metrics = token_metrics(self.reference_logprobs[w], logprobs, ids[s.context + 1 :])
+        mx.eval(metrics)
+        if len(self.reference_nll) <= w:
+            self.reference_nll.append(metrics["nll"])
+        return metrics, memory
+
+    def _record_layers(self, recording: dict, cache: list) -> None:
+        queries = [recording[id(c)] for c in cache]
+        kv = [dense_kv(c) for c in cache]
+        scales = [layer.self_attn.scale for layer in self.model.layers]
+        mx.eval(queries, kv)
+        self.layers = LayerReference(kv, queries, scales, self.settings.context, self.settings.chunk)
+
+    def _needles(self, spec, bar) -> dict:
+        s, trials = self.settings, []
+        for depth, prompt, i in zip(s.needle_depths, self.needles, range(len(self.needles))):
+            bar.set_postfix_str(f"{spec.label}: needle at depth {depth:g}")
+            cache = make_cache(self.model, spec, s.sinks, s.window)
+            eos = _eos_ids(self.tokenizer)
+            answer_ids = greedy_answer(self.model, cache, prompt, s.chunk, eos)
+            answer = self.tokenizer.decode([t for t in answer_ids if t not in eos])
+            code = CODES[i % len(CODES)]
+            trials.append({"depth": depth, "code": code, "answer": answer, "match": is_match(answer, code),
+                           "prompt_tokens": len(prompt)})
+            del cache
+            bar.update(1)
+        rate = sum(t["match"] for t in trials) / len(trials) if trials else None
+        return {"rate": rate, "trials": trials}
+
+    def _row(self, spec, sinks, window, quality, errors, needle, memory) -> dict:
+        key_bits, value_bits = bits_per_coordinate(spec, self.head_dim)
+        bits = (key_bits + value_bits) / 2
+        dense = min(sinks + window, self.settings.context)
+        effective = ((self.settings.context - dense) * bits + dense * DENSE_BITS) / self.settings.context
+        ref = self.reference_row or {**memory}
+        return {
+            "method": spec.label, "cache": "mlx-lm QuantizedKVCache" if spec.is_mlx else "kvq KVQCache",
+            "key_method": spec.key_method, "value_method": spec.value_method,
+            "key_params": spec.key_params, "value_params": spec.value_params, "sinks": sinks, "window": window,
+            "bits_per_coordinate": bits, "key_bits_per_coordinate": key_bits,
+            "value_bits_per_coordinate": value_bits, "effective_bits_per_coordinate": effective,
+            **quality,
+            "attention_error": {"mean": sum(errors) / len(errors), "max": max(errors), "per_layer": errors},
+            "needle": needle,
+            **memory,
+            "kv_bytes_ratio": memory["kv_bytes"] / ref["kv_bytes"],
+            "memory_ratio": memory["active_memory_growth"] / max(ref["active_memory_growth"], 1),
+        }

@@ -1,0 +1,121 @@
+"""Reports of ``kvq eval``: a markdown table per context, the JSON document, and the quality-vs-bits plot."""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+MIB = 2**20
+COLUMNS = ("method", "bits/coord K, V (eff.)", "PPL", "ΔPPL", "KL", "top-1", "attn err mean / max", "needle",
+           "KV MiB (ratio)", "measured MiB (ratio)", "s / window")
+
+
+def versions() -> dict:
+    """Versions of Python, the platform and the packages the numbers depend on."""
+    import mlx.core as mx
+
+    found = {"python": sys.version.split()[0], "platform": platform.platform(), "mlx_device": str(mx.default_device())}
+    for dist in ("kvq-core", "kvq-backends-turboquant", "kvq-backends-qjl", "mlx", "mlx-lm", "transformers"):
+        try:
+            found[dist] = version(dist)
+        except PackageNotFoundError:
+            pass
+    return found
+
+
+def _row(r: dict) -> list[str]:
+    needle = r["needle"]["rate"]
+    seconds = r["seconds"]
+    per_window = (sum(seconds["prefill"]) + sum(seconds["score"])) / len(seconds["prefill"])
+    key, value = r["key_bits_per_coordinate"], r["value_bits_per_coordinate"]
+    bits = f"{key:.3g}" if key == value else f"{key:.3g}, {value:.3g}"
+    return [
+        r["method"], f"{bits} ({r['effective_bits_per_coordinate']:.3g})", f"{r['ppl']:.3f}",
+        f"{100 * r['ppl_change']:+.1f}%", f"{r['kl']:.4f}", f"{100 * r['top1_agreement']:.1f}%",
+        f"{r['attention_error']['mean']:.4f} / {r['attention_error']['max']:.4f}",
+        "-" if needle is None else f"{sum(t['match'] for t in r['needle']['trials'])}/{len(r['needle']['trials'])}",
+        f"{r['kv_bytes'] / MIB:.1f} ({r['kv_bytes_ratio']:.2f})",
+        f"{r['active_memory_growth'] / MIB:.1f} ({r['memory_ratio']:.2f})", f"{per_window:.1f}",
+    ]
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """The rows of one context as a markdown table (the reference, fp16, first)."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_row(r)) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def markdown(document: dict) -> str:
+    """All contexts of a run: a heading, the settings in one line, and a table each; then the notes."""
+    parts = []
+    for run in document["runs"]:
+        s = run["settings"]
+        parts.append(f"### {s['context']} tokens of context, {s['windows']} windows x {s['score_tokens']} scored "
+                     f"tokens (offsets {', '.join(map(str, run['offsets']))}), needle depths "
+                     f"{', '.join(f'{d:g}' for d in s['needle_depths']) or 'none'}\n")
+        parts.append(markdown_table(run["rows"]) + "\n")
+    parts.append(NOTES)
+    return "\n".join(parts)
+
+
+NOTES = """Columns: bits/coord = stored bits per coordinate of compressed tokens (codes + norms + scales; sinks and \
+window excluded), for keys and values; eff. = averaged over the context with sinks and window counted at 16 bits. \
+ΔPPL and KL(fp16 || method) are against the fp16 cache on the same tokens; top-1 = argmax agreement with it. \
+attn err = relative error of each layer's attention output on the fp16 run's keys, values and queries (window 0, \
+scored tokens), mean and max over layers. needle = greedy exact matches. KV MiB = the caches' nbytes after \
+prefill; measured = growth of mx.get_active_memory() while filling; ratios are to fp16. s / window = prefill + \
+scoring seconds per window."""
+
+
+def markdown_file(document: dict) -> str:
+    """A results file: title, the exact command, model, text and versions, then :func:`markdown`."""
+    meta = document["meta"]
+    found = ", ".join(f"{k} {v}" for k, v in meta["versions"].items())
+    lines = [f"# kvq eval, {meta['date']}", "", f"`{meta['command']}`", "",
+             f"Model: {meta['model']} ({meta['model_dtype']}). Text: {meta['text']}, {meta['text_tokens']} tokens.",
+             f"Versions: {found}.", *(f"Note: {note}." for note in meta["notes"]), "", markdown(document)]
+    return "\n".join(lines) + "\n"
+
+
+def write_json(document: dict, path: str | Path) -> None:
+    """Write the document (``{"meta": ..., "runs": [...]}``) as indented JSON."""
+    Path(path).write_text(json.dumps(document, indent=2) + "\n")
+
+
+def plot(document: dict, path: str | Path) -> None:
+    """Quality vs bits per coordinate: PPL change and KL per method, one row of panels per context.
+
+    :raises ValueError: matplotlib is not installed (``pip install matplotlib``).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ValueError(f"--plot needs matplotlib (pip install 'matplotlib>=3.8'): {exc}") from None
+    runs = document["runs"]
+    fig, axes = plt.subplots(len(runs), 2, figsize=(12, 4.5 * len(runs)), squeeze=False)
+    for (ax_ppl, ax_kl), run in zip(axes, runs):
+        for r in run["rows"]:
+            x = r["bits_per_coordinate"]
+            marker = "s" if r["cache"].startswith("mlx") else "o"
+            for ax, y in ((ax_ppl, 100 * r["ppl_change"]), (ax_kl, r["kl"])):
+                ax.scatter(x, y, marker=marker)
+                ax.annotate(r["method"], (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
+        context = run["settings"]["context"]
+        ax_ppl.set(xlabel="bits per coordinate (K, V mean; sinks/window excluded)", ylabel="PPL change vs fp16 (%)",
+                   title=f"perplexity change, {context} context", yscale="symlog")
+        ax_kl.set(xlabel="bits per coordinate (K, V mean; sinks/window excluded)", ylabel="mean KL(fp16 || method)",
+                  title=f"KL divergence, {context} context", yscale="symlog")
+        ax_kl.set_yscale("symlog", linthresh=1e-4)
+        for ax in (ax_ppl, ax_kl):
+            ax.grid(alpha=0.3)
+    fig.suptitle(f"kvq eval: {document['meta']['model']} (squares: mlx-lm's own QuantizedKVCache)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

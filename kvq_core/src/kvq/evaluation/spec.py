@@ -1,0 +1,256 @@
+"""Method strings of ``kvq eval``: parsing, validation, and the caches they build.
+
+Grammar (``METHODS`` is what ``--methods`` takes; commas inside ``[...]`` do not separate methods)::
+
+    METHODS := SPEC { "," SPEC }
+    SPEC    := SIDE [ "+" SIDE ]            keys "+" values: qjl+affine:2 = keys qjl, values affine 2-bit
+    SIDE    := NAME [ ":" BITS ] [ "[" OPTIONS "]" ]
+    BITS    := INT | "k" INT "v" INT         affine:k8v4 = keys 8-bit, values 4-bit (one NAME only)
+    OPTIONS := KEY "=" VALUE { "," KEY "=" VALUE }
+                                            method parameters (qjl[sketch_dim=64]); sinks= and window=
+                                            set the cache's uncompressed first/last tokens instead
+    NAME    := an installed method (fp16, affine, turboquant, ...) or mlx-affine: mlx-lm's own
+               QuantizedKVCache (group_size 64 unless given), a baseline with no sinks and no window
+
+Examples: ``fp16``, ``affine:4``, ``affine:k8v4``, ``turboquant:3[rotation=qr]``, ``qjl[sketch_dim=128]+affine:4``,
+``affine:8[sinks=0,window=0]``, ``mlx-affine:4[group_size=32]``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import attrs
+
+#: The name of mlx-lm's own QuantizedKVCache in method strings.
+MLX_AFFINE = "mlx-affine"
+MLX_BITS = (2, 3, 4, 5, 6, 8)
+MLX_GROUP_SIZES = (32, 64, 128)
+CACHE_OPTIONS = ("sinks", "window")
+_SIDE = re.compile(r"^(?P<name>[A-Za-z_][\w-]*)(?::(?P<bits>[^\[\]]+))?(?:\[(?P<options>[^\[\]]*)\])?$")
+_SPLIT_BITS = re.compile(r"^k(\d+)v(\d+)$")
+
+
+@attrs.frozen
+class MethodSpec:
+    """One parsed method string: what to store for keys and values, and how the cache holds them.
+
+    :param label: the string as written (the row name in reports).
+    :param key_method: method of the keys (``mlx-affine`` for mlx-lm's QuantizedKVCache).
+    :param value_method: method of the values.
+    :param key_params: keyword parameters of the keys' method (``{"bits": 4}``).
+    :param value_params: keyword parameters of the values' method.
+    :param cache_options: ``sinks``/``window`` overrides of the run's defaults (kvq caches only).
+    """
+
+    label: str
+    key_method: str
+    value_method: str
+    key_params: dict = attrs.field(factory=dict)
+    value_params: dict = attrs.field(factory=dict)
+    cache_options: dict = attrs.field(factory=dict)
+
+    @property
+    def is_mlx(self) -> bool:
+        """True for mlx-lm's own QuantizedKVCache."""
+        return self.key_method == MLX_AFFINE
+
+    def mlx_settings(self) -> tuple[int, int]:
+        """``(bits, group_size)`` of an ``mlx-affine`` spec (mlx-lm's defaults: 8 bits, group 64)."""
+        return self.key_params.get("bits", 8), self.key_params.get("group_size", 64)
+
+    def cache_kwargs(self, sinks: int, window: int) -> dict:
+        """Keyword arguments of :func:`kvq.make_prompt_cache` / :func:`kvq.cache.make_config` (kvq specs)."""
+        options = {"sinks": sinks, "window": window, **self.cache_options}
+        return dict(method=None, key_method=self.key_method, value_method=self.value_method,
+                    key_params=dict(self.key_params), value_params=dict(self.value_params), **options)
+
+    def sinks_window(self, sinks: int, window: int) -> tuple[int, int]:
+        """Uncompressed first and last tokens of this spec's cache (0, 0 for mlx-affine)."""
+        if self.is_mlx:
+            return 0, 0
+        options = {"sinks": sinks, "window": window, **self.cache_options}
+        return options["sinks"], options["window"]
+
+
+def split_methods(text: str) -> list[str]:
+    """``"a,b[x=1,y=2],c"`` -> ``["a", "b[x=1,y=2]", "c"]``. :raises ValueError: unbalanced brackets."""
+    parts, depth, current = [], 0, ""
+    for char in text:
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if depth < 0 or depth > 1:
+            raise ValueError(f"--methods: unbalanced '[' or ']' in {text!r}")
+        if char == "," and depth == 0:
+            parts.append(current.strip())
+            current = ""
+        else:
+            current += char
+    if depth:
+        raise ValueError(f"--methods: unclosed '[' in {text!r}")
+    parts.append(current.strip())
+    if not any(parts) or not all(parts):
+        raise ValueError(f"--methods: empty method in {text!r} (write e.g. fp16,affine:4)")
+    return parts
+
+
+def _value(raw: str) -> Any:
+    """``"3"`` -> 3, ``"0.5"`` -> 0.5, ``"true"`` -> True, ``"none"`` -> None, else the string."""
+    for convert in (int, float):
+        try:
+            return convert(raw)
+        except ValueError:
+            pass
+    return {"true": True, "false": False, "none": None}.get(raw.lower(), raw)
+
+
+def _options(text: str | None, spec: str) -> dict:
+    options = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip() or not raw.strip():
+            raise ValueError(f"method {spec!r}: option {item.strip()!r} must look like NAME=VALUE")
+        options[key.strip()] = _value(raw.strip())
+    return options
+
+
+def _side(text: str, spec: str) -> tuple[str, dict, dict, dict]:
+    """One SIDE -> ``(name, key_params, value_params, cache_options)``."""
+    match = _SIDE.match(text.strip())
+    if not match:
+        raise ValueError(f"method {spec!r}: cannot parse {text.strip()!r}; expected NAME[:BITS][[NAME=VALUE,...]] "
+                         "(e.g. affine:4, affine:k8v4, qjl[sketch_dim=64]+affine:4)")
+    options = _options(match["options"], spec)
+    cache = {k: options.pop(k) for k in CACHE_OPTIONS if k in options}
+    key_params, value_params = dict(options), dict(options)
+    bits = match["bits"]
+    if bits is not None and "bits" in options:
+        raise ValueError(f"method {spec!r}: bits given twice (':{bits}' and '[bits=...]')")
+    if bits is not None:
+        split = _SPLIT_BITS.match(bits)
+        if split:
+            key_params["bits"], value_params["bits"] = int(split[1]), int(split[2])
+        elif bits.isdigit():
+            key_params["bits"] = value_params["bits"] = int(bits)
+        else:
+            raise ValueError(f"method {spec!r}: bits {bits!r} must be an integer (affine:4) or kNvM (affine:k8v4)")
+    return match["name"], key_params, value_params, cache
+
+
+def parse_method(spec: str) -> MethodSpec:
+    """Parse one method string (see the module docstring); syntax only, no registry look-up.
+
+    :raises ValueError: the string does not follow the grammar (the message quotes it and shows the form).
+    """
+    sides = spec.split("+")
+    if len(sides) > 2:
+        raise ValueError(f"method {spec!r}: at most one '+' (keys+values)")
+    parsed = [_side(side, spec) for side in sides]
+    if len(parsed) == 1:
+        name, kp, vp, cache = parsed[0]
+        return MethodSpec(spec, name, name, kp, vp, cache)
+    (k_name, kp, kvp, k_cache), (v_name, vkp, vp, v_cache) = parsed
+    if kp != kvp or vkp != vp:
+        raise ValueError(f"method {spec!r}: kNvM bits are for one method on both sides; with '+' give each side "
+                         "its own bits (qjl+affine:4)")
+    if MLX_AFFINE in (k_name, v_name):
+        raise ValueError(f"method {spec!r}: {MLX_AFFINE} is mlx-lm's cache for keys and values together; it cannot "
+                         "be combined with '+'")
+    clash = {k for k in k_cache.keys() & v_cache.keys() if k_cache[k] != v_cache[k]}
+    if clash:
+        raise ValueError(f"method {spec!r}: the two sides set {', '.join(sorted(clash))} differently")
+    return MethodSpec(spec, k_name, v_name, kp, vp, {**k_cache, **v_cache})
+
+
+def _check_mlx(spec: MethodSpec, head_dim: int | None) -> None:
+    if spec.cache_options:
+        raise ValueError(f"method {spec.label!r}: {MLX_AFFINE} has no sinks or window (mlx-lm's QuantizedKVCache "
+                         "quantizes every token)")
+    if spec.key_params != spec.value_params:
+        raise ValueError(f"method {spec.label!r}: {MLX_AFFINE} uses the same bits for keys and values")
+    unknown = set(spec.key_params) - {"bits", "group_size"}
+    if unknown:
+        raise ValueError(f"method {spec.label!r}: unknown parameter(s) {', '.join(sorted(unknown))} for "
+                         f"{MLX_AFFINE}; allowed: bits, group_size")
+    bits, group_size = spec.mlx_settings()
+    if bits not in MLX_BITS or group_size not in MLX_GROUP_SIZES:
+        raise ValueError(f"method {spec.label!r}: {MLX_AFFINE} needs bits in {MLX_BITS} and group_size in "
+                         f"{MLX_GROUP_SIZES}; got bits={bits}, group_size={group_size}")
+    if head_dim is not None and head_dim % group_size:
+        raise ValueError(f"method {spec.label!r}: group_size {group_size} does not divide head_dim {head_dim}")
+
+
+def validate(spec: MethodSpec, head_dim: int | None = None, sinks: int = 4, window: int = 128) -> None:
+    """Check a spec against the installed methods (and ``head_dim`` when known), without building a cache.
+
+    :raises ValueError: unknown method (the installed ones are listed), parameter out of range, or a head_dim
+        the method does not support; the message starts with the method string.
+    """
+    if spec.is_mlx or spec.value_method == MLX_AFFINE:
+        return _check_mlx(spec, head_dim)
+    from ..cache import make_config
+
+    try:
+        config = make_config(**spec.cache_kwargs(sinks, window))
+        if head_dim is not None:
+            config.check_head_dim(head_dim)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"method {spec.label!r}: {exc}") from None
+
+
+def parse_methods(text: str, head_dim: int | None = None, sinks: int = 4, window: int = 128) -> list[MethodSpec]:
+    """Parse and validate ``--methods``; ``fp16`` (the reference) is put first, added if missing.
+
+    :raises ValueError: a string that does not parse, an unknown method or parameter, a duplicate label.
+    """
+    specs = [parse_method(s) for s in split_methods(text)]
+    labels = [s.label for s in specs]
+    duplicates = sorted({label for label in labels if labels.count(label) > 1})
+    if duplicates:
+        raise ValueError(f"--methods: {', '.join(duplicates)} given more than once")
+    for spec in specs:
+        validate(spec, head_dim, sinks, window)
+    reference = [s for s in specs if s.label == "fp16"] or [parse_method("fp16")]
+    return reference + [s for s in specs if s.label != "fp16"]
+
+
+def bits_per_coordinate(spec: MethodSpec, head_dim: int) -> tuple[float, float]:
+    """``(keys, values)`` bits per coordinate of the compressed tokens (sinks and window excluded).
+
+    ``mlx-affine`` counts a 16-bit scale and bias per group, as mlx-lm stores them in a float16 model (a float32
+    model stores 32-bit ones: the measured bytes show it).
+    """
+    if spec.is_mlx:
+        bits, group_size = spec.mlx_settings()
+        return (bits + 32 / group_size,) * 2
+    from ..plugins import make_params
+
+    kp = make_params(spec.key_method, **spec.key_params)
+    vp = make_params(spec.value_method, **spec.value_params)
+    return kp.accounting(head_dim).bits_per_coordinate, vp.accounting(head_dim).bits_per_coordinate
+
+
+def make_cache(model, spec: MethodSpec, sinks: int, window: int) -> list:
+    """One cache per layer of ``model`` for ``spec`` (kvq's, or mlx-lm's QuantizedKVCache for mlx-affine)."""
+    if spec.is_mlx:
+        from mlx_lm.models.cache import QuantizedKVCache
+
+        bits, group_size = spec.mlx_settings()
+        return [QuantizedKVCache(group_size=group_size, bits=bits) for _ in model.layers]
+    from ..cache import make_prompt_cache
+
+    return make_prompt_cache(model, **spec.cache_kwargs(sinks, window))
+
+
+def make_layer_cache(spec: MethodSpec, sinks: int, window: int):
+    """A single layer's cache for ``spec`` (used to replay one layer's keys and values)."""
+    if spec.is_mlx:
+        from mlx_lm.models.cache import QuantizedKVCache
+
+        bits, group_size = spec.mlx_settings()
+        return QuantizedKVCache(group_size=group_size, bits=bits)
+    from ..cache import KVQCache, make_config
+
+    return KVQCache(make_config(**spec.cache_kwargs(sinks, window)))
