@@ -9,7 +9,19 @@ import mlx.core as mx
 from ..encoded import Encoded
 
 
-class EncodedStore:
+class _Trimmable:
+    """Holds ``length`` tokens at the front of its arrays; trimming only moves that mark."""
+
+    length = 0
+
+    def trim(self, n: int) -> int:
+        """Forget the newest ``n`` tokens (exact: everything is stored per token); returns how many."""
+        n = min(n, self.length)
+        self.length -= n
+        return n
+
+
+class EncodedStore(_Trimmable):
     """An append-only (and trimmable) store of encoded tokens along axis 2.
 
     Capacity grows in whole steps of ``step`` tokens: every field gets one new zero block and one
@@ -67,19 +79,13 @@ class EncodedStore:
             return None
         return Encoded(self.params, {k: v[:, :, : self.length] for k, v in self.data.items()}, self.head_dim)
 
-    def trim(self, n: int) -> int:
-        """Forget the last ``n`` tokens (encodings are per token, so this is exact); returns how many."""
-        n = min(n, self.length)
-        self.length -= n
-        return n
-
     @property
     def nbytes(self) -> int:
         """Bytes allocated (resident), including unused preallocated capacity."""
         return 0 if self.data is None else sum(v.nbytes for v in self.data.values())
 
 
-class DenseBuffer:
+class DenseBuffer(_Trimmable):
     """Uncompressed keys and values of at most ``capacity`` tokens, in 16-bit arrays this buffer owns.
 
     float16 and bfloat16 inputs are kept as they are; float32 inputs are stored as float16.
@@ -127,12 +133,6 @@ class DenseBuffer:
         if self.length == 0:
             return None, None
         return self.keys[:, :, : self.length], self.values[:, :, : self.length]
-
-    def trim(self, n: int) -> int:
-        """Forget the newest ``n`` tokens; returns how many."""
-        n = min(n, self.length)
-        self.length -= n
-        return n
 
     @property
     def nbytes(self) -> int:
