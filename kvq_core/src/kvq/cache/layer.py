@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
-from ..attention import dense_attend, merge_parts, sinks_part
+from ..attention import attend_encoded, dense_attend, merge_parts, sinks_part
 from ..plugins import registry
 from ..select import select
 from ..validate import float_array
@@ -211,10 +211,9 @@ class KVQCache:
         return mask
 
     def _attend_part(self, kind, queries, scale, mask):
-        if kind == "sinks":
-            return dense_attend(queries, self.sink_keys, self.sink_values, scale, mask)
-        if kind == "window":
-            return dense_attend(queries, self.window_keys, self.window_values, scale, mask)
+        if kind != "compressed":  # sinks or window: uncompressed
+            keys, values = (self.sinks if kind == "sinks" else self.window).view()
+            return dense_attend(queries, keys, values, scale, mask)
         keys, values = self.compressed_keys.view(), self.compressed_values.view()
         return self._attend_fn(keys, queries)(queries, keys, values, scale, mask)
 
@@ -226,8 +225,6 @@ class KVQCache:
                           num_queries=Tq, num_q_heads=Hq)
             return plan.attend
         # different methods for keys and values: each side's pure-MLX block protocol
-        from ..attention import attend_encoded
-
         impls = registry().implementations
         k_impl, v_impl = impls[(kp.method, "mlx")], impls[(vp.method, "mlx")]
         return lambda q, k, v, s, m: attend_encoded(q, k, v, s, m, k_impl, v_impl)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from .generate_cmd import FP16, cache_label, render_table, run_cache, stream_to_stdout, summary_rows
+from .generate_cmd import FP16, cache_label, run_and_report, run_cache, stream_to_stdout
 
 #: The language-reference topic the prompt quotes, and the question asked about it.
 #: (The prompt is kept near 1,100 tokens: prefill attention is quadratic and slow on MLX's CPU back end, and the
@@ -69,8 +69,5 @@ def main(argv: list[str]) -> int:
     print("fp16 cache answers:", flush=True)
     reference = run_cache(model, tokenizer, ids, FP16, args.max_tokens, record=True, on_text=stream_to_stdout)
     print(f"\n\nkvq cache ({cache_label(METHOD)}) answers:", flush=True)
-    run = run_cache(model, tokenizer, ids, METHOD, args.max_tokens, reference=reference, on_text=stream_to_stdout)
-    rows, notes = summary_rows(model, run, reference)
-    print("\n\n" + render_table(rows))
-    print("\n".join(notes))
+    run_and_report(model, tokenizer, ids, METHOD, args.max_tokens, reference)
     return 0

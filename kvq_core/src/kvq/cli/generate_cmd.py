@@ -245,6 +245,15 @@ def summary_rows(model, run: Run, reference: Run | None) -> tuple[list[list[str]
     return rows, notes
 
 
+def run_and_report(model, tokenizer, ids: list[int], options: dict, max_tokens: int, reference) -> None:
+    """Generate with the cache ``options`` (streaming the text), then print the summary table against
+    ``reference`` (the fp16 run, or None) and its notes. Shared by ``kvq generate`` and ``kvq demo``."""
+    run = run_cache(model, tokenizer, ids, options, max_tokens, reference=reference, on_text=stream_to_stdout)
+    rows, notes = summary_rows(model, run, reference)
+    print("\n\n" + render_table(rows))
+    print("\n".join(notes))
+
+
 def render_table(rows: list[list[str]]) -> str:
     """Plain-text table; the first row is the header, underlined."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -309,8 +318,5 @@ def main(argv: list[str]) -> int:
         reference = run_cache(model, tokenizer, ids, FP16, args.max_tokens, record=True, on_text=stream_to_stdout)
         print()
     print(f"--- {cache_label(options)} ---", flush=True)
-    run = run_cache(model, tokenizer, ids, options, args.max_tokens, reference=reference, on_text=stream_to_stdout)
-    rows, notes = summary_rows(model, run, reference)
-    print("\n\n" + render_table(rows))
-    print("\n".join(notes))
+    run_and_report(model, tokenizer, ids, options, args.max_tokens, reference)
     return 0
