@@ -17,6 +17,27 @@ from .plugins import registry
 
 _CACHE: dict[tuple, "Plan"] = {}
 
+#: The three kernel preferences (the seed's ``use_kernels`` flag): ``auto`` ranks kernels and pure MLX by cost
+#: (kernels that fail their first-use check disable themselves); ``require`` considers kernel implementations
+#: only and raises when none serves; ``off`` considers pure MLX only (parity checks, debugging).
+KERNELS = ("auto", "require", "off")
+
+#: Most queries per sequence that the fused decode-attention kernels serve (decode, speculative decoding);
+#: longer query blocks (prefill) are the pure-MLX blockwise attention's.
+MAX_DECODE_QUERIES = 8
+
+
+def is_kernel(implementation: Any) -> bool:
+    """Whether an implementation is a kernel (any backend other than pure MLX, ``"mlx"``)."""
+    return implementation.backend != "mlx"
+
+
+def check_kernels(kernels: Any) -> str:
+    """:raises ValueError: ``kernels`` not one of :data:`KERNELS` (named with the allowed values)."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {', '.join(KERNELS)}; got {kernels!r}")
+    return kernels
+
 
 @attrs.frozen
 class Candidate:
@@ -108,7 +129,11 @@ def shape_bucket(shape: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
     return (B, H, max(16, 1 << max(T - 1, 0).bit_length()), D)
 
 
-def _rank(problem: Problem, implementations: list[Any]) -> Choice | None:
+def _rank(problem: Problem, implementations: list[Any], kernels: str = "auto") -> Choice | None:
+    if kernels == "off":
+        implementations = [i for i in implementations if not is_kernel(i)]
+    elif kernels == "require":
+        implementations = [i for i in implementations if is_kernel(i)]
     candidates = []
     for impl in implementations:
         note = impl.explain(problem) if callable(getattr(impl, "explain", None)) else ""
@@ -128,6 +153,19 @@ def _rank(problem: Problem, implementations: list[Any]) -> Choice | None:
     return Choice(problem.op, implementations[best], tuple(candidates), reason)
 
 
+def _missing(reg, method, op, shape, dtype, kind, kernels) -> str:
+    """The error message when no allowed implementation serves ``op``."""
+    if kernels != "require":
+        what = "pure-MLX implementation" if kernels == "off" else "installed implementation"
+        return f"no {what} of {method!r} supports op {op!r} for shape {shape} {dtype} on {kind}"
+    installed = sorted({i.backend for o in OPS for i in reg.implementations_of(method, o) if is_kernel(i)})
+    have = (f"installed kernel back ends for {method!r}: {', '.join(installed)}" if installed
+            else f"no kernel implementation of {method!r} is installed (pip install kvq-metal)")
+    return (f"kernels='require': no kernel serves {method!r} op {op!r} for shape {shape} {dtype} on this "
+            f"{kind} device ({have}; kernels run on Apple GPUs through Metal and on NVIDIA GPUs through "
+            f"CUDA). Use kernels='auto' to fall back to pure MLX.")
+
+
 def select(
     method: str,
     shape: tuple[int, int, int, int],
@@ -138,6 +176,7 @@ def select(
     params: Any = None,
     num_queries: int = 1,
     num_q_heads: int | None = None,
+    kernels: str = "auto",
 ) -> Plan:
     """Choose, per op, the cheapest implementation that supports ``method`` on ``shape``.
 
@@ -148,9 +187,12 @@ def select(
     :param op: one op name, or ``None`` for all four.
     :param params: the method's parameter object; ``None`` uses its defaults.
     :param num_queries: ``T_q`` for ``attend`` (1 in decode). :param num_q_heads: ``H_q`` (GQA).
+    :param kernels: ``"auto"`` (default: kernels and pure MLX ranked by cost), ``"require"`` (kernel
+        implementations only) or ``"off"`` (pure MLX only); see :data:`KERNELS`.
     :return: :class:`Plan`; ops without a supporting implementation are absent from ``plan.choices``.
-    :raises ValueError: unknown method or op, bad shape, a head_dim the method does not support, or ``op``
-        given and no installed implementation supports it.
+    :raises ValueError: unknown method or op, bad shape, a head_dim the method does not support, ``kernels``
+        not one of :data:`KERNELS`, ``op`` given and no allowed implementation supports it, or
+        ``kernels="require"`` and no kernel serves any of the ops asked (the message names what is missing).
     :raises TypeError: non-float ``dtype``.
     """
     reg = registry()
@@ -165,19 +207,22 @@ def select(
     shape = tuple(shape)
     Problem(method, "quantize", shape)  # validates the shape
     params.check_head_dim(shape[3])
+    check_kernels(kernels)
     kind = device_kind(device)
     ops = OPS if op is None else (op,)
-    key = (method, params, ops, shape_bucket(shape), dtype, kind, num_queries, num_q_heads, reg.generation)
+    key = (method, params, ops, shape_bucket(shape), dtype, kind, num_queries, num_q_heads, kernels,
+           reg.generation)
     if key in _CACHE:
         return _CACHE[key]
     choices = {}
     for name in ops:
         problem = Problem(method, name, shape, dtype, kind, params, num_queries, num_q_heads)
-        choice = _rank(problem, reg.implementations_of(method, name))
+        choice = _rank(problem, reg.implementations_of(method, name), kernels)
         if choice is not None:
             choices[name] = choice
         elif op is not None:
-            raise ValueError(f"no installed implementation of {method!r} supports op {op!r} for shape {shape} "
-                             f"{dtype} on {kind}")
+            raise ValueError(_missing(reg, method, op, shape, dtype, kind, kernels))
+    if kernels == "require" and not choices:
+        raise ValueError(_missing(reg, method, "/".join(ops), shape, dtype, kind, kernels))
     plan = _CACHE[key] = Plan(method, params, shape, dtype, kind, choices)
     return plan

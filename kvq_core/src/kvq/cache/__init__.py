@@ -16,7 +16,8 @@ import mlx_lm.models.cache as mlx_cache
 from ..plugins import registry
 from . import patch as _patch
 from .batch import BatchKVQCache
-from .layer import CacheConfig, CompressedView, KVQCache
+from ..select import check_kernels, select
+from .layer import CacheConfig, CompressedView, KVQCache, quantize_kernels
 
 # mlx-lm's load_prompt_cache rebuilds caches by class name from its own module's globals
 mlx_cache.KVQCache = KVQCache
@@ -30,17 +31,39 @@ def _params(method: str | None, overrides: dict | None, shared: dict):
 
 def make_config(method: str | None = "affine", *, key_method: str | None = None, value_method: str | None = None,
                 key_params: dict | None = None, value_params: dict | None = None, sinks: int = 4,
-                window: int = 128, step: int = 256, **params: Any) -> CacheConfig:
+                window: int = 128, step: int = 256, kernels: str = "auto", **params: Any) -> CacheConfig:
     """A validated :class:`CacheConfig`.
 
     :param method: method for keys and values (``key_method``/``value_method`` override it per side).
     :param key_params: parameters for the keys only (merged over ``params``); ``value_params`` likewise.
     :param params: parameters shared by both sides (``bits=4``).
-    :raises ValueError: unknown method, parameter out of range. :raises TypeError: unknown parameter name.
+    :param kernels: ``"auto"``, ``"require"`` or ``"off"`` (see :class:`CacheConfig`).
+    :raises ValueError: unknown method, parameter out of range, ``kernels`` not one of the three.
+    :raises TypeError: unknown parameter name.
     """
+    check_kernels(kernels)
     kp = _params(key_method or method, key_params, params)
     vp = _params(value_method or method, value_params, params)
-    return CacheConfig(kp, vp, sinks, window, step)
+    return CacheConfig(kp, vp, sinks, window, step, kernels)
+
+
+def check_required_kernels(config: CacheConfig, num_kv_heads: int, head_dim: int, num_q_heads: int) -> None:
+    """For ``kernels="require"``: raise now, at construction, if no kernel serves decode attention (and, where
+    the method has quantize kernels, quantize) on the default device for this model's shapes.
+
+    :raises ValueError: naming the method, op, device and what is installed (see :func:`kvq.select`).
+    """
+    if config.kernels != "require":
+        return
+    kp, vp = config.key_params, config.value_params
+    if kp.method != vp.method:
+        raise ValueError(f"kernels='require': the fused kernels attend keys and values of one method; got "
+                         f"key method {kp.method!r} and value method {vp.method!r}")
+    shape = (1, num_kv_heads, 4096, head_dim)
+    select(kp.method, shape, op="attend", params=kp, num_q_heads=num_q_heads, kernels="require")
+    for params in (kp, vp):
+        select(params.method, shape, op="quantize", params=params,
+               kernels=quantize_kernels(params.method, "require"))
 
 
 def _head_dims(model) -> tuple[int, int] | None:
@@ -60,14 +83,21 @@ def make_prompt_cache(model, method: str | None = "affine", **kwargs: Any) -> li
     calibration) are specialised for it. Also patches mlx-lm's attention (:mod:`kvq.cache.patch`).
 
     :param model: an mlx-lm model (``model.layers``; ``model.make_cache`` is used when present).
-    :param method, kwargs: as :func:`make_config` (``bits=``, ``key_params=``, ``sinks=``, ``window=`` ...).
-    :raises ValueError: bad method/parameters, or a head_dim the method does not support (named).
+    :param method, kwargs: as :func:`make_config` (``bits=``, ``key_params=``, ``sinks=``, ``window=``,
+        ``kernels=`` ...).
+    :raises ValueError: bad method/parameters, a head_dim the method does not support (named), or
+        ``kernels="require"`` where no kernel serves this model's decode attention on this device.
     """
     config = make_config(method, **kwargs)
     dims = _head_dims(model)
     if dims is not None:
         config.key_params.check_head_dim(dims[0])
         config.value_params.check_head_dim(dims[1])
+    if config.kernels == "require":
+        args = getattr(model, "args", None)
+        heads = getattr(args, "num_attention_heads", 1) if args is not None else 1
+        kv_heads = getattr(args, "num_key_value_heads", None) or heads
+        check_required_kernels(config, kv_heads, dims[0] if dims else 128, heads)
     _patch.patch()
     make_cache = getattr(model, "_kvq_original_make_cache", None) or getattr(model, "make_cache", None)
     if make_cache is None:

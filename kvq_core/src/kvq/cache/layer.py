@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from ..attention import attend_encoded, dense_attend, merge_parts, sinks_part
 from ..plugins import registry
-from ..select import select
+from ..select import MAX_DECODE_QUERIES, check_kernels, is_kernel, select
 from ..validate import float_array
 from ..encoded import Encoded
 from .state import config_from_json, config_to_json
@@ -35,6 +35,10 @@ class CacheConfig:
     :param sinks: first tokens kept uncompressed (>= 0; default 4).
     :param window: most recent tokens kept uncompressed (>= 0; default 128).
     :param step: tokens per allocation step of the compressed store.
+    :param kernels: ``"auto"`` (default), ``"require"`` or ``"off"`` (:data:`kvq.select.KERNELS`): which
+        implementations the cache's hot path may use. ``require``: attention must run in a kernel (checked by
+        :func:`kvq.make_prompt_cache` at construction) and quantize runs in a kernel wherever the method has
+        one. A run-time preference of this process: it is not written to prompt-cache files.
     """
 
     key_params: Any
@@ -42,6 +46,7 @@ class CacheConfig:
     sinks: int = attrs.field(default=4)
     window: int = attrs.field(default=128)
     step: int = attrs.field(default=256)
+    kernels: str = attrs.field(default="auto", validator=lambda i, a, v: check_kernels(v))
 
     @sinks.validator
     @window.validator
@@ -64,6 +69,21 @@ class CacheConfig:
         """:raises ValueError: a head_dim that the key or value method does not support."""
         self.key_params.check_head_dim(head_dim)
         self.value_params.check_head_dim(head_dim)
+
+
+def quantize_kernels(method: str, kernels: str) -> str:
+    """The ``kernels`` preference for quantize: ``require`` applies only where ``method`` has a registered
+    quantize kernel (e.g. affine's ``mx.quantize`` is already one fused MLX kernel)."""
+    if kernels == "require" and not any(is_kernel(i) for i in registry().implementations_of(method, "quantize")):
+        return "auto"
+    return kernels
+
+
+def attend_kernels(kernels: str, num_queries: int) -> str:
+    """The ``kernels`` preference for attention over ``num_queries`` queries: the fused kernels are decode
+    kernels, so ``require`` is enforced for decode (``T_q <= MAX_DECODE_QUERIES``) and prefill chunks use
+    the best available implementation."""
+    return "auto" if kernels == "require" and num_queries > MAX_DECODE_QUERIES else kernels
 
 
 class CompressedView:
@@ -164,8 +184,10 @@ class KVQCache:
 
     def _compress(self, keys, values):
         kp, vp = self.config.key_params, self.config.value_params
-        quantize_k = select(kp.method, keys.shape, dtype=keys.dtype, op="quantize", params=kp).quantize
-        quantize_v = select(vp.method, values.shape, dtype=values.dtype, op="quantize", params=vp).quantize
+        quantize_k = select(kp.method, keys.shape, dtype=keys.dtype, op="quantize", params=kp,
+                            kernels=quantize_kernels(kp.method, self.config.kernels)).quantize
+        quantize_v = select(vp.method, values.shape, dtype=values.dtype, op="quantize", params=vp,
+                            kernels=quantize_kernels(vp.method, self.config.kernels)).quantize
         self.compressed_keys.append(quantize_k(keys, kp))
         self.compressed_values.append(quantize_v(values, vp))
 
@@ -222,7 +244,7 @@ class KVQCache:
         B, Hq, Tq, _ = queries.shape
         if kp.method == vp.method:
             plan = select(kp.method, keys.shape, dtype=queries.dtype, op="attend", params=kp,
-                          num_queries=Tq, num_q_heads=Hq)
+                          num_queries=Tq, num_q_heads=Hq, kernels=attend_kernels(self.config.kernels, Tq))
             return plan.attend
         # different methods for keys and values: each side's pure-MLX block protocol
         impls = registry().implementations

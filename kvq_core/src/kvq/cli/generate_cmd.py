@@ -23,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import quality
+from ..select import KERNELS
 from .select_cmd import parse_param
 
 #: The reference cache: every token stored as a 16-bit float (no sinks or window held in the model's dtype).
@@ -59,7 +60,8 @@ def cache_options(args: argparse.Namespace) -> dict:
     shared = dict(parse_param(p) for p in args.param)
     if args.bits is not None:
         shared["bits"] = args.bits
-    options = {"method": args.method, "sinks": args.sinks, "window": args.window, **shared}
+    options = {"method": args.method, "sinks": args.sinks, "window": args.window,
+               "kernels": getattr(args, "kernels", "auto"), **shared}
     if args.key_method or args.key_param:
         options["key_method"] = args.key_method
         options["key_params"] = dict(parse_param(p) for p in args.key_param)
@@ -282,6 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--value-param", action="append", default=[], metavar="NAME=VALUE", help="values' parameter")
     p.add_argument("--sinks", type=int, default=4, help="first tokens kept uncompressed (default 4)")
     p.add_argument("--window", type=int, default=128, help="recent tokens kept uncompressed (default 128)")
+    p.add_argument("--kernels", choices=KERNELS, default="auto",
+                   help="fused GPU kernels: auto (where available and faster; default), require (fail if none "
+                        "serves decode attention on this device), off (pure MLX only)")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", default=None, help="the prompt text")
     source.add_argument("--prompt-file", default=None, help="read the prompt from a file ('-': standard input)")

@@ -9,7 +9,7 @@ import mlx.core as mx
 
 from ..hookspecs import OPS
 from ..plugins import registry
-from ..select import select
+from ..select import KERNELS, select
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
@@ -47,10 +47,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--device", default=None, help="cpu, gpu, metal or cuda (default: MLX's default)")
     parser.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
                         help="method parameter, repeatable (e.g. --param bits=3)")
+    parser.add_argument("--kernels", choices=KERNELS, default="auto",
+                        help="auto (kernels and pure MLX ranked by cost; default), require (kernels only), off")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     args = parser.parse_args(argv)
     params = registry().method(args.method).make_params(**dict(parse_param(p) for p in args.param))
     plan = select(args.method, parse_shape(args.shape), dtype=DTYPES[args.dtype], device=args.device,
-                  op=args.op, params=params)
+                  op=args.op, params=params, kernels=args.kernels)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.explain())
     return 0
