@@ -1,0 +1,1 @@
+"""Benchmarks behind ``kvq bench`` and ``kvq autotune``: timing, memory and bandwidth measured on this device."""

@@ -1,0 +1,139 @@
+"""Measurement primitives shared by ``kvq bench`` and ``kvq autotune``: wall time of evaluated MLX calls, the
+peak-memory delta of one call, the device's elementwise bandwidth, and the environment a result was measured in.
+
+Every call is followed by ``mx.eval`` on all arrays it returned, so a time covers building the graph and
+running it to completion (what a caller of the op waits for).
+"""
+
+from __future__ import annotations
+
+import datetime
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import mlx.core as mx
+
+from ..encoded import Encoded
+from ..problem import device_kind
+
+
+def arrays_of(result: Any) -> list[mx.array]:
+    """Every ``mx.array`` in an op's result: an array, an :class:`~kvq.Encoded` (its fields), or a tuple/list
+    of those (``attend``'s ``(out, lse)``)."""
+    if isinstance(result, mx.array):
+        return [result]
+    if isinstance(result, Encoded):
+        return list(result.data.values())
+    if isinstance(result, (tuple, list)):
+        return [a for item in result for a in arrays_of(item)]
+    raise TypeError(f"result must be an mx.array, a kvq.Encoded or a tuple of them; got {type(result).__name__}")
+
+
+def nbytes(result: Any) -> int:
+    """Bytes of every array in ``result`` (see :func:`arrays_of`)."""
+    return sum(a.nbytes for a in arrays_of(result))
+
+
+def time_call(fn: Callable[[], Any], warmup: int = 3, reps: int = 10) -> dict:
+    """Time ``fn()`` followed by ``mx.eval`` of its arrays: ``warmup`` untimed calls, then ``reps`` timed ones.
+
+    :return: ``{"median_s", "min_s", "reps"}`` (seconds of wall time per call).
+    :raises ValueError: ``warmup < 0`` or ``reps < 1``.
+    """
+    if warmup < 0 or reps < 1:
+        raise ValueError(f"warmup must be >= 0 and reps >= 1; got warmup={warmup}, reps={reps}")
+    for _ in range(warmup):
+        mx.eval(arrays_of(fn()))
+    times = []
+    for _ in range(reps):
+        tic = time.perf_counter()
+        mx.eval(arrays_of(fn()))
+        times.append(time.perf_counter() - tic)
+    return {"median_s": statistics.median(times), "min_s": min(times), "reps": reps}
+
+
+def peak_delta(fn: Callable[[], Any]) -> dict:
+    """Memory one call of ``fn`` needs beyond what is already resident (its inputs included).
+
+    ``mx.reset_peak_memory()`` before, ``mx.get_peak_memory()`` after the evaluated call, minus
+    ``mx.get_active_memory()`` before it.
+
+    :return: ``{"peak_delta_bytes", "output_bytes", "intermediate_bytes"}``; ``intermediate_bytes`` is the
+        peak delta less the outputs (the temporaries an op allocates; at least 0).
+    """
+    mx.synchronize()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    result = fn()
+    mx.eval(arrays_of(result))
+    delta = mx.get_peak_memory() - before
+    out = nbytes(result)
+    return {"peak_delta_bytes": int(delta), "output_bytes": int(out), "intermediate_bytes": int(max(delta - out, 0))}
+
+
+def elementwise_bandwidth(total_bytes: int = 2**30, warmup: int = 3, reps: int = 10) -> dict:
+    """Measured elementwise bandwidth of the default device: ``a * 2`` over a float32 array of
+    ``total_bytes``, bytes read plus bytes written divided by the median time.
+
+    :return: ``{"array_bytes", "bytes_moved", "median_s", "bandwidth_Bps"}`` (bytes per second).
+    :raises ValueError: ``total_bytes < 4``.
+    """
+    if total_bytes < 4:
+        raise ValueError(f"total_bytes must be >= 4; got {total_bytes}")
+    a = mx.ones((total_bytes // 4,), dtype=mx.float32)
+    mx.eval(a)
+    timing = time_call(lambda: a * 2, warmup, reps)
+    moved = 2 * a.nbytes
+    return {"array_bytes": a.nbytes, "bytes_moved": moved, "median_s": timing["median_s"],
+            "bandwidth_Bps": moved / timing["median_s"]}
+
+
+def device_name(device: Any = None) -> str:
+    """The name of an MLX device (``mx.device_info()["device_name"]`` where MLX has it, e.g. ``"NVIDIA H200"``),
+    else ``str(device)``. :param device: ``mx.Device``, ``"cpu"``/``"gpu"``/``"metal"``/``"cuda"`` or ``None``."""
+    kind = device_kind(device)
+    target = mx.cpu if kind == "cpu" else mx.gpu
+    info = getattr(mx, "device_info", None)
+    try:
+        name = info(target).get("device_name") if info else None
+    except Exception:  # noqa: BLE001 - older MLX, or a back end without the query
+        name = None
+    return str(name) if name else str(mx.Device(target))
+
+
+def _git_commit() -> dict:
+    here = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return {"git_commit": None}
+    return {"git_commit": commit, "git_dirty": bool(dirty)}
+
+
+def kernels_hash() -> str | None:
+    """``kvq_metal.sources_hash()`` (the kernel sources a result was measured with), or ``None`` when kvq_metal
+    does not import."""
+    try:
+        import kvq_metal
+
+        return kvq_metal.sources_hash()
+    except Exception:  # noqa: BLE001 - kvq_metal absent or broken: the result says so
+        return None
+
+
+def environment(command: str) -> dict:
+    """Where and when a result was measured: device name and kind, MLX and kvq versions, git commit (when the
+    sources are a git checkout), kvq_metal's kernel sources hash, UTC date, and the exact ``command``."""
+    from .. import __version__
+
+    return {
+        "device": device_name(), "device_kind": device_kind(), "mlx": mx.__version__, "kvq": __version__,
+        **_git_commit(), "kvq_metal_sources_hash": kernels_hash(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "command": command,
+    }
