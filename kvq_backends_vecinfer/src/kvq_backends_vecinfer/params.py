@@ -42,6 +42,17 @@ def _check_layer(instance, attribute, value):
         raise ValueError(f"layer must be an int >= 0 or None; got {value!r}")
 
 
+def _heads(value):
+    return tuple(value) if isinstance(value, list) else value  # JSON (prompt-cache files) gives a list
+
+
+def _check_heads(instance, attribute, value):
+    ints = isinstance(value, tuple) and len(value) == 2 and all(type(v) is int for v in value)
+    if value is not None and not (ints and 0 <= value[0] < value[1]):
+        raise ValueError(f"heads must be None or (start, stop) with 0 <= start < stop, the KV heads of the "
+                         f"calibration this cache holds; got {value!r}")
+
+
 def _check_bool(instance, attribute, value):
     if not isinstance(value, bool):
         raise ValueError(f"{attribute.name} must be True or False; got {value!r}")
@@ -60,6 +71,9 @@ class VecInferParams:
     :param per_head: one codebook per KV head (``True``) or one per layer shared by all heads (``False``, default).
     :param layer: index in ``model.layers`` whose codebook to use; set per layer by :meth:`for_layer` (the cache
         calls it), ``None`` until then.
+    :param heads: ``(start, stop)``: the cache holds only KV heads ``start:stop`` of the calibrated model, and
+        uses their smoothing factors and (``per_head``) codebooks; set by :meth:`for_heads` under tensor
+        parallelism (:func:`kvq.distributed.make_prompt_cache`); ``None`` (default): all heads.
     :raises ValueError: any value outside those ranges (the message names the parameter and what is allowed).
     """
 
@@ -70,6 +84,7 @@ class VecInferParams:
     code_bits: int = attrs.field(default=8, validator=attrs_one_of(CODE_BITS))
     per_head: bool = attrs.field(default=False, validator=_check_bool)
     layer: int | None = attrs.field(default=None, validator=_check_layer)
+    heads: tuple[int, int] | None = attrs.field(default=None, converter=_heads, validator=_check_heads)
 
     def for_layer(self, layer: int) -> VecInferParams:
         """These parameters bound to ``layer`` (the index in ``model.layers``): the cache of that layer uses them.
@@ -77,6 +92,11 @@ class VecInferParams:
         :raises ValueError: ``layer`` not an int >= 0.
         """
         return attrs.evolve(self, layer=layer)
+
+    def for_heads(self, start: int, stop: int) -> VecInferParams:
+        """These parameters for a cache holding KV heads ``start:stop`` of the calibrated model (one tensor-parallel
+        rank's slice; :func:`kvq.distributed.make_prompt_cache` calls it). :raises ValueError: a bad range."""
+        return attrs.evolve(self, heads=(start, stop))
 
     @property
     def smoothed(self) -> bool:
@@ -116,6 +136,8 @@ class VecInferParams:
             heads = 1
         else:
             heads = storage.calibration_for(self).num_kv_heads
+        if self.heads is not None:
+            heads = self.heads[1] - self.heads[0]
         groups = heads if self.per_head else 1
         shared = 4 * (groups * 2**self.code_bits * self.sub_dim + (heads * head_dim if self.smoothed else 0))
         return kvq.BitsAccounting(head_dim, {"codes": codes}, shared)

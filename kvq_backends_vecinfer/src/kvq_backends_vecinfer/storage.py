@@ -164,13 +164,25 @@ def calibration_for(params) -> Calibration:
 
 
 def layer_codebook(params) -> LayerCodebook:
-    """The codebook of ``params.layer``. :raises CalibrationError: no layer set, or as :func:`calibration_for`."""
+    """The codebook of ``params.layer``, restricted to KV heads ``params.heads`` when set (tensor parallel).
+
+    :raises CalibrationError: no layer set, heads beyond the calibration's, or as :func:`calibration_for`.
+    """
     calibration = calibration_for(params)
     if params.layer is None:
         raise CalibrationError("vecinfer params have no layer (codebooks are per layer): build caches with "
                                "kvq_backends_vecinfer.make_prompt_cache(model, model_id), which gives layer i "
                                "params.for_layer(i), or pass layer=<index in model.layers>")
-    return calibration.layer(params.layer)
+    table = calibration.layer(params.layer)
+    if getattr(params, "heads", None) is None:
+        return table
+    start, stop = params.heads
+    if stop > table.num_kv_heads:
+        raise CalibrationError(f"vecinfer heads {params.heads}: the calibration of {params.model_id!r} has "
+                               f"{table.num_kv_heads} KV heads")
+    codebook = table.codebook[start:stop] if table.codebook.shape[0] > 1 else table.codebook  # per head or shared
+    smoothing = None if table.smoothing is None else table.smoothing[start:stop]
+    return LayerCodebook(codebook, smoothing, stop - start)
 
 
 def _read(path: Path, params) -> Calibration:

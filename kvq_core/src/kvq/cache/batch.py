@@ -105,6 +105,39 @@ class BatchKVQCache:
     def nbytes(self) -> int:
         return sum(r.nbytes for r in self.rows)
 
+    # -- keys/values attributes for mlx-lm's pipeline parallelism (issue #10; see KVQCache.keys) -------
+    def _anchor_row(self):
+        """The last row holding tokens (its arrays are part of :attr:`state`), or None."""
+        return next((r for r in reversed(self.rows) if not r.empty()), None)
+
+    @property
+    def keys(self):
+        """:attr:`KVQCache.keys` of the last row holding tokens (``None`` if none does)."""
+        row = self._anchor_row()
+        return None if row is None else row.keys
+
+    @keys.setter
+    def keys(self, value) -> None:
+        """Assign that row's ``keys`` (same rules as :attr:`KVQCache.keys`; ``None`` when no row holds tokens)."""
+        self._assign("keys", value)
+
+    @property
+    def values(self):
+        """:attr:`KVQCache.values` of the last row holding tokens (``None`` if none does)."""
+        row = self._anchor_row()
+        return None if row is None else row.values
+
+    @values.setter
+    def values(self, value) -> None:
+        self._assign("values", value)
+
+    def _assign(self, side: str, value) -> None:
+        row = self._anchor_row()
+        if row is not None:
+            setattr(row, side, value)
+        elif value is not None:
+            raise ValueError(f"{side}: no row of this batch holds tokens, so only None can be assigned")
+
     @property
     def state(self) -> dict:
         return {"rows": [r.state for r in self.rows]}

@@ -134,6 +134,66 @@ class KVQCache:
     def window_values(self):
         return self.window.view()[1]
 
+    # -- keys/values attributes for mlx-lm's pipeline parallelism (issue #10) -------------------------
+    # mlx-lm's pipelined models (qwen2, deepseek_v3, ...) run ``cache[-1].keys = mx.depends(cache[-1].keys, h)``
+    # so that evaluating the cache's ``state`` also runs the send of ``h`` to the next rank.
+    @property
+    def keys(self) -> mx.array | None:
+        """The newest stored keys' whole array (``None`` when empty), for code that reads and reassigns it.
+
+        The window's ``[B, H_kv, window, D]`` buffer when the window holds tokens, else the first field (by
+        name) of the compressed keys' store ``[B, H_kv, capacity, ...]``, else the sinks' buffer. It is part of
+        :attr:`state`, so an array assigned back (``mx.depends(cache.keys, h)``) keeps its dependency for as long
+        as those tokens are stored.
+        """
+        holder, name = self._anchor("keys")
+        return None if holder is None else holder[name]
+
+    @keys.setter
+    def keys(self, value) -> None:
+        """Replace the array :attr:`keys` returns by ``value`` of the same shape and dtype (such as
+        ``mx.depends(cache.keys, h)``); other assignments would corrupt the store and are refused.
+
+        :raises ValueError: ``value`` is not an array of that shape and dtype (or not ``None`` on an empty cache).
+        """
+        self._replace_anchor("keys", value)
+
+    @property
+    def values(self) -> mx.array | None:
+        """As :attr:`keys`, for the values."""
+        holder, name = self._anchor("values")
+        return None if holder is None else holder[name]
+
+    @values.setter
+    def values(self, value) -> None:
+        """As the :attr:`keys` setter, for the values."""
+        self._replace_anchor("values", value)
+
+    def _anchor(self, side: str):
+        """``(dict, name)`` holding the newest stored array of ``side``, or ``(None, None)`` when empty."""
+        store = self.compressed_keys if side == "keys" else self.compressed_values
+        if self.window.length:
+            return vars(self.window), side
+        if store.length:
+            return store.data, min(store.data)
+        if self.sinks.length:
+            return vars(self.sinks), side
+        return None, None
+
+    def _replace_anchor(self, side: str, value) -> None:
+        holder, name = self._anchor(side)
+        current = None if holder is None else holder[name]
+        if current is None and value is None:
+            return
+        if current is None or not isinstance(value, mx.array) or value.shape != current.shape or \
+                value.dtype != current.dtype:
+            want = "None (the cache is empty)" if current is None else \
+                f"an mx.array of shape {tuple(current.shape)} and dtype {current.dtype}"
+            got = f"{type(value).__name__} {tuple(getattr(value, 'shape', ()))} {getattr(value, 'dtype', '')}"
+            raise ValueError(f"{side}: a kvq cache accepts only {want} (the array it returned, e.g. through "
+                             f"mx.depends); got {got.strip()}")
+        holder[name] = value
+
     # -- storage ------------------------------------------------------------------------------------
     def _check(self, keys: mx.array, values: mx.array) -> None:
         float_array("keys", keys)
