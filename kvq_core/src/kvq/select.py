@@ -11,6 +11,7 @@ from typing import Any, Callable
 import attrs
 import mlx.core as mx
 
+from . import autotune
 from .hookspecs import OPS
 from .problem import Problem, device_kind
 from .plugins import registry
@@ -129,7 +130,8 @@ def shape_bucket(shape: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
     return (B, H, max(16, 1 << max(T - 1, 0).bit_length()), D)
 
 
-def _rank(problem: Problem, implementations: list[Any], kernels: str = "auto") -> Choice | None:
+def _rank(problem: Problem, implementations: list[Any], kernels: str = "auto",
+          table: "autotune.Table | None" = None) -> Choice | None:
     if kernels == "off":
         implementations = [i for i in implementations if not is_kernel(i)]
     elif kernels == "require":
@@ -141,7 +143,9 @@ def _rank(problem: Problem, implementations: list[Any], kernels: str = "auto") -
             candidates.append(Candidate(impl.backend, True, float(impl.cost(problem)), note))
         else:
             candidates.append(Candidate(impl.backend, False, None, note or "does not support this problem"))
-    usable = [(c.cost, i, c) for i, c in enumerate(candidates) if c.supported]
+    # a measured crossover (kvq autotune) decides between a kernel and pure MLX instead of the cost model
+    ruled_out, measured = autotune.verdict(table, problem, implementations, candidates)
+    usable = [(c.cost, i, c) for i, c in enumerate(candidates) if c.supported and i not in ruled_out]
     if not usable:
         return None
     _, best, chosen = min(usable)
@@ -149,7 +153,8 @@ def _rank(problem: Problem, implementations: list[Any], kernels: str = "auto") -
         f"{c.backend}: " + (f"{c.cost * 1e3:.4g} ms" if c.supported else c.note)
         for i, c in enumerate(candidates) if i != best)
     reason = f"est. {chosen.cost * 1e3:.4g} ms" + (f" ({chosen.note})" if chosen.note else "")
-    reason += f"; lowest cost of {len(usable)} supporting" + (f" [{others}]" if others else "")
+    basis = "; ".join(measured) if measured else f"lowest cost of {len(usable)} supporting"
+    reason += f"; {basis}" + (f" [{others}]" if others else "")
     return Choice(problem.op, implementations[best], tuple(candidates), reason)
 
 
@@ -187,7 +192,8 @@ def select(
     :param op: one op name, or ``None`` for all four.
     :param params: the method's parameter object; ``None`` uses its defaults.
     :param num_queries: ``T_q`` for ``attend`` (1 in decode). :param num_q_heads: ``H_q`` (GQA).
-    :param kernels: ``"auto"`` (default: kernels and pure MLX ranked by cost), ``"require"`` (kernel
+    :param kernels: ``"auto"`` (default: kernels and pure MLX ranked by cost, or by this device's measured
+        crossover where ``kvq autotune`` stored one: :mod:`kvq.autotune`), ``"require"`` (kernel
         implementations only) or ``"off"`` (pure MLX only); see :data:`KERNELS`.
     :return: :class:`Plan`; ops without a supporting implementation are absent from ``plan.choices``.
     :raises ValueError: unknown method or op, bad shape, a head_dim the method does not support, ``kernels``
@@ -211,13 +217,14 @@ def select(
     kind = device_kind(device)
     ops = OPS if op is None else (op,)
     key = (method, params, ops, shape_bucket(shape), dtype, kind, num_queries, num_q_heads, kernels,
-           reg.generation)
+           reg.generation, autotune.state())
     if key in _CACHE:
         return _CACHE[key]
     choices = {}
+    table = autotune.current(kind) if kernels == "auto" else None
     for name in ops:
         problem = Problem(method, name, shape, dtype, kind, params, num_queries, num_q_heads)
-        choice = _rank(problem, reg.implementations_of(method, name), kernels)
+        choice = _rank(problem, reg.implementations_of(method, name), kernels, table)
         if choice is not None:
             choices[name] = choice
         elif op is not None:
