@@ -184,3 +184,29 @@ def test_kvq_autotune_rejects_bad_arguments_before_measuring(cache, monkeypatch,
     assert main(["autotune", *argv]) == 1
     assert match in capsys.readouterr().err
     assert not autotune.table_path().exists()
+
+
+def bench_document(**env):
+    """A kvq bench ops result: affine:4 quantize, the fake kernel faster from N = 256 on."""
+    rows = [{"method": "affine:4", "op": "quantize", "implementation": impl, "size": n, "median_s": s}
+            for n, k_s in ((64, 3.0), (128, 3.0), (256, 1.0), (512, 1.0))
+            for impl, s in (("mlx", 2.0), ("fake-kernel", k_s))]
+    rows.append({"method": "fp16", "op": "attend", "implementation": "mx.fast.sdpa", "size": 64, "median_s": 1.0})
+    settings = {"methods": ["affine:4"], "head_dim": 128, "sizes": [64, 128, 256, 512], "contexts": [64],
+                "warmup": 1, "reps": 3}
+    environment = {**autotune.identity(), "command": "kvq bench ops --methods affine:4", **env}
+    return {"benchmark": "kvq bench ops", "environment": environment, "settings": settings, "rows": rows}
+
+
+def test_kvq_autotune_from_a_bench_ops_result(registered, cache, tmp_path, capsys):
+    registered(FakeKernel())
+    bench = tmp_path / "bench_ops.json"
+    bench.write_text(json.dumps(bench_document()))
+    assert main(["autotune", "--from-bench", str(bench)]) == 0
+    (stored,) = json.loads(autotune.table_path().read_text())["entries"]
+    assert (stored["op"], stored["crossover"], stored["verdict"]) == ("quantize", 256, "from 256")
+    assert [kvq.select("affine", (1, 8, T, 128), op="quantize").choices["quantize"].backend for T in (16, 32)] == \
+        ["mlx", "fake-kernel"]  # N = 8 * T vectors: 128 < 256 <= 256
+    bench.write_text(json.dumps(bench_document(device="Another GPU")))
+    assert main(["autotune", "--from-bench", str(bench)]) == 1
+    assert "--from-bench: measured with device 'Another GPU'" in capsys.readouterr().err

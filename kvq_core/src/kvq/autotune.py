@@ -229,6 +229,30 @@ def measure(methods: str | None = None, ops: str | None = None, sizes: Sequence[
             "entries": [e.to_json() for e in entries]}
 
 
+def from_bench(document: dict, command: str = "") -> dict:
+    """The table document of a ``kvq bench ops`` result measured on this device with this MLX and kvq (its
+    rows are the same measurements :func:`measure` makes), so one GPU run gives both.
+
+    :raises ValueError: ``document`` is not a ``kvq bench ops`` result, or was measured on another device or
+        with another MLX or kvq version (the message names which).
+    """
+    from .bench import measure as bench_measure, ops as bench_ops
+
+    if not isinstance(document, dict) or document.get("benchmark") != "kvq bench ops":
+        raise ValueError("--from-bench: not a kvq bench ops result (bench_ops.json)")
+    env, here = document.get("environment", {}), identity()
+    for key, want in here.items():
+        if env.get(key) != want:
+            raise ValueError(f"--from-bench: measured with {key} {env.get(key)!r}, this is {want!r}")
+    settings = document["settings"]
+    methods = bench_ops.parse_methods(",".join(settings["methods"]), settings["head_dim"])
+    rows = [r for r in document["rows"] if r["implementation"] != bench_ops.SDPA]
+    entries = [e for m in methods for e in _entries(rows, m)]
+    grid = {k: settings[k] for k in ("sizes", "contexts", "warmup", "reps")}
+    return {"format": FORMAT, **here, "environment": {**bench_measure.environment(command), "measured": env},
+            "grid": {**grid, "from_bench": env.get("command")}, "entries": [e.to_json() for e in entries]}
+
+
 # -- storing and loading ----------------------------------------------------------------------------------
 def save(document: dict, path: str | Path | None = None) -> Path:
     """Write a table document (from :func:`measure`) to ``path`` (default: :func:`table_path` of this device),

@@ -6,6 +6,7 @@ uses it instead of the cost model ('kvq select' shows "measured crossover N (kvq
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 from pathlib import Path
 
@@ -23,6 +24,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--contexts", default=None, help="context lengths T for attend (default: as kvq bench ops)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per measurement (default 2)")
     p.add_argument("--reps", type=int, default=5, help="timed calls; the median is used (default 5)")
+    p.add_argument("--from-bench", default=None, metavar="BENCH_OPS_JSON",
+                   help="take the timings of a 'kvq bench ops' run on this device instead of measuring again")
     p.add_argument("--out-dir", default=None, help="also write a copy of the table here (e.g. benchmarks/results)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -42,6 +45,13 @@ def _summary(document: dict, paths: list[Path]) -> str:
     return "\n".join(lines)
 
 
+def _read_json(path: str) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--from-bench: cannot read {path} as JSON: {exc}") from None
+
+
 def main(argv: list[str]) -> int:
     """Run ``kvq autotune``; arguments are checked before anything is measured."""
     args = parser().parse_args(argv)
@@ -51,8 +61,12 @@ def main(argv: list[str]) -> int:
     ops.parse_ops(args.ops)
     sizes = ops.parse_sizes(args.sizes, "--sizes") if args.sizes else None
     contexts = ops.parse_sizes(args.contexts, "--contexts") if args.contexts else None
-    document = autotune.measure(args.methods, args.ops, sizes, contexts, warmup=args.warmup, reps=args.reps,
-                                command="kvq autotune " + shlex.join(argv), progress=not args.no_progress)
+    command = "kvq autotune " + shlex.join(argv)
+    if args.from_bench:
+        document = autotune.from_bench(_read_json(args.from_bench), command)
+    else:
+        document = autotune.measure(args.methods, args.ops, sizes, contexts, warmup=args.warmup, reps=args.reps,
+                                    command=command, progress=not args.no_progress)
     paths = [autotune.save(document)]
     if args.out_dir:
         paths.append(autotune.save(document, Path(args.out_dir) / f"autotune_{paths[0].name}"))
