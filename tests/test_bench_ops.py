@@ -79,7 +79,7 @@ def test_environment_and_plots(run):
     assert env["mlx"] == mx.__version__ and env["device_kind"] == "cpu" and env["device"]
     assert env["command"].startswith("kvq bench ops --methods 'affine:4,affine:2[group_size=32]' --out ")
     assert doc["settings"]["attend_shape"] == {"B": 1, "H_q": 32, "H_kv": 8, "T_q": 1}
-    assert doc["plots"] == ["ops_quantize.png", "ops_dequantize.png", "ops_attend.png"]
+    assert doc["complete"] is True and doc["plots"] == ["ops_quantize.png", "ops_dequantize.png", "ops_attend.png"]
     for name in doc["plots"]:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -107,3 +107,11 @@ def test_bad_arguments_fail_before_any_work(tmp_path, monkeypatch, argv, match):
 def test_parse_sizes():
     assert ops.parse_sizes("4K,256,1M,4k") == (256, 4096, 2**20)
     assert ops.codec_shape(96, 128) == (1, 8, 12, 128) and ops.codec_shape(7, 64) == (1, 1, 7, 64)
+
+
+def test_run_reports_each_step():
+    """``on_step`` sees the rows so far after each (op, size): the CLI writes its JSON then."""
+    seen = []
+    settings = ops.Settings(ops.parse_methods("affine:4"), ("quantize",), (64, 128), (), warmup=0, reps=1)
+    result = ops.run(settings, on_step=lambda r: seen.append([row["size"] for row in r["rows"]]))
+    assert seen == [[64], [64, 128]] and [r["size"] for r in result["rows"]] == [64, 128]

@@ -254,7 +254,7 @@ def _progress(total: int, enabled: bool):
     return tqdm(total=total, desc="kvq bench ops", unit="step", file=sys.stderr, disable=not enabled)
 
 
-def run(settings: Settings, progress: bool = False) -> dict:
+def run(settings: Settings, progress: bool = False, on_step: Any = None) -> dict:
     """Measure every (method, op, size, implementation) of ``settings`` on MLX's default device.
 
     :return: ``{"rows": [...], "skipped": [...]}``. A row: ``method`` (label), ``method_name``, ``params``,
@@ -263,7 +263,8 @@ def run(settings: Settings, progress: bool = False) -> dict:
         ``reps``, ``peak_delta_bytes``/``output_bytes``/``intermediate_bytes``, ``input_bytes``, ``selected``
         (whether ``kvq.select`` picks this implementation here) and, for attend, ``kv_bytes`` (bytes of K and V
         read: compressed, or fp16 for the reference). ``skipped`` names implementations that do not serve a
-        problem here, and why.
+        problem here, and why. ``on_step(result)``, when given, is called with the result so far after each
+        (op, size) step (``kvq bench ops`` writes its JSON then, so a run cut short keeps what it measured).
     """
     kind = device_kind()
     mx.random.seed(0)
@@ -282,6 +283,8 @@ def run(settings: Settings, progress: bool = False) -> dict:
                 bar.update()
         del base
         mx.clear_cache()
+        if on_step is not None:
+            on_step({"rows": rows, "skipped": skipped})
     if bar is not None:
         bar.close()
     return {"rows": rows, "skipped": skipped}

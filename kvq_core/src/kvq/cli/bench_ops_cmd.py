@@ -88,12 +88,19 @@ def main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     env = measure.environment("kvq bench ops " + shlex.join(argv))
     bandwidth = measure.elementwise_bandwidth(probe)
-    result = ops.run(settings, progress=not args.no_progress)
-    ops.add_bandwidth(result["rows"], bandwidth["bandwidth_Bps"])
-    plots = plot.plot_ops(result["rows"], out, env["device"])
     document = {"benchmark": "kvq bench ops", "environment": env, "settings": describe(settings),
-                "elementwise_bandwidth": bandwidth, **result, "plots": [Path(p).name for p in plots]}
-    (out / "bench_ops.json").write_text(json.dumps(document, indent=2) + "\n")
+                "elementwise_bandwidth": bandwidth, "complete": False}
+
+    def write(result: dict, **extra) -> None:
+        ops.add_bandwidth(result["rows"], bandwidth["bandwidth_Bps"])
+        document.update(result, **extra)
+        tmp = out / "bench_ops.json.tmp"
+        tmp.write_text(json.dumps(document, indent=2) + "\n")
+        tmp.replace(out / "bench_ops.json")
+
+    result = ops.run(settings, progress=not args.no_progress, on_step=write)
+    plots = plot.plot_ops(result["rows"], out, env["device"])
+    write(result, complete=True, plots=[Path(p).name for p in plots])
     print(_summary(result["rows"]))
     print(f"\nelementwise bandwidth {bandwidth['bandwidth_Bps'] / 1e9:.0f} GB/s; {env['device']}, MLX {env['mlx']}")
     print(f"wrote {out / 'bench_ops.json'}" + "".join(f", {p}" for p in plots))
