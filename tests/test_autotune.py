@@ -105,7 +105,8 @@ def test_without_a_table_the_cost_model_decides(registered, cache):
     assert choice.backend == "fake-kernel" and "lowest cost of 2 supporting" in choice.reason
     assert "measured" not in choice.reason
     assert autotune.load() is None
-    assert autotune.crossover("affine", "attend", "fake-kernel", kvq.Problem("affine", "attend", (1, 8, 64, 128))) is None
+    problem = kvq.Problem("affine", "attend", (1, 8, 64, 128))
+    assert autotune.crossover("affine", "attend", "fake-kernel", problem) is None
 
 
 def test_never_always_and_entries_of_other_parameters(registered, cache):

@@ -66,13 +66,15 @@ class Entry:
     mlx_s: tuple[float, ...] = ()
 
     def to_json(self) -> dict:
+        """The stored form: ``crossover`` as an int or ``"never"``, plus a readable ``verdict``."""
         data = attrs.asdict(self)
-        data.update(crossover="never" if self.crossover == NEVER else self.crossover, verdict=verdict_text(self.crossover))
+        data.update(crossover="never" if self.crossover == NEVER else self.crossover,
+                    verdict=verdict_text(self.crossover))
         return {k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}
 
     @classmethod
     def from_json(cls, data: Any) -> "Entry":
-        """:raises ValueError: a missing or ill-typed field (the message names it)."""
+        """An entry from its stored form. :raises ValueError: a missing or ill-typed field (named)."""
         if not isinstance(data, dict):
             raise ValueError(f"an entry must be an object; got {type(data).__name__}")
         for name in ("method", "label", "op", "backend"):
