@@ -1,0 +1,282 @@
+"""``kvq bench e2e``: decode speed and memory of whole-model generation against context length, per cache.
+
+For each context length and each method string (:mod:`kvq.evaluation.spec`; ``fp16`` here is mlx-lm's own
+``KVCache``, ``mlx-affine:N`` its ``QuantizedKVCache``, ``kvq-fp16`` kvq's 16-bit store), in one process:
+
+1. fill: every layer's cache is brought to ``context`` tokens, in one of three ways (:data:`FILLS`):
+   ``random`` calls ``cache.update_and_fetch`` with random normal keys and values in chunks (prefill memory stays
+   small; speed does not depend on the values), ``replay`` does the same with the keys and values of one real
+   prefill of the text (mlx-lm's KVCache, once per context), ``prefill`` runs the model over the text with the
+   method's own cache (chunks of :data:`PREFILL_CHUNK`; prefill tokens/s are reported);
+2. memory: the caches' ``nbytes`` and the growth of ``mx.get_active_memory()`` from before the caches existed;
+3. decode: greedy steps (the argmax token fed back), each evaluated with ``mx.eval``: ``warmup`` untimed, then
+   ``steps`` timed; median, p10 and p90 milliseconds per token, tokens/s (1 / median), and the peak of
+   ``mx.get_peak_memory()`` over the decode.
+
+A row whose method fails (an MLX back end without an implementation for a shape, out of memory) records the
+error and the run goes on.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Callable
+
+import attrs
+import mlx.core as mx
+from tqdm import tqdm
+
+from ..evaluation.spec import MethodSpec, bits_per_coordinate, parse_method, split_methods, validate
+from .fill import RandomKV, ReplayKV, decode, fill, latency_summary, prefill
+
+#: How caches are brought to the context length.
+FILLS = ("random", "replay", "prefill")
+#: The reference: mlx-lm's KVCache. ``kvq-fp16`` names kvq's fp16 method (KVQCache with 16-bit parts).
+REFERENCE, KVQ_FP16 = "fp16", "kvq-fp16"
+#: Method strings measured when ``--methods`` is not given (those whose methods are installed).
+DEFAULT_METHODS = ("fp16", "mlx-affine:4", "mlx-affine:8", "affine:4", "turboquant:4", "turboquant:k4v3",
+                   "turboquant:3", "turboquant_prod:4", "qjl+turboquant:4")
+#: Bits of the uncompressed sinks and window of a kvq cache (kept in 16 bits even for float32 models).
+DENSE_BITS = 16
+
+
+@attrs.frozen
+class E2ESettings:
+    """What one ``kvq bench e2e`` run measures.
+
+    :param contexts: context lengths in tokens (each > 0).
+    :param steps: timed decode steps per row (>= 1); :param warmup: untimed steps before them (>= 0).
+    :param chunk: tokens per ``update_and_fetch`` call when filling (``random``/``replay``).
+    :param fill: one of :data:`FILLS`.
+    :param sinks, window: kvq caches' uncompressed first and last tokens (a method string may override them).
+    :param kernels: kvq caches' kernel preference: ``"auto"``, ``"require"`` or ``"off"``.
+    :param seed: seed of the random keys and values.
+    :param progress: show a tqdm bar on stderr.
+    """
+
+    contexts: tuple[int, ...]
+    steps: int = 32
+    warmup: int = 1
+    chunk: int = 4096
+    fill: str = attrs.field(default="random", validator=attrs.validators.in_(FILLS))
+    sinks: int = 4
+    window: int = 128
+    kernels: str = "auto"
+    seed: int = 0
+    progress: bool = True
+
+
+def parse_methods(text: str | None, head_dim: int | None = None, sinks: int = 4, window: int = 128,
+                  installed: set[str] | None = None) -> list[MethodSpec]:
+    """``--methods`` (``None``: the installed :data:`DEFAULT_METHODS`), validated; ``fp16`` first, added if missing.
+
+    :param installed: installed method names (for the defaults; default: the registry's).
+    :raises ValueError: a string that does not parse, an unknown method or parameter, a head_dim a method
+        rejects, a duplicate (the message names the method string).
+    """
+    if text is None:
+        from ..plugins import registry
+
+        installed = set(registry().methods) if installed is None else installed
+        text = ",".join(m for m in DEFAULT_METHODS if _names(m) <= installed | {"mlx-affine"})
+    specs = []
+    for part in split_methods(text):
+        if part == KVQ_FP16 or part.startswith(KVQ_FP16 + "["):
+            specs.append(attrs.evolve(parse_method("fp16" + part[len(KVQ_FP16):]), label=part))
+        else:
+            specs.append(parse_method(part))
+    labels = [s.label for s in specs]
+    duplicates = sorted({label for label in labels if labels.count(label) > 1})
+    if duplicates:
+        raise ValueError(f"--methods: {', '.join(duplicates)} given more than once")
+    for spec in specs:
+        validate(spec, head_dim, sinks, window)
+    reference = [s for s in specs if s.label == REFERENCE] or [parse_method(REFERENCE)]
+    return reference + [s for s in specs if s.label != REFERENCE]
+
+
+def _names(text: str) -> set[str]:
+    return {side.split(":")[0].split("[")[0] for side in text.split("+")}
+
+
+def cache_kind(spec: MethodSpec) -> str:
+    """``"mlx-lm KVCache"``, ``"mlx-lm QuantizedKVCache"`` or ``"kvq KVQCache"``."""
+    if spec.label == REFERENCE:
+        return "mlx-lm KVCache"
+    return "mlx-lm QuantizedKVCache" if spec.is_mlx else "kvq KVQCache"
+
+
+def make_cache(model, spec: MethodSpec, settings: E2ESettings) -> list:
+    """One cache per layer of ``model`` for ``spec`` (see :func:`cache_kind`)."""
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    if spec.label == REFERENCE:
+        return [KVCache() for _ in model.layers]
+    if spec.is_mlx:
+        bits, group_size = spec.mlx_settings()
+        return [QuantizedKVCache(group_size=group_size, bits=bits) for _ in model.layers]
+    from ..cache import make_prompt_cache
+
+    return make_prompt_cache(model, **spec.cache_kwargs(settings.sinks, settings.window), kernels=settings.kernels)
+
+
+def bits(spec: MethodSpec, head_dim: int, dtype: mx.Dtype) -> tuple[float, float]:
+    """``(keys, values)`` bits per coordinate of compressed tokens: the dtype's width for mlx-lm's KVCache,
+    ``bits + 2 * width / group_size`` for its QuantizedKVCache (scales and biases in the model's dtype), the
+    methods' accounting for kvq caches (sinks and window excluded)."""
+    width = dtype.size * 8
+    if spec.label == REFERENCE:
+        return float(width), float(width)
+    if spec.is_mlx:
+        b, group_size = spec.mlx_settings()
+        return (b + 2 * width / group_size,) * 2
+    return bits_per_coordinate(spec, head_dim)
+
+
+def attend_implementation(cache, model, settings: E2ESettings) -> str | None:
+    """``"turboquant:mlx"``: the implementation that serves one-token decode attention over the compressed
+    tokens of a kvq cache (as :meth:`KVQCache._attend_fn` selects it), or ``None`` for other caches."""
+    config = getattr(cache, "config", None)
+    if config is None:
+        return None
+    kp, vp = config.key_params, config.value_params
+    if kp.method != vp.method:
+        return f"{kp.method}+{vp.method}:mlx (block protocol)"
+    from ..cache.layer import attend_kernels
+    from ..select import select
+
+    args = model.args
+    head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+    shape = (1, args.num_key_value_heads, max(cache.compressed_keys.length, 1), head_dim)
+    plan = select(kp.method, shape, dtype=model_dtype(model), op="attend", params=kp, num_queries=1,
+                  num_q_heads=args.num_attention_heads, kernels=attend_kernels(settings.kernels, 1))
+    choice = plan.choices.get("attend")
+    return None if choice is None else f"{kp.method}:{choice.backend}"
+
+
+def model_dtype(model) -> mx.Dtype:
+    """The dtype of the model's attention projections (what its keys and values are computed in)."""
+    return model.layers[0].self_attn.k_proj.weight.dtype
+
+
+class E2EBench:
+    """Measures rows (one per context and method string) on one model.
+
+    :param model: an mlx-lm llama-family model (``model.layers[i].self_attn``, ``model.args``).
+    :param settings: :class:`E2ESettings`.
+    :param text_ids: token ids of a text, at least ``max(contexts) + 1`` long (the ``replay`` and ``prefill``
+        fills, and the first decode token); ``None`` for ``random``.
+    :raises ValueError: a fill that needs ``text_ids`` without them, or too few of them.
+    """
+
+    def __init__(self, model, settings: E2ESettings, text_ids: list[int] | None = None) -> None:
+        self.model, self.settings = model, settings
+        args = model.args
+        self.head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+        self.kv_heads, self.dtype = args.num_key_value_heads, model_dtype(model)
+        if settings.fill != "random" and (text_ids is None or len(text_ids) <= max(settings.contexts)):
+            raise ValueError(f"fill {settings.fill!r} needs a text of more than {max(settings.contexts)} tokens")
+        self.text = None if text_ids is None else mx.array(text_ids)
+
+    def run(self, specs: list[MethodSpec], on_row: Callable[[dict], None] | None = None) -> list[dict]:
+        """Every context (ascending) times every spec (fp16 first); ``on_row(row)`` after each row."""
+        s, rows = self.settings, []
+        bar = tqdm(total=len(s.contexts) * len(specs), desc="kvq bench e2e", unit="row",
+                   disable=not s.progress, dynamic_ncols=True)
+        with bar:
+            for context in s.contexts:
+                bar.set_postfix_str(f"{context} tokens: {s.fill} source")
+                source, info = self._source(context)
+                reference = None
+                for spec in specs:
+                    bar.set_postfix_str(f"{context} tokens: {spec.label}")
+                    row = {**self._measure(spec, context, source, bar), **info}
+                    reference = reference or (row if spec.label == REFERENCE and not row["error"] else None)
+                    add_ratios(row, reference)
+                    rows.append(row)
+                    if on_row is not None:
+                        on_row(row)
+                    bar.update(1)
+                del source
+                _release()
+        return rows
+
+    def _source(self, context: int):
+        s = self.settings
+        if s.fill == "random":
+            return RandomKV(self.kv_heads, self.head_dim, self.dtype, s.seed), {}
+        if s.fill == "prefill":
+            return None, {}
+        tic = time.perf_counter()
+        source = ReplayKV(self.model, self.text[:context])
+        return source, {"replay_prefill_seconds": time.perf_counter() - tic}
+
+    def _measure(self, spec: MethodSpec, context: int, source, bar) -> dict:
+        row = self._describe(spec, context)
+        try:
+            row.update(self._measure_caches(spec, context, source, bar))
+        except Exception as exc:  # noqa: BLE001 - one failing method must not end the run: the row says why
+            row["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            bar.write(f"kvq bench e2e: {spec.label} at {context} tokens failed: {row['error']}")
+        _release()
+        return row
+
+    def _measure_caches(self, spec, context, source, bar) -> dict:
+        s = self.settings
+        _release()
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        tic = time.perf_counter()
+        caches = make_cache(self.model, spec, s)
+        if source is None:
+            prefill(self.model, caches, self.text[:context])
+        else:
+            fill(caches, source, context, s.chunk)
+        fill_seconds = time.perf_counter() - tic
+        memory = {"kv_bytes": sum(c.nbytes for c in caches), "active_memory_growth": mx.get_active_memory() - before,
+                  "fill_peak_memory_growth": mx.get_peak_memory() - before}
+        bar.set_postfix_str(f"{context} tokens: {spec.label} decode")
+        first = int(self.text[context]) if self.text is not None else 1
+        mx.reset_peak_memory()
+        seconds = decode(self.model, caches, first, s.steps, s.warmup)
+        peak = mx.get_peak_memory()
+        stored = 2 * len(caches) * self.kv_heads * context * self.head_dim
+        return {"fill_seconds": fill_seconds,
+                **({"prefill_tokens_per_second": context / fill_seconds} if source is None else {}),
+                **memory, "resident_bits_per_coordinate": 8 * memory["kv_bytes"] / stored,
+                "peak_memory": peak, "peak_memory_growth": peak - before,
+                "attend_implementation": attend_implementation(caches[0], self.model, s),
+                **latency_summary(seconds), "error": None}
+
+    def _describe(self, spec: MethodSpec, context: int) -> dict:
+        s = self.settings
+        sinks, window = spec.sinks_window(s.sinks, s.window)
+        if spec.label == REFERENCE:
+            sinks = window = 0
+        key_bits, value_bits = bits(spec, self.head_dim, self.dtype)
+        mean = (key_bits + value_bits) / 2
+        dense = min(sinks + window, context)
+        return {"context": context, "method": spec.label, "cache": cache_kind(spec),
+                "key_method": spec.key_method, "value_method": spec.value_method,
+                "key_params": spec.key_params, "value_params": spec.value_params, "sinks": sinks, "window": window,
+                "kv_dtype": str(self.dtype).removeprefix("mlx.core."), "bits_per_coordinate": mean,
+                "key_bits_per_coordinate": key_bits, "value_bits_per_coordinate": value_bits,
+                "effective_bits_per_coordinate": ((context - dense) * mean + dense * DENSE_BITS) / context,
+                "error": None}
+
+
+def add_ratios(row: dict, reference: dict | None) -> None:
+    """Add ``kv_bytes_ratio``, ``memory_ratio`` and ``speed_vs_fp16`` (method / fp16 at the same context;
+    ``None`` when either row failed)."""
+    ok = reference is not None and not row["error"]
+    row["kv_bytes_ratio"] = row["kv_bytes"] / reference["kv_bytes"] if ok else None
+    row["memory_ratio"] = row["active_memory_growth"] / max(reference["active_memory_growth"], 1) if ok else None
+    row["speed_vs_fp16"] = row["tokens_per_second"] / reference["tokens_per_second"] if ok else None
+
+
+def _release() -> None:
+    """Free what the last row left: Python garbage, then MLX's buffer cache (so memory deltas start clean)."""
+    gc.collect()
+    mx.synchronize()
+    mx.clear_cache()

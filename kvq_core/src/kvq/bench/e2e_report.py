@@ -1,0 +1,93 @@
+"""Reports of ``kvq bench e2e``: a markdown table per context, the results file, and the speed/memory plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .output import markdown_table, pyplot
+
+MIB = 2**20
+COLUMNS = ("method", "cache", "bits/coord (eff.)", "KV MiB (x fp16)", "measured MiB (x fp16)", "decode peak MiB",
+           "ms/token median [p10, p90]", "tokens/s (x fp16)", "attend")
+NOTES = """Columns: bits/coord = stored bits per coordinate of compressed tokens (codes + norms + scales), keys and \
+values averaged; eff. = over the whole context with a kvq cache's sinks and window at 16 bits. KV MiB = the caches' \
+nbytes after the fill (allocated, preallocation included); measured = growth of mx.get_active_memory() from before \
+the caches were made to after the fill; decode peak = mx.get_peak_memory() during decode minus the memory before \
+the caches were made (caches + decode temporaries). ms/token: one greedy token per forward pass, mx.eval each, \
+after the warmup steps; tokens/s = 1 / median. fp16 = mlx-lm's KVCache in the model's dtype; mlx-affine:N = \
+mlx-lm's QuantizedKVCache (kv_bits N, group 64); the others are kvq caches."""
+
+
+def _ratio(value, ratio) -> str:
+    return f"{value:.1f}" if ratio is None else f"{value:.1f} ({ratio:.2f})"
+
+
+def _cells(r: dict) -> list[str]:
+    head = [r["method"], r["cache"], f"{r['bits_per_coordinate']:.3g} ({r['effective_bits_per_coordinate']:.3g})"]
+    if r["error"]:
+        return head + ["-"] * (len(COLUMNS) - 4) + [f"error: {r['error'][:120]}"]
+    lat = r["latency_ms"]
+    speed = f"{r['tokens_per_second']:.3g}" + ("" if r["speed_vs_fp16"] is None else f" ({r['speed_vs_fp16']:.2f})")
+    return head + [_ratio(r["kv_bytes"] / MIB, r["kv_bytes_ratio"]),
+                   _ratio(r["active_memory_growth"] / MIB, r["memory_ratio"]),
+                   f"{r['peak_memory_growth'] / MIB:.1f}",
+                   f"{lat['median']:.3g} [{lat['p10']:.3g}, {lat['p90']:.3g}]", speed,
+                   r["attend_implementation"] or "mlx-lm"]
+
+
+def markdown(rows: list[dict]) -> str:
+    """One table per context length (in the order measured), then :data:`NOTES`."""
+    parts = []
+    for context in dict.fromkeys(r["context"] for r in rows):
+        parts.append(f"### {context} tokens of context\n")
+        parts.append(markdown_table(COLUMNS, [_cells(r) for r in rows if r["context"] == context]) + "\n")
+    return "\n".join(parts + [NOTES])
+
+
+def markdown_file(document: dict) -> str:
+    """A results file: title, exact command, device, versions, model and settings, then :func:`markdown`."""
+    env, s, m = document["environment"], document["settings"], document["model"]
+    commit = env.get("git_commit")
+    lines = [f"# kvq bench e2e, {env['date']}", "", f"`{env['command']}`", "",
+             f"Device: {env['device']} ({env['device_kind']}); MLX {env['mlx']}, kvq {env['kvq']}"
+             + (f", git {commit[:10]}{' (modified tree)' if env.get('git_dirty') else ''}" if commit else "") + ".",
+             f"Model: {m['name']} ({m['layers']} layers, {m['q_heads']} query / {m['kv_heads']} KV heads, head_dim "
+             f"{m['head_dim']}, {m['dtype']}, {m['parameters'] / 1e6:.0f}M parameters).",
+             f"Fill: {s['fill']} (chunks of {s['chunk']}); decode: {s['warmup']} warmup + {s['steps']} timed steps; "
+             f"kvq caches: sinks {s['sinks']}, window {s['window']}, kernels {s['kernels']}.",
+             *(f"Note: {n}" for n in document.get("notes", [])), "", markdown(document["rows"])]
+    return "\n".join(lines) + "\n"
+
+
+def plot(document: dict, path: str | Path) -> bool:
+    """Three panels against context length (log 2): decode tokens/s, measured KV memory, decode peak memory;
+    one line per method (fp16 dashed black, mlx-lm caches with squares). :return: False when matplotlib is
+    missing (a warning says so), else True."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    rows = [r for r in document["rows"] if not r["error"]]
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
+    panels = (("tokens_per_second", 1, "decode tokens/s (1 / median latency)"),
+              ("active_memory_growth", MIB, "KV memory, measured (MiB)"),
+              ("peak_memory_growth", MIB, "peak memory during decode, above the model (MiB)"))
+    for ax, (key, scale, label) in zip(axes, panels):
+        for method in dict.fromkeys(r["method"] for r in rows):
+            points = sorted((r["context"], r[key] / scale) for r in rows if r["method"] == method)
+            cache = next(r["cache"] for r in rows if r["method"] == method)
+            style = dict(color="black", linestyle="--", marker="o") if cache == "mlx-lm KVCache" else \
+                dict(marker="s" if cache.startswith("mlx-lm") else "o")
+            ax.plot([p[0] for p in points], [p[1] for p in points], label=method, **style)
+        ax.set(xscale="log", yscale="log", xlabel="context length (tokens)", ylabel=label)
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(lambda v, _: f"{v / 1024:g}K" if v >= 1024 else f"{v:g}")
+        ax.yaxis.set_major_formatter(lambda v, _: f"{v:g}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    env, m = document["environment"], document["model"]
+    fig.suptitle(f"kvq bench e2e: {m['name']} ({m['dtype']}) on {env['device']}, MLX {env['mlx']} "
+                 f"(squares: mlx-lm's QuantizedKVCache)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

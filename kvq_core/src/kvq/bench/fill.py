@@ -1,0 +1,88 @@
+"""Bringing caches to a context length and timing decode steps: the measuring parts of ``kvq bench e2e``."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+#: Tokens per forward pass of a real prefill (as ``kvq eval``; on a 2-core CPU as fast as 2048, less memory).
+PREFILL_CHUNK = 512
+
+
+def cache_arrays(cache) -> list[mx.array]:
+    """Every array of one layer's cache state (for ``mx.eval``)."""
+    return [v for _, v in tree_flatten(cache.state) if isinstance(v, mx.array)]
+
+
+class RandomKV:
+    """Random normal keys and values ``[1, H_kv, stop - start, D]`` in ``dtype``, the same for every method
+    (one key per layer and chunk start)."""
+
+    def __init__(self, kv_heads: int, head_dim: int, dtype: mx.Dtype, seed: int = 0) -> None:
+        self.kv_heads, self.head_dim, self.dtype, self.seed = kv_heads, head_dim, dtype, seed
+
+    def __call__(self, layer: int, start: int, stop: int) -> tuple[mx.array, mx.array]:
+        key = mx.random.key(self.seed * 1_000_003 + layer * 65_537 + start)
+        k_key, v_key = mx.random.split(key)
+        shape = (1, self.kv_heads, stop - start, self.head_dim)
+        return mx.random.normal(shape, self.dtype, key=k_key), mx.random.normal(shape, self.dtype, key=v_key)
+
+
+class ReplayKV:
+    """The keys and values of one real prefill of ``ids`` with mlx-lm's KVCache, served by token range."""
+
+    def __init__(self, model, ids: mx.array) -> None:
+        from mlx_lm.models.cache import KVCache
+
+        caches = [KVCache() for _ in model.layers]
+        prefill(model, caches, ids)
+        self.layers = [(c.keys, c.values) for c in caches]
+
+    def __call__(self, layer: int, start: int, stop: int) -> tuple[mx.array, mx.array]:
+        keys, values = self.layers[layer]
+        return keys[:, :, start:stop], values[:, :, start:stop]
+
+
+def prefill(model, caches: list, ids: mx.array, chunk: int = PREFILL_CHUNK) -> None:
+    """Run ``model`` over the 1-D token array ``ids`` in chunks, storing keys and values in ``caches``."""
+    for start in range(0, ids.size, chunk):
+        model(ids[None, start : start + chunk], cache=caches)  # logits are never evaluated
+        mx.eval([cache_arrays(c) for c in caches])
+
+
+def fill(caches: list, source: Callable, context: int, chunk: int) -> None:
+    """Bring every layer's cache to ``context`` tokens: ``update_and_fetch`` with ``source(layer, start, stop)``
+    in chunks of ``chunk`` tokens, each layer evaluated before the next (little memory beyond the caches)."""
+    for start in range(0, context, chunk):
+        stop = min(start + chunk, context)
+        for layer, cache in enumerate(caches):
+            cache.update_and_fetch(*source(layer, start, stop))
+            mx.eval(cache_arrays(cache))
+
+
+def decode(model, caches: list, token: int, steps: int, warmup: int = 1) -> list[float]:
+    """Greedy decoding from ``token``: ``warmup + steps`` forward passes of one token, each followed by
+    ``mx.eval`` of the next token. :return: the ``steps`` timed latencies in seconds."""
+    y = mx.array([[token]])
+    times = []
+    for _ in range(warmup + steps):
+        tic = time.perf_counter()
+        logits = model(y, cache=caches)
+        y = mx.argmax(logits[:, -1:, :], axis=-1)
+        mx.eval(y)
+        times.append(time.perf_counter() - tic)
+    return times[warmup:]
+
+
+def latency_summary(seconds: list[float]) -> dict:
+    """Per-token latency in milliseconds (median, p10, p90, mean, min, max, all) and tokens/s (1 / median)."""
+    ms = np.array(seconds) * 1e3
+    median = float(np.median(ms))
+    return {"latency_ms": {"median": median, "p10": float(np.percentile(ms, 10)),
+                           "p90": float(np.percentile(ms, 90)), "mean": float(ms.mean()), "min": float(ms.min()),
+                           "max": float(ms.max()), "all": [round(float(x), 4) for x in ms]},
+            "tokens_per_second": 1e3 / median}

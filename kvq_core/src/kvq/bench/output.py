@@ -1,0 +1,63 @@
+"""Writing benchmark results, shared by the ``kvq bench`` subcommands: file names, JSON, markdown tables, pyplot.
+
+A result is a JSON document ``{"benchmark", "environment", "settings", "rows", ...}`` written after every row
+(so a run cut short still leaves what it measured), a markdown table, and PNG plots.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from pathlib import Path
+from typing import Any, Sequence
+
+
+def output_paths(out: str | Path, stem: str, suffixes: Sequence[str] = (".json", ".md", ".png")) -> dict[str, Path]:
+    """``{".json": out/stem.json, ...}``; creates the folder ``out``.
+
+    :raises ValueError: ``out`` exists and is not a folder, or ``stem`` is empty or contains a path separator.
+    """
+    if not stem or "/" in stem or "\\" in stem:
+        raise ValueError(f"--name must be a file name without folders; got {stem!r}")
+    folder = Path(out)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"--out {out} exists and is not a folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    return {suffix: folder / f"{stem}{suffix}" for suffix in suffixes}
+
+
+def slug(text: str) -> str:
+    """``"random:llama3-8b"`` -> ``"random-llama3-8b"``: lower case, runs of other characters as one ``-``."""
+    return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-") or "model"
+
+
+def write_json(document: dict[str, Any], path: str | Path) -> None:
+    """Write ``document`` as indented JSON (through a temporary file, so a reader never sees half of it)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(document, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A GitHub markdown table; cells are formatted with ``str`` and ``|`` in them is escaped."""
+    def line(cells):
+        return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+
+    return "\n".join([line(headers), "|" + "---|" * len(headers), *(line(r) for r in rows)])
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg back end (no display needed), or ``None`` with a warning when matplotlib
+    does not import (the caller then writes no PNG)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        warnings.warn(f"kvq bench: no PNG plot, matplotlib does not import ({exc}); pip install 'matplotlib>=3.8'",
+                      RuntimeWarning, stacklevel=2)
+        return None
+    return plt

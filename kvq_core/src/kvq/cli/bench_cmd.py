@@ -1,0 +1,212 @@
+"""``kvq bench SUBCOMMAND``: benchmarks that write a JSON document, a markdown table and PNG plots.
+
+Subcommands are registered in :data:`SUBCOMMANDS` as ``"module:function"``; the function takes the
+subcommand's arguments (``list[str]``) and returns an exit code. It is imported only when chosen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import shlex
+import sys
+
+#: name -> ("module:function", one-line help).
+SUBCOMMANDS = {
+    "e2e": ("kvq.cli.bench_cmd:e2e_main", "decode tokens/s and memory against context length per cache"),
+    "ops": ("kvq.cli.bench_ops_cmd:main", "each op per method, kernels vs pure MLX, time/memory/bandwidth vs size"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: kvq bench SUBCOMMAND [options]", "", "subcommands:"]
+    lines += [f"  {name:<6} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    return "\n".join(lines + ["", "Run 'kvq bench SUBCOMMAND --help' for its options."])
+
+
+def main(argv: list[str]) -> int:
+    """Dispatch ``kvq bench SUBCOMMAND ...``. :raises ValueError: an unknown subcommand (the known are named)."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    if argv[0] not in SUBCOMMANDS:
+        raise ValueError(f"unknown subcommand {argv[0]!r}; choose one of {', '.join(SUBCOMMANDS)}")
+    module, function = SUBCOMMANDS[argv[0]][0].split(":")
+    return getattr(importlib.import_module(module), function)(argv[1:])
+
+
+# -- kvq bench e2e ----------------------------------------------------------------------------------------
+
+E2E_EPILOG = """
+models: the default model (SmolLM2-135M-Instruct, as kvq eval), any --model kvq eval takes, or random:PRESET, a
+random-weight llama of a real shape (random:llama3-8b, random:llama3-3b, random:llama3-1b, random:tiny; --layers
+cuts its layer count). Random models are filled with random keys and values; real models by default with the
+keys and values of one real prefill of the Python language reference per context (--fill replay).
+
+methods: kvq eval's method strings; fp16 is mlx-lm's KVCache (always measured first, the reference),
+mlx-affine:N mlx-lm's QuantizedKVCache (kv_bits N, group 64), kvq-fp16 kvq's own 16-bit cache.
+
+Default contexts: real models 1024,2048,4096 on the CPU, 1K..8K on a GPU (up to the model's maximum); random
+models 1024,4096 on the CPU, 4K,16K,32K,64K,128K on a GPU. Sizes take K suffixes (1K = 1024).
+Writes OUT/NAME.json (after every row), OUT/NAME.md and OUT/NAME.png.
+"""
+
+
+def e2e_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``kvq bench e2e``."""
+    from ..bench import e2e
+
+    p = argparse.ArgumentParser(prog="kvq bench e2e", description=e2e.__doc__.split("\n\n")[0], epilog=E2E_EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="model name, folder, .gguf, Hub id, or random:PRESET")
+    p.add_argument("--methods", default=None,
+                   help=f"comma-separated method strings (default: {','.join(e2e.DEFAULT_METHODS)}, if installed)")
+    p.add_argument("--contexts", default=None, help="context lengths, comma-separated (see below)")
+    p.add_argument("--steps", type=int, default=32, help="timed decode steps per row (default 32)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed decode steps first (default 1)")
+    p.add_argument("--fill", choices=e2e.FILLS, default=None,
+                   help="how caches reach the context: random, replay (one real prefill), prefill (each cache)")
+    p.add_argument("--chunk", type=int, default=4096, help="tokens per update_and_fetch when filling (default 4096)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
+                   help="model dtype (default: random models bfloat16 on a GPU, float32 on the CPU; real models "
+                        "as stored)")
+    p.add_argument("--layers", type=int, default=None, help="random models: keep this many layers")
+    p.add_argument("--sinks", type=int, default=4, help="kvq caches: uncompressed first tokens (default 4)")
+    p.add_argument("--window", type=int, default=128, help="kvq caches: uncompressed last tokens (default 128)")
+    p.add_argument("--kernels", choices=("auto", "require", "off"), default="auto",
+                   help="kvq caches: fused kernels (default auto)")
+    p.add_argument("--seed", type=int, default=0, help="seed of random weights, keys and values (default 0)")
+    p.add_argument("--out", default="bench-e2e", help="output folder (default ./bench-e2e)")
+    p.add_argument("--name", default=None, help="file name stem (default DATE-DEVICE-MODEL)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def _model_config(args) -> tuple[str, dict, object]:
+    """``(name, llama config dict, local path or None)`` of ``--model``, without loading weights."""
+    from ..bench.random_model import is_random, random_config
+
+    if is_random(args.model):
+        return args.model, random_config(args.model, args.layers), None
+    if args.layers is not None:
+        raise ValueError(f"--layers applies to random:PRESET models only; got --model {args.model or 'default'}")
+    from ..models import DEFAULT_MODEL, resolve_model
+
+    path = resolve_model(args.model)
+    config = json.loads((path / "config.json").read_text())
+    return args.model or DEFAULT_MODEL, config.get("text_config", config), path
+
+
+def _contexts(text: str | None, random: bool, limit: int | None) -> tuple[int, ...]:
+    from ..bench.ops import parse_sizes
+    from ..problem import device_kind
+
+    if text is not None:
+        return parse_sizes(text, "--contexts")
+    gpu = device_kind() != "cpu"
+    if random:
+        return (4096, 16384, 32768, 65536, 131072) if gpu else (1024, 4096)
+    return tuple(c for c in ((1024, 2048, 4096, 8192) if gpu else (1024, 2048, 4096)) if limit is None or c <= limit)
+
+
+def e2e_check(args) -> dict:
+    """Every input check of ``kvq bench e2e`` that needs no model weights.
+
+    :return: ``{"name", "config", "path", "settings", "specs", "dtype"}``.
+    :raises ValueError: the first bad input, naming the option and what it allows.
+    """
+    from ..bench import e2e
+    from ..bench.random_model import is_random
+
+    for option, value, low in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0), ("--chunk", args.chunk, 1),
+                               ("--sinks", args.sinks, 0), ("--window", args.window, 0)):
+        if value < low:
+            raise ValueError(f"{option} must be >= {low}; got {value}")
+    random = is_random(args.model)
+    fill = args.fill or ("random" if random else "replay")
+    if random and fill != "random":
+        raise ValueError(f"--fill {fill}: random:PRESET models have no text to prefill; use --fill random")
+    name, config, path = _model_config(args)
+    limit = config.get("max_position_embeddings")
+    contexts = _contexts(args.contexts, random, limit)
+    if limit is not None and max(contexts) > limit:
+        raise ValueError(f"--contexts {max(contexts)} is longer than the model's max_position_embeddings ({limit})")
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    specs = e2e.parse_methods(args.methods, head_dim, args.sinks, args.window)
+    settings = e2e.E2ESettings(contexts, args.steps, args.warmup, args.chunk, fill, args.sinks, args.window,
+                               args.kernels, args.seed, not args.no_progress)
+    return {"name": name, "config": config, "path": path, "settings": settings, "specs": specs,
+            "dtype": args.dtype or ("float32" if random and _on_cpu() else "bfloat16" if random else None)}
+
+
+def _on_cpu() -> bool:
+    from ..problem import device_kind
+
+    return device_kind() == "cpu"
+
+
+def _load(checked: dict, seed: int):
+    """``(model, text token ids or None)``: the random model built, or the real model and its tokenized text."""
+    import mlx.core as mx
+
+    from ..bench.random_model import build_random_model
+
+    dtype = None if checked["dtype"] is None else getattr(mx, checked["dtype"])
+    if checked["path"] is None:
+        return build_random_model(checked["config"], dtype, seed), None
+    from ..models import load
+    from ..textdata import language_reference
+
+    model, tokenizer = load(checked["path"], dtype=dtype)
+    return model, list(tokenizer.encode(language_reference(), add_special_tokens=False))
+
+
+def _model_info(name: str, model, path) -> dict:
+    from mlx.utils import tree_flatten
+
+    from ..bench.e2e import model_dtype
+
+    a, weights = model.args, [v for _, v in tree_flatten(model.parameters())]
+    return {"name": name, "path": None if path is None else str(path), "layers": len(model.layers),
+            "hidden_size": a.hidden_size, "q_heads": a.num_attention_heads, "kv_heads": a.num_key_value_heads,
+            "head_dim": getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads,
+            "intermediate_size": a.intermediate_size, "vocab_size": a.vocab_size,
+            "max_position_embeddings": a.max_position_embeddings, "dtype": str(model_dtype(model)).split(".")[-1],
+            "parameters": sum(w.size for w in weights), "weight_bytes": sum(w.nbytes for w in weights)}
+
+
+def e2e_main(argv: list[str]) -> int:
+    """Run ``kvq bench e2e``; every argument is checked before any model is loaded or built."""
+    args = e2e_parser().parse_args(argv)
+    checked = e2e_check(args)
+    from ..bench import e2e, e2e_report, measure, output
+    from ..problem import device_kind
+
+    stem = args.name or f"{datetime.date.today().isoformat()}-{device_kind()}-{output.slug(checked['name'])}"
+    paths = output.output_paths(args.out, stem)
+    model, text_ids = _load(checked, args.seed)
+    settings = checked["settings"]
+    info = _model_info(checked["name"], model, checked["path"])
+    limit = info["max_position_embeddings"]
+    notes = [f"context {c} + {settings.warmup + settings.steps} decode steps exceed max_position_embeddings {limit}"
+             for c in settings.contexts if limit and c + settings.warmup + settings.steps > limit]
+    document = {"benchmark": "kvq bench e2e",
+                "environment": measure.environment("kvq bench e2e " + shlex.join(argv)),
+                "settings": {**{k: getattr(settings, k) for k in ("contexts", "steps", "warmup", "chunk", "fill",
+                                                                   "sinks", "window", "kernels", "seed")},
+                             "methods": [s.label for s in checked["specs"]]},
+                "model": info, "notes": notes, "rows": []}
+
+    def save(row: dict) -> None:
+        document["rows"].append(row)
+        output.write_json(document, paths[".json"])
+
+    e2e.E2EBench(model, settings, text_ids).run(checked["specs"], on_row=save)
+    paths[".md"].write_text(e2e_report.markdown_file(document))
+    wrote = [paths[".json"], paths[".md"]] + ([paths[".png"]] if e2e_report.plot(document, paths[".png"]) else [])
+    print(e2e_report.markdown(document["rows"]))
+    failed = sum(bool(r["error"]) for r in document["rows"])
+    print(f"\n{len(document['rows'])} rows ({failed} failed); wrote {', '.join(map(str, wrote))}", file=sys.stderr)
+    return 0
