@@ -14,6 +14,7 @@ COMMANDS = {
     "calibrate": ("kvq.cli.calibrate_cmd", "codebooks and smoothing factors from a model's keys/values (vecinfer)"),
     "bench": ("kvq.cli.bench_cmd", "benchmarks: e2e (decode speed and memory vs context), ops (each op); JSON + PNG"),
     "autotune": ("kvq.cli.autotune_cmd", "measure kernel vs pure-MLX crossovers on this device; selection uses them"),
+    "serve": ("kvq.cli.serve_cmd", "mlx-lm's HTTP server with kvq caches (also under mlx.launch)"),
 }
 
 

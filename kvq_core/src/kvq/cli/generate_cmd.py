@@ -6,6 +6,11 @@ Streams the generated text (``mlx_lm.stream_generate`` with a cache from ``kvq.m
 prompt and generation tokens/s, the KV bytes resident for the compressed cache and for fp16 (``nbytes`` and the
 measured growth of ``mx.get_active_memory``), the ratio, and with ``--compare fp16`` how well the method follows
 the fp16 cache: top-1 agreement and mean KL(fp16 || method) on the fp16 cache's greedy tokens, teacher-forced.
+
+Under ``mlx.launch`` every rank loads its shard of the model (tensor parallel, or ``--pipeline``) and its own kvq
+caches (:mod:`kvq.distributed`); only rank 0 prints, and bytes are those of rank 0's caches.
+
+    mlx.launch --backend ring -n 2 -- python -m kvq.cli generate --model M --method turboquant --bits 4 --prompt hi
 """
 
 from __future__ import annotations
@@ -173,7 +178,7 @@ def run_cache(model, tokenizer, ids: list[int], options: dict, max_tokens: int, 
     """
     import mlx_lm
 
-    from ..cache import make_prompt_cache
+    from ..distributed import make_prompt_cache  # kvq.make_prompt_cache, and this rank's shard under mlx.launch
 
     cache = make_prompt_cache(model, **options)
     label = cache_label(options)
@@ -295,6 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also generate with an fp16 cache; report agreement and KL(fp16 || method)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap the prompt in the chat template (default: when the tokenizer has one)")
+    p.add_argument("--pipeline", action="store_true",
+                   help="under mlx.launch: pipeline parallel (each rank its own layers), not tensor parallel")
     return p
 
 
@@ -305,8 +312,8 @@ def main(argv: list[str]) -> int:
         unreadable or empty prompt (the dispatcher prints it as one line and exits 1).
     :raises TypeError: an unknown parameter name.
     """
-    from .. import models
-    from ..cache import make_config, make_prompt_cache
+    from .. import distributed
+    from ..cache import make_config
 
     args = build_parser().parse_args(argv)
     if args.max_tokens < 1:
@@ -314,14 +321,16 @@ def main(argv: list[str]) -> int:
     options = cache_options(args)
     make_config(**options)  # bad methods and parameters fail before the model is loaded
     text = read_prompt(args)
-    model, tokenizer = models.load(args.model)
+    model, tokenizer = distributed.load(args.model, pipeline=args.pipeline)  # this rank's shard under mlx.launch
     ids = prompt_ids(tokenizer, text, args.chat)
-    make_prompt_cache(model, **options)  # a head_dim the method does not support fails before any output
-    reference = None
-    if args.compare:
-        print("--- fp16 ---", flush=True)
-        reference = run_cache(model, tokenizer, ids, FP16, args.max_tokens, record=True, on_text=stream_to_stdout)
-        print()
-    print(f"--- {cache_label(options)} ---", flush=True)
-    run_and_report(model, tokenizer, ids, options, args.max_tokens, reference)
+    distributed.make_prompt_cache(model, **options)  # an unsupported head_dim or KV-head split fails before output
+    with distributed.rank0_stdout():  # every rank computes, rank 0 prints
+        reference = None
+        if args.compare:
+            print("--- fp16 ---", flush=True)
+            reference = run_cache(model, tokenizer, ids, FP16, args.max_tokens, record=True,
+                                  on_text=stream_to_stdout)
+            print()
+        print(f"--- {cache_label(options)} ---", flush=True)
+        run_and_report(model, tokenizer, ids, options, args.max_tokens, reference)
     return 0

@@ -1,0 +1,115 @@
+"""``kvq serve``: mlx-lm's HTTP server (its OpenAI-style API, batching and prompt cache) with kvq caches.
+
+    kvq serve --model M --method turboquant --bits 4 --port 8080
+    mlx.launch --backend ring -n 2 -- python -m kvq.cli serve --model M --method turboquant --bits 4
+
+The cache options (``--method``, ``--bits``, ``--param``, ``--key-method`` ... ``--sinks``, ``--window``,
+``--kernels``) are kvq's, as in ``kvq generate``; every other option goes to ``mlx_lm.server`` unchanged (see
+``mlx_lm.server --help``: ``--host``, ``--port``, ``--max-tokens``, ``--temp`` ...). ``--model`` is resolved as by
+``kvq generate`` (default model, mlx-lm folder, GGUF file, Hub id). The server is mlx-lm's own: kvq only makes
+the loaded model's ``make_cache()`` return kvq caches (:func:`kvq.distributed.patch_model`), which mlx-lm's
+request loop, ``BatchGenerator`` and prompt-cache reuse then use. Under ``mlx.launch`` mlx-lm shards the model
+(tensor parallel, or ``--pipeline``), rank 0 serves HTTP and every rank builds its kvq caches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from ..select import KERNELS
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvq serve`` argument parser (kvq's options only; the others are passed on to mlx-lm)."""
+    p = argparse.ArgumentParser(prog="kvq serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="mlx-lm folder, .gguf file or Hub id (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--method", default="affine", help="method for keys and values (see 'kvq list'; default affine)")
+    p.add_argument("--bits", type=int, default=None, help="shorthand for --param bits=B")
+    p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="method parameter, repeatable")
+    p.add_argument("--key-method", default=None, help="method for the keys only (e.g. qjl)")
+    p.add_argument("--value-method", default=None, help="method for the values only")
+    p.add_argument("--key-param", action="append", default=[], metavar="NAME=VALUE", help="keys' parameter")
+    p.add_argument("--value-param", action="append", default=[], metavar="NAME=VALUE", help="values' parameter")
+    p.add_argument("--sinks", type=int, default=4, help="first tokens kept uncompressed (default 4)")
+    p.add_argument("--window", type=int, default=128, help="recent tokens kept uncompressed (default 128)")
+    p.add_argument("--kernels", choices=KERNELS, default="auto", help="fused GPU kernels: auto, require or off")
+    p.add_argument("--pipeline", action="store_true",
+                   help="under mlx.launch: pipeline parallel (each rank its own layers), not tensor parallel")
+    return p
+
+
+def check_sharding(path: Path, pipeline: bool, group_size: int) -> None:
+    """Refuse before the server starts what would otherwise fail in its generation thread.
+
+    :raises ValueError: tensor parallel over a group size that does not divide the KV heads of ``path``'s
+        config.json (:func:`kvq.distributed.check_tensor_parallel`), or pipeline parallel on a folder without the
+        ``model.safetensors.index.json`` that ``mlx_lm.utils.sharded_load`` reads.
+    """
+    from ..distributed import check_tensor_parallel
+
+    if group_size == 1:
+        return
+    if pipeline:
+        if not (path / "model.safetensors.index.json").is_file():
+            raise ValueError(f"--pipeline: mlx-lm's sharded loading needs model.safetensors.index.json in {path} "
+                             "(mlx_lm.convert and mlx_lm.utils.save_model write it)")
+        return
+    config = json.loads((path / "config.json").read_text())
+    heads = config.get("num_attention_heads")
+    if heads:
+        check_tensor_parallel(config.get("num_key_value_heads") or heads, heads, group_size)
+
+
+def provider_class(options: dict):
+    """A subclass of ``mlx_lm.server.ModelProvider`` whose loaded models make kvq caches with ``options``."""
+    from mlx_lm import server
+
+    from .. import distributed
+    from .generate_cmd import cache_label
+
+    class KVQModelProvider(server.ModelProvider):
+        """mlx-lm's model provider; each loaded model's ``make_cache()`` returns this rank's kvq caches."""
+
+        def _load(self, *args, **kwargs):
+            super()._load(*args, **kwargs)
+            distributed.patch_model(self.model, **options)
+            caches = self.model.make_cache()
+            self.is_batchable = self.draft_model is None and all(hasattr(c, "merge") for c in caches)
+            heads = distributed.kv_head_range(self.model)
+            logging.info(f"kvq serve: kvq caches ({cache_label(options)}) for every request: {len(caches)} "
+                         f"layers on this rank" + (f", KV heads {heads[0]}:{heads[1]}" if heads else ""))
+
+    return KVQModelProvider
+
+
+def main(argv: list[str]) -> int:
+    """Run ``kvq serve`` until interrupted; returns 0.
+
+    :raises ValueError: bad method or parameters, an unknown model, or a sharding that cannot work (see
+        :func:`check_sharding`); the dispatcher prints it as one line and exits 1.
+    :raises TypeError: an unknown parameter name.
+    """
+    import mlx.core as mx
+    from mlx_lm import server
+
+    from .. import models
+    from ..cache import make_config
+    from .generate_cmd import cache_options
+
+    args, rest = build_parser().parse_known_args(argv)
+    options = cache_options(args)
+    make_config(**options)  # bad methods and parameters fail before the model is loaded
+    path = models.resolve_model(args.model)
+    check_sharding(path, args.pipeline, mx.distributed.init().size())
+    original, server.ModelProvider = server.ModelProvider, provider_class(options)
+    saved_argv, sys.argv = sys.argv, ["kvq serve", "--model", str(path), *(["--pipeline"] * args.pipeline), *rest]
+    try:
+        server.main()
+    finally:
+        server.ModelProvider, sys.argv = original, saved_argv
+    return 0
