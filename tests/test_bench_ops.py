@@ -116,3 +116,10 @@ def test_run_reports_each_step():
     settings = ops.Settings(ops.parse_methods("affine:4"), ("quantize",), (64, 128), (), warmup=0, reps=1)
     result = ops.run(settings, on_step=lambda r: seen.append([row["size"] for row in r["rows"]]))
     assert seen == [[64], [64, 128]] and [r["size"] for r in result["rows"]] == [64, 128]
+
+
+def test_kvq_bench_ops_is_a_bench_subcommand(capsys):
+    from kvq.cli import main
+
+    assert main(["bench", "ops", "--ops", "quantize,compress"]) == 1
+    assert "kvq bench: error: --ops must be a comma-separated subset of" in capsys.readouterr().err

@@ -2,22 +2,9 @@
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
-
-def _pyplot():
-    """matplotlib's pyplot on the Agg back end, or ``None`` (with a warning) when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        warnings.warn(f"kvq bench: no PNG plots, matplotlib does not import ({exc}); pip install 'matplotlib>=3.8'",
-                      RuntimeWarning, stacklevel=3)
-        return None
-    return plt
+from .output import pyplot
 
 
 def _lines(rows: list[dict], op: str) -> dict[str, list[tuple[int, float]]]:
@@ -36,7 +23,7 @@ def plot_ops(rows: list[dict], out_dir: str | Path, device: str) -> list[str]:
 
     :return: the paths written (none when matplotlib is missing; a warning says so).
     """
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return []
     written = []

@@ -7,11 +7,10 @@ Writes bench_ops.json and one PNG per op (log-log time against size) to --out.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 from pathlib import Path
 
-from ..bench import measure, ops, plot
+from ..bench import measure, ops, output, plot
 from ..problem import device_kind
 
 EPILOG = """
@@ -94,9 +93,7 @@ def main(argv: list[str]) -> int:
     def write(result: dict, **extra) -> None:
         ops.add_bandwidth(result["rows"], bandwidth["bandwidth_Bps"])
         document.update(result, **extra)
-        tmp = out / "bench_ops.json.tmp"
-        tmp.write_text(json.dumps(document, indent=2) + "\n")
-        tmp.replace(out / "bench_ops.json")
+        output.write_json(document, out / "bench_ops.json")
 
     result = ops.run(settings, progress=not args.no_progress, on_step=write)
     plots = plot.plot_ops(result["rows"], out, env["device"])
