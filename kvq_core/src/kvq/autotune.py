@@ -8,7 +8,8 @@ them, :data:`NEVER` when it is slower at the largest). :func:`save` stores the t
 device name, MLX version and kvq version (:func:`table_path`).
 
 Sizes (:func:`problem_size`): vectors ``B * H * T`` for quantize/dequantize; context tokens ``B * T`` for attend
-(the grid runs ``B = 1``, ``H_q = 32``, ``H_kv = 8``, ``D = 128``). A crossover is applied to every head_dim.
+(the grid runs ``B = 1``, ``H_q = 32``, ``H_kv = 8``, ``D = 128``, float16). A crossover is applied to every
+head_dim, dtype and GQA ratio; selection's shape buckets (``T`` rounded up to a power of two) apply too.
 
 In :func:`kvq.select` (``kernels="auto"``), when this device has a table with an entry for the (method, op,
 kernel backend) being ranked, the crossover decides between that kernel and pure MLX (kernel iff
