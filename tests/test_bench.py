@@ -1,0 +1,165 @@
+"""kvq bench e2e on the CPU with random:tiny: every row, bytes that match the bits accounting, the files, failed
+rows recorded, fills that store what they are given, and bad input caught before any model work."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from kvq.bench import e2e, fill, random_model
+from kvq.cli import main
+
+METHODS = ("fp16", "affine:4", "turboquant:4")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """One CLI run: random:tiny in float16, contexts 64 and 128, no sinks or window (every token compressed)."""
+    out = tmp_path_factory.mktemp("e2e")
+    argv = ["bench", "e2e", "--model", "random:tiny", "--contexts", "64,128", "--methods", ",".join(METHODS),
+            "--steps", "2", "--dtype", "float16", "--sinks", "0", "--window", "0", "--out", str(out),
+            "--name", "run", "--no-progress"]
+    assert main(argv) == 0
+    return out, json.loads((out / "run.json").read_text())
+
+
+def test_every_context_and_method_has_a_measured_row(run):
+    _, doc = run
+    rows = doc["rows"]
+    assert [(r["context"], r["method"]) for r in rows] == [(c, m) for c in (64, 128) for m in METHODS]
+    for r in rows:
+        assert r["error"] is None
+        assert len(r["latency_ms"]["all"]) == 2
+        assert r["latency_ms"]["p10"] <= r["latency_ms"]["median"] <= r["latency_ms"]["p90"]
+        assert r["tokens_per_second"] == pytest.approx(1e3 / r["latency_ms"]["median"])
+        assert r["peak_memory_growth"] >= r["kv_bytes"] > 0
+    assert [r["cache"] for r in rows[:3]] == ["mlx-lm KVCache", "kvq KVQCache", "kvq KVQCache"]
+    assert rows[1]["attend_implementation"] == "affine:mlx"
+
+
+def test_kv_bytes_follow_the_bits_accounting(run):
+    _, doc = run
+    by = {(r["context"], r["method"]): r for r in doc["rows"]}
+    assert by[64, "fp16"]["bits_per_coordinate"] == 16
+    assert by[64, "affine:4"]["bits_per_coordinate"] == 4.5  # 4-bit codes + fp16 scale and bias per 64
+    assert by[64, "turboquant:4"]["bits_per_coordinate"] == 4.25  # 4-bit codes + an fp16 norm per 64
+    for (context, method), r in by.items():
+        expected = r["bits_per_coordinate"] / 16
+        assert r["kv_bytes_ratio"] == pytest.approx(expected, rel=0.03)
+        assert r["memory_ratio"] == pytest.approx(expected, rel=0.1)  # measured with mx.get_active_memory
+    # tiny: 2 layers x (K, V) x 2 heads x 256 preallocated tokens x 64 dims x 2 bytes
+    assert by[64, "fp16"]["kv_bytes"] == 2 * 2 * 2 * 256 * 64 * 2
+
+
+def test_files_and_environment(run):
+    out, doc = run
+    assert (out / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| affine:4 | kvq KVQCache | 4.5 (4.5) |" in (out / "run.md").read_text()
+    env = doc["environment"]
+    assert env["command"].startswith("kvq bench e2e --model random:tiny --contexts 64,128")
+    assert env["device_kind"] == "cpu" and env["mlx"] == mx.__version__ and env["kvq"] and env["date"]
+    assert doc["model"]["layers"] == 2 and doc["model"]["dtype"] == "float16"
+    assert doc["settings"]["fill"] == "random" and doc["settings"]["contexts"] == [64, 128]
+
+
+def test_a_failing_method_is_recorded_and_the_run_goes_on(monkeypatch):
+    model = random_model.build_random_model(random_model.random_config("tiny"), mx.float32)
+    original = e2e.make_cache
+
+    def make_cache(model, spec, settings):
+        if spec.label == "affine:4":
+            raise RuntimeError("[quantized_matmul] No implementation for problem shape")
+        return original(model, spec, settings)
+
+    monkeypatch.setattr(e2e, "make_cache", make_cache)
+    settings = e2e.E2ESettings((32,), steps=1, warmup=0, progress=False)
+    rows = e2e.E2EBench(model, settings).run(e2e.parse_methods("affine:4,turboquant:4", 64))
+    assert [r["method"] for r in rows] == ["fp16", "affine:4", "turboquant:4"]
+    assert rows[1]["error"] == "RuntimeError: [quantized_matmul] No implementation for problem shape"
+    assert rows[1]["kv_bytes_ratio"] is None
+    assert rows[2]["error"] is None and rows[2]["tokens_per_second"] > 0
+
+
+def test_fills_store_exactly_the_source():
+    source = fill.RandomKV(kv_heads=2, head_dim=64, dtype=mx.float16, seed=3)
+    caches = [KVCache(), KVCache()]
+    fill.fill(caches, source, context=100, chunk=32)
+    assert all(c.offset == 100 for c in caches)
+    parts = [source(1, s, min(s + 32, 100)) for s in range(0, 100, 32)]  # the same (layer, start): same data
+    assert mx.array_equal(mx.concatenate([k for k, _ in parts], axis=2), caches[1].keys[:, :, :100])
+    assert mx.array_equal(mx.concatenate([v for _, v in parts], axis=2), caches[1].values[:, :, :100])
+
+
+def test_replay_serves_the_real_prefill():
+    model = random_model.build_random_model(random_model.random_config("tiny"), mx.float32)
+    ids = mx.arange(40) % 512
+    replay = fill.ReplayKV(model, ids)
+    reference = [KVCache() for _ in model.layers]
+    model(ids[None], cache=reference)
+    keys, values = replay(1, 8, 40)
+    assert mx.allclose(keys, reference[1].keys[:, :, 8:40], atol=1e-5)
+    assert mx.allclose(values, reference[1].values[:, :, 8:40], atol=1e-5)
+
+
+def test_methods_defaults_and_names():
+    labels = [s.label for s in e2e.parse_methods(None, 128, installed={"fp16", "affine", "turboquant"})]
+    assert labels == ["fp16", "mlx-affine:4", "mlx-affine:8", "affine:4", "turboquant:4", "turboquant:k4v3",
+                      "turboquant:3"]
+    specs = e2e.parse_methods("kvq-fp16,mlx-affine:4", 64)
+    assert [e2e.cache_kind(s) for s in specs] == ["mlx-lm KVCache", "kvq KVQCache", "mlx-lm QuantizedKVCache"]
+    assert e2e.bits(specs[2], 64, mx.float16) == (4.5, 4.5)
+    assert e2e.bits(specs[2], 64, mx.float32) == (5.0, 5.0)  # mlx-lm keeps scales in the model's dtype
+    assert e2e.bits(specs[0], 64, mx.float32) == (32.0, 32.0)
+
+
+def test_llama3_8b_preset_shape():
+    config = random_model.random_config("random:llama3-8b", layers=4)
+    assert (config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"],
+            config["num_key_value_heads"], config["head_dim"], config["intermediate_size"], config["vocab_size"],
+            config["rope_theta"], config["max_position_embeddings"]) == (
+        4, 4096, 32, 8, 128, 14336, 128256, 500000.0, 131072)
+    assert random_model.random_config("llama3-8b")["num_hidden_layers"] == 32
+
+
+@pytest.fixture
+def no_model_work(monkeypatch):
+    """Building or loading a model fails the test."""
+    import kvq.models
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("model work started before the input was checked")
+
+    monkeypatch.setattr(kvq.models, "load", refuse)
+    monkeypatch.setattr(random_model, "build_random_model", refuse)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "random:llama3-9b"], "unknown random preset 'llama3-9b'; choose one of random:llama3-8b"),
+    (["--model", "random:tiny", "--methods", "affine:x"], "bits 'x' must be an integer"),
+    (["--model", "random:tiny", "--methods", "frobnicate:4"], "method must be one of"),
+    (["--model", "random:tiny", "--contexts", "1024,0"], "--contexts must be positive integers"),
+    (["--model", "random:tiny", "--contexts", "256K"], "longer than the model's max_position_embeddings (131072)"),
+    (["--model", "random:tiny", "--layers", "3"], "--layers must be in 1..2"),
+    (["--model", "random:tiny", "--fill", "prefill"], "have no text to prefill"),
+    (["--model", "random:tiny", "--steps", "0"], "--steps must be >= 1"),
+    (["--contexts", "2048"], "longer than the model's max_position_embeddings (1024)"),
+    (["--layers", "1"], "--layers applies to random:PRESET models only"),
+])
+def test_bad_input_fails_before_model_work(no_model_work, tmp_path, capsys, args, message):
+    folder = tmp_path / "model"  # a model folder whose config allows 1024 positions (no weights)
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 256, "num_attention_heads": 4, "head_dim": 64,
+        "max_position_embeddings": 1024}))
+    model = [] if "--model" in args else ["--model", str(folder)]
+    assert main(["bench", "e2e", *model, *args, "--out", str(tmp_path / "out")]) == 1
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_bench_subcommand_is_named(capsys):
+    assert main(["bench", "e2f"]) == 1
+    assert "unknown subcommand 'e2f'; choose one of e2e" in capsys.readouterr().err
