@@ -1,5 +1,50 @@
-"""kvq fused kernels for Metal and CUDA through MLX custom kernels (skeleton: kernels land with their issue)."""
+"""kvq fused kernels for Metal (Apple GPUs) and CUDA (NVIDIA GPUs), built with MLX custom kernels.
+
+Each kernel is written once in a small dialect (:mod:`kvq_metal.dialect`) and built for the back end of MLX's
+default device. Implementations are registered for both back ends; each offers itself only on its own GPU, after
+a first-use check against the pure-MLX implementation (:mod:`kvq_metal.base`), and kvq's selection ranks it by
+cost against pure MLX.
+
+Kernels: fused decode attention over compressed keys and values (:mod:`kvq_metal.attend`; ``affine``,
+``turboquant``), fused TurboQuant encode/decode (normalise + randomized Hadamard + Lloyd-Max + pack;
+:mod:`kvq_metal.quantize`).
+"""
+
+from __future__ import annotations
+
+from . import attend, quantize
+from .base import KernelDisabledWarning, KernelImpl
+from .dialect import BACKENDS, gpu_backend, sources_hash
+
+#: Kernel templates by name (hashed into benchmark results by :func:`kvq_metal.dialect.sources_hash`).
+TEMPLATES = {
+    "decode_attend": attend.SOURCE,
+    "tq_quantize": quantize.QUANTIZE_SOURCE,
+    "tq_dequantize": quantize.DEQUANTIZE_SOURCE,
+}
+
+__all__ = ["BACKENDS", "KernelDisabledWarning", "KernelImpl", "TEMPLATES", "gpu_backend", "implementations",
+           "kvq_register", "sources_hash"]
+
+
+def implementations() -> list:
+    """Kernel implementation objects for every installed method kvq_metal serves, on both back ends (methods
+    whose plugin is not installed are skipped)."""
+    from .methods.affine import AffineKernels
+
+    classes = [AffineKernels]
+    try:
+        import kvq_backends_turboquant  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        from .methods.turboquant import TurboQuantKernels
+
+        classes.append(TurboQuantKernels)
+    return [cls(backend) for cls in classes for backend in BACKENDS]
 
 
 def kvq_register(register):
-    """Entry point ``metal``: registers nothing yet."""
+    """Entry point ``metal``: kernel implementations (``metal`` and ``cuda`` back ends) of the installed methods."""
+    for impl in implementations():
+        register(impl)

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One GPU sitting: kernel smoke compile, GPU tests, kernel benchmarks; every step logs under $OUT.
+#   bash benchmarks/gpu_session.sh [steps...]   (steps: smoke tests bench; default: all)
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+steps=${*:-smoke tests bench}
+for step in $steps; do
+  case $step in
+    smoke) timeout 120 python3 -c '
+import mlx.core as mx, kvq, kvq_metal
+from kvq.plugins import registry
+b = kvq_metal.gpu_backend(); print("backend", b, mx.default_device())
+p = kvq.make_params("turboquant", bits=4)
+x = mx.random.normal((1, 2, 300, 128)).astype(mx.float16)
+k = registry().implementations[("turboquant", b)]; m = registry().implementations[("turboquant", "mlx")]
+for name, fn in [("quantize", lambda: k.kvq_quantize(x, p).data["codes"]),
+                 ("dequantize", lambda: k.kvq_dequantize(m.kvq_quantize(x, p), mx.float16)),
+                 ("attend", lambda: k.attend_kernel(mx.random.normal((1, 8, 1, 128)), m.kvq_quantize(x, p), m.kvq_quantize(x, p), 0.1)[0])]:
+    try:
+        mx.eval(fn()); print("ok", name)
+    except Exception as e:
+        print("FAIL", name, str(e)[:6000])
+' > "$OUT/smoke.log" 2>&1; tail -c 4000 "$OUT/smoke.log";;
+    tests) MLX_ENABLE_TF32=0 timeout 400 python3 -m pytest tests/test_kernels_gpu.py -m gpu -q -x --tb=short -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1; tail -c 3000 "$OUT/gpu_tests.log";;
+    bench) timeout 300 python3 benchmarks/kernels.py "$OUT/kernels_h200.json" > "$OUT/bench.log" 2>&1; tail -c 3000 "$OUT/bench.log";;
+  esac
+done

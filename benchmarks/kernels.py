@@ -1,0 +1,149 @@
+"""kvq_metal kernels vs pure MLX on this GPU: decode attention, fused TurboQuant encode, intermediate memory.
+
+Decode attention: B = 1, H_q = 32, H_kv = 8, D = 128, one query (REFERENCE_VALUES.md), T = 4K..128K, against
+``mx.fast.scaled_dot_product_attention`` on fp16 and mlx-lm's quantized SDPA (affine 4-bit) in the same run;
+achieved bandwidth on the compressed bytes vs the measured elementwise bandwidth. Encode: N vectors of head_dim
+128. Writes JSON to argv[1].
+
+    python benchmarks/kernels.py results.json
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import mlx.core as mx
+
+import kvq
+from kvq.plugins import registry
+
+
+def timeit(fn, warmup=3, reps=30) -> float:
+    """Median milliseconds of ``fn`` (evaluated and synchronised each call)."""
+    for _ in range(warmup):
+        mx.eval(fn())
+    times = []
+    for _ in range(reps):
+        tic = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - tic)
+    return statistics.median(times) * 1e3
+
+
+def elementwise_bandwidth() -> float:
+    """Bytes read + written per second by ``a * 2`` over 1 GiB of float16."""
+    a = mx.ones((2**29,), mx.float16)
+    mx.eval(a)
+    ms = timeit(lambda: a * 2, reps=20)
+    return 2 * a.nbytes / (ms / 1e3)
+
+
+def decode_rows(backend):
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
+    B, Hq, Hkv, D = 1, 32, 8, 128
+    scale = D ** -0.5
+    rows = []
+    methods = [("affine", {"bits": 4}), ("turboquant", {"bits": 4}), ("turboquant", {"bits": 3}),
+               ("turboquant", {"bits": 2})]
+    for T in (4096, 16384, 65536, 131072):
+        q = mx.random.normal((B, Hq, 1, D)).astype(mx.float16)
+        k = mx.random.normal((B, Hkv, T, D)).astype(mx.float16)
+        v = mx.random.normal((B, Hkv, T, D)).astype(mx.float16)
+        mx.eval(q, k, v)
+        row = {"T": T, "fp16_sdpa_ms": timeit(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)),
+               "fp16_bytes": k.nbytes + v.nbytes}
+        try:
+            qk, qv = mx.quantize(k, 64, 4), mx.quantize(v, 64, 4)
+            row["mlx_lm_affine4_ms"] = timeit(lambda: quantized_scaled_dot_product_attention(
+                q, qk, qv, scale=scale, mask=None, group_size=64, bits=4))
+        except Exception as exc:  # MLX 0.32 CUDA quantized_matmul lacks some shapes
+            row["mlx_lm_affine4_error"] = f"{type(exc).__name__}: {exc}"
+        for name, params in methods:
+            p = kvq.make_params(name, **params)
+            pure = registry().implementations[(name, "mlx")]
+            kern = registry().implementations[(name, backend)]
+            ke, ve = pure.kvq_quantize(k, p), pure.kvq_quantize(v, p)
+            mx.eval(ke.data, ve.data)
+            label = f"{name}{params['bits']}"
+            row[f"{label}_bytes"] = ke.nbytes + ve.nbytes
+            row[f"{label}_kernel_ms"] = timeit(lambda: kern.kvq_attend(q, ke, ve, scale, None)[0])
+            row[f"{label}_pure_ms"] = timeit(lambda: pure.kvq_attend(q, ke, ve, scale, None)[0], reps=5)
+            plan = kvq.select(name, (B, Hkv, T, D), params=p, op="attend", num_q_heads=Hq)
+            row[f"{label}_selected"] = plan.choices["attend"].backend
+            row[f"{label}_kernel_GBps"] = row[f"{label}_bytes"] / row[f"{label}_kernel_ms"] / 1e6
+            del ke, ve
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def quantize_rows(backend):
+    rows = []
+    D = 128
+    for bits in (4, 3):
+        p = kvq.make_params("turboquant", bits=bits)
+        pure = registry().implementations[("turboquant", "mlx")]
+        kern = registry().implementations[("turboquant", backend)]
+        for n in (2**12, 2**16, 2**18, 2**20, 2**21):
+            x = mx.random.normal((1, 8, n // 8, D)).astype(mx.float16)
+            mx.eval(x)
+            row = {"bits": bits, "N": n, "kernel_ms": timeit(lambda: kern.kvq_quantize(x, p).data["codes"]),
+                   "pure_ms": timeit(lambda: pure.kvq_quantize(x, p).data["codes"], reps=5)}
+            row["speedup"] = row["pure_ms"] / row["kernel_ms"]
+            enc = pure.kvq_quantize(x, p)
+            mx.eval(enc.data)
+            row["dequant_kernel_ms"] = timeit(lambda: kern.kvq_dequantize(enc, mx.float16))
+            row["dequant_pure_ms"] = timeit(lambda: pure.kvq_dequantize(enc, mx.float16), reps=5)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            del x, enc
+    return rows
+
+
+def memory_rows(backend):
+    rows = []
+    p = kvq.make_params("turboquant", bits=4)
+    x = mx.random.normal((1, 8, 4096, 256)).astype(mx.float16)
+    mx.eval(x)
+    for name in ("mlx", backend):
+        impl = registry().implementations[("turboquant", name)]
+        mx.synchronize()
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        enc = impl.kvq_quantize(x, p)
+        mx.eval(enc.data)
+        rows.append({"impl": name, "shape": list(x.shape),
+                     "intermediate_MB": (mx.get_peak_memory() - base - enc.nbytes) / 2**20})
+        print(json.dumps(rows[-1]), flush=True)
+        del enc
+    return rows
+
+
+def main(out_path):
+    import kvq_metal
+
+    backend = kvq_metal.gpu_backend()
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    meta = {"device": str(info.get("device_name", mx.default_device())), "backend": backend, "mlx": mx.__version__,
+            "kvq": kvq.__version__, "kernel_sources_sha256_16": kvq_metal.sources_hash(), "commit": commit,
+            "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv)}
+    meta["elementwise_GBps"] = elementwise_bandwidth() / 1e9
+    print(json.dumps(meta), flush=True)
+    result = {"meta": meta, "memory": memory_rows(backend), "decode": decode_rows(backend),
+              "quantize": quantize_rows(backend)}
+    with open(out_path, "w") as f:
+        json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

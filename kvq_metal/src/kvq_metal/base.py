@@ -1,0 +1,106 @@
+"""What every kernel implementation shares: the device test, the first-use check, the cost estimate.
+
+A kernel is only offered on the back end it was built for, on a machine whose default device is that GPU.
+Before a kernel variant (one template key: head_dim, bits, dtype ...) is used for the first time in a process, it
+runs on a small input and is compared with the pure-MLX implementation; a mismatch or an error disables that
+variant for the rest of the process with a :class:`KernelDisabledWarning` naming the kernel, and selection
+falls back to pure MLX (DESIGN.md, "Selection").
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+from kvq.costmodel import estimate
+from kvq.plugins import registry
+
+from .dialect import BACKENDS, gpu_backend
+
+
+class KernelDisabledWarning(RuntimeWarning):
+    """A kernel variant failed its first-use check on this device and is disabled (pure MLX serves instead)."""
+
+
+#: (backend, kernel name, template key) -> (passed, detail), for this process.
+CHECKS: dict[tuple, tuple[bool, str]] = {}
+
+
+def first_use_check(backend: str, name: str, key: tuple, check: Callable[[], tuple[bool, str]]) -> bool:
+    """Run ``check()`` once per ``(backend, name, key)`` in this process and remember the outcome.
+
+    :param check: returns ``(passed, detail)``; an exception counts as a failure (its text is the detail).
+    :return: whether the variant may be used. A failure warns once with :class:`KernelDisabledWarning`.
+    """
+    entry = (backend, name, key)
+    if entry not in CHECKS:
+        try:
+            passed, detail = check()
+        except Exception as exc:  # noqa: BLE001 - any failure disables the kernel, and is reported
+            passed, detail = False, f"{type(exc).__name__}: {exc}"
+        CHECKS[entry] = (bool(passed), detail)
+        if not passed:
+            warnings.warn(f"kvq_metal: {backend} kernel {name} {key} disabled on this device: {detail}; "
+                          f"pure MLX serves instead", KernelDisabledWarning, stacklevel=3)
+    return CHECKS[entry][0]
+
+
+def relative_error(a, b) -> float:
+    """``‖a - b‖ / ‖b‖`` in float32 (0 when both are zero)."""
+    import mlx.core as mx
+
+    a, b = a.astype(mx.float32), b.astype(mx.float32)
+    den = mx.sqrt(mx.sum(b * b)).item()
+    num = mx.sqrt(mx.sum((a - b) ** 2)).item()
+    return num / den if den else num
+
+
+class KernelImpl:
+    """Base of kvq_metal's implementation objects: one method on one back end (``"metal"`` or ``"cuda"``).
+
+    Subclasses set ``method``, define ``kernel_supports(problem)`` (shape/bits/params limits) and the ops they
+    implement, and use :meth:`fallback` (the method's registered pure-MLX implementation) where a call falls
+    outside the kernel's limits; that gives the same result, computed by pure MLX.
+
+    :raises ValueError: from the constructor, ``backend`` not one of ``metal``, ``cuda``.
+    """
+
+    method = ""
+
+    def __init__(self, backend: str) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+        self.backend = backend
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.backend!r})"
+
+    def fallback(self) -> Any:
+        """The registered pure-MLX implementation of this method (a method, not a property: pluggy inspects
+        every attribute of a registered object, before the method's plugin may have loaded)."""
+        return registry().implementations[(self.method, "mlx")]
+
+    def live(self) -> bool:
+        """Whether this back end is the GPU of MLX's default device here."""
+        return gpu_backend() == self.backend
+
+    def supports(self, problem) -> bool:
+        """On this back end's GPU, for problems :meth:`kernel_supports` accepts, after a passed first-use check."""
+        if problem.device != self.backend or not self.live():
+            return False
+        return bool(self.kernel_supports(problem))
+
+    def explain(self, problem) -> str:
+        """Why this implementation does not serve ``problem`` (shown by ``kvq select``)."""
+        if problem.device != self.backend:
+            return f"{self.backend} kernel; this is a {problem.device} problem"
+        if not self.live():
+            return f"{self.backend} is not MLX's default device here"
+        return "" if self.kernel_supports(problem) else "outside the kernel's limits (or disabled by its check)"
+
+    def kernel_supports(self, problem) -> bool:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def estimate(self, problem, *, launches: int, bytes_moved: float, flops: float = 0.0) -> float:
+        """:func:`kvq.costmodel.estimate` for this back end."""
+        return estimate(problem, launches=launches, bytes_moved=bytes_moved, flops=flops)

@@ -1,0 +1,171 @@
+"""One kernel dialect, two back ends: kvq's kernels are written once and built for Metal or CUDA.
+
+MLX builds custom kernels from a function body (``mx.fast.metal_kernel`` on Apple GPUs, ``mx.fast.cuda_kernel``
+on NVIDIA GPUs; both take the grid in threads, not thread groups). A kernel body here uses these tokens, which
+:func:`translate` rewrites textually for the back end (textual, not ``#define``: MLX's Metal builder only passes
+``thread_position_in_grid`` and the other thread attributes when their names appear in the body):
+
+=================  =====================================  ==================================
+token              Metal                                  CUDA
+=================  =====================================  ==================================
+``KVQ_TG_X/Y``     ``threadgroup_position_in_grid.x/y``   ``blockIdx.x/y``
+``KVQ_TID``        ``thread_position_in_threadgroup.x``   ``threadIdx.x``
+``KVQ_GID``        ``thread_position_in_grid.x``          ``blockIdx.x * blockDim.x + threadIdx.x``
+``KVQ_LANE``       ``thread_index_in_simdgroup``          ``threadIdx.x & 31``
+``KVQ_WARP``       ``simdgroup_index_in_threadgroup``     ``threadIdx.x >> 5``
+``KVQ_SHARED``     ``threadgroup``                        ``__shared__``
+``KVQ_BARRIER()``  ``threadgroup_barrier(mem_threadgroup)``  ``__syncthreads()``
+=================  =====================================  ==================================
+
+and the prelude of each back end defines the rest as macros: ``KVQ_SHFL_XOR(x, m)`` and ``KVQ_SHFL(x, lane)``
+(a 32-wide SIMD group / warp), ``KVQ_EXP``, ``KVQ_LOG``, ``KVQ_SQRT``, ``KVQ_FMAX``, ``KVQ_FMIN``, ``KVQ_INF``,
+``KVQ_F32(x)`` (any float type to float), and the 64-bit unsigned type ``kvq_u64``; CUDA also gets ``uint``.
+
+Kernels are compiled once per template key: MLX caches compiled modules by kernel name plus template arguments,
+so :func:`kernel` names each kernel by a hash of its translated source, and :class:`Kernel` adds every input's
+dtype as a template argument (a kernel called with float16 and then float32 input is two kernels, never one
+module reused with the wrong signature).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from functools import lru_cache
+from typing import Sequence
+
+import mlx.core as mx
+
+BACKENDS = ("metal", "cuda")
+
+#: Simdgroup / warp width the kernels assume (Apple GPUs and NVIDIA GPUs both run 32 lanes).
+SIMD_WIDTH = 32
+
+_TOKENS = {
+    "metal": {
+        "KVQ_TG_X": "threadgroup_position_in_grid.x",
+        "KVQ_TG_Y": "threadgroup_position_in_grid.y",
+        "KVQ_TG_Z": "threadgroup_position_in_grid.z",
+        "KVQ_TID": "thread_position_in_threadgroup.x",
+        "KVQ_GID": "thread_position_in_grid.x",
+        "KVQ_LANE": "thread_index_in_simdgroup",
+        "KVQ_WARP": "simdgroup_index_in_threadgroup",
+        "KVQ_SHARED": "threadgroup",
+        "KVQ_BARRIER()": "threadgroup_barrier(mem_flags::mem_threadgroup)",
+    },
+    "cuda": {
+        "KVQ_TG_X": "blockIdx.x",
+        "KVQ_TG_Y": "blockIdx.y",
+        "KVQ_TG_Z": "blockIdx.z",
+        "KVQ_TID": "threadIdx.x",
+        "KVQ_GID": "(blockIdx.x * blockDim.x + threadIdx.x)",
+        "KVQ_LANE": "(threadIdx.x & 31u)",
+        "KVQ_WARP": "(threadIdx.x >> 5)",
+        "KVQ_SHARED": "__shared__",
+        "KVQ_BARRIER()": "__syncthreads()",
+    },
+}
+
+PRELUDES = {
+    "metal": """
+#define KVQ_SHFL_XOR(x, m) simd_shuffle_xor((x), (ushort)(m))
+#define KVQ_SHFL(x, lane) simd_shuffle((x), (ushort)(lane))
+#define KVQ_EXP(x) metal::exp(x)
+#define KVQ_LOG(x) metal::log(x)
+#define KVQ_SQRT(x) metal::sqrt(x)
+#define KVQ_FMAX(a, b) metal::max((a), (b))
+#define KVQ_FMIN(a, b) metal::min((a), (b))
+#define KVQ_INF INFINITY
+#define KVQ_F32(x) static_cast<float>(x)
+typedef ulong kvq_u64;
+""",
+    "cuda": """
+typedef unsigned int uint;
+typedef unsigned long long kvq_u64;
+#define KVQ_SHFL_XOR(x, m) __shfl_xor_sync(0xffffffffu, (x), (m))
+#define KVQ_SHFL(x, lane) __shfl_sync(0xffffffffu, (x), (lane))
+#define KVQ_EXP(x) expf(x)
+#define KVQ_LOG(x) logf(x)
+#define KVQ_SQRT(x) sqrtf(x)
+#define KVQ_FMAX(a, b) fmaxf((a), (b))
+#define KVQ_FMIN(a, b) fminf((a), (b))
+#define KVQ_INF __int_as_float(0x7f800000)
+#define KVQ_F32(x) static_cast<float>(x)
+""",
+}
+
+#: Every kernel source built in this process, by kernel name (for :func:`sources_hash`).
+SOURCES: dict[str, str] = {}
+
+
+def gpu_backend() -> str | None:
+    """The kernel back end of MLX's default device: ``"metal"``, ``"cuda"``, or ``None`` (CPU, or no GPU)."""
+    if mx.default_device().type != mx.DeviceType.gpu:
+        return None
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return "cuda"
+    return None
+
+
+def translate(source: str, backend: str) -> str:
+    """Rewrite the dialect tokens of ``source`` for ``backend``.
+
+    :raises ValueError: ``backend`` not one of :data:`BACKENDS`.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+    tokens = _TOKENS[backend]
+    pattern = re.compile("|".join(re.escape(t) + (r"\b" if t[-1].isalnum() else "") for t in
+                                  sorted(tokens, key=len, reverse=True)))
+    return pattern.sub(lambda m: tokens[m.group(0)], source)
+
+
+class Kernel:
+    """A compiled-on-first-call MLX custom kernel for one back end (see the module docstring).
+
+    Call it like MLX's kernel objects: ``kernel(inputs=[...], template=[...], grid=..., threadgroup=...,
+    output_shapes=[...], output_dtypes=[...])``; the inputs' dtypes are appended to ``template`` as
+    ``T_<input name>``.
+    """
+
+    def __init__(self, name: str, backend: str, input_names: Sequence[str], output_names: Sequence[str],
+                 source: str, header: str, ensure_row_contiguous: bool) -> None:
+        body, head = translate(source, backend), PRELUDES[backend] + translate(header, backend)
+        digest = hashlib.sha256((head + body).encode()).hexdigest()[:12]
+        self.name = f"kvq_{name}_{digest}"
+        self.backend = backend
+        self.input_names = tuple(input_names)
+        SOURCES[self.name] = head + body
+        build = mx.fast.metal_kernel if backend == "metal" else mx.fast.cuda_kernel
+        self._kernel = build(name=self.name, input_names=list(input_names), output_names=list(output_names),
+                             source=body, header=head, ensure_row_contiguous=ensure_row_contiguous)
+
+    def __call__(self, *, inputs, template=(), **kwargs):
+        types = [(f"T_{n}", a.dtype) for n, a in zip(self.input_names, inputs)]
+        return self._kernel(inputs=inputs, template=list(template) + types, **kwargs)
+
+
+@lru_cache(maxsize=None)
+def kernel(name: str, backend: str, input_names: tuple[str, ...], output_names: tuple[str, ...], source: str,
+           header: str = "", ensure_row_contiguous: bool = True) -> Kernel:
+    """The :class:`Kernel` for this source on ``backend``, built once per process.
+
+    :raises ValueError: ``backend`` not one of :data:`BACKENDS`.
+    """
+    return Kernel(name, backend, input_names, output_names, source, header, ensure_row_contiguous)
+
+
+def sources_hash(sources: Sequence[str] = ()) -> str:
+    """SHA-256 (first 16 hex digits) of the kernel sources and both preludes: benchmark results record it, so
+    results can be matched to the kernels that produced them. By default it hashes every kernel template that
+    :mod:`kvq_metal` defines (:data:`kvq_metal.TEMPLATES`), whether built in this process or not."""
+    if not sources:
+        from . import TEMPLATES
+        sources = [TEMPLATES[k] for k in sorted(TEMPLATES)]
+    h = hashlib.sha256()
+    for text in (*PRELUDES.values(), *sources):
+        h.update(text.encode())
+    return h.hexdigest()[:16]

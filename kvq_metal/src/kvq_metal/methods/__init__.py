@@ -1,0 +1,1 @@
+"""Kernel implementations per method: each wraps kvq_metal's kernels in the method's Encoded layout."""

@@ -1,0 +1,65 @@
+"""``affine`` on kvq_metal: decode attention read straight from ``mx.quantize``'s packed codes.
+
+``x_j = code_j * scale_g + bias_g`` (mlx-lm's QuantizedKVCache numerics; ``mx.quantize`` packs codes densely,
+little-endian, exactly as :mod:`kvq.packing`). Quantize stays with ``mx.quantize``, which is already one fused
+MLX kernel per call.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from kvq.baselines.affine import AffineParams
+
+from .. import attend
+from ..base import KernelImpl, first_use_check
+from .common import check_attend, decode_shape_ok, grouped_rows, rows_of, ungroup
+
+
+def _side(encoded) -> attend.Side:
+    p = encoded.params
+    d = encoded.data
+    return attend.Side(d["codes"], d["scales"], d["biases"], mx.arange(1 << p.bits, dtype=mx.float32), p.bits,
+                       p.group_size)
+
+
+class AffineKernels(KernelImpl):
+    """Fused decode attention for ``affine`` keys and values (any bits 2-8, group 32/64/128, head_dim 32-256
+    power of two). Outside those limits, or with a mask, pure MLX serves the call (same result)."""
+
+    method = "affine"
+
+    def kernel_supports(self, problem) -> bool:
+        if problem.op != "attend" or not decode_shape_ok(problem):
+            return False
+        p = problem.params or AffineParams()
+        D, rows = problem.head_dim, rows_of(problem)
+        if not attend.supported(D, p.bits, p.bits, p.group_size, p.group_size, rows):
+            return False
+        return first_use_check(self.backend, "decode_attend[affine]", (D, p.bits, p.group_size, rows),
+                               lambda: check_attend(self, self.fallback().kvq_quantize, p, p, D, rows, mx.float16))
+
+    def cost(self, problem) -> float:
+        """One kernel plus the split merge; bytes: the packed codes and 16-bit scales and biases of K and V."""
+        B, H, T, D = problem.shape
+        p = problem.params or AffineParams()
+        per_token = D * p.bits / 8 + 4 * D / p.group_size
+        return self.estimate(problem, launches=6, bytes_moved=2 * B * H * T * per_token)
+
+    def attend_kernel(self, queries, keys, values, scale):
+        """The kernel path of :meth:`kvq_attend` (no checks): ``(out, lse)`` as the spec says."""
+        q = grouped_rows(queries, keys.shape[1], scale)
+        B, H, n_rep, Tq, D = q.shape
+        out, lse = attend.decode_attend(q.reshape(B, H, n_rep * Tq, D), _side(keys), _side(values), self.backend)
+        return ungroup(out, lse, queries)
+
+    def kvq_attend(self, queries, keys, values, scale, mask):
+        """``kvq_attend`` spec; pure MLX serves masks, other methods' values and shapes beyond the kernel."""
+        B, Hq, Tq, D = queries.shape
+        ok = (mask is None and keys.num_tokens > 0 and values.method == "affine"
+              and values.head_dim == D and Hq % keys.shape[1] == 0
+              and attend.supported(D, keys.params.bits, values.params.bits, keys.params.group_size,
+                                   values.params.group_size, Hq // keys.shape[1] * Tq))
+        if not ok:
+            return self.fallback().kvq_attend(queries, keys, values, scale, mask)
+        return self.attend_kernel(queries, keys, values, scale)

@@ -1,0 +1,56 @@
+"""Shared pieces of the decode-attention implementations: query grouping, shape checks, the first-use check."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from kvq.attention import split_heads
+from kvq.select import MAX_DECODE_QUERIES
+
+from ..attend import MAX_ROWS
+
+
+def rows_of(problem) -> int:
+    """Query rows per KV head that ``problem`` asks for: ``n_rep * T_q``."""
+    B, H, T, D = problem.shape
+    return ((problem.num_q_heads or H) // H) * problem.num_queries
+
+
+def decode_shape_ok(problem) -> bool:
+    """Decode problems the fused kernels serve: ``T_q <= MAX_DECODE_QUERIES`` and ``n_rep * T_q <= MAX_ROWS``."""
+    return problem.num_queries <= MAX_DECODE_QUERIES and 1 <= rows_of(problem) <= MAX_ROWS
+
+
+def grouped_rows(queries: mx.array, num_kv_heads: int, scale: float) -> mx.array:
+    """``[B, H_q, T_q, D]`` -> scaled float32 ``[B, H_kv, n_rep, T_q, D]`` (as :func:`kvq.attention.blockwise_attend`
+    prepares queries)."""
+    return split_heads(queries.astype(mx.float32) * scale, num_kv_heads)
+
+
+def ungroup(out: mx.array, lse: mx.array, queries: mx.array) -> tuple[mx.array, mx.array]:
+    """Kernel output ``[B, H_kv, n_rep * T_q, D_v]`` and lse -> ``[B, H_q, T_q, D_v]`` and ``[B, H_q, T_q]``."""
+    B, Hq, Tq, _ = queries.shape
+    return out.reshape(B, Hq, Tq, out.shape[-1]), lse.reshape(B, Hq, Tq)
+
+
+def check_attend(impl, quantize, params_k, params_v, head_dim: int, rows: int, dtype) -> tuple[bool, str]:
+    """Compare ``impl.kvq_attend`` with its pure-MLX fallback on a small problem (300 keys: two tiles and a
+    partial one, GQA with ``rows`` query rows, one KV head): relative error must be below 1e-3."""
+    rng = np.random.default_rng(0)
+    T, Tq = 300, 1
+    x = mx.array(rng.standard_normal((2, 1, T, head_dim)).astype(np.float32)).astype(dtype)
+    keys, values = quantize(x[:1], params_k), quantize(x[1:], params_v)
+    q = mx.array(rng.standard_normal((1, rows, Tq, head_dim)).astype(np.float32)).astype(dtype)
+    scale = head_dim ** -0.5
+    got, lse = impl.attend_kernel(q, keys, values, scale)
+    want, want_lse = impl.fallback().kvq_attend(q, keys, values, scale, None)
+    err = relative_error(got, want)
+    lse_err = mx.max(mx.abs(lse - want_lse)).item()
+    return err < 1e-3 and lse_err < 1e-3, f"relative error {err:.2e}, lse error {lse_err:.2e} vs pure MLX"
+
+
+def relative_error(a, b) -> float:
+    """``‖a - b‖ / ‖b‖`` in float32."""
+    a, b = a.astype(mx.float32), b.astype(mx.float32)
+    return (mx.sqrt(mx.sum((a - b) ** 2)) / mx.maximum(mx.sqrt(mx.sum(b * b)), 1e-30)).item()

@@ -1,0 +1,146 @@
+"""``turboquant`` on kvq_metal: fused encode (normalise + randomized Hadamard + Lloyd-Max + pack), fused
+decode, and decode attention in the rotated domain.
+
+TurboQuant-mse (Zandieh et al., arXiv 2504.19874). Attention rotates the queries once and inverse-rotates the
+output once (the pure-MLX implementation's ``prepare_queries``/``finish_values``); in between, the kernel scores
+``norm_t * Σ_j q_j c[code_tj]`` and accumulates ``p_t * norm_t * c[code_tj]`` straight from the packed codes.
+Served: ``turboquant`` without outlier channels, bits 1-4, head_dim padded to 32..256 (quantize/dequantize also
+need the Hadamard rotation; attention takes either rotation). Everything else is served by pure MLX.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from kvq.encoded import Encoded
+
+from .. import attend, quantize as fused
+from ..base import KernelImpl, first_use_check
+from .common import check_attend, decode_shape_ok, grouped_rows, relative_error, rows_of, ungroup
+
+
+def _tq():
+    from kvq_backends_turboquant import codebook, rotation
+    from kvq_backends_turboquant.params import TurboQuantParams
+
+    return codebook, rotation, TurboQuantParams
+
+
+def _plain(params) -> bool:
+    """TurboQuant-mse without outlier channels (``turboquant_prod`` and mixed precision are not served)."""
+    _, _, TurboQuantParams = _tq()
+    return type(params) is TurboQuantParams and params.outlier_channels == 0
+
+
+def _side(encoded) -> attend.Side:
+    codebook, rotation, _ = _tq()
+    p = encoded.params
+    dim = rotation.padded_dim(encoded.head_dim)
+    return attend.Side(encoded.data["codes"], encoded.data["norms"], None, codebook.codebook(dim, p.bits).centroids,
+                       p.bits, dim)
+
+
+class TurboQuantKernels(KernelImpl):
+    """Kernel implementation of ``turboquant`` (quantize, dequantize, attend); see the module docstring."""
+
+    method = "turboquant"
+
+    def kernel_supports(self, problem) -> bool:
+        codebook, rotation, TurboQuantParams = _tq()
+        p = problem.params or TurboQuantParams()
+        D = problem.head_dim
+        dim = rotation.padded_dim(D)
+        if not _plain(p):
+            return False
+        if problem.op == "attend":
+            rows = rows_of(problem)
+            if not (decode_shape_ok(problem) and attend.supported(dim, p.bits, p.bits, dim, dim, rows)):
+                return False
+            return first_use_check(self.backend, "decode_attend[turboquant]", (dim, p.bits, p.norm_dtype, rows),
+                                   lambda: check_attend(self, self.fallback().kvq_quantize, p, p, D, rows,
+                                                        problem.dtype))
+        if problem.op in ("quantize", "dequantize"):
+            if p.rotation != "hadamard" or not fused.supported(D, p.bits):
+                return False
+            return first_use_check(self.backend, "tq_codec", (D, p.bits, p.norm_dtype, str(problem.dtype)),
+                                   lambda: self._check_codec(p, D, problem.dtype))
+        return False
+
+    def cost(self, problem) -> float:
+        """Quantize/dequantize: one kernel reading and writing each vector once; attend: one kernel over the
+        packed codes and norms of K and V plus the query rotation, output rotation and split merge."""
+        _, rotation, TurboQuantParams = _tq()
+        p = problem.params or TurboQuantParams()
+        B, H, T, D = problem.shape
+        dim = rotation.padded_dim(D)
+        packed = B * H * T * (dim * p.bits / 8 + p.norm_bits / 8)
+        if problem.op == "attend":
+            return self.estimate(problem, launches=10, bytes_moved=2 * packed)
+        return self.estimate(problem, launches=1, bytes_moved=packed + B * H * T * D * problem.dtype.size)
+
+    # -- ops ----------------------------------------------------------------------------------------
+    def kvq_quantize(self, x, params):
+        """``kvq_quantize`` spec: the same Encoded as the pure-MLX implementation (codes, norms)."""
+        D = x.shape[-1]
+        if not (_plain(params) and params.rotation == "hadamard" and fused.supported(D, params.bits)
+                and x.size and x.dtype in (mx.float16, mx.bfloat16, mx.float32) and x.ndim == 4):
+            return self.fallback().kvq_quantize(x, params)
+        codebook, rotation, _ = _tq()
+        dim = rotation.padded_dim(D)
+        rot = rotation.rotation("hadamard", dim, params.seed)
+        norm_dtype = mx.float16 if params.norm_dtype == "float16" else mx.float32
+        codes, norms = fused.quantize(x, rot.signs, codebook.codebook(dim, params.bits).boundaries, params.bits,
+                                      norm_dtype, self.backend)
+        return Encoded(params, {"codes": codes, "norms": norms}, D)
+
+    def kvq_dequantize(self, encoded, dtype):
+        """``kvq_dequantize`` spec: ``[B, H, T, D]`` of ``dtype``."""
+        p, D = encoded.params, encoded.head_dim
+        if not (_plain(p) and p.rotation == "hadamard" and fused.supported(D, p.bits) and encoded.num_tokens):
+            return self.fallback().kvq_dequantize(encoded, dtype)
+        codebook, rotation, _ = _tq()
+        dim = rotation.padded_dim(D)
+        rot = rotation.rotation("hadamard", dim, p.seed)
+        return fused.dequantize(encoded.data["codes"], encoded.data["norms"], rot.signs,
+                                codebook.codebook(dim, p.bits).centroids, p.bits, D, dtype, self.backend)
+
+    def attend_kernel(self, queries, keys, values, scale):
+        """The kernel path of :meth:`kvq_attend` (no checks)."""
+        mlx_impl = self.fallback()
+        q = mlx_impl.prepare_queries(grouped_rows(queries, keys.shape[1], scale), keys)
+        B, H, n_rep, Tq, dim = q.shape
+        out, lse = attend.decode_attend(q.reshape(B, H, n_rep * Tq, dim), _side(keys), _side(values),
+                                        self.backend)
+        out = mlx_impl.finish_values(out.reshape(B, H, n_rep, Tq, dim), values)
+        return ungroup(out.reshape(B, H, n_rep * Tq, -1), lse, queries)
+
+    def kvq_attend(self, queries, keys, values, scale, mask):
+        """``kvq_attend`` spec; pure MLX serves masks, other variants and shapes beyond the kernel."""
+        _, rotation, _ = _tq()
+        B, Hq, Tq, D = queries.shape
+        dim = rotation.padded_dim(D)
+        ok = (mask is None and keys.num_tokens > 0 and _plain(keys.params) and _plain(values.params)
+              and values.head_dim == D and keys.head_dim == D and Hq % keys.shape[1] == 0
+              and attend.supported(dim, keys.params.bits, values.params.bits, dim, dim, Hq // keys.shape[1] * Tq))
+        if not ok:
+            return self.fallback().kvq_attend(queries, keys, values, scale, mask)
+        return self.attend_kernel(queries, keys, values, scale)
+
+    # -- first-use check ----------------------------------------------------------------------------
+    def _check_codec(self, params, head_dim: int, dtype) -> tuple[bool, str]:
+        """Encode 512 random vectors with both implementations: at most 0.1% of codes may differ (a rotated
+        coordinate within float rounding of a cell boundary), norms within 1e-3 relative, and the kernel's
+        decode equals the pure-MLX decode of the same codes within 1e-4 relative."""
+        rng = np.random.default_rng(1)
+        x = mx.array(rng.standard_normal((1, 2, 256, head_dim)).astype(np.float32) * 3).astype(dtype)
+        got, want = self.kvq_quantize(x, params), self.fallback().kvq_quantize(x, params)
+        from kvq import packing
+
+        dim = got.data["codes"].shape[-1] * 32 // params.bits
+        differ = mx.mean(packing.unpack(got.data["codes"], params.bits, dim)
+                         != packing.unpack(want.data["codes"], params.bits, dim)).item()
+        norm_err = relative_error(got.data["norms"], want.data["norms"])
+        dec_err = relative_error(self.kvq_dequantize(want, mx.float32), self.fallback().kvq_dequantize(want, mx.float32))
+        ok = differ <= 1e-3 and norm_err < 1e-3 and dec_err < 1e-4
+        return ok, f"{differ:.2e} of codes differ, norm error {norm_err:.2e}, decode error {dec_err:.2e}"
