@@ -3,6 +3,7 @@ rows recorded, fills that store what they are given, and bad input caught before
 
 from __future__ import annotations
 
+import gc
 import json
 
 import mlx.core as mx
@@ -93,15 +94,22 @@ def test_fills_store_exactly_the_source():
     assert mx.array_equal(mx.concatenate([v for _, v in parts], axis=2), caches[1].values[:, :, :100])
 
 
-def test_replay_serves_the_real_prefill():
+def test_replay_serves_the_real_prefill_as_new_memory():
     model = random_model.build_random_model(random_model.random_config("tiny"), mx.float32)
-    ids = mx.arange(40) % 512
+    ids = mx.arange(256) % 512
     replay = fill.ReplayKV(model, ids)
     reference = [KVCache() for _ in model.layers]
     model(ids[None], cache=reference)
     keys, values = replay(1, 8, 40)
     assert mx.allclose(keys, reference[1].keys[:, :, 8:40], atol=1e-5)
     assert mx.allclose(values, reference[1].values[:, :, 8:40], atol=1e-5)
+    # 256 tokens fill a KVCache's first buffer exactly: without copies it would alias the replayed arrays
+    gc.collect()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    caches = [KVCache() for _ in model.layers]
+    fill.fill(caches, replay, context=256, chunk=256)
+    assert mx.get_active_memory() - before == sum(c.nbytes for c in caches) > 0
 
 
 def test_methods_defaults_and_names():
@@ -163,3 +171,14 @@ def test_bad_input_fails_before_model_work(no_model_work, tmp_path, capsys, args
 def test_unknown_bench_subcommand_is_named(capsys):
     assert main(["bench", "e2f"]) == 1
     assert "unknown subcommand 'e2f'; choose one of e2e" in capsys.readouterr().err
+
+
+def test_report_redraws_a_result(run, tmp_path, capsys):
+    out, doc = run
+    doc = {**doc, "rows": doc["rows"][:4]}  # a run cut short after four rows
+    (tmp_path / "cut.json").write_text(json.dumps(doc))
+    assert main(["bench", "e2e", "--report", str(tmp_path / "cut.json")]) == 0
+    assert (tmp_path / "cut.png").read_bytes()[:4] == b"\x89PNG"
+    assert "### 128 tokens of context" in (tmp_path / "cut.md").read_text()
+    assert main(["bench", "e2e", "--report", str(out / "run.md")]) == 1
+    assert "--report: cannot read" in capsys.readouterr().err

@@ -45,7 +45,7 @@ DENSE_BITS = 16
 class E2ESettings:
     """What one ``kvq bench e2e`` run measures.
 
-    :param contexts: context lengths in tokens (each > 0).
+    :param contexts: context lengths in tokens (each > 0), measured in this order.
     :param steps: timed decode steps per row (>= 1); :param warmup: untimed steps before them (>= 0).
     :param chunk: tokens per ``update_and_fetch`` call when filling (``random``/``replay``).
     :param fill: one of :data:`FILLS`.
@@ -149,15 +149,20 @@ def attend_implementation(cache, model, settings: E2ESettings) -> str | None:
     args = model.args
     head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
     shape = (1, args.num_key_value_heads, max(cache.compressed_keys.length, 1), head_dim)
-    plan = select(kp.method, shape, dtype=model_dtype(model), op="attend", params=kp, num_queries=1,
-                  num_q_heads=args.num_attention_heads, kernels=attend_kernels(settings.kernels, 1))
+    try:
+        plan = select(kp.method, shape, dtype=model_dtype(model), op="attend", params=kp, num_queries=1,
+                      num_q_heads=args.num_attention_heads, kernels=attend_kernels(settings.kernels, 1))
+    except ValueError as exc:  # the row is still measured; only this label is unknown
+        return f"unknown ({exc})"
     choice = plan.choices.get("attend")
     return None if choice is None else f"{kp.method}:{choice.backend}"
 
 
 def model_dtype(model) -> mx.Dtype:
-    """The dtype of the model's attention projections (what its keys and values are computed in)."""
-    return model.layers[0].self_attn.k_proj.weight.dtype
+    """The dtype the model computes its keys and values in: its key projection's weight dtype, or for a
+    quantized model (``QuantizedLinear``, integer weights) the dtype of its scales."""
+    projection = model.layers[0].self_attn.k_proj
+    return getattr(projection, "scales", projection.weight).dtype
 
 
 class E2EBench:
@@ -180,7 +185,7 @@ class E2EBench:
         self.text = None if text_ids is None else mx.array(text_ids)
 
     def run(self, specs: list[MethodSpec], on_row: Callable[[dict], None] | None = None) -> list[dict]:
-        """Every context (ascending) times every spec (fp16 first); ``on_row(row)`` after each row."""
+        """Every context (in settings order) times every spec (fp16 first); ``on_row(row)`` after each row."""
         s, rows = self.settings, []
         bar = tqdm(total=len(s.contexts) * len(specs), desc="kvq bench e2e", unit="row",
                    disable=not s.progress, dynamic_ncols=True)

@@ -36,9 +36,9 @@ def _cells(r: dict) -> list[str]:
 
 
 def markdown(rows: list[dict]) -> str:
-    """One table per context length (in the order measured), then :data:`NOTES`."""
+    """One table per context length (shortest first), then :data:`NOTES`."""
     parts = []
-    for context in dict.fromkeys(r["context"] for r in rows):
+    for context in sorted({r["context"] for r in rows}):
         parts.append(f"### {context} tokens of context\n")
         parts.append(markdown_table(COLUMNS, [_cells(r) for r in rows if r["context"] == context]) + "\n")
     return "\n".join(parts + [NOTES])

@@ -50,7 +50,7 @@ mlx-affine:N mlx-lm's QuantizedKVCache (kv_bits N, group 64), kvq-fp16 kvq's own
 
 Default contexts: real models 1024,2048,4096 on the CPU, 1K..8K on a GPU (up to the model's maximum); random
 models 1024,4096 on the CPU, 4K,16K,32K,64K,128K on a GPU. Sizes take K suffixes (1K = 1024).
-Writes OUT/NAME.json (after every row), OUT/NAME.md and OUT/NAME.png.
+Writes OUT/NAME.json (after every row), OUT/NAME.md and OUT/NAME.png; --report OUT/NAME.json redraws the last two.
 """
 
 
@@ -77,11 +77,35 @@ def e2e_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, default=128, help="kvq caches: uncompressed last tokens (default 128)")
     p.add_argument("--kernels", choices=("auto", "require", "off"), default="auto",
                    help="kvq caches: fused kernels (default auto)")
+    p.add_argument("--largest-first", action="store_true",
+                   help="measure the longest context first (a run cut short keeps the rows that matter most)")
     p.add_argument("--seed", type=int, default=0, help="seed of random weights, keys and values (default 0)")
     p.add_argument("--out", default="bench-e2e", help="output folder (default ./bench-e2e)")
     p.add_argument("--name", default=None, help="file name stem (default DATE-DEVICE-MODEL)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--report", default=None, metavar="JSON",
+                   help="measure nothing: write the .md and .png of a result JSON (one cut short, say) beside it")
     return p
+
+
+def e2e_report_only(path: str) -> int:
+    """Write ``NAME.md`` and ``NAME.png`` beside the result ``NAME.json`` (rows measured so far) and print the
+    tables. :raises ValueError: the file cannot be read or is not a ``kvq bench e2e`` result."""
+    from pathlib import Path
+
+    from ..bench import e2e_report
+
+    try:
+        document = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--report: cannot read {path}: {exc}") from None
+    if not isinstance(document, dict) or document.get("benchmark") != "kvq bench e2e":
+        raise ValueError(f"--report: {path} is not a kvq bench e2e result")
+    json_path = Path(path)
+    json_path.with_suffix(".md").write_text(e2e_report.markdown_file(document))
+    e2e_report.plot(document, json_path.with_suffix(".png"))
+    print(e2e_report.markdown(document["rows"]))
+    return 0
 
 
 def _model_config(args) -> tuple[str, dict, object]:
@@ -135,6 +159,7 @@ def e2e_check(args) -> dict:
         raise ValueError(f"--contexts {max(contexts)} is longer than the model's max_position_embeddings ({limit})")
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     specs = e2e.parse_methods(args.methods, head_dim, args.sinks, args.window)
+    contexts = tuple(sorted(contexts, reverse=args.largest_first))
     settings = e2e.E2ESettings(contexts, args.steps, args.warmup, args.chunk, fill, args.sinks, args.window,
                                args.kernels, args.seed, not args.no_progress)
     return {"name": name, "config": config, "path": path, "settings": settings, "specs": specs,
@@ -169,17 +194,21 @@ def _model_info(name: str, model, path) -> dict:
     from ..bench.e2e import model_dtype
 
     a, weights = model.args, [v for _, v in tree_flatten(model.parameters())]
-    return {"name": name, "path": None if path is None else str(path), "layers": len(model.layers),
-            "hidden_size": a.hidden_size, "q_heads": a.num_attention_heads, "kv_heads": a.num_key_value_heads,
+    fields = {key: getattr(a, name, None) for key, name in (
+        ("hidden_size", "hidden_size"), ("q_heads", "num_attention_heads"), ("kv_heads", "num_key_value_heads"),
+        ("intermediate_size", "intermediate_size"), ("vocab_size", "vocab_size"),
+        ("max_position_embeddings", "max_position_embeddings"))}
+    return {"name": name, "path": None if path is None else str(path), "layers": len(model.layers), **fields,
             "head_dim": getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads,
-            "intermediate_size": a.intermediate_size, "vocab_size": a.vocab_size,
-            "max_position_embeddings": a.max_position_embeddings, "dtype": str(model_dtype(model)).split(".")[-1],
+            "dtype": str(model_dtype(model)).split(".")[-1],
             "parameters": sum(w.size for w in weights), "weight_bytes": sum(w.nbytes for w in weights)}
 
 
 def e2e_main(argv: list[str]) -> int:
     """Run ``kvq bench e2e``; every argument is checked before any model is loaded or built."""
     args = e2e_parser().parse_args(argv)
+    if args.report:
+        return e2e_report_only(args.report)
     checked = e2e_check(args)
     from ..bench import e2e, e2e_report, measure, output
     from ..problem import device_kind
