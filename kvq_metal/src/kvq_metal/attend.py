@@ -25,19 +25,20 @@ import mlx.core as mx
 from .dialect import kernel
 
 THREADS = 128
-TILE = 128
-#: Thread groups to aim for across the sequence splits (a few per SM / GPU core).
-TARGET_GROUPS = {"cuda": 528, "metal": 128}
+#: Thread groups to aim for across the sequence splits (about eight per SM on an H200; a few per Apple GPU core).
+TARGET_GROUPS = {"cuda": 1056, "metal": 160}
 #: Query rows (n_rep * T_q) one thread group serves.
 MAX_ROWS = 8
 
 SOURCE = """
     constexpr int NCG = D / CPT;
     constexpr int TL = THREADS / NCG;
+    constexpr int TILE = KT * TL;
     constexpr int NW = THREADS / 32;
     constexpr uint KMASK = (1u << KB) - 1u;
     constexpr uint VMASK = (1u << VB) - 1u;
 
+    KVQ_SHARED float q_s[R * D];
     KVQ_SHARED float p_s[TILE * R];
     KVQ_SHARED float ml_s[2 * R];
     KVQ_SHARED float alpha_s[R];
@@ -62,17 +63,51 @@ SOURCE = """
     const int tl = tid / NCG;
     const int j0 = cg * CPT;
 
+    // queries: scale, (randomized Hadamard rotation), into registers
+    const int Tq = q_shape[2];
+    const int Dq = q_shape[3];
+    const int n_rep = R / Tq;
+    const float scale = qscale[0];
+    for (int e = tid; e < R * D; e += THREADS) {
+        const int r = e / D;
+        const int j = e - r * D;
+        const int hq = h * n_rep + r / Tq;
+        float val = 0.0f;
+        if (j < Dq) {
+            val = KVQ_F32(q[b * q_strides[0] + hq * q_strides[1] + (r % Tq) * q_strides[2] + j * q_strides[3]]) * scale;
+        }
+        q_s[e] = ROT ? val * signs[j] : val;
+    }
+#pragma unroll
     for (int i = tid; i < (1 << KB); i += THREADS) kt_s[i] = kt[i];
+#pragma unroll
     for (int i = tid; i < (1 << VB); i += THREADS) vt_s[i] = vt[i];
     if (tid < R) { ml_s[2 * tid] = -KVQ_INF; ml_s[2 * tid + 1] = 0.0f; }
-
+    if (ROT) {
+        for (int hs = 1; hs < D; hs <<= 1) {
+            KVQ_BARRIER();
+            for (int e = tid; e < R * D / 2; e += THREADS) {
+                const int r = e / (D / 2);
+                const int i = e - r * (D / 2);
+                const int lo = (i / hs) * 2 * hs + (i % hs);
+                const float a = q_s[r * D + lo];
+                const float c = q_s[r * D + lo + hs];
+                q_s[r * D + lo] = a + c;
+                q_s[r * D + lo + hs] = a - c;
+            }
+        }
+    }
+    KVQ_BARRIER();
+    const float qmul = ROT ? 1.0f / KVQ_SQRT((float)D) : 1.0f;
     float qr[R][CPT];
     float qsum[R];
     float acc[R][CPT];
+#pragma unroll
     for (int r = 0; r < R; ++r) {
         qsum[r] = 0.0f;
+#pragma unroll
         for (int i = 0; i < CPT; ++i) {
-            qr[r][i] = q[(bh * R + r) * D + j0 + i];
+            qr[r][i] = q_s[r * D + j0 + i] * qmul;
             qsum[r] += qr[r][i];
             acc[r][i] = 0.0f;
         }
@@ -92,39 +127,68 @@ SOURCE = """
     const int vw = vbit >> 5;
     const int vsh = vbit & 31;
     const bool v2 = vsh + CPT * VB > 32;
-    KVQ_BARRIER();
 
+    uint lo_[KT];
+    uint hi_[KT];
+    float sc_[KT];
+    float bi_[KT];
     for (int t0 = t_begin; t0 < t_end; t0 += TILE) {
-        for (int k = 0; k < TILE / TL; ++k) {
-            const int tt = k * TL + tl;
-            const int t = t0 + tt;
-            const bool valid = t < t_end;
-            float part[R];
-            for (int r = 0; r < R; ++r) part[r] = 0.0f;
-            if (valid) {
+        // keys of the tile: issue every load first (memory-level parallelism), then decode and score
+#pragma unroll
+        for (int k = 0; k < KT; ++k) {
+            const int t = t0 + k * TL + tl;
+            lo_[k] = 0u; hi_[k] = 0u; sc_[k] = 0.0f; bi_[k] = 0.0f;
+            if (t < t_end) {
                 const int64_t idx = kbase + t * kc_strides[2] + kw;
-                kvq_u64 bits = kc[idx];
-                if (k2) bits |= ((kvq_u64)kc[idx + 1]) << 32;
-                bits >>= ksh;
-                for (int i = 0; i < CPT; ++i) {
-                    const float c = kt_s[(uint)(bits >> (i * KB)) & KMASK];
-                    for (int r = 0; r < R; ++r) part[r] += qr[r][i] * c;
-                }
-                const float sc = KVQ_F32(ks[ksbase + t * ks_strides[2]]);
-                const float bi = KBIAS ? KVQ_F32(kb[kbbase + t * kb_strides[2]]) : 0.0f;
-                for (int r = 0; r < R; ++r) part[r] = part[r] * sc + bi * qsum[r];
+                lo_[k] = kc[idx];
+                if (k2) hi_[k] = kc[idx + 1];
+                sc_[k] = KVQ_F32(ks[ksbase + t * ks_strides[2]]);
+                if (KBIAS) bi_[k] = KVQ_F32(kb[kbbase + t * kb_strides[2]]);
             }
+        }
+#pragma unroll
+        for (int k = 0; k < KT; ++k) {
+            const kvq_u64 bits = ((((kvq_u64)hi_[k]) << 32) | (kvq_u64)lo_[k]) >> ksh;
+            float part[R];
+#pragma unroll
+            for (int r = 0; r < R; ++r) part[r] = 0.0f;
+#pragma unroll
+            for (int i = 0; i < CPT; ++i) {
+                const float c = kt_s[(uint)(bits >> (i * KB)) & KMASK];
+#pragma unroll
+                for (int r = 0; r < R; ++r) part[r] += qr[r][i] * c;
+            }
+#pragma unroll
+            for (int r = 0; r < R; ++r) part[r] = part[r] * sc_[k] + bi_[k] * qsum[r];
+#pragma unroll
             for (int off = NCG / 2; off > 0; off >>= 1) {
+#pragma unroll
                 for (int r = 0; r < R; ++r) part[r] += KVQ_SHFL_XOR(part[r], off);
             }
             if (cg == 0) {
-                for (int r = 0; r < R; ++r) p_s[tt * R + r] = valid ? part[r] : -KVQ_INF;
+                const bool valid = t0 + k * TL + tl < t_end;
+#pragma unroll
+                for (int r = 0; r < R; ++r) p_s[(k * TL + tl) * R + r] = valid ? part[r] : -KVQ_INF;
+            }
+        }
+        // values of the tile: loads in flight while the softmax runs
+#pragma unroll
+        for (int k = 0; k < KT; ++k) {
+            const int t = t0 + k * TL + tl;
+            lo_[k] = 0u; hi_[k] = 0u; sc_[k] = 0.0f; bi_[k] = 0.0f;
+            if (t < t_end) {
+                const int64_t idx = vbase + t * vc_strides[2] + vw;
+                lo_[k] = vc[idx];
+                if (v2) hi_[k] = vc[idx + 1];
+                sc_[k] = KVQ_F32(vs[vsbase + t * vs_strides[2]]);
+                if (VBIAS) bi_[k] = KVQ_F32(vb[vbbase + t * vb_strides[2]]);
             }
         }
         KVQ_BARRIER();
         for (int r = warp; r < R; r += NW) {
             float mx_ = -KVQ_INF;
             for (int tt = lane; tt < TILE; tt += 32) mx_ = KVQ_FMAX(mx_, p_s[tt * R + r]);
+#pragma unroll
             for (int off = 16; off > 0; off >>= 1) mx_ = KVQ_FMAX(mx_, KVQ_SHFL_XOR(mx_, off));
             const float m_old = ml_s[2 * r];
             const float l_old = ml_s[2 * r + 1];
@@ -135,6 +199,7 @@ SOURCE = """
                 p_s[tt * R + r] = p;
                 sum += p;
             }
+#pragma unroll
             for (int off = 16; off > 0; off >>= 1) sum += KVQ_SHFL_XOR(sum, off);
             if (lane == 0) {
                 const float alpha = KVQ_EXP(m_old - m_new);
@@ -144,38 +209,40 @@ SOURCE = """
             }
         }
         KVQ_BARRIER();
+#pragma unroll
         for (int r = 0; r < R; ++r) {
             const float alpha = alpha_s[r];
+#pragma unroll
             for (int i = 0; i < CPT; ++i) acc[r][i] *= alpha;
         }
-        for (int k = 0; k < TILE / TL; ++k) {
-            const int tt = k * TL + tl;
-            const int t = t0 + tt;
-            if (t < t_end) {
-                const int64_t idx = vbase + t * vc_strides[2] + vw;
-                kvq_u64 bits = vc[idx];
-                if (v2) bits |= ((kvq_u64)vc[idx + 1]) << 32;
-                bits >>= vsh;
-                const float sc = KVQ_F32(vs[vsbase + t * vs_strides[2]]);
-                const float bi = VBIAS ? KVQ_F32(vb[vbbase + t * vb_strides[2]]) : 0.0f;
-                float pr[R];
-                for (int r = 0; r < R; ++r) pr[r] = p_s[tt * R + r];
-                for (int i = 0; i < CPT; ++i) {
-                    const float x = vt_s[(uint)(bits >> (i * VB)) & VMASK] * sc + bi;
-                    for (int r = 0; r < R; ++r) acc[r][i] += pr[r] * x;
-                }
+#pragma unroll
+        for (int k = 0; k < KT; ++k) {
+            const kvq_u64 bits = ((((kvq_u64)hi_[k]) << 32) | (kvq_u64)lo_[k]) >> vsh;
+            float pr[R];
+#pragma unroll
+            for (int r = 0; r < R; ++r) pr[r] = p_s[(k * TL + tl) * R + r];
+#pragma unroll
+            for (int i = 0; i < CPT; ++i) {
+                const float x = vt_s[(uint)(bits >> (i * VB)) & VMASK] * sc_[k] + bi_[k];
+#pragma unroll
+                for (int r = 0; r < R; ++r) acc[r][i] += pr[r] * x;
             }
         }
         KVQ_BARRIER();
     }
 
+#pragma unroll
     for (int off = NCG; off < 32; off <<= 1) {
+#pragma unroll
         for (int r = 0; r < R; ++r) {
+#pragma unroll
             for (int i = 0; i < CPT; ++i) acc[r][i] += KVQ_SHFL_XOR(acc[r][i], off);
         }
     }
     if (lane < NCG) {
+#pragma unroll
         for (int r = 0; r < R; ++r) {
+#pragma unroll
             for (int i = 0; i < CPT; ++i) red_s[(warp * R + r) * D + j0 + i] = acc[r][i];
         }
     }
@@ -183,13 +250,52 @@ SOURCE = """
     const int64_t obase = ((int64_t)bh * nsplit + split) * R;
     for (int o = tid; o < R * D; o += THREADS) {
         float s = 0.0f;
+#pragma unroll
         for (int w = 0; w < NW; ++w) s += red_s[w * R * D + o];
         out[obase * D + o] = s;
     }
     if (tid < 2 * R) ml[obase * 2 + tid] = ml_s[tid];
 """
 
-INPUTS = ("q", "meta", "kc", "ks", "kb", "kt", "vc", "vs", "vb", "vt")
+MERGE_SOURCE = """
+    KVQ_SHARED float y_s[D];
+    const int g = KVQ_TG_X;
+    const int bh = g / R;
+    const int r = g - bh * R;
+    const int j = KVQ_TID;
+    const int S = meta[1];
+    float top = -KVQ_INF;
+    for (int s = 0; s < S; ++s) top = KVQ_FMAX(top, ml[((bh * S + s) * R + r) * 2]);
+    float total = 0.0f;
+    float acc = 0.0f;
+    for (int s = 0; s < S; ++s) {
+        const int64_t row = (int64_t)(bh * S + s) * R + r;
+        const float w = KVQ_EXP(ml[row * 2] - top);
+        total += w * ml[row * 2 + 1];
+        acc += w * part[row * D + j];
+    }
+    float o = acc / total;
+    if (ROT) {
+        y_s[j] = o;
+        for (int hs = 1; hs < D; hs <<= 1) {
+            KVQ_BARRIER();
+            if (j < D / 2) {
+                const int lo = (j / hs) * 2 * hs + (j % hs);
+                const float a = y_s[lo];
+                const float c = y_s[lo + hs];
+                y_s[lo] = a + c;
+                y_s[lo + hs] = a - c;
+            }
+        }
+        KVQ_BARRIER();
+        o = y_s[j] * signs[j] / KVQ_SQRT((float)D);
+    }
+    if (j < DV) out[(int64_t)g * DV + j] = o;
+    if (j == 0) lse[g] = top + KVQ_LOG(total);
+"""
+
+INPUTS = ("q", "qscale", "signs", "meta", "kc", "ks", "kb", "kt", "vc", "vs", "vb", "vt")
+MERGE_INPUTS = ("part", "ml", "signs", "meta")
 
 
 @attrs.frozen
@@ -230,50 +336,75 @@ def supported(head_dim: int, key_bits: int, value_bits: int, key_group: int, val
             and head_dim % key_group == 0 and head_dim % value_group == 0)
 
 
-def splits_for(batch_heads: int, num_tokens: int, backend: str) -> tuple[int, int]:
+def splits_for(batch_heads: int, num_tokens: int, backend: str, tile: int) -> tuple[int, int]:
     """``(splits, chunk)``: the sequence is cut into ``splits`` chunks of ``chunk`` tokens (a multiple of the
     tile) so that about :data:`TARGET_GROUPS` thread groups run."""
-    tiles = max(1, math.ceil(num_tokens / TILE))
+    tiles = max(1, math.ceil(num_tokens / tile))
     splits = max(1, min(tiles, math.ceil(TARGET_GROUPS.get(backend, 256) / batch_heads)))
-    chunk = math.ceil(tiles / splits) * TILE
+    chunk = math.ceil(tiles / splits) * tile
     return math.ceil(num_tokens / chunk), chunk
 
 
-def decode_attend(q: mx.array, keys: Side, values: Side, backend: str) -> tuple[mx.array, mx.array]:
-    """Attention of prepared queries over compressed keys and values (no mask: every key precedes every query).
+_CONSTANTS: dict = {}
 
-    :param q: float32 ``[B, H_kv, R, D]``: the scaled queries of each KV head's group (``R = n_rep * T_q``
-        rows), already in the codes' domain (e.g. rotated for turboquant).
+
+def _constant(values: tuple, dtype) -> mx.array:
+    """A small cached device array (per-call scalars without a host-to-device copy each call)."""
+    key = (values, dtype)
+    if key not in _CONSTANTS:
+        if len(_CONSTANTS) > 4096:
+            _CONSTANTS.clear()
+        _CONSTANTS[key] = mx.array(list(values), dtype)
+    return _CONSTANTS[key]
+
+
+def decode_attend(queries: mx.array, scale: float, keys: Side, values: Side, backend: str, *,
+                  signs: mx.array | None = None, out_dim: int | None = None) -> tuple[mx.array, mx.array]:
+    """Attention of decode queries over compressed keys and values (no mask: every key precedes every query).
+
+    :param queries: ``[B, H_q, T_q, D_q]``, any float dtype and any strides (read in place), ``D_q <= D`` where
+        ``D`` is the codes' dimension (``keys.codes`` holds ``D`` codes per token; queries are zero-padded).
+    :param scale: softmax scale applied to the queries.
     :param keys, values: :class:`Side` descriptions with ``T >= 1`` tokens and the same ``D``.
     :param backend: ``"metal"`` or ``"cuda"``.
-    :return: ``(out [B, H_kv, R, D] float32, lse [B, H_kv, R] float32)``: normalised output (in the codes'
-        domain) and natural-log log-sum-exp of the scores.
+    :param signs: float32 ``[D]`` ±1: the codes live in the randomized-Hadamard domain ``H diag(signs) / sqrt(D)``
+        (turboquant): queries are rotated and the output inverse-rotated inside the kernels. ``None``: the
+        queries are already in the codes' domain and the output stays there.
+    :param out_dim: output coordinates kept (the head_dim before padding; default ``D``).
+    :return: ``(out [B, H_q, T_q, out_dim] float32, lse [B, H_q, T_q] float32)``: normalised output and the
+        natural-log log-sum-exp of the scaled scores.
     :raises ValueError: a shape :func:`supported` rejects, or mismatched token counts.
     """
-    B, H, R, D = q.shape
-    T = keys.codes.shape[2]
+    B, Hq, Tq, Dq = queries.shape
+    H, T, D = keys.codes.shape[1], keys.codes.shape[2], keys.codes.shape[3] * 32 // keys.bits
+    out_dim = out_dim or D
     if values.codes.shape[2] != T or T < 1:
         raise ValueError(f"keys have {T} tokens and values {values.codes.shape[2]}; need the same count >= 1")
+    if Hq % H or Dq > D or out_dim > D:
+        raise ValueError(f"queries {queries.shape} do not fit codes of {H} heads and dimension {D}")
+    R = Hq // H * Tq
     if not supported(D, keys.bits, values.bits, keys.group, values.group, R):
         raise ValueError(f"decode_attend does not serve head_dim {D}, bits {keys.bits}/{values.bits}, groups "
                          f"{keys.group}/{values.group}, {R} query rows")
-    splits, chunk = splits_for(B * H, T, backend)
     cpt = min(coords_per_thread(keys.bits), coords_per_thread(values.bits))
+    kt = 16 if R <= 4 else 8
+    splits, chunk = splits_for(B * H, T, backend, kt * THREADS * cpt // D)
+    meta = _constant((chunk, splits), mx.int32)
+    rot = signs is not None
+    signs = signs if rot else _constant((0.0,), mx.float32)
     kern = kernel("decode_attend", backend, INPUTS, ("out", "ml"), SOURCE, ensure_row_contiguous=False)
     template = [("D", D), ("R", R), ("CPT", cpt), ("KB", keys.bits), ("VB", values.bits), ("KG", keys.group),
                 ("VG", values.group), ("KBIAS", keys.biases is not None), ("VBIAS", values.biases is not None),
-                ("THREADS", THREADS), ("TILE", TILE)]
-    meta = mx.array([chunk, splits], mx.int32)
-    inputs = [mx.contiguous(q.astype(mx.float32)), meta,
+                ("THREADS", THREADS), ("KT", kt), ("ROT", rot)]
+    inputs = [queries, _constant((float(scale),), mx.float32), signs, meta,
               keys.codes, keys.scales, keys.scales if keys.biases is None else keys.biases, keys.table,
               values.codes, values.scales, values.scales if values.biases is None else values.biases,
               values.table]
-    out, ml = kern(inputs=inputs, template=template, grid=(THREADS * B * H, splits, 1),
-                   threadgroup=(THREADS, 1, 1), output_shapes=[(B, H, splits, R, D), (B, H, splits, R, 2)],
-                   output_dtypes=[mx.float32, mx.float32])
-    m, l = ml[..., 0], ml[..., 1]
-    top = mx.max(m, axis=2, keepdims=True)
-    w = mx.exp(m - top)
-    total = mx.sum(w * l, axis=2)
-    o = mx.sum(w[..., None] * out, axis=2) / total[..., None]
-    return o, top.squeeze(2) + mx.log(total)
+    part, ml = kern(inputs=inputs, template=template, grid=(THREADS * B * H, splits, 1),
+                    threadgroup=(THREADS, 1, 1), output_shapes=[(B, H, splits, R, D), (B, H, splits, R, 2)],
+                    output_dtypes=[mx.float32, mx.float32])
+    merge = kernel("decode_merge", backend, MERGE_INPUTS, ("out", "lse"), MERGE_SOURCE)
+    out, lse = merge(inputs=[part, ml, signs, meta], template=[("D", D), ("DV", out_dim), ("R", R), ("ROT", rot)],
+                     grid=(D * B * H * R, 1, 1), threadgroup=(D, 1, 1),
+                     output_shapes=[(B, H, R, out_dim), (B, H, R)], output_dtypes=[mx.float32, mx.float32])
+    return out.reshape(B, Hq, Tq, out_dim), lse.reshape(B, Hq, Tq)

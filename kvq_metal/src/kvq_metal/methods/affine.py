@@ -13,7 +13,7 @@ from kvq.baselines.affine import AffineParams
 
 from .. import attend
 from ..base import KernelImpl, first_use_check
-from .common import check_attend, decode_shape_ok, grouped_rows, rows_of, ungroup
+from .common import check_attend, decode_shape_ok, rows_of
 
 
 def _side(encoded) -> attend.Side:
@@ -48,10 +48,7 @@ class AffineKernels(KernelImpl):
 
     def attend_kernel(self, queries, keys, values, scale):
         """The kernel path of :meth:`kvq_attend` (no checks): ``(out, lse)`` as the spec says."""
-        q = grouped_rows(queries, keys.shape[1], scale)
-        B, H, n_rep, Tq, D = q.shape
-        out, lse = attend.decode_attend(q.reshape(B, H, n_rep * Tq, D), _side(keys), _side(values), self.backend)
-        return ungroup(out, lse, queries)
+        return attend.decode_attend(queries, scale, _side(keys), _side(values), self.backend)
 
     def kvq_attend(self, queries, keys, values, scale, mask):
         """``kvq_attend`` spec; pure MLX serves masks, other methods' values and shapes beyond the kernel."""

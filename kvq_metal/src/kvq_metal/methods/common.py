@@ -28,12 +28,6 @@ def grouped_rows(queries: mx.array, num_kv_heads: int, scale: float) -> mx.array
     return split_heads(queries.astype(mx.float32) * scale, num_kv_heads)
 
 
-def ungroup(out: mx.array, lse: mx.array, queries: mx.array) -> tuple[mx.array, mx.array]:
-    """Kernel output ``[B, H_kv, n_rep * T_q, D_v]`` and lse -> ``[B, H_q, T_q, D_v]`` and ``[B, H_q, T_q]``."""
-    B, Hq, Tq, _ = queries.shape
-    return out.reshape(B, Hq, Tq, out.shape[-1]), lse.reshape(B, Hq, Tq)
-
-
 def check_attend(impl, quantize, params_k, params_v, head_dim: int, rows: int, dtype) -> tuple[bool, str]:
     """Compare ``impl.kvq_attend`` with its pure-MLX fallback on a small problem (300 keys: two tiles and a
     partial one, GQA with ``rows`` query rows, one KV head): relative error must be below 1e-3."""

@@ -17,7 +17,7 @@ from kvq.encoded import Encoded
 
 from .. import attend, quantize as fused
 from ..base import KernelImpl, first_use_check
-from .common import check_attend, decode_shape_ok, grouped_rows, relative_error, rows_of, ungroup
+from .common import check_attend, decode_shape_ok, grouped_rows, relative_error, rows_of
 
 
 def _tq():
@@ -107,13 +107,20 @@ class TurboQuantKernels(KernelImpl):
 
     def attend_kernel(self, queries, keys, values, scale):
         """The kernel path of :meth:`kvq_attend` (no checks)."""
+        _, rotation, _ = _tq()
+        kp, vp = keys.params, values.params
+        if kp.rotation == vp.rotation == "hadamard" and kp.seed == vp.seed:
+            # rotation of the queries and inverse rotation of the output happen inside the kernels
+            signs = rotation.rotation("hadamard", rotation.padded_dim(keys.head_dim), kp.seed).signs
+            return attend.decode_attend(queries, scale, _side(keys), _side(values), self.backend, signs=signs,
+                                        out_dim=values.head_dim)
         mlx_impl = self.fallback()
         q = mlx_impl.prepare_queries(grouped_rows(queries, keys.shape[1], scale), keys)
         B, H, n_rep, Tq, dim = q.shape
-        out, lse = attend.decode_attend(q.reshape(B, H, n_rep * Tq, dim), _side(keys), _side(values),
+        out, lse = attend.decode_attend(q.reshape(B, H * n_rep, Tq, dim), 1.0, _side(keys), _side(values),
                                         self.backend)
         out = mlx_impl.finish_values(out.reshape(B, H, n_rep, Tq, dim), values)
-        return ungroup(out.reshape(B, H, n_rep * Tq, -1), lse, queries)
+        return out.reshape(queries.shape[:3] + (out.shape[-1],)), lse
 
     def kvq_attend(self, queries, keys, values, scale, mask):
         """``kvq_attend`` spec; pure MLX serves masks, other variants and shapes beyond the kernel."""
