@@ -379,6 +379,7 @@ def test_methods_are_registered_and_selectable():
     for method in METHODS:
         plan = kvq.select(method, (1, 8, 4096, 128), num_q_heads=32)
         for op in ("quantize", "dequantize", "attend"):
-            choice = plan.choices[op]
-            assert choice.backend == "mlx" and 0 < choice.candidates[0].cost < 1
+            choice = plan.choices[op]  # on a CPU problem the mlx implementation is chosen (kernels need a GPU)
+            (chosen,) = [c for c in choice.candidates if c.backend == choice.backend]
+            assert choice.backend == "mlx" and 0 < chosen.cost < 1
         assert plan.choices["pack"].implementation.method == "*"

@@ -1,6 +1,7 @@
 """kvq plugin: TurboQuant KV-cache compression (Zandieh et al., TurboQuant, arXiv 2504.19874).
 
-Two methods, each with a pure-MLX implementation (:class:`~kvq_backends_turboquant.impl.TurboQuantMLX`):
+Three methods, each with a pure-MLX implementation (:class:`~kvq_backends_turboquant.impl.TurboQuantMLX`,
+:class:`~kvq_backends_turboquant.rvq_impl.TurboQuantRVQMLX`):
 
 * ``turboquant`` (TurboQuant-mse): random rotation (randomized Hadamard, or dense QR), then a per-coordinate
   Lloyd-Max quantizer for the exact coordinate distribution of a rotated unit vector, plus the vector's norm.
@@ -8,9 +9,13 @@ Two methods, each with a pure-MLX implementation (:class:`~kvq_backends_turboqua
   ``outlier_codes`` uint32 (only when ``outlier_channels = k > 0``), ``norms`` ``[B, H_kv, T]`` float16/32.
 * ``turboquant_prod`` (TurboQuant-prod): the MSE stage at ``bits - 1`` plus a 1-bit QJL sketch of the residual;
   inner products are unbiased. Adds ``signs`` uint32 ``[..., D_pad / 32]`` and ``residual_norms`` ``[B, H_kv, T]``.
+* ``turboquant_rvq``: the same rotation, a stage-1 Lloyd-Max code (``bits``) and a stage-2 Lloyd-Max code of the
+  stage-1 residual (``residual_bits``) per coordinate, one norm per vector (:mod:`~kvq_backends_turboquant.rvq`).
+  Fields ``codes`` uint32 ``[..., ceil(D_pad * bits / 32)]``, ``residual_codes`` uint32
+  ``[..., ceil(D_pad * residual_bits / 32)]``, ``norms`` ``[B, H_kv, T]``.
 
 ``D_pad`` is head_dim rounded up to a power of two. Parameters: :class:`TurboQuantParams`,
-:class:`TurboQuantProdParams`; their ``accounting(head_dim)`` gives the exact bits per coordinate.
+:class:`TurboQuantProdParams`, :class:`TurboQuantRVQParams`; their ``accounting(head_dim)`` gives the exact bits per coordinate.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import kvq
 
 from .impl import TurboQuantMLX
 from .params import TurboQuantParams, TurboQuantProdParams
+from .rvq import TurboQuantRVQParams
+from .rvq_impl import TurboQuantRVQMLX
 
 SOURCE = "Zandieh et al., TurboQuant, arXiv 2504.19874"
 
@@ -29,12 +36,17 @@ TURBOQUANT_PROD = kvq.Method(
     "turboquant_prod", TurboQuantProdParams,
     "TurboQuant-mse at bits-1 + 1-bit QJL sketch of the residual: unbiased inner products, bits 1-4",
     source=SOURCE)
+TURBOQUANT_RVQ = kvq.Method(
+    "turboquant_rvq", TurboQuantRVQParams,
+    "TurboQuant rotation + Lloyd-Max code + Lloyd-Max code of its residual per coordinate + norm, bits 1-4 each",
+    source=SOURCE + "; residual VQ, Juang & Gray, ICASSP 1982")
 
-__all__ = ["TURBOQUANT", "TURBOQUANT_PROD", "TurboQuantMLX", "TurboQuantParams", "TurboQuantProdParams",
-           "kvq_register"]
+__all__ = ["TURBOQUANT", "TURBOQUANT_PROD", "TURBOQUANT_RVQ", "TurboQuantMLX", "TurboQuantParams",
+           "TurboQuantProdParams", "TurboQuantRVQMLX", "TurboQuantRVQParams", "kvq_register"]
 
 
 def kvq_register(register):
-    """Entry point ``turboquant``: both methods and their pure-MLX implementations."""
-    for obj in (TURBOQUANT, TURBOQUANT_PROD, TurboQuantMLX("turboquant"), TurboQuantMLX("turboquant_prod")):
+    """Entry point ``turboquant``: the three methods and their pure-MLX implementations."""
+    for obj in (TURBOQUANT, TURBOQUANT_PROD, TURBOQUANT_RVQ, TurboQuantMLX("turboquant"),
+                TurboQuantMLX("turboquant_prod"), TurboQuantRVQMLX()):
         register(obj)

@@ -87,33 +87,33 @@ def lloyd_max(dim: int, bits: int) -> tuple[np.ndarray, float]:
     return centroids, mse
 
 
-def _load(path: Path, dim: int, bits: int):
+def _load(path: Path, header: dict, levels: int):
+    """``(centroids, mse)`` from a cache file whose header matches and whose table is sane, else ``None``."""
     try:
         record = json.loads(path.read_text())
         centroids = np.asarray(record["centroids"], dtype=np.float64)
-        ok = (record.get("version") == FORMAT_VERSION and record.get("dim") == dim and record.get("bits") == bits
-              and centroids.shape == (2**bits,) and np.all(np.isfinite(centroids))
-              and np.all(np.diff(centroids) > 0))
+        ok = (all(record.get(k) == v for k, v in header.items()) and centroids.shape == (levels,)
+              and np.all(np.isfinite(centroids)) and np.all(np.diff(centroids) > 0))
         return (centroids, float(record["mse"])) if ok else None
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def load_or_compute(dim: int, bits: int, directory: Path | None = None) -> tuple[np.ndarray, float]:
-    """:func:`lloyd_max` through the on-disk cache in ``directory`` (default :func:`cache_dir`).
+def cached(name: str, header: dict, levels: int, compute, notes: dict, directory: Path | None = None):
+    """``compute() -> (centroids, mse)`` through the JSON file ``name`` in ``directory`` (default :func:`cache_dir`).
 
-    The file is written atomically (temporary file, then rename), so concurrent processes never read half a
-    file; a directory that cannot be written only costs the recomputation next time.
+    A file is used only if every ``header`` item (which must include ``"version": FORMAT_VERSION``) matches and it
+    holds ``levels`` finite ascending centroids; otherwise it is recomputed. The file is written atomically
+    (temporary file, then rename), so concurrent processes never read half a file; a directory that cannot be
+    written only costs the recomputation next time. ``notes`` are written along (density, source).
     """
-    _check(dim, bits)
     directory = cache_dir() if directory is None else Path(directory)
-    path = directory / f"lloyd_max_d{dim}_b{bits}_v{FORMAT_VERSION}.json"
-    cached = _load(path, dim, bits)
-    if cached is not None:
-        return cached
-    centroids, mse = lloyd_max(dim, bits)
-    record = {"version": FORMAT_VERSION, "dim": dim, "bits": bits, "mse": mse, "centroids": centroids.tolist(),
-              "density": "(1 - x^2)^((dim - 3) / 2) on [-1, 1]", "source": "TurboQuant, arXiv 2504.19874"}
+    path = directory / name
+    found = _load(path, header, levels)
+    if found is not None:
+        return found
+    centroids, mse = compute()
+    record = {**header, **notes, "mse": mse, "centroids": centroids.tolist()}
     try:
         directory.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -122,6 +122,18 @@ def load_or_compute(dim: int, bits: int, directory: Path | None = None) -> tuple
     except OSError:
         pass
     return centroids, mse
+
+
+def load_or_compute(dim: int, bits: int, directory: Path | None = None) -> tuple[np.ndarray, float]:
+    """:func:`lloyd_max` through the on-disk cache in ``directory`` (default :func:`cache_dir`; see :func:`cached`).
+
+    :raises ValueError: ``dim < 2`` or ``bits`` outside 1..8.
+    """
+    _check(dim, bits)
+    header = {"version": FORMAT_VERSION, "dim": dim, "bits": bits}
+    notes = {"density": "(1 - x^2)^((dim - 3) / 2) on [-1, 1]", "source": "TurboQuant, arXiv 2504.19874"}
+    return cached(f"lloyd_max_d{dim}_b{bits}_v{FORMAT_VERSION}.json", header, 2**bits,
+                  lambda: lloyd_max(dim, bits), notes, directory)
 
 
 @attrs.frozen(eq=False)
