@@ -83,6 +83,42 @@ def decode_rows(backend):
     return rows
 
 
+def sweep_rows(backend):
+    """Launch-shape sweep of the decode-attention kernel (kvq_metal.attend.TUNING, TARGET_GROUPS) at 32K and
+    128K tokens; ``phases`` 1 / 2 time the score and value halves alone (their outputs are not valid)."""
+    from kvq_metal import attend
+
+    B, Hq, Hkv, D = 1, 32, 8, 128
+    base_tuning, base_groups = dict(attend.TUNING), dict(attend.TARGET_GROUPS)
+    configs = [{}, {"kt_small": 8}, {"kt_small": 4}, {"cpt": 4, "kt_small": 8}, {"cpt": 4, "kt_small": 16},
+               {"groups": 528}, {"groups": 2112}, {"groups": 4224}, {"phases": 1}, {"phases": 2}]
+    rows = []
+    for T in (32768, 131072):
+        q = mx.random.normal((B, Hq, 1, D)).astype(mx.float16)
+        k = mx.random.normal((B, Hkv, T, D)).astype(mx.float16)
+        for name, params in (("turboquant", {"bits": 4}), ("affine", {"bits": 4})):
+            p = kvq.make_params(name, **params)
+            pure = registry().implementations[(name, "mlx")]
+            kern = registry().implementations[(name, backend)]
+            ke = pure.kvq_quantize(k, p)
+            mx.eval(ke.data)
+            for cfg in configs:
+                attend.TUNING.update({k_: v for k_, v in cfg.items() if k_ != "groups"})
+                attend.TARGET_GROUPS[backend] = cfg.get("groups", base_groups[backend])
+                try:
+                    ms = timeit(lambda: kern.attend_kernel(q, ke, ke, D ** -0.5)[0])
+                    rows.append({"T": T, "method": name, **cfg, "ms": ms})
+                except Exception as exc:
+                    rows.append({"T": T, "method": name, **cfg, "error": str(exc)[:500]})
+                finally:
+                    attend.TUNING.clear()
+                    attend.TUNING.update(base_tuning)
+                    attend.TARGET_GROUPS.update(base_groups)
+                print(json.dumps(rows[-1]), flush=True)
+            del ke
+    return rows
+
+
 def quantize_rows(backend):
     rows = []
     D = 128
@@ -139,11 +175,15 @@ def main(out_path):
             "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv)}
     meta["elementwise_GBps"] = elementwise_bandwidth() / 1e9
     print(json.dumps(meta), flush=True)
-    result = {"meta": meta, "memory": memory_rows(backend), "decode": decode_rows(backend),
-              "quantize": quantize_rows(backend)}
+    sweep = sweep_rows(backend) if "--sweep" in sys.argv else None
+    if "--sweep-only" in sys.argv:
+        result = {"meta": meta, "sweep": sweep_rows(backend)}
+    else:
+        result = {"meta": meta, "memory": memory_rows(backend), "decode": decode_rows(backend),
+                  "quantize": quantize_rows(backend), "sweep": sweep}
     with open(out_path, "w") as f:
         json.dump(result, f, indent=2)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1])  # options: --sweep (add the launch-shape sweep), --sweep-only

@@ -29,6 +29,10 @@ THREADS = 128
 TARGET_GROUPS = {"cuda": 1056, "metal": 160}
 #: Query rows (n_rep * T_q) one thread group serves.
 MAX_ROWS = 8
+#: Launch shape knobs (``kvq bench``/benchmarks sweep them): tokens each thread loads per tile for up to 4 query
+#: rows and for more, an optional override of the coordinates per thread (4 or 8; ``None``: by bits), and
+#: ``phases`` (3 = scores and values; 1 or 2 runs only one of them, giving wrong results: profiling only).
+TUNING = {"kt_small": 8, "kt_large": 8, "cpt": None, "phases": 3}
 
 SOURCE = """
     constexpr int NCG = D / CPT;
@@ -147,7 +151,7 @@ SOURCE = """
             }
         }
 #pragma unroll
-        for (int k = 0; k < KT; ++k) {
+        for (int k = 0; k < KT && (PHASES & 1); ++k) {
             const kvq_u64 bits = ((((kvq_u64)hi_[k]) << 32) | (kvq_u64)lo_[k]) >> ksh;
             float part[R];
 #pragma unroll
@@ -216,7 +220,7 @@ SOURCE = """
             for (int i = 0; i < CPT; ++i) acc[r][i] *= alpha;
         }
 #pragma unroll
-        for (int k = 0; k < KT; ++k) {
+        for (int k = 0; k < KT && (PHASES & 2); ++k) {
             const kvq_u64 bits = ((((kvq_u64)hi_[k]) << 32) | (kvq_u64)lo_[k]) >> vsh;
             float pr[R];
 #pragma unroll
@@ -320,8 +324,9 @@ class Side:
 
 
 def coords_per_thread(bits: int) -> int:
-    """Coordinates one thread decodes per token: 8 for 1-4 bits, 4 for 5-8 bits (at most 32 bits of codes)."""
-    return 8 if bits <= 4 else 4
+    """Coordinates one thread decodes per token: 8 for 1-4 bits, 4 for 5-8 bits (at most 32 bits of codes;
+    ``TUNING["cpt"] = 4`` forces 4)."""
+    return 4 if bits > 4 or TUNING["cpt"] == 4 else 8
 
 
 def supported(head_dim: int, key_bits: int, value_bits: int, key_group: int, value_group: int,
@@ -387,7 +392,7 @@ def decode_attend(queries: mx.array, scale: float, keys: Side, values: Side, bac
         raise ValueError(f"decode_attend does not serve head_dim {D}, bits {keys.bits}/{values.bits}, groups "
                          f"{keys.group}/{values.group}, {R} query rows")
     cpt = min(coords_per_thread(keys.bits), coords_per_thread(values.bits))
-    kt = 16 if R <= 4 else 8
+    kt = TUNING["kt_small"] if R <= 4 else TUNING["kt_large"]
     splits, chunk = splits_for(B * H, T, backend, kt * THREADS * cpt // D)
     meta = _constant((chunk, splits), mx.int32)
     rot = signs is not None
@@ -395,7 +400,8 @@ def decode_attend(queries: mx.array, scale: float, keys: Side, values: Side, bac
     kern = kernel("decode_attend", backend, INPUTS, ("out", "ml"), SOURCE, ensure_row_contiguous=False)
     template = [("D", D), ("R", R), ("CPT", cpt), ("KB", keys.bits), ("VB", values.bits), ("KG", keys.group),
                 ("VG", values.group), ("KBIAS", keys.biases is not None), ("VBIAS", values.biases is not None),
-                ("THREADS", THREADS), ("KT", kt), ("ROT", rot)]
+                ("THREADS", THREADS), ("KT", kt), ("ROT", rot),
+                ("PHASES", TUNING["phases"])]
     inputs = [queries, _constant((float(scale),), mx.float32), signs, meta,
               keys.codes, keys.scales, keys.scales if keys.biases is None else keys.biases, keys.table,
               values.codes, values.scales, values.scales if values.biases is None else values.biases,

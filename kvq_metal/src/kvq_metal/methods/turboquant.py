@@ -10,6 +10,8 @@ need the Hadamard rotation; attention takes either rotation). Everything else is
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import mlx.core as mx
 import numpy as np
 
@@ -20,7 +22,9 @@ from ..base import KernelImpl, first_use_check
 from .common import check_attend, decode_shape_ok, grouped_rows, relative_error, rows_of
 
 
+@lru_cache(maxsize=None)
 def _tq():
+    """The turboquant plugin's modules (imported on first use: kvq_metal does not depend on the plugin)."""
     from kvq_backends_turboquant import codebook, rotation
     from kvq_backends_turboquant.params import TurboQuantParams
 
