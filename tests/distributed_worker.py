@@ -181,6 +181,7 @@ def generate_cli(folder: str) -> dict:
 def run(mode: str, rank: int, group, folder: str | None) -> dict:
     """One part of the run: ``tensor``, ``pipeline``, ``generate`` or ``fail`` (rank 1 raises)."""
     import kvq.distributed
+    from kvq import quality
 
     if mode == "fail":  # for the test of the test harness: one rank fails, the other succeeds
         if rank == 1:
@@ -200,6 +201,7 @@ def run(mode: str, rank: int, group, folder: str | None) -> dict:
     kvq.distributed.shard(model, group, pipeline=mode == "pipeline")
     result["first_layer"] = kvq.distributed.first_layer(model)
     result["kv_head_range"] = kvq.distributed.kv_head_range(model)
+    result["kv_layout"] = list(quality.kv_layout(model))  # what kvq generate's fp16 byte count assumes
     for name, options in methods.items():
         tokens, logprobs, caches = generate(model, options)
         first, single_caches = result["first_layer"], single[name][2]

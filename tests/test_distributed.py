@@ -167,7 +167,7 @@ def test_tensor_parallel_matches_single_process(tensor_run, method):
     with VecInfer's per-head codebooks and smoothing of head r), and generate the single-process run's tokens."""
     for rank, result in enumerate(tensor_run):
         entry = result["methods"][method]
-        assert result["kv_head_range"] == [rank, rank + 1]
+        assert result["kv_head_range"] == [rank, rank + 1] and result["kv_layout"] == [1, 64, 64]
         assert entry["caches"] == {"layers": 2, "kv_heads": [1, 1]}
         assert 2 * entry["nbytes"] == entry["single_nbytes"] > 0  # half the KV bytes per rank
         assert len(entry["tokens"]) == NEW_TOKENS
@@ -185,7 +185,7 @@ def test_pipeline_parallel_matches_single_process_exactly(pipeline_run, method):
     assert [r["first_layer"] for r in pipeline_run] == [2, 0]
     for rank, result in enumerate(pipeline_run):
         entry = result["methods"][method]
-        assert result["kv_head_range"] is None
+        assert result["kv_head_range"] is None and result["kv_layout"] == [2, 64, 64]
         assert entry["caches"] == {"layers": 2, "kv_heads": [2, 2]}
         assert entry["layers_equal"] == [True, True], f"rank {rank}"
         assert entry["nbytes"] == entry["single_nbytes"] > 0

@@ -140,7 +140,7 @@ def kv_head_range(model) -> tuple[int, int] | None:
     :raises ValueError: the model was sharded over more ranks than it has KV heads, or over a group size that does
         not divide them (mlx-lm's ``model.shard`` allows it; its attention then fails or mixes heads).
     """
-    attention = next((layer.self_attn for layer in model.layers
+    attention = next((layer.self_attn for layer in getattr(model, "layers", ())
                       if layer is not None and hasattr(getattr(layer, "self_attn", None), "k_proj")), None)
     g = getattr(getattr(attention, "k_proj", None), "group", None)
     if g is None:

@@ -134,15 +134,19 @@ def cache_nbytes(cache: list) -> int:
 
 
 def kv_layout(model) -> tuple[int, int, int]:
-    """``(num_kv_heads, key_head_dim, value_head_dim)`` of an mlx-lm model, from ``model.args``.
+    """``(num_kv_heads, key_head_dim, value_head_dim)`` of an mlx-lm model, from ``model.args``; under tensor
+    parallelism ``num_kv_heads`` is this rank's share (:func:`kvq.distributed.kv_head_range`).
 
     :raises ValueError: the model has no ``args`` with ``num_attention_heads`` (not an mlx-lm transformer).
     """
+    from .distributed import kv_head_range
+
     args = getattr(model, "args", None)
     heads = getattr(args, "num_attention_heads", None)
     if not heads:
         raise ValueError(f"cannot read the attention layout of {type(model).__name__} (no args.num_attention_heads)")
-    kv_heads = getattr(args, "num_key_value_heads", None) or heads
+    shard = kv_head_range(model)
+    kv_heads = (getattr(args, "num_key_value_heads", None) or heads) if shard is None else shard[1] - shard[0]
     head_dim = getattr(args, "head_dim", None) or args.hidden_size // heads
     return kv_heads, head_dim, getattr(args, "v_head_dim", None) or head_dim
 
