@@ -50,7 +50,8 @@ def decode_rows(backend):
     scale = D ** -0.5
     rows = []
     methods = [("affine", {"bits": 4}), ("turboquant", {"bits": 4}), ("turboquant", {"bits": 3}),
-               ("turboquant", {"bits": 2})]
+               ("turboquant", {"bits": 2}), ("turboquant_rvq", {"bits": 2, "residual_bits": 1}),
+               ("turboquant_rvq", {"bits": 2, "residual_bits": 2})]
     for T in (4096, 16384, 65536, 131072):
         q = mx.random.normal((B, Hq, 1, D)).astype(mx.float16)
         k = mx.random.normal((B, Hkv, T, D)).astype(mx.float16)
@@ -70,7 +71,7 @@ def decode_rows(backend):
             kern = registry().implementations[(name, backend)]
             ke, ve = pure.kvq_quantize(k, p), pure.kvq_quantize(v, p)
             mx.eval(ke.data, ve.data)
-            label = f"{name}{params['bits']}"
+            label = f"{name}{params['bits']}" + (f"{params['residual_bits']}" if "residual_bits" in params else "")
             row[f"{label}_bytes"] = ke.nbytes + ve.nbytes
             row[f"{label}_kernel_ms"] = timeit(lambda: kern.kvq_attend(q, ke, ve, scale, None)[0])
             row[f"{label}_pure_ms"] = timeit(lambda: pure.kvq_attend(q, ke, ve, scale, None)[0], reps=5)

@@ -53,6 +53,10 @@ ATTEND_CASES = [
     ("affine", {"bits": 2, "group_size": 64}, 64, 8, 1, 257),
     ("affine", {"bits": 3, "group_size": 128}, 256, 2, 1, 1000),
     ("affine", {"bits": 6, "group_size": 64}, 128, 1, 1, 64),
+    ("turboquant_rvq", {"bits": 2, "residual_bits": 1}, 128, 4, 1, 3000),
+    ("turboquant_rvq", {"bits": 2, "residual_bits": 2}, 128, 4, 1, 300),
+    ("turboquant_rvq", {"bits": 3, "residual_bits": 3}, 64, 8, 1, 500),
+    ("turboquant_rvq", {"bits": 4, "residual_bits": 4, "rotation": "qr"}, 128, 2, 2, 257),
 ]
 
 
@@ -143,7 +147,7 @@ def test_turboquant_quantize_intermediate_memory_under_16mb():
 # -- selection, first-use check, and the cache ------------------------------------------------------------
 def test_selection_prefers_the_kernel_at_long_context():
     backend = kvq_metal.gpu_backend()
-    for method in ("affine", "turboquant"):
+    for method in ("affine", "turboquant", "turboquant_rvq"):
         plan = kvq.select(method, (1, 8, 65536, 128), op="attend", num_q_heads=32)
         assert plan.choices["attend"].backend == backend, plan.explain()
     plan = kvq.select("turboquant", (1, 8, 65536, 128), op="quantize")
@@ -160,7 +164,9 @@ def test_failed_first_use_check_disables_with_a_warning():
 
 
 @pytest.mark.parametrize("method,params", [("turboquant", {"bits": 4}), ("turboquant", {"bits": 3}),
-                                           ("affine", {"bits": 4}), ("affine", {"bits": 8})])
+                                           ("affine", {"bits": 4}), ("affine", {"bits": 8}),
+                                           ("turboquant_rvq", {"bits": 2, "residual_bits": 1}),
+                                           ("turboquant_rvq", {"bits": 2, "residual_bits": 2})])
 def test_cache_tokens_with_kernels_auto_equal_off(method, params):
     """Issue #11: kernels="auto" and kernels="off" give the same greedy tokens through the cache; "require"
     constructs on a GPU."""

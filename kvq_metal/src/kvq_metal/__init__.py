@@ -6,7 +6,7 @@ a first-use check against the pure-MLX implementation (:mod:`kvq_metal.base`), a
 cost against pure MLX.
 
 Kernels: fused decode attention over compressed keys and values (:mod:`kvq_metal.attend`; ``affine``,
-``turboquant``), fused TurboQuant encode/decode (normalise + randomized Hadamard + Lloyd-Max + pack;
+``turboquant``, ``turboquant_rvq``), fused TurboQuant encode/decode (normalise + randomized Hadamard + Lloyd-Max + pack;
 :mod:`kvq_metal.quantize`).
 """
 
@@ -21,6 +21,7 @@ TEMPLATES = {
     "decode_attend": attend.SOURCE,
     "tq_quantize": quantize.QUANTIZE_SOURCE,
     "tq_dequantize": quantize.DEQUANTIZE_SOURCE,
+    "decode_merge": attend.MERGE_SOURCE,
 }
 
 __all__ = ["BACKENDS", "KernelDisabledWarning", "KernelImpl", "TEMPLATES", "gpu_backend", "implementations",
@@ -41,6 +42,10 @@ def implementations() -> list:
         from .methods.turboquant import TurboQuantKernels
 
         classes.append(TurboQuantKernels)
+        if hasattr(kvq_backends_turboquant, "TurboQuantRVQParams"):
+            from .methods.turboquant_rvq import TurboQuantRVQKernels
+
+            classes.append(TurboQuantRVQKernels)
     return [cls(backend) for cls in classes for backend in BACKENDS]
 
 

@@ -29,6 +29,8 @@ THREADS = 128
 TARGET_GROUPS = {"cuda": 1056, "metal": 160}
 #: Query rows (n_rep * T_q) one thread group serves.
 MAX_ROWS = 8
+#: Most sequence splits per (batch, KV head) row (the merge kernel keeps one weight per split in shared memory).
+MAX_SPLITS = 2048
 #: Launch shape knobs (``kvq bench``/benchmarks sweep them): tokens each thread loads per tile for up to 4 query
 #: rows and for more, an optional override of the coordinates per thread (4 or 8; ``None``: by bits), and
 #: ``phases`` (3 = scores and values; 1 or 2 runs only one of them, giving wrong results: profiling only).
@@ -41,13 +43,15 @@ SOURCE = """
     constexpr int NW = THREADS / 32;
     constexpr uint KMASK = (1u << KB) - 1u;
     constexpr uint VMASK = (1u << VB) - 1u;
+    constexpr uint KMASK2 = (1u << KB2) - 1u;
+    constexpr uint VMASK2 = (1u << VB2) - 1u;
 
     KVQ_SHARED float q_s[R * D];
     KVQ_SHARED float p_s[TILE * R];
     KVQ_SHARED float ml_s[2 * R];
     KVQ_SHARED float alpha_s[R];
-    KVQ_SHARED float kt_s[1 << KB];
-    KVQ_SHARED float vt_s[1 << VB];
+    KVQ_SHARED float kt_s[1 << (KB + KB2)];
+    KVQ_SHARED float vt_s[1 << (VB + VB2)];
     KVQ_SHARED float red_s[NW * R * D];
 
     const int bh = KVQ_TG_X;
@@ -83,9 +87,9 @@ SOURCE = """
         q_s[e] = ROT ? val * signs[j] : val;
     }
 #pragma unroll
-    for (int i = tid; i < (1 << KB); i += THREADS) kt_s[i] = kt[i];
+    for (int i = tid; i < (1 << (KB + KB2)); i += THREADS) kt_s[i] = kt[i];
 #pragma unroll
-    for (int i = tid; i < (1 << VB); i += THREADS) vt_s[i] = vt[i];
+    for (int i = tid; i < (1 << (VB + VB2)); i += THREADS) vt_s[i] = vt[i];
     if (tid < R) { ml_s[2 * tid] = -KVQ_INF; ml_s[2 * tid + 1] = 0.0f; }
     if (ROT) {
         for (int hs = 1; hs < D; hs <<= 1) {
@@ -131,9 +135,20 @@ SOURCE = """
     const int vw = vbit >> 5;
     const int vsh = vbit & 31;
     const bool v2 = vsh + CPT * VB > 32;
+    // second code stream (two-stage residual codes: the code indexes a table of c1[code1] + c2[code2])
+    const int64_t kbase2 = b * kc2_strides[0] + h * kc2_strides[1];
+    const int64_t vbase2 = b * vc2_strides[0] + h * vc2_strides[1];
+    const int kw2 = (j0 * KB2) >> 5;
+    const int ksh2 = (j0 * KB2) & 31;
+    const bool k2b = ksh2 + CPT * KB2 > 32;
+    const int vw2 = (j0 * VB2) >> 5;
+    const int vsh2 = (j0 * VB2) & 31;
+    const bool v2b = vsh2 + CPT * VB2 > 32;
 
     uint lo_[KT];
     uint hi_[KT];
+    uint lo2_[KT];
+    uint hi2_[KT];
     float sc_[KT];
     float bi_[KT];
     for (int t0 = t_begin; t0 < t_end; t0 += TILE) {
@@ -141,11 +156,16 @@ SOURCE = """
 #pragma unroll
         for (int k = 0; k < KT; ++k) {
             const int t = t0 + k * TL + tl;
-            lo_[k] = 0u; hi_[k] = 0u; sc_[k] = 0.0f; bi_[k] = 0.0f;
+            lo_[k] = 0u; hi_[k] = 0u; lo2_[k] = 0u; hi2_[k] = 0u; sc_[k] = 0.0f; bi_[k] = 0.0f;
             if (t < t_end) {
                 const int64_t idx = kbase + t * kc_strides[2] + kw;
                 lo_[k] = kc[idx];
                 if (k2) hi_[k] = kc[idx + 1];
+                if (KB2 > 0) {
+                    const int64_t idx2 = kbase2 + t * kc2_strides[2] + kw2;
+                    lo2_[k] = kc2[idx2];
+                    if (k2b) hi2_[k] = kc2[idx2 + 1];
+                }
                 sc_[k] = KVQ_F32(ks[ksbase + t * ks_strides[2]]);
                 if (KBIAS) bi_[k] = KVQ_F32(kb[kbbase + t * kb_strides[2]]);
             }
@@ -153,12 +173,15 @@ SOURCE = """
 #pragma unroll
         for (int k = 0; k < KT && (PHASES & 1); ++k) {
             const kvq_u64 bits = ((((kvq_u64)hi_[k]) << 32) | (kvq_u64)lo_[k]) >> ksh;
+            const kvq_u64 bits2 = ((((kvq_u64)hi2_[k]) << 32) | (kvq_u64)lo2_[k]) >> ksh2;
             float part[R];
 #pragma unroll
             for (int r = 0; r < R; ++r) part[r] = 0.0f;
 #pragma unroll
             for (int i = 0; i < CPT; ++i) {
-                const float c = kt_s[(uint)(bits >> (i * KB)) & KMASK];
+                uint code = (uint)(bits >> (i * KB)) & KMASK;
+                if (KB2 > 0) code = (code << KB2) | ((uint)(bits2 >> (i * KB2)) & KMASK2);
+                const float c = kt_s[code];
 #pragma unroll
                 for (int r = 0; r < R; ++r) part[r] += qr[r][i] * c;
             }
@@ -179,11 +202,16 @@ SOURCE = """
 #pragma unroll
         for (int k = 0; k < KT; ++k) {
             const int t = t0 + k * TL + tl;
-            lo_[k] = 0u; hi_[k] = 0u; sc_[k] = 0.0f; bi_[k] = 0.0f;
+            lo_[k] = 0u; hi_[k] = 0u; lo2_[k] = 0u; hi2_[k] = 0u; sc_[k] = 0.0f; bi_[k] = 0.0f;
             if (t < t_end) {
                 const int64_t idx = vbase + t * vc_strides[2] + vw;
                 lo_[k] = vc[idx];
                 if (v2) hi_[k] = vc[idx + 1];
+                if (VB2 > 0) {
+                    const int64_t idx2 = vbase2 + t * vc2_strides[2] + vw2;
+                    lo2_[k] = vc2[idx2];
+                    if (v2b) hi2_[k] = vc2[idx2 + 1];
+                }
                 sc_[k] = KVQ_F32(vs[vsbase + t * vs_strides[2]]);
                 if (VBIAS) bi_[k] = KVQ_F32(vb[vbbase + t * vb_strides[2]]);
             }
@@ -222,12 +250,15 @@ SOURCE = """
 #pragma unroll
         for (int k = 0; k < KT && (PHASES & 2); ++k) {
             const kvq_u64 bits = ((((kvq_u64)hi_[k]) << 32) | (kvq_u64)lo_[k]) >> vsh;
+            const kvq_u64 bits2 = ((((kvq_u64)hi2_[k]) << 32) | (kvq_u64)lo2_[k]) >> vsh2;
             float pr[R];
 #pragma unroll
             for (int r = 0; r < R; ++r) pr[r] = p_s[(k * TL + tl) * R + r];
 #pragma unroll
             for (int i = 0; i < CPT; ++i) {
-                const float x = vt_s[(uint)(bits >> (i * VB)) & VMASK] * sc_[k] + bi_[k];
+                uint code = (uint)(bits >> (i * VB)) & VMASK;
+                if (VB2 > 0) code = (code << VB2) | ((uint)(bits2 >> (i * VB2)) & VMASK2);
+                const float x = vt_s[code] * sc_[k] + bi_[k];
 #pragma unroll
                 for (int r = 0; r < R; ++r) acc[r][i] += pr[r] * x;
             }
@@ -262,22 +293,43 @@ SOURCE = """
 """
 
 MERGE_SOURCE = """
+    constexpr int NW = D / 32;
     KVQ_SHARED float y_s[D];
+    KVQ_SHARED float w_s[MAX_SPLITS];
+    KVQ_SHARED float red_s[NW];
     const int g = KVQ_TG_X;
     const int bh = g / R;
     const int r = g - bh * R;
     const int j = KVQ_TID;
+    const int lane = KVQ_LANE;
+    const int warp = KVQ_WARP;
     const int S = meta[1];
+    // the largest split maximum, then every split's weight, in parallel over the splits
     float top = -KVQ_INF;
-    for (int s = 0; s < S; ++s) top = KVQ_FMAX(top, ml[((bh * S + s) * R + r) * 2]);
+    for (int s = j; s < S; s += D) top = KVQ_FMAX(top, ml[((bh * S + s) * R + r) * 2]);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) top = KVQ_FMAX(top, KVQ_SHFL_XOR(top, off));
+    if (lane == 0) red_s[warp] = top;
+    KVQ_BARRIER();
+    top = red_s[0];
+    for (int w = 1; w < NW; ++w) top = KVQ_FMAX(top, red_s[w]);
+    KVQ_BARRIER();
     float total = 0.0f;
-    float acc = 0.0f;
-    for (int s = 0; s < S; ++s) {
+    for (int s = j; s < S; s += D) {
         const int64_t row = (int64_t)(bh * S + s) * R + r;
         const float w = KVQ_EXP(ml[row * 2] - top);
+        w_s[s] = w;
         total += w * ml[row * 2 + 1];
-        acc += w * part[row * D + j];
     }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) total += KVQ_SHFL_XOR(total, off);
+    if (lane == 0) red_s[warp] = total;
+    KVQ_BARRIER();
+    total = 0.0f;
+    for (int w = 0; w < NW; ++w) total += red_s[w];
+    float acc = 0.0f;
+#pragma unroll 8
+    for (int s = 0; s < S; ++s) acc += w_s[s] * part[((int64_t)(bh * S + s) * R + r) * D + j];
     float o = acc / total;
     if (ROT) {
         y_s[j] = o;
@@ -298,7 +350,7 @@ MERGE_SOURCE = """
     if (j == 0) lse[g] = top + KVQ_LOG(total);
 """
 
-INPUTS = ("q", "qscale", "signs", "meta", "kc", "ks", "kb", "kt", "vc", "vs", "vb", "vt")
+INPUTS = ("q", "qscale", "signs", "meta", "kc", "kc2", "ks", "kb", "kt", "vc", "vc2", "vs", "vb", "vt")
 MERGE_INPUTS = ("part", "ml", "signs", "meta")
 
 
@@ -311,8 +363,11 @@ class Side:
         strided view into a larger buffer: the kernel reads it in place, no copy).
     :param scales: float16/bfloat16/float32 ``[B, H_kv, T]`` (one group) or ``[B, H_kv, T, D // group]``.
     :param biases: like ``scales``, or ``None``.
-    :param table: float32 ``[2**bits]``: the value of each code.
+    :param table: float32 ``[2**(bits + bits2)]``: the value of each code (of each ``(code << bits2) | code2``
+        with a second stream).
     :param bits: 1..8. :param group: coordinates per scale (``D`` for one scale per vector).
+    :param codes2: optional second code stream, uint32 ``[B, H_kv, T, W2]`` of ``bits2`` (1..4) bits per
+        coordinate (two-stage residual codes: ``table[(c1 << bits2) | c2] = c1_value + c2_value``).
     """
 
     codes: mx.array
@@ -321,6 +376,8 @@ class Side:
     table: mx.array
     bits: int
     group: int
+    codes2: mx.array | None = None
+    bits2: int = 0
 
 
 def coords_per_thread(bits: int) -> int:
@@ -345,7 +402,7 @@ def splits_for(batch_heads: int, num_tokens: int, backend: str, tile: int) -> tu
     """``(splits, chunk)``: the sequence is cut into ``splits`` chunks of ``chunk`` tokens (a multiple of the
     tile) so that about :data:`TARGET_GROUPS` thread groups run."""
     tiles = max(1, math.ceil(num_tokens / tile))
-    splits = max(1, min(tiles, math.ceil(TARGET_GROUPS.get(backend, 256) / batch_heads)))
+    splits = max(1, min(tiles, MAX_SPLITS, math.ceil(TARGET_GROUPS.get(backend, 256) / batch_heads)))
     chunk = math.ceil(tiles / splits) * tile
     return math.ceil(num_tokens / chunk), chunk
 
@@ -400,17 +457,20 @@ def decode_attend(queries: mx.array, scale: float, keys: Side, values: Side, bac
     kern = kernel("decode_attend", backend, INPUTS, ("out", "ml"), SOURCE, ensure_row_contiguous=False)
     template = [("D", D), ("R", R), ("CPT", cpt), ("KB", keys.bits), ("VB", values.bits), ("KG", keys.group),
                 ("VG", values.group), ("KBIAS", keys.biases is not None), ("VBIAS", values.biases is not None),
+                ("KB2", keys.bits2), ("VB2", values.bits2),
                 ("THREADS", THREADS), ("KT", kt), ("ROT", rot),
                 ("PHASES", TUNING["phases"])]
     inputs = [queries, _constant((float(scale),), mx.float32), signs, meta,
-              keys.codes, keys.scales, keys.scales if keys.biases is None else keys.biases, keys.table,
-              values.codes, values.scales, values.scales if values.biases is None else values.biases,
-              values.table]
+              keys.codes, keys.codes if keys.codes2 is None else keys.codes2,
+              keys.scales, keys.scales if keys.biases is None else keys.biases, keys.table,
+              values.codes, values.codes if values.codes2 is None else values.codes2,
+              values.scales, values.scales if values.biases is None else values.biases, values.table]
     part, ml = kern(inputs=inputs, template=template, grid=(THREADS * B * H, splits, 1),
                     threadgroup=(THREADS, 1, 1), output_shapes=[(B, H, splits, R, D), (B, H, splits, R, 2)],
                     output_dtypes=[mx.float32, mx.float32])
     merge = kernel("decode_merge", backend, MERGE_INPUTS, ("out", "lse"), MERGE_SOURCE)
-    out, lse = merge(inputs=[part, ml, signs, meta], template=[("D", D), ("DV", out_dim), ("R", R), ("ROT", rot)],
+    out, lse = merge(inputs=[part, ml, signs, meta], template=[("D", D), ("DV", out_dim), ("R", R), ("ROT", rot),
+                                                          ("MAX_SPLITS", MAX_SPLITS)],
                      grid=(D * B * H * R, 1, 1), threadgroup=(D, 1, 1),
                      output_shapes=[(B, H, R, out_dim), (B, H, R)], output_dtypes=[mx.float32, mx.float32])
     return out.reshape(B, Hq, Tq, out_dim), lse.reshape(B, Hq, Tq)

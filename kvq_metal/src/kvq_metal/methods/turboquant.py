@@ -45,6 +45,27 @@ def _side(encoded) -> attend.Side:
                        p.bits, dim)
 
 
+def rotated_attend(impl, queries, keys, values, scale, side):
+    """Decode attention over codes in the rotated domain (``turboquant``, ``turboquant_rvq``).
+
+    With the randomized Hadamard rotation and the same seed on both sides, the kernels rotate the queries and
+    inverse-rotate the output themselves; otherwise the pure-MLX implementation's ``prepare_queries`` and
+    ``finish_values`` do it (one dense rotation each). :param side: Encoded -> :class:`~kvq_metal.attend.Side`.
+    """
+    _, rotation, _ = _tq()
+    kp, vp = keys.params, values.params
+    if kp.rotation == vp.rotation == "hadamard" and kp.seed == vp.seed:
+        signs = rotation.rotation("hadamard", rotation.padded_dim(keys.head_dim), kp.seed).signs
+        return attend.decode_attend(queries, scale, side(keys), side(values), impl.backend, signs=signs,
+                                    out_dim=values.head_dim)
+    mlx_impl = impl.fallback()
+    q = mlx_impl.prepare_queries(grouped_rows(queries, keys.shape[1], scale), keys)
+    B, H, n_rep, Tq, dim = q.shape
+    out, lse = attend.decode_attend(q.reshape(B, H * n_rep, Tq, dim), 1.0, side(keys), side(values), impl.backend)
+    out = mlx_impl.finish_values(out.reshape(B, H, n_rep, Tq, dim), values)
+    return out.reshape(queries.shape[:3] + (out.shape[-1],)), lse
+
+
 class TurboQuantKernels(KernelImpl):
     """Kernel implementation of ``turboquant`` (quantize, dequantize, attend); see the module docstring."""
 
@@ -111,20 +132,7 @@ class TurboQuantKernels(KernelImpl):
 
     def attend_kernel(self, queries, keys, values, scale):
         """The kernel path of :meth:`kvq_attend` (no checks)."""
-        _, rotation, _ = _tq()
-        kp, vp = keys.params, values.params
-        if kp.rotation == vp.rotation == "hadamard" and kp.seed == vp.seed:
-            # rotation of the queries and inverse rotation of the output happen inside the kernels
-            signs = rotation.rotation("hadamard", rotation.padded_dim(keys.head_dim), kp.seed).signs
-            return attend.decode_attend(queries, scale, _side(keys), _side(values), self.backend, signs=signs,
-                                        out_dim=values.head_dim)
-        mlx_impl = self.fallback()
-        q = mlx_impl.prepare_queries(grouped_rows(queries, keys.shape[1], scale), keys)
-        B, H, n_rep, Tq, dim = q.shape
-        out, lse = attend.decode_attend(q.reshape(B, H * n_rep, Tq, dim), 1.0, _side(keys), _side(values),
-                                        self.backend)
-        out = mlx_impl.finish_values(out.reshape(B, H, n_rep, Tq, dim), values)
-        return out.reshape(queries.shape[:3] + (out.shape[-1],)), lse
+        return rotated_attend(self, queries, keys, values, scale, _side)
 
     def kvq_attend(self, queries, keys, values, scale, mask):
         """``kvq_attend`` spec; pure MLX serves masks, other variants and shapes beyond the kernel."""

@@ -1,0 +1,84 @@
+"""``turboquant_rvq`` on kvq_metal: decode attention that decodes ``k = norm · (c1[idx1] + c2[idx2])`` on the fly.
+
+The seed system's TurboQuant-RVQ fused decode + attend: both code streams are read from the cache's packed words
+and each code pair indexes one table of ``2^(b1 + b2)`` sums ``c1[i] + c2[j]`` (at most 256 entries), inside the
+same online-softmax kernel as ``turboquant`` (:mod:`kvq_metal.attend`), in the rotated domain. Quantize stays in
+pure MLX. Served: bits and residual_bits 1..4, head_dim padded to 32..256, decode (up to 8 query rows per KV head).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import mlx.core as mx
+
+from .. import attend
+from ..base import KernelImpl, first_use_check
+from .common import check_attend, decode_shape_ok, rows_of
+from .turboquant import _tq, rotated_attend
+
+
+@lru_cache(maxsize=None)
+def _params_class():
+    from kvq_backends_turboquant.rvq import TurboQuantRVQParams
+
+    return TurboQuantRVQParams
+
+
+@lru_cache(maxsize=64)
+def _table(params, head_dim: int) -> mx.array:
+    """float32 ``[2^(b1 + b2)]``: ``table[(i << b2) | j] = c1[i] + c2[j]``."""
+    c1, c2 = params.codebooks(head_dim)
+    return (c1[:, None] + c2[None, :]).reshape(-1)
+
+
+def _side(encoded) -> attend.Side:
+    _, rotation, _ = _tq()
+    p = encoded.params
+    dim = rotation.padded_dim(encoded.head_dim)
+    return attend.Side(encoded.data["codes"], encoded.data["norms"], None, _table(p, encoded.head_dim), p.bits,
+                       dim, codes2=encoded.data["residual_codes"], bits2=p.residual_bits)
+
+
+class TurboQuantRVQKernels(KernelImpl):
+    """Kernel implementation of ``turboquant_rvq`` (attend); see the module docstring."""
+
+    method = "turboquant_rvq"
+
+    def kernel_supports(self, problem) -> bool:
+        _, rotation, _ = _tq()
+        p = problem.params or _params_class()()
+        if problem.op != "attend" or not decode_shape_ok(problem):
+            return False
+        dim, rows = rotation.padded_dim(problem.head_dim), rows_of(problem)
+        if not attend.supported(dim, p.bits, p.bits, dim, dim, rows):
+            return False
+        return first_use_check(self.backend, "decode_attend[turboquant_rvq]",
+                               (dim, p.bits, p.residual_bits, p.norm_dtype, rows),
+                               lambda: check_attend(self, self.fallback().kvq_quantize, p, p, problem.head_dim,
+                                                    rows, problem.dtype))
+
+    def cost(self, problem) -> float:
+        """One kernel over both packed code streams and the norms of K and V, plus the split merge."""
+        _, rotation, _ = _tq()
+        p = problem.params or _params_class()()
+        B, H, T, D = problem.shape
+        dim = rotation.padded_dim(D)
+        packed = B * H * T * (dim * (p.bits + p.residual_bits) / 8 + p.norm_bits / 8)
+        return self.estimate(problem, launches=2, bytes_moved=2 * packed)
+
+    def attend_kernel(self, queries, keys, values, scale):
+        """The kernel path of :meth:`kvq_attend` (no checks)."""
+        return rotated_attend(self, queries, keys, values, scale, _side)
+
+    def kvq_attend(self, queries, keys, values, scale, mask):
+        """``kvq_attend`` spec; pure MLX serves masks, other methods' values and shapes beyond the kernel."""
+        _, rotation, _ = _tq()
+        B, Hq, Tq, D = queries.shape
+        dim = rotation.padded_dim(D)
+        ok = (mask is None and keys.num_tokens > 0 and values.method == self.method
+              and keys.head_dim == D and values.head_dim == D and Hq % keys.shape[1] == 0
+              and attend.supported(dim, keys.params.bits, values.params.bits, dim, dim, Hq // keys.shape[1] * Tq))
+        if not ok:
+            return self.fallback().kvq_attend(queries, keys, values, scale, mask)
+        return self.attend_kernel(queries, keys, values, scale)
