@@ -92,13 +92,13 @@ def build_sharded_model(config: dict, dtype: mx.Dtype, group: mx.distributed.Gro
 
 def gather_json(document, group: mx.distributed.Group) -> list:
     """Every rank's JSON-serialisable ``document``, in rank order (all ranks get the list)."""
-    data = np.frombuffer(json.dumps(document).encode(), dtype=np.uint8)
+    data = np.frombuffer(json.dumps(document).encode(), dtype=np.uint8).astype(np.int32)  # int32: every back end
     sizes = mx.distributed.all_gather(mx.array([data.size], dtype=mx.int32), group=group)
     size = int(mx.max(sizes).item())
-    padded = np.zeros(size, dtype=np.uint8)
+    padded = np.zeros(size, dtype=np.int32)
     padded[: data.size] = data
     gathered = np.array(mx.distributed.all_gather(mx.array(padded), group=group)).reshape(group.size(), size)
-    return [json.loads(bytes(row[: int(n)]).decode()) for row, n in zip(gathered, np.array(sizes))]
+    return [json.loads(row[: int(n)].astype(np.uint8).tobytes().decode()) for row, n in zip(gathered, np.array(sizes))]
 
 
 def run(args: argparse.Namespace, group: mx.distributed.Group) -> dict:

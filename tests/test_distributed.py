@@ -450,3 +450,20 @@ def test_vecinfer_heads_are_checked_and_survive_prompt_cache_files(vecinfer_data
                                    value_params={"role": "values", "heads": [1, 2]})
     loaded, _ = config_from_json(config_to_json(config, None))
     assert loaded.key_params.heads == loaded.value_params.heads == (1, 2) and loaded == config
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_patched_model_makes_kvq_caches_with_or_without_its_own_make_cache(kind):
+    """qwen2 (mlx-lm's pipelined models) has no ``make_cache``: the patch must not call itself."""
+    import kvq.distributed
+    from distributed_worker import tiny_model
+    from kvq.cache import KVQCache, unpatch_model
+
+    model = kvq.distributed.patch_model(tiny_model(kind), "affine", bits=4)
+    try:
+        caches = model.make_cache()
+        assert len(caches) == len(model.layers) and all(isinstance(c, KVQCache) for c in caches)
+        assert [c.config.key_params.bits for c in caches] == [4] * len(model.layers)
+    finally:
+        unpatch_model(model)
+    assert not hasattr(model, "_kvq_original_make_cache")

@@ -99,7 +99,9 @@ def make_prompt_cache(model, method: str | None = "affine", **kwargs: Any) -> li
         kv_heads = getattr(args, "num_key_value_heads", None) or heads
         check_required_kernels(config, kv_heads, dims[0] if dims else 128, heads)
     _patch.patch()
-    make_cache = getattr(model, "_kvq_original_make_cache", None) or getattr(model, "make_cache", None)
+    # a patched model's own make_cache (None if it has none: its make_cache is then the patch, which calls this)
+    patched = hasattr(model, "_kvq_original_make_cache")
+    make_cache = model._kvq_original_make_cache if patched else getattr(model, "make_cache", None)
     if make_cache is None:
         return [KVQCache(config.for_layer(i)) for i in range(len(model.layers))]
     return [KVQCache(config.for_layer(i)) if type(c) is mlx_cache.KVCache else c
