@@ -1,0 +1,71 @@
+"""kvq_metal on a machine without a GPU (CI): nothing but pure MLX is selected, and the kernel dialect translates
+to both back ends (the CUDA build is exercised by tests/test_kernels_gpu.py on an H200)."""
+
+from __future__ import annotations
+
+import re
+
+import mlx.core as mx
+import pytest
+
+import kvq
+import kvq_metal
+from kvq_metal import dialect
+
+pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="CPU-only behaviour")
+
+TOKENS = ("KVQ_TG_X", "KVQ_TG_Y", "KVQ_TID", "KVQ_GID", "KVQ_LANE", "KVQ_WARP", "KVQ_SHARED", "KVQ_BARRIER()")
+
+
+@pytest.mark.parametrize("method", ["affine", "turboquant", "turboquant_rvq"])
+def test_cpu_selection_picks_pure_mlx(method):
+    for T in (16, 4096, 131072):
+        plan = kvq.select(method, (1, 8, T, 128), num_q_heads=32)
+        assert {c.backend for c in plan.choices.values()} == {"mlx"}, plan.explain()
+        assert "cuda kernel; this is a cpu problem" in plan.explain()
+
+
+def test_kernels_are_registered_for_both_back_ends_but_offer_nothing_here():
+    impls = kvq.plugins.registry().implementations
+    for method in ("affine", "turboquant", "turboquant_rvq"):
+        for backend in ("metal", "cuda"):
+            assert not impls[(method, backend)].live()
+    assert kvq_metal.gpu_backend() is None
+
+
+@pytest.mark.parametrize("name", sorted(kvq_metal.TEMPLATES))
+@pytest.mark.parametrize("backend", dialect.BACKENDS)
+def test_dialect_translates_every_token(name, backend):
+    body = dialect.translate(kvq_metal.TEMPLATES[name], backend)
+    assert not any(t in body for t in TOKENS)
+    # every KVQ_ name left is a prelude macro of this back end
+    left = set(re.findall(r"\bKVQ_[A-Z0-9_]+", body))
+    defined = set(re.findall(r"#define (KVQ_[A-Z0-9_]+)", dialect.PRELUDES[backend]))
+    assert left <= defined, left - defined
+    if backend == "metal":
+        assert "threadgroup_position_in_grid" in body and "__syncthreads" not in body
+    else:
+        assert "blockIdx" in body and "threadgroup_barrier" not in body
+
+
+def test_translate_rejects_unknown_backend():
+    with pytest.raises(ValueError, match="backend must be one of metal, cuda; got 'vulkan'"):
+        dialect.translate("KVQ_TID", "vulkan")
+
+
+def test_sources_hash_is_stable_and_covers_the_templates():
+    h = kvq_metal.sources_hash()
+    assert re.fullmatch(r"[0-9a-f]{16}", h) and h == kvq_metal.sources_hash()
+    assert dialect.sources_hash([kvq_metal.TEMPLATES["decode_attend"] + " "]) != h
+
+
+def test_decode_attend_limits():
+    from kvq_metal import attend
+
+    assert attend.supported(128, 4, 4, 128, 128, 4)
+    assert attend.supported(128, 8, 8, 32, 32, 8)
+    assert not attend.supported(128, 4, 4, 128, 128, 9)  # more query rows than one thread group serves
+    assert not attend.supported(96, 4, 4, 96, 96, 1)  # 12 threads per token: not a power of two
+    assert not attend.supported(512, 4, 4, 512, 512, 1)  # 64 threads per token
+    splits, chunk = attend.splits_for(8, 131072, "cuda", 64)
+    assert splits * chunk >= 131072 and chunk % 64 == 0 and splits <= attend.MAX_SPLITS
