@@ -4,7 +4,9 @@ Zandieh et al., TurboQuant (arXiv 2504.19874). Attention follows kvq's block pro
 (:func:`kvq.attention.attend_encoded`): the query is rotated (and, for ``turboquant_prod`` keys, sketched) once;
 each block of keys is scored against its centroids in the rotated domain and scaled by the stored norms; each
 block of values is decoded in the rotated domain and weighted there; the output is inverse-rotated once. No block
-is ever brought back to the original domain, and no more than one block is decoded at a time.
+is ever brought back to the original domain, and no more than one block is decoded at a time. ``turboquant`` with
+data-chosen outlier channels (``outlier_select="data"``) does the same per channel group
+(:mod:`~kvq_backends_turboquant.outliers`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from kvq.costmodel import estimate
 from kvq.encoded import Encoded
 from kvq.validate import float_array
 
-from . import mse, prod
+from . import mse, outliers, prod
 from .params import TurboQuantParams, TurboQuantProdParams
 from .rotation import padded_dim
 
@@ -25,6 +27,11 @@ FAMILY = ("turboquant", "turboquant_prod")
 
 def _is_prod(params) -> bool:
     return isinstance(params, TurboQuantProdParams)
+
+
+def _is_split(params) -> bool:
+    """Data-chosen outlier channels: two TurboQuant instances (:mod:`~kvq_backends_turboquant.outliers`)."""
+    return getattr(params, "data_chosen", False)
 
 
 def _tokens_axis(a: mx.array) -> mx.array:
@@ -94,6 +101,8 @@ class TurboQuantMLX:
         x = float_array("x", x)
         D = x.shape[-1]
         params.check_head_dim(D)
+        if _is_split(params):
+            return Encoded(params, outliers.quantize(x, params), D)
         fields, y, y_hat = mse.quantize(x, params)
         if _is_prod(params):
             fields.update(prod.encode_residual(y - y_hat, params, D))
@@ -102,6 +111,8 @@ class TurboQuantMLX:
     def kvq_dequantize(self, encoded, dtype):
         """``[B, H_kv, T, D]`` of ``dtype``: ``‖x‖ · Πᵀ ỹ`` with the padding dropped (an estimate for ``_prod``,
         unbiased in inner products)."""
+        if _is_split(encoded.params):
+            return outliers.dequantize(encoded.data, encoded.params, encoded.head_dim).astype(dtype)
         y = self._decode_block(encoded) * encoded.data["norms"].astype(mx.float32)[..., None]
         D = encoded.head_dim
         return mse.rotation_of(encoded.params, D).inverse(y)[..., :D].astype(dtype)
@@ -123,6 +134,8 @@ class TurboQuantMLX:
         """Scaled float32 ``q`` ``[B, H_kv, n_rep, T_q, D]`` -> ``Π q`` ``[..., D_pad]``, followed for
         ``turboquant_prod`` keys by ``S Π q`` ``[..., D_pad]`` (concatenated on the last axis)."""
         D = keys.head_dim
+        if _is_split(keys.params):
+            return outliers.rotate_queries(q, keys.params, D)
         rotated = mse.rotation_of(keys.params, D).forward(q)
         if not _is_prod(keys.params):
             return rotated
@@ -132,6 +145,8 @@ class TurboQuantMLX:
         """``q · k̃`` for keys ``start:stop``: float32 ``[B, H_kv, n_rep, T_q, stop - start]``, from the centroids
         (and sign bits) in the rotated domain, times the stored norms."""
         block, D = keys.tokens(start, stop), keys.head_dim
+        if _is_split(block.params):
+            return outliers.scores(q, block, D)
         dim = padded_dim(D)
         y_hat = mse.decode_rotated(block.data, block.params, D)[:, :, None]
         s = q[..., :dim] @ y_hat.swapaxes(-1, -2)
@@ -145,6 +160,8 @@ class TurboQuantMLX:
         """``p @ ṽ`` for values ``start:stop`` in the rotated domain: float32 ``[B, H_kv, n_rep, T_q, D_pad]``
         (``[..., 2 D_pad]`` for ``turboquant_prod``: the sketch-domain sum follows, for :meth:`finish_values`)."""
         block, D = values.tokens(start, stop), values.head_dim
+        if _is_split(block.params):
+            return outliers.weighted_values(p, block, D)
         weights = p * _tokens_axis(block.data["norms"])
         out = weights @ mse.decode_rotated(block.data, block.params, D)[:, :, None]
         if not _is_prod(block.params):
@@ -156,6 +173,8 @@ class TurboQuantMLX:
         """Normalised rotated-domain output -> ``[B, H_kv, n_rep, T_q, D]``: adds ``(Σ p γ sign) S`` for
         ``turboquant_prod``, inverse-rotates once and drops the padding."""
         D = values.head_dim
+        if _is_split(values.params):
+            return outliers.finish_values(out, values.params, D)
         dim = padded_dim(D)
         y = out[..., :dim]
         if _is_prod(values.params):

@@ -7,15 +7,18 @@ with a Lloyd-Max codebook. Stored per token and head:
 * ``turboquant_prod``: ``D_pad`` codes of ``bits - 1`` bits (none at 1 bit), ``D_pad`` QJL sign bits of the
   residual, the vector's norm and the residual's norm.
 
-Mixed precision (the paper's fractional settings, e.g. 2.5 and 3.5 bits): the first ``outlier_channels``
-coordinates *of the rotated vector* use ``outlier_bits`` instead of ``bits``. The paper picks outlier channels of
-the original vector from data and rotates the two groups separately; kvq's ``quantize`` is stateless (every block
-is encoded on its own and every stored array has a token axis), so a data-chosen channel set would have to be
-stored with every token (``k * log2(D)`` bits: 1.75 bits per coordinate for k = 32, D = 128, more than the
-extra bits buy). After the random rotation all coordinates are exchangeable, so a fixed set costs no index bits and
-has the same expected error as any other set: ``(k * D_mse(outlier_bits) + (D_pad - k) * D_mse(bits)) / D_pad``
-for unit vectors (before the padding is dropped). Choosing channels from data needs per-layer state that the
-contract does not carry yet.
+Mixed precision (the paper's fractional settings, e.g. 2.5 and 3.5 bits), two ways (``outlier_select``):
+
+* ``"rotated"`` (default): the first ``outlier_channels`` coordinates *of the rotated vector* use ``outlier_bits``
+  instead of ``bits``. After the random rotation all coordinates are exchangeable, so a fixed set costs no index
+  bits and has the same expected error as any other set: ``(k * D_mse(outlier_bits) + (D_pad - k) *
+  D_mse(bits)) / D_pad`` for unit vectors (before the padding is dropped). Storing a per-token choice instead
+  would cost ``k * log2(D)`` bits (1.75 bits per coordinate for k = 32, D = 128).
+* ``"data"`` (``turboquant`` only): as the paper does, ``outlier_channels`` channels *of the original vector* are
+  chosen per KV head from data and the two channel sets are quantized by two independent TurboQuant instances
+  (:mod:`~kvq_backends_turboquant.outliers`). The choice is per-layer shared state held by the parameters
+  (``outlier_indices``, set by :meth:`TurboQuantParams.fit` on the first block the cache compresses, or given),
+  stored once per layer and head, saved with prompt-cache files; ``quantize`` stays stateless.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from kvq.packing import packed_words
 from kvq.validate import attrs_one_of
 
 from . import codebook as codebook_module
+from . import outliers
 from .rotation import ROTATIONS, padded_dim, rotation
 
 BITS = (1, 2, 3, 4)
@@ -97,6 +101,21 @@ class _Params:
             codebook_module.codebook(dim, b).nbytes for b in tables)
 
 
+def _indices(value):
+    """``outlier_indices`` as given (lists from a JSON file, tuples, arrays) -> tuple of tuples of ints, or None."""
+    if value is None:
+        return None
+    try:
+        return tuple(tuple(int(c) for c in row) for row in value)
+    except (TypeError, ValueError):
+        raise ValueError(f"outlier_indices must be one sequence of channel indices per KV head; got {value!r}") \
+            from None
+
+
+def _indices_repr(value) -> str:
+    return "None" if value is None else f"<{len(value)} heads x {len(value[0]) if value else 0} channels>"
+
+
 @attrs.frozen
 class TurboQuantParams(_Params):
     """Parameters of ``turboquant`` (TurboQuant-mse, Zandieh et al., arXiv 2504.19874, algorithm 1).
@@ -110,10 +129,78 @@ class TurboQuantParams(_Params):
     :param outlier_bits: code width of those coordinates, 1..4 (default ``min(bits + 1, 4)``).
     :param norm_dtype: ``"float16"`` (default) or ``"float32"``: storage of the per-vector norm (computed in
         float32; float16 saturates at 65504).
+    :param outlier_select: ``"rotated"`` (default: a fixed set of rotated coordinates) or ``"data"`` (channels of
+        the original vectors chosen from data, two TurboQuant instances; the paper's setting): see the module
+        docstring. With ``"data"``, ``outlier_channels`` must be in ``1..head_dim - 1``. The paper's split is
+        ``bits=2, outlier_bits=3, outlier_channels=head_dim/4`` (printed there as 2.5 bits; its codes average
+        2.25); ``outlier_channels=head_dim/2`` gives exactly 2.5 (and 3.5 with ``bits=3, outlier_bits=4``).
+    :param outlier_statistic: how ``fit`` ranks channels: ``"second_moment"`` (mean ``x²``, default) or
+        ``"mean_abs"``.
+    :param outlier_indices: ``None`` until fitted, or one ascending tuple of ``outlier_channels`` distinct channel
+        indices per KV head (from :meth:`fit` or from calibration); only with ``outlier_select="data"``.
     :raises ValueError: any value outside those ranges (the message names the parameter and what is allowed).
     """
 
     method: ClassVar[str] = "turboquant"
+
+    outlier_select: str = attrs.field(default="rotated", validator=attrs_one_of(outliers.SELECTS))
+    outlier_statistic: str = attrs.field(default="second_moment", validator=attrs_one_of(outliers.STATISTICS))
+    outlier_indices: tuple | None = attrs.field(default=None, converter=_indices, repr=_indices_repr)
+
+    def __attrs_post_init__(self) -> None:
+        if self.outlier_select != "data":
+            if self.outlier_indices is not None:
+                raise ValueError("outlier_indices are only used with outlier_select='data'; got outlier_select="
+                                 f"{self.outlier_select!r}")
+            return
+        if self.outlier_channels < 1:
+            raise ValueError("outlier_select='data' needs outlier_channels >= 1 (how many channels to choose); "
+                             f"got {self.outlier_channels}")
+        for head, row in enumerate(self.outlier_indices or ()):
+            if len(row) != self.outlier_channels or list(row) != sorted(set(row)) or (row and row[0] < 0):
+                raise ValueError(f"outlier_indices: head {head} must list {self.outlier_channels} distinct "
+                                 f"channel indices >= 0 in ascending order; got {row}")
+
+    @property
+    def data_chosen(self) -> bool:
+        """True for ``outlier_select="data"``: two channel groups, each its own TurboQuant instance."""
+        return self.outlier_select == "data"
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """:raises ValueError: as :meth:`_Params.check_head_dim`; with ``outlier_select="data"`` also
+        ``outlier_channels`` not below ``head_dim`` or ``outlier_indices`` beyond it."""
+        super().check_head_dim(head_dim)
+        if not self.data_chosen:
+            return
+        if self.outlier_channels >= head_dim:
+            raise ValueError(f"outlier_select='data': outlier_channels must be below head_dim {head_dim}; got "
+                             f"{self.outlier_channels}")
+        if self.outlier_indices and max(row[-1] for row in self.outlier_indices) >= head_dim:
+            raise ValueError(f"outlier_indices: channel indices must be below head_dim {head_dim}")
+
+    def fit(self, block):
+        """The shared state of ``outlier_select="data"``, chosen from the first block of keys or values a layer
+        compresses: these parameters with ``outlier_indices`` set (:func:`~kvq_backends_turboquant.outliers.
+        choose_channels`). Parameters that are fitted already, or use no data, are returned unchanged.
+
+        The cache (:class:`kvq.cache.KVQCache`) calls ``fit`` once per layer, before quantizing its first block.
+        :param block: ``[B, H_kv, T, D]`` float. :raises ValueError: an empty block, or bad ``outlier_channels``.
+        """
+        if not self.data_chosen or self.outlier_indices is not None:
+            return self
+        self.check_head_dim(block.shape[-1])
+        chosen = outliers.choose_channels(block, self.outlier_channels, self.outlier_statistic)
+        return attrs.evolve(self, outlier_indices=chosen)
+
+    def unfitted(self):
+        """These parameters without fitted state (what a user asks for; used to compare prompt-cache files)."""
+        return attrs.evolve(self, outlier_indices=None) if self.outlier_indices is not None else self
+
+    def for_heads(self, start: int, stop: int):
+        """Tensor parallelism: the fitted channel sets of KV heads ``start:stop`` (unfitted parameters unchanged)."""
+        if self.outlier_indices is None:
+            return self
+        return attrs.evolve(self, outlier_indices=self.outlier_indices[start:stop])
 
     @property
     def stage_bits(self) -> tuple[int, int]:
@@ -122,10 +209,14 @@ class TurboQuantParams(_Params):
 
     def accounting(self, head_dim: int) -> kvq.BitsAccounting:
         """Per token: the packed codes of ``D_pad`` rotated coordinates and one norm; shared: rotation and codebooks.
+        With ``outlier_select="data"``: both groups' codes and norms; shared: their rotations and codebooks and
+        the fitted channel permutation (:func:`~kvq_backends_turboquant.outliers.accounting`).
 
         :raises ValueError: unsupported ``head_dim`` (see :meth:`check_head_dim`).
         """
         self.check_head_dim(head_dim)
+        if self.data_chosen:
+            return kvq.BitsAccounting(head_dim, *outliers.accounting(self, head_dim))
         return kvq.BitsAccounting(head_dim, self._per_token(head_dim), self._shared_bytes(head_dim))
 
 

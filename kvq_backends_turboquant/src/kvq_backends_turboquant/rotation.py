@@ -9,7 +9,9 @@ follows the same known distribution. Two rotations are offered:
   checks; ``O(D²)`` per vector.
 
 A head_dim that is not a power of two (80, 96, 192, 576) is zero-padded to the next power of two ``D_pad`` (a
-Hadamard of the wrong size is a known pitfall). Every constant comes from ``numpy.random.default_rng`` seeded with
+Hadamard of the wrong size is a known pitfall). The two channel groups of data-chosen mixed precision
+(:mod:`~kvq_backends_turboquant.outliers`) are rotated at :func:`group_dim`: MLX's Hadamard also has the sizes
+``m · 2^k`` for ``m`` in 12, 20, 28 (a group of 48 channels needs no padding), and ``qr`` has every size. Every constant comes from ``numpy.random.default_rng`` seeded with
 ``(seed, D_pad, purpose)``, never from global state, so every process builds the same matrices.
 """
 
@@ -22,12 +24,27 @@ import mlx.core as mx
 import numpy as np
 
 ROTATIONS = ("hadamard", "qr")
-_PURPOSE_ROTATION, _PURPOSE_SKETCH = 1, 2
+_PURPOSE_ROTATION, _PURPOSE_SKETCH, _PURPOSE_OUTLIER_ROTATION = 1, 2, 3
+#: Odd factors ``m`` of the Hadamard sizes ``m · 2^k`` that ``mx.hadamard_transform`` supports.
+HADAMARD_FACTORS = (1, 12, 20, 28)
 
 
 def padded_dim(head_dim: int) -> int:
     """``D_pad``: the smallest power of two ``>= head_dim`` (at least 2, the smallest sphere with a density)."""
     return 1 << max(1, (head_dim - 1).bit_length())
+
+
+def group_dim(channels: int, kind: str) -> int:
+    """Rotation size for a group of ``channels`` coordinates: the smallest ``m · 2^k >= channels`` (``m`` in
+    :data:`HADAMARD_FACTORS`) for ``"hadamard"``, ``channels`` itself for ``"qr"``; at least 2."""
+    channels = max(channels, 2)
+    if kind == "qr":
+        return channels
+    return min(m << max(0, (-(-channels // m) - 1).bit_length()) for m in HADAMARD_FACTORS)
+
+
+def _is_hadamard_size(dim: int) -> bool:
+    return any(dim % m == 0 and (dim // m) & (dim // m - 1) == 0 for m in HADAMARD_FACTORS)
 
 
 def _rng(seed: int, dim: int, purpose: int) -> np.random.Generator:
@@ -80,17 +97,20 @@ def _hadamard(x: mx.array) -> mx.array:
 
 
 @lru_cache(maxsize=None)
-def rotation(kind: str, dim: int, seed: int) -> Rotation:
+def rotation(kind: str, dim: int, seed: int, outlier_group: bool = False) -> Rotation:
     """The seeded rotation of ``R^dim`` (cached per process).
 
-    :param kind: one of :data:`ROTATIONS`. :param dim: ``D_pad``, a power of two. :param seed: int >= 0.
-    :raises ValueError: unknown ``kind``, or ``dim`` not a power of two.
+    :param kind: one of :data:`ROTATIONS`. :param dim: ``D_pad`` (a power of two), or a :func:`group_dim`.
+    :param seed: int >= 0. :param outlier_group: draw the independent rotation of the outlier channel group of
+        data-chosen mixed precision (another stream of the same seed).
+    :raises ValueError: unknown ``kind``, or ``dim`` not a Hadamard size ``m · 2^k`` (``hadamard``) or below 1.
     """
     if kind not in ROTATIONS:
         raise ValueError(f"rotation must be one of {', '.join(ROTATIONS)}; got {kind!r}")
-    if dim < 1 or dim & (dim - 1):
-        raise ValueError(f"dim must be a power of two (the padded head_dim); got {dim}")
-    rng = _rng(seed, dim, _PURPOSE_ROTATION)
+    if dim < 1 or (kind == "hadamard" and not _is_hadamard_size(dim)):
+        raise ValueError(f"dim must be a power of two or m · 2^k with m in 12, 20, 28 (a padded head_dim or "
+                         f"channel group); got {dim}")
+    rng = _rng(seed, dim, _PURPOSE_OUTLIER_ROTATION if outlier_group else _PURPOSE_ROTATION)
     if kind == "hadamard":
         signs = rng.integers(0, 2, size=dim) * 2.0 - 1.0
         return Rotation(kind, dim, signs=mx.array(signs.astype(np.float32)))

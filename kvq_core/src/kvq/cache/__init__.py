@@ -134,18 +134,24 @@ def unpatch_model(model):
 def load_prompt_cache(file_name: str, *, expect: CacheConfig | None = None, return_metadata: bool = False):
     """``mlx_lm.load_prompt_cache`` with kvq's checks; nothing is modified if a check fails.
 
-    :param expect: if given, every kvq layer in the file must have this method and parameters.
+    :param expect: if given, every kvq layer in the file must have this method and parameters (state that a
+        layer fitted from data, such as TurboQuant's data-chosen outlier channels, comes from the file).
     :raises ValueError: a file written by another kvq format or with other methods/parameters than ``expect``.
     """
     cache, metadata = mlx_cache.load_prompt_cache(file_name, return_metadata=True)
     if expect is not None:
         for i, c in enumerate(cache):
             got, want = getattr(c, "config", None), expect.for_layer(i)
-            if got is not None and (got.key_params, got.value_params) != (want.key_params, want.value_params):
+            if got is not None and _declared(got) != _declared(want):
                 raise ValueError(f"{file_name}: layer {i} holds keys {got.key_params!r} / values "
                                  f"{got.value_params!r}, not the expected {want.key_params!r} / "
                                  f"{want.value_params!r}")
     return (cache, metadata) if return_metadata else cache
+
+
+def _declared(config: CacheConfig) -> tuple:
+    """``(key_params, value_params)`` without fitted state (parameters' optional ``unfitted()`` hook)."""
+    return tuple(p.unfitted() if hasattr(p, "unfitted") else p for p in (config.key_params, config.value_params))
 
 
 __all__ = ["BatchKVQCache", "CacheConfig", "CompressedView", "KVQCache", "load_prompt_cache", "make_config",

@@ -243,6 +243,7 @@ class KVQCache:
         self.window.replace(keys[:, :, overflow:], values[:, :, overflow:])
 
     def _compress(self, keys, values):
+        self._fit_params(keys, values)
         kp, vp = self.config.key_params, self.config.value_params
         quantize_k = select(kp.method, keys.shape, dtype=keys.dtype, op="quantize", params=kp,
                             kernels=quantize_kernels(kp.method, self.config.kernels)).quantize
@@ -250,6 +251,21 @@ class KVQCache:
                             kernels=quantize_kernels(vp.method, self.config.kernels)).quantize
         self.compressed_keys.append(quantize_k(keys, kp))
         self.compressed_values.append(quantize_v(values, vp))
+
+    def _fit_params(self, keys, values):
+        """Parameters with a ``fit(block) -> params`` hook (shared state chosen from data, e.g. TurboQuant's
+        data-chosen outlier channels) are fitted on the first block this layer compresses. The fitted parameters
+        replace the configuration's: every later block uses them, and prompt-cache files save them. ``fit``
+        returns fitted parameters unchanged, so this runs once per layer (a trim keeps the fitted state)."""
+        if self.compressed_keys.length:
+            return
+
+        def fit(params, block):
+            hook = getattr(params, "fit", None)
+            return params if hook is None else hook(block)
+
+        self.config = attrs.evolve(self.config, key_params=fit(self.config.key_params, keys),
+                                   value_params=fit(self.config.value_params, values))
 
     def _views(self):
         B, H, Dk, Dv, dtype = self._layout
