@@ -7,6 +7,8 @@ Three methods, each with a pure-MLX implementation (:class:`~kvq_backends_turboq
   Lloyd-Max quantizer for the exact coordinate distribution of a rotated unit vector, plus the vector's norm.
   Encoded fields, all ``[B, H_kv, T, ...]``: ``codes`` uint32 ``[..., ceil((D_pad - k) * bits / 32)]``,
   ``outlier_codes`` uint32 (only when ``outlier_channels = k > 0``), ``norms`` ``[B, H_kv, T]`` float16/32.
+  With ``outlier_select="data"`` the outlier channels are chosen per layer and KV head from data and the two
+  channel sets are separate TurboQuant instances (adds ``outlier_norms``; :mod:`~kvq_backends_turboquant.outliers`).
 * ``turboquant_prod`` (TurboQuant-prod): the MSE stage at ``bits - 1`` plus a 1-bit QJL sketch of the residual;
   inner products are unbiased. Adds ``signs`` uint32 ``[..., D_pad / 32]`` and ``residual_norms`` ``[B, H_kv, T]``.
 * ``turboquant_rvq``: the same rotation, a stage-1 Lloyd-Max code (``bits``) and a stage-2 Lloyd-Max code of the
@@ -15,7 +17,8 @@ Three methods, each with a pure-MLX implementation (:class:`~kvq_backends_turboq
   ``[..., ceil(D_pad * residual_bits / 32)]``, ``norms`` ``[B, H_kv, T]``.
 
 ``D_pad`` is head_dim rounded up to a power of two. Parameters: :class:`TurboQuantParams`,
-:class:`TurboQuantProdParams`, :class:`TurboQuantRVQParams`; their ``accounting(head_dim)`` gives the exact bits per coordinate.
+:class:`TurboQuantProdParams`, :class:`TurboQuantRVQParams`; their ``accounting(head_dim)`` gives the exact bits
+per coordinate.
 """
 
 from __future__ import annotations
