@@ -467,3 +467,47 @@ def test_patched_model_makes_kvq_caches_with_or_without_its_own_make_cache(kind)
     finally:
         unpatch_model(model)
     assert not hasattr(model, "_kvq_original_make_cache")
+
+
+class FakeGroup:
+    """Rank ``rank`` of ``size``, for mlx-lm's ``pipeline``/``shard`` bookkeeping in one process (no collective is
+    ever run: only the layer split and the weight slicing are used)."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+VECINFER_STRUCTURE = {"key_params": {"code_bits": 6}, "value_params": {"code_bits": 6, "role": "values"}}
+
+
+@pytest.mark.parametrize("rank, layers", [(0, [2, 3]), (1, [0, 1])])
+def test_pipeline_rank_binds_its_layers_to_their_index_in_the_model(rank, layers):
+    """mlx-lm gives pipeline rank 0 the last layers: per-layer calibration must follow the model's layer index."""
+    import kvq.distributed
+    from distributed_worker import tiny_model
+
+    model = tiny_model("qwen2")
+    model.model.pipeline(FakeGroup(rank, 2))
+    caches = kvq.distributed.make_prompt_cache(model, "vecinfer", **VECINFER_STRUCTURE)
+    assert kvq.distributed.first_layer(model) == layers[0]
+    assert [(c.config.key_params.layer, c.config.value_params.layer) for c in caches] == list(zip(layers, layers))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_tensor_rank_binds_its_kv_heads(rank):
+    import kvq.distributed
+    from distributed_worker import tiny_model
+
+    model = tiny_model("llama")
+    model.shard(FakeGroup(rank, 2))
+    assert kvq.distributed.kv_head_range(model) == (rank, rank + 1)
+    caches = kvq.distributed.make_prompt_cache(model, "vecinfer", **VECINFER_STRUCTURE)
+    assert {(c.config.key_params.heads, c.config.value_params.heads) for c in caches} == {((rank, rank + 1),) * 2}
+    affine = kvq.distributed.make_prompt_cache(model, "affine", bits=4)  # no per-head state: as kvq's own
+    assert [c.config for c in affine] == [c.config for c in kvq.make_prompt_cache(model, "affine", bits=4)]
