@@ -66,22 +66,26 @@ def plot(document: dict, path: str | Path) -> bool:
     plt = pyplot()
     if plt is None:
         return False
+    from matplotlib.ticker import LogFormatter
+
     rows = [r for r in document["rows"] if not r["error"]]
     fig, axes = plt.subplots(1, 3, figsize=(17, 5))
     panels = (("tokens_per_second", 1, "decode tokens/s (1 / median latency)"),
               ("active_memory_growth", MIB, "KV memory, measured (MiB)"),
-              ("peak_memory_growth", MIB, "peak memory during decode, above the model (MiB)"))
+              ("peak_memory_growth", MIB, "decode peak memory above the pre-cache level (MiB)"))
     for ax, (key, scale, label) in zip(axes, panels):
         for method in dict.fromkeys(r["method"] for r in rows):
             points = sorted((r["context"], r[key] / scale) for r in rows if r["method"] == method)
             cache = next(r["cache"] for r in rows if r["method"] == method)
             style = dict(color="black", linestyle="--", marker="o") if cache == "mlx-lm KVCache" else \
                 dict(marker="s" if cache.startswith("mlx-lm") else "o")
-            ax.plot([p[0] for p in points], [p[1] for p in points], label=method, **style)
+            name = f"{method} (mlx-lm KVCache, {rows[0]['kv_dtype']})" if cache == "mlx-lm KVCache" else method
+            ax.plot([p[0] for p in points], [p[1] for p in points], label=name, **style)
         ax.set(xscale="log", yscale="log", xlabel="context length (tokens)", ylabel=label)
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(lambda v, _: f"{v / 1024:g}K" if v >= 1024 else f"{v:g}")
-        ax.yaxis.set_major_formatter(lambda v, _: f"{v:g}")
+        ax.yaxis.set_major_formatter(LogFormatter())  # plain numbers; minor ticks labelled on short ranges
+        ax.yaxis.set_minor_formatter(LogFormatter())
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=8)
     env, m = document["environment"], document["model"]

@@ -58,7 +58,8 @@ def e2e_parser() -> argparse.ArgumentParser:
     """The argument parser of ``kvq bench e2e``."""
     from ..bench import e2e
 
-    p = argparse.ArgumentParser(prog="kvq bench e2e", description=e2e.__doc__.split("\n\n")[0], epilog=E2E_EPILOG,
+    summary = e2e.__doc__.split("\n\n")[0].replace("``", "")
+    p = argparse.ArgumentParser(prog="kvq bench e2e", description=summary, epilog=E2E_EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model name, folder, .gguf, Hub id, or random:PRESET")
     p.add_argument("--methods", default=None,
