@@ -1,8 +1,9 @@
 """turboquant with outlier channels chosen from data (issue #5): two TurboQuant instances over a per-head channel split.
 
-TurboQuant (Zandieh et al., arXiv 2504.19874), section 4.3: the paper's "2.5-bit" setting quantizes 32 outlier channels
-of 128 at 3 bits and the other 96 at 2 bits (2.25 bits of codes), with two independent TurboQuant instances. Distortion values are the
-codebooks' exact D_mse (tested against REFERENCE_VALUES.md in test_turboquant.py).
+TurboQuant (Zandieh et al., arXiv 2504.19874), section 4.3: the paper's "2.5-bit" setting quantizes 32 outlier
+channels of 128 at 3 bits and the other 96 at 2 bits (2.25 bits of codes), with two independent TurboQuant
+instances. Distortion values are the codebooks' exact D_mse (tested against REFERENCE_VALUES.md in
+test_turboquant.py).
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ def test_distortion_of_two_instances_and_the_gain_over_a_fixed_rotated_set():
 @settings(max_examples=20, deadline=None)
 @given(bits=st.integers(1, 4), outlier_bits=st.integers(1, 4), rotation=st.sampled_from(["hadamard", "qr"]),
        shape=st.tuples(st.integers(1, 2), st.integers(1, 3), st.integers(1, 9), st.sampled_from([2, 5, 16, 64, 80])),
-       share=st.floats(0.01, 0.99), dtype=st.sampled_from([mx.float16, mx.float32]), seed=st.integers(0, 2**16))
+       share=st.sampled_from([0.01, 0.25, 0.5, 0.99]), dtype=st.sampled_from([mx.float16, mx.float32]),
+       seed=st.integers(0, 2**16))
 def test_round_trip_properties(bits, outlier_bits, rotation, shape, share, dtype, seed):
     B, H, T, D = shape
     k = min(max(1, int(share * D)), D - 1)

@@ -235,7 +235,8 @@ def test_bad_inputs_and_mismatches_are_rejected():
         impl.kvq_quantize(mx.zeros((4, 64)), params)
     with pytest.raises(TypeError, match="x must have dtype float16, bfloat16 or float32"):
         impl.kvq_quantize(mx.zeros((1, 1, 4, 64), mx.int32), params)
-    with pytest.raises(ValueError, match="turboquant_rvq: head_dim 2048 is not supported: it must be an int in 1..1024"):
+    with pytest.raises(ValueError, match="turboquant_rvq: head_dim 2048 is not supported: it must be an int in "
+                                         "1..1024"):
         impl.kvq_quantize(mx.zeros((1, 1, 4, 2048)), params)
     keys = impl.kvq_quantize(mx.ones((1, 1, 4, 64)), params)
     tq = kvq.select("turboquant", (1, 1, 4, 64), op="quantize").quantize(mx.ones((1, 1, 4, 64)),

@@ -3,9 +3,10 @@
 TurboQuant (Zandieh et al., arXiv 2504.19874, section 4.3) reaches fractional bit widths by splitting the channels
 of the *original* vectors into an outlier set and the rest, and applying two independent TurboQuant instances,
 the outlier set with more bits (its "2.5-bit" setting: 32 of 128 channels at 3 bits and 96 at 2, which averages
-2.25 bits of codes; 64 and 64 average 2.5). Here the ``k = outlier_channels`` channels with the largest second moment (or mean ``|x|``) are chosen per KV head from the
-first block a layer's cache compresses (:func:`choose_channels`, through ``TurboQuantParams.fit``) or given from
-calibration; they are shared state of the layer, stored once (``params.outlier_indices``), never per token.
+2.25 bits of codes; 64 and 64 average 2.5). Here the ``k = outlier_channels`` channels with the largest second
+moment (or mean ``|x|``) are chosen per KV head from the first block a layer's cache compresses
+(:func:`choose_channels`, through ``TurboQuantParams.fit``) or given from calibration; they are shared state of the
+layer, stored once (``params.outlier_indices``), never per token.
 
 Each group is its own TurboQuant-mse instance: normalised by its own norm, rotated at its own size
 (:func:`~kvq_backends_turboquant.rotation.group_dim`; the two rotations are independent streams of ``seed``) and

@@ -11,8 +11,9 @@ follows the same known distribution. Two rotations are offered:
 A head_dim that is not a power of two (80, 96, 192, 576) is zero-padded to the next power of two ``D_pad`` (a
 Hadamard of the wrong size is a known pitfall). The two channel groups of data-chosen mixed precision
 (:mod:`~kvq_backends_turboquant.outliers`) are rotated at :func:`group_dim`: MLX's Hadamard also has the sizes
-``m · 2^k`` for ``m`` in 12, 20, 28 (a group of 48 channels needs no padding), and ``qr`` has every size. Every constant comes from ``numpy.random.default_rng`` seeded with
-``(seed, D_pad, purpose)``, never from global state, so every process builds the same matrices.
+``m · 2^k`` for ``m`` in 12, 20, 28 (a group of 48 channels needs no padding), and ``qr`` has every size.
+Every constant comes from ``numpy.random.default_rng`` seeded with ``(seed, D_pad, purpose)``, never from global
+state, so every process builds the same matrices.
 """
 
 from __future__ import annotations
