@@ -5,6 +5,9 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
+import numpy as np
+
+import kvq
 from kvq.attention import dense_attend, merge_parts, sinks_part
 
 
@@ -56,3 +59,20 @@ def test_large_norm_keys_in_fp16_do_not_overflow():
     q = (mx.random.normal((1, 1, 1, 64)) * 90).astype(mx.float16)
     out, lse = dense_attend(q, k, k, 64**-0.5)
     assert mx.all(mx.isfinite(out)).item() and mx.isfinite(lse).all().item()
+
+
+@pytest.mark.parametrize("method", ["affine", "turboquant"])
+def test_causal_string_mask_equals_the_boolean_mask(method):
+    """mlx-lm passes ``mask="causal"``; every attend accepts it (queries are the last T_q positions)."""
+    rng = np.random.default_rng(3)
+    k = mx.array(rng.standard_normal((1, 2, 40, 64)).astype(np.float32))
+    q = mx.array(rng.standard_normal((1, 4, 5, 64)).astype(np.float32))
+    p = kvq.make_params(method, bits=4)
+    plan = kvq.select(method, (1, 2, 40, 64), params=p, dtype=mx.float32, num_queries=5, num_q_heads=4)
+    ke = plan.quantize(k, p)
+    boolean = mx.arange(35, 40)[:, None] >= mx.arange(40)[None]
+    out, lse = plan.attend(q, ke, ke, 0.125, "causal")
+    ref, ref_lse = plan.attend(q, ke, ke, 0.125, boolean)
+    assert mx.allclose(out, ref, atol=1e-6).item() and mx.allclose(lse, ref_lse, atol=1e-6).item()
+    with pytest.raises(ValueError, match="mask must be None, 'causal' or a boolean array; got 'full'"):
+        plan.attend(q, ke, ke, 0.125, "full")

@@ -108,7 +108,20 @@ def test_generate_on_a_tiny_gguf_model(tmp_path, cache, capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "prompt tokens/s" in out and "KV bytes (measured)" in out and "top-1 agreement" in out
+    assert "nothing was compressed" not in out
     assert leftovers(cache) == []
+
+
+def test_generate_says_when_nothing_was_compressed(tmp_path, cache, capsys):
+    """A prompt and answer that fit in sinks + window compress nothing: the report must say so, since its bytes
+    then differ only by allocation (a new user read 1.9x 'compression' and 0 KL as a lossless 4-bit cache)."""
+    source = tmp_path / "tiny.gguf"
+    write_tiny_gguf(source)
+    argv = ["generate", "--model", str(source), "--method", "turboquant", "--bits", "4", "--prompt", "the the",
+            "--max-tokens", "3", "--compare", "fp16"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "NOTE: nothing was compressed" in out and "sinks (4) and window (128)" in out
 
 
 def test_teacher_forcing_replays_the_reference_and_leaves_the_cache_alone(tmp_path, cache):

@@ -75,7 +75,8 @@ def blockwise_attend(
         is the scaled float32 query ``[B, H_kv, n_rep, T_q, D]``.
     :param values_fn: ``(p, start, stop) -> [B, H_kv, n_rep, T_q, D_v]`` float32: ``p @ V[start:stop]``
         for unnormalised probabilities ``p`` (float32, same layout as the scores).
-    :param mask: boolean, broadcastable to ``[B, H_q, T_q, num_keys]``; ``True`` = may attend.
+    :param mask: boolean, broadcastable to ``[B, H_q, T_q, num_keys]`` (``True`` = may attend), or ``"causal"``
+        (the queries are the last ``T_q`` of the ``num_keys`` positions).
     :param prepare: applied once to the scaled, grouped query before the loop (e.g. a rotation); ``scores_fn``
         then receives its result.
     :param finish: applied once to the normalised ``[B, H_kv, n_rep, T_q, D_v]`` output (e.g. the inverse
@@ -84,6 +85,11 @@ def blockwise_attend(
         for queries that see no key.
     """
     B, Hq, Tq, _ = queries.shape
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"mask must be None, 'causal' or a boolean array; got {mask!r}")
+        # the queries are the last T_q positions of the num_keys keys (mlx-lm's convention)
+        mask = mx.arange(num_keys - Tq, num_keys)[:, None] >= mx.arange(num_keys)[None]
     q = split_heads(queries.astype(mx.float32) * scale, num_kv_heads)
     q = prepare(q) if prepare is not None else q
     mask = split_mask(mask, num_kv_heads)

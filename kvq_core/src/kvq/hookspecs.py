@@ -74,8 +74,9 @@ def kvq_attend(queries, keys, values, scale, mask):
     :param keys: :class:`kvq.Encoded` for ``[B, H_kv, T, D]`` keys (``T`` may be 0).
     :param values: :class:`kvq.Encoded` for ``[B, H_kv, T, D_v]`` values.
     :param scale: float multiplying ``q . k`` (usually ``D ** -0.5``).
-    :param mask: ``None`` (every query sees every key), or a boolean ``mx.array`` broadcastable to
-        ``[B, H_q, T_q, T]`` where ``True`` means "may attend".
+    :param mask: ``None`` (every query sees every key), ``"causal"`` (the queries are the last ``T_q`` of the
+        ``T`` positions), or a boolean ``mx.array`` broadcastable to ``[B, H_q, T_q, T]`` where ``True`` means
+        "may attend".
     :return: ``(out, lse)``: ``out`` float32 ``[B, H_q, T_q, D_v]`` normalised over these keys, and ``lse``
         float32 ``[B, H_q, T_q]``, the natural-log log-sum-exp of the scaled, masked scores (``-inf`` and
         ``out = 0`` for a query that sees no key). Parts are merged by :func:`kvq.attention.merge_parts`.

@@ -26,7 +26,7 @@ def device_kind(device: mx.Device | str | None = None) -> str:
     """The kvq device kind for an MLX device: ``"cpu"``, ``"metal"`` or ``"cuda"``.
 
     :param device: an ``mx.Device``, one of those strings, ``"gpu"``, or ``None`` (MLX's default device).
-    :raises ValueError: for any other string.
+    :raises ValueError: for any other string, or ``"gpu"`` on a machine without a GPU back end.
     """
     if device is None:
         device = mx.default_device()
@@ -35,7 +35,12 @@ def device_kind(device: mx.Device | str | None = None) -> str:
             return device
         if device != "gpu":
             raise ValueError(f"device must be one of cpu, gpu, metal, cuda; got {device!r}")
-        return "metal" if mx.metal.is_available() else "cuda"
+        if mx.metal.is_available():
+            return "metal"
+        if getattr(mx, "cuda", None) is not None and mx.cuda.is_available():
+            return "cuda"
+        raise ValueError("device 'gpu': this machine has no Metal or CUDA device for MLX; name the one to plan "
+                         "for ('metal' or 'cuda') or use 'cpu'")
     if device.type == mx.DeviceType.cpu:
         return "cpu"
     return "metal" if mx.metal.is_available() else "cuda"

@@ -153,7 +153,7 @@ def _rank(problem: Problem, implementations: list[Any], kernels: str = "auto",
         f"{c.backend}: " + (f"{c.cost * 1e3:.4g} ms" if c.supported else c.note)
         for i, c in enumerate(candidates) if i != best)
     reason = f"est. {chosen.cost * 1e3:.4g} ms" + (f" ({chosen.note})" if chosen.note else "")
-    basis = "; ".join(measured) if measured else f"lowest cost of {len(usable)} supporting"
+    basis = "; ".join(measured) if measured else f"lowest cost of {len(usable)} supporting this shape"
     reason += f"; {basis}" + (f" [{others}]" if others else "")
     return Choice(problem.op, implementations[best], tuple(candidates), reason)
 
@@ -168,7 +168,7 @@ def _missing(reg, method, op, shape, dtype, kind, kernels) -> str:
             else f"no kernel implementation of {method!r} is installed (pip install kvq-metal)")
     return (f"kernels='require': no kernel serves {method!r} op {op!r} for shape {shape} {dtype} on this "
             f"{kind} device ({have}; kernels run on Apple GPUs through Metal and on NVIDIA GPUs through "
-            f"CUDA). Use kernels='auto' to fall back to pure MLX.")
+            f"CUDA). Use kernels='auto' (--kernels auto) to fall back to pure MLX.")
 
 
 def select(

@@ -93,7 +93,7 @@ class KernelImpl:
     def explain(self, problem) -> str:
         """Why this implementation does not serve ``problem`` (shown by ``kvq select``)."""
         if problem.device != self.backend:
-            return f"{self.backend} kernel; this is a {problem.device} problem"
+            return f"{self.backend} kernel, not for {problem.device}"
         if not self.live():
             return f"{self.backend} is not MLX's default device here"
         return "" if self.kernel_supports(problem) else "outside the kernel's limits (or disabled by its check)"

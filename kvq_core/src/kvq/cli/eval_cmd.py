@@ -1,7 +1,7 @@
 """``kvq eval --methods fp16,affine:4,...``: quality and memory of methods on a model, against the fp16 cache.
 
-Protocol (REFERENCE_VALUES.md): windows of the text at fixed offsets; each window's context is prefilled in
-chunks of 512, then the next --score-tokens are scored by teacher forcing. Per method, against the fp16 cache
+Protocol (the one of the published KV-quantization perplexity tables): windows of the text at fixed offsets; each
+window's context is prefilled in chunks of 512, then the next --score-tokens are scored by teacher forcing. Per method, against the fp16 cache
 on the same tokens in the same run: perplexity and its change, mean KL(fp16 || method), top-1 agreement,
 attention-output error per layer, needle retrieval, bits per coordinate, KV bytes (nbytes and measured).
 """

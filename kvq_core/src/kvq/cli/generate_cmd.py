@@ -247,6 +247,11 @@ def summary_rows(model, run: Run, reference: Run | None) -> tuple[list[list[str]
                  ["identical greedy prefix", dash,
                   f"{quality.common_prefix(reference.tokens, run.tokens)}/{len(reference.tokens)} tokens"]]
     notes = [note] if note else []
+    uncompressed = run.options.get("sinks", 4) + run.options.get("window", 128)
+    if run.options.get("method") != "fp16" and run.cached_tokens <= uncompressed:
+        notes.append(f"NOTE: nothing was compressed: all {run.cached_tokens} tokens fit in the uncompressed sinks "
+                     f"({run.options.get('sinks', 4)}) and window ({run.options.get('window', 128)}); the bytes "
+                     f"differ only by allocation. Use a longer prompt, or --sinks 0 --window 0.")
     notes.append("measured: growth of mx.get_active_memory from the empty cache to the filled one (it also counts "
                  "constants a method allocates once, such as rotations and codebooks)")
     return rows, notes
@@ -275,10 +280,8 @@ def stream_to_stdout(text: str) -> None:
     print(text, end="", flush=True)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``kvq generate`` argument parser."""
-    p = argparse.ArgumentParser(prog="kvq generate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_cache_arguments(p: argparse.ArgumentParser) -> None:
+    """The model and cache options shared by ``kvq generate`` and ``kvq serve`` (read by :func:`cache_options`)."""
     p.add_argument("--model", default=None, help="mlx-lm folder, .gguf file or Hub id (default: SmolLM2-135M-Instruct)")
     p.add_argument("--method", default="affine", help="method for keys and values (see 'kvq list'; default affine)")
     p.add_argument("--bits", type=int, default=None, help="shorthand for --param bits=B")
@@ -292,6 +295,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernels", choices=KERNELS, default="auto",
                    help="fused GPU kernels: auto (where available and faster; default), require (fail if none "
                         "serves decode attention on this device), off (pure MLX only)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvq generate`` argument parser."""
+    p = argparse.ArgumentParser(prog="kvq generate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_cache_arguments(p)
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", default=None, help="the prompt text")
     source.add_argument("--prompt-file", default=None, help="read the prompt from a file ('-': standard input)")

@@ -20,24 +20,14 @@ import logging
 import sys
 from pathlib import Path
 
-from ..select import KERNELS
+from .generate_cmd import add_cache_arguments
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvq serve`` argument parser (kvq's options only; the others are passed on to mlx-lm)."""
     p = argparse.ArgumentParser(prog="kvq serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="mlx-lm folder, .gguf file or Hub id (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--method", default="affine", help="method for keys and values (see 'kvq list'; default affine)")
-    p.add_argument("--bits", type=int, default=None, help="shorthand for --param bits=B")
-    p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="method parameter, repeatable")
-    p.add_argument("--key-method", default=None, help="method for the keys only (e.g. qjl)")
-    p.add_argument("--value-method", default=None, help="method for the values only")
-    p.add_argument("--key-param", action="append", default=[], metavar="NAME=VALUE", help="keys' parameter")
-    p.add_argument("--value-param", action="append", default=[], metavar="NAME=VALUE", help="values' parameter")
-    p.add_argument("--sinks", type=int, default=4, help="first tokens kept uncompressed (default 4)")
-    p.add_argument("--window", type=int, default=128, help="recent tokens kept uncompressed (default 128)")
-    p.add_argument("--kernels", choices=KERNELS, default="auto", help="fused GPU kernels: auto, require or off")
+    add_cache_arguments(p)
     p.add_argument("--pipeline", action="store_true",
                    help="under mlx.launch: pipeline parallel (each rank its own layers), not tensor parallel")
     return p
