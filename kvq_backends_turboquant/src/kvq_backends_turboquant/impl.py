@@ -39,6 +39,22 @@ def _tokens_axis(a: mx.array) -> mx.array:
     return a.astype(mx.float32)[:, :, None, None, :]
 
 
+def check_attend_inputs(method: str, accepted: tuple[str, ...], queries, keys, values) -> mx.array:
+    """Validate the inputs of a turboquant-family ``kvq_attend``; returns ``queries`` as a float ``mx.array``.
+
+    :raises ValueError: keys or values encoded by a method outside ``accepted``, or queries whose head_dim differs
+        from the keys'. :raises TypeError: queries that are not a float ``mx.array``.
+    """
+    for name, encoded in (("keys", keys), ("values", values)):
+        if encoded.method not in accepted:
+            raise ValueError(f"{name}: {method} attend needs {' or '.join(accepted)}-encoded {name}; "
+                             f"got {encoded.method!r}")
+    queries = float_array("queries", queries)
+    if queries.shape[-1] != keys.head_dim:
+        raise ValueError(f"queries: head_dim {queries.shape[-1]} does not match the keys' {keys.head_dim}")
+    return queries
+
+
 class TurboQuantMLX:
     """Pure-MLX implementation object for one method of the family (``method`` is ``"turboquant"`` or
     ``"turboquant_prod"``). The variant actually computed follows the parameter object it is handed.
@@ -120,13 +136,7 @@ class TurboQuantMLX:
     def kvq_attend(self, queries, keys, values, scale, mask):
         """Attention over turboquant-family keys and values (either variant on either side); see the
         ``kvq_attend`` spec for shapes. :raises ValueError: values of another method, mismatched head_dim."""
-        for name, encoded in (("keys", keys), ("values", values)):
-            if encoded.method not in FAMILY:
-                raise ValueError(f"{name}: {self.method} attend needs {' or '.join(FAMILY)}-encoded {name}; "
-                                 f"got {encoded.method!r}")
-        queries = float_array("queries", queries)
-        if queries.shape[-1] != keys.head_dim:
-            raise ValueError(f"queries: head_dim {queries.shape[-1]} does not match the keys' {keys.head_dim}")
+        queries = check_attend_inputs(self.method, FAMILY, queries, keys, values)
         return attend_encoded(queries, keys, values, scale, mask, self, self)
 
     # -- block protocol (kvq.attention.attend_encoded) -----------------------------------------------

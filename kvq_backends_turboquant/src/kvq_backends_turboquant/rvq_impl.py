@@ -16,6 +16,7 @@ from kvq.encoded import Encoded
 from kvq.validate import float_array
 
 from . import mse, rvq
+from .impl import check_attend_inputs
 from .rotation import padded_dim
 from .rvq import TurboQuantRVQParams
 
@@ -91,13 +92,7 @@ class TurboQuantRVQMLX:
 
         :raises ValueError: keys or values of another method, or queries whose head_dim differs from the keys'.
         """
-        for name, encoded in (("keys", keys), ("values", values)):
-            if encoded.method != self.method:
-                raise ValueError(f"{name}: turboquant_rvq attend needs turboquant_rvq-encoded {name}; got "
-                                 f"{encoded.method!r}")
-        queries = float_array("queries", queries)
-        if queries.shape[-1] != keys.head_dim:
-            raise ValueError(f"queries: head_dim {queries.shape[-1]} does not match the keys' {keys.head_dim}")
+        queries = check_attend_inputs(self.method, (self.method,), queries, keys, values)
         return attend_encoded(queries, keys, values, scale, mask, self, self)
 
     # -- block protocol (kvq.attention.attend_encoded) -----------------------------------------------

@@ -45,6 +45,18 @@ def _side(encoded) -> attend.Side:
                        p.bits, dim)
 
 
+def rotated_kernel_serves(queries, keys, values, mask, accepts) -> bool:
+    """Whether the rotated-domain decode kernel serves this ``kvq_attend`` call: no mask, at least one key, both
+    sides' parameters accepted by ``accepts(params)``, one head_dim, whole GQA groups, a shape
+    :func:`kvq_metal.attend.supported` takes. Otherwise pure MLX serves it (same result)."""
+    _, rotation, _ = _tq()
+    B, Hq, Tq, D = queries.shape
+    dim, Hkv = rotation.padded_dim(D), keys.shape[1]
+    return (mask is None and keys.num_tokens > 0 and accepts(keys.params) and accepts(values.params)
+            and keys.head_dim == D and values.head_dim == D and Hq % Hkv == 0
+            and attend.supported(dim, keys.params.bits, values.params.bits, dim, dim, Hq // Hkv * Tq))
+
+
 def rotated_attend(impl, queries, keys, values, scale, side):
     """Decode attention over codes in the rotated domain (``turboquant``, ``turboquant_rvq``).
 
@@ -136,13 +148,7 @@ class TurboQuantKernels(KernelImpl):
 
     def kvq_attend(self, queries, keys, values, scale, mask):
         """``kvq_attend`` spec; pure MLX serves masks, other variants and shapes beyond the kernel."""
-        _, rotation, _ = _tq()
-        B, Hq, Tq, D = queries.shape
-        dim = rotation.padded_dim(D)
-        ok = (mask is None and keys.num_tokens > 0 and _plain(keys.params) and _plain(values.params)
-              and values.head_dim == D and keys.head_dim == D and Hq % keys.shape[1] == 0
-              and attend.supported(dim, keys.params.bits, values.params.bits, dim, dim, Hq // keys.shape[1] * Tq))
-        if not ok:
+        if not rotated_kernel_serves(queries, keys, values, mask, _plain):
             return self.fallback().kvq_attend(queries, keys, values, scale, mask)
         return self.attend_kernel(queries, keys, values, scale)
 

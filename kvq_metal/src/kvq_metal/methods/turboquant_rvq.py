@@ -15,7 +15,7 @@ import mlx.core as mx
 from .. import attend
 from ..base import KernelImpl, first_use_check
 from .common import check_attend, decode_shape_ok, rows_of
-from .turboquant import _tq, rotated_attend
+from .turboquant import _tq, rotated_attend, rotated_kernel_serves
 
 
 @lru_cache(maxsize=None)
@@ -73,12 +73,6 @@ class TurboQuantRVQKernels(KernelImpl):
 
     def kvq_attend(self, queries, keys, values, scale, mask):
         """``kvq_attend`` spec; pure MLX serves masks, other methods' values and shapes beyond the kernel."""
-        _, rotation, _ = _tq()
-        B, Hq, Tq, D = queries.shape
-        dim = rotation.padded_dim(D)
-        ok = (mask is None and keys.num_tokens > 0 and values.method == self.method
-              and keys.head_dim == D and values.head_dim == D and Hq % keys.shape[1] == 0
-              and attend.supported(dim, keys.params.bits, values.params.bits, dim, dim, Hq // keys.shape[1] * Tq))
-        if not ok:
+        if not rotated_kernel_serves(queries, keys, values, mask, lambda p: p.method == self.method):
             return self.fallback().kvq_attend(queries, keys, values, scale, mask)
         return self.attend_kernel(queries, keys, values, scale)
