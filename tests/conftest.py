@@ -58,3 +58,20 @@ def tiny_llama(hidden=256, layers=2, heads=4, kv_heads=2, vocab=256, dtype=mx.fl
 @pytest.fixture(scope="module")
 def llama_model():
     return tiny_llama()
+
+
+def fake_kernel_class():
+    """``FakeKernel``: a second implementation of ``affine`` (backend ``"fake-kernel"``) on every device, cheapest
+    by the cost model, so only a measured table can rule it out (tests of selection, autotune, bench ops)."""
+    from kvq.baselines.affine import AffineMLX
+
+    class FakeKernel(AffineMLX):
+        backend = "fake-kernel"
+
+        def supports(self, problem):
+            return True
+
+        def cost(self, problem):
+            return 0.0
+
+    return FakeKernel

@@ -6,24 +6,15 @@ import json
 import time
 
 import pytest
+from conftest import fake_kernel_class
 
 import kvq
 from kvq import autotune
 from kvq.autotune import NEVER, AutotuneWarning, find_crossover
-from kvq.baselines.affine import AffineMLX
 from kvq.cli import main
 
 
-class FakeKernel(AffineMLX):
-    """A fake kernel on every device, always cheapest by the cost model (so only a table can rule it out)."""
-
-    backend = "fake-kernel"
-
-    def supports(self, problem):
-        return True
-
-    def cost(self, problem):
-        return 0.0
+FakeKernel = fake_kernel_class()
 
 
 class SlowKernel(FakeKernel):

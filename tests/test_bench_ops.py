@@ -6,8 +6,8 @@ import json
 
 import mlx.core as mx
 import pytest
+from conftest import fake_kernel_class
 
-from kvq.baselines.affine import AffineMLX
 from kvq.bench import measure, ops
 from kvq.cli import bench_ops_cmd
 
@@ -15,16 +15,7 @@ TINY = ["--sizes", "64,128", "--contexts", "32,64", "--reps", "2", "--warmup", "
         "--no-progress"]
 
 
-class FakeKernel(AffineMLX):
-    """A second implementation of affine on every device, cheapest by the cost model (so select picks it)."""
-
-    backend = "fake-kernel"
-
-    def supports(self, problem):
-        return True
-
-    def cost(self, problem):
-        return 0.0
+FakeKernel = fake_kernel_class()
 
 
 @pytest.fixture(scope="module")

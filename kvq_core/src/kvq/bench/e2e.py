@@ -27,7 +27,7 @@ import attrs
 import mlx.core as mx
 from tqdm import tqdm
 
-from ..evaluation.spec import MethodSpec, bits_per_coordinate, parse_method, split_methods, validate
+from ..evaluation.spec import MethodSpec, bits_per_coordinate, checked_with_reference, parse_method, split_methods
 from .fill import RandomKV, ReplayKV, decode, fill, latency_summary, prefill
 
 #: How caches are brought to the context length.
@@ -86,14 +86,7 @@ def parse_methods(text: str | None, head_dim: int | None = None, sinks: int = 4,
             specs.append(attrs.evolve(parse_method("fp16" + part[len(KVQ_FP16):]), label=part))
         else:
             specs.append(parse_method(part))
-    labels = [s.label for s in specs]
-    duplicates = sorted({label for label in labels if labels.count(label) > 1})
-    if duplicates:
-        raise ValueError(f"--methods: {', '.join(duplicates)} given more than once")
-    for spec in specs:
-        validate(spec, head_dim, sinks, window)
-    reference = [s for s in specs if s.label == REFERENCE] or [parse_method(REFERENCE)]
-    return reference + [s for s in specs if s.label != REFERENCE]
+    return checked_with_reference(specs, head_dim, sinks, window, REFERENCE)
 
 
 def _names(text: str) -> set[str]:

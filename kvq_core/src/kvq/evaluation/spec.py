@@ -205,15 +205,23 @@ def parse_methods(text: str, head_dim: int | None = None, sinks: int = 4, window
 
     :raises ValueError: a string that does not parse, an unknown method or parameter, a duplicate label.
     """
-    specs = [parse_method(s) for s in split_methods(text)]
+    return checked_with_reference([parse_method(s) for s in split_methods(text)], head_dim, sinks, window)
+
+
+def checked_with_reference(specs: list[MethodSpec], head_dim: int | None, sinks: int, window: int,
+                           reference: str = "fp16") -> list[MethodSpec]:
+    """``specs`` validated (:func:`validate`), with the ``reference`` method first (added if missing).
+
+    :raises ValueError: a label given more than once, or a spec :func:`validate` rejects.
+    """
     labels = [s.label for s in specs]
     duplicates = sorted({label for label in labels if labels.count(label) > 1})
     if duplicates:
         raise ValueError(f"--methods: {', '.join(duplicates)} given more than once")
     for spec in specs:
         validate(spec, head_dim, sinks, window)
-    reference = [s for s in specs if s.label == "fp16"] or [parse_method("fp16")]
-    return reference + [s for s in specs if s.label != "fp16"]
+    first = [s for s in specs if s.label == reference] or [parse_method(reference)]
+    return first + [s for s in specs if s.label != reference]
 
 
 def bits_per_coordinate(spec: MethodSpec, head_dim: int) -> tuple[float, float]:
