@@ -399,3 +399,20 @@ def test_default_model_calibration_and_heldout_error_against_turboquant(capsys):
         assert all(0 < e < 0.5 and math.isfinite(e) for e in per_method.values())
     # measured: keys 0.064 vs 0.106 (smoothing + learned codebooks pay off); values 0.111 vs 0.114 (about equal)
     assert errors["keys"]["vecinfer"] < 0.8 * errors["keys"]["turboquant"]
+
+
+def test_generic_cache_gives_values_their_role_and_fails_early_without_calibration(tmp_path, monkeypatch):
+    """kvq.make_prompt_cache(model, "vecinfer"): the values get role="values" (their own codebooks) unless a role
+    is given, and a missing calibration raises at construction, not at the first compressed block (a new user
+    hit both only after a whole fp16 run of kvq generate)."""
+    from kvq.cache import make_config
+
+    config = make_config("vecinfer", model_id="nowhere")
+    assert (config.key_params.role, config.value_params.role) == ("keys", "values")
+    assert make_config("vecinfer", value_params={"role": "keys"}).value_params.role == "keys"
+    monkeypatch.setenv("KVQ_DATA_DIR", str(tmp_path))
+    model = tiny_llama(hidden=128, layers=1, heads=2, kv_heads=1, dtype=mx.float32)
+    with pytest.raises(CalibrationError, match="needs a calibrated model"):
+        kvq.make_prompt_cache(model, "vecinfer")
+    with pytest.raises(CalibrationError, match="kvq calibrate"):
+        kvq.make_prompt_cache(model, "vecinfer", model_id="not-calibrated")

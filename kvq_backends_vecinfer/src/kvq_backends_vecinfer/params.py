@@ -93,6 +93,20 @@ class VecInferParams:
         """
         return attrs.evolve(self, layer=layer)
 
+    @staticmethod
+    def side_defaults(side: str) -> dict:
+        """Defaults for the keys' or the values' parameters in a cache (:func:`kvq.cache.make_config`): the values
+        use the values' codebooks (``role="values"``) unless a role is given."""
+        return {"role": side}
+
+    def check_ready(self) -> None:
+        """Raise now, at cache construction, what the first compressed block would raise later.
+
+        :raises CalibrationError: no ``model_id``, or its calibration is missing or unreadable (the message names
+            the ``kvq calibrate`` command to run).
+        """
+        storage.calibration_for(self)
+
     def for_heads(self, start: int, stop: int) -> VecInferParams:
         """These parameters for a cache holding KV heads ``start:stop`` of the calibrated model (one tensor-parallel
         rank's slice; :func:`kvq.distributed.make_prompt_cache` calls it). :raises ValueError: a bad range."""

@@ -24,9 +24,13 @@ mlx_cache.KVQCache = KVQCache
 mlx_cache.BatchKVQCache = BatchKVQCache
 
 
-def _params(method: str | None, overrides: dict | None, shared: dict):
+def _params(method: str | None, overrides: dict | None, shared: dict, side: str):
+    """The parameters of one side (``"keys"`` or ``"values"``): the method's ``side_defaults(side)`` (if its
+    parameter class defines it, e.g. VecInfer's ``role``), then the shared parameters, then this side's."""
     declaration = registry().method(method)
-    return declaration.make_params(**{**shared, **(overrides or {})})
+    side_defaults = getattr(declaration.params_class, "side_defaults", None)
+    defaults = side_defaults(side) if side_defaults is not None else {}
+    return declaration.make_params(**{**defaults, **shared, **(overrides or {})})
 
 
 def make_config(method: str | None = "affine", *, key_method: str | None = None, value_method: str | None = None,
@@ -42,8 +46,8 @@ def make_config(method: str | None = "affine", *, key_method: str | None = None,
     :raises TypeError: unknown parameter name.
     """
     check_kernels(kernels)
-    kp = _params(key_method or method, key_params, params)
-    vp = _params(value_method or method, value_params, params)
+    kp = _params(key_method or method, key_params, params, "keys")
+    vp = _params(value_method or method, value_params, params, "values")
     return CacheConfig(kp, vp, sinks, window, step, kernels)
 
 
@@ -85,7 +89,8 @@ def make_prompt_cache(model, method: str | None = "affine", **kwargs: Any) -> li
     :param model: an mlx-lm model (``model.layers``; ``model.make_cache`` is used when present).
     :param method, kwargs: as :func:`make_config` (``bits=``, ``key_params=``, ``sinks=``, ``window=``,
         ``kernels=`` ...).
-    :raises ValueError: bad method/parameters, a head_dim the method does not support (named), or
+    :raises ValueError: bad method/parameters, a head_dim the method does not support (named), parameters whose
+        ``check_ready()`` fails (a missing VecInfer calibration names the command to run), or
         ``kernels="require"`` where no kernel serves this model's decode attention on this device.
     """
     config = make_config(method, **kwargs)
@@ -93,6 +98,10 @@ def make_prompt_cache(model, method: str | None = "affine", **kwargs: Any) -> li
     if dims is not None:
         config.key_params.check_head_dim(dims[0])
         config.value_params.check_head_dim(dims[1])
+    for params in (config.key_params, config.value_params):
+        check_ready = getattr(params, "check_ready", None)  # e.g. VecInfer: its calibration exists and reads
+        if check_ready is not None:
+            check_ready()
     if config.kernels == "require":
         args = getattr(model, "args", None)
         heads = getattr(args, "num_attention_heads", 1) if args is not None else 1
