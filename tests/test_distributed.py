@@ -487,9 +487,12 @@ VECINFER_STRUCTURE = {"key_params": {"code_bits": 6}, "value_params": {"code_bit
 
 
 @pytest.mark.parametrize("rank, layers", [(0, [2, 3]), (1, [0, 1])])
-def test_pipeline_rank_binds_its_layers_to_their_index_in_the_model(rank, layers):
+def test_pipeline_rank_binds_its_layers_to_their_index_in_the_model(rank, layers, monkeypatch):
     """mlx-lm gives pipeline rank 0 the last layers: per-layer calibration must follow the model's layer index."""
     import kvq.distributed
+    from kvq_backends_vecinfer.params import VecInferParams
+
+    monkeypatch.setattr(VecInferParams, "check_ready", lambda self: None)  # the binding only: no calibration
     from distributed_worker import tiny_model
 
     model = tiny_model("qwen2")
@@ -500,8 +503,11 @@ def test_pipeline_rank_binds_its_layers_to_their_index_in_the_model(rank, layers
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_tensor_rank_binds_its_kv_heads(rank):
+def test_tensor_rank_binds_its_kv_heads(rank, monkeypatch):
     import kvq.distributed
+    from kvq_backends_vecinfer.params import VecInferParams
+
+    monkeypatch.setattr(VecInferParams, "check_ready", lambda self: None)  # the binding only: no calibration
     from distributed_worker import tiny_model
 
     model = tiny_model("llama")
