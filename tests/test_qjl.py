@@ -346,3 +346,14 @@ def test_scores_finite_over_random_shapes(batch, kv_heads, n_rep, num_queries, n
     assert mx.all(mx.isfinite(s)).item()
     ref = _reference_scores(q.astype(mx.float32), enc)  # GPUs may run float32 matmuls in TF32: atol
     assert np.allclose(np.array(s).reshape(ref.shape), ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max())
+
+
+def test_a_cache_refuses_qjl_values():
+    """QJL's sign sketch estimates inner products, not vectors: a cache must not store values with it (a new user
+    ran ``kvq generate --method qjl`` and got qjl values without a word)."""
+    from kvq.cache import make_config
+
+    with pytest.raises(ValueError, match=r"qjl compresses keys only.*value_method='affine'.*--value-method affine"):
+        make_config("qjl")
+    config = make_config(None, key_method="qjl", value_method="affine")
+    assert (config.key_params.method, config.value_params.method) == ("qjl", "affine")

@@ -22,7 +22,7 @@ from .params import QJLParams
 __all__ = ["METHOD", "QJLMLX", "QJLParams", "kvq_register"]
 
 METHOD = Method("qjl", QJLParams, "1-bit JL sign sketch of keys + norms, outlier channels apart (keys only)",
-                source="Zandieh, Daliri, Han: QJL (arXiv 2406.03482)")
+                source="Zandieh, Daliri, Han: QJL (arXiv 2406.03482)", keys_only=True)
 
 
 class QJLMLX:

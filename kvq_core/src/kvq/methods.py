@@ -55,6 +55,8 @@ class Method:
     :param description: one line for ``kvq list``.
     :param source: the paper or code it follows.
     :param needs_calibration: ``True`` when parameters come from calibration data (``kvq calibrate``).
+    :param keys_only: ``True`` for a key method that cannot serve values (QJL's sign sketch estimates inner
+        products, not vectors); a cache refuses it on the values' side.
     """
 
     name: str
@@ -62,6 +64,7 @@ class Method:
     description: str
     source: str = ""
     needs_calibration: bool = False
+    keys_only: bool = False
 
     def make_params(self, **kwargs: Any):
         """Build validated parameters, naming the allowed parameters when one is unknown.

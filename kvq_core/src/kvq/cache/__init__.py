@@ -42,12 +42,17 @@ def make_config(method: str | None = "affine", *, key_method: str | None = None,
     :param key_params: parameters for the keys only (merged over ``params``); ``value_params`` likewise.
     :param params: parameters shared by both sides (``bits=4``).
     :param kernels: ``"auto"``, ``"require"`` or ``"off"`` (see :class:`CacheConfig`).
-    :raises ValueError: unknown method, parameter out of range, ``kernels`` not one of the three.
+    :raises ValueError: unknown method, parameter out of range, ``kernels`` not one of the three, a keys-only
+        method (``qjl``) on the values' side.
     :raises TypeError: unknown parameter name.
     """
     check_kernels(kernels)
     kp = _params(key_method or method, key_params, params, "keys")
     vp = _params(value_method or method, value_params, params, "values")
+    if registry().method(vp.method).keys_only:
+        raise ValueError(f"{vp.method} compresses keys only (it estimates inner products, not vectors): give the "
+                         f"values another method, e.g. value_method='affine' (CLI: --value-method affine; "
+                         f"kvq eval: {vp.method}+affine:4)")
     return CacheConfig(kp, vp, sinks, window, step, kernels)
 
 
