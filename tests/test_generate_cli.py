@@ -112,6 +112,16 @@ def test_generate_on_a_tiny_gguf_model(tmp_path, cache, capsys):
     assert leftovers(cache) == []
 
 
+def test_generate_takes_eval_method_strings(tmp_path, cache, capsys):
+    source = tmp_path / "tiny.gguf"
+    write_tiny_gguf(source)
+    argv = ["generate", "--model", str(source), "--method", "turboquant:k4v3", "--sinks", "0", "--window", "0",
+            "--prompt", "the the the the", "--max-tokens", "2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "--- K turboquant bits=4 / V turboquant bits=3 ---" in out
+
+
 def test_generate_says_when_nothing_was_compressed(tmp_path, cache, capsys):
     """A prompt and answer that fit in sinks + window compress nothing: the report must say so, since its bytes
     then differ only by allocation (a new user read 1.9x 'compression' and 0 KL as a lossless 4-bit cache)."""
@@ -186,6 +196,9 @@ def test_method_that_does_not_support_the_head_dim(default_folder, capsys):
     (["--method", "turboquant", "--bits", "9"], "bits"),
     (["--prompt-file", "/no/such/prompt.txt"], "cannot read --prompt-file /no/such/prompt.txt"),
     (["--max-tokens", "0"], "--max-tokens must be at least 1"),
+    (["--method", "turboquant:3", "--bits", "4"], "carries its own parameters: drop --bits"),
+    (["--method", "mlx-affine:4"], "mlx-affine (mlx-lm's own cache) is for kvq eval"),
+    (["--method", "qjl"], "qjl compresses keys only"),
 ])
 def test_bad_options_fail_before_loading_a_model(argv, message, capsys, monkeypatch):
     monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("the model was loaded"))

@@ -61,7 +61,27 @@ class Run:
 
 
 def cache_options(args: argparse.Namespace) -> dict:
-    """``kvq.make_prompt_cache`` keyword arguments from the parsed command line."""
+    """``kvq.make_prompt_cache`` keyword arguments from the parsed command line.
+
+    ``--method`` also takes ``kvq eval``'s method strings (``turboquant:4``, ``affine:k8v4``, ``qjl+affine:4``,
+    ``turboquant:3[rotation=qr]``); they carry their own parameters, so ``--bits``/``--param`` and the per-side
+    options are refused next to them. :raises ValueError: such a combination, or a string that does not parse.
+    """
+    if any(c in args.method for c in ":+["):
+        from ..evaluation.spec import parse_method
+
+        given = [name for name, value in (("--bits", args.bits), ("--param", args.param),
+                                          ("--key-method", args.key_method), ("--value-method", args.value_method),
+                                          ("--key-param", args.key_param), ("--value-param", args.value_param))
+                 if value]
+        if given:
+            raise ValueError(f"--method {args.method!r} carries its own parameters: drop {', '.join(given)} or "
+                             f"write --method NAME with them")
+        spec = parse_method(args.method)
+        if spec.is_mlx:
+            raise ValueError(f"--method {args.method!r}: mlx-affine (mlx-lm's own cache) is for kvq eval and "
+                             f"kvq bench; use --method affine for kvq's")
+        return {**spec.cache_kwargs(args.sinks, args.window), "kernels": getattr(args, "kernels", "auto")}
     shared = dict(parse_param(p) for p in args.param)
     if args.bits is not None:
         shared["bits"] = args.bits
@@ -283,7 +303,9 @@ def stream_to_stdout(text: str) -> None:
 def add_cache_arguments(p: argparse.ArgumentParser) -> None:
     """The model and cache options shared by ``kvq generate`` and ``kvq serve`` (read by :func:`cache_options`)."""
     p.add_argument("--model", default=None, help="mlx-lm folder, .gguf file or Hub id (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--method", default="affine", help="method for keys and values (see 'kvq list'; default affine)")
+    p.add_argument("--method", default="affine",
+                   help="method for keys and values (see 'kvq list'; default affine), or a kvq eval method string "
+                        "such as turboquant:4, affine:k8v4, qjl+affine:4")
     p.add_argument("--bits", type=int, default=None, help="shorthand for --param bits=B")
     p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="method parameter, repeatable")
     p.add_argument("--key-method", default=None, help="method for the keys only (e.g. qjl)")
