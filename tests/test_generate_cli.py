@@ -112,6 +112,19 @@ def test_generate_on_a_tiny_gguf_model(tmp_path, cache, capsys):
     assert leftovers(cache) == []
 
 
+def test_generate_samples_reproducibly_with_temp_and_seed(tmp_path, cache, capsys):
+    source = tmp_path / "tiny.gguf"
+    write_tiny_gguf(source)
+    texts = []
+    for seed in (1, 1, 2):
+        argv = ["generate", "--model", str(source), "--method", "turboquant:4", "--sinks", "0", "--window", "0",
+                "--prompt", "the the the the", "--max-tokens", "12", "--temp", "5", "--seed", str(seed), "--no-chat"]
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        texts.append(out.split("---\n", 1)[1].split("\n\n")[0])
+    assert texts[0] == texts[1] and texts[0] != texts[2]
+
+
 def test_generate_takes_eval_method_strings(tmp_path, cache, capsys):
     source = tmp_path / "tiny.gguf"
     write_tiny_gguf(source)
@@ -199,6 +212,7 @@ def test_method_that_does_not_support_the_head_dim(default_folder, capsys):
     (["--method", "turboquant:3", "--bits", "4"], "carries its own parameters: drop --bits"),
     (["--method", "mlx-affine:4"], "mlx-affine (mlx-lm's own cache) is for kvq eval"),
     (["--method", "qjl"], "qjl compresses keys only"),
+    (["--temp", "-1"], "--temp must be >= 0"),
 ])
 def test_bad_options_fail_before_loading_a_model(argv, message, capsys, monkeypatch):
     monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("the model was loaded"))

@@ -183,8 +183,10 @@ def prefill(model, cache: list, ids: list[int], step: int = PREFILL_STEP, label:
 
 
 def run_cache(model, tokenizer, ids: list[int], options: dict, max_tokens: int, *, record: bool = False,
-              reference: Run | None = None, on_text: Callable[[str], None] | None = None) -> Run:
-    """Generate greedily from ``ids`` with a fresh kvq cache, measuring speed and bytes.
+              reference: Run | None = None, on_text: Callable[[str], None] | None = None,
+              sampling: dict | None = None) -> Run:
+    """Generate from ``ids`` with a fresh kvq cache (greedily unless ``sampling`` says otherwise), measuring
+    speed and bytes.
 
     The prompt except its last token is prefilled here (timed); ``mlx_lm.stream_generate`` then runs on the last
     token, as ``generate_step`` itself would. With ``reference``, a copy of the prefilled cache first replays the
@@ -193,6 +195,8 @@ def run_cache(model, tokenizer, ids: list[int], options: dict, max_tokens: int, 
     :param options: ``kvq.make_prompt_cache`` keyword arguments (``method=``, ``bits=``, ``sinks=`` ...).
     :param record: keep every generated token's log-probabilities (for use as a reference).
     :param on_text: called with each new piece of text as it is generated.
+    :param sampling: ``{"temp": float, "top_p": float, "seed": int}`` for ``mlx_lm.sample_utils.make_sampler``
+        (the seed is set before generating, so runs with the same seed draw alike); ``None``: greedy.
     :return: :class:`Run`.
     :raises ValueError: bad method or parameters, or a head_dim the method does not support.
     """
@@ -210,8 +214,14 @@ def run_cache(model, tokenizer, ids: list[int], options: dict, max_tokens: int, 
         comparison = quality.compare_to_reference(model, forced, ids[-1], reference.tokens, reference.logprobs)
         del forced
     tokens, pieces, logprobs = [], [], []
+    extra = {}
+    if sampling and sampling.get("temp", 0.0) > 0:
+        from mlx_lm.sample_utils import make_sampler
+
+        mx.random.seed(sampling.get("seed", 0))
+        extra["sampler"] = make_sampler(temp=sampling["temp"], top_p=sampling.get("top_p", 0.0))
     for response in mlx_lm.stream_generate(model, tokenizer, mx.array(ids[-1:]), max_tokens=max_tokens,
-                                           prompt_cache=cache):
+                                           prompt_cache=cache, **extra):
         tokens.append(response.token)
         pieces.append(response.text)
         if record:
@@ -264,7 +274,7 @@ def summary_rows(model, run: Run, reference: Run | None) -> tuple[list[list[str]
         c = run.comparison
         rows += [["top-1 agreement (fp16 tokens)", dash, f"{c.agreement}/{len(c)}"],
                  ["mean KL(fp16 || method)", dash, f"{c.mean_kl:.4f} nats"],
-                 ["identical greedy prefix", dash,
+                 ["identical prefix of the outputs", dash,
                   f"{quality.common_prefix(reference.tokens, run.tokens)}/{len(reference.tokens)} tokens"]]
     notes = [note] if note else []
     uncompressed = run.options.get("sinks", 4) + run.options.get("window", 128)
@@ -277,10 +287,12 @@ def summary_rows(model, run: Run, reference: Run | None) -> tuple[list[list[str]
     return rows, notes
 
 
-def run_and_report(model, tokenizer, ids: list[int], options: dict, max_tokens: int, reference) -> None:
+def run_and_report(model, tokenizer, ids: list[int], options: dict, max_tokens: int, reference,
+                   sampling: dict | None = None) -> None:
     """Generate with the cache ``options`` (streaming the text), then print the summary table against
     ``reference`` (the fp16 run, or None) and its notes. Shared by ``kvq generate`` and ``kvq demo``."""
-    run = run_cache(model, tokenizer, ids, options, max_tokens, reference=reference, on_text=stream_to_stdout)
+    run = run_cache(model, tokenizer, ids, options, max_tokens, reference=reference, on_text=stream_to_stdout,
+                    sampling=sampling)
     rows, notes = summary_rows(model, run, reference)
     print("\n\n" + render_table(rows))
     print("\n".join(notes))
@@ -328,6 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--prompt", default=None, help="the prompt text")
     source.add_argument("--prompt-file", default=None, help="read the prompt from a file ('-': standard input)")
     p.add_argument("--max-tokens", type=int, default=100, help="most tokens to generate (default 100)")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    p.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling threshold (default 0: off)")
+    p.add_argument("--seed", type=int, default=0, help="random seed for sampling (the same for every cache)")
     p.add_argument("--compare", choices=["fp16"], default=None,
                    help="also generate with an fp16 cache; report agreement and KL(fp16 || method)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
@@ -352,6 +367,9 @@ def main(argv: list[str]) -> int:
         raise ValueError(f"--max-tokens must be at least 1; got {args.max_tokens}")
     options = cache_options(args)
     make_config(**options)  # bad methods and parameters fail before the model is loaded
+    if args.temp < 0 or not 0 <= args.top_p <= 1:
+        raise ValueError(f"--temp must be >= 0 and --top-p in [0, 1]; got {args.temp} and {args.top_p}")
+    sampling = {"temp": args.temp, "top_p": args.top_p, "seed": args.seed}
     text = read_prompt(args)
     model, tokenizer = distributed.load(args.model, pipeline=args.pipeline)  # this rank's shard under mlx.launch
     ids = prompt_ids(tokenizer, text, args.chat)
@@ -361,8 +379,8 @@ def main(argv: list[str]) -> int:
         if args.compare:
             print("--- fp16 ---", flush=True)
             reference = run_cache(model, tokenizer, ids, FP16, args.max_tokens, record=True,
-                                  on_text=stream_to_stdout)
+                                  on_text=stream_to_stdout, sampling=sampling)
             print()
         print(f"--- {cache_label(options)} ---", flush=True)
-        run_and_report(model, tokenizer, ids, options, args.max_tokens, reference)
+        run_and_report(model, tokenizer, ids, options, args.max_tokens, reference, sampling)
     return 0
