@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One GPU sitting: kernel smoke compile, GPU tests, kernel benchmarks; every step logs under $OUT.
-#   bash benchmarks/gpu_session.sh [steps...]   (steps: smoke tests bench; default: all)
+#   bash benchmarks/gpu_session.sh [steps...]
+# steps: smoke tests bench (default: these three), sweep, ops (kvq bench ops + kvq autotune from it),
+#        e2e (kvq bench e2e on a random-weight Llama-3-8B shape), dist (2 GPUs: NCCL tests + 64K decode benchmark)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -24,5 +26,20 @@ for name, fn in [("quantize", lambda: k.kvq_quantize(x, p).data["codes"]),
 ' > "$OUT/smoke.log" 2>&1; tail -c 4000 "$OUT/smoke.log";;
     tests) MLX_ENABLE_TF32=0 timeout 400 python3 -m pytest tests/test_kernels_gpu.py -m gpu -q -x --tb=short -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1; tail -c 3000 "$OUT/gpu_tests.log";;
     bench) timeout 300 python3 benchmarks/kernels.py "$OUT/kernels_h200.json" > "$OUT/bench.log" 2>&1; tail -c 3000 "$OUT/bench.log";;
+    sweep) timeout 200 python3 benchmarks/kernels.py "$OUT/sweep.json" --sweep-only > "$OUT/sweep.log" 2>&1; tail -c 3000 "$OUT/sweep.log";;
+    ops) mkdir -p "$OUT/ops"
+         timeout 240 python3 -m kvq.cli bench ops --no-progress --out "$OUT/ops" > "$OUT/ops/bench_ops.log" 2>&1
+         python3 -m kvq.cli autotune --from-bench "$OUT/ops/bench_ops.json" --out-dir "$OUT/ops" >> "$OUT/ops/bench_ops.log" 2>&1
+         tail -c 2000 "$OUT/ops/bench_ops.log";;
+    e2e) timeout 570 python3 -m kvq.cli bench e2e --model random:llama3-8b --dtype bfloat16 \
+           --contexts 4K,16K,32K,64K,128K --largest-first --no-progress --out "$OUT/e2e" \
+           --name "$(date +%F)-h200-random-llama3-8b" > "$OUT/e2e.log" 2>&1
+         python3 -m kvq.cli bench e2e --report "$OUT/e2e/$(date +%F)-h200-random-llama3-8b.json" > /dev/null 2>&1
+         tail -c 3000 "$OUT/e2e.log";;
+    dist) KVQ_TEST_DISTRIBUTED_BACKEND=nccl timeout 240 python3 -m pytest tests/test_distributed.py -q -x \
+            -p no:cacheprovider > "$OUT/dist_tests.log" 2>&1; tail -c 1500 "$OUT/dist_tests.log"
+          timeout 300 python3 -m mlx.launch --backend nccl -n 2 -- python3 benchmarks/distributed_decode.py \
+            --context 65536 --out "$OUT/distributed_decode.json" > "$OUT/dist_bench.log" 2>&1
+          tail -c 1500 "$OUT/dist_bench.log";;
   esac
 done
