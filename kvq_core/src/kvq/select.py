@@ -61,6 +61,7 @@ class Choice:
 
     @property
     def backend(self) -> str:
+        """The chosen implementation's back end (``"mlx"``, ``"metal"``, ``"cuda"`` ...)."""
         return self.implementation.backend
 
 
@@ -86,22 +87,27 @@ class Plan:
 
     @property
     def quantize(self):
+        """``kvq_quantize(x, params)`` of the chosen implementation, or ``None``."""
         return self._bound("quantize", "kvq_quantize")
 
     @property
     def dequantize(self):
+        """``kvq_dequantize(encoded, dtype)`` of the chosen implementation, or ``None``."""
         return self._bound("dequantize", "kvq_dequantize")
 
     @property
     def attend(self):
+        """``kvq_attend(queries, keys, values, scale, mask)`` of the chosen implementation, or ``None``."""
         return self._bound("attend", "kvq_attend")
 
     @property
     def pack(self):
+        """``kvq_pack(codes, bits)`` of the chosen implementation, or ``None``."""
         return self._bound("pack", "kvq_pack")
 
     @property
     def unpack(self):
+        """``kvq_unpack(packed, bits, count)`` of the chosen implementation, or ``None``."""
         return self._bound("pack", "kvq_unpack")
 
     def explain(self) -> str:

@@ -99,6 +99,8 @@ class KernelImpl:
         return "" if self.kernel_supports(problem) else "outside the kernel's limits (or disabled by its check)"
 
     def kernel_supports(self, problem) -> bool:  # pragma: no cover - overridden
+        """Whether the kernel serves ``problem`` (its shape, bits and parameters) after its first-use check;
+        the device is already known to match. Subclasses define it."""
         raise NotImplementedError
 
     def estimate(self, problem, *, launches: int, bytes_moved: float, flops: float = 0.0) -> float:

@@ -30,6 +30,7 @@ class AffineKernels(KernelImpl):
     method = "affine"
 
     def kernel_supports(self, problem) -> bool:
+        """Decode attention only, within :func:`kvq_metal.attend.supported`, after the first-use check."""
         if problem.op != "attend" or not decode_shape_ok(problem):
             return False
         p = problem.params or AffineParams()

@@ -84,6 +84,9 @@ class TurboQuantKernels(KernelImpl):
     method = "turboquant"
 
     def kernel_supports(self, problem) -> bool:
+        """Plain TurboQuant-mse (no outlier channels): decode attention within
+        :func:`kvq_metal.attend.supported`; quantize/dequantize with the Hadamard rotation and head_dim padded to
+        32..256. Each after its first-use check."""
         codebook, rotation, TurboQuantParams = _tq()
         p = problem.params or TurboQuantParams()
         D = problem.head_dim

@@ -46,6 +46,7 @@ class TurboQuantRVQKernels(KernelImpl):
     method = "turboquant_rvq"
 
     def kernel_supports(self, problem) -> bool:
+        """Decode attention only, within :func:`kvq_metal.attend.supported`, after the first-use check."""
         _, rotation, _ = _tq()
         p = problem.params or _params_class()()
         if problem.op != "attend" or not decode_shape_ok(problem):
