@@ -1,6 +1,7 @@
 """kvq_metal kernels vs pure MLX on this GPU: decode attention, fused TurboQuant encode, intermediate memory.
 
-Decode attention: B = 1, H_q = 32, H_kv = 8, D = 128, one query (REFERENCE_VALUES.md), T = 4K..128K, against
+Decode attention: B = 1, H_q = 32, H_kv = 8, D = 128, one query (REFERENCE_VALUES.md), T = 4K..128K, timed as
+isolated calls and as 16 calls evaluated together (the in-model cost, without per-call Python and sync), against
 ``mx.fast.scaled_dot_product_attention`` on fp16 and mlx-lm's quantized SDPA (affine 4-bit) in the same run;
 achieved bandwidth on the compressed bytes vs the measured elementwise bandwidth. Encode: N vectors of head_dim
 128. Writes JSON to argv[1].
@@ -35,6 +36,20 @@ def timeit(fn, warmup=3, reps=30) -> float:
     return statistics.median(times) * 1e3
 
 
+def timeit_batched(fn, calls=16, warmup=2, reps=10) -> float:
+    """Median milliseconds per call when ``calls`` calls are built into one graph and evaluated together: the
+    cost inside a model's decode step, where Python, graph building and launches overlap the GPU's work (an
+    isolated call, :func:`timeit`, also pays them in full)."""
+    for _ in range(warmup):
+        mx.eval([fn(i) for i in range(calls)])
+    times = []
+    for _ in range(reps):
+        tic = time.perf_counter()
+        mx.eval([fn(i) for i in range(calls)])
+        times.append(time.perf_counter() - tic)
+    return statistics.median(times) * 1e3 / calls
+
+
 def elementwise_bandwidth() -> float:
     """Bytes read + written per second by ``a * 2`` over 1 GiB of float16."""
     a = mx.ones((2**29,), mx.float16)
@@ -57,7 +72,11 @@ def decode_rows(backend):
         k = mx.random.normal((B, Hkv, T, D)).astype(mx.float16)
         v = mx.random.normal((B, Hkv, T, D)).astype(mx.float16)
         mx.eval(q, k, v)
+        qs = [mx.random.normal((B, Hq, 1, D)).astype(mx.float16) for _ in range(16)]
+        mx.eval(qs)
         row = {"T": T, "fp16_sdpa_ms": timeit(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)),
+               "fp16_sdpa_batched_ms": timeit_batched(
+                   lambda i: mx.fast.scaled_dot_product_attention(qs[i], k, v, scale=scale)),
                "fp16_bytes": k.nbytes + v.nbytes}
         try:
             qk, qv = mx.quantize(k, 64, 4), mx.quantize(v, 64, 4)
@@ -74,6 +93,7 @@ def decode_rows(backend):
             label = f"{name}{params['bits']}" + (f"{params['residual_bits']}" if "residual_bits" in params else "")
             row[f"{label}_bytes"] = ke.nbytes + ve.nbytes
             row[f"{label}_kernel_ms"] = timeit(lambda: kern.kvq_attend(q, ke, ve, scale, None)[0])
+            row[f"{label}_kernel_batched_ms"] = timeit_batched(lambda i: kern.kvq_attend(qs[i], ke, ve, scale, None)[0])
             row[f"{label}_pure_ms"] = timeit(lambda: pure.kvq_attend(q, ke, ve, scale, None)[0], reps=5)
             plan = kvq.select(name, (B, Hkv, T, D), params=p, op="attend", num_q_heads=Hq)
             row[f"{label}_selected"] = plan.choices["attend"].backend
