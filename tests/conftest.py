@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 import kvq
@@ -75,3 +76,17 @@ def fake_kernel_class():
             return 0.0
 
     return FakeKernel
+
+
+@pytest.fixture(scope="module")
+def private_codebook_cache(tmp_path_factory):
+    """Codebooks go to a temporary KVQ_CACHE_DIR, not the user's cache (``pytestmark = usefixtures(...)``)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVQ_CACHE_DIR", str(tmp_path_factory.mktemp("kvq-cache")))
+        yield
+
+
+def unit_vectors(n, d, seed):
+    """float32 ``[1, 1, n, d]`` random unit vectors (numpy's generator seeded with ``seed``)."""
+    x = np.random.default_rng(seed).standard_normal((1, 1, n, d))
+    return mx.array((x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32))

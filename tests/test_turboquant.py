@@ -10,6 +10,7 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import unit_vectors
 from hypothesis import given, settings, strategies as st
 
 import kvq
@@ -38,17 +39,7 @@ MAX_GAUSSIAN_16 = [0.1284, 0.3881, 0.6568, 0.9424, 1.2562, 1.6180, 2.0690, 2.732
 METHODS = ("turboquant", "turboquant_prod")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _private_codebook_cache(tmp_path_factory):
-    """Codebooks go to a temporary KVQ_CACHE_DIR, not the user's cache."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("KVQ_CACHE_DIR", str(tmp_path_factory.mktemp("kvq-cache")))
-        yield
-
-
-def _unit_vectors(n, d, seed):
-    x = np.random.default_rng(seed).standard_normal((1, 1, n, d))
-    return mx.array((x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32))
+pytestmark = pytest.mark.usefixtures("private_codebook_cache")
 
 
 def _round_trip(method, x, dtype=mx.float32, **params):
@@ -137,11 +128,11 @@ def test_padding_to_a_power_of_two():
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_mse_distortion_against_reference(bits, d):
     # 20,000 vectors: the statistical error of the mean is below 0.3% of it
-    x = _unit_vectors(20000, d, seed=bits * 1000 + d)
+    x = unit_vectors(20000, d, seed=bits * 1000 + d)
     _, x_hat = _round_trip("turboquant", x, bits=bits)
     assert mx.mean(mx.sum((x - x_hat) ** 2, axis=-1)).item() == pytest.approx(DISTORTION[(bits, d)], rel=0.03)
     if d == 128:  # E⟨y, x̃⟩ = s ⟨y, x⟩: the least-squares slope over independent unit y
-        y = _unit_vectors(20000, d, seed=bits)
+        y = unit_vectors(20000, d, seed=bits)
         exact, estimate = mx.sum(x * y, axis=-1), mx.sum(x_hat * y, axis=-1)
         slope = (mx.sum(exact * estimate) / mx.sum(exact * exact)).item()
         assert slope == pytest.approx(SHRINK[bits], rel=0.05)
@@ -150,7 +141,7 @@ def test_mse_distortion_against_reference(bits, d):
 @pytest.mark.parametrize("bits", [1, 2, 3, 4])
 def test_prod_is_unbiased_with_reference_error(bits):
     d = 128
-    x, y = _unit_vectors(20000, d, seed=bits), _unit_vectors(20000, d, seed=100 + bits)
+    x, y = unit_vectors(20000, d, seed=bits), unit_vectors(20000, d, seed=100 + bits)
     _, x_hat = _round_trip("turboquant_prod", x, bits=bits)
     exact, estimate = mx.sum(x * y, axis=-1), mx.sum(x_hat * y, axis=-1)
     slope = (mx.sum(exact * estimate) / mx.sum(exact * exact)).item()
@@ -159,7 +150,7 @@ def test_prod_is_unbiased_with_reference_error(bits):
 
 
 def test_qr_and_hadamard_give_the_same_distortion():
-    x = _unit_vectors(20000, 128, seed=5)
+    x = unit_vectors(20000, 128, seed=5)
     errors = [mx.mean(mx.sum((x - _round_trip("turboquant", x, bits=2, rotation=kind)[1]) ** 2, -1)).item()
               for kind in ("hadamard", "qr")]
     assert errors[0] == pytest.approx(errors[1], rel=0.02) == pytest.approx(DISTORTION[(2, 128)], rel=0.03)
@@ -168,7 +159,7 @@ def test_qr_and_hadamard_give_the_same_distortion():
 # -- large norms, padding, mixed precision ----------------------------------------------------------------
 @pytest.mark.parametrize("method", METHODS)
 def test_norm_700_keys_in_float16(method):
-    x = _unit_vectors(2000, 128, seed=3)
+    x = unit_vectors(2000, 128, seed=3)
     keys = (x * 700).astype(mx.float16)  # ‖k‖² ≈ 4.9e5 overflows float16
     encoded, k_hat = _round_trip(method, keys, bits=3)
     assert mx.all(mx.isfinite(k_hat)).item()
@@ -182,7 +173,7 @@ def test_norm_700_keys_in_float16(method):
 
 
 def test_float32_norms_beyond_the_float16_range():
-    x = _unit_vectors(100, 64, seed=4) * 1e6
+    x = unit_vectors(100, 64, seed=4) * 1e6
     _, x_hat = _round_trip("turboquant", x, bits=4, norm_dtype="float32")
     assert (mx.sum((x - x_hat) ** 2) / mx.sum(x**2)).item() < 2 * DISTORTION[(4, 64)]
 
@@ -194,7 +185,7 @@ def test_zero_vectors_decode_to_zero():
 
 @pytest.mark.parametrize("head_dim", [80, 96, 192])
 def test_padded_head_dims(head_dim):
-    x = _unit_vectors(4000, head_dim, seed=head_dim)
+    x = unit_vectors(4000, head_dim, seed=head_dim)
     encoded, x_hat = _round_trip("turboquant", x, bits=3)
     assert encoded.data["codes"].shape == (1, 1, 4000, padded_dim(head_dim) * 3 // 32)
     assert x_hat.shape == x.shape
@@ -203,7 +194,7 @@ def test_padded_head_dims(head_dim):
 
 
 def test_mixed_precision_lies_between_its_bit_widths():
-    x = _unit_vectors(5000, 128, seed=9)
+    x = unit_vectors(5000, 128, seed=9)
     encoded, x_hat = _round_trip("turboquant", x, bits=2, outlier_channels=64, outlier_bits=3)
     error = mx.mean(mx.sum((x - x_hat) ** 2, axis=-1)).item()
     assert error == pytest.approx(_expected_distortion(encoded.params, 128), rel=0.03)

@@ -26,12 +26,7 @@ from test_cache import greedy, logits_run
 IMPL = TurboQuantMLX("turboquant")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _private_codebook_cache(tmp_path_factory):
-    """Codebooks go to a temporary KVQ_CACHE_DIR, not the user's cache."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("KVQ_CACHE_DIR", str(tmp_path_factory.mktemp("kvq-cache")))
-        yield
+pytestmark = pytest.mark.usefixtures("private_codebook_cache")
 
 
 def _params(**kwargs):

@@ -10,6 +10,7 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import unit_vectors
 from hypothesis import given, settings, strategies as st
 from mlx_lm.models import cache as mlx_cache
 
@@ -28,17 +29,7 @@ from test_cache import PROMPT, greedy, logits_run
 DISTORTION_128 = {1: 0.3609, 2: 0.1160, 3: 0.0340, 4: 0.0093}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _private_codebook_cache(tmp_path_factory):
-    """Codebooks go to a temporary KVQ_CACHE_DIR, not the user's cache."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("KVQ_CACHE_DIR", str(tmp_path_factory.mktemp("kvq-cache")))
-        yield
-
-
-def _unit_vectors(n, d, seed):
-    x = np.random.default_rng(seed).standard_normal((1, 1, n, d))
-    return mx.array((x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32))
+pytestmark = pytest.mark.usefixtures("private_codebook_cache")
 
 
 def _round_trip(x, dtype=mx.float32, **params):
@@ -90,7 +81,7 @@ def test_residual_codebook_is_the_global_optimum():
             start = np.where(mass > 0, moment / np.maximum(mass, 1e-300), start)
         assert density.mse(start) >= total * (1 - 1e-9)
     # the centroid condition, by sampling coordinates of random unit vectors
-    y = np.array(_unit_vectors(20000, d, seed=11)).reshape(-1)
+    y = np.array(unit_vectors(20000, d, seed=11)).reshape(-1)
     c1 = np.array(codebook(d, bits).centroids, dtype=np.float64)
     r = y - c1[np.argmin(np.abs(y[:, None] - c1[None]), axis=1)]
     cell = np.argmin(np.abs(r[:, None] - centroids[None]), axis=1)
@@ -130,7 +121,7 @@ def test_residual_codebook_disk_cache(tmp_path, monkeypatch):
 def test_distortion_lies_between_turboquant_at_b1_and_b1_plus_b2(bits, residual_bits, expected):
     """E‖x - x̃‖² on 20,000 random unit vectors at d = 128 (measured 0.1287, 0.0408, 0.0189): the codebook's exact
     D_mse to 3%, below TurboQuant-MSE at b1 bits and above it at b1 + b2 bits (published values)."""
-    x = _unit_vectors(20000, 128, seed=10 * bits + residual_bits)
+    x = unit_vectors(20000, 128, seed=10 * bits + residual_bits)
     encoded, x_hat = _round_trip(x, bits=bits, residual_bits=residual_bits)
     error = mx.mean(mx.sum((x - x_hat) ** 2, axis=-1)).item()
     assert residual_codebook(128, bits, residual_bits).mse == pytest.approx(expected, rel=1e-3)
