@@ -39,6 +39,15 @@ def _tokens_axis(a: mx.array) -> mx.array:
     return a.astype(mx.float32)[:, :, None, None, :]
 
 
+def head_dim_supported(params, head_dim: int) -> bool:
+    """Whether ``params.check_head_dim(head_dim)`` accepts ``head_dim`` (the family's only limit on a problem)."""
+    try:
+        params.check_head_dim(head_dim)
+    except ValueError:
+        return False
+    return True
+
+
 def check_attend_inputs(method: str, accepted: tuple[str, ...], queries, keys, values) -> mx.array:
     """Validate the inputs of a turboquant-family ``kvq_attend``; returns ``queries`` as a float ``mx.array``.
 
@@ -76,12 +85,7 @@ class TurboQuantMLX:
     # -- selection ----------------------------------------------------------------------------------
     def supports(self, problem) -> bool:
         """Every device and float dtype; head_dim 1..1024 (padded to a power of two)."""
-        params = problem.params or self.params_class()
-        try:
-            params.check_head_dim(problem.head_dim)
-        except ValueError:
-            return False
-        return True
+        return head_dim_supported(problem.params or self.params_class(), problem.head_dim)
 
     def cost(self, problem) -> float:
         """Estimated seconds. Bytes are counted as the pure-MLX ops move them: every elementwise pass over the

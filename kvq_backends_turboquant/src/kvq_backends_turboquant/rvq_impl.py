@@ -16,7 +16,7 @@ from kvq.encoded import Encoded
 from kvq.validate import float_array
 
 from . import mse, rvq
-from .impl import check_attend_inputs
+from .impl import check_attend_inputs, head_dim_supported
 from .rotation import padded_dim
 from .rvq import TurboQuantRVQParams
 
@@ -39,12 +39,7 @@ class TurboQuantRVQMLX:
     # -- selection ----------------------------------------------------------------------------------
     def supports(self, problem) -> bool:
         """Every device and float dtype; head_dim 1..1024."""
-        params = problem.params or TurboQuantRVQParams()
-        try:
-            params.check_head_dim(problem.head_dim)
-        except ValueError:
-            return False
-        return True
+        return head_dim_supported(problem.params or self.params_class(), problem.head_dim)
 
     def cost(self, problem) -> float:
         """Estimated seconds, counted like ``turboquant``'s (elementwise passes over float32 ``[B, H, T, D_pad]``)

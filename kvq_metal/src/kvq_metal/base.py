@@ -45,16 +45,6 @@ def first_use_check(backend: str, name: str, key: tuple, check: Callable[[], tup
     return CHECKS[entry][0]
 
 
-def relative_error(a, b) -> float:
-    """``‖a - b‖ / ‖b‖`` in float32 (0 when both are zero)."""
-    import mlx.core as mx
-
-    a, b = a.astype(mx.float32), b.astype(mx.float32)
-    den = mx.sqrt(mx.sum(b * b)).item()
-    num = mx.sqrt(mx.sum((a - b) ** 2)).item()
-    return num / den if den else num
-
-
 class KernelImpl:
     """Base of kvq_metal's implementation objects: one method on one back end (``"metal"`` or ``"cuda"``).
 

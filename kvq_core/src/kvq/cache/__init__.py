@@ -107,11 +107,10 @@ def make_prompt_cache(model, method: str | None = "affine", **kwargs: Any) -> li
         check_ready = getattr(params, "check_ready", None)  # e.g. VecInfer: its calibration exists and reads
         if check_ready is not None:
             check_ready()
-    if config.kernels == "require":
-        args = getattr(model, "args", None)
-        heads = getattr(args, "num_attention_heads", 1) if args is not None else 1
-        kv_heads = getattr(args, "num_key_value_heads", None) or heads
-        check_required_kernels(config, kv_heads, dims[0] if dims else 128, heads)
+    heads = getattr(getattr(model, "args", None), "num_attention_heads", None)
+    if config.kernels == "require" and dims is not None and heads:
+        # (a model without mlx-lm's args is checked at its first decode step, where selection raises the same)
+        check_required_kernels(config, getattr(model.args, "num_key_value_heads", None) or heads, dims[0], heads)
     _patch.patch()
     # a patched model's own make_cache (None if it has none: its make_cache is then the patch, which calls this)
     patched = hasattr(model, "_kvq_original_make_cache")
