@@ -90,3 +90,13 @@ def unit_vectors(n, d, seed):
     """float32 ``[1, 1, n, d]`` random unit vectors (numpy's generator seeded with ``seed``)."""
     x = np.random.default_rng(seed).standard_normal((1, 1, n, d))
     return mx.array((x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32))
+
+
+def reference_attention(q, k, v, scale, mask=None):
+    """Textbook softmax attention with GQA head repetition: ``(out [B, H_q, T_q, D_v], lse [B, H_q, T_q])`` from
+    uncompressed (or dequantized) ``k``, ``v`` ``[B, H_kv, T, D]``; ``mask`` boolean, True = may attend."""
+    rep = q.shape[1] // k.shape[1]
+    s = (q * scale) @ mx.repeat(k, rep, axis=1).swapaxes(-1, -2)
+    if mask is not None:
+        s = mx.where(mask, s, -mx.inf)
+    return mx.softmax(s, axis=-1) @ mx.repeat(v, rep, axis=1), mx.logsumexp(s, axis=-1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import reference_attention
 
 import kvq
 from kvq.attention import dense_attend
@@ -92,13 +93,9 @@ def test_attend_equals_attention_over_dequantized(mask_kind):
     out, lse = plan.attend(q, ke, ve, D**-0.5, mask)
     k_hat, v_hat = plan.dequantize(ke, mx.float32), plan.dequantize(ve, mx.float32)
     ref_out, ref_lse = dense_attend(q, k_hat, v_hat, D**-0.5, mask, block_size=T)
-    kr = mx.repeat(k_hat, Hq // Hkv, axis=1)
-    s = (q * D**-0.5) @ kr.swapaxes(-1, -2)
-    if mask is not None:
-        s = mx.where(mask, s, -mx.inf)
-    ref = mx.softmax(s, axis=-1) @ mx.repeat(v_hat, Hq // Hkv, axis=1)
+    ref, textbook_lse = reference_attention(q, k_hat, v_hat, D**-0.5, mask)
     assert mx.allclose(out, ref, rtol=1e-3, atol=1e-4).item()
-    assert mx.allclose(lse, mx.logsumexp(s, axis=-1), rtol=1e-4, atol=1e-4).item()
+    assert mx.allclose(lse, textbook_lse, rtol=1e-4, atol=1e-4).item()
     assert mx.allclose(ref_out, ref, rtol=1e-4, atol=1e-5).item()
 
 

@@ -100,10 +100,16 @@ def test_demo_prints_answers_and_table(capsys):
 
 # A tiny random GGUF model: the whole pipeline, fast -------------------------------------------------------------
 
-def test_generate_on_a_tiny_gguf_model(tmp_path, cache, capsys):
+@pytest.fixture
+def tiny_gguf(tmp_path):
+    """A tiny random GGUF model file (see :func:`write_tiny_gguf`)."""
     source = tmp_path / "tiny.gguf"
     write_tiny_gguf(source)
-    argv = ["generate", "--model", str(source), "--method", "turboquant", "--bits", "2", "--sinks", "0",
+    return source
+
+
+def test_generate_on_a_tiny_gguf_model(tiny_gguf, cache, capsys):
+    argv = ["generate", "--model", str(tiny_gguf), "--method", "turboquant", "--bits", "2", "--sinks", "0",
             "--window", "0", "--prompt", "the the the the", "--max-tokens", "4", "--compare", "fp16"]
     assert main(argv) == 0
     out = capsys.readouterr().out
@@ -112,12 +118,10 @@ def test_generate_on_a_tiny_gguf_model(tmp_path, cache, capsys):
     assert leftovers(cache) == []
 
 
-def test_generate_samples_reproducibly_with_temp_and_seed(tmp_path, cache, capsys):
-    source = tmp_path / "tiny.gguf"
-    write_tiny_gguf(source)
+def test_generate_samples_reproducibly_with_temp_and_seed(tiny_gguf, cache, capsys):
     texts = []
     for seed in (1, 1, 2):
-        argv = ["generate", "--model", str(source), "--method", "turboquant:4", "--sinks", "0", "--window", "0",
+        argv = ["generate", "--model", str(tiny_gguf), "--method", "turboquant:4", "--sinks", "0", "--window", "0",
                 "--prompt", "the the the the", "--max-tokens", "12", "--temp", "5", "--seed", str(seed), "--no-chat"]
         assert main(argv) == 0
         out = capsys.readouterr().out
@@ -125,22 +129,18 @@ def test_generate_samples_reproducibly_with_temp_and_seed(tmp_path, cache, capsy
     assert texts[0] == texts[1] and texts[0] != texts[2]
 
 
-def test_generate_takes_eval_method_strings(tmp_path, cache, capsys):
-    source = tmp_path / "tiny.gguf"
-    write_tiny_gguf(source)
-    argv = ["generate", "--model", str(source), "--method", "turboquant:k4v3", "--sinks", "0", "--window", "0",
+def test_generate_takes_eval_method_strings(tiny_gguf, cache, capsys):
+    argv = ["generate", "--model", str(tiny_gguf), "--method", "turboquant:k4v3", "--sinks", "0", "--window", "0",
             "--prompt", "the the the the", "--max-tokens", "2"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "--- K turboquant bits=4 / V turboquant bits=3 ---" in out
 
 
-def test_generate_says_when_nothing_was_compressed(tmp_path, cache, capsys):
+def test_generate_says_when_nothing_was_compressed(tiny_gguf, cache, capsys):
     """A prompt and answer that fit in sinks + window compress nothing: the report must say so, since its bytes
     then differ only by allocation (a new user read 1.9x 'compression' and 0 KL as a lossless 4-bit cache)."""
-    source = tmp_path / "tiny.gguf"
-    write_tiny_gguf(source)
-    argv = ["generate", "--model", str(source), "--method", "turboquant", "--bits", "4", "--prompt", "the the",
+    argv = ["generate", "--model", str(tiny_gguf), "--method", "turboquant", "--bits", "4", "--prompt", "the the",
             "--max-tokens", "3", "--compare", "fp16"]
     assert main(argv) == 0
     out = capsys.readouterr().out

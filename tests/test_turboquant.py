@@ -10,7 +10,7 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import unit_vectors
+from conftest import reference_attention, unit_vectors
 from hypothesis import given, settings, strategies as st
 
 import kvq
@@ -204,14 +204,6 @@ def test_mixed_precision_lies_between_its_bit_widths():
 
 
 # -- attention ----------------------------------------------------------------------------------------
-def _reference_attention(q, k_hat, v_hat, scale, mask):
-    rep = q.shape[1] // k_hat.shape[1]
-    s = (q * scale) @ mx.repeat(k_hat, rep, axis=1).swapaxes(-1, -2)
-    if mask is not None:
-        s = mx.where(mask, s, -mx.inf)
-    return mx.softmax(s, axis=-1) @ mx.repeat(v_hat, rep, axis=1), mx.logsumexp(s, axis=-1)
-
-
 @pytest.mark.parametrize("key_method, value_method", [("turboquant", "turboquant"),
                                                       ("turboquant_prod", "turboquant_prod"),
                                                       ("turboquant_prod", "turboquant")])
@@ -227,7 +219,7 @@ def test_attend_equals_attention_over_dequantized(key_method, value_method, head
     mask = (mx.arange(T - Tq, T)[:, None] >= mx.arange(T)[None]) if causal else None
     plan = kvq.select(key_method, k.shape, params=keys.params, op="attend", num_q_heads=Hq)
     out, lse = plan.attend(q, keys, values, head_dim**-0.5, mask)
-    ref_out, ref_lse = _reference_attention(q, k_hat, v_hat, head_dim**-0.5, mask)
+    ref_out, ref_lse = reference_attention(q, k_hat, v_hat, head_dim**-0.5, mask)
     assert out.shape == (B, Hq, Tq, head_dim) and out.dtype == mx.float32
     assert mx.allclose(out, ref_out, rtol=1e-3, atol=1e-4).item()
     assert mx.allclose(lse, ref_lse, rtol=1e-4, atol=1e-4).item()
@@ -242,7 +234,7 @@ def test_attend_mixes_with_affine_on_either_side():
     k_tq, k_tq_hat = _round_trip("turboquant", k, bits=4)
     v_aff, v_aff_hat = _round_trip("affine", v)
     out, _ = attend_encoded(q, k_tq, v_aff, D**-0.5, None, tq, affine, block_size=32)
-    assert mx.allclose(out, _reference_attention(q, k_tq_hat, v_aff_hat, D**-0.5, None)[0], rtol=1e-3, atol=1e-4)
+    assert mx.allclose(out, reference_attention(q, k_tq_hat, v_aff_hat, D**-0.5, None)[0], rtol=1e-3, atol=1e-4)
     k_aff, k_aff_hat = _round_trip("affine", k)
     v_tq, v_tq_hat = _round_trip("turboquant_prod", v, bits=3)
     out, _ = attend_encoded(q, k_aff, v_tq, D**-0.5, None, affine, tq, block_size=32)

@@ -10,7 +10,7 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import unit_vectors
+from conftest import reference_attention, unit_vectors
 from hypothesis import given, settings, strategies as st
 from mlx_lm.models import cache as mlx_cache
 
@@ -131,14 +131,6 @@ def test_distortion_lies_between_turboquant_at_b1_and_b1_plus_b2(bits, residual_
 
 
 # -- attention ----------------------------------------------------------------------------------------
-def _reference_attention(q, k_hat, v_hat, scale, mask):
-    rep = q.shape[1] // k_hat.shape[1]
-    s = (q * scale) @ mx.repeat(k_hat, rep, axis=1).swapaxes(-1, -2)
-    if mask is not None:
-        s = mx.where(mask, s, -mx.inf)
-    return mx.softmax(s, axis=-1) @ mx.repeat(v_hat, rep, axis=1), mx.logsumexp(s, axis=-1)
-
-
 @pytest.mark.parametrize("head_dim", [64, 96])
 @pytest.mark.parametrize("mask_kind", ["causal", "random"])
 def test_attend_equals_attention_over_dequantized(head_dim, mask_kind):
@@ -155,7 +147,7 @@ def test_attend_equals_attention_over_dequantized(head_dim, mask_kind):
         mask[:, 0, 0] = False
     plan = kvq.select("turboquant_rvq", k.shape, params=keys.params, op="attend", num_q_heads=Hq)
     out, lse = plan.attend(q, keys, values, head_dim**-0.5, mask)
-    ref_out, ref_lse = _reference_attention(q, k_hat, v_hat, head_dim**-0.5, mask)
+    ref_out, ref_lse = reference_attention(q, k_hat, v_hat, head_dim**-0.5, mask)
     ref_out = mx.where(mx.isnan(ref_out), 0.0, ref_out)  # a row that sees no key: out 0, lse -inf
     assert out.shape == (B, Hq, Tq, head_dim) and out.dtype == mx.float32
     assert mx.allclose(out, ref_out, rtol=1e-3, atol=1e-4).item()
