@@ -58,8 +58,50 @@ def elementwise_bandwidth() -> float:
     return 2 * a.nbytes / (ms / 1e3)
 
 
+def overhead_rows(backend):
+    """The fixed cost of one call: an empty custom kernel, a tiny MLX op, fp16 SDPA and the turboquant-4 kernel at
+    256 tokens, each isolated and 16 evaluated together; and the Python time of building the kernel's graph."""
+    from kvq_metal.dialect import kernel
+
+    noop = kernel("noop", backend, ("a",), ("out",), "if (KVQ_GID == 0) out[0] = a[0];")
+    a = mx.ones((4,), mx.float32)
+    B, Hq, Hkv, D, T = 1, 32, 8, 128, 256
+    q = mx.random.normal((B, Hq, 1, D)).astype(mx.float16)
+    k = mx.random.normal((B, Hkv, T, D)).astype(mx.float16)
+    p = kvq.make_params("turboquant", bits=4)
+    pure = registry().implementations[("turboquant", "mlx")]
+    kern = registry().implementations[("turboquant", backend)]
+    ke = pure.kvq_quantize(k, p)
+    mx.eval(a, q, k, ke.data)
+    qs = [mx.random.normal((B, Hq, 1, D)).astype(mx.float16) for _ in range(16)]
+    mx.eval(qs)
+    calls = {
+        "noop_kernel": (lambda: noop(inputs=[a], grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(1,)],
+                                     output_dtypes=[mx.float32])[0],
+                        lambda i: noop(inputs=[qs[i].reshape(-1)[:4].astype(mx.float32)], grid=(32, 1, 1),
+                                       threadgroup=(32, 1, 1), output_shapes=[(1,)], output_dtypes=[mx.float32])[0]),
+        "tiny_add": (lambda: a + 1, lambda i: qs[i] + 1),
+        "fp16_sdpa_256": (lambda: mx.fast.scaled_dot_product_attention(q, k, k, scale=D ** -0.5),
+                          lambda i: mx.fast.scaled_dot_product_attention(qs[i], k, k, scale=D ** -0.5)),
+        "tq4_kernel_256": (lambda: kern.kvq_attend(q, ke, ke, D ** -0.5, None)[0],
+                           lambda i: kern.kvq_attend(qs[i], ke, ke, D ** -0.5, None)[0]),
+    }
+    row = {}
+    for name, (single, batched) in calls.items():
+        row[f"{name}_ms"] = timeit(single, reps=50)
+        row[f"{name}_batched_ms"] = timeit_batched(batched)
+    tic = time.perf_counter()
+    for _ in range(200):
+        kern.kvq_attend(q, ke, ke, D ** -0.5, None)
+    row["tq4_graph_build_python_ms"] = (time.perf_counter() - tic) / 200 * 1e3
+    print(json.dumps(row), flush=True)
+    return [row]
+
+
 def decode_rows(backend):
     from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
+    from kvq_metal import attend
 
     B, Hq, Hkv, D = 1, 32, 8, 128
     scale = D ** -0.5
@@ -98,6 +140,15 @@ def decode_rows(backend):
             plan = kvq.select(name, (B, Hkv, T, D), params=p, op="attend", num_q_heads=Hq)
             row[f"{label}_selected"] = plan.choices["attend"].backend
             row[f"{label}_kernel_GBps"] = row[f"{label}_bytes"] / row[f"{label}_kernel_ms"] / 1e6
+            if backend == "cuda" and name in ("turboquant", "affine") and params["bits"] >= 3:
+                # the SIMT kernel (the Metal design) on the same data, for the tensor-core kernel's gain
+                attend.TUNING["tc"] = False
+                try:
+                    row[f"{label}_simt_kernel_ms"] = timeit(lambda: kern.kvq_attend(q, ke, ve, scale, None)[0])
+                    row[f"{label}_simt_kernel_batched_ms"] = timeit_batched(
+                        lambda i: kern.kvq_attend(qs[i], ke, ve, scale, None)[0])
+                finally:
+                    attend.TUNING["tc"] = True
             del ke, ve
         print(json.dumps(row), flush=True)
         rows.append(row)
@@ -105,14 +156,15 @@ def decode_rows(backend):
 
 
 def sweep_rows(backend):
-    """Launch-shape sweep of the decode-attention kernel (kvq_metal.attend.TUNING, TARGET_GROUPS) at 32K and
-    128K tokens; ``phases`` 1 / 2 time the score and value halves alone (their outputs are not valid)."""
+    """Launch-shape sweep of the decode-attention kernels (kvq_metal.attend.TUNING, TARGET_GROUPS) at 32K and
+    128K tokens: the tensor-core kernel's sub-tiles per warp step (``nt``) and thread groups, and the SIMT kernel
+    (``tc`` False) beside it."""
     from kvq_metal import attend
 
     B, Hq, Hkv, D = 1, 32, 8, 128
     base_tuning, base_groups = dict(attend.TUNING), dict(attend.TARGET_GROUPS)
-    configs = [{}, {"kt_small": 8}, {"kt_small": 4}, {"cpt": 4, "kt_small": 8}, {"cpt": 4, "kt_small": 16},
-               {"groups": 528}, {"groups": 2112}, {"groups": 4224}, {"phases": 1}, {"phases": 2}]
+    configs = [{}, {"nt": 1}, {"nt": 4}, {"groups": 264}, {"groups": 528}, {"groups": 2112}, {"groups": 4224},
+               {"tc": False}, {"tc": False, "groups": 528}, {"tc": False, "groups": 2112}]
     rows = []
     for T in (32768, 131072):
         q = mx.random.normal((B, Hq, 1, D)).astype(mx.float16)
@@ -200,7 +252,8 @@ def main(out_path):
     if "--sweep-only" in sys.argv:
         result = {"meta": meta, "sweep": sweep_rows(backend)}
     else:
-        result = {"meta": meta, "memory": memory_rows(backend), "decode": decode_rows(backend),
+        result = {"meta": meta, "overhead": overhead_rows(backend), "memory": memory_rows(backend),
+                  "decode": decode_rows(backend),
                   "quantize": quantize_rows(backend), "sweep": sweep}
     with open(out_path, "w") as f:
         json.dump(result, f, indent=2)

@@ -36,11 +36,13 @@ def test_kernels_are_registered_for_both_back_ends_but_offer_nothing_here():
 @pytest.mark.parametrize("name", sorted(kvq_metal.TEMPLATES))
 @pytest.mark.parametrize("backend", dialect.BACKENDS)
 def test_dialect_translates_every_token(name, backend):
+    if backend not in kvq_metal.TEMPLATE_BACKENDS.get(name, dialect.BACKENDS):
+        pytest.skip(f"{name} is built for {kvq_metal.TEMPLATE_BACKENDS[name]} only")
     body = dialect.translate(kvq_metal.TEMPLATES[name], backend)
     assert not any(t in body for t in TOKENS)
-    # every KVQ_ name left is a prelude macro of this back end
+    # every KVQ_ name left is a prelude macro of this back end (or one the template defines)
     left = set(re.findall(r"\bKVQ_[A-Z0-9_]+", body))
-    defined = set(re.findall(r"#define (KVQ_[A-Z0-9_]+)", dialect.PRELUDES[backend]))
+    defined = set(re.findall(r"#define (KVQ_[A-Z0-9_]+)", dialect.PRELUDES[backend] + body))
     assert left <= defined, left - defined
     if backend == "metal":
         assert "threadgroup_position_in_grid" in body and "__syncthreads" not in body
@@ -69,3 +71,25 @@ def test_decode_attend_limits():
     assert not attend.supported(512, 4, 4, 512, 512, 1)  # 64 threads per token
     splits, chunk = attend.splits_for(8, 131072, "cuda", 64)
     assert splits * chunk >= 131072 and chunk % 64 == 0 and splits <= attend.MAX_SPLITS
+
+
+def test_tensor_core_attend_limits():
+    """The tensor-core kernel (CUDA) serves what the issue's shapes need and refuses what its fragments cannot
+    hold; the SIMT kernel serves the rest and Metal."""
+    from kvq_metal import attend, attend_tc
+
+    assert attend_tc.supported(128, 4, 4, 128, 128, 4)  # turboquant-4, GQA 4 (the issue's decode shape)
+    assert attend_tc.supported(128, 3, 3, 128, 128, 8)
+    assert attend_tc.supported(128, 4, 4, 64, 64, 4)  # affine-4, group 64: one group per thread slice
+    assert attend_tc.supported(128, 8, 8, 32, 32, 8)  # affine-8, group 32: one key slice holds one group
+    assert attend_tc.supported(64, 2, 2, 64, 64, 2, 1, 1)  # turboquant_rvq (2, 1)
+    assert attend_tc.supported(256, 4, 4, 256, 256, 8)
+    assert not attend_tc.supported(128, 4, 4, 128, 128, 9)  # more rows than one mma N tile
+    assert attend_tc.supported(96, 3, 3, 96, 96, 4)  # 24 + 12 coordinates per slice: unaligned slices are shifted
+    assert not attend_tc.supported(512, 4, 4, 512, 512, 1)  # head_dim over 256
+    assert attend_tc.supported(128, 4, 4, 8, 8, 4)  # groups of 8: several per slice, scales per pair
+    assert not attend_tc.supported(192, 4, 4, 64, 64, 4)  # 48-coordinate key slices straddle groups of 64
+    assert not attend_tc.supported(128, 4, 4, 128, 128, 4, 4, 5)  # 9 bits per value code: table over 256
+    side = attend.Side(None, None, None, None, 4, 128)
+    assert attend.uses_tensor_cores("cuda", 128, side, side, 4)
+    assert not attend.uses_tensor_cores("metal", 128, side, side, 4)

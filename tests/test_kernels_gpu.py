@@ -60,8 +60,22 @@ ATTEND_CASES = [
 ]
 
 
+@pytest.fixture(params=[True, False], ids=["tensor_cores", "simt"])
+def attend_kernel_kind(request):
+    """Both decode-attention kernels: on CUDA the tensor-core kernel serves the shapes it supports by default and
+    the SIMT kernel (the Metal design) the rest; ``simt`` forces the SIMT kernel everywhere."""
+    from kvq_metal import attend
+
+    if not request.param and kvq_metal.gpu_backend() != "cuda":
+        pytest.skip("the tensor-core kernel exists on CUDA only")
+    saved = attend.TUNING["tc"]
+    attend.TUNING["tc"] = request.param
+    yield request.param
+    attend.TUNING["tc"] = saved
+
+
 @pytest.mark.parametrize("case", range(len(ATTEND_CASES)))
-def test_decode_attend_matches_pure_mlx(case):
+def test_decode_attend_matches_pure_mlx(case, attend_kernel_kind):
     method, params, D, n_rep, Tq, T = ATTEND_CASES[case]
     dtype = (mx.float16, mx.bfloat16, mx.float32)[case % 3]
     kernel, pure = _impl(method)
@@ -77,7 +91,7 @@ def test_decode_attend_matches_pure_mlx(case):
     assert float(mx.max(mx.abs(lse - ref_lse))) < 1e-3
 
 
-def test_decode_attend_reads_strided_store_in_place():
+def test_decode_attend_reads_strided_store_in_place(attend_kernel_kind):
     """The cache's compressed store is a prefix view of a larger buffer: the kernel must read the view."""
     kernel, pure = _impl("turboquant")
     p = kvq.make_params("turboquant", bits=4)

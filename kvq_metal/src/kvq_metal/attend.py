@@ -22,6 +22,7 @@ import math
 import attrs
 import mlx.core as mx
 
+from . import attend_tc
 from .dialect import kernel
 
 THREADS = 128
@@ -33,8 +34,10 @@ MAX_ROWS = 8
 MAX_SPLITS = 2048
 #: Launch shape knobs (``kvq bench``/benchmarks sweep them): tokens each thread loads per tile for up to 4 query
 #: rows and for more, an optional override of the coordinates per thread (4 or 8; ``None``: by bits), and
-#: ``phases`` (3 = scores and values; 1 or 2 runs only one of them, giving wrong results: profiling only).
-TUNING = {"kt_small": 8, "kt_large": 8, "cpt": None, "phases": 3}
+#: ``phases`` (3 = scores and values; 1 or 2 runs only one of them, giving wrong results: profiling only); on CUDA,
+#: ``tc`` picks the tensor-core kernel (:mod:`kvq_metal.attend_tc`) where it serves the shape and ``nt`` is its
+#: 16-token sub-tiles per warp step.
+TUNING = {"kt_small": 8, "kt_large": 8, "cpt": None, "phases": 3, "tc": True, "nt": 2}
 
 SOURCE = """
     constexpr int NCG = D / CPT;
@@ -398,6 +401,14 @@ def supported(head_dim: int, key_bits: int, value_bits: int, key_group: int, val
             and head_dim % key_group == 0 and head_dim % value_group == 0)
 
 
+def uses_tensor_cores(backend: str, head_dim: int, keys: Side, values: Side, rows: int) -> bool:
+    """Whether :func:`decode_attend` runs the tensor-core kernel (:mod:`kvq_metal.attend_tc`) for this problem:
+    on CUDA, with ``TUNING["tc"]`` on, for the shapes it serves (the SIMT kernel serves the rest, and Metal)."""
+    return (backend == "cuda" and bool(TUNING["tc"])
+            and attend_tc.supported(head_dim, keys.bits, values.bits, keys.group, values.group, rows,
+                                    keys.bits2, values.bits2))
+
+
 def splits_for(batch_heads: int, num_tokens: int, backend: str, tile: int) -> tuple[int, int]:
     """``(splits, chunk)``: the sequence is cut into ``splits`` chunks of ``chunk`` tokens (a multiple of the
     tile) so that about :data:`TARGET_GROUPS` thread groups run."""
@@ -448,18 +459,23 @@ def decode_attend(queries: mx.array, scale: float, keys: Side, values: Side, bac
     if not supported(D, keys.bits, values.bits, keys.group, values.group, R):
         raise ValueError(f"decode_attend does not serve head_dim {D}, bits {keys.bits}/{values.bits}, groups "
                          f"{keys.group}/{values.group}, {R} query rows")
-    cpt = min(coords_per_thread(keys.bits), coords_per_thread(values.bits))
-    kt = TUNING["kt_small"] if R <= 4 else TUNING["kt_large"]
-    splits, chunk = splits_for(B * H, T, backend, kt * THREADS * cpt // D)
-    meta = _constant((chunk, splits), mx.int32)
     rot = signs is not None
     signs = signs if rot else _constant((0.0,), mx.float32)
-    kern = kernel("decode_attend", backend, INPUTS, ("out", "ml"), SOURCE, ensure_row_contiguous=False)
-    template = [("D", D), ("R", R), ("CPT", cpt), ("KB", keys.bits), ("VB", values.bits), ("KG", keys.group),
-                ("VG", values.group), ("KBIAS", keys.biases is not None), ("VBIAS", values.biases is not None),
-                ("KB2", keys.bits2), ("VB2", values.bits2),
-                ("THREADS", THREADS), ("KT", kt), ("ROT", rot),
-                ("PHASES", TUNING["phases"])]
+    common = [("D", D), ("R", R), ("KB", keys.bits), ("VB", values.bits), ("KG", keys.group),
+              ("VG", values.group), ("KBIAS", keys.biases is not None), ("VBIAS", values.biases is not None),
+              ("KB2", keys.bits2), ("VB2", values.bits2), ("THREADS", THREADS), ("ROT", rot)]
+    if uses_tensor_cores(backend, D, keys, values, R):
+        splits, chunk = splits_for(B * H, T, backend, 16 * TUNING["nt"] * THREADS // 32)
+        kern = kernel("decode_attend_tc", backend, INPUTS, ("out", "ml"), attend_tc.SOURCE, attend_tc.HEADER,
+                      ensure_row_contiguous=False)
+        template = common + [("NT", TUNING["nt"])]
+    else:
+        cpt = min(coords_per_thread(keys.bits), coords_per_thread(values.bits))
+        kt = TUNING["kt_small"] if R <= 4 else TUNING["kt_large"]
+        splits, chunk = splits_for(B * H, T, backend, kt * THREADS * cpt // D)
+        kern = kernel("decode_attend", backend, INPUTS, ("out", "ml"), SOURCE, ensure_row_contiguous=False)
+        template = common + [("CPT", cpt), ("KT", kt), ("PHASES", TUNING["phases"])]
+    meta = _constant((chunk, splits), mx.int32)
     inputs = [queries, _constant((float(scale),), mx.float32), signs, meta,
               keys.codes, keys.codes if keys.codes2 is None else keys.codes2,
               keys.scales, keys.scales if keys.biases is None else keys.biases, keys.table,

@@ -1,0 +1,467 @@
+"""Fused decode attention on tensor cores (CUDA, sm_80 and later): the same contract as :mod:`kvq_metal.attend`.
+
+Why a second kernel: the SIMT kernel multiplies every decoded coordinate by every query row in fp32 and reduces a
+token's partial scores with SIMD shuffles; at long context it is bound by instruction issue and latency, not by the
+bytes it reads. Here each warp decodes a tile of 16 tokens straight into the register fragments of
+``mma.sync.m16n8k16`` (fp16 in, fp32 accumulate) and runs both products on tensor cores, the layout of
+FlashAttention-2 (Dao 2023) turned on its side for decode:
+
+* scores: ``S^T [16 tokens, 8 rows] = K [16, D] · Q^T [D, 8]``: keys are the A operand, so the query rows (at most
+  8: ``n_rep * T_q``) fill the N dimension and nothing is wasted for GQA groups of 4 to 8;
+* values: ``O^T [D, 8] += V^T [D, 16] · P^T [16, 8]``: the probabilities' accumulator layout is transposed into the
+  B operand with ``movmatrix`` (no shared memory).
+
+A dot product does not care in which order its coordinates come, so each thread owns a contiguous slice of a
+token's codes (``D / 4`` coordinates of 2 tokens for keys, ``D / 8`` of 4 tokens for values), reads it with a few
+coalesced word loads and decodes two coordinates per shared-memory lookup: a pair table holds
+``(table[a], table[b])`` as one half2 for every pair of codes (``2 * bits <= 8``; a single-code table otherwise).
+Per-vector scales (turboquant's norms) are applied in fp32 to the scores and folded into the probabilities; grouped
+scales and biases (``affine``) are applied while decoding, with one ``fma.f16x2`` per pair. The online softmax runs
+in registers (a row's maximum is reduced over the 8 lanes that hold it); the 4 warps of a block merge their
+``(out, max, sum)`` in shared memory and write one split, merged across splits by the shared merge kernel of
+:mod:`kvq_metal.attend` (which also undoes the Hadamard rotation).
+
+Precision: queries and decoded keys and values are fp16 (11-bit significand), products accumulate in fp32: the
+numerics of fp16 FlashAttention. Parity with pure MLX is checked on first use like every kernel here.
+"""
+
+from __future__ import annotations
+
+HEADER = r"""
+__device__ __forceinline__ void kvq_mma(float (&d)[4], uint a0, uint a1, uint a2, uint a3, uint b0, uint b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint kvq_trans(uint x) {
+    uint y;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+    return y;
+}
+// two floats to one half2 (lo in the low 16 bits)
+__device__ __forceinline__ uint kvq_h2(float lo, float hi) {
+    uint y;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(y) : "f"(hi), "f"(lo));
+    return y;
+}
+__device__ __forceinline__ uint kvq_hfma2(uint a, uint b, uint c) {
+    uint y;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(y) : "r"(a), "r"(b), "r"(c));
+    return y;
+}
+__device__ __forceinline__ uint kvq_prmt(uint a, uint b, uint sel) {
+    uint y;
+    asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(y) : "r"(a), "r"(b), "r"(sel));
+    return y;
+}
+// bits [sh, sh + 32) of the 64-bit word hi:lo (sh in 0..32)
+__device__ __forceinline__ uint kvq_funnel(uint lo, uint hi, uint sh) {
+    uint y;
+    asm("shf.r.clamp.b32 %0, %1, %2, %3;\n" : "=r"(y) : "r"(lo), "r"(hi), "r"(sh));
+    return y;
+}
+__device__ __forceinline__ float kvq_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+// NB bits at bit offset OFF of the register array w (OFF, NB compile-time after unrolling; NB <= 16)
+#define KVQ_BITS(w, OFF, NB) \
+    ((((OFF) & 31) + (NB) <= 32 ? ((w)[(OFF) >> 5] >> ((OFF) & 31)) \
+                                : (((w)[(OFF) >> 5] >> ((OFF) & 31)) | ((w)[((OFF) >> 5) + 1] << (32 - ((OFF) & 31))))) \
+     & ((1u << (NB)) - 1u))
+"""
+
+SOURCE = """
+    constexpr int NWARP = THREADS / 32;
+    constexpr int SK = D / 4;                 // key coordinates per thread slice (of 2 tokens)
+    constexpr int SV = D / 8;                 // value coordinates per thread slice (of 4 tokens)
+    constexpr int KS = D / 16;                // score k-steps == value m-tiles
+    constexpr int CBK = KB + KB2;
+    constexpr int CBV = VB + VB2;
+    constexpr bool KPAIR = 2 * CBK <= 8;
+    constexpr bool VPAIR = 2 * CBV <= 8;
+    constexpr int KTAB = KPAIR ? (1 << (2 * CBK)) : (1 << CBK);
+    constexpr int VTAB = VPAIR ? (1 << (2 * CBV)) : (1 << CBV);
+    constexpr uint KMASK = (1u << KB) - 1u;
+    constexpr uint VMASK = (1u << VB) - 1u;
+    constexpr uint KMASK2 = (1u << KB2) - 1u;
+    constexpr uint VMASK2 = (1u << VB2) - 1u;
+    // a slice starts on a word boundary for every thread when its bit length is a multiple of 32
+    constexpr bool KAL = (SK * KB) % 32 == 0 && (SK * KB2) % 32 == 0;
+    constexpr bool VAL = (SV * VB) % 32 == 0 && (SV * VB2) % 32 == 0;
+    constexpr int KNW = (SK * KB + 31) / 32 + (KAL ? 0 : 1);
+    constexpr int VNW = (SV * VB + 31) / 32 + (VAL ? 0 : 1);
+    constexpr int KNW2 = KB2 > 0 ? (SK * KB2 + 31) / 32 + (KAL ? 0 : 1) : 1;
+    constexpr int VNW2 = VB2 > 0 ? (SV * VB2 + 31) / 32 + (VAL ? 0 : 1) : 1;
+    // scale groups per slice (one when the slice lies inside a group)
+    constexpr int KNG = SK >= KG ? SK / KG : 1;
+    constexpr int VNG = SV >= VG ? SV / VG : 1;
+    constexpr bool KONE = KG == D && !KBIAS;  // one scale per vector: applied to the fp32 scores
+    constexpr bool VONE = VG == D && !VBIAS;  // folded into the probabilities
+    constexpr float LOG2E = 1.4426950408889634f;
+    constexpr float LN2 = 0.6931471805599453f;
+
+    KVQ_SHARED uint ktab_s[KTAB];
+    KVQ_SHARED uint vtab_s[VTAB];
+    KVQ_SHARED float q_s[R * D];
+    KVQ_SHARED float red_s[NWARP * 8 * D];
+    KVQ_SHARED float mw_s[NWARP * 8];
+    KVQ_SHARED float lw_s[NWARP * 8];
+
+    const int bh = KVQ_TG_X;
+    const int split = KVQ_TG_Y;
+    const int H = kc_shape[1];
+    const int T = kc_shape[2];
+    const int b = bh / H;
+    const int h = bh - b * H;
+    const int chunk = meta[0];
+    const int nsplit = meta[1];
+    const int t_begin = split * chunk;
+    const int t_end = min(T, t_begin + chunk);
+    const int tid = KVQ_TID;
+    const int lane = KVQ_LANE;
+    const int warp = KVQ_WARP;
+    const int g = lane >> 2;
+    const int c = lane & 3;
+
+    // pair tables: entry ((p1 << 2 * B2) | p2) = (value of code a, value of code b) for the pair's two codes
+    for (int i = tid; i < KTAB; i += THREADS) {
+        float lo, hi = 0.0f;
+        if (KPAIR) {
+            const uint p1 = (uint)i >> (2 * KB2), p2 = (uint)i & ((1u << (2 * KB2)) - 1u);
+            lo = kt[((p1 & KMASK) << KB2) | (p2 & KMASK2)];
+            hi = kt[((p1 >> KB) << KB2) | (p2 >> KB2)];
+        } else {
+            lo = kt[i];
+        }
+        ktab_s[i] = kvq_h2(lo, hi);
+    }
+    for (int i = tid; i < VTAB; i += THREADS) {
+        float lo, hi = 0.0f;
+        if (VPAIR) {
+            const uint p1 = (uint)i >> (2 * VB2), p2 = (uint)i & ((1u << (2 * VB2)) - 1u);
+            lo = vt[((p1 & VMASK) << VB2) | (p2 & VMASK2)];
+            hi = vt[((p1 >> VB) << VB2) | (p2 >> VB2)];
+        } else {
+            lo = vt[i];
+        }
+        vtab_s[i] = kvq_h2(lo, hi);
+    }
+    // queries: scale, (randomized Hadamard rotation), into shared memory
+    const int Tq = q_shape[2];
+    const int Dq = q_shape[3];
+    const int n_rep = R / Tq;
+    const float scale = qscale[0];
+    for (int e = tid; e < R * D; e += THREADS) {
+        const int r = e / D;
+        const int j = e - r * D;
+        const int hq = h * n_rep + r / Tq;
+        float val = 0.0f;
+        if (j < Dq) {
+            val = KVQ_F32(q[b * q_strides[0] + hq * q_strides[1] + (r % Tq) * q_strides[2] + j * q_strides[3]]) * scale;
+        }
+        q_s[e] = ROT ? val * signs[j] : val;
+    }
+    if (ROT) {
+        for (int hs = 1; hs < D; hs <<= 1) {
+            KVQ_BARRIER();
+            for (int e = tid; e < R * D / 2; e += THREADS) {
+                const int r = e / (D / 2);
+                const int i = e - r * (D / 2);
+                const int lo = (i / hs) * 2 * hs + (i % hs);
+                const float a = q_s[r * D + lo];
+                const float cc = q_s[r * D + lo + hs];
+                q_s[r * D + lo] = a + cc;
+                q_s[r * D + lo + hs] = a - cc;
+            }
+        }
+    }
+    KVQ_BARRIER();
+    // query B fragments: k-step s holds coordinates c * SK + 4 s + {0, 1} (b0) and {2, 3} (b1) of row g
+    const float qmul = ROT ? 1.0f / KVQ_SQRT((float)D) : 1.0f;
+    uint qf[KS][2];
+#pragma unroll
+    for (int s = 0; s < KS; ++s) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int j = c * SK + 4 * s + 2 * e;
+            qf[s][e] = g < R ? kvq_h2(q_s[g * D + j] * qmul, q_s[g * D + j + 1] * qmul) : 0u;
+        }
+    }
+
+    const int64_t kbase = b * kc_strides[0] + h * kc_strides[1];
+    const int64_t kbase2 = b * kc2_strides[0] + h * kc2_strides[1];
+    const int64_t ksbase = b * ks_strides[0] + h * ks_strides[1];
+    const int64_t kbbase = b * kb_strides[0] + h * kb_strides[1];
+    const int64_t vbase = b * vc_strides[0] + h * vc_strides[1];
+    const int64_t vbase2 = b * vc2_strides[0] + h * vc2_strides[1];
+    const int64_t vsbase = b * vs_strides[0] + h * vs_strides[1];
+    const int64_t vbbase = b * vb_strides[0] + h * vb_strides[1];
+    // first word and bit shift of this thread's key slice (coordinates c * SK ...) and value slice (g * SV ...)
+    const int kbit = c * SK * KB, kbit2 = c * SK * KB2;
+    const int vbit = g * SV * VB, vbit2 = g * SV * VB2;
+    const int kwl = kc_shape[3], kwl2 = kc2_shape[3], vwl = vc_shape[3], vwl2 = vc2_shape[3];
+    const int kg0 = (c * SK) / KG, vg0 = (g * SV) / VG;
+
+    float acc[KS][4];
+#pragma unroll
+    for (int i = 0; i < KS; ++i) { acc[i][0] = 0.0f; acc[i][1] = 0.0f; acc[i][2] = 0.0f; acc[i][3] = 0.0f; }
+    float m0 = -KVQ_INF, m1 = -KVQ_INF, l0 = 0.0f, l1 = 0.0f;
+
+    for (int t0 = t_begin + warp * 16 * NT; t0 < t_end; t0 += NWARP * 16 * NT) {
+        // ---- issue every load of the tile first: key slices of tokens g, g + 8; value slices of tokens
+        // 2c, 2c + 1, 2c + 8, 2c + 9; scales
+        uint kw[NT][2][KNW];
+        uint kw2[NT][2][KNW2];
+        uint vw[NT][4][VNW];
+        uint vw2[NT][4][VNW2];
+        float ksc[NT][2][KNG], kbi[NT][2][KNG], vsc[NT][4][VNG], vbi[NT][4][VNG];
+        float vn[NT][2];
+#pragma unroll
+        for (int st = 0; st < NT; ++st) {
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+                const int t = t0 + st * 16 + g + 8 * u;
+                const bool ok = t < t_end;
+                const int64_t row = kbase + (int64_t)t * kc_strides[2];
+#pragma unroll
+                for (int k = 0; k < KNW; ++k) {
+                    const int wi = (kbit >> 5) + k;
+                    kw[st][u][k] = ok && wi < kwl ? kc[row + wi * kc_strides[3]] : 0u;
+                }
+#pragma unroll
+                for (int k = 0; k < KNW2; ++k) {
+                    const int wi = (kbit2 >> 5) + k;
+                    const int64_t row2 = kbase2 + (int64_t)t * kc2_strides[2];
+                    kw2[st][u][k] = KB2 > 0 && ok && wi < kwl2 ? kc2[row2 + wi * kc2_strides[3]] : 0u;
+                }
+#pragma unroll
+                for (int k = 0; k < KNG; ++k) {
+                    const int64_t si = (int64_t)t * ks_strides[2] + (kg0 + k) * (KONE ? 0 : ks_strides[3]);
+                    ksc[st][u][k] = ok ? KVQ_F32(ks[ksbase + si]) : 0.0f;
+                    kbi[st][u][k] = KBIAS && ok ? KVQ_F32(kb[kbbase + (int64_t)t * kb_strides[2] + (kg0 + k) * kb_strides[3]]) : 0.0f;
+                }
+                vn[st][u] = VONE && ok ? KVQ_F32(vs[vsbase + (int64_t)t * vs_strides[2]]) : 0.0f;
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const int t = t0 + st * 16 + 2 * c + (u & 1) + 8 * (u >> 1);
+                const bool ok = t < t_end;
+                const int64_t row = vbase + (int64_t)t * vc_strides[2];
+#pragma unroll
+                for (int k = 0; k < VNW; ++k) {
+                    const int wi = (vbit >> 5) + k;
+                    vw[st][u][k] = ok && wi < vwl ? vc[row + wi * vc_strides[3]] : 0u;
+                }
+#pragma unroll
+                for (int k = 0; k < VNW2; ++k) {
+                    const int wi = (vbit2 >> 5) + k;
+                    const int64_t row2 = vbase2 + (int64_t)t * vc2_strides[2];
+                    vw2[st][u][k] = VB2 > 0 && ok && wi < vwl2 ? vc2[row2 + wi * vc2_strides[3]] : 0u;
+                }
+#pragma unroll
+                for (int k = 0; k < VNG; ++k) {
+                    vsc[st][u][k] = !VONE && ok ? KVQ_F32(vs[vsbase + (int64_t)t * vs_strides[2] + (vg0 + k) * vs_strides[3]]) : 0.0f;
+                    vbi[st][u][k] = VBIAS && ok ? KVQ_F32(vb[vbbase + (int64_t)t * vb_strides[2] + (vg0 + k) * vb_strides[3]]) : 0.0f;
+                }
+            }
+        }
+        // ---- scores on tensor cores
+        float sc[NT][4];
+#pragma unroll
+        for (int st = 0; st < NT; ++st) {
+            uint ku[2][KNW], ku2[2][KNW2];
+            uint kh[2][KNG], kbh[2][KNG];
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+                // align the slice to bit 0 (a no-op when every slice starts on a word)
+#pragma unroll
+                for (int k = 0; k < KNW; ++k)
+                    ku[u][k] = KAL ? kw[st][u][k] : kvq_funnel(kw[st][u][k], k + 1 < KNW ? kw[st][u][k + 1] : 0u, kbit & 31);
+#pragma unroll
+                for (int k = 0; k < KNW2; ++k)
+                    ku2[u][k] = KAL ? kw2[st][u][k] : kvq_funnel(kw2[st][u][k], k + 1 < KNW2 ? kw2[st][u][k + 1] : 0u, kbit2 & 31);
+#pragma unroll
+                for (int k = 0; k < KNG; ++k) {
+                    kh[u][k] = kvq_h2(ksc[st][u][k], ksc[st][u][k]);
+                    kbh[u][k] = kvq_h2(kbi[st][u][k], kbi[st][u][k]);
+                }
+            }
+            float d4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int s = 0; s < KS; ++s) {
+                uint a[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int u = e & 1;            // a0/a2: token g, a1/a3: token g + 8
+                    const int p = 2 * s + (e >> 1); // pair of the slice
+                    uint x;
+                    const uint p1 = KVQ_BITS(ku[u], p * 2 * KB, 2 * KB);
+                    const uint p2 = KB2 > 0 ? KVQ_BITS(ku2[u], p * 2 * (KB2 > 0 ? KB2 : 1), 2 * (KB2 > 0 ? KB2 : 1)) : 0u;
+                    if (KPAIR) {
+                        x = ktab_s[(p1 << (2 * KB2)) | p2];
+                    } else {
+                        const uint ca = ((p1 & KMASK) << KB2) | (p2 & KMASK2);
+                        const uint cb = ((p1 >> KB) << KB2) | (p2 >> KB2);
+                        x = (ktab_s[ca] & 0xffffu) | (ktab_s[cb] << 16);
+                    }
+                    if (!KONE) {
+                        const int gi = SK >= KG ? (2 * p) / KG : 0;
+                        x = kvq_hfma2(x, kh[u][gi], kbh[u][gi]);
+                    }
+                    a[e] = x;
+                }
+                kvq_mma(d4, a[0], a[1], a[2], a[3], qf[s][0], qf[s][1]);
+            }
+            // d4: (token g, rows 2c, 2c + 1), (token g + 8, rows 2c, 2c + 1)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int u = e >> 1;
+                const bool ok = t0 + st * 16 + g + 8 * u < t_end;
+                const float mul = KONE ? ksc[st][u][0] * LOG2E : LOG2E;
+                sc[st][e] = ok ? d4[e] * mul : -KVQ_INF;
+            }
+        }
+        // ---- online softmax of rows 2c, 2c + 1 (a row's 16 NT scores live in the 8 lanes of equal c)
+        float x0 = -KVQ_INF, x1 = -KVQ_INF;
+#pragma unroll
+        for (int st = 0; st < NT; ++st) {
+            x0 = KVQ_FMAX(x0, KVQ_FMAX(sc[st][0], sc[st][2]));
+            x1 = KVQ_FMAX(x1, KVQ_FMAX(sc[st][1], sc[st][3]));
+        }
+#pragma unroll
+        for (int off = 4; off < 32; off <<= 1) {
+            x0 = KVQ_FMAX(x0, KVQ_SHFL_XOR(x0, off));
+            x1 = KVQ_FMAX(x1, KVQ_SHFL_XOR(x1, off));
+        }
+        const float n0 = KVQ_FMAX(m0, x0), n1 = KVQ_FMAX(m1, x1);
+        const float z0 = n0 == -KVQ_INF ? 0.0f : n0, z1 = n1 == -KVQ_INF ? 0.0f : n1;
+        const float al0 = kvq_exp2(m0 - z0), al1 = kvq_exp2(m1 - z1);
+        m0 = n0; m1 = n1;
+        l0 *= al0; l1 *= al1;
+#pragma unroll
+        for (int i = 0; i < KS; ++i) { acc[i][0] *= al0; acc[i][1] *= al1; acc[i][2] *= al0; acc[i][3] *= al1; }
+        // ---- values on tensor cores
+#pragma unroll
+        for (int st = 0; st < NT; ++st) {
+            const float p0 = kvq_exp2(sc[st][0] - z0), p1_ = kvq_exp2(sc[st][1] - z1);
+            const float p2_ = kvq_exp2(sc[st][2] - z0), p3 = kvq_exp2(sc[st][3] - z1);
+            l0 += p0 + p2_; l1 += p1_ + p3;
+            const float w0 = VONE ? vn[st][0] : 1.0f, w1 = VONE ? vn[st][1] : 1.0f;
+            const uint pb0 = kvq_trans(kvq_h2(p0 * w0, p1_ * w0));
+            const uint pb1 = kvq_trans(kvq_h2(p2_ * w1, p3 * w1));
+            uint vu[4][VNW], vu2[4][VNW2];
+            uint vh[4][VNG], vbh[4][VNG];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+#pragma unroll
+                for (int k = 0; k < VNW; ++k)
+                    vu[u][k] = VAL ? vw[st][u][k] : kvq_funnel(vw[st][u][k], k + 1 < VNW ? vw[st][u][k + 1] : 0u, vbit & 31);
+#pragma unroll
+                for (int k = 0; k < VNW2; ++k)
+                    vu2[u][k] = VAL ? vw2[st][u][k] : kvq_funnel(vw2[st][u][k], k + 1 < VNW2 ? vw2[st][u][k + 1] : 0u, vbit2 & 31);
+#pragma unroll
+                for (int k = 0; k < VNG; ++k) {
+                    vh[u][k] = kvq_h2(vsc[st][u][k], vsc[st][u][k]);
+                    vbh[u][k] = kvq_h2(vbi[st][u][k], vbi[st][u][k]);
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < KS; ++i) {
+                uint xv[4];
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    uint x;
+                    const uint p1 = KVQ_BITS(vu[u], i * 2 * VB, 2 * VB);
+                    const uint p2 = VB2 > 0 ? KVQ_BITS(vu2[u], i * 2 * (VB2 > 0 ? VB2 : 1), 2 * (VB2 > 0 ? VB2 : 1)) : 0u;
+                    if (VPAIR) {
+                        x = vtab_s[(p1 << (2 * VB2)) | p2];
+                    } else {
+                        const uint ca = ((p1 & VMASK) << VB2) | (p2 & VMASK2);
+                        const uint cb = ((p1 >> VB) << VB2) | (p2 >> VB2);
+                        x = (vtab_s[ca] & 0xffffu) | (vtab_s[cb] << 16);
+                    }
+                    if (!VONE) {
+                        const int gi = SV >= VG ? (2 * i) / VG : 0;
+                        x = kvq_hfma2(x, vh[u][gi], vbh[u][gi]);
+                    }
+                    xv[u] = x;
+                }
+                // A = V^T: rows (coordinates g SV + 2i, g SV + 2i + 1), columns (tokens 2c, 2c + 1 | 2c + 8, 2c + 9)
+                kvq_mma(acc[i], kvq_prmt(xv[0], xv[1], 0x5410u), kvq_prmt(xv[0], xv[1], 0x7632u),
+                        kvq_prmt(xv[2], xv[3], 0x5410u), kvq_prmt(xv[2], xv[3], 0x7632u), pb0, pb1);
+            }
+        }
+    }
+
+    // ---- merge the block's warps: (max, sum) per row, then the rescaled outputs
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) {
+        l0 += KVQ_SHFL_XOR(l0, off);
+        l1 += KVQ_SHFL_XOR(l1, off);
+    }
+    if (g == 0) {
+        mw_s[warp * 8 + 2 * c] = m0; mw_s[warp * 8 + 2 * c + 1] = m1;
+        lw_s[warp * 8 + 2 * c] = l0; lw_s[warp * 8 + 2 * c + 1] = l1;
+    }
+    KVQ_BARRIER();
+    float top0 = -KVQ_INF, top1 = -KVQ_INF;
+#pragma unroll
+    for (int w = 0; w < NWARP; ++w) {
+        top0 = KVQ_FMAX(top0, mw_s[w * 8 + 2 * c]);
+        top1 = KVQ_FMAX(top1, mw_s[w * 8 + 2 * c + 1]);
+    }
+    const float f0 = m0 == -KVQ_INF ? 0.0f : kvq_exp2(m0 - top0);
+    const float f1 = m1 == -KVQ_INF ? 0.0f : kvq_exp2(m1 - top1);
+#pragma unroll
+    for (int i = 0; i < KS; ++i) {
+        const int j = g * SV + 2 * i;
+        red_s[(warp * 8 + 2 * c) * D + j] = acc[i][0] * f0;
+        red_s[(warp * 8 + 2 * c + 1) * D + j] = acc[i][1] * f1;
+        red_s[(warp * 8 + 2 * c) * D + j + 1] = acc[i][2] * f0;
+        red_s[(warp * 8 + 2 * c + 1) * D + j + 1] = acc[i][3] * f1;
+    }
+    KVQ_BARRIER();
+    const int64_t obase = ((int64_t)bh * nsplit + split) * R;
+    for (int o = tid; o < R * D; o += THREADS) {
+        const int r = o / D;
+        const int j = o - r * D;
+        float s = 0.0f;
+#pragma unroll
+        for (int w = 0; w < NWARP; ++w) s += red_s[(w * 8 + r) * D + j];
+        out[obase * D + o] = s;
+    }
+    if (tid < R) {
+        float top = -KVQ_INF;
+#pragma unroll
+        for (int w = 0; w < NWARP; ++w) top = KVQ_FMAX(top, mw_s[w * 8 + tid]);
+        float sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < NWARP; ++w) {
+            const float mw = mw_s[w * 8 + tid];
+            sum += mw == -KVQ_INF ? 0.0f : lw_s[w * 8 + tid] * kvq_exp2(mw - top);
+        }
+        ml[obase * 2 + 2 * tid] = top == -KVQ_INF ? -KVQ_INF : top * LN2;
+        ml[obase * 2 + 2 * tid + 1] = sum;
+    }
+"""
+
+
+def supported(head_dim: int, key_bits: int, value_bits: int, key_group: int, value_group: int, rows: int,
+              key_bits2: int = 0, value_bits2: int = 0) -> bool:
+    """Whether the tensor-core kernel serves this shape: ``rows <= 8`` (one mma N tile), ``head_dim`` a multiple of
+    16 from 32 to 256, codes of at most 8 bits per stream (tables of at most 256 entries), groups that are whole
+    slices or whole multiples of pairs inside a slice (``D / 4`` key and ``D / 8`` value coordinates per thread)."""
+    if not (1 <= rows <= 8 and head_dim % 16 == 0 and 32 <= head_dim <= 256):
+        return False
+    if not all(1 <= b <= 8 for b in (key_bits, value_bits)) or key_bits + key_bits2 > 8 or \
+            value_bits + value_bits2 > 8:
+        return False
+    for group, slice_ in ((key_group, head_dim // 4), (value_group, head_dim // 8)):
+        if head_dim % group:
+            return False
+        if not (group % slice_ == 0 or (slice_ % group == 0 and group % 2 == 0)):
+            return False
+    return True
