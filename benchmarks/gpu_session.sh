@@ -25,14 +25,15 @@ for name, fn in [("quantize", lambda: k.kvq_quantize(x, p).data["codes"]),
         print("FAIL", name, str(e)[:6000])
 ' > "$OUT/smoke.log" 2>&1; tail -c 4000 "$OUT/smoke.log";;
     tests) MLX_ENABLE_TF32=0 timeout 400 python3 -m pytest tests/test_kernels_gpu.py -m gpu -q -x --tb=short -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1; tail -c 3000 "$OUT/gpu_tests.log";;
-    bench) timeout 300 python3 benchmarks/kernels.py "$OUT/kernels_h200.json" > "$OUT/bench.log" 2>&1; tail -c 3000 "$OUT/bench.log";;
+    bench) timeout 300 python3 benchmarks/kernels.py "$OUT/kernels_h200.json" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1; tail -c 3000 "$OUT/bench.log";;
     sweep) timeout 200 python3 benchmarks/kernels.py "$OUT/sweep.json" --sweep-only > "$OUT/sweep.log" 2>&1; tail -c 3000 "$OUT/sweep.log";;
     ops) mkdir -p "$OUT/ops"
-         timeout 240 python3 -m kvq.cli bench ops --no-progress --out "$OUT/ops" > "$OUT/ops/bench_ops.log" 2>&1
+         timeout ${OPS_TIMEOUT:-240} python3 -m kvq.cli bench ops --no-progress --out "$OUT/ops" > "$OUT/ops/bench_ops.log" 2>&1
          python3 -m kvq.cli autotune --from-bench "$OUT/ops/bench_ops.json" --out-dir "$OUT/ops" >> "$OUT/ops/bench_ops.log" 2>&1
          tail -c 2000 "$OUT/ops/bench_ops.log";;
-    e2e) timeout 570 python3 -m kvq.cli bench e2e --model random:llama3-8b --dtype bfloat16 \
-           --contexts 4K,16K,32K,64K,128K --largest-first --no-progress --out "$OUT/e2e" \
+    e2e) timeout ${E2E_TIMEOUT:-570} python3 -m kvq.cli bench e2e --model random:llama3-8b --dtype bfloat16 \
+           --methods fp16,mlx-affine:4,mlx-affine:8,affine:4,turboquant:4,turboquant:k4v3,turboquant:3 \
+           --contexts ${E2E_CONTEXTS:-4K,16K,32K,64K,128K} --steps 16 --largest-first --no-progress --out "$OUT/e2e" \
            --name "$(date +%F)-h200-random-llama3-8b" > "$OUT/e2e.log" 2>&1
          python3 -m kvq.cli bench e2e --report "$OUT/e2e/$(date +%F)-h200-random-llama3-8b.json" > /dev/null 2>&1
          tail -c 3000 "$OUT/e2e.log";;

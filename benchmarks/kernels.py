@@ -156,17 +156,17 @@ def decode_rows(backend):
 
 
 def sweep_rows(backend):
-    """Launch-shape sweep of the decode-attention kernels (kvq_metal.attend.TUNING, TARGET_GROUPS) at 32K and
-    128K tokens: the tensor-core kernel's sub-tiles per warp step (``nt``) and thread groups, and the SIMT kernel
+    """Launch-shape sweep of the decode-attention kernels (kvq_metal.attend.TUNING, TARGET_GROUPS) at 128K
+    tokens: the tensor-core kernel's sub-tiles per warp step (``nt``) and thread groups, and the SIMT kernel
     (``tc`` False) beside it."""
     from kvq_metal import attend
 
     B, Hq, Hkv, D = 1, 32, 8, 128
     base_tuning, base_groups = dict(attend.TUNING), dict(attend.TARGET_GROUPS)
-    configs = [{}, {"nt": 1}, {"nt": 4}, {"groups": 264}, {"groups": 528}, {"groups": 2112}, {"groups": 4224},
-               {"tc": False}, {"tc": False, "groups": 528}, {"tc": False, "groups": 2112}]
+    configs = [{}, {"pf": False}, {"pair": False}, {"pf": False, "pair": False}, {"nt": 1}, {"nt": 4},
+               {"tc_groups": 132}, {"tc_groups": 528}, {"tc_groups": 1056}, {"tc": False}]
     rows = []
-    for T in (32768, 131072):
+    for T in (131072,):
         q = mx.random.normal((B, Hq, 1, D)).astype(mx.float16)
         k = mx.random.normal((B, Hkv, T, D)).astype(mx.float16)
         for name, params in (("turboquant", {"bits": 4}), ("affine", {"bits": 4})):

@@ -17,7 +17,9 @@ query tokens share the KV head's codes). The per-split ``(out, max, sum)`` are m
 
 from __future__ import annotations
 
+import json
 import math
+import os
 
 import attrs
 import mlx.core as mx
@@ -35,9 +37,14 @@ MAX_SPLITS = 2048
 #: Launch shape knobs (``kvq bench``/benchmarks sweep them): tokens each thread loads per tile for up to 4 query
 #: rows and for more, an optional override of the coordinates per thread (4 or 8; ``None``: by bits), and
 #: ``phases`` (3 = scores and values; 1 or 2 runs only one of them, giving wrong results: profiling only); on CUDA,
-#: ``tc`` picks the tensor-core kernel (:mod:`kvq_metal.attend_tc`) where it serves the shape and ``nt`` is its
-#: 16-token sub-tiles per warp step.
-TUNING = {"kt_small": 8, "kt_large": 8, "cpt": None, "phases": 3, "tc": True, "nt": 2}
+#: ``tc`` picks the tensor-core kernel (:mod:`kvq_metal.attend_tc`) where it serves the shape; its knobs: ``nt``
+#: 16-token tiles per warp step, ``pf`` loads of the next step issued before this step's math (``None``: for
+#: head_dim <= 128, where the registers allow it), ``pair`` pair tables (two codes per lookup) and ``tc_groups``
+#: thread groups to aim for (it keeps a block's warps busy longer: fewer, longer splits).
+TUNING = {"kt_small": 8, "kt_large": 8, "cpt": None, "phases": 3, "tc": True, "nt": 2, "pf": None, "pair": True,
+          "tc_groups": 264}
+# benchmarks may override the knobs without code changes: KVQ_ATTEND_TUNING='{"nt": 1}'
+TUNING.update(json.loads(os.environ.get("KVQ_ATTEND_TUNING", "{}")))
 
 SOURCE = """
     constexpr int NCG = D / CPT;
@@ -409,11 +416,13 @@ def uses_tensor_cores(backend: str, head_dim: int, keys: Side, values: Side, row
                                     keys.bits2, values.bits2))
 
 
-def splits_for(batch_heads: int, num_tokens: int, backend: str, tile: int) -> tuple[int, int]:
+def splits_for(batch_heads: int, num_tokens: int, backend: str, tile: int,
+               groups: int | None = None) -> tuple[int, int]:
     """``(splits, chunk)``: the sequence is cut into ``splits`` chunks of ``chunk`` tokens (a multiple of the
-    tile) so that about :data:`TARGET_GROUPS` thread groups run."""
+    tile) so that about ``groups`` (default :data:`TARGET_GROUPS` of the back end) thread groups run."""
     tiles = max(1, math.ceil(num_tokens / tile))
-    splits = max(1, min(tiles, MAX_SPLITS, math.ceil(TARGET_GROUPS.get(backend, 256) / batch_heads)))
+    groups = groups or TARGET_GROUPS.get(backend, 256)
+    splits = max(1, min(tiles, MAX_SPLITS, math.ceil(groups / batch_heads)))
     chunk = math.ceil(tiles / splits) * tile
     return math.ceil(num_tokens / chunk), chunk
 
@@ -465,10 +474,11 @@ def decode_attend(queries: mx.array, scale: float, keys: Side, values: Side, bac
               ("VG", values.group), ("KBIAS", keys.biases is not None), ("VBIAS", values.biases is not None),
               ("KB2", keys.bits2), ("VB2", values.bits2), ("THREADS", THREADS), ("ROT", rot)]
     if uses_tensor_cores(backend, D, keys, values, R):
-        splits, chunk = splits_for(B * H, T, backend, 16 * TUNING["nt"] * THREADS // 32)
+        splits, chunk = splits_for(B * H, T, backend, 16 * TUNING["nt"] * THREADS // 32, TUNING["tc_groups"])
         kern = kernel("decode_attend_tc", backend, INPUTS, ("out", "ml"), attend_tc.SOURCE, attend_tc.HEADER,
                       ensure_row_contiguous=False)
-        template = common + [("NT", TUNING["nt"])]
+        pf = D <= 128 if TUNING["pf"] is None else TUNING["pf"]
+        template = common + [("NT", TUNING["nt"]), ("PF", bool(pf)), ("PAIRTAB", bool(TUNING["pair"]))]
     else:
         cpt = min(coords_per_thread(keys.bits), coords_per_thread(values.bits))
         kt = TUNING["kt_small"] if R <= 4 else TUNING["kt_large"]

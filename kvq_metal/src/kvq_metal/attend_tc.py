@@ -80,8 +80,8 @@ SOURCE = """
     constexpr int KS = D / 16;                // score k-steps == value m-tiles
     constexpr int CBK = KB + KB2;
     constexpr int CBV = VB + VB2;
-    constexpr bool KPAIR = 2 * CBK <= 8;
-    constexpr bool VPAIR = 2 * CBV <= 8;
+    constexpr bool KPAIR = PAIRTAB && 2 * CBK <= 8;
+    constexpr bool VPAIR = PAIRTAB && 2 * CBV <= 8;
     constexpr int KTAB = KPAIR ? (1 << (2 * CBK)) : (1 << CBK);
     constexpr int VTAB = VPAIR ? (1 << (2 * CBV)) : (1 << CBV);
     constexpr uint KMASK = (1u << KB) - 1u;
@@ -210,15 +210,17 @@ SOURCE = """
     for (int i = 0; i < KS; ++i) { acc[i][0] = 0.0f; acc[i][1] = 0.0f; acc[i][2] = 0.0f; acc[i][3] = 0.0f; }
     float m0 = -KVQ_INF, m1 = -KVQ_INF, l0 = 0.0f, l1 = 0.0f;
 
-    for (int t0 = t_begin + warp * 16 * NT; t0 < t_end; t0 += NWARP * 16 * NT) {
-        // ---- issue every load of the tile first: key slices of tokens g, g + 8; value slices of tokens
-        // 2c, 2c + 1, 2c + 8, 2c + 9; scales
+    // one warp step: NT tiles of 16 tokens; key slices of tokens g, g + 8, value slices of tokens 2c, 2c + 1,
+    // 2c + 8, 2c + 9, their scales. With PF the next step's loads are issued before this step's math.
+    struct Step {
         uint kw[NT][2][KNW];
         uint kw2[NT][2][KNW2];
         uint vw[NT][4][VNW];
         uint vw2[NT][4][VNW2];
         float ksc[NT][2][KNG], kbi[NT][2][KNG], vsc[NT][4][VNG], vbi[NT][4][VNG];
         float vn[NT][2];
+    };
+    auto load = [&](Step& buf, const int t0) {
 #pragma unroll
         for (int st = 0; st < NT; ++st) {
 #pragma unroll
@@ -229,21 +231,21 @@ SOURCE = """
 #pragma unroll
                 for (int k = 0; k < KNW; ++k) {
                     const int wi = (kbit >> 5) + k;
-                    kw[st][u][k] = ok && wi < kwl ? kc[row + wi * kc_strides[3]] : 0u;
+                    buf.kw[st][u][k] = ok && wi < kwl ? kc[row + wi * kc_strides[3]] : 0u;
                 }
 #pragma unroll
                 for (int k = 0; k < KNW2; ++k) {
                     const int wi = (kbit2 >> 5) + k;
                     const int64_t row2 = kbase2 + (int64_t)t * kc2_strides[2];
-                    kw2[st][u][k] = KB2 > 0 && ok && wi < kwl2 ? kc2[row2 + wi * kc2_strides[3]] : 0u;
+                    buf.kw2[st][u][k] = KB2 > 0 && ok && wi < kwl2 ? kc2[row2 + wi * kc2_strides[3]] : 0u;
                 }
 #pragma unroll
                 for (int k = 0; k < KNG; ++k) {
                     const int64_t si = (int64_t)t * ks_strides[2] + (kg0 + k) * (KONE ? 0 : ks_strides[3]);
-                    ksc[st][u][k] = ok ? KVQ_F32(ks[ksbase + si]) : 0.0f;
-                    kbi[st][u][k] = KBIAS && ok ? KVQ_F32(kb[kbbase + (int64_t)t * kb_strides[2] + (kg0 + k) * kb_strides[3]]) : 0.0f;
+                    buf.ksc[st][u][k] = ok ? KVQ_F32(ks[ksbase + si]) : 0.0f;
+                    buf.kbi[st][u][k] = KBIAS && ok ? KVQ_F32(kb[kbbase + (int64_t)t * kb_strides[2] + (kg0 + k) * kb_strides[3]]) : 0.0f;
                 }
-                vn[st][u] = VONE && ok ? KVQ_F32(vs[vsbase + (int64_t)t * vs_strides[2]]) : 0.0f;
+                buf.vn[st][u] = VONE && ok ? KVQ_F32(vs[vsbase + (int64_t)t * vs_strides[2]]) : 0.0f;
             }
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
@@ -253,21 +255,28 @@ SOURCE = """
 #pragma unroll
                 for (int k = 0; k < VNW; ++k) {
                     const int wi = (vbit >> 5) + k;
-                    vw[st][u][k] = ok && wi < vwl ? vc[row + wi * vc_strides[3]] : 0u;
+                    buf.vw[st][u][k] = ok && wi < vwl ? vc[row + wi * vc_strides[3]] : 0u;
                 }
 #pragma unroll
                 for (int k = 0; k < VNW2; ++k) {
                     const int wi = (vbit2 >> 5) + k;
                     const int64_t row2 = vbase2 + (int64_t)t * vc2_strides[2];
-                    vw2[st][u][k] = VB2 > 0 && ok && wi < vwl2 ? vc2[row2 + wi * vc2_strides[3]] : 0u;
+                    buf.vw2[st][u][k] = VB2 > 0 && ok && wi < vwl2 ? vc2[row2 + wi * vc2_strides[3]] : 0u;
                 }
 #pragma unroll
                 for (int k = 0; k < VNG; ++k) {
-                    vsc[st][u][k] = !VONE && ok ? KVQ_F32(vs[vsbase + (int64_t)t * vs_strides[2] + (vg0 + k) * vs_strides[3]]) : 0.0f;
-                    vbi[st][u][k] = VBIAS && ok ? KVQ_F32(vb[vbbase + (int64_t)t * vb_strides[2] + (vg0 + k) * vb_strides[3]]) : 0.0f;
+                    buf.vsc[st][u][k] = !VONE && ok ? KVQ_F32(vs[vsbase + (int64_t)t * vs_strides[2] + (vg0 + k) * vs_strides[3]]) : 0.0f;
+                    buf.vbi[st][u][k] = VBIAS && ok ? KVQ_F32(vb[vbbase + (int64_t)t * vb_strides[2] + (vg0 + k) * vb_strides[3]]) : 0.0f;
                 }
             }
         }
+    };
+    constexpr int STEP = NWARP * 16 * NT;
+    Step buf;
+    Step nxt;
+    load(buf, t_begin + warp * 16 * NT);
+    for (int t0 = t_begin + warp * 16 * NT; t0 < t_end; t0 += STEP) {
+        if (PF) load(nxt, t0 + STEP);
         // ---- scores on tensor cores
         float sc[NT][4];
 #pragma unroll
@@ -279,14 +288,14 @@ SOURCE = """
                 // align the slice to bit 0 (a no-op when every slice starts on a word)
 #pragma unroll
                 for (int k = 0; k < KNW; ++k)
-                    ku[u][k] = KAL ? kw[st][u][k] : kvq_funnel(kw[st][u][k], k + 1 < KNW ? kw[st][u][k + 1] : 0u, kbit & 31);
+                    ku[u][k] = KAL ? buf.kw[st][u][k] : kvq_funnel(buf.kw[st][u][k], k + 1 < KNW ? buf.kw[st][u][k + 1] : 0u, kbit & 31);
 #pragma unroll
                 for (int k = 0; k < KNW2; ++k)
-                    ku2[u][k] = KAL ? kw2[st][u][k] : kvq_funnel(kw2[st][u][k], k + 1 < KNW2 ? kw2[st][u][k + 1] : 0u, kbit2 & 31);
+                    ku2[u][k] = KAL ? buf.kw2[st][u][k] : kvq_funnel(buf.kw2[st][u][k], k + 1 < KNW2 ? buf.kw2[st][u][k + 1] : 0u, kbit2 & 31);
 #pragma unroll
                 for (int k = 0; k < KNG; ++k) {
-                    kh[u][k] = kvq_h2(ksc[st][u][k], ksc[st][u][k]);
-                    kbh[u][k] = kvq_h2(kbi[st][u][k], kbi[st][u][k]);
+                    kh[u][k] = kvq_h2(buf.ksc[st][u][k], buf.ksc[st][u][k]);
+                    kbh[u][k] = kvq_h2(buf.kbi[st][u][k], buf.kbi[st][u][k]);
                 }
             }
             float d4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -320,7 +329,7 @@ SOURCE = """
             for (int e = 0; e < 4; ++e) {
                 const int u = e >> 1;
                 const bool ok = t0 + st * 16 + g + 8 * u < t_end;
-                const float mul = KONE ? ksc[st][u][0] * LOG2E : LOG2E;
+                const float mul = KONE ? buf.ksc[st][u][0] * LOG2E : LOG2E;
                 sc[st][e] = ok ? d4[e] * mul : -KVQ_INF;
             }
         }
@@ -349,7 +358,7 @@ SOURCE = """
             const float p0 = kvq_exp2(sc[st][0] - z0), p1_ = kvq_exp2(sc[st][1] - z1);
             const float p2_ = kvq_exp2(sc[st][2] - z0), p3 = kvq_exp2(sc[st][3] - z1);
             l0 += p0 + p2_; l1 += p1_ + p3;
-            const float w0 = VONE ? vn[st][0] : 1.0f, w1 = VONE ? vn[st][1] : 1.0f;
+            const float w0 = VONE ? buf.vn[st][0] : 1.0f, w1 = VONE ? buf.vn[st][1] : 1.0f;
             const uint pb0 = kvq_trans(kvq_h2(p0 * w0, p1_ * w0));
             const uint pb1 = kvq_trans(kvq_h2(p2_ * w1, p3 * w1));
             uint vu[4][VNW], vu2[4][VNW2];
@@ -358,14 +367,14 @@ SOURCE = """
             for (int u = 0; u < 4; ++u) {
 #pragma unroll
                 for (int k = 0; k < VNW; ++k)
-                    vu[u][k] = VAL ? vw[st][u][k] : kvq_funnel(vw[st][u][k], k + 1 < VNW ? vw[st][u][k + 1] : 0u, vbit & 31);
+                    vu[u][k] = VAL ? buf.vw[st][u][k] : kvq_funnel(buf.vw[st][u][k], k + 1 < VNW ? buf.vw[st][u][k + 1] : 0u, vbit & 31);
 #pragma unroll
                 for (int k = 0; k < VNW2; ++k)
-                    vu2[u][k] = VAL ? vw2[st][u][k] : kvq_funnel(vw2[st][u][k], k + 1 < VNW2 ? vw2[st][u][k + 1] : 0u, vbit2 & 31);
+                    vu2[u][k] = VAL ? buf.vw2[st][u][k] : kvq_funnel(buf.vw2[st][u][k], k + 1 < VNW2 ? buf.vw2[st][u][k + 1] : 0u, vbit2 & 31);
 #pragma unroll
                 for (int k = 0; k < VNG; ++k) {
-                    vh[u][k] = kvq_h2(vsc[st][u][k], vsc[st][u][k]);
-                    vbh[u][k] = kvq_h2(vbi[st][u][k], vbi[st][u][k]);
+                    vh[u][k] = kvq_h2(buf.vsc[st][u][k], buf.vsc[st][u][k]);
+                    vbh[u][k] = kvq_h2(buf.vbi[st][u][k], buf.vbi[st][u][k]);
                 }
             }
 #pragma unroll
@@ -393,6 +402,11 @@ SOURCE = """
                 kvq_mma(acc[i], kvq_prmt(xv[0], xv[1], 0x5410u), kvq_prmt(xv[0], xv[1], 0x7632u),
                         kvq_prmt(xv[2], xv[3], 0x5410u), kvq_prmt(xv[2], xv[3], 0x7632u), pb0, pb1);
             }
+        }
+        if (PF) {
+            buf = nxt;
+        } else {
+            load(buf, t0 + STEP);
         }
     }
 

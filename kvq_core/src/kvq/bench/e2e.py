@@ -9,9 +9,10 @@ For each context length and each method string (:mod:`kvq.evaluation.spec`; ``fp
    prefill of the text (mlx-lm's KVCache, once per context), ``prefill`` runs the model over the text with the
    method's own cache (chunks of :data:`PREFILL_CHUNK`; prefill tokens/s are reported);
 2. memory: the caches' ``nbytes`` and the growth of ``mx.get_active_memory()`` from before the caches existed;
-3. decode: greedy steps (the argmax token fed back), each evaluated with ``mx.eval``: ``warmup`` untimed, then
-   ``steps`` timed; median, p10 and p90 milliseconds per token, tokens/s (1 / median), and the peak of
-   ``mx.get_peak_memory()`` over the decode.
+3. decode: greedy steps (the argmax token fed back), pipelined like mlx-lm's ``generate_step`` (the next step
+   is queued with ``mx.async_eval`` while this one runs): ``warmup`` untimed, then ``steps`` timed; median, p10
+   and p90 milliseconds per token, tokens/s (1 / median), and the peak of ``mx.get_peak_memory()`` over the
+   decode.
 
 A row whose method fails (an MLX back end without an implementation for a shape, out of memory) records the
 error and the run goes on.

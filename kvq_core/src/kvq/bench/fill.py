@@ -67,16 +67,30 @@ def fill(caches: list, source: Callable, context: int, chunk: int) -> None:
 
 
 def decode(model, caches: list, token: int, steps: int, warmup: int = 1) -> list[float]:
-    """Greedy decoding from ``token``: ``warmup + steps`` forward passes of one token, each followed by
-    ``mx.eval`` of the next token. :return: the ``steps`` timed latencies in seconds."""
-    y = mx.array([[token]])
-    times = []
-    for _ in range(warmup + steps):
-        tic = time.perf_counter()
+    """Greedy decoding from ``token``, pipelined as mlx-lm's ``generate_step`` does it: the graph of the next step
+    is built and queued (``mx.async_eval``) while the current one runs, so Python and graph building overlap the
+    device's work, as in ``mlx_lm.generate`` and the server. One step more than ``warmup + steps`` runs (the one
+    queued last; it is evaluated before returning, so the caches stay consistent).
+
+    :return: the ``steps`` timed intervals between consecutive tokens becoming available, in seconds.
+    """
+    def step(y):
         logits = model(y, cache=caches)
-        y = mx.argmax(logits[:, -1:, :], axis=-1)
-        mx.eval(y)
-        times.append(time.perf_counter() - tic)
+        return mx.argmax(logits[:, -1:, :], axis=-1)
+
+    nxt = step(mx.array([[token]]))
+    mx.async_eval(nxt)
+    times = []
+    tic = time.perf_counter()
+    for _ in range(warmup + steps):
+        y, nxt = nxt, None
+        nxt = step(y)
+        mx.async_eval(nxt)
+        y.item()
+        now = time.perf_counter()
+        times.append(now - tic)
+        tic = now
+    mx.eval(nxt)
     return times[warmup:]
 
 
