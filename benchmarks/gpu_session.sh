@@ -39,7 +39,9 @@ for name, fn in [("quantize", lambda: k.kvq_quantize(x, p).data["codes"]),
          tail -c 3000 "$OUT/e2e.log";;
     dist) KVQ_TEST_DISTRIBUTED_BACKEND=nccl timeout 240 python3 -m pytest tests/test_distributed.py -q -x \
             -p no:cacheprovider > "$OUT/dist_tests.log" 2>&1; tail -c 1500 "$OUT/dist_tests.log"
-          timeout 300 python3 -m mlx.launch --backend nccl -n 2 -- python3 benchmarks/distributed_decode.py \
+          # mlx.launch is a console script: run its entry point with this interpreter
+          timeout 300 python3 -c 'import sys; from importlib.metadata import entry_points; (e,) = entry_points(group="console_scripts", name="mlx.launch"); sys.argv[0] = "mlx.launch"; sys.exit(e.load()())' \
+            --backend nccl -n 2 -- python3 benchmarks/distributed_decode.py \
             --context 65536 --out "$OUT/distributed_decode.json" > "$OUT/dist_bench.log" 2>&1
           tail -c 1500 "$OUT/dist_bench.log";;
   esac

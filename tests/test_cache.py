@@ -238,3 +238,69 @@ def test_plugin_methods_through_the_cache(llama_model, kwargs):
     rel = (mx.linalg.norm(ours - ref) / mx.linalg.norm(ref)).item()
     # measured 0.07-0.19; a wrong rotation, sketch or merge gives errors of order 1
     assert mx.all(mx.isfinite(ours)).item() and rel < 0.3, rel
+
+
+def test_decode_uses_one_fused_attend_call_over_all_parts(monkeypatch):
+    """Where the chosen attend implementation offers ``attend_dense`` (kvq_metal's tensor-core kernel), a decode
+    step makes one call with the compressed tokens and the uncompressed sinks and window (exactly those tokens),
+    and the cache returns its result; ``None`` from it falls back to attending the parts."""
+    from kvq.attention import dense_attend, merge_parts
+    from kvq.plugins import registry
+
+    cache = KVQCache(make_config("affine", bits=4, group_size=32, sinks=4, window=16))
+    k = mx.random.normal((1, 2, 60, 64), key=mx.random.key(0)).astype(mx.float16)
+    v = mx.random.normal((1, 2, 60, 64), key=mx.random.key(1)).astype(mx.float16)
+    q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(2)).astype(mx.float16)
+    cache.update_and_fetch(k, v)
+    want = cache.kvq_attend(q, 0.125)
+    impl = registry().implementations[("affine", "mlx")]
+    calls = []
+
+    def attend_dense(queries, keys, values, scale, dense):
+        calls.append(dense)
+        if len(calls) > 1:
+            return None
+        parts = [impl.kvq_attend(queries, keys, values, scale, None),
+                 dense_attend(queries, dense.sink_keys, dense.sink_values, scale),
+                 dense_attend(queries, dense.window_keys, dense.window_values, scale)]
+        return merge_parts(parts)
+
+    monkeypatch.setattr(impl, "attend_dense", attend_dense, raising=False)
+    got = cache.kvq_attend(q, 0.125)
+    (dense,) = calls
+    assert mx.array_equal(dense.sink_keys, k[:, :, :4]) and mx.array_equal(dense.sink_values, v[:, :, :4])
+    assert mx.array_equal(dense.window_keys, k[:, :, -16:]) and mx.array_equal(dense.window_values, v[:, :, -16:])
+    assert mx.allclose(got, want, atol=1e-3)
+    assert mx.array_equal(cache.kvq_attend(q, 0.125), want) and len(calls) == 2  # None: the parts
+    cache.kvq_attend(mx.concatenate([q, q], axis=2), 0.125, mask="causal")  # prefill rows: never fused
+    assert len(calls) == 2
+
+
+def test_flush_blocks_leave_the_window_together_and_attention_is_unchanged(tmp_path):
+    """``flush=N``: the window grows to ``window + N - 1`` tokens by appends, then its oldest tokens are
+    compressed together; the stored tokens are the same as a cache that compresses exactly those tokens, and
+    attention matches an uncompressed reference on the held tokens (fp16 method: lossless). Saved and loaded
+    with the setting."""
+    cache = KVQCache(make_config("fp16", sinks=2, window=8, flush=4))
+    k = mx.random.normal((1, 2, 30, 64), key=mx.random.key(3)).astype(mx.float16)
+    v = mx.random.normal((1, 2, 30, 64), key=mx.random.key(4)).astype(mx.float16)
+    cache.update_and_fetch(k[:, :, :12], v[:, :, :12])  # prefill: 2 sinks, then 10 tokens fit the window
+    assert (cache.sinks.length, cache.compressed_keys.length, cache.window.length) == (2, 0, 10)
+    lengths = []
+    for t in range(12, 30):
+        cache.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
+        lengths.append((cache.compressed_keys.length, cache.window.length))
+    assert lengths[:6] == [(0, 11), (4, 8), (4, 9), (4, 10), (4, 11), (8, 8)]  # blocks of 4 leave together
+    assert all(8 <= w <= 11 for _, w in lengths) and lengths[-1][0] + lengths[-1][1] + 2 == 30
+    q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(5)).astype(mx.float16)
+    from conftest import reference_attention
+
+    want, _ = reference_attention(q.astype(mx.float32), k.astype(mx.float32), v.astype(mx.float32), 0.125)
+    assert mx.allclose(cache.kvq_attend(q, 0.125).astype(mx.float32), want, atol=2e-3)
+    file = str(tmp_path / "flush.safetensors")
+    mlx_cache.save_prompt_cache(file, [cache])
+    (loaded,) = load_prompt_cache(file)
+    assert loaded.config.flush == 4 and loaded.window.length == cache.window.length
+    assert mx.array_equal(loaded.kvq_attend(q, 0.125), cache.kvq_attend(q, 0.125))
+    with pytest.raises(ValueError, match="flush must be an int >= 1"):
+        make_config("fp16", flush=0)

@@ -104,6 +104,45 @@ def test_decode_attend_reads_strided_store_in_place(attend_kernel_kind):
     assert _rel(out, ref) < 1e-3
 
 
+DENSE_CASES = [
+    # method, params, head_dim, n_rep, sinks, window, dtype
+    ("turboquant", {"bits": 4}, 128, 4, 4, 140, mx.bfloat16),
+    ("turboquant", {"bits": 3}, 96, 4, 0, 33, mx.float16),
+    ("affine", {"bits": 4, "group_size": 64}, 128, 8, 4, 128, mx.float16),
+    ("turboquant_rvq", {"bits": 2, "residual_bits": 2}, 64, 2, 4, 1, mx.float32),
+]
+
+
+@pytest.mark.parametrize("case", range(len(DENSE_CASES)))
+def test_attend_dense_matches_parts(case):
+    """The tensor-core kernel's one-call attention over compressed tokens plus a cache's sinks and window
+    (``attend_dense``) equals attending the three parts separately and merging them (pure MLX)."""
+    from kvq.attention import DenseTokens, dense_attend, merge_parts
+
+    if kvq_metal.gpu_backend() != "cuda":
+        pytest.skip("attend_dense is served by the tensor-core kernel (CUDA)")
+    method, params, D, n_rep, n_sinks, n_window, dtype = DENSE_CASES[case]
+    kernel, pure = _impl(method)
+    p = kvq.make_params(method, **params)
+    Hkv, T = 2, 3000
+    k, v = _normal((1, Hkv, T, D), dtype, 21), _normal((1, Hkv, T, D), dtype, 22)
+    q = _normal((1, Hkv * n_rep, 1, D), dtype, 23)
+    sk, sv = (_normal((1, Hkv, n_sinks, D), dtype, 24), _normal((1, Hkv, n_sinks, D), dtype, 25)) if n_sinks \
+        else (None, None)
+    wk, wv = _normal((1, Hkv, n_window, D), dtype, 26, 2.0), _normal((1, Hkv, n_window, D), dtype, 27)
+    ke, ve = pure.kvq_quantize(k, p), pure.kvq_quantize(v, p)
+    scale = D ** -0.5
+    got = kernel.attend_dense(q, ke, ve, scale, DenseTokens(sk, sv, wk, wv))
+    assert got is not None
+    parts = [pure.kvq_attend(q, ke, ve, scale, None), dense_attend(q, wk, wv, scale, None)]
+    if n_sinks:
+        parts.append(dense_attend(q, sk, sv, scale, None))
+    ref, ref_lse = merge_parts(parts)
+    assert got[0].shape == ref.shape
+    assert _rel(got[0], ref) < 1e-3
+    assert float(mx.max(mx.abs(got[1] - ref_lse))) < 1e-3
+
+
 # -- fused TurboQuant encode / decode ---------------------------------------------------------------------
 CODEC_CASES = [(64, 1, mx.float16), (80, 2, mx.bfloat16), (96, 3, mx.float32), (128, 4, mx.float16),
                (128, 3, mx.bfloat16), (128, 2, mx.float32), (128, 1, mx.float16), (192, 4, mx.float16),

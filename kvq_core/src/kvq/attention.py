@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+import attrs
 import mlx.core as mx
 
 #: Bytes of fp32 scores one block may hold; bounds prefill memory.
@@ -22,6 +23,23 @@ SCORE_BUDGET_BYTES = 16 * 2**20
 #: independent score blocks of a long prefill together and hold all of them at once.
 EVAL_EACH_BLOCK_BYTES = 4 * 2**20
 NEG_INF = float("-inf")
+
+
+@attrs.frozen
+class DenseTokens:
+    """Uncompressed tokens that a fused kernel attends together with compressed ones (a cache's attention sinks
+    and residual window): ``[B, H_kv, T, D]`` keys and values in the model's dtype, views of the cache's buffers.
+    Passed to an implementation's optional ``attend_dense(queries, keys, values, scale, dense)`` (kvq_metal's
+    kernels), which returns ``(out, lse)`` over all of them in one softmax, or ``None``.
+
+    :param sink_keys, sink_values: the first tokens, or ``None`` when the cache holds none.
+    :param window_keys, window_values: the most recent tokens (at least one).
+    """
+
+    sink_keys: mx.array | None
+    sink_values: mx.array | None
+    window_keys: mx.array
+    window_values: mx.array
 
 
 def block_size_for(batch: int, num_q_heads: int, num_queries: int, num_keys: int) -> int:

@@ -103,8 +103,18 @@ def shard(model, group: mx.distributed.Group | None = None, *, pipeline: bool = 
         check_tensor_parallel(*_heads(model), N)
         model.shard(g)
     mx.eval(model.parameters())
-    mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu, group=g))  # keep ranks in step, as mlx-lm
+    barrier(g)
     return model
+
+
+def barrier(group: mx.distributed.Group) -> None:
+    """Wait until every rank of ``group`` gets here (an all-sum of one number), as mlx-lm's ``sharded_load``
+    does. The ring back end reduces on the CPU stream (mlx-lm's choice); NCCL has no CPU stream, so where the
+    CPU stream fails the default stream is used."""
+    try:
+        mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu, group=group))
+    except RuntimeError:
+        mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group))
 
 
 def load(name_or_path=None, *, pipeline: bool = False, group: mx.distributed.Group | None = None,
@@ -203,5 +213,5 @@ def patch_model(model, method: str | None = "affine", **kwargs: Any):
     return model
 
 
-__all__ = ["check_tensor_parallel", "first_layer", "is_rank0", "kv_head_range", "load",
+__all__ = ["barrier", "check_tensor_parallel", "first_layer", "is_rank0", "kv_head_range", "load",
            "make_prompt_cache", "patch_model", "rank0_stdout", "shard"]

@@ -24,6 +24,8 @@ import os
 import attrs
 import mlx.core as mx
 
+from kvq.attention import DenseTokens
+
 from . import attend_tc
 from .dialect import kernel
 
@@ -306,6 +308,7 @@ MERGE_SOURCE = """
     constexpr int NW = D / 32;
     KVQ_SHARED float y_s[D];
     KVQ_SHARED float w_s[MAX_SPLITS];
+    KVQ_SHARED float wd_s[ND > 0 ? ND : 1];
     KVQ_SHARED float red_s[NW];
     const int g = KVQ_TG_X;
     const int bh = g / R;
@@ -317,6 +320,8 @@ MERGE_SOURCE = """
     // the largest split maximum, then every split's weight, in parallel over the splits
     float top = -KVQ_INF;
     for (int s = j; s < S; s += D) top = KVQ_FMAX(top, ml[((bh * S + s) * R + r) * 2]);
+    // ND > 0: the splits of uncompressed tokens (sinks, window; never rotated) in partd / mld
+    if (ND > 0 && j < ND) top = KVQ_FMAX(top, mld[((bh * ND + j) * R + r) * 2]);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) top = KVQ_FMAX(top, KVQ_SHFL_XOR(top, off));
     if (lane == 0) red_s[warp] = top;
@@ -330,6 +335,12 @@ MERGE_SOURCE = """
         const float w = KVQ_EXP(ml[row * 2] - top);
         w_s[s] = w;
         total += w * ml[row * 2 + 1];
+    }
+    if (ND > 0 && j < ND) {
+        const int64_t row = (int64_t)(bh * ND + j) * R + r;
+        const float w = KVQ_EXP(mld[row * 2] - top);
+        wd_s[j] = w;
+        total += w * mld[row * 2 + 1];
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) total += KVQ_SHFL_XOR(total, off);
@@ -356,12 +367,18 @@ MERGE_SOURCE = """
         KVQ_BARRIER();
         o = y_s[j] * signs[j] / KVQ_SQRT((float)D);
     }
+    if (ND > 0) {
+        KVQ_BARRIER();
+        float d = 0.0f;
+        for (int s = 0; s < ND; ++s) d += wd_s[s] * partd[((int64_t)(bh * ND + s) * R + r) * D + j];
+        o += d / total;
+    }
     if (j < DV) out[(int64_t)g * DV + j] = o;
     if (j == 0) lse[g] = top + KVQ_LOG(total);
 """
 
 INPUTS = ("q", "qscale", "signs", "meta", "kc", "kc2", "ks", "kb", "kt", "vc", "vc2", "vs", "vb", "vt")
-MERGE_INPUTS = ("part", "ml", "signs", "meta")
+MERGE_INPUTS = ("part", "ml", "partd", "mld", "signs", "meta")
 
 
 @attrs.frozen
@@ -440,8 +457,37 @@ def _constant(values: tuple, dtype) -> mx.array:
     return _CONSTANTS[key]
 
 
+#: Uncompressed tokens attended in the same call (a cache's sinks and window): :class:`kvq.attention.DenseTokens`.
+Dense = DenseTokens
+
+
+def serves_dense(backend: str, head_dim: int, keys: Side, values: Side, rows: int) -> bool:
+    """Whether :func:`decode_attend` takes ``dense=``: only the tensor-core kernel reads uncompressed tokens."""
+    return uses_tensor_cores(backend, head_dim, keys, values, rows)
+
+
+def _dense_parts(queries, qscale, dense: Dense, R: int, D: int, backend: str):
+    """Partial outputs ``[B, H, 2, R, D]`` and ``(max, sum)`` of the sinks (split 0) and the window (split 1)."""
+    B, H = dense.window_keys.shape[:2]
+    sk, sv = dense.sink_keys, dense.sink_values
+    sinks = 0 if sk is None else sk.shape[2]
+    if sk is None:
+        sk, sv = dense.window_keys, dense.window_values
+    table = _constant((0.0, 0.0), mx.float32)
+    kern = kernel("decode_attend_tc", backend, INPUTS, ("out", "ml"), attend_tc.SOURCE, attend_tc.HEADER,
+                  ensure_row_contiguous=False)
+    template = [("D", D), ("R", R), ("KB", 1), ("VB", 1), ("KG", D), ("VG", D), ("KBIAS", False),
+                ("VBIAS", False), ("KB2", 0), ("VB2", 0), ("THREADS", THREADS), ("ROT", False),
+                ("NT", TUNING["nt"]), ("PF", False), ("PAIRTAB", True), ("DENSE", True)]
+    inputs = [queries, qscale, table, _constant((0, 2, sinks), mx.int32), dense.window_keys, sk, qscale, qscale,
+              table, dense.window_values, sv, qscale, qscale, table]
+    return kern(inputs=inputs, template=template, grid=(THREADS * B * H, 2, 1), threadgroup=(THREADS, 1, 1),
+                output_shapes=[(B, H, 2, R, D), (B, H, 2, R, 2)], output_dtypes=[mx.float32, mx.float32])
+
+
 def decode_attend(queries: mx.array, scale: float, keys: Side, values: Side, backend: str, *,
-                  signs: mx.array | None = None, out_dim: int | None = None) -> tuple[mx.array, mx.array]:
+                  signs: mx.array | None = None, out_dim: int | None = None,
+                  dense: Dense | None = None) -> tuple[mx.array, mx.array]:
     """Attention of decode queries over compressed keys and values (no mask: every key precedes every query).
 
     :param queries: ``[B, H_q, T_q, D_q]``, any float dtype and any strides (read in place), ``D_q <= D`` where
@@ -453,9 +499,12 @@ def decode_attend(queries: mx.array, scale: float, keys: Side, values: Side, bac
         (turboquant): queries are rotated and the output inverse-rotated inside the kernels. ``None``: the
         queries are already in the codes' domain and the output stays there.
     :param out_dim: output coordinates kept (the head_dim before padding; default ``D``).
+    :param dense: uncompressed tokens attended in the same softmax (:class:`Dense`; the tensor-core kernel only,
+        see :func:`serves_dense`): one more launch of the kernel over them, merged with the compressed splits.
     :return: ``(out [B, H_q, T_q, out_dim] float32, lse [B, H_q, T_q] float32)``: normalised output and the
         natural-log log-sum-exp of the scaled scores.
-    :raises ValueError: a shape :func:`supported` rejects, or mismatched token counts.
+    :raises ValueError: a shape :func:`supported` rejects, mismatched token counts, or ``dense`` where
+        :func:`serves_dense` is false.
     """
     B, Hq, Tq, Dq = queries.shape
     H, T, D = keys.codes.shape[1], keys.codes.shape[2], keys.codes.shape[3] * 32 // keys.bits
@@ -478,7 +527,10 @@ def decode_attend(queries: mx.array, scale: float, keys: Side, values: Side, bac
         kern = kernel("decode_attend_tc", backend, INPUTS, ("out", "ml"), attend_tc.SOURCE, attend_tc.HEADER,
                       ensure_row_contiguous=False)
         pf = D <= 128 if TUNING["pf"] is None else TUNING["pf"]
-        template = common + [("NT", TUNING["nt"]), ("PF", bool(pf)), ("PAIRTAB", bool(TUNING["pair"]))]
+        template = common + [("NT", TUNING["nt"]), ("PF", bool(pf)), ("PAIRTAB", bool(TUNING["pair"])),
+                             ("DENSE", False)]
+    elif dense is not None:
+        raise ValueError("decode_attend takes dense= with the tensor-core kernel only (see serves_dense)")
     else:
         cpt = min(coords_per_thread(keys.bits), coords_per_thread(values.bits))
         kt = TUNING["kt_small"] if R <= 4 else TUNING["kt_large"]
@@ -486,7 +538,8 @@ def decode_attend(queries: mx.array, scale: float, keys: Side, values: Side, bac
         kern = kernel("decode_attend", backend, INPUTS, ("out", "ml"), SOURCE, ensure_row_contiguous=False)
         template = common + [("CPT", cpt), ("KT", kt), ("PHASES", TUNING["phases"])]
     meta = _constant((chunk, splits), mx.int32)
-    inputs = [queries, _constant((float(scale),), mx.float32), signs, meta,
+    qscale = _constant((float(scale),), mx.float32)
+    inputs = [queries, qscale, signs, meta,
               keys.codes, keys.codes if keys.codes2 is None else keys.codes2,
               keys.scales, keys.scales if keys.biases is None else keys.biases, keys.table,
               values.codes, values.codes if values.codes2 is None else values.codes2,
@@ -494,9 +547,11 @@ def decode_attend(queries: mx.array, scale: float, keys: Side, values: Side, bac
     part, ml = kern(inputs=inputs, template=template, grid=(THREADS * B * H, splits, 1),
                     threadgroup=(THREADS, 1, 1), output_shapes=[(B, H, splits, R, D), (B, H, splits, R, 2)],
                     output_dtypes=[mx.float32, mx.float32])
+    partd, mld = (part, ml) if dense is None else _dense_parts(queries, qscale, dense, R, D, backend)
     merge = kernel("decode_merge", backend, MERGE_INPUTS, ("out", "lse"), MERGE_SOURCE)
-    out, lse = merge(inputs=[part, ml, signs, meta], template=[("D", D), ("DV", out_dim), ("R", R), ("ROT", rot),
-                                                          ("MAX_SPLITS", MAX_SPLITS)],
+    out, lse = merge(inputs=[part, ml, partd, mld, signs, meta],
+                     template=[("D", D), ("DV", out_dim), ("R", R), ("ROT", rot), ("MAX_SPLITS", MAX_SPLITS),
+                               ("ND", 0 if dense is None else 2)],
                      grid=(D * B * H * R, 1, 1), threadgroup=(D, 1, 1),
                      output_shapes=[(B, H, R, out_dim), (B, H, R)], output_dtypes=[mx.float32, mx.float32])
     return out.reshape(B, Hq, Tq, out_dim), lse.reshape(B, Hq, Tq)

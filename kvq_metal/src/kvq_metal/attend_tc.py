@@ -118,8 +118,10 @@ SOURCE = """
     const int h = bh - b * H;
     const int chunk = meta[0];
     const int nsplit = meta[1];
-    const int t_begin = split * chunk;
-    const int t_end = min(T, t_begin + chunk);
+    // DENSE: uncompressed keys and values (a cache's sinks in split 0: kc2/vc2, meta[2] tokens of them; its
+    // window in split 1: kc/vc), read as they are; otherwise codes, split over the sequence
+    const int t_begin = DENSE ? 0 : split * chunk;
+    const int t_end = DENSE ? (split == 0 ? meta[2] : T) : min(T, t_begin + chunk);
     const int tid = KVQ_TID;
     const int lane = KVQ_LANE;
     const int warp = KVQ_WARP;
@@ -221,6 +223,7 @@ SOURCE = """
         float vn[NT][2];
     };
     auto load = [&](Step& buf, const int t0) {
+      if constexpr (!DENSE) {
 #pragma unroll
         for (int st = 0; st < NT; ++st) {
 #pragma unroll
@@ -270,6 +273,28 @@ SOURCE = """
                 }
             }
         }
+      }
+    };
+    // a pair of uncompressed coordinates (j, j + 1) of token t as half2 (DENSE)
+    auto dense_k = [&](const int t, const int j) -> uint {
+        if (split == 0) {
+            if (t >= t_end || j >= kc2_shape[3]) return 0u;
+            const int64_t r = b * kc2_strides[0] + h * kc2_strides[1] + (int64_t)t * kc2_strides[2];
+            return kvq_h2(KVQ_F32(kc2[r + j * kc2_strides[3]]), KVQ_F32(kc2[r + (j + 1) * kc2_strides[3]]));
+        }
+        if (t >= t_end || j >= kc_shape[3]) return 0u;
+        const int64_t r = b * kc_strides[0] + h * kc_strides[1] + (int64_t)t * kc_strides[2];
+        return kvq_h2(KVQ_F32(kc[r + j * kc_strides[3]]), KVQ_F32(kc[r + (j + 1) * kc_strides[3]]));
+    };
+    auto dense_v = [&](const int t, const int j) -> uint {
+        if (split == 0) {
+            if (t >= t_end || j >= vc2_shape[3]) return 0u;
+            const int64_t r = b * vc2_strides[0] + h * vc2_strides[1] + (int64_t)t * vc2_strides[2];
+            return kvq_h2(KVQ_F32(vc2[r + j * vc2_strides[3]]), KVQ_F32(vc2[r + (j + 1) * vc2_strides[3]]));
+        }
+        if (t >= t_end || j >= vc_shape[3]) return 0u;
+        const int64_t r = b * vc_strides[0] + h * vc_strides[1] + (int64_t)t * vc_strides[2];
+        return kvq_h2(KVQ_F32(vc[r + j * vc_strides[3]]), KVQ_F32(vc[r + (j + 1) * vc_strides[3]]));
     };
     constexpr int STEP = NWARP * 16 * NT;
     Step buf;
@@ -284,7 +309,7 @@ SOURCE = """
             uint ku[2][KNW], ku2[2][KNW2];
             uint kh[2][KNG], kbh[2][KNG];
 #pragma unroll
-            for (int u = 0; u < 2; ++u) {
+            for (int u = 0; u < 2 && !DENSE; ++u) {
                 // align the slice to bit 0 (a no-op when every slice starts on a word)
 #pragma unroll
                 for (int k = 0; k < KNW; ++k)
@@ -309,14 +334,16 @@ SOURCE = """
                     uint x;
                     const uint p1 = KVQ_BITS(ku[u], p * 2 * KB, 2 * KB);
                     const uint p2 = KB2 > 0 ? KVQ_BITS(ku2[u], p * 2 * (KB2 > 0 ? KB2 : 1), 2 * (KB2 > 0 ? KB2 : 1)) : 0u;
-                    if (KPAIR) {
+                    if (DENSE) {
+                        x = dense_k(t0 + st * 16 + g + 8 * u, c * SK + 2 * p);
+                    } else if (KPAIR) {
                         x = ktab_s[(p1 << (2 * KB2)) | p2];
                     } else {
                         const uint ca = ((p1 & KMASK) << KB2) | (p2 & KMASK2);
                         const uint cb = ((p1 >> KB) << KB2) | (p2 >> KB2);
                         x = (ktab_s[ca] & 0xffffu) | (ktab_s[cb] << 16);
                     }
-                    if (!KONE) {
+                    if (!KONE && !DENSE) {
                         const int gi = SK >= KG ? (2 * p) / KG : 0;
                         x = kvq_hfma2(x, kh[u][gi], kbh[u][gi]);
                     }
@@ -329,7 +356,7 @@ SOURCE = """
             for (int e = 0; e < 4; ++e) {
                 const int u = e >> 1;
                 const bool ok = t0 + st * 16 + g + 8 * u < t_end;
-                const float mul = KONE ? buf.ksc[st][u][0] * LOG2E : LOG2E;
+                const float mul = KONE && !DENSE ? buf.ksc[st][u][0] * LOG2E : LOG2E;
                 sc[st][e] = ok ? d4[e] * mul : -KVQ_INF;
             }
         }
@@ -358,13 +385,13 @@ SOURCE = """
             const float p0 = kvq_exp2(sc[st][0] - z0), p1_ = kvq_exp2(sc[st][1] - z1);
             const float p2_ = kvq_exp2(sc[st][2] - z0), p3 = kvq_exp2(sc[st][3] - z1);
             l0 += p0 + p2_; l1 += p1_ + p3;
-            const float w0 = VONE ? buf.vn[st][0] : 1.0f, w1 = VONE ? buf.vn[st][1] : 1.0f;
+            const float w0 = VONE && !DENSE ? buf.vn[st][0] : 1.0f, w1 = VONE && !DENSE ? buf.vn[st][1] : 1.0f;
             const uint pb0 = kvq_trans(kvq_h2(p0 * w0, p1_ * w0));
             const uint pb1 = kvq_trans(kvq_h2(p2_ * w1, p3 * w1));
             uint vu[4][VNW], vu2[4][VNW2];
             uint vh[4][VNG], vbh[4][VNG];
 #pragma unroll
-            for (int u = 0; u < 4; ++u) {
+            for (int u = 0; u < 4 && !DENSE; ++u) {
 #pragma unroll
                 for (int k = 0; k < VNW; ++k)
                     vu[u][k] = VAL ? buf.vw[st][u][k] : kvq_funnel(buf.vw[st][u][k], k + 1 < VNW ? buf.vw[st][u][k + 1] : 0u, vbit & 31);
@@ -385,14 +412,16 @@ SOURCE = """
                     uint x;
                     const uint p1 = KVQ_BITS(vu[u], i * 2 * VB, 2 * VB);
                     const uint p2 = VB2 > 0 ? KVQ_BITS(vu2[u], i * 2 * (VB2 > 0 ? VB2 : 1), 2 * (VB2 > 0 ? VB2 : 1)) : 0u;
-                    if (VPAIR) {
+                    if (DENSE) {
+                        x = dense_v(t0 + st * 16 + 2 * c + (u & 1) + 8 * (u >> 1), g * SV + 2 * i);
+                    } else if (VPAIR) {
                         x = vtab_s[(p1 << (2 * VB2)) | p2];
                     } else {
                         const uint ca = ((p1 & VMASK) << VB2) | (p2 & VMASK2);
                         const uint cb = ((p1 >> VB) << VB2) | (p2 >> VB2);
                         x = (vtab_s[ca] & 0xffffu) | (vtab_s[cb] << 16);
                     }
-                    if (!VONE) {
+                    if (!VONE && !DENSE) {
                         const int gi = SV >= VG ? (2 * i) / VG : 0;
                         x = kvq_hfma2(x, vh[u][gi], vbh[u][gi]);
                     }

@@ -88,6 +88,17 @@ class KernelImpl:
             return f"{self.backend} is not MLX's default device here"
         return "" if self.kernel_supports(problem) else "outside the kernel's limits (or disabled by its check)"
 
+    def attend_dense(self, queries, keys, values, scale, dense):
+        """Decode attention over compressed ``keys``/``values`` and uncompressed tokens (``dense``, a
+        :class:`kvq_metal.attend.Dense`: a cache's sinks and residual window) in one softmax and one fused call,
+        without a mask (every key precedes every query).
+
+        :return: ``(out [B, H_q, T_q, D_v] float32, lse [B, H_q, T_q])``, or ``None`` where the kernel does not
+            take uncompressed tokens for this call (the caller then attends the parts separately and merges them:
+            the same result).
+        """
+        return None
+
     def kernel_supports(self, problem) -> bool:  # pragma: no cover - overridden
         """Whether the kernel serves ``problem`` (its shape, bits and parameters) after its first-use check;
         the device is already known to match. Subclasses define it."""

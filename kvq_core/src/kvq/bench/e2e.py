@@ -52,6 +52,7 @@ class E2ESettings:
     :param fill: one of :data:`FILLS`.
     :param sinks, window: kvq caches' uncompressed first and last tokens (a method string may override them).
     :param kernels: kvq caches' kernel preference: ``"auto"``, ``"require"`` or ``"off"``.
+    :param flush: kvq caches' window flush block (:class:`kvq.cache.CacheConfig`; 32, as ``kvq generate``).
     :param seed: seed of the random keys and values.
     :param progress: show a tqdm bar on stderr.
     """
@@ -66,6 +67,7 @@ class E2ESettings:
     kernels: str = "auto"
     seed: int = 0
     progress: bool = True
+    flush: int = 32
 
 
 def parse_methods(text: str | None, head_dim: int | None = None, sinks: int = 4, window: int = 128,
@@ -112,7 +114,8 @@ def make_cache(model, spec: MethodSpec, settings: E2ESettings) -> list:
         return [QuantizedKVCache(group_size=group_size, bits=bits) for _ in model.layers]
     from ..cache import make_prompt_cache
 
-    return make_prompt_cache(model, **spec.cache_kwargs(settings.sinks, settings.window), kernels=settings.kernels)
+    return make_prompt_cache(model, **spec.cache_kwargs(settings.sinks, settings.window), kernels=settings.kernels,
+                             flush=settings.flush)
 
 
 def bits(spec: MethodSpec, head_dim: int, dtype: mx.Dtype) -> tuple[float, float]:

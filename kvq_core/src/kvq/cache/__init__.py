@@ -35,13 +35,15 @@ def _params(method: str | None, overrides: dict | None, shared: dict, side: str)
 
 def make_config(method: str | None = "affine", *, key_method: str | None = None, value_method: str | None = None,
                 key_params: dict | None = None, value_params: dict | None = None, sinks: int = 4,
-                window: int = 128, step: int = 256, kernels: str = "auto", **params: Any) -> CacheConfig:
+                window: int = 128, step: int = 256, kernels: str = "auto", flush: int = 1,
+                **params: Any) -> CacheConfig:
     """A validated :class:`CacheConfig`.
 
     :param method: method for keys and values (``key_method``/``value_method`` override it per side).
     :param key_params: parameters for the keys only (merged over ``params``); ``value_params`` likewise.
     :param params: parameters shared by both sides (``bits=4``).
     :param kernels: ``"auto"``, ``"require"`` or ``"off"`` (see :class:`CacheConfig`).
+    :param flush: tokens leave the residual window in blocks of ``flush`` (see :class:`CacheConfig`).
     :raises ValueError: unknown method, parameter out of range, ``kernels`` not one of the three, a keys-only
         method (``qjl``) on the values' side.
     :raises TypeError: unknown parameter name.
@@ -53,7 +55,7 @@ def make_config(method: str | None = "affine", *, key_method: str | None = None,
         raise ValueError(f"{vp.method} compresses keys only (it estimates inner products, not vectors): give the "
                          f"values another method, e.g. value_method='affine' (CLI: --value-method affine; "
                          f"kvq eval: {vp.method}+affine:4)")
-    return CacheConfig(kp, vp, sinks, window, step, kernels)
+    return CacheConfig(kp, vp, sinks, window, step, kernels, flush)
 
 
 def check_required_kernels(config: CacheConfig, num_kv_heads: int, head_dim: int, num_q_heads: int) -> None:

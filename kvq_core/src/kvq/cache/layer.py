@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
-from ..attention import attend_encoded, dense_attend, merge_parts, sinks_part
+from ..attention import DenseTokens, attend_encoded, dense_attend, merge_parts, sinks_part
 from ..plugins import registry
 from ..select import MAX_DECODE_QUERIES, check_kernels, is_kernel, select
 from ..validate import float_array
@@ -35,6 +35,10 @@ class CacheConfig:
     :param sinks: first tokens kept uncompressed (>= 0; default 4).
     :param window: most recent tokens kept uncompressed (>= 0; default 128).
     :param step: tokens per allocation step of the compressed store.
+    :param flush: tokens leave the window for the compressed store in blocks of ``flush`` (>= 1; default 1):
+        the window then holds ``window`` to ``window + flush - 1`` tokens. 1 compresses one token per decode
+        step; a block (KIVI's residual, arXiv 2402.02750, flushes whole groups) quantizes once every ``flush``
+        steps, so a decode step is an append, which matters where every op has a launch cost (MLX on a GPU).
     :param kernels: ``"auto"`` (default), ``"require"`` or ``"off"`` (:data:`kvq.select.KERNELS`): which
         implementations the cache's hot path may use. ``require``: attention must run in a kernel (checked by
         :func:`kvq.make_prompt_cache` at construction) and quantize runs in a kernel wherever the method has
@@ -47,12 +51,14 @@ class CacheConfig:
     window: int = attrs.field(default=128)
     step: int = attrs.field(default=256)
     kernels: str = attrs.field(default="auto", validator=lambda i, a, v: check_kernels(v))
+    flush: int = attrs.field(default=1)
 
+    @flush.validator
     @sinks.validator
     @window.validator
     @step.validator
     def _non_negative(self, attribute, value):
-        low = 1 if attribute.name == "step" else 0
+        low = 1 if attribute.name in ("step", "flush") else 0
         if not isinstance(value, int) or value < low:
             raise ValueError(f"{attribute.name} must be an int >= {low}; got {value!r}")
 
@@ -111,7 +117,7 @@ class KVQCache:
         self.config = config
         self.offset = 0
         self.sinks = DenseBuffer(config.sinks)
-        self.window = DenseBuffer(config.window)
+        self.window = DenseBuffer(config.window + config.flush - 1)
         self.compressed_keys = EncodedStore(config.step)
         self.compressed_values = EncodedStore(config.step)
         self._layout = None  # (B, H, D_k, D_v, dtype), fixed by the first update
@@ -233,6 +239,9 @@ class KVQCache:
         return keys[:, :, take:], values[:, :, take:]
 
     def _push_window(self, keys, values):
+        if self.window.length + keys.shape[2] < self.config.window + self.config.flush:
+            self.window.append(keys, values)  # no token leaves the window yet: one copy into the buffer
+            return
         held_k, held_v = self.window.view()
         if held_k is not None:
             keys = mx.concatenate([held_k, keys], axis=2)
@@ -283,6 +292,10 @@ class KVQCache:
         :return: ``[B, H_q, T_q, D_v]`` in the queries' dtype.
         """
         Tq = queries.shape[2]
+        if Tq == 1 and (mask is None or isinstance(mask, str)) and sinks is None and query_start is None:
+            fused = self._fused_attend(queries, scale)
+            if fused is not None:
+                return fused
         start_q = self.offset - Tq if query_start is None else query_start
         q_pos = mx.arange(start_q, start_q + Tq)
         user_mask = _bool_mask(mask)
@@ -295,6 +308,27 @@ class KVQCache:
             parts.append(sinks_part(sinks, queries, parts[0][0].shape[-1]))
         out, _ = merge_parts(parts)
         return out.astype(queries.dtype)
+
+    def _fused_attend(self, queries, scale):
+        """Decode of one token in one fused call over the compressed tokens, the sinks and the window, where the
+        chosen attend implementation offers ``attend_dense`` (kvq_metal's tensor-core kernel: two launches and a
+        merge instead of an attention per part); ``None`` otherwise (the parts are attended and merged)."""
+        kp, vp = self.config.key_params, self.config.value_params
+        if kp.method != vp.method or not self.compressed_keys.length or not self.window.length:
+            return None
+        keys, values = self.compressed_keys.view(), self.compressed_values.view()
+        B, Hq, Tq, _ = queries.shape
+        plan = select(kp.method, keys.shape, dtype=queries.dtype, op="attend", params=kp, num_queries=Tq,
+                      num_q_heads=Hq, kernels=attend_kernels(self.config.kernels, Tq))
+        choice = plan.choices.get("attend")
+        attend_dense = getattr(choice.implementation, "attend_dense", None) if choice else None
+        if attend_dense is None:
+            return None
+        sink_keys, sink_values = self.sinks.view()
+        window_keys, window_values = self.window.view()
+        result = attend_dense(queries, keys, values, scale,
+                              DenseTokens(sink_keys, sink_values, window_keys, window_values))
+        return None if result is None else result[0].astype(queries.dtype)
 
     def _parts(self):
         return [(k, n) for k, n in (("sinks", self.sinks.length), ("compressed", self.compressed_keys.length),

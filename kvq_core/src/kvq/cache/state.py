@@ -21,7 +21,7 @@ def config_to_json(config, layout) -> str:
         "format": FORMAT, "kvq": __version__,
         "key_method": config.key_params.method, "key_params": attrs.asdict(config.key_params),
         "value_method": config.value_params.method, "value_params": attrs.asdict(config.value_params),
-        "sinks": config.sinks, "window": config.window, "step": config.step,
+        "sinks": config.sinks, "window": config.window, "step": config.step, "flush": config.flush,
         "layout": None if layout is None else [*layout[:4], str(layout[4]).split(".")[-1]],
     }, sort_keys=True)
 
@@ -46,7 +46,8 @@ def config_from_json(text: str):
     layout = data["layout"]
     if layout is not None:
         layout = (*layout[:4], getattr(mx, layout[4]))
-    return CacheConfig(key_params, value_params, data["sinks"], data["window"], data["step"]), layout
+    return CacheConfig(key_params, value_params, data["sinks"], data["window"], data["step"],
+                       flush=data.get("flush", 1)), layout
 
 
 def describe(text: str) -> dict:

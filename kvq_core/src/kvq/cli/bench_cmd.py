@@ -76,6 +76,8 @@ def e2e_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=None, help="random models: keep this many layers")
     p.add_argument("--sinks", type=int, default=4, help="kvq caches: uncompressed first tokens (default 4)")
     p.add_argument("--window", type=int, default=128, help="kvq caches: uncompressed last tokens (default 128)")
+    p.add_argument("--flush", type=int, default=32, metavar="N",
+                   help="kvq caches: tokens leave the window in blocks of N (default 32, as kvq generate)")
     p.add_argument("--kernels", choices=("auto", "require", "off"), default="auto",
                    help="kvq caches: fused kernels (default auto)")
     p.add_argument("--largest-first", action="store_true",
@@ -146,7 +148,7 @@ def e2e_check(args) -> dict:
     from ..bench.random_model import is_random
 
     for option, value, low in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0), ("--chunk", args.chunk, 1),
-                               ("--sinks", args.sinks, 0), ("--window", args.window, 0)):
+                               ("--sinks", args.sinks, 0), ("--window", args.window, 0), ("--flush", args.flush, 1)):
         if value < low:
             raise ValueError(f"{option} must be >= {low}; got {value}")
     random = is_random(args.model)
@@ -162,7 +164,7 @@ def e2e_check(args) -> dict:
     specs = e2e.parse_methods(args.methods, head_dim, args.sinks, args.window)
     contexts = tuple(sorted(contexts, reverse=args.largest_first))
     settings = e2e.E2ESettings(contexts, args.steps, args.warmup, args.chunk, fill, args.sinks, args.window,
-                               args.kernels, args.seed, not args.no_progress)
+                               args.kernels, args.seed, not args.no_progress, args.flush)
     return {"name": name, "config": config, "path": path, "settings": settings, "specs": specs,
             "dtype": args.dtype or ("float32" if random and _on_cpu() else "bfloat16" if random else None)}
 

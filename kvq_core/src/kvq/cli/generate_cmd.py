@@ -81,12 +81,13 @@ def cache_options(args: argparse.Namespace) -> dict:
         if spec.is_mlx:
             raise ValueError(f"--method {args.method!r}: mlx-affine (mlx-lm's own cache) is for kvq eval and "
                              f"kvq bench; use --method affine for kvq's")
-        return {**spec.cache_kwargs(args.sinks, args.window), "kernels": getattr(args, "kernels", "auto")}
+        return {**spec.cache_kwargs(args.sinks, args.window), "kernels": getattr(args, "kernels", "auto"),
+                "flush": getattr(args, "flush", 1)}
     shared = dict(parse_param(p) for p in args.param)
     if args.bits is not None:
         shared["bits"] = args.bits
     options = {"method": args.method, "sinks": args.sinks, "window": args.window,
-               "kernels": getattr(args, "kernels", "auto"), **shared}
+               "kernels": getattr(args, "kernels", "auto"), "flush": getattr(args, "flush", 1), **shared}
     if args.key_method or args.key_param:
         options["key_method"] = args.key_method
         options["key_params"] = dict(parse_param(p) for p in args.key_param)
@@ -326,6 +327,8 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--value-param", action="append", default=[], metavar="NAME=VALUE", help="values' parameter")
     p.add_argument("--sinks", type=int, default=4, help="first tokens kept uncompressed (default 4)")
     p.add_argument("--window", type=int, default=128, help="recent tokens kept uncompressed (default 128)")
+    p.add_argument("--flush", type=int, default=32, metavar="N",
+                   help="tokens leave the window in blocks of N (default 32): a decode step is then an append, and quantizing runs once every N steps; 1 compresses every step")
     p.add_argument("--kernels", choices=KERNELS, default="auto",
                    help="fused GPU kernels: auto (where available and faster; default), require (fail if none "
                         "serves decode attention on this device), off (pure MLX only)")

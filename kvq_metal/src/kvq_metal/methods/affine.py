@@ -51,13 +51,25 @@ class AffineKernels(KernelImpl):
         """The kernel path of :meth:`kvq_attend` (no checks): ``(out, lse)`` as the spec says."""
         return attend.decode_attend(queries, scale, _side(keys), _side(values), self.backend)
 
+    def _serves(self, queries, keys, values, mask) -> bool:
+        B, Hq, Tq, D = queries.shape
+        return (mask is None and keys.num_tokens > 0 and values.method == "affine"
+                and values.head_dim == D and Hq % keys.shape[1] == 0
+                and attend.supported(D, keys.params.bits, values.params.bits, keys.params.group_size,
+                                     values.params.group_size, Hq // keys.shape[1] * Tq))
+
     def kvq_attend(self, queries, keys, values, scale, mask):
         """``kvq_attend`` spec; pure MLX serves masks, other methods' values and shapes beyond the kernel."""
-        B, Hq, Tq, D = queries.shape
-        ok = (mask is None and keys.num_tokens > 0 and values.method == "affine"
-              and values.head_dim == D and Hq % keys.shape[1] == 0
-              and attend.supported(D, keys.params.bits, values.params.bits, keys.params.group_size,
-                                   values.params.group_size, Hq // keys.shape[1] * Tq))
-        if not ok:
+        if not self._serves(queries, keys, values, mask):
             return self.fallback().kvq_attend(queries, keys, values, scale, mask)
         return self.attend_kernel(queries, keys, values, scale)
+
+    def attend_dense(self, queries, keys, values, scale, dense):
+        """:meth:`KernelImpl.attend_dense`: the tensor-core kernel reads the uncompressed tokens too."""
+        if not self._serves(queries, keys, values, None):
+            return None
+        ks, vs = _side(keys), _side(values)
+        rows = queries.shape[1] // keys.shape[1] * queries.shape[2]
+        if not attend.serves_dense(self.backend, queries.shape[3], ks, vs, rows):
+            return None
+        return attend.decode_attend(queries, scale, ks, vs, self.backend, dense=dense)

@@ -57,19 +57,28 @@ def rotated_kernel_serves(queries, keys, values, mask, accepts) -> bool:
             and attend.supported(dim, keys.params.bits, values.params.bits, dim, dim, Hq // Hkv * Tq))
 
 
-def rotated_attend(impl, queries, keys, values, scale, side):
+def rotated_attend(impl, queries, keys, values, scale, side, dense=None):
     """Decode attention over codes in the rotated domain (``turboquant``, ``turboquant_rvq``).
 
     With the randomized Hadamard rotation and the same seed on both sides, the kernels rotate the queries and
     inverse-rotate the output themselves; otherwise the pure-MLX implementation's ``prepare_queries`` and
     ``finish_values`` do it (one dense rotation each). :param side: Encoded -> :class:`~kvq_metal.attend.Side`.
+    :param dense: uncompressed tokens in the same softmax (:meth:`KernelImpl.attend_dense`); ``None`` is returned
+        where the kernel cannot take them (another rotation, or the SIMT kernel).
     """
     _, rotation, _ = _tq()
     kp, vp = keys.params, values.params
     if kp.rotation == vp.rotation == "hadamard" and kp.seed == vp.seed:
         signs = rotation.rotation("hadamard", rotation.padded_dim(keys.head_dim), kp.seed).signs
-        return attend.decode_attend(queries, scale, side(keys), side(values), impl.backend, signs=signs,
-                                    out_dim=values.head_dim)
+        ks, vs = side(keys), side(values)
+        if dense is not None:
+            rows = queries.shape[1] // keys.shape[1] * queries.shape[2]
+            if not attend.serves_dense(impl.backend, rotation.padded_dim(keys.head_dim), ks, vs, rows):
+                return None
+        return attend.decode_attend(queries, scale, ks, vs, impl.backend, signs=signs,
+                                    out_dim=values.head_dim, dense=dense)
+    if dense is not None:
+        return None
     mlx_impl = impl.fallback()
     q = mlx_impl.prepare_queries(grouped_rows(queries, keys.shape[1], scale), keys)
     B, H, n_rep, Tq, dim = q.shape
@@ -154,6 +163,12 @@ class TurboQuantKernels(KernelImpl):
         if not rotated_kernel_serves(queries, keys, values, mask, _plain):
             return self.fallback().kvq_attend(queries, keys, values, scale, mask)
         return self.attend_kernel(queries, keys, values, scale)
+
+    def attend_dense(self, queries, keys, values, scale, dense):
+        """:meth:`KernelImpl.attend_dense` (the randomized Hadamard rotation and the tensor-core kernel)."""
+        if not rotated_kernel_serves(queries, keys, values, None, _plain):
+            return None
+        return rotated_attend(self, queries, keys, values, scale, _side, dense)
 
     # -- first-use check ----------------------------------------------------------------------------
     def _check_codec(self, params, head_dim: int, dtype) -> tuple[bool, str]:

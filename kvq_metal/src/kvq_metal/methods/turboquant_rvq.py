@@ -77,3 +77,9 @@ class TurboQuantRVQKernels(KernelImpl):
         if not rotated_kernel_serves(queries, keys, values, mask, lambda p: p.method == self.method):
             return self.fallback().kvq_attend(queries, keys, values, scale, mask)
         return self.attend_kernel(queries, keys, values, scale)
+
+    def attend_dense(self, queries, keys, values, scale, dense):
+        """:meth:`KernelImpl.attend_dense` (the randomized Hadamard rotation and the tensor-core kernel)."""
+        if not rotated_kernel_serves(queries, keys, values, None, lambda p: p.method == self.method):
+            return None
+        return rotated_attend(self, queries, keys, values, scale, _side, dense)
