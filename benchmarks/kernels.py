@@ -163,8 +163,8 @@ def sweep_rows(backend):
 
     B, Hq, Hkv, D = 1, 32, 8, 128
     base_tuning, base_groups = dict(attend.TUNING), dict(attend.TARGET_GROUPS)
-    configs = [{}, {"pf": False}, {"pair": False}, {"pf": False, "pair": False}, {"nt": 1}, {"nt": 4},
-               {"tc_groups": 132}, {"tc_groups": 528}, {"tc_groups": 1056}, {"tc": False}]
+    configs = [{}, {"pf": True}, {"pair": False}, {"nt": 1}, {"nt": 4}, {"tc_groups": 132}, {"tc_groups": 528},
+               {"tc_groups": 1056}, {"tc": False}]
     rows = []
     for T in (131072,):
         q = mx.random.normal((B, Hq, 1, D)).astype(mx.float16)

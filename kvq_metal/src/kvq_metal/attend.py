@@ -40,10 +40,10 @@ MAX_SPLITS = 2048
 #: rows and for more, an optional override of the coordinates per thread (4 or 8; ``None``: by bits), and
 #: ``phases`` (3 = scores and values; 1 or 2 runs only one of them, giving wrong results: profiling only); on CUDA,
 #: ``tc`` picks the tensor-core kernel (:mod:`kvq_metal.attend_tc`) where it serves the shape; its knobs: ``nt``
-#: 16-token tiles per warp step, ``pf`` loads of the next step issued before this step's math (``None``: for
-#: head_dim <= 128, where the registers allow it), ``pair`` pair tables (two codes per lookup) and ``tc_groups``
+#: 16-token tiles per warp step, ``pf`` loads of the next step issued before this step's math (off: it costs
+#: registers and measured no faster on the H200), ``pair`` pair tables (two codes per lookup) and ``tc_groups``
 #: thread groups to aim for (it keeps a block's warps busy longer: fewer, longer splits).
-TUNING = {"kt_small": 8, "kt_large": 8, "cpt": None, "phases": 3, "tc": True, "nt": 2, "pf": None, "pair": True,
+TUNING = {"kt_small": 8, "kt_large": 8, "cpt": None, "phases": 3, "tc": True, "nt": 2, "pf": False, "pair": True,
           "tc_groups": 264}
 # benchmarks may override the knobs without code changes: KVQ_ATTEND_TUNING='{"nt": 1}'
 TUNING.update(json.loads(os.environ.get("KVQ_ATTEND_TUNING", "{}")))

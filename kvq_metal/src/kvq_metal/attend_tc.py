@@ -224,52 +224,47 @@ SOURCE = """
     };
     auto load = [&](Step& buf, const int t0) {
       if constexpr (!DENSE) {
+        // past the end of the codes a token index is clamped: its words are read from a valid token and its
+        // score is masked to -inf below, so no load needs a branch
 #pragma unroll
         for (int st = 0; st < NT; ++st) {
 #pragma unroll
             for (int u = 0; u < 2; ++u) {
-                const int t = t0 + st * 16 + g + 8 * u;
-                const bool ok = t < t_end;
-                const int64_t row = kbase + (int64_t)t * kc_strides[2];
+                const int t = min(t0 + st * 16 + g + 8 * u, T - 1);
+                const auto* row = kc + kbase + (int64_t)t * kc_strides[2] + (kbit >> 5) * kc_strides[3];
 #pragma unroll
-                for (int k = 0; k < KNW; ++k) {
-                    const int wi = (kbit >> 5) + k;
-                    buf.kw[st][u][k] = ok && wi < kwl ? kc[row + wi * kc_strides[3]] : 0u;
-                }
+                for (int k = 0; k < KNW; ++k)
+                    buf.kw[st][u][k] = KAL || (kbit >> 5) + k < kwl ? row[k * kc_strides[3]] : 0u;
+                if (KB2 > 0) {
+                    const auto* row2 = kc2 + kbase2 + (int64_t)t * kc2_strides[2] + (kbit2 >> 5) * kc2_strides[3];
 #pragma unroll
-                for (int k = 0; k < KNW2; ++k) {
-                    const int wi = (kbit2 >> 5) + k;
-                    const int64_t row2 = kbase2 + (int64_t)t * kc2_strides[2];
-                    buf.kw2[st][u][k] = KB2 > 0 && ok && wi < kwl2 ? kc2[row2 + wi * kc2_strides[3]] : 0u;
+                    for (int k = 0; k < KNW2; ++k)
+                        buf.kw2[st][u][k] = KAL || (kbit2 >> 5) + k < kwl2 ? row2[k * kc2_strides[3]] : 0u;
                 }
 #pragma unroll
                 for (int k = 0; k < KNG; ++k) {
-                    const int64_t si = (int64_t)t * ks_strides[2] + (kg0 + k) * (KONE ? 0 : ks_strides[3]);
-                    buf.ksc[st][u][k] = ok ? KVQ_F32(ks[ksbase + si]) : 0.0f;
-                    buf.kbi[st][u][k] = KBIAS && ok ? KVQ_F32(kb[kbbase + (int64_t)t * kb_strides[2] + (kg0 + k) * kb_strides[3]]) : 0.0f;
+                    buf.ksc[st][u][k] = KVQ_F32(ks[ksbase + (int64_t)t * ks_strides[2] + (KONE ? 0 : (kg0 + k) * ks_strides[3])]);
+                    buf.kbi[st][u][k] = KBIAS ? KVQ_F32(kb[kbbase + (int64_t)t * kb_strides[2] + (kg0 + k) * kb_strides[3]]) : 0.0f;
                 }
-                buf.vn[st][u] = VONE && ok ? KVQ_F32(vs[vsbase + (int64_t)t * vs_strides[2]]) : 0.0f;
+                buf.vn[st][u] = VONE ? KVQ_F32(vs[vsbase + (int64_t)t * vs_strides[2]]) : 0.0f;
             }
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
-                const int t = t0 + st * 16 + 2 * c + (u & 1) + 8 * (u >> 1);
-                const bool ok = t < t_end;
-                const int64_t row = vbase + (int64_t)t * vc_strides[2];
+                const int t = min(t0 + st * 16 + 2 * c + (u & 1) + 8 * (u >> 1), T - 1);
+                const auto* row = vc + vbase + (int64_t)t * vc_strides[2] + (vbit >> 5) * vc_strides[3];
 #pragma unroll
-                for (int k = 0; k < VNW; ++k) {
-                    const int wi = (vbit >> 5) + k;
-                    buf.vw[st][u][k] = ok && wi < vwl ? vc[row + wi * vc_strides[3]] : 0u;
-                }
+                for (int k = 0; k < VNW; ++k)
+                    buf.vw[st][u][k] = VAL || (vbit >> 5) + k < vwl ? row[k * vc_strides[3]] : 0u;
+                if (VB2 > 0) {
+                    const auto* row2 = vc2 + vbase2 + (int64_t)t * vc2_strides[2] + (vbit2 >> 5) * vc2_strides[3];
 #pragma unroll
-                for (int k = 0; k < VNW2; ++k) {
-                    const int wi = (vbit2 >> 5) + k;
-                    const int64_t row2 = vbase2 + (int64_t)t * vc2_strides[2];
-                    buf.vw2[st][u][k] = VB2 > 0 && ok && wi < vwl2 ? vc2[row2 + wi * vc2_strides[3]] : 0u;
+                    for (int k = 0; k < VNW2; ++k)
+                        buf.vw2[st][u][k] = VAL || (vbit2 >> 5) + k < vwl2 ? row2[k * vc2_strides[3]] : 0u;
                 }
 #pragma unroll
                 for (int k = 0; k < VNG; ++k) {
-                    buf.vsc[st][u][k] = !VONE && ok ? KVQ_F32(vs[vsbase + (int64_t)t * vs_strides[2] + (vg0 + k) * vs_strides[3]]) : 0.0f;
-                    buf.vbi[st][u][k] = VBIAS && ok ? KVQ_F32(vb[vbbase + (int64_t)t * vb_strides[2] + (vg0 + k) * vb_strides[3]]) : 0.0f;
+                    buf.vsc[st][u][k] = VONE ? 0.0f : KVQ_F32(vs[vsbase + (int64_t)t * vs_strides[2] + (vg0 + k) * vs_strides[3]]);
+                    buf.vbi[st][u][k] = VBIAS ? KVQ_F32(vb[vbbase + (int64_t)t * vb_strides[2] + (vg0 + k) * vb_strides[3]]) : 0.0f;
                 }
             }
         }

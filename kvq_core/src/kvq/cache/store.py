@@ -118,9 +118,11 @@ class DenseBuffer(_Trimmable):
         if self.keys is None:
             self._allocate(keys, values)
         # mx.array(...) copies: a slice assignment covering the whole buffer would otherwise alias (and keep
-        # alive) the array that ``keys`` is a slice of, such as a whole prefill chunk
-        self.keys[:, :, self.length : self.length + n] = mx.array(keys)
-        self.values[:, :, self.length : self.length + n] = mx.array(values)
+        # alive) the array that ``keys`` is a slice of, such as a whole prefill chunk; a partial one copies
+        if n == self.capacity:
+            keys, values = mx.array(keys), mx.array(values)
+        self.keys[:, :, self.length : self.length + n] = keys
+        self.values[:, :, self.length : self.length + n] = values
         self.length += n
 
     def replace(self, keys: mx.array, values: mx.array) -> None:
