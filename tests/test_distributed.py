@@ -36,6 +36,10 @@ from kvq import models
 WORKER = Path(__file__).with_name("distributed_worker.py")
 RANKS = 2
 BACKEND = os.environ.get("KVQ_TEST_DISTRIBUTED_BACKEND", "ring")
+#: Pipeline parallelism needs send/recv, which MLX 0.32's CUDA back end does not implement ("Send has no CUDA
+#: implementation", seen on 2 H200s over NCCL): mlx-lm's pipelined models fail there on their own, so the pipeline
+#: part runs on the ring back end only.
+PIPELINE = BACKEND != "nccl"
 #: Seconds a launch may take (the one of every part: about 25 s on a busy 2-core CPU). A pipeline run that lost
 #: its send would hang until then.
 LAUNCH_TIMEOUT = 120
@@ -141,7 +145,8 @@ def tiny_folder(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory, tiny_folder) -> list[dict]:
     """One launch runs every part (tensor, pipeline, kvq generate): each launch costs seconds of imports."""
-    return worker("tensor,pipeline,generate", tmp_path_factory.mktemp("launch") / "out", str(tiny_folder))
+    parts = "tensor,pipeline,generate" if PIPELINE else "tensor,generate"
+    return worker(parts, tmp_path_factory.mktemp("launch") / "out", str(tiny_folder))
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +156,8 @@ def tensor_run(launched) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def pipeline_run(launched) -> list[dict]:
-    return [r["pipeline"] for r in launched]
+    """Each rank's pipeline-parallel result (empty on NCCL: see :data:`PIPELINE`)."""
+    return [r["pipeline"] for r in launched] if PIPELINE else []
 
 
 def max_logprob_difference(entry: dict) -> float:
@@ -182,6 +188,8 @@ def test_pipeline_parallel_matches_single_process_exactly(pipeline_run, method):
     each rank holds caches for its 2 layers only, equal bit for bit to the single-process run's caches of those
     layers, and the tokens and log-probabilities are identical. mlx-lm prefills in chunks and evaluates only the
     caches' state, so the run would hang if ``cache[-1].keys = mx.depends(...)`` lost the send."""
+    if not PIPELINE:
+        pytest.skip("MLX 0.32's CUDA back end has no send/recv: pipeline parallelism over NCCL fails in MLX itself")
     assert [r["first_layer"] for r in pipeline_run] == [2, 0]
     for rank, result in enumerate(pipeline_run):
         entry = result["methods"][method]
