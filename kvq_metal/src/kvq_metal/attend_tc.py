@@ -234,12 +234,12 @@ SOURCE = """
                 const auto* row = kc + kbase + (int64_t)t * kc_strides[2] + (kbit >> 5) * kc_strides[3];
 #pragma unroll
                 for (int k = 0; k < KNW; ++k)
-                    buf.kw[st][u][k] = KAL || (kbit >> 5) + k < kwl ? row[k * kc_strides[3]] : 0u;
+                    buf.kw[st][u][k] = KAL || (kbit >> 5) + k < kwl ? (uint)row[k * kc_strides[3]] : 0u;
                 if (KB2 > 0) {
                     const auto* row2 = kc2 + kbase2 + (int64_t)t * kc2_strides[2] + (kbit2 >> 5) * kc2_strides[3];
 #pragma unroll
                     for (int k = 0; k < KNW2; ++k)
-                        buf.kw2[st][u][k] = KAL || (kbit2 >> 5) + k < kwl2 ? row2[k * kc2_strides[3]] : 0u;
+                        buf.kw2[st][u][k] = KAL || (kbit2 >> 5) + k < kwl2 ? (uint)row2[k * kc2_strides[3]] : 0u;
                 }
 #pragma unroll
                 for (int k = 0; k < KNG; ++k) {
@@ -254,12 +254,12 @@ SOURCE = """
                 const auto* row = vc + vbase + (int64_t)t * vc_strides[2] + (vbit >> 5) * vc_strides[3];
 #pragma unroll
                 for (int k = 0; k < VNW; ++k)
-                    buf.vw[st][u][k] = VAL || (vbit >> 5) + k < vwl ? row[k * vc_strides[3]] : 0u;
+                    buf.vw[st][u][k] = VAL || (vbit >> 5) + k < vwl ? (uint)row[k * vc_strides[3]] : 0u;
                 if (VB2 > 0) {
                     const auto* row2 = vc2 + vbase2 + (int64_t)t * vc2_strides[2] + (vbit2 >> 5) * vc2_strides[3];
 #pragma unroll
                     for (int k = 0; k < VNW2; ++k)
-                        buf.vw2[st][u][k] = VAL || (vbit2 >> 5) + k < vwl2 ? row2[k * vc2_strides[3]] : 0u;
+                        buf.vw2[st][u][k] = VAL || (vbit2 >> 5) + k < vwl2 ? (uint)row2[k * vc2_strides[3]] : 0u;
                 }
 #pragma unroll
                 for (int k = 0; k < VNG; ++k) {
