@@ -317,10 +317,7 @@ class KVQCache:
         if kp.method != vp.method or not self.compressed_keys.length or not self.window.length:
             return None
         keys, values = self.compressed_keys.view(), self.compressed_values.view()
-        B, Hq, Tq, _ = queries.shape
-        plan = select(kp.method, keys.shape, dtype=queries.dtype, op="attend", params=kp, num_queries=Tq,
-                      num_q_heads=Hq, kernels=attend_kernels(self.config.kernels, Tq))
-        choice = plan.choices.get("attend")
+        choice = self._attend_plan(keys, queries).choices.get("attend")
         attend_dense = getattr(choice.implementation, "attend_dense", None) if choice else None
         if attend_dense is None:
             return None
@@ -349,13 +346,17 @@ class KVQCache:
         keys, values = self.compressed_keys.view(), self.compressed_values.view()
         return self._attend_fn(keys, queries)(queries, keys, values, scale, mask)
 
+    def _attend_plan(self, keys, queries):
+        """:func:`kvq.select`'s plan for attending ``queries`` over the compressed ``keys`` (one method)."""
+        kp = self.config.key_params
+        B, Hq, Tq, _ = queries.shape
+        return select(kp.method, keys.shape, dtype=queries.dtype, op="attend", params=kp, num_queries=Tq,
+                      num_q_heads=Hq, kernels=attend_kernels(self.config.kernels, Tq))
+
     def _attend_fn(self, keys, queries):
         kp, vp = self.config.key_params, self.config.value_params
-        B, Hq, Tq, _ = queries.shape
         if kp.method == vp.method:
-            plan = select(kp.method, keys.shape, dtype=queries.dtype, op="attend", params=kp,
-                          num_queries=Tq, num_q_heads=Hq, kernels=attend_kernels(self.config.kernels, Tq))
-            return plan.attend
+            return self._attend_plan(keys, queries).attend
         # different methods for keys and values: each side's pure-MLX block protocol
         impls = registry().implementations
         k_impl, v_impl = impls[(kp.method, "mlx")], impls[(vp.method, "mlx")]
