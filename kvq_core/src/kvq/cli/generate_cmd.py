@@ -245,7 +245,10 @@ def fp16_bytes(model, run: Run, reference: Run | None) -> tuple[int, int, str]:
     if reference is not None and reference.cached_tokens == run.cached_tokens:
         return reference.nbytes, reference.measured, ""
     nbytes, measured = quality.filled_cache_bytes(model, run.cached_tokens, **FP16)
-    return nbytes, measured, f"fp16 bytes: an fp16 cache filled with the same {run.cached_tokens} tokens (not run)"
+    held = "" if reference is None else f"the fp16 run ended holding {reference.cached_tokens} tokens, so "
+    return nbytes, measured, (f"fp16 bytes: {held}these are of an fp16 cache filled with the same "
+                              f"{run.cached_tokens} tokens as this run (zeros; the answer and speeds are the fp16 "
+                              f"run's)")
 
 
 def megabytes(n: int) -> str:
