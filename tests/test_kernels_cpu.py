@@ -93,3 +93,49 @@ def test_tensor_core_attend_limits():
     side = attend.Side(None, None, None, None, 4, 128)
     assert attend.uses_tensor_cores("cuda", 128, side, side, 4)
     assert not attend.uses_tensor_cores("metal", 128, side, side, 4)
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_fused_dense_call_is_checked_once_before_use(wrong):
+    """``attend_dense`` runs its first-use check (the fused call against the three parts in pure MLX) once per
+    key; a wrong fused call is disabled with a KernelDisabledWarning and the caller gets ``None`` (parts)."""
+    import mlx.core as mx
+
+    import kvq
+    from kvq.attention import DenseTokens, dense_attend, merge_parts
+    from kvq_metal.base import CHECKS, KernelDisabledWarning, KernelImpl
+
+    calls = []
+
+    class FakeDense(KernelImpl):
+        method = "affine"
+
+        def _attend_dense(self, queries, keys, values, scale, dense):
+            calls.append(keys.num_tokens)
+            pure = self.fallback()
+            out, lse = merge_parts([pure.kvq_attend(queries, keys, values, scale, None),
+                                    dense_attend(queries, dense.sink_keys, dense.sink_values, scale),
+                                    dense_attend(queries, dense.window_keys, dense.window_values, scale)])
+            return (out * 1.01 if wrong else out), lse
+
+    impl = FakeDense("cuda")
+    p = kvq.make_params("affine", bits=4, group_size=32)
+    pure = impl.fallback()
+    x = mx.random.normal((1, 2, 50, 64), key=mx.random.key(7)).astype(mx.float16)
+    keys, values = pure.kvq_quantize(x, p), pure.kvq_quantize(x * 0.5, p)
+    q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(8)).astype(mx.float16)
+    dense = DenseTokens(x[:, :, :4], x[:, :, :4], x[:, :, -8:], x[:, :, -8:])
+    saved = dict(CHECKS)
+    CHECKS.clear()
+    try:
+        if wrong:
+            with pytest.warns(KernelDisabledWarning, match="decode_attend_dense"):
+                assert impl.attend_dense(q, keys, values, 0.125, dense) is None
+        else:
+            assert impl.attend_dense(q, keys, values, 0.125, dense) is not None
+            assert impl.attend_dense(q, keys, values, 0.125, dense) is not None
+        assert calls[0] == 300  # the check's own problem, once; then the real calls (none after a failure)
+        assert calls[1:] == ([] if wrong else [50, 50])
+    finally:
+        CHECKS.clear()
+        CHECKS.update(saved)

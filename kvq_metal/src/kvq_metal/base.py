@@ -90,13 +90,28 @@ class KernelImpl:
 
     def attend_dense(self, queries, keys, values, scale, dense):
         """Decode attention over compressed ``keys``/``values`` and uncompressed tokens (``dense``, a
-        :class:`kvq_metal.attend.Dense`: a cache's sinks and residual window) in one softmax and one fused call,
-        without a mask (every key precedes every query).
+        :class:`kvq.attention.DenseTokens`: a cache's sinks and residual window) in one softmax and one fused
+        call, without a mask (every key precedes every query). Before its first use per (parameters, head_dim,
+        query rows, dtype) the fused call is compared with attending the parts separately (pure MLX) on a small
+        input; a mismatch disables it with a :class:`KernelDisabledWarning`.
 
         :return: ``(out [B, H_q, T_q, D_v] float32, lse [B, H_q, T_q])``, or ``None`` where the kernel does not
-            take uncompressed tokens for this call (the caller then attends the parts separately and merges them:
-            the same result).
+            take uncompressed tokens for this call or its check failed (the caller then attends the parts
+            separately and merges them: the same result).
         """
+        from .methods.common import check_attend_dense
+
+        rows = queries.shape[1] // keys.shape[1] * queries.shape[2]
+        key = (repr(keys.params), repr(values.params), queries.shape[3], rows, str(dense.window_keys.dtype))
+        if not first_use_check(self.backend, f"decode_attend_dense[{self.method}]", key,
+                               lambda: check_attend_dense(self, keys.params, values.params, queries.shape[3], rows,
+                                                          dense.window_keys.dtype)):
+            return None
+        return self._attend_dense(queries, keys, values, scale, dense)
+
+    def _attend_dense(self, queries, keys, values, scale, dense):
+        """The unchecked fused call of :meth:`attend_dense` (methods with a kernel that reads uncompressed tokens
+        define it); ``None``: not served."""
         return None
 
     def kernel_supports(self, problem) -> bool:  # pragma: no cover - overridden

@@ -64,7 +64,7 @@ class AffineKernels(KernelImpl):
             return self.fallback().kvq_attend(queries, keys, values, scale, mask)
         return self.attend_kernel(queries, keys, values, scale)
 
-    def attend_dense(self, queries, keys, values, scale, dense):
+    def _attend_dense(self, queries, keys, values, scale, dense):
         """:meth:`KernelImpl.attend_dense`: the tensor-core kernel reads the uncompressed tokens too."""
         if not self._serves(queries, keys, values, None):
             return None

@@ -44,6 +44,34 @@ def check_attend(impl, quantize, params_k, params_v, head_dim: int, rows: int, d
     return err < 1e-3 and lse_err < 1e-3, f"relative error {err:.2e}, lse error {lse_err:.2e} vs pure MLX"
 
 
+def check_attend_dense(impl, params_k, params_v, head_dim: int, rows: int, dtype) -> tuple[bool, str]:
+    """Compare ``impl._attend_dense`` (compressed tokens plus 4 sinks and a 40-token window in one call) with the
+    pure-MLX attention of the three parts merged by log-sum-exp, on 300 compressed tokens of one KV head: relative
+    error below 1e-3 (a call the kernel does not take passes: the caller falls back to the parts anyway)."""
+    from kvq.attention import DenseTokens, dense_attend, merge_parts
+
+    rng = np.random.default_rng(2)
+
+    def normal(*shape):
+        return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+
+    pure = impl.fallback()
+    keys, values = pure.kvq_quantize(normal(1, 1, 300, head_dim), params_k), \
+        pure.kvq_quantize(normal(1, 1, 300, head_dim), params_v)
+    sk, sv, wk, wv = normal(1, 1, 4, head_dim), normal(1, 1, 4, head_dim), normal(1, 1, 40, head_dim), \
+        normal(1, 1, 40, head_dim)
+    q = normal(1, rows, 1, head_dim)
+    scale = head_dim ** -0.5
+    got = impl._attend_dense(q, keys, values, scale, DenseTokens(sk, sv, wk, wv))
+    if got is None:
+        return True, "not served for this shape"
+    want, want_lse = merge_parts([pure.kvq_attend(q, keys, values, scale, None), dense_attend(q, sk, sv, scale),
+                                  dense_attend(q, wk, wv, scale)])
+    err = relative_error(got[0], want)
+    lse_err = mx.max(mx.abs(got[1] - want_lse)).item()
+    return err < 1e-3 and lse_err < 1e-3, f"relative error {err:.2e}, lse error {lse_err:.2e} vs the parts in pure MLX"
+
+
 def relative_error(a, b) -> float:
     """``‖a - b‖ / ‖b‖`` in float32."""
     a, b = a.astype(mx.float32), b.astype(mx.float32)

@@ -78,7 +78,7 @@ class TurboQuantRVQKernels(KernelImpl):
             return self.fallback().kvq_attend(queries, keys, values, scale, mask)
         return self.attend_kernel(queries, keys, values, scale)
 
-    def attend_dense(self, queries, keys, values, scale, dense):
+    def _attend_dense(self, queries, keys, values, scale, dense):
         """:meth:`KernelImpl.attend_dense` (the randomized Hadamard rotation and the tensor-core kernel)."""
         if not rotated_kernel_serves(queries, keys, values, None, lambda p: p.method == self.method):
             return None
