@@ -215,3 +215,14 @@ def test_small_evaluation_on_the_default_model(tmp_path, capsys):
     assert kvq8["bits_per_coordinate"] == mlx8["bits_per_coordinate"] == 8.5
     assert 0.2 < kvq8["kv_bytes_ratio"] < 0.6 and 0.2 < kvq8["memory_ratio"] < 0.6
     assert (tmp_path / "eval.png").stat().st_size > 10_000 and "mlx-affine:8" in (tmp_path / "eval.md").read_text()
+
+
+def test_layer_cache_binds_per_layer_parameters():
+    """The attention-error replay builds one layer's cache with that layer's parameters (VecInfer's codebooks are
+    per layer), as kvq.make_prompt_cache does; other methods are unaffected."""
+    from kvq.evaluation.spec import make_layer_cache, parse_method
+
+    cache = make_layer_cache(parse_method("vecinfer[model_id=some-model]"), 4, 128, layer=3)
+    assert cache.config.key_params.layer == 3 and cache.config.value_params.layer == 3
+    plain = make_layer_cache(parse_method("turboquant:4"), 4, 128, layer=3)
+    assert plain.config.key_params.bits == 4 and plain.config.key_params.method == "turboquant"

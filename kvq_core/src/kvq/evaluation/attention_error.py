@@ -107,7 +107,7 @@ class LayerReference:
 
     def _layer_error(self, layer, spec, attend, sinks, window) -> float:
         keys, values = self.kv[layer]
-        cache = make_layer_cache(spec, sinks, window)
+        cache = make_layer_cache(spec, sinks, window, layer)
         for start in range(0, self.context, self.chunk):  # the prefill chunks of the model run
             stop = min(start + self.chunk, self.context)
             cache.update_and_fetch(keys[:, :, start:stop], values[:, :, start:stop])

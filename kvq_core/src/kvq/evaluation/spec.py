@@ -252,8 +252,9 @@ def make_cache(model, spec: MethodSpec, sinks: int, window: int) -> list:
     return make_prompt_cache(model, **spec.cache_kwargs(sinks, window))
 
 
-def make_layer_cache(spec: MethodSpec, sinks: int, window: int):
-    """A single layer's cache for ``spec`` (used to replay one layer's keys and values)."""
+def make_layer_cache(spec: MethodSpec, sinks: int, window: int, layer: int = 0):
+    """The cache of layer ``layer`` for ``spec`` (used to replay one layer's keys and values): parameters bound to
+    that layer as :func:`kvq.make_prompt_cache` binds them (VecInfer's per-layer codebooks)."""
     if spec.is_mlx:
         from mlx_lm.models.cache import QuantizedKVCache
 
@@ -261,4 +262,4 @@ def make_layer_cache(spec: MethodSpec, sinks: int, window: int):
         return QuantizedKVCache(group_size=group_size, bits=bits)
     from ..cache import KVQCache, make_config
 
-    return KVQCache(make_config(**spec.cache_kwargs(sinks, window)))
+    return KVQCache(make_config(**spec.cache_kwargs(sinks, window)).for_layer(layer))
