@@ -457,16 +457,12 @@ def _constant(values: tuple, dtype) -> mx.array:
     return _CONSTANTS[key]
 
 
-#: Uncompressed tokens attended in the same call (a cache's sinks and window): :class:`kvq.attention.DenseTokens`.
-Dense = DenseTokens
-
-
 def serves_dense(backend: str, head_dim: int, keys: Side, values: Side, rows: int) -> bool:
     """Whether :func:`decode_attend` takes ``dense=``: only the tensor-core kernel reads uncompressed tokens."""
     return uses_tensor_cores(backend, head_dim, keys, values, rows)
 
 
-def _dense_parts(queries, qscale, dense: Dense, R: int, D: int, backend: str):
+def _dense_parts(queries, qscale, dense: DenseTokens, R: int, D: int, backend: str):
     """Partial outputs ``[B, H, 2, R, D]`` and ``(max, sum)`` of the sinks (split 0) and the window (split 1)."""
     B, H = dense.window_keys.shape[:2]
     sk, sv = dense.sink_keys, dense.sink_values
@@ -487,7 +483,7 @@ def _dense_parts(queries, qscale, dense: Dense, R: int, D: int, backend: str):
 
 def decode_attend(queries: mx.array, scale: float, keys: Side, values: Side, backend: str, *,
                   signs: mx.array | None = None, out_dim: int | None = None,
-                  dense: Dense | None = None) -> tuple[mx.array, mx.array]:
+                  dense: DenseTokens | None = None) -> tuple[mx.array, mx.array]:
     """Attention of decode queries over compressed keys and values (no mask: every key precedes every query).
 
     :param queries: ``[B, H_q, T_q, D_q]``, any float dtype and any strides (read in place), ``D_q <= D`` where
@@ -499,8 +495,8 @@ def decode_attend(queries: mx.array, scale: float, keys: Side, values: Side, bac
         (turboquant): queries are rotated and the output inverse-rotated inside the kernels. ``None``: the
         queries are already in the codes' domain and the output stays there.
     :param out_dim: output coordinates kept (the head_dim before padding; default ``D``).
-    :param dense: uncompressed tokens attended in the same softmax (:class:`Dense`; the tensor-core kernel only,
-        see :func:`serves_dense`): one more launch of the kernel over them, merged with the compressed splits.
+    :param dense: uncompressed tokens attended in the same softmax (:class:`kvq.attention.DenseTokens`, a cache's
+        sinks and window; the tensor-core kernel only, see :func:`serves_dense`): one more launch of the kernel over them, merged with the compressed splits.
     :return: ``(out [B, H_q, T_q, out_dim] float32, lse [B, H_q, T_q] float32)``: normalised output and the
         natural-log log-sum-exp of the scaled scores.
     :raises ValueError: a shape :func:`supported` rejects, mismatched token counts, or ``dense`` where

@@ -45,6 +45,16 @@ def first_use_check(backend: str, name: str, key: tuple, check: Callable[[], tup
     return CHECKS[entry][0]
 
 
+def _check_key(params):
+    """``params`` itself as part of a first-use-check key (frozen attrs: hashed by value, cheap on the decode hot
+    path), or its ``repr`` where a field makes it unhashable (an array of fitted outlier channels)."""
+    try:
+        hash(params)
+    except TypeError:
+        return repr(params)
+    return params
+
+
 class KernelImpl:
     """Base of kvq_metal's implementation objects: one method on one back end (``"metal"`` or ``"cuda"``).
 
@@ -102,7 +112,8 @@ class KernelImpl:
         from .methods.common import check_attend_dense
 
         rows = queries.shape[1] // keys.shape[1] * queries.shape[2]
-        key = (repr(keys.params), repr(values.params), queries.shape[3], rows, str(dense.window_keys.dtype))
+        key = (_check_key(keys.params), _check_key(values.params), queries.shape[3], rows,
+               str(dense.window_keys.dtype))
         if not first_use_check(self.backend, f"decode_attend_dense[{self.method}]", key,
                                lambda: check_attend_dense(self, keys.params, values.params, queries.shape[3], rows,
                                                           dense.window_keys.dtype)):
