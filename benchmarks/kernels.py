@@ -157,19 +157,27 @@ def decode_rows(backend):
 
 def sweep_rows(backend):
     """Launch-shape sweep of the decode-attention kernels (kvq_metal.attend.TUNING, TARGET_GROUPS) at 128K
-    tokens: the tensor-core kernel's sub-tiles per warp step (``nt``) and thread groups, and the SIMT kernel
-    (``tc`` False) beside it."""
+    tokens, isolated and 16 calls evaluated together: the tensor-core kernel's table copies per lane (``rep``), pair
+    tables, sub-tiles per warp step (``nt``) and thread groups, and the SIMT kernel (``tc`` False) beside it; fp16
+    SDPA in the same run."""
     from kvq_metal import attend
 
     B, Hq, Hkv, D = 1, 32, 8, 128
     base_tuning, base_groups = dict(attend.TUNING), dict(attend.TARGET_GROUPS)
-    configs = [{}, {"pf": True}, {"pair": False}, {"nt": 1}, {"nt": 4}, {"tc_groups": 132}, {"tc_groups": 528},
-               {"tc_groups": 1056}, {"tc": False}]
+    configs = [{}, {"rep": False}, {"pair": False}, {"nt": 1}, {"tc_groups": 396}, {"tc_groups": 528},
+               {"nt": 1, "tc_groups": 528}, {"pf": True}, {"tc": False}]
     rows = []
     for T in (131072,):
         q = mx.random.normal((B, Hq, 1, D)).astype(mx.float16)
+        qs = [mx.random.normal((B, Hq, 1, D)).astype(mx.float16) for _ in range(16)]
         k = mx.random.normal((B, Hkv, T, D)).astype(mx.float16)
-        for name, params in (("turboquant", {"bits": 4}), ("affine", {"bits": 4})):
+        mx.eval(q, qs, k)
+        rows.append({"T": T, "method": "fp16_sdpa",
+                     "ms": timeit(lambda: mx.fast.scaled_dot_product_attention(q, k, k, scale=D ** -0.5)),
+                     "batched_ms": timeit_batched(
+                         lambda i: mx.fast.scaled_dot_product_attention(qs[i], k, k, scale=D ** -0.5))})
+        print(json.dumps(rows[-1]), flush=True)
+        for name, params in (("turboquant", {"bits": 4}), ("turboquant", {"bits": 3}), ("affine", {"bits": 4})):
             p = kvq.make_params(name, **params)
             pure = registry().implementations[(name, "mlx")]
             kern = registry().implementations[(name, backend)]
@@ -180,9 +188,10 @@ def sweep_rows(backend):
                 attend.TARGET_GROUPS[backend] = cfg.get("groups", base_groups[backend])
                 try:
                     ms = timeit(lambda: kern.attend_kernel(q, ke, ke, D ** -0.5)[0])
-                    rows.append({"T": T, "method": name, **cfg, "ms": ms})
+                    batched = timeit_batched(lambda i: kern.attend_kernel(qs[i], ke, ke, D ** -0.5)[0])
+                    rows.append({"T": T, "method": f"{name}{params['bits']}", **cfg, "ms": ms, "batched_ms": batched})
                 except Exception as exc:
-                    rows.append({"T": T, "method": name, **cfg, "error": str(exc)[:500]})
+                    rows.append({"T": T, "method": f"{name}{params['bits']}", **cfg, "error": str(exc)[:500]})
                 finally:
                     attend.TUNING.clear()
                     attend.TUNING.update(base_tuning)

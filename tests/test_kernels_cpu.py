@@ -139,3 +139,26 @@ def test_fused_dense_call_is_checked_once_before_use(wrong):
     finally:
         CHECKS.clear()
         CHECKS.update(saved)
+
+
+def test_table_layout_copies_tables_per_lane_within_static_shared_memory():
+    """The tensor-core kernel's table layout (kvq_metal.attend.table_layout): a 4-bit pair table (256 entries) per
+    lane takes 32 KB, so keys and values sharing one codebook both get copies; two different 4-bit tables at
+    head_dim 256 with 8 query rows leave room for the keys' copies only; ``TUNING["rep"]`` off keeps one copy."""
+    import mlx.core as mx
+
+    from kvq_metal import attend
+
+    t4 = mx.zeros((16,), mx.float32)
+    t3 = mx.zeros((8,), mx.float32)
+    side = lambda table, bits, group=128: attend.Side(None, None, None, table, bits, group)  # noqa: E731
+    assert attend.table_layout(128, 4, side(t4, 4), side(t4, 4)) == (True, True, True)
+    assert attend.table_layout(128, 4, side(t4, 4), side(t3, 3)) == (True, True, False)
+    other = mx.zeros((16,), mx.float32)
+    assert attend.table_layout(256, 8, side(t4, 4, 256), side(other, 4, 256)) == (True, False, False)
+    saved = attend.TUNING["rep"]
+    attend.TUNING["rep"] = False
+    try:
+        assert attend.table_layout(128, 4, side(t4, 4), side(t4, 4)) == (False, False, True)
+    finally:
+        attend.TUNING["rep"] = saved

@@ -104,6 +104,59 @@ def test_decode_attend_reads_strided_store_in_place(attend_kernel_kind):
     assert _rel(out, ref) < 1e-3
 
 
+def _codes_with_row_stride(encoded, extra_words: int):
+    """The same Encoded whose packed codes rows are ``extra_words`` longer in memory (a view that drops them):
+    rows no longer start on a 16-byte boundary, so the tensor-core kernel must take its word-by-word loads."""
+    from kvq.encoded import Encoded
+
+    codes = encoded.data["codes"]
+    pad = mx.zeros(codes.shape[:-1] + (extra_words,), codes.dtype)
+    wide = mx.concatenate([codes, pad], axis=-1)
+    mx.eval(wide)
+    return Encoded(encoded.params, {**encoded.data, "codes": wide[..., : codes.shape[-1]]}, encoded.head_dim)
+
+
+@pytest.mark.parametrize("rep", [True, False], ids=["tables_per_lane", "shared_tables"])
+def test_decode_attend_unaligned_rows_and_table_layouts(rep):
+    """Rows of codes 17 words apart (no vector loads), 3 batch rows x 8 KV heads (24 split counters), and both
+    table layouts (one copy per lane, or one shared copy) give pure MLX's attention."""
+    from kvq_metal import attend
+
+    if kvq_metal.gpu_backend() != "cuda":
+        pytest.skip("the tensor-core kernel exists on CUDA only")
+    saved = attend.TUNING["rep"]
+    attend.TUNING["rep"] = rep
+    try:
+        for method, params in (("turboquant", {"bits": 4}), ("affine", {"bits": 4, "group_size": 64})):
+            kernel, pure = _impl(method)
+            p = kvq.make_params(method, **params)
+            k, v = _normal((3, 8, 2000, 128), seed=31), _normal((3, 8, 2000, 128), seed=32)
+            q = _normal((3, 32, 1, 128), seed=33)
+            ke, ve = pure.kvq_quantize(k, p), pure.kvq_quantize(v, p)
+            ref, ref_lse = pure.kvq_attend(q, ke, ve, 0.1, None)
+            for kk, vv in ((ke, ve), (_codes_with_row_stride(ke, 1), _codes_with_row_stride(ve, 1))):
+                out, lse = kernel.kvq_attend(q, kk, vv, 0.1, None)
+                assert _rel(out, ref) < 1e-3, (method, rep)
+                assert float(mx.max(mx.abs(lse - ref_lse))) < 1e-3
+    finally:
+        attend.TUNING["rep"] = saved
+
+
+def test_decode_attend_calls_evaluated_together_stay_independent():
+    """Eight attention calls in one graph (MLX may run them concurrently): each has its own split counters, so
+    each equals the same call evaluated alone."""
+    kernel, pure = _impl("turboquant")
+    p = kvq.make_params("turboquant", bits=4)
+    encs = [(pure.kvq_quantize(_normal((1, 8, 4096, 128), seed=40 + i), p),
+             pure.kvq_quantize(_normal((1, 8, 4096, 128), seed=50 + i), p)) for i in range(8)]
+    qs = [_normal((1, 32, 1, 128), seed=60 + i) for i in range(8)]
+    together = [kernel.kvq_attend(q, ke, ve, 0.1, None)[0] for q, (ke, ve) in zip(qs, encs)]
+    mx.eval(together)
+    for q, (ke, ve), got in zip(qs, encs, together):
+        alone = kernel.kvq_attend(q, ke, ve, 0.1, None)[0]
+        assert _rel(got, alone) < 1e-6
+
+
 DENSE_CASES = [
     # method, params, head_dim, n_rep, sinks, window, dtype
     ("turboquant", {"bits": 4}, 128, 4, 4, 140, mx.bfloat16),

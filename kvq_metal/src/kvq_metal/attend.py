@@ -42,9 +42,10 @@ MAX_SPLITS = 2048
 #: ``tc`` picks the tensor-core kernel (:mod:`kvq_metal.attend_tc`) where it serves the shape; its knobs: ``nt``
 #: 16-token tiles per warp step, ``pf`` loads of the next step issued before this step's math (off: it costs
 #: registers and measured no faster on the H200), ``pair`` pair tables (two codes per lookup) and ``tc_groups``
-#: thread groups to aim for (it keeps a block's warps busy longer: fewer, longer splits).
+#: thread groups to aim for (it keeps a block's warps busy longer: fewer, longer splits), ``rep`` one copy of each
+#: code table per lane where shared memory allows (lookups without bank conflicts).
 TUNING = {"kt_small": 8, "kt_large": 8, "cpt": None, "phases": 3, "tc": True, "nt": 2, "pf": False, "pair": True,
-          "tc_groups": 264}
+          "tc_groups": 264, "rep": True}
 # benchmarks may override the knobs without code changes: KVQ_ATTEND_TUNING='{"nt": 1}'
 TUNING.update(json.loads(os.environ.get("KVQ_ATTEND_TUNING", "{}")))
 
@@ -457,28 +458,82 @@ def _constant(values: tuple, dtype) -> mx.array:
     return _CONSTANTS[key]
 
 
+#: 32-bit words of static shared memory a CUDA thread block may declare (48 KB).
+SHARED_WORDS = 12288
+
+
+def table_layout(head_dim: int, rows: int, keys: Side, values: Side) -> tuple[bool, bool, bool]:
+    """``(KREP, VREP, VSAME)`` of the tensor-core kernel: which code tables get one copy per lane (a lookup then
+    never conflicts on a shared-memory bank; a table of ``n`` entries takes ``128 n`` bytes) and whether values
+    read the keys' table (the same table object and widths). Copies are made while they fit in the static shared
+    memory left after the queries (:data:`SHARED_WORDS`), keys first; ``TUNING["rep"] = False`` turns them off."""
+    def entries(side: Side) -> int:
+        cb = side.bits + side.bits2
+        return 1 << (2 * cb) if TUNING["pair"] and 2 * cb <= 8 else 1 << cb
+
+    same = keys.table is values.table and (keys.bits, keys.bits2) == (values.bits, values.bits2)
+    free = SHARED_WORDS - rows * head_dim - 2 * 4 * 8 - 64
+    ke, ve = entries(keys), 0 if same else entries(values)
+    for krep, vrep in ((True, True), (True, False), (False, True), (False, False)):
+        if not TUNING["rep"] and (krep or vrep):
+            continue
+        if same and krep != vrep:
+            continue
+        if ke * (32 if krep else 1) + ve * (32 if vrep else 1) <= free:
+            return krep, vrep, same
+    return False, False, same
+
+
 def serves_dense(backend: str, head_dim: int, keys: Side, values: Side, rows: int) -> bool:
     """Whether :func:`decode_attend` takes ``dense=``: only the tensor-core kernel reads uncompressed tokens."""
     return uses_tensor_cores(backend, head_dim, keys, values, rows)
 
 
+#: Inputs and outputs of the tensor-core kernel: the SIMT kernel's, the split counters the blocks count with
+#: (zeroed by the launch before) and the uncompressed splits to merge; its per-split partial outputs, the merged
+#: output and log-sum-exp (its last block per row merges), and the counters it zeroes for the next launch.
+TC_INPUTS = INPUTS + ("counter", "partd", "mld")
+TC_OUTPUTS = ("part", "ml", "fout", "lse", "cnt")
+ZERO_SOURCE = "if (KVQ_GID < N) cnt[KVQ_GID] = 0;"
+
+
+def _tc_template(D: int, R: int, out_dim: int, **flags) -> list:
+    """The tensor-core kernel's template arguments (``flags`` override the defaults of a compressed launch)."""
+    t = {"D": D, "R": R, "KB": 1, "VB": 1, "KG": D, "VG": D, "KBIAS": False, "VBIAS": False, "KB2": 0, "VB2": 0,
+         "THREADS": THREADS, "ROT": False, "NT": TUNING["nt"], "PF": False, "PAIRTAB": True, "DENSE": False,
+         "KREP": False, "VREP": False, "VSAME": False, "MERGE": False, "ND": 0, "DV": out_dim}
+    t.update(flags)
+    return list(t.items())
+
+
 def _dense_parts(queries, qscale, dense: DenseTokens, R: int, D: int, backend: str):
-    """Partial outputs ``[B, H, 2, R, D]`` and ``(max, sum)`` of the sinks (split 0) and the window (split 1)."""
+    """Partial outputs ``[B, H, 2, R, D]`` and ``(max, sum)`` of the sinks (split 0) and the window (split 1), and
+    zeroed split counters ``[B * H]`` int32 for the compressed launch that merges them."""
     B, H = dense.window_keys.shape[:2]
     sk, sv = dense.sink_keys, dense.sink_values
     sinks = 0 if sk is None else sk.shape[2]
     if sk is None:
         sk, sv = dense.window_keys, dense.window_values
     table = _constant((0.0, 0.0), mx.float32)
-    kern = kernel("decode_attend_tc", backend, INPUTS, ("out", "ml"), attend_tc.SOURCE, attend_tc.HEADER,
+    kern = kernel("decode_attend_tc", backend, TC_INPUTS, TC_OUTPUTS, attend_tc.SOURCE, attend_tc.HEADER,
                   ensure_row_contiguous=False)
-    template = [("D", D), ("R", R), ("KB", 1), ("VB", 1), ("KG", D), ("VG", D), ("KBIAS", False),
-                ("VBIAS", False), ("KB2", 0), ("VB2", 0), ("THREADS", THREADS), ("ROT", False),
-                ("NT", TUNING["nt"]), ("PF", False), ("PAIRTAB", True), ("DENSE", True)]
+    zero = _constant((0,), mx.int32)
     inputs = [queries, qscale, table, _constant((0, 2, sinks), mx.int32), dense.window_keys, sk, qscale, qscale,
-              table, dense.window_values, sv, qscale, qscale, table]
-    return kern(inputs=inputs, template=template, grid=(THREADS * B * H, 2, 1), threadgroup=(THREADS, 1, 1),
-                output_shapes=[(B, H, 2, R, D), (B, H, 2, R, 2)], output_dtypes=[mx.float32, mx.float32])
+              table, dense.window_values, sv, qscale, qscale, table, zero, qscale, qscale]
+    part, ml, _, _, cnt = kern(
+        inputs=inputs, template=_tc_template(D, R, D, DENSE=True), grid=(THREADS * B * H, 2, 1),
+        threadgroup=(THREADS, 1, 1), output_shapes=[(B, H, 2, R, D), (B, H, 2, R, 2), (1,), (1,), (B * H,)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32, mx.float32, mx.int32])
+    return part, ml, cnt
+
+
+def _zero_counters(n: int, backend: str) -> mx.array:
+    """``n`` zeroed int32 split counters: a fresh output of a one-block kernel each call, so no two launches (nor
+    graph simplification) ever share them."""
+    kern = kernel("zero_counters", backend, ("meta",), ("cnt",), ZERO_SOURCE)
+    return kern(inputs=[_constant((0,), mx.int32)], template=[("N", n)], grid=(max(32, -(-n // 32) * 32), 1, 1),
+                threadgroup=(min(256, max(32, -(-n // 32) * 32)), 1, 1), output_shapes=[(n,)],
+                output_dtypes=[mx.int32])[0]
 
 
 def decode_attend(queries: mx.array, scale: float, keys: Side, values: Side, backend: str, *,
@@ -496,7 +551,8 @@ def decode_attend(queries: mx.array, scale: float, keys: Side, values: Side, bac
         queries are already in the codes' domain and the output stays there.
     :param out_dim: output coordinates kept (the head_dim before padding; default ``D``).
     :param dense: uncompressed tokens attended in the same softmax (:class:`kvq.attention.DenseTokens`, a cache's
-        sinks and window; the tensor-core kernel only, see :func:`serves_dense`): one more launch of the kernel over them, merged with the compressed splits.
+        sinks and window; the tensor-core kernel only, see :func:`serves_dense`): one more launch of the kernel over
+        them (before the compressed one, which merges them into its output).
     :return: ``(out [B, H_q, T_q, out_dim] float32, lse [B, H_q, T_q] float32)``: normalised output and the
         natural-log log-sum-exp of the scaled scores.
     :raises ValueError: a shape :func:`supported` rejects, mismatched token counts, or ``dense`` where
@@ -518,13 +574,38 @@ def decode_attend(queries: mx.array, scale: float, keys: Side, values: Side, bac
     common = [("D", D), ("R", R), ("KB", keys.bits), ("VB", values.bits), ("KG", keys.group),
               ("VG", values.group), ("KBIAS", keys.biases is not None), ("VBIAS", values.biases is not None),
               ("KB2", keys.bits2), ("VB2", values.bits2), ("THREADS", THREADS), ("ROT", rot)]
+    qscale = _constant((float(scale),), mx.float32)
+
+    def inputs(chunk: int, splits: int) -> list:
+        return [queries, qscale, signs, _constant((chunk, splits), mx.int32),
+                keys.codes, keys.codes if keys.codes2 is None else keys.codes2,
+                keys.scales, keys.scales if keys.biases is None else keys.biases, keys.table,
+                values.codes, values.codes if values.codes2 is None else values.codes2,
+                values.scales, values.scales if values.biases is None else values.biases, values.table]
+
     if uses_tensor_cores(backend, D, keys, values, R):
-        splits, chunk = splits_for(B * H, T, backend, 16 * TUNING["nt"] * THREADS // 32, TUNING["tc_groups"])
-        kern = kernel("decode_attend_tc", backend, INPUTS, ("out", "ml"), attend_tc.SOURCE, attend_tc.HEADER,
+        nd = 0 if dense is None else 2
+        # the merging block keeps R * (splits + nd) weights in the 4 * 8 * D words its warps' outputs used
+        limit = min(MAX_SPLITS, 32 * D // R - nd)
+        splits, chunk = splits_for(B * H, T, backend, 16 * TUNING["nt"] * THREADS // 32,
+                                   min(TUNING["tc_groups"], limit * B * H))
+        kern = kernel("decode_attend_tc", backend, TC_INPUTS, TC_OUTPUTS, attend_tc.SOURCE, attend_tc.HEADER,
                       ensure_row_contiguous=False)
         pf = D <= 128 if TUNING["pf"] is None else TUNING["pf"]
+        krep, vrep, same = table_layout(D, R, keys, values)
         template = common + [("NT", TUNING["nt"]), ("PF", bool(pf)), ("PAIRTAB", bool(TUNING["pair"])),
-                             ("DENSE", False)]
+                             ("DENSE", False), ("KREP", krep), ("VREP", vrep), ("VSAME", same), ("MERGE", True),
+                             ("ND", nd), ("DV", out_dim)]
+        if dense is None:
+            partd, mld, counter = qscale, qscale, _zero_counters(B * H, backend)
+        else:
+            partd, mld, counter = _dense_parts(queries, qscale, dense, R, D, backend)
+        outs = kern(inputs=inputs(chunk, splits) + [counter, partd, mld], template=template, grid=(THREADS * B * H, splits, 1),
+                    threadgroup=(THREADS, 1, 1),
+                    output_shapes=[(B, H, splits, R, D), (B, H, splits, R, 2), (B * H * R, out_dim), (B * H * R,),
+                                   (1,)],
+                    output_dtypes=[mx.float32, mx.float32, mx.float32, mx.float32, mx.int32])
+        return outs[2].reshape(B, Hq, Tq, out_dim), outs[3].reshape(B, Hq, Tq)
     elif dense is not None:
         raise ValueError("decode_attend takes dense= with the tensor-core kernel only (see serves_dense)")
     else:
@@ -533,21 +614,14 @@ def decode_attend(queries: mx.array, scale: float, keys: Side, values: Side, bac
         splits, chunk = splits_for(B * H, T, backend, kt * THREADS * cpt // D)
         kern = kernel("decode_attend", backend, INPUTS, ("out", "ml"), SOURCE, ensure_row_contiguous=False)
         template = common + [("CPT", cpt), ("KT", kt), ("PHASES", TUNING["phases"])]
-    meta = _constant((chunk, splits), mx.int32)
-    qscale = _constant((float(scale),), mx.float32)
-    inputs = [queries, qscale, signs, meta,
-              keys.codes, keys.codes if keys.codes2 is None else keys.codes2,
-              keys.scales, keys.scales if keys.biases is None else keys.biases, keys.table,
-              values.codes, values.codes if values.codes2 is None else values.codes2,
-              values.scales, values.scales if values.biases is None else values.biases, values.table]
-    part, ml = kern(inputs=inputs, template=template, grid=(THREADS * B * H, splits, 1),
+    args = inputs(chunk, splits)
+    part, ml = kern(inputs=args, template=template, grid=(THREADS * B * H, splits, 1),
                     threadgroup=(THREADS, 1, 1), output_shapes=[(B, H, splits, R, D), (B, H, splits, R, 2)],
                     output_dtypes=[mx.float32, mx.float32])
-    partd, mld = (part, ml) if dense is None else _dense_parts(queries, qscale, dense, R, D, backend)
     merge = kernel("decode_merge", backend, MERGE_INPUTS, ("out", "lse"), MERGE_SOURCE)
-    out, lse = merge(inputs=[part, ml, partd, mld, signs, meta],
+    out, lse = merge(inputs=[part, ml, part, ml, signs, args[3]],
                      template=[("D", D), ("DV", out_dim), ("R", R), ("ROT", rot), ("MAX_SPLITS", MAX_SPLITS),
-                               ("ND", 0 if dense is None else 2)],
+                               ("ND", 0)],
                      grid=(D * B * H * R, 1, 1), threadgroup=(D, 1, 1),
                      output_shapes=[(B, H, R, out_dim), (B, H, R)], output_dtypes=[mx.float32, mx.float32])
     return out.reshape(B, Hq, Tq, out_dim), lse.reshape(B, Hq, Tq)

@@ -71,6 +71,24 @@ __device__ __forceinline__ float kvq_exp2(float x) {
     ((((OFF) & 31) + (NB) <= 32 ? ((w)[(OFF) >> 5] >> ((OFF) & 31)) \
                                 : (((w)[(OFF) >> 5] >> ((OFF) & 31)) | ((w)[((OFF) >> 5) + 1] << (32 - ((OFF) & 31))))) \
      & ((1u << (NB)) - 1u))
+// NW words of a thread's slice from row (word stride s3) into dst: VEC-word vector loads when vec (unit stride,
+// aligned rows: VEC is a compile-time 1, 2 or 4), else word by word, reading words first + k >= lim as 0 unless
+// ALIGNED (a slice that ends on a word)
+#define KVQ_LOAD_SLICE(dst, row, NW, VEC, vec, s3, first, lim, ALIGNED)                                   \
+    if ((VEC) == 4 && (vec)) {                                                                          \
+        _Pragma("unroll") for (int k_ = 0; k_ < (NW) / 4; ++k_) {                                       \
+            const uint4 v_ = reinterpret_cast<const uint4*>(row)[k_];                                   \
+            dst[4 * k_] = v_.x; dst[4 * k_ + 1] = v_.y; dst[4 * k_ + 2] = v_.z; dst[4 * k_ + 3] = v_.w; \
+        }                                                                                               \
+    } else if ((VEC) == 2 && (vec)) {                                                                   \
+        _Pragma("unroll") for (int k_ = 0; k_ < (NW) / 2; ++k_) {                                       \
+            const uint2 v_ = reinterpret_cast<const uint2*>(row)[k_];                                   \
+            dst[2 * k_] = v_.x; dst[2 * k_ + 1] = v_.y;                                                 \
+        }                                                                                               \
+    } else {                                                                                            \
+        _Pragma("unroll") for (int k_ = 0; k_ < (NW); ++k_)                                             \
+            dst[k_] = (ALIGNED) || (first) + k_ < (lim) ? (uint)(row)[k_ * (s3)] : 0u;                  \
+    }
 """
 
 SOURCE = """
@@ -84,6 +102,10 @@ SOURCE = """
     constexpr bool VPAIR = PAIRTAB && 2 * CBV <= 8;
     constexpr int KTAB = KPAIR ? (1 << (2 * CBK)) : (1 << CBK);
     constexpr int VTAB = VPAIR ? (1 << (2 * CBV)) : (1 << CBV);
+    // KREP/VREP: one copy of the table per lane (word e * 32 + lane): every lookup is free of bank conflicts.
+    // VSAME: values read the keys' table (the same codebook; then VREP == KREP)
+    constexpr int KTW = KTAB * (KREP ? 32 : 1);
+    constexpr int VTW = VSAME ? 0 : VTAB * (VREP ? 32 : 1);
     constexpr uint KMASK = (1u << KB) - 1u;
     constexpr uint VMASK = (1u << VB) - 1u;
     constexpr uint KMASK2 = (1u << KB2) - 1u;
@@ -95,6 +117,11 @@ SOURCE = """
     constexpr int VNW = (SV * VB + 31) / 32 + (VAL ? 0 : 1);
     constexpr int KNW2 = KB2 > 0 ? (SK * KB2 + 31) / 32 + (KAL ? 0 : 1) : 1;
     constexpr int VNW2 = VB2 > 0 ? (SV * VB2 + 31) / 32 + (VAL ? 0 : 1) : 1;
+    // words per vector load of a slice (slices start on a word when aligned; uint4 / uint2 / uint)
+    constexpr int KVEC = !KAL ? 1 : (KNW % 4 == 0 ? 4 : (KNW % 2 == 0 ? 2 : 1));
+    constexpr int VVEC = !VAL ? 1 : (VNW % 4 == 0 ? 4 : (VNW % 2 == 0 ? 2 : 1));
+    constexpr int KVEC2 = !KAL || KB2 == 0 ? 1 : (KNW2 % 4 == 0 ? 4 : (KNW2 % 2 == 0 ? 2 : 1));
+    constexpr int VVEC2 = !VAL || VB2 == 0 ? 1 : (VNW2 % 4 == 0 ? 4 : (VNW2 % 2 == 0 ? 2 : 1));
     // scale groups per slice (one when the slice lies inside a group)
     constexpr int KNG = SK >= KG ? SK / KG : 1;
     constexpr int VNG = SV >= VG ? SV / VG : 1;
@@ -103,10 +130,14 @@ SOURCE = """
     constexpr float LOG2E = 1.4426950408889634f;
     constexpr float LN2 = 0.6931471805599453f;
 
-    KVQ_SHARED uint ktab_s[KTAB];
-    KVQ_SHARED uint vtab_s[VTAB];
+    // the tables during the loop, the warps' partial outputs after it
+    constexpr int RED = NWARP * 8 * D;
+    constexpr int SMW = KTW + VTW > RED ? KTW + VTW : RED;
+    KVQ_SHARED uint smem_s[SMW];
     KVQ_SHARED float q_s[R * D];
-    KVQ_SHARED float red_s[NWARP * 8 * D];
+    uint* ktab_s = smem_s;
+    uint* vtab_s = VSAME ? smem_s : smem_s + KTW;
+    float* red_s = reinterpret_cast<float*>(smem_s);
     KVQ_SHARED float mw_s[NWARP * 8];
     KVQ_SHARED float lw_s[NWARP * 8];
 
@@ -128,26 +159,31 @@ SOURCE = """
     const int g = lane >> 2;
     const int c = lane & 3;
 
-    // pair tables: entry ((p1 << 2 * B2) | p2) = (value of code a, value of code b) for the pair's two codes
-    for (int i = tid; i < KTAB; i += THREADS) {
-        float lo, hi = 0.0f;
+    // pair tables: entry ((p1 << 2 * B2) | p2) = (value of code a, value of code b) for the pair's two codes;
+    // single tables: entry c = (value of c, value of c)
+    for (int i = tid; i < KTW; i += THREADS) {
+        const uint e = KREP ? (uint)i >> 5 : (uint)i;
+        float lo, hi;
         if (KPAIR) {
-            const uint p1 = (uint)i >> (2 * KB2), p2 = (uint)i & ((1u << (2 * KB2)) - 1u);
+            const uint p1 = e >> (2 * KB2), p2 = e & ((1u << (2 * KB2)) - 1u);
             lo = kt[((p1 & KMASK) << KB2) | (p2 & KMASK2)];
             hi = kt[((p1 >> KB) << KB2) | (p2 >> KB2)];
         } else {
-            lo = kt[i];
+            lo = kt[e];
+            hi = lo;
         }
         ktab_s[i] = kvq_h2(lo, hi);
     }
-    for (int i = tid; i < VTAB; i += THREADS) {
-        float lo, hi = 0.0f;
+    for (int i = tid; i < VTW; i += THREADS) {
+        const uint e = VREP ? (uint)i >> 5 : (uint)i;
+        float lo, hi;
         if (VPAIR) {
-            const uint p1 = (uint)i >> (2 * VB2), p2 = (uint)i & ((1u << (2 * VB2)) - 1u);
+            const uint p1 = e >> (2 * VB2), p2 = e & ((1u << (2 * VB2)) - 1u);
             lo = vt[((p1 & VMASK) << VB2) | (p2 & VMASK2)];
             hi = vt[((p1 >> VB) << VB2) | (p2 >> VB2)];
         } else {
-            lo = vt[i];
+            lo = vt[e];
+            hi = lo;
         }
         vtab_s[i] = kvq_h2(lo, hi);
     }
@@ -206,6 +242,11 @@ SOURCE = """
     const int vbit = g * SV * VB, vbit2 = g * SV * VB2;
     const int kwl = kc_shape[3], kwl2 = kc2_shape[3], vwl = vc_shape[3], vwl2 = vc2_shape[3];
     const int kg0 = (c * SK) / KG, vg0 = (g * SV) / VG;
+    // vector loads where every row of codes is contiguous and aligned to the vector (one check per block)
+    const bool kvec = kc_strides[3] == 1 && kc_strides[2] % KVEC == 0 && (reinterpret_cast<size_t>(kc + kbase) & (4 * KVEC - 1)) == 0;
+    const bool vvec = vc_strides[3] == 1 && vc_strides[2] % VVEC == 0 && (reinterpret_cast<size_t>(vc + vbase) & (4 * VVEC - 1)) == 0;
+    const bool kvec2 = kc2_strides[3] == 1 && kc2_strides[2] % KVEC2 == 0 && (reinterpret_cast<size_t>(kc2 + kbase2) & (4 * KVEC2 - 1)) == 0;
+    const bool vvec2 = vc2_strides[3] == 1 && vc2_strides[2] % VVEC2 == 0 && (reinterpret_cast<size_t>(vc2 + vbase2) & (4 * VVEC2 - 1)) == 0;
 
     float acc[KS][4];
 #pragma unroll
@@ -232,14 +273,10 @@ SOURCE = """
             for (int u = 0; u < 2; ++u) {
                 const int t = min(t0 + st * 16 + g + 8 * u, T - 1);
                 const auto* row = kc + kbase + (int64_t)t * kc_strides[2] + (kbit >> 5) * kc_strides[3];
-#pragma unroll
-                for (int k = 0; k < KNW; ++k)
-                    buf.kw[st][u][k] = KAL || (kbit >> 5) + k < kwl ? (uint)row[k * kc_strides[3]] : 0u;
+                KVQ_LOAD_SLICE(buf.kw[st][u], row, KNW, KVEC, kvec, kc_strides[3], kbit >> 5, kwl, KAL)
                 if (KB2 > 0) {
                     const auto* row2 = kc2 + kbase2 + (int64_t)t * kc2_strides[2] + (kbit2 >> 5) * kc2_strides[3];
-#pragma unroll
-                    for (int k = 0; k < KNW2; ++k)
-                        buf.kw2[st][u][k] = KAL || (kbit2 >> 5) + k < kwl2 ? (uint)row2[k * kc2_strides[3]] : 0u;
+                    KVQ_LOAD_SLICE(buf.kw2[st][u], row2, KNW2, KVEC2, kvec2, kc2_strides[3], kbit2 >> 5, kwl2, KAL)
                 }
 #pragma unroll
                 for (int k = 0; k < KNG; ++k) {
@@ -252,14 +289,10 @@ SOURCE = """
             for (int u = 0; u < 4; ++u) {
                 const int t = min(t0 + st * 16 + 2 * c + (u & 1) + 8 * (u >> 1), T - 1);
                 const auto* row = vc + vbase + (int64_t)t * vc_strides[2] + (vbit >> 5) * vc_strides[3];
-#pragma unroll
-                for (int k = 0; k < VNW; ++k)
-                    buf.vw[st][u][k] = VAL || (vbit >> 5) + k < vwl ? (uint)row[k * vc_strides[3]] : 0u;
+                KVQ_LOAD_SLICE(buf.vw[st][u], row, VNW, VVEC, vvec, vc_strides[3], vbit >> 5, vwl, VAL)
                 if (VB2 > 0) {
                     const auto* row2 = vc2 + vbase2 + (int64_t)t * vc2_strides[2] + (vbit2 >> 5) * vc2_strides[3];
-#pragma unroll
-                    for (int k = 0; k < VNW2; ++k)
-                        buf.vw2[st][u][k] = VAL || (vbit2 >> 5) + k < vwl2 ? (uint)row2[k * vc2_strides[3]] : 0u;
+                    KVQ_LOAD_SLICE(buf.vw2[st][u], row2, VNW2, VVEC2, vvec2, vc2_strides[3], vbit2 >> 5, vwl2, VAL)
                 }
 #pragma unroll
                 for (int k = 0; k < VNG; ++k) {
@@ -332,11 +365,12 @@ SOURCE = """
                     if (DENSE) {
                         x = dense_k(t0 + st * 16 + g + 8 * u, c * SK + 2 * p);
                     } else if (KPAIR) {
-                        x = ktab_s[(p1 << (2 * KB2)) | p2];
+                        x = ktab_s[KREP ? (((p1 << (2 * KB2)) | p2) << 5) | (uint)lane : (p1 << (2 * KB2)) | p2];
                     } else {
                         const uint ca = ((p1 & KMASK) << KB2) | (p2 & KMASK2);
                         const uint cb = ((p1 >> KB) << KB2) | (p2 >> KB2);
-                        x = (ktab_s[ca] & 0xffffu) | (ktab_s[cb] << 16);
+                        x = kvq_prmt(ktab_s[KREP ? (ca << 5) | (uint)lane : ca], ktab_s[KREP ? (cb << 5) | (uint)lane : cb],
+                                     0x7610u);
                     }
                     if (!KONE && !DENSE) {
                         const int gi = SK >= KG ? (2 * p) / KG : 0;
@@ -410,11 +444,12 @@ SOURCE = """
                     if (DENSE) {
                         x = dense_v(t0 + st * 16 + 2 * c + (u & 1) + 8 * (u >> 1), g * SV + 2 * i);
                     } else if (VPAIR) {
-                        x = vtab_s[(p1 << (2 * VB2)) | p2];
+                        x = vtab_s[VREP ? (((p1 << (2 * VB2)) | p2) << 5) | (uint)lane : (p1 << (2 * VB2)) | p2];
                     } else {
                         const uint ca = ((p1 & VMASK) << VB2) | (p2 & VMASK2);
                         const uint cb = ((p1 >> VB) << VB2) | (p2 >> VB2);
-                        x = (vtab_s[ca] & 0xffffu) | (vtab_s[cb] << 16);
+                        x = kvq_prmt(vtab_s[VREP ? (ca << 5) | (uint)lane : ca], vtab_s[VREP ? (cb << 5) | (uint)lane : cb],
+                                     0x7610u);
                     }
                     if (!VONE && !DENSE) {
                         const int gi = SV >= VG ? (2 * i) / VG : 0;
@@ -469,7 +504,7 @@ SOURCE = """
         float s = 0.0f;
 #pragma unroll
         for (int w = 0; w < NWARP; ++w) s += red_s[(w * 8 + r) * D + j];
-        out[obase * D + o] = s;
+        part[obase * D + o] = s;
     }
     if (tid < R) {
         float top = -KVQ_INF;
@@ -483,6 +518,90 @@ SOURCE = """
         }
         ml[obase * 2 + 2 * tid] = top == -KVQ_INF ? -KVQ_INF : top * LN2;
         ml[obase * 2 + 2 * tid + 1] = sum;
+    }
+    // DENSE: the launch before the compressed one also zeroes the split counters that launch counts with
+    if (DENSE && split == 0 && tid == 0) cnt[bh] = 0;
+
+    // ---- MERGE: the block that finishes a (batch, KV head) last merges its splits (flash-decoding's log-sum-exp
+    // combine, in the same launch), undoes the rotation, adds the ND uncompressed splits and writes the output
+    if (MERGE) {
+        KVQ_SHARED int last_s;
+        KVQ_SHARED float rtop_s[8];
+        KVQ_SHARED float rtot_s[8];
+        __threadfence();
+        KVQ_BARRIER();
+        if (tid == 0) last_s = atomicAdd(const_cast<int*>(counter) + bh, 1) == nsplit - 1;
+        KVQ_BARRIER();
+        if (last_s) {
+            __threadfence();
+            const int WS = nsplit + ND;
+            float* w_s = red_s;  // [R][WS] split weights: the tables' memory is free again
+            for (int r = warp; r < R; r += NWARP) {
+                float top = -KVQ_INF;
+                for (int s2 = lane; s2 < nsplit; s2 += 32)
+                    top = KVQ_FMAX(top, __ldcg(ml + (((int64_t)bh * nsplit + s2) * R + r) * 2));
+                if (ND > 0 && lane < ND) top = KVQ_FMAX(top, mld[((int64_t)(bh * ND + lane) * R + r) * 2]);
+#pragma unroll
+                for (int off = 16; off > 0; off >>= 1) top = KVQ_FMAX(top, KVQ_SHFL_XOR(top, off));
+                float tot = 0.0f;
+                for (int s2 = lane; s2 < nsplit; s2 += 32) {
+                    const float* mls = ml + (((int64_t)bh * nsplit + s2) * R + r) * 2;
+                    const float m = __ldcg(mls);
+                    const float w = m == -KVQ_INF ? 0.0f : KVQ_EXP(m - top);
+                    w_s[r * WS + s2] = w;
+                    tot += w * __ldcg(mls + 1);
+                }
+                if (ND > 0 && lane < ND) {
+                    const float* mls = mld + ((int64_t)(bh * ND + lane) * R + r) * 2;
+                    const float w = mls[0] == -KVQ_INF ? 0.0f : KVQ_EXP(mls[0] - top);
+                    w_s[r * WS + nsplit + lane] = w;
+                    tot += w * mls[1];
+                }
+#pragma unroll
+                for (int off = 16; off > 0; off >>= 1) tot += KVQ_SHFL_XOR(tot, off);
+                if (lane == 0) { rtop_s[r] = top; rtot_s[r] = tot; }
+            }
+            KVQ_BARRIER();
+            // weighted sum of the splits' outputs (read from L2: other blocks wrote them), into q_s
+            for (int o = tid; o < R * D; o += THREADS) {
+                const int r = o / D;
+                const float* ps = part + ((int64_t)bh * nsplit * R + r) * D + (o - r * D);
+                float a0 = 0.0f, a1 = 0.0f;
+                int s2 = 0;
+#pragma unroll 4
+                for (; s2 + 1 < nsplit; s2 += 2) {
+                    a0 += w_s[r * WS + s2] * __ldcg(ps + (int64_t)s2 * R * D);
+                    a1 += w_s[r * WS + s2 + 1] * __ldcg(ps + (int64_t)(s2 + 1) * R * D);
+                }
+                if (s2 < nsplit) a0 += w_s[r * WS + s2] * __ldcg(ps + (int64_t)s2 * R * D);
+                q_s[o] = a0 + a1;
+            }
+            if (ROT) {
+                for (int hs = 1; hs < D; hs <<= 1) {
+                    KVQ_BARRIER();
+                    for (int e = tid; e < R * D / 2; e += THREADS) {
+                        const int r = e / (D / 2);
+                        const int i = e - r * (D / 2);
+                        const int lo = (i / hs) * 2 * hs + (i % hs);
+                        const float a = q_s[r * D + lo];
+                        const float cc = q_s[r * D + lo + hs];
+                        q_s[r * D + lo] = a + cc;
+                        q_s[r * D + lo + hs] = a - cc;
+                    }
+                }
+            }
+            KVQ_BARRIER();
+            const float rs = ROT ? 1.0f / KVQ_SQRT((float)D) : 1.0f;
+            for (int o = tid; o < R * D; o += THREADS) {
+                const int r = o / D;
+                const int j = o - r * D;
+                float v = ROT ? q_s[o] * signs[j] * rs : q_s[o];
+#pragma unroll
+                for (int d = 0; d < ND; ++d) v += w_s[r * WS + nsplit + d] * partd[((int64_t)(bh * ND + d) * R + r) * D + j];
+                if (j < DV) fout[((int64_t)bh * R + r) * DV + j] = v / rtot_s[r];
+            }
+            if (tid < R) lse[bh * R + tid] = rtop_s[tid] + KVQ_LOG(rtot_s[tid]);
+        }
     }
 """
 

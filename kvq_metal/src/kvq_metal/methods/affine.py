@@ -19,8 +19,9 @@ from .common import check_attend, decode_shape_ok, rows_of
 def _side(encoded) -> attend.Side:
     p = encoded.params
     d = encoded.data
-    return attend.Side(d["codes"], d["scales"], d["biases"], mx.arange(1 << p.bits, dtype=mx.float32), p.bits,
-                       p.group_size)
+    # the table 0 .. 2^bits - 1: one cached array per width, so keys and values share it (attend.table_layout)
+    table = attend._constant(tuple(float(i) for i in range(1 << p.bits)), mx.float32)
+    return attend.Side(d["codes"], d["scales"], d["biases"], table, p.bits, p.group_size)
 
 
 class AffineKernels(KernelImpl):

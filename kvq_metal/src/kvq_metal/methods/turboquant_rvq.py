@@ -27,9 +27,12 @@ def _params_class():
 
 @lru_cache(maxsize=64)
 def _table(params, head_dim: int) -> mx.array:
-    """float32 ``[2^(b1 + b2)]``: ``table[(i << b2) | j] = c1[i] + c2[j]``."""
+    """float32 ``[2^(b1 + b2)]``: ``table[(i << b2) | j] = c1[i] + c2[j]`` (evaluated once per parameters: keys and
+    values with equal parameters share one array, see :func:`kvq_metal.attend.table_layout`)."""
     c1, c2 = params.codebooks(head_dim)
-    return (c1[:, None] + c2[None, :]).reshape(-1)
+    table = (c1[:, None] + c2[None, :]).reshape(-1)
+    mx.eval(table)
+    return table
 
 
 def _side(encoded) -> attend.Side:
