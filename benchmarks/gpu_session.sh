@@ -2,7 +2,8 @@
 # One GPU sitting: kernel smoke compile, GPU tests, kernel benchmarks; every step logs under $OUT.
 #   bash benchmarks/gpu_session.sh [steps...]
 # steps: smoke tests bench (default: these three), sweep, ops (kvq bench ops + kvq autotune from it),
-#        e2e (kvq bench e2e on a random-weight Llama-3-8B shape), dist (2 GPUs: NCCL tests + 64K decode benchmark)
+#        e2e (kvq bench e2e on a random-weight Llama-3-8B shape), dist (2 GPUs: NCCL tests + 64K decode benchmark),
+#        durations (GPU time per decode-attention call, read by Nsight Compute), profile (ncu --set full at 128K)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -37,6 +38,12 @@ for name, fn in [("quantize", lambda: k.kvq_quantize(x, p).data["codes"]),
            --name "$(date +%F)-h200-random-llama3-8b" > "$OUT/e2e.log" 2>&1
          python3 -m kvq.cli bench e2e --report "$OUT/e2e/$(date +%F)-h200-random-llama3-8b.json" > /dev/null 2>&1
          tail -c 3000 "$OUT/e2e.log";;
+    durations) timeout ${DURATIONS_TIMEOUT:-200} python3 benchmarks/kernel_durations.py --out "$OUT/durations.json" \
+                 --variants benchmarks/profile_variants.json > "$OUT/durations.log" 2>&1; tail -c 4000 "$OUT/durations.log";;
+    profile) timeout 200 ncu --clock-control none -k regex:decode_attend_tc -c 3 --set full -o "$OUT/attend" \
+               python3 benchmarks/profile_attend.py > "$OUT/profile.log" 2>&1
+             ncu -i "$OUT/attend.ncu-rep" --page details > "$OUT/attend_details.txt" 2>&1
+             grep -E "Duration|Registers Per|Achieved Occ|DRAM Through|Issue Slots" "$OUT/attend_details.txt";;
     dist) KVQ_TEST_DISTRIBUTED_BACKEND=nccl timeout 240 python3 -m pytest tests/test_distributed.py -q -x \
             -p no:cacheprovider > "$OUT/dist_tests.log" 2>&1; tail -c 1500 "$OUT/dist_tests.log"
           # mlx.launch is a console script: run its entry point with this interpreter

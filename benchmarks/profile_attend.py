@@ -1,15 +1,20 @@
-"""One call of each decode-attention kernel at T = 128K (B 1, H_q 32, H_kv 8, D 128) and of fp16 SDPA, for a
-profiler (Nsight Compute) to capture:
+"""Decode-attention launches for a profiler: B 1, H_q 32, H_kv 8, D 128, one query, keys and values distinct.
 
-    ncu --clock-control none -k regex:"decode_attend|decode_merge|zero_counters|sdpa" python benchmarks/profile_attend.py
+For each context length: one fp16 ``mx.fast.scaled_dot_product_attention`` call, then one ``kvq_attend`` kernel
+call per method (turboquant-4, turboquant-3, affine-4) and launch variant, each evaluated on its own after its
+inputs, so a profiler's kernel filter sees the launches of one call together. Prints one label per call, in order.
 
-Each kernel runs exactly once after its inputs are evaluated, so a profiler's kernel filter sees one launch per
-method. Set KVQ_ATTEND_TUNING to profile other launch knobs.
+    ncu --clock-control none -k regex:"decode_attend|decode_merge|zero_counters|sdpa" \\
+        python benchmarks/profile_attend.py --contexts 131072 [--variants variants.json]
+
+``variants.json``: a list of ``kvq_metal.attend.TUNING`` overrides (default ``[{}]``), each run for every method.
+:mod:`benchmarks.kernel_durations` runs this under ``ncu`` and records each call's GPU time.
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
+import json
 
 import mlx.core as mx
 
@@ -17,26 +22,41 @@ import kvq
 from kvq.plugins import registry
 
 B, HQ, HKV, D = 1, 32, 8, 128
+METHODS = (("turboquant", {"bits": 4}), ("turboquant", {"bits": 3}), ("affine", {"bits": 4}))
 
 
-def main(T: int = 131072) -> None:
+def main() -> None:
     import kvq_metal
+    from kvq_metal import attend
 
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--contexts", default="131072", help="comma-separated token counts")
+    ap.add_argument("--variants", default=None, help="JSON file: a list of TUNING overrides")
+    args = ap.parse_args()
+    variants = json.load(open(args.variants)) if args.variants else [{}]
     backend = kvq_metal.gpu_backend()
-    q = mx.random.normal((B, HQ, 1, D)).astype(mx.float16)
-    k = mx.random.normal((B, HKV, T, D)).astype(mx.float16)
-    v = mx.random.normal((B, HKV, T, D)).astype(mx.float16)
-    mx.eval(q, k, v)
-    mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5))
-    for name, params in (("turboquant", {"bits": 4}), ("turboquant", {"bits": 3}), ("affine", {"bits": 4})):
-        p = kvq.make_params(name, **params)
-        pure = registry().implementations[(name, "mlx")]
-        kern = registry().implementations[(name, backend)]
-        ke, ve = pure.kvq_quantize(k, p), pure.kvq_quantize(v, p)
-        mx.eval(ke.data, ve.data)
-        mx.eval(kern.kvq_attend(q, ke, ve, D ** -0.5, None)[0])
-        print(name, params, "done", flush=True)
+    base = dict(attend.TUNING)
+    for T in (int(t) for t in args.contexts.split(",")):
+        q = mx.random.normal((B, HQ, 1, D)).astype(mx.float16)
+        k = mx.random.normal((B, HKV, T, D)).astype(mx.float16)
+        v = mx.random.normal((B, HKV, T, D)).astype(mx.float16)
+        mx.eval(q, k, v)
+        print(json.dumps({"T": T, "method": "fp16_sdpa"}), flush=True)
+        mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5))
+        for name, params in METHODS:
+            p = kvq.make_params(name, **params)
+            pure = registry().implementations[(name, "mlx")]
+            kern = registry().implementations[(name, backend)]
+            ke, ve = pure.kvq_quantize(k, p), pure.kvq_quantize(v, p)
+            mx.eval(ke.data, ve.data)
+            for variant in variants:
+                attend.TUNING.update(variant)
+                print(json.dumps({"T": T, "method": f"{name}{params['bits']}", **variant}), flush=True)
+                mx.eval(kern.kvq_attend(q, ke, ve, D ** -0.5, None)[0])
+                attend.TUNING.clear()
+                attend.TUNING.update(base)
+            del ke, ve
 
 
 if __name__ == "__main__":
-    main(*(int(a) for a in sys.argv[1:]))
+    main()

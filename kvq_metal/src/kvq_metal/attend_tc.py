@@ -66,11 +66,15 @@ __device__ __forceinline__ float kvq_exp2(float x) {
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
 }
-// NB bits at bit offset OFF of the register array w (OFF, NB compile-time after unrolling; NB <= 16)
-#define KVQ_BITS(w, OFF, NB) \
+// NB bits at bit offset OFF of the register array w (OFF, NB compile-time after unrolling; NB <= 16); a whole
+// byte is one prmt
+#define KVQ_BITS_SHIFT(w, OFF, NB) \
     ((((OFF) & 31) + (NB) <= 32 ? ((w)[(OFF) >> 5] >> ((OFF) & 31)) \
                                 : (((w)[(OFF) >> 5] >> ((OFF) & 31)) | ((w)[((OFF) >> 5) + 1] << (32 - ((OFF) & 31))))) \
      & ((1u << (NB)) - 1u))
+#define KVQ_BITS(w, OFF, NB) \
+    ((NB) == 8 && ((OFF) & 7) == 0 ? kvq_prmt((w)[(OFF) >> 5], 0u, 0x4440u + (((OFF) & 31) >> 3)) \
+                                   : KVQ_BITS_SHIFT(w, OFF, NB))
 // NW words of a thread's slice from row (word stride s3) into dst: VEC-word vector loads when vec (unit stride,
 // aligned rows: VEC is a compile-time 1, 2 or 4), else word by word, reading words first + k >= lim as 0 unless
 // ALIGNED (a slice that ends on a word)
@@ -137,6 +141,9 @@ SOURCE = """
     KVQ_SHARED float q_s[R * D];
     uint* ktab_s = smem_s;
     uint* vtab_s = VSAME ? smem_s : smem_s + KTW;
+    // this lane's view of the tables: entry e at [e * KST] (one address add per lookup)
+    constexpr int KST = KREP ? 32 : 1;
+    constexpr int VST = VREP ? 32 : 1;
     float* red_s = reinterpret_cast<float*>(smem_s);
     KVQ_SHARED float mw_s[NWARP * 8];
     KVQ_SHARED float lw_s[NWARP * 8];
@@ -187,6 +194,8 @@ SOURCE = """
         }
         vtab_s[i] = kvq_h2(lo, hi);
     }
+    const uint* ktab_l = ktab_s + (KREP ? lane : 0);
+    const uint* vtab_l = vtab_s + (VREP ? lane : 0);
     // queries: scale, (randomized Hadamard rotation), into shared memory
     const int Tq = q_shape[2];
     const int Dq = q_shape[3];
@@ -365,12 +374,11 @@ SOURCE = """
                     if (DENSE) {
                         x = dense_k(t0 + st * 16 + g + 8 * u, c * SK + 2 * p);
                     } else if (KPAIR) {
-                        x = ktab_s[KREP ? (((p1 << (2 * KB2)) | p2) << 5) | (uint)lane : (p1 << (2 * KB2)) | p2];
+                        x = ktab_l[((p1 << (2 * KB2)) | p2) * KST];
                     } else {
                         const uint ca = ((p1 & KMASK) << KB2) | (p2 & KMASK2);
                         const uint cb = ((p1 >> KB) << KB2) | (p2 >> KB2);
-                        x = kvq_prmt(ktab_s[KREP ? (ca << 5) | (uint)lane : ca], ktab_s[KREP ? (cb << 5) | (uint)lane : cb],
-                                     0x7610u);
+                        x = kvq_prmt(ktab_l[ca * KST], ktab_l[cb * KST], 0x7610u);
                     }
                     if (!KONE && !DENSE) {
                         const int gi = SK >= KG ? (2 * p) / KG : 0;
@@ -444,12 +452,11 @@ SOURCE = """
                     if (DENSE) {
                         x = dense_v(t0 + st * 16 + 2 * c + (u & 1) + 8 * (u >> 1), g * SV + 2 * i);
                     } else if (VPAIR) {
-                        x = vtab_s[VREP ? (((p1 << (2 * VB2)) | p2) << 5) | (uint)lane : (p1 << (2 * VB2)) | p2];
+                        x = vtab_l[((p1 << (2 * VB2)) | p2) * VST];
                     } else {
                         const uint ca = ((p1 & VMASK) << VB2) | (p2 & VMASK2);
                         const uint cb = ((p1 >> VB) << VB2) | (p2 >> VB2);
-                        x = kvq_prmt(vtab_s[VREP ? (ca << 5) | (uint)lane : ca], vtab_s[VREP ? (cb << 5) | (uint)lane : cb],
-                                     0x7610u);
+                        x = kvq_prmt(vtab_l[ca * VST], vtab_l[cb * VST], 0x7610u);
                     }
                     if (!VONE && !DENSE) {
                         const int gi = SV >= VG ? (2 * i) / VG : 0;

@@ -1,0 +1,76 @@
+"""GPU time of each decode-attention call (all its kernel launches), fp16 SDPA beside it, read by Nsight Compute.
+
+Wall-clock timing of one call (``benchmarks/kernels.py``) includes Python, graph building, launch and
+synchronisation, about 0.15 ms on MLX's CUDA back end, which hides the kernels' own difference; calls evaluated
+together may overlap on the GPU. Here ``ncu`` measures ``gpu__time_duration`` of every launch of
+``benchmarks/profile_attend.py`` and each call's launches are summed. Writes JSON to ``--out``.
+
+    python benchmarks/kernel_durations.py --out durations.json [--contexts 4096,131072] [--variants v.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).parent
+FILTER = "regex:decode_attend|decode_merge|zero_counters|sdpa|fmha|flash"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--contexts", default="4096,16384,65536,131072")
+    ap.add_argument("--variants", default=None)
+    ap.add_argument("--ncu", default=shutil.which("ncu") or "/usr/local/cuda/bin/ncu")
+    args = ap.parse_args()
+    cmd = [sys.executable, str(HERE / "profile_attend.py"), "--contexts", args.contexts]
+    if args.variants:
+        cmd += ["--variants", args.variants]
+    log = Path(args.out).with_suffix(".ncu.csv")
+    run = subprocess.run([args.ncu, "--clock-control", "none", "-k", FILTER, "--metrics",
+                          "gpu__time_duration.sum,launch__registers_per_thread,launch__grid_size", "--csv",
+                          "--log-file", str(log), *cmd], capture_output=True, text=True)
+    labels = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    if run.returncode or not labels:
+        raise SystemExit(f"ncu failed ({run.returncode}): {run.stderr[-3000:]}")
+    rows = list(csv.reader(io.StringIO(log.read_text())))
+    head = next(i for i, r in enumerate(rows) if r and r[0] == "ID")
+    h = rows[head]
+    launches: dict[str, dict] = {}
+    for r in rows[head + 1:]:
+        if len(r) != len(h):
+            continue
+        d = launches.setdefault(r[h.index("ID")], {"kernel": r[h.index("Kernel Name")]})
+        value = float(r[h.index("Metric Value")].replace(",", ""))
+        unit = r[h.index("Metric Unit")]
+        d[r[h.index("Metric Name")]] = value * {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}.get(unit, 1.0)
+    order = [launches[k] for k in sorted(launches, key=int)]
+    results, i = [], 0
+    for label in labels:
+        ours = label["method"] != "fp16_sdpa"
+        parts = []
+        while i < len(order):
+            parts.append(order[i])
+            i += 1
+            name = parts[-1]["kernel"]
+            # fp16: one launch; kvq: up to the attention kernel (tensor cores) or the merge (SIMT kernel)
+            if not ours or "decode_merge" in name or "decode_attend_tc" in name:
+                break
+        results.append({**label, "gpu_us": sum(p["gpu__time_duration.sum"] for p in parts),
+                        "launches": [{"kernel": p["kernel"].split("(")[0][-90:],
+                                      "us": p["gpu__time_duration.sum"],
+                                      "registers": p.get("launch__registers_per_thread"),
+                                      "blocks": p.get("launch__grid_size")} for p in parts]})
+        print(json.dumps({k: v for k, v in results[-1].items() if k != "launches"}), flush=True)
+    Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "rows": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
