@@ -69,6 +69,7 @@ def main() -> None:
                                       "registers": p.get("launch__registers_per_thread"),
                                       "blocks": p.get("launch__grid_size")} for p in parts]})
         print(json.dumps({k: v for k, v in results[-1].items() if k != "launches"}), flush=True)
+    results = [r for r in results if not r.get("warmup")]
     Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "rows": results}, indent=1))
 
 

@@ -144,8 +144,7 @@ def test_fused_dense_call_is_checked_once_before_use(wrong):
 def test_table_layout_copies_tables_per_lane_within_static_shared_memory():
     """The tensor-core kernel's table layout (kvq_metal.attend.table_layout): a 4-bit pair table (256 entries) per
     lane takes 32 KB, so keys and values sharing one codebook both get copies; two different 4-bit tables at
-    head_dim 256 with 8 query rows leave room for the keys' copies only; grouped scales and biases (affine) and
-    ``TUNING["rep"]`` off keep one copy."""
+    head_dim 256 with 8 query rows leave room for the keys' copies only; ``TUNING["rep"]`` off keeps one copy."""
     import mlx.core as mx
 
     from kvq_metal import attend
@@ -157,8 +156,8 @@ def test_table_layout_copies_tables_per_lane_within_static_shared_memory():
     assert attend.table_layout(128, 4, side(t4, 4), side(t3, 3)) == (True, True, False)
     other = mx.zeros((16,), mx.float32)
     assert attend.table_layout(256, 8, side(t4, 4, 256), side(other, 4, 256)) == (True, False, False)
-    grouped = attend.Side(None, None, t4, t4, 4, 64)  # affine: per-group scales and biases, no copies (slower)
-    assert attend.table_layout(128, 4, grouped, grouped) == (False, False, True)
+    grouped = attend.Side(None, None, t4, t4, 4, 64)  # affine: per-group scales and biases
+    assert attend.table_layout(128, 4, grouped, grouped) == (True, True, True)
     saved = attend.TUNING["rep"]
     attend.TUNING["rep"] = False
     try:

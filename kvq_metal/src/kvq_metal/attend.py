@@ -465,24 +465,19 @@ SHARED_WORDS = 12288
 def table_layout(head_dim: int, rows: int, keys: Side, values: Side) -> tuple[bool, bool, bool]:
     """``(KREP, VREP, VSAME)`` of the tensor-core kernel: which code tables get one copy per lane (a lookup then
     never conflicts on a shared-memory bank; a table of ``n`` entries takes ``128 n`` bytes) and whether values
-    read the keys' table (the same table object and widths). Copies are made for sides with one scale per vector
-    (turboquant's norms), while they fit in the static shared memory left after the queries
-    (:data:`SHARED_WORDS`), keys first; ``TUNING["rep"]`` ``False`` turns them off, ``"all"`` copies every side
-    that fits."""
+    read the keys' table (the same table object and widths). Copies are made while they fit in the static shared
+    memory left after the queries (:data:`SHARED_WORDS`), keys first; ``TUNING["rep"] = False`` turns them off.
+    Measured on an H200 at 128K tokens (``benchmarks/kernel_durations.py``): turboquant-4 124 us with copies, 139
+    without; affine-4 141 and 147."""
     def entries(side: Side) -> int:
         cb = side.bits + side.bits2
         return 1 << (2 * cb) if TUNING["pair"] and 2 * cb <= 8 else 1 << cb
-
-    def may_copy(side: Side) -> bool:
-        # measured on an H200 at 128K (benchmarks/results/kernels): copies made turboquant-4 faster (125 vs 141
-        # us) and affine-4, with per-group scales and biases, twice as slow (322 vs 154 us)
-        return TUNING["rep"] == "all" or (bool(TUNING["rep"]) and side.biases is None and side.group == head_dim)
 
     same = keys.table is values.table and (keys.bits, keys.bits2) == (values.bits, values.bits2)
     free = SHARED_WORDS - rows * head_dim - 2 * 4 * 8 - 64
     ke, ve = entries(keys), 0 if same else entries(values)
     for krep, vrep in ((True, True), (True, False), (False, True), (False, False)):
-        if (krep and not may_copy(keys)) or (vrep and not may_copy(values)):
+        if not TUNING["rep"] and (krep or vrep):
             continue
         if same and krep != vrep:
             continue
