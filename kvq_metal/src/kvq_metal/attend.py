@@ -474,7 +474,9 @@ def table_layout(head_dim: int, rows: int, keys: Side, values: Side) -> tuple[bo
         return 1 << (2 * cb) if TUNING["pair"] and 2 * cb <= 8 else 1 << cb
 
     same = keys.table is values.table and (keys.bits, keys.bits2) == (values.bits, values.bits2)
-    free = SHARED_WORDS - rows * head_dim - 2 * 4 * 8 - 64
+    # left after the queries, the warps' (max, sum), the staged tables and a margin
+    free = SHARED_WORDS - rows * head_dim - 2 * 4 * 8 - (1 << keys.bits + keys.bits2) - \
+        (1 << values.bits + values.bits2) - 64
     ke, ve = entries(keys), 0 if same else entries(values)
     for krep, vrep in ((True, True), (True, False), (False, True), (False, False)):
         if not TUNING["rep"] and (krep or vrep):

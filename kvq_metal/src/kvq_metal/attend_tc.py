@@ -145,6 +145,8 @@ SOURCE = """
     constexpr int KST = KREP ? 32 : 1;
     constexpr int VST = VREP ? 32 : 1;
     float* red_s = reinterpret_cast<float*>(smem_s);
+    KVQ_SHARED float kt0_s[1 << CBK];
+    KVQ_SHARED float vt0_s[1 << CBV];
     KVQ_SHARED float mw_s[NWARP * 8];
     KVQ_SHARED float lw_s[NWARP * 8];
 
@@ -166,78 +168,6 @@ SOURCE = """
     const int g = lane >> 2;
     const int c = lane & 3;
 
-    // pair tables: entry ((p1 << 2 * B2) | p2) = (value of code a, value of code b) for the pair's two codes;
-    // single tables: entry c = (value of c, value of c)
-    for (int i = tid; i < KTW; i += THREADS) {
-        const uint e = KREP ? (uint)i >> 5 : (uint)i;
-        float lo, hi;
-        if (KPAIR) {
-            const uint p1 = e >> (2 * KB2), p2 = e & ((1u << (2 * KB2)) - 1u);
-            lo = kt[((p1 & KMASK) << KB2) | (p2 & KMASK2)];
-            hi = kt[((p1 >> KB) << KB2) | (p2 >> KB2)];
-        } else {
-            lo = kt[e];
-            hi = lo;
-        }
-        ktab_s[i] = kvq_h2(lo, hi);
-    }
-    for (int i = tid; i < VTW; i += THREADS) {
-        const uint e = VREP ? (uint)i >> 5 : (uint)i;
-        float lo, hi;
-        if (VPAIR) {
-            const uint p1 = e >> (2 * VB2), p2 = e & ((1u << (2 * VB2)) - 1u);
-            lo = vt[((p1 & VMASK) << VB2) | (p2 & VMASK2)];
-            hi = vt[((p1 >> VB) << VB2) | (p2 >> VB2)];
-        } else {
-            lo = vt[e];
-            hi = lo;
-        }
-        vtab_s[i] = kvq_h2(lo, hi);
-    }
-    const uint* ktab_l = ktab_s + (KREP ? lane : 0);
-    const uint* vtab_l = vtab_s + (VREP ? lane : 0);
-    // queries: scale, (randomized Hadamard rotation), into shared memory
-    const int Tq = q_shape[2];
-    const int Dq = q_shape[3];
-    const int n_rep = R / Tq;
-    const float scale = qscale[0];
-    for (int e = tid; e < R * D; e += THREADS) {
-        const int r = e / D;
-        const int j = e - r * D;
-        const int hq = h * n_rep + r / Tq;
-        float val = 0.0f;
-        if (j < Dq) {
-            val = KVQ_F32(q[b * q_strides[0] + hq * q_strides[1] + (r % Tq) * q_strides[2] + j * q_strides[3]]) * scale;
-        }
-        q_s[e] = ROT ? val * signs[j] : val;
-    }
-    if (ROT) {
-        for (int hs = 1; hs < D; hs <<= 1) {
-            KVQ_BARRIER();
-            for (int e = tid; e < R * D / 2; e += THREADS) {
-                const int r = e / (D / 2);
-                const int i = e - r * (D / 2);
-                const int lo = (i / hs) * 2 * hs + (i % hs);
-                const float a = q_s[r * D + lo];
-                const float cc = q_s[r * D + lo + hs];
-                q_s[r * D + lo] = a + cc;
-                q_s[r * D + lo + hs] = a - cc;
-            }
-        }
-    }
-    KVQ_BARRIER();
-    // query B fragments: k-step s holds coordinates c * SK + 4 s + {0, 1} (b0) and {2, 3} (b1) of row g
-    const float qmul = ROT ? 1.0f / KVQ_SQRT((float)D) : 1.0f;
-    uint qf[KS][2];
-#pragma unroll
-    for (int s = 0; s < KS; ++s) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int j = c * SK + 4 * s + 2 * e;
-            qf[s][e] = g < R ? kvq_h2(q_s[g * D + j] * qmul, q_s[g * D + j + 1] * qmul) : 0u;
-        }
-    }
-
     const int64_t kbase = b * kc_strides[0] + h * kc_strides[1];
     const int64_t kbase2 = b * kc2_strides[0] + h * kc2_strides[1];
     const int64_t ksbase = b * ks_strides[0] + h * ks_strides[1];
@@ -257,10 +187,6 @@ SOURCE = """
     const bool kvec2 = kc2_strides[3] == 1 && kc2_strides[2] % KVEC2 == 0 && (reinterpret_cast<size_t>(kc2 + kbase2) & (4 * KVEC2 - 1)) == 0;
     const bool vvec2 = vc2_strides[3] == 1 && vc2_strides[2] % VVEC2 == 0 && (reinterpret_cast<size_t>(vc2 + vbase2) & (4 * VVEC2 - 1)) == 0;
 
-    float acc[KS][4];
-#pragma unroll
-    for (int i = 0; i < KS; ++i) { acc[i][0] = 0.0f; acc[i][1] = 0.0f; acc[i][2] = 0.0f; acc[i][3] = 0.0f; }
-    float m0 = -KVQ_INF, m1 = -KVQ_INF, l0 = 0.0f, l1 = 0.0f;
 
     // one warp step: NT tiles of 16 tokens; key slices of tokens g, g + 8, value slices of tokens 2c, 2c + 1,
     // 2c + 8, 2c + 9, their scales. With PF the next step's loads are issued before this step's math.
@@ -312,6 +238,92 @@ SOURCE = """
         }
       }
     };
+    // the first step's codes are requested before the tables and queries are prepared (their latency overlaps)
+    Step buf;
+    Step nxt;
+    load(buf, t_begin + warp * 16 * NT);
+
+    // the code tables: their few values are read from global memory once per block (kt0_s / vt0_s), then
+    // pair tables: entry ((p1 << 2 * B2) | p2) = (value of code a, value of code b) for the pair's two codes;
+    // single tables: entry c = (value of c, value of c); KREP / VREP: 32 copies
+    for (int i = tid; i < (1 << CBK); i += THREADS) kt0_s[i] = kt[i];
+    for (int i = tid; i < (VSAME ? 0 : 1 << CBV); i += THREADS) vt0_s[i] = vt[i];
+    KVQ_BARRIER();
+    for (int i = tid; i < KTW; i += THREADS) {
+        const uint e = KREP ? (uint)i >> 5 : (uint)i;
+        float lo, hi;
+        if (KPAIR) {
+            const uint p1 = e >> (2 * KB2), p2 = e & ((1u << (2 * KB2)) - 1u);
+            lo = kt0_s[((p1 & KMASK) << KB2) | (p2 & KMASK2)];
+            hi = kt0_s[((p1 >> KB) << KB2) | (p2 >> KB2)];
+        } else {
+            lo = kt0_s[e];
+            hi = lo;
+        }
+        ktab_s[i] = kvq_h2(lo, hi);
+    }
+    for (int i = tid; i < VTW; i += THREADS) {
+        const uint e = VREP ? (uint)i >> 5 : (uint)i;
+        float lo, hi;
+        if (VPAIR) {
+            const uint p1 = e >> (2 * VB2), p2 = e & ((1u << (2 * VB2)) - 1u);
+            lo = vt0_s[((p1 & VMASK) << VB2) | (p2 & VMASK2)];
+            hi = vt0_s[((p1 >> VB) << VB2) | (p2 >> VB2)];
+        } else {
+            lo = vt0_s[e];
+            hi = lo;
+        }
+        vtab_s[i] = kvq_h2(lo, hi);
+    }
+    const uint* ktab_l = ktab_s + (KREP ? lane : 0);
+    const uint* vtab_l = vtab_s + (VREP ? lane : 0);
+    // queries: scale, (randomized Hadamard rotation), into shared memory
+    const int Tq = q_shape[2];
+    const int Dq = q_shape[3];
+    const int n_rep = R / Tq;
+    const float scale = qscale[0];
+    for (int e = tid; e < R * D; e += THREADS) {
+        const int r = e / D;
+        const int j = e - r * D;
+        const int hq = h * n_rep + r / Tq;
+        float val = 0.0f;
+        if (j < Dq) {
+            val = KVQ_F32(q[b * q_strides[0] + hq * q_strides[1] + (r % Tq) * q_strides[2] + j * q_strides[3]]) * scale;
+        }
+        q_s[e] = ROT ? val * signs[j] : val;
+    }
+    if (ROT) {
+        for (int hs = 1; hs < D; hs <<= 1) {
+            KVQ_BARRIER();
+            for (int e = tid; e < R * D / 2; e += THREADS) {
+                const int r = e / (D / 2);
+                const int i = e - r * (D / 2);
+                const int lo = (i / hs) * 2 * hs + (i % hs);
+                const float a = q_s[r * D + lo];
+                const float cc = q_s[r * D + lo + hs];
+                q_s[r * D + lo] = a + cc;
+                q_s[r * D + lo + hs] = a - cc;
+            }
+        }
+    }
+    KVQ_BARRIER();
+    // query B fragments: k-step s holds coordinates c * SK + 4 s + {0, 1} (b0) and {2, 3} (b1) of row g
+    const float qmul = ROT ? 1.0f / KVQ_SQRT((float)D) : 1.0f;
+    uint qf[KS][2];
+#pragma unroll
+    for (int s = 0; s < KS; ++s) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int j = c * SK + 4 * s + 2 * e;
+            qf[s][e] = g < R ? kvq_h2(q_s[g * D + j] * qmul, q_s[g * D + j + 1] * qmul) : 0u;
+        }
+    }
+
+    float acc[KS][4];
+#pragma unroll
+    for (int i = 0; i < KS; ++i) { acc[i][0] = 0.0f; acc[i][1] = 0.0f; acc[i][2] = 0.0f; acc[i][3] = 0.0f; }
+    float m0 = -KVQ_INF, m1 = -KVQ_INF, l0 = 0.0f, l1 = 0.0f;
+
     // a pair of uncompressed coordinates (j, j + 1) of token t as half2 (DENSE)
     auto dense_k = [&](const int t, const int j) -> uint {
         if (split == 0) {
@@ -334,9 +346,6 @@ SOURCE = """
         return kvq_h2(KVQ_F32(vc[r + j * vc_strides[3]]), KVQ_F32(vc[r + (j + 1) * vc_strides[3]]));
     };
     constexpr int STEP = NWARP * 16 * NT;
-    Step buf;
-    Step nxt;
-    load(buf, t_begin + warp * 16 * NT);
     for (int t0 = t_begin + warp * 16 * NT; t0 < t_end; t0 += STEP) {
         if (PF) load(nxt, t0 + STEP);
         // ---- scores on tensor cores
