@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -270,7 +271,10 @@ def completion_ids(port: int, prompt: str, timeout: float = 90) -> tuple[list[in
     body = json.dumps({"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": True}).encode()
     request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
                                      {"Content-Type": "application/json"})
-    reply = json.loads(urllib.request.urlopen(request, timeout=timeout).read())
+    try:
+        reply = json.loads(urllib.request.urlopen(request, timeout=timeout).read())
+    except urllib.error.HTTPError as exc:  # mlx-lm's server answers a failed generation with 404 and the error
+        raise AssertionError(f"/v1/completions answered {exc.code}: {exc.read()[:2000]!r}") from exc
     return [t["id"] for t in reply["choices"][0]["logprobs"]["content"]], reply["usage"]
 
 
@@ -312,7 +316,13 @@ def test_serve_answers_with_kvq_caches(tiny_folder, served_ids, ranks):
     process = start(launch_command(*serve) if ranks > 1 else [sys.executable, *serve], tiny_folder)
     try:
         ids, usage = completion_ids(port, SERVE_PROMPT)
-    finally:
+    except AssertionError as exc:
+        _, err = stop(process)
+        raise AssertionError(f"{exc}\nserver stderr:\n{err[-4000:]}") from None
+    except BaseException:
+        stop(process)
+        raise
+    else:
         _, err = stop(process)
     assert ids == served_ids, err[-4000:]
     assert usage["completion_tokens"] == 8

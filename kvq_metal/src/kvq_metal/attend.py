@@ -12,7 +12,9 @@ split of the sequence). ``D / CPT`` threads share a token (each decodes ``CPT`` 
 or two words); the rest of the group works on other tokens. Per tile of 128 tokens: partial scores are reduced
 across a token's threads with SIMD shuffles, a per-row online softmax runs over the tile, and each thread
 accumulates ``p * x`` for its coordinates of every query row (all ``n_rep`` query heads of a GQA group and all
-query tokens share the KV head's codes). The per-split ``(out, max, sum)`` are merged with log-sum-exp in MLX.
+query tokens share the KV head's codes). The per-split ``(out, max, sum)`` are merged with log-sum-exp by a second
+kernel (``MERGE_SOURCE``). On CUDA the tensor-core kernel (:mod:`kvq_metal.attend_tc`) serves most shapes and
+merges its splits itself.
 """
 
 from __future__ import annotations

@@ -18,8 +18,13 @@ coalesced word loads and decodes two coordinates per shared-memory lookup: a pai
 Per-vector scales (turboquant's norms) are applied in fp32 to the scores and folded into the probabilities; grouped
 scales and biases (``affine``) are applied while decoding, with one ``fma.f16x2`` per pair. The online softmax runs
 in registers (a row's maximum is reduced over the 8 lanes that hold it); the 4 warps of a block merge their
-``(out, max, sum)`` in shared memory and write one split, merged across splits by the shared merge kernel of
-:mod:`kvq_metal.attend` (which also undoes the Hadamard rotation).
+``(out, max, sum)`` in shared memory and write one split. The last block of a (batch, KV head) row to finish (an
+atomic counter per row) merges the row's splits with log-sum-exp, adds the splits of uncompressed tokens, undoes
+the Hadamard rotation and writes the output: no merge launch (flash-decoding's combine step, in the same kernel).
+
+Memory: each lane has its own copy of a code table where static shared memory allows (no bank conflicts;
+:func:`kvq_metal.attend.table_layout`), and aligned rows of codes are read with 128/64-bit loads. Measured with
+Nsight Compute on an H200: ``benchmarks/results/kernels/README.md``.
 
 Precision: queries and decoded keys and values are fp16 (11-bit significand), products accumulate in fp32: the
 numerics of fp16 FlashAttention. Parity with pure MLX is checked on first use like every kernel here.
