@@ -29,7 +29,7 @@ import mlx.core as mx
 from kvq.attention import DenseTokens
 
 from . import attend_tc
-from .dialect import kernel
+from .dialect import LOAD_QUERIES, hadamard_rows, kernel
 
 THREADS = 128
 #: Thread groups to aim for across the sequence splits (about eight per SM on an H200; a few per Apple GPU core).
@@ -87,39 +87,13 @@ SOURCE = """
     const int j0 = cg * CPT;
 
     // queries: scale, (randomized Hadamard rotation), into registers
-    const int Tq = q_shape[2];
-    const int Dq = q_shape[3];
-    const int n_rep = R / Tq;
-    const float scale = qscale[0];
-    for (int e = tid; e < R * D; e += THREADS) {
-        const int r = e / D;
-        const int j = e - r * D;
-        const int hq = h * n_rep + r / Tq;
-        float val = 0.0f;
-        if (j < Dq) {
-            val = KVQ_F32(q[b * q_strides[0] + hq * q_strides[1] + (r % Tq) * q_strides[2] + j * q_strides[3]]) * scale;
-        }
-        q_s[e] = ROT ? val * signs[j] : val;
-    }
+""" + LOAD_QUERIES + """\
 #pragma unroll
     for (int i = tid; i < (1 << (KB + KB2)); i += THREADS) kt_s[i] = kt[i];
 #pragma unroll
     for (int i = tid; i < (1 << (VB + VB2)); i += THREADS) vt_s[i] = vt[i];
     if (tid < R) { ml_s[2 * tid] = -KVQ_INF; ml_s[2 * tid + 1] = 0.0f; }
-    if (ROT) {
-        for (int hs = 1; hs < D; hs <<= 1) {
-            KVQ_BARRIER();
-            for (int e = tid; e < R * D / 2; e += THREADS) {
-                const int r = e / (D / 2);
-                const int i = e - r * (D / 2);
-                const int lo = (i / hs) * 2 * hs + (i % hs);
-                const float a = q_s[r * D + lo];
-                const float c = q_s[r * D + lo + hs];
-                q_s[r * D + lo] = a + c;
-                q_s[r * D + lo + hs] = a - c;
-            }
-        }
-    }
+""" + hadamard_rows("    ", "c") + """\
     KVQ_BARRIER();
     const float qmul = ROT ? 1.0f / KVQ_SQRT((float)D) : 1.0f;
     float qr[R][CPT];

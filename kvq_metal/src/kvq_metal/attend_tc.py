@@ -32,6 +32,8 @@ numerics of fp16 FlashAttention. Parity with pure MLX is checked on first use li
 
 from __future__ import annotations
 
+from .dialect import LOAD_QUERIES, hadamard_rows
+
 HEADER = r"""
 __device__ __forceinline__ void kvq_mma(float (&d)[4], uint a0, uint a1, uint a2, uint a3, uint b0, uint b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -283,34 +285,8 @@ SOURCE = """
     const uint* ktab_l = ktab_s + (KREP ? lane : 0);
     const uint* vtab_l = vtab_s + (VREP ? lane : 0);
     // queries: scale, (randomized Hadamard rotation), into shared memory
-    const int Tq = q_shape[2];
-    const int Dq = q_shape[3];
-    const int n_rep = R / Tq;
-    const float scale = qscale[0];
-    for (int e = tid; e < R * D; e += THREADS) {
-        const int r = e / D;
-        const int j = e - r * D;
-        const int hq = h * n_rep + r / Tq;
-        float val = 0.0f;
-        if (j < Dq) {
-            val = KVQ_F32(q[b * q_strides[0] + hq * q_strides[1] + (r % Tq) * q_strides[2] + j * q_strides[3]]) * scale;
-        }
-        q_s[e] = ROT ? val * signs[j] : val;
-    }
-    if (ROT) {
-        for (int hs = 1; hs < D; hs <<= 1) {
-            KVQ_BARRIER();
-            for (int e = tid; e < R * D / 2; e += THREADS) {
-                const int r = e / (D / 2);
-                const int i = e - r * (D / 2);
-                const int lo = (i / hs) * 2 * hs + (i % hs);
-                const float a = q_s[r * D + lo];
-                const float cc = q_s[r * D + lo + hs];
-                q_s[r * D + lo] = a + cc;
-                q_s[r * D + lo + hs] = a - cc;
-            }
-        }
-    }
+""" + LOAD_QUERIES + """\
+""" + hadamard_rows("    ", "cc") + """\
     KVQ_BARRIER();
     // query B fragments: k-step s holds coordinates c * SK + 4 s + {0, 1} (b0) and {2, 3} (b1) of row g
     const float qmul = ROT ? 1.0f / KVQ_SQRT((float)D) : 1.0f;
@@ -597,20 +573,7 @@ SOURCE = """
                 if (s2 < nsplit) a0 += w_s[r * WS + s2] * __ldcg(ps + (int64_t)s2 * R * D);
                 q_s[o] = a0 + a1;
             }
-            if (ROT) {
-                for (int hs = 1; hs < D; hs <<= 1) {
-                    KVQ_BARRIER();
-                    for (int e = tid; e < R * D / 2; e += THREADS) {
-                        const int r = e / (D / 2);
-                        const int i = e - r * (D / 2);
-                        const int lo = (i / hs) * 2 * hs + (i % hs);
-                        const float a = q_s[r * D + lo];
-                        const float cc = q_s[r * D + lo + hs];
-                        q_s[r * D + lo] = a + cc;
-                        q_s[r * D + lo + hs] = a - cc;
-                    }
-                }
-            }
+""" + hadamard_rows("            ", "cc") + """\
             KVQ_BARRIER();
             const float rs = ROT ? 1.0f / KVQ_SQRT((float)D) : 1.0f;
             for (int o = tid; o < R * D; o += THREADS) {

@@ -169,3 +169,49 @@ def sources_hash(sources: Sequence[str] = ()) -> str:
     for text in (*PRELUDES.values(), *sources):
         h.update(text.encode())
     return h.hexdigest()[:16]
+
+
+def hadamard_rows(indent: str, odd: str = "c") -> str:
+    """Kernel text shared by the decode-attention kernels: when ``ROT``, the in-place fast Walsh-Hadamard transform
+    (unnormalised) of the ``R`` rows of ``D`` floats in the shared array ``q_s``, by the block's ``THREADS``
+    threads (``tid``); ``D`` a power of two. The caller synchronises before reading the result.
+
+    :param indent: prefix of every line (the text is pasted into a kernel body).
+    :param odd: name of the temporary holding the second element of a pair (one the body does not use).
+    """
+    body = f"""if (ROT) {{
+    for (int hs = 1; hs < D; hs <<= 1) {{
+        KVQ_BARRIER();
+        for (int e = tid; e < R * D / 2; e += THREADS) {{
+            const int r = e / (D / 2);
+            const int i = e - r * (D / 2);
+            const int lo = (i / hs) * 2 * hs + (i % hs);
+            const float a = q_s[r * D + lo];
+            const float {odd} = q_s[r * D + lo + hs];
+            q_s[r * D + lo] = a + {odd};
+            q_s[r * D + lo + hs] = a - {odd};
+        }}
+    }}
+}}"""
+    return "".join(indent + line + "\n" for line in body.splitlines())
+
+
+#: Kernel text shared by the decode-attention kernels: the ``R`` query rows of KV head ``h`` (``n_rep`` heads of a
+#: GQA group times ``T_q`` tokens, read through ``q``'s strides, zero-padded from ``D_q`` to ``D``), scaled by
+#: ``qscale[0]`` and, when ``ROT``, multiplied by the rotation's ``signs``, into the shared array ``q_s``.
+LOAD_QUERIES = """\
+    const int Tq = q_shape[2];
+    const int Dq = q_shape[3];
+    const int n_rep = R / Tq;
+    const float scale = qscale[0];
+    for (int e = tid; e < R * D; e += THREADS) {
+        const int r = e / D;
+        const int j = e - r * D;
+        const int hq = h * n_rep + r / Tq;
+        float val = 0.0f;
+        if (j < Dq) {
+            val = KVQ_F32(q[b * q_strides[0] + hq * q_strides[1] + (r % Tq) * q_strides[2] + j * q_strides[3]]) * scale;
+        }
+        q_s[e] = ROT ? val * signs[j] : val;
+    }
+"""

@@ -23,6 +23,28 @@ VECTORS_PER_GROUP = 4
 #: Largest float16 value; float16 norms saturate here, as the pure-MLX encoder stores them.
 FLOAT16_MAX = 65504.0
 
+#: Kernel text shared by the encoder and decoder: the unnormalised Walsh-Hadamard transform of a vector held by one
+#: warp, ``E`` consecutive coordinates ``y[0 .. E)`` per lane: first within each lane, then across lanes by shuffles.
+WARP_HADAMARD = """\
+    for (int hs = 1; hs < E; hs <<= 1) {
+        for (int e = 0; e < E; ++e) {
+            if ((e & hs) == 0) {
+                const float a = y[e];
+                const float c = y[e + hs];
+                y[e] = a + c;
+                y[e + hs] = a - c;
+            }
+        }
+    }
+    for (int m = 1; m < 32; m <<= 1) {
+        const bool upper = (lane & m) != 0;
+        for (int e = 0; e < E; ++e) {
+            const float other = KVQ_SHFL_XOR(y[e], m);
+            y[e] = upper ? other - y[e] : y[e] + other;
+        }
+    }
+"""
+
 QUANTIZE_SOURCE = """
     constexpr int E = DP / 32;
     constexpr int W = DP * BITS / 32;
@@ -42,23 +64,7 @@ QUANTIZE_SOURCE = """
     const float norm = KVQ_SQRT(ss);
     const float inv = 1.0f / KVQ_FMAX(norm, 1e-30f);
     for (int e = 0; e < E; ++e) y[e] *= inv * signs[lane * E + e];
-    for (int hs = 1; hs < E; hs <<= 1) {
-        for (int e = 0; e < E; ++e) {
-            if ((e & hs) == 0) {
-                const float a = y[e];
-                const float c = y[e + hs];
-                y[e] = a + c;
-                y[e + hs] = a - c;
-            }
-        }
-    }
-    for (int m = 1; m < 32; m <<= 1) {
-        const bool upper = (lane & m) != 0;
-        for (int e = 0; e < E; ++e) {
-            const float other = KVQ_SHFL_XOR(y[e], m);
-            y[e] = upper ? other - y[e] : y[e] + other;
-        }
-    }
+""" + WARP_HADAMARD + """\
     const float hscale = 1.0f / KVQ_SQRT((float)DP);
     uint chunk = 0u;
     for (int e = 0; e < E; ++e) {
@@ -99,23 +105,7 @@ DEQUANTIZE_SOURCE = """
     bits >>= sh;
     float y[E];
     for (int e = 0; e < E; ++e) y[e] = centroids[(uint)(bits >> (e * BITS)) & MASK];
-    for (int hs = 1; hs < E; hs <<= 1) {
-        for (int e = 0; e < E; ++e) {
-            if ((e & hs) == 0) {
-                const float a = y[e];
-                const float c = y[e + hs];
-                y[e] = a + c;
-                y[e + hs] = a - c;
-            }
-        }
-    }
-    for (int m = 1; m < 32; m <<= 1) {
-        const bool upper = (lane & m) != 0;
-        for (int e = 0; e < E; ++e) {
-            const float other = KVQ_SHFL_XOR(y[e], m);
-            y[e] = upper ? other - y[e] : y[e] + other;
-        }
-    }
+""" + WARP_HADAMARD + """\
     const float scale = live ? KVQ_F32(norms[v]) / KVQ_SQRT((float)DP) : 0.0f;
     for (int e = 0; e < E; ++e) {
         const int j = lane * E + e;
