@@ -23,6 +23,8 @@ import json
 import math
 import os
 
+from functools import lru_cache
+
 import attrs
 import mlx.core as mx
 
@@ -410,6 +412,7 @@ def uses_tensor_cores(backend: str, head_dim: int, keys: Side, values: Side, row
                                     keys.bits2, values.bits2))
 
 
+@lru_cache(maxsize=4096)
 def splits_for(batch_heads: int, num_tokens: int, backend: str, tile: int,
                groups: int | None = None) -> tuple[int, int]:
     """``(splits, chunk)``: the sequence is cut into ``splits`` chunks of ``chunk`` tokens (a multiple of the

@@ -32,6 +32,8 @@ numerics of fp16 FlashAttention. Parity with pure MLX is checked on first use li
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from .dialect import LOAD_QUERIES, hadamard_rows
 
 HEADER = r"""
@@ -590,6 +592,7 @@ SOURCE = """
 """
 
 
+@lru_cache(maxsize=1024)
 def supported(head_dim: int, key_bits: int, value_bits: int, key_group: int, value_group: int, rows: int,
               key_bits2: int = 0, value_bits2: int = 0) -> bool:
     """Whether the tensor-core kernel serves this shape: ``rows <= 8`` (one mma N tile), ``head_dim`` a multiple of

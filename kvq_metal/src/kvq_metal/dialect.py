@@ -138,13 +138,14 @@ class Kernel:
         self.name = f"kvq_{name}_{digest}"
         self.backend = backend
         self.input_names = tuple(input_names)
+        self._type_names = tuple(f"T_{n}" for n in input_names)
         SOURCES[self.name] = head + body
         build = mx.fast.metal_kernel if backend == "metal" else mx.fast.cuda_kernel
         self._kernel = build(name=self.name, input_names=list(input_names), output_names=list(output_names),
                              source=body, header=head, ensure_row_contiguous=ensure_row_contiguous)
 
     def __call__(self, *, inputs, template=(), **kwargs):
-        types = [(f"T_{n}", a.dtype) for n, a in zip(self.input_names, inputs)]
+        types = [(n, a.dtype) for n, a in zip(self._type_names, inputs)]
         return self._kernel(inputs=inputs, template=list(template) + types, **kwargs)
 
 
