@@ -23,6 +23,53 @@ HERE = Path(__file__).parent
 FILTER = "regex:decode_attend|decode_merge|zero_counters|sdpa|fmha|flash"
 
 
+#: Multipliers to microseconds of the time units ncu prints.
+UNITS = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
+
+
+def parse_ncu_csv(text: str) -> list[dict]:
+    """Launches in order from ``ncu --csv`` output (one row per launch and metric): ``{"kernel": name, metric:
+    value}``, times in microseconds, counts as numbers (ncu's thousands separators removed)."""
+    rows = list(csv.reader(io.StringIO(text)))
+    head = next(i for i, r in enumerate(rows) if r and r[0] == "ID")
+    h = rows[head]
+    launches: dict[str, dict] = {}
+    for r in rows[head + 1:]:
+        if len(r) != len(h):
+            continue
+        d = launches.setdefault(r[h.index("ID")], {"kernel": r[h.index("Kernel Name")]})
+        value = float(r[h.index("Metric Value")].replace(",", ""))
+        d[r[h.index("Metric Name")]] = value * UNITS.get(r[h.index("Metric Unit")], 1.0)
+    return [launches[k] for k in sorted(launches, key=int)]
+
+
+def group_calls(labels: list[dict], launches: list[dict]) -> list[dict]:
+    """Each labelled call (``profile_attend.py``'s lines, in order) with its launches and their summed GPU time:
+    fp16 SDPA is one launch; a kvq call runs up to its tensor-core attention kernel (after the counters' or the
+    dense parts' launch) or, for the SIMT kernel, up to its merge kernel. Warm-up calls are dropped.
+
+    :raises ValueError: fewer launches than the labels need.
+    """
+    results, i = [], 0
+    for label in labels:
+        ours = label["method"] != "fp16_sdpa"
+        parts = []
+        while i < len(launches):
+            parts.append(launches[i])
+            i += 1
+            name = parts[-1]["kernel"]
+            if not ours or "decode_merge" in name or "decode_attend_tc" in name:
+                break
+        if not parts:
+            raise ValueError(f"no launch left for {label}")
+        results.append({**label, "gpu_us": sum(p["gpu__time_duration.sum"] for p in parts),
+                        "launches": [{"kernel": p["kernel"].split("(")[0][-90:],
+                                      "us": p["gpu__time_duration.sum"],
+                                      "registers": p.get("launch__registers_per_thread"),
+                                      "blocks": p.get("launch__grid_size")} for p in parts]})
+    return [r for r in results if not r.get("warmup")]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -40,36 +87,9 @@ def main() -> None:
     labels = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     if run.returncode or not labels:
         raise SystemExit(f"ncu failed ({run.returncode}): {run.stderr[-3000:]}")
-    rows = list(csv.reader(io.StringIO(log.read_text())))
-    head = next(i for i, r in enumerate(rows) if r and r[0] == "ID")
-    h = rows[head]
-    launches: dict[str, dict] = {}
-    for r in rows[head + 1:]:
-        if len(r) != len(h):
-            continue
-        d = launches.setdefault(r[h.index("ID")], {"kernel": r[h.index("Kernel Name")]})
-        value = float(r[h.index("Metric Value")].replace(",", ""))
-        unit = r[h.index("Metric Unit")]
-        d[r[h.index("Metric Name")]] = value * {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}.get(unit, 1.0)
-    order = [launches[k] for k in sorted(launches, key=int)]
-    results, i = [], 0
-    for label in labels:
-        ours = label["method"] != "fp16_sdpa"
-        parts = []
-        while i < len(order):
-            parts.append(order[i])
-            i += 1
-            name = parts[-1]["kernel"]
-            # fp16: one launch; kvq: up to the attention kernel (tensor cores) or the merge (SIMT kernel)
-            if not ours or "decode_merge" in name or "decode_attend_tc" in name:
-                break
-        results.append({**label, "gpu_us": sum(p["gpu__time_duration.sum"] for p in parts),
-                        "launches": [{"kernel": p["kernel"].split("(")[0][-90:],
-                                      "us": p["gpu__time_duration.sum"],
-                                      "registers": p.get("launch__registers_per_thread"),
-                                      "blocks": p.get("launch__grid_size")} for p in parts]})
-        print(json.dumps({k: v for k, v in results[-1].items() if k != "launches"}), flush=True)
-    results = [r for r in results if not r.get("warmup")]
+    results = group_calls(labels, parse_ncu_csv(log.read_text()))
+    for r in results:
+        print(json.dumps({k: v for k, v in r.items() if k != "launches"}), flush=True)
     Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "rows": results}, indent=1))
 
 
