@@ -31,7 +31,7 @@ import mlx.core as mx
 from kvq.attention import DenseTokens
 
 from . import attend_tc
-from .dialect import LOAD_QUERIES, hadamard_rows, kernel
+from .dialect import LOAD_QUERIES, SPLIT_INDEX, hadamard_rows, kernel
 
 THREADS = 128
 #: Thread groups to aim for across the sequence splits (about eight per SM on an H200; a few per Apple GPU core).
@@ -71,14 +71,7 @@ SOURCE = """
     KVQ_SHARED float vt_s[1 << (VB + VB2)];
     KVQ_SHARED float red_s[NW * R * D];
 
-    const int bh = KVQ_TG_X;
-    const int split = KVQ_TG_Y;
-    const int H = kc_shape[1];
-    const int T = kc_shape[2];
-    const int b = bh / H;
-    const int h = bh - b * H;
-    const int chunk = meta[0];
-    const int nsplit = meta[1];
+""" + SPLIT_INDEX + """\
     const int t_begin = split * chunk;
     const int t_end = min(T, t_begin + chunk);
     const int tid = KVQ_TID;

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from .dialect import LOAD_QUERIES, hadamard_rows
+from .dialect import LOAD_QUERIES, SPLIT_INDEX, hadamard_rows
 
 HEADER = r"""
 __device__ __forceinline__ void kvq_mma(float (&d)[4], uint a0, uint a1, uint a2, uint a3, uint b0, uint b1) {
@@ -104,6 +104,32 @@ __device__ __forceinline__ float kvq_exp2(float x) {
     }
 """
 
+
+def _fill_table(side: str) -> str:
+    """Kernel text: one side's (``"k"`` or ``"v"``) code table in shared memory from its staged values, pair or
+    single entries, one copy per lane or one in all (see the kernel's comments)."""
+    text = """\
+    for (int i = tid; i < KTW; i += THREADS) {
+        const uint e = KREP ? (uint)i >> 5 : (uint)i;
+        float lo, hi;
+        if (KPAIR) {
+            const uint p1 = e >> (2 * KB2), p2 = e & ((1u << (2 * KB2)) - 1u);
+            lo = kt0_s[((p1 & KMASK) << KB2) | (p2 & KMASK2)];
+            hi = kt0_s[((p1 >> KB) << KB2) | (p2 >> KB2)];
+        } else {
+            lo = kt0_s[e];
+            hi = lo;
+        }
+        ktab_s[i] = kvq_h2(lo, hi);
+    }
+"""
+    if side == "k":
+        return text
+    for a, b in (("KTW", "VTW"), ("KREP", "VREP"), ("KPAIR", "VPAIR"), ("KB2", "VB2"), ("KMASK", "VMASK"),
+                 ("KB)", "VB)"), ("kt0_s", "vt0_s"), ("ktab_s", "vtab_s")):
+        text = text.replace(a, b)
+    return text
+
 SOURCE = """
     constexpr int NWARP = THREADS / 32;
     constexpr int SK = D / 4;                 // key coordinates per thread slice (of 2 tokens)
@@ -159,14 +185,7 @@ SOURCE = """
     KVQ_SHARED float mw_s[NWARP * 8];
     KVQ_SHARED float lw_s[NWARP * 8];
 
-    const int bh = KVQ_TG_X;
-    const int split = KVQ_TG_Y;
-    const int H = kc_shape[1];
-    const int T = kc_shape[2];
-    const int b = bh / H;
-    const int h = bh - b * H;
-    const int chunk = meta[0];
-    const int nsplit = meta[1];
+""" + SPLIT_INDEX + """\
     // DENSE: uncompressed keys and values (a cache's sinks in split 0: kc2/vc2, meta[2] tokens of them; its
     // window in split 1: kc/vc), read as they are; otherwise codes, split over the sequence
     const int t_begin = DENSE ? 0 : split * chunk;
@@ -258,32 +277,7 @@ SOURCE = """
     for (int i = tid; i < (1 << CBK); i += THREADS) kt0_s[i] = kt[i];
     for (int i = tid; i < (VSAME ? 0 : 1 << CBV); i += THREADS) vt0_s[i] = vt[i];
     KVQ_BARRIER();
-    for (int i = tid; i < KTW; i += THREADS) {
-        const uint e = KREP ? (uint)i >> 5 : (uint)i;
-        float lo, hi;
-        if (KPAIR) {
-            const uint p1 = e >> (2 * KB2), p2 = e & ((1u << (2 * KB2)) - 1u);
-            lo = kt0_s[((p1 & KMASK) << KB2) | (p2 & KMASK2)];
-            hi = kt0_s[((p1 >> KB) << KB2) | (p2 >> KB2)];
-        } else {
-            lo = kt0_s[e];
-            hi = lo;
-        }
-        ktab_s[i] = kvq_h2(lo, hi);
-    }
-    for (int i = tid; i < VTW; i += THREADS) {
-        const uint e = VREP ? (uint)i >> 5 : (uint)i;
-        float lo, hi;
-        if (VPAIR) {
-            const uint p1 = e >> (2 * VB2), p2 = e & ((1u << (2 * VB2)) - 1u);
-            lo = vt0_s[((p1 & VMASK) << VB2) | (p2 & VMASK2)];
-            hi = vt0_s[((p1 >> VB) << VB2) | (p2 >> VB2)];
-        } else {
-            lo = vt0_s[e];
-            hi = lo;
-        }
-        vtab_s[i] = kvq_h2(lo, hi);
-    }
+""" + _fill_table("k") + _fill_table("v") + """\
     const uint* ktab_l = ktab_s + (KREP ? lane : 0);
     const uint* vtab_l = vtab_s + (VREP ? lane : 0);
     // queries: scale, (randomized Hadamard rotation), into shared memory

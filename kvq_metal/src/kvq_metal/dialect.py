@@ -216,3 +216,17 @@ LOAD_QUERIES = """\
         q_s[e] = ROT ? val * signs[j] : val;
     }
 """
+
+#: Kernel text shared by the decode-attention kernels: thread group ``(x, y)`` serves batch row ``b`` and KV head
+#: ``h`` (``x = b * H + h``, ``H = kc_shape[1]``) and split ``y`` of ``nsplit`` splits of ``chunk`` tokens
+#: (``meta``) of the ``T`` cached tokens.
+SPLIT_INDEX = """\
+    const int bh = KVQ_TG_X;
+    const int split = KVQ_TG_Y;
+    const int H = kc_shape[1];
+    const int T = kc_shape[2];
+    const int b = bh / H;
+    const int h = bh - b * H;
+    const int chunk = meta[0];
+    const int nsplit = meta[1];
+"""
