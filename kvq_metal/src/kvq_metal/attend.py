@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import math
 import os
-
 from functools import lru_cache
 
 import attrs
@@ -473,11 +472,12 @@ TC_OUTPUTS = ("part", "ml", "fout", "lse", "cnt")
 ZERO_SOURCE = "if (KVQ_GID < N) cnt[KVQ_GID] = 0;"
 
 
-def _tc_template(D: int, R: int, out_dim: int, **flags) -> list:
-    """The tensor-core kernel's template arguments (``flags`` override the defaults of a compressed launch)."""
-    t = {"D": D, "R": R, "KB": 1, "VB": 1, "KG": D, "VG": D, "KBIAS": False, "VBIAS": False, "KB2": 0, "VB2": 0,
-         "THREADS": THREADS, "ROT": False, "NT": TUNING["nt"], "PF": False, "PAIRTAB": True, "DENSE": False,
-         "KREP": False, "VREP": False, "VSAME": False, "MERGE": False, "ND": 0, "DV": out_dim}
+def _tc_template(**flags) -> list:
+    """The tensor-core kernel's template arguments, in their fixed order: ``flags`` (``D``, ``R``, ``KG``, ``VG``
+    and ``DV`` always) over the defaults of a launch without bits, biases, copies or merge."""
+    t = {"D": None, "R": None, "KB": 1, "VB": 1, "KG": None, "VG": None, "KBIAS": False, "VBIAS": False, "KB2": 0,
+         "VB2": 0, "THREADS": THREADS, "ROT": False, "NT": TUNING["nt"], "PF": False, "PAIRTAB": True,
+         "DENSE": False, "KREP": False, "VREP": False, "VSAME": False, "MERGE": False, "ND": 0, "DV": None}
     t.update(flags)
     return list(t.items())
 
@@ -497,7 +497,7 @@ def _dense_parts(queries, qscale, dense: DenseTokens, R: int, D: int, backend: s
     inputs = [queries, qscale, table, _constant((0, 2, sinks), mx.int32), dense.window_keys, sk, qscale, qscale,
               table, dense.window_values, sv, qscale, qscale, table, zero, qscale, qscale]
     part, ml, _, _, cnt = kern(
-        inputs=inputs, template=_tc_template(D, R, D, DENSE=True), grid=(THREADS * B * H, 2, 1),
+        inputs=inputs, template=_tc_template(D=D, R=R, KG=D, VG=D, DV=D, DENSE=True), grid=(THREADS * B * H, 2, 1),
         threadgroup=(THREADS, 1, 1), output_shapes=[(B, H, 2, R, D), (B, H, 2, R, 2), (1,), (1,), (B * H,)],
         output_dtypes=[mx.float32, mx.float32, mx.float32, mx.float32, mx.int32])
     return part, ml, cnt
@@ -507,9 +507,9 @@ def _zero_counters(n: int, backend: str) -> mx.array:
     """``n`` zeroed int32 split counters: a fresh output of a one-block kernel each call, so no two launches (nor
     graph simplification) ever share them."""
     kern = kernel("zero_counters", backend, ("meta",), ("cnt",), ZERO_SOURCE)
-    return kern(inputs=[_constant((0,), mx.int32)], template=[("N", n)], grid=(max(32, -(-n // 32) * 32), 1, 1),
-                threadgroup=(min(256, max(32, -(-n // 32) * 32)), 1, 1), output_shapes=[(n,)],
-                output_dtypes=[mx.int32])[0]
+    threads = max(32, -(-n // 32) * 32)
+    return kern(inputs=[_constant((0,), mx.int32)], template=[("N", n)], grid=(threads, 1, 1),
+                threadgroup=(min(256, threads), 1, 1), output_shapes=[(n,)], output_dtypes=[mx.int32])[0]
 
 
 def decode_attend(queries: mx.array, scale: float, keys: Side, values: Side, backend: str, *,
@@ -569,15 +569,14 @@ def decode_attend(queries: mx.array, scale: float, keys: Side, values: Side, bac
                       ensure_row_contiguous=False)
         pf = D <= 128 if TUNING["pf"] is None else TUNING["pf"]
         krep, vrep, same = table_layout(D, R, keys, values)
-        template = common + [("NT", TUNING["nt"]), ("PF", bool(pf)), ("PAIRTAB", bool(TUNING["pair"])),
-                             ("DENSE", False), ("KREP", krep), ("VREP", vrep), ("VSAME", same), ("MERGE", True),
-                             ("ND", nd), ("DV", out_dim)]
+        template = _tc_template(**dict(common), PF=bool(pf), PAIRTAB=bool(TUNING["pair"]), KREP=krep, VREP=vrep,
+                                VSAME=same, MERGE=True, ND=nd, DV=out_dim)
         if dense is None:
             partd, mld, counter = qscale, qscale, _zero_counters(B * H, backend)
         else:
             partd, mld, counter = _dense_parts(queries, qscale, dense, R, D, backend)
-        outs = kern(inputs=inputs(chunk, splits) + [counter, partd, mld], template=template, grid=(THREADS * B * H, splits, 1),
-                    threadgroup=(THREADS, 1, 1),
+        outs = kern(inputs=inputs(chunk, splits) + [counter, partd, mld], template=template,
+                    grid=(THREADS * B * H, splits, 1), threadgroup=(THREADS, 1, 1),
                     output_shapes=[(B, H, splits, R, D), (B, H, splits, R, 2), (B * H * R, out_dim), (B * H * R,),
                                    (1,)],
                     output_dtypes=[mx.float32, mx.float32, mx.float32, mx.float32, mx.int32])
