@@ -164,3 +164,29 @@ def test_table_layout_copies_tables_per_lane_within_static_shared_memory():
         assert attend.table_layout(128, 4, side(t4, 4), side(t4, 4)) == (False, False, True)
     finally:
         attend.TUNING["rep"] = saved
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_attend_check_compares_the_kernel_path_with_pure_mlx(wrong):
+    """``check_attend`` (the decode-attention kernels' first-use check) passes an implementation whose kernel path
+    equals pure MLX and fails one whose output is 1% off, on device-drawn data of the given dtype and rows."""
+    import mlx.core as mx
+
+    import kvq
+    from kvq_metal.base import KernelImpl
+    from kvq_metal.methods.common import check_attend, normal
+
+    class Fake(KernelImpl):
+        method = "affine"
+
+        def attend_kernel(self, queries, keys, values, scale):
+            out, lse = self.fallback().kvq_attend(queries, keys, values, scale, None)
+            return (out * 1.01 if wrong else out), lse
+
+    impl = Fake("cuda")
+    p = kvq.make_params("affine", bits=4, group_size=32)
+    ok, message = check_attend(impl, impl.fallback().kvq_quantize, p, p, 64, 4, mx.float16)
+    assert ok is (not wrong), message
+    assert "relative error" in message
+    a, b = normal((2, 3), 5), normal((2, 3), 5)
+    assert mx.array_equal(a, b) and normal((2, 3), 5, mx.float16).dtype == mx.float16

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
 
 from kvq.attention import split_heads
 from kvq.select import MAX_DECODE_QUERIES
@@ -28,14 +27,20 @@ def grouped_rows(queries: mx.array, num_kv_heads: int, scale: float) -> mx.array
     return split_heads(queries.astype(mx.float32) * scale, num_kv_heads)
 
 
+def normal(shape: tuple, seed: int, dtype=mx.float32, scale: float = 1.0) -> mx.array:
+    """Standard normal test data drawn on the device from a fixed key (no host-to-device copy: on MLX's CUDA back
+    end, arrays made from host buffers failed with ``cudaMemcpy ... invalid argument`` in mlx-lm's server thread,
+    where first-use checks run)."""
+    return (mx.random.normal(shape, key=mx.random.key(seed)) * scale).astype(dtype)
+
+
 def check_attend(impl, quantize, params_k, params_v, head_dim: int, rows: int, dtype) -> tuple[bool, str]:
     """Compare ``impl.kvq_attend`` with its pure-MLX fallback on a small problem (300 keys: two tiles and a
     partial one, GQA with ``rows`` query rows, one KV head): relative error must be below 1e-3."""
-    rng = np.random.default_rng(0)
     T, Tq = 300, 1
-    x = mx.array(rng.standard_normal((2, 1, T, head_dim)).astype(np.float32)).astype(dtype)
+    x = normal((2, 1, T, head_dim), 0, dtype)
     keys, values = quantize(x[:1], params_k), quantize(x[1:], params_v)
-    q = mx.array(rng.standard_normal((1, rows, Tq, head_dim)).astype(np.float32)).astype(dtype)
+    q = normal((1, rows, Tq, head_dim), 1, dtype)
     scale = head_dim ** -0.5
     got, lse = impl.attend_kernel(q, keys, values, scale)
     want, want_lse = impl.fallback().kvq_attend(q, keys, values, scale, None)
@@ -50,17 +55,11 @@ def check_attend_dense(impl, params_k, params_v, head_dim: int, rows: int, dtype
     error below 1e-3 (a call the kernel does not take passes: the caller falls back to the parts anyway)."""
     from kvq.attention import DenseTokens, dense_attend, merge_parts
 
-    rng = np.random.default_rng(2)
-
-    def normal(*shape):
-        return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
-
     pure = impl.fallback()
-    keys, values = pure.kvq_quantize(normal(1, 1, 300, head_dim), params_k), \
-        pure.kvq_quantize(normal(1, 1, 300, head_dim), params_v)
-    sk, sv, wk, wv = normal(1, 1, 4, head_dim), normal(1, 1, 4, head_dim), normal(1, 1, 40, head_dim), \
-        normal(1, 1, 40, head_dim)
-    q = normal(1, rows, 1, head_dim)
+    keys, values = pure.kvq_quantize(normal((1, 1, 300, head_dim), 2, dtype), params_k), \
+        pure.kvq_quantize(normal((1, 1, 300, head_dim), 3, dtype), params_v)
+    sk, sv, wk, wv = (normal((1, 1, n, head_dim), seed, dtype) for n, seed in ((4, 4), (4, 5), (40, 6), (40, 7)))
+    q = normal((1, rows, 1, head_dim), 8, dtype)
     scale = head_dim ** -0.5
     got = impl._attend_dense(q, keys, values, scale, DenseTokens(sk, sv, wk, wv))
     if got is None:

@@ -13,13 +13,12 @@ from __future__ import annotations
 from functools import lru_cache
 
 import mlx.core as mx
-import numpy as np
 
 from kvq.encoded import Encoded
 
 from .. import attend, quantize as fused
 from ..base import KernelImpl, first_use_check
-from .common import check_attend, decode_shape_ok, grouped_rows, relative_error, rows_of
+from .common import check_attend, decode_shape_ok, grouped_rows, normal, relative_error, rows_of
 
 
 @lru_cache(maxsize=None)
@@ -175,8 +174,7 @@ class TurboQuantKernels(KernelImpl):
         """Encode 512 random vectors with both implementations: at most 0.1% of codes may differ (a rotated
         coordinate within float rounding of a cell boundary), norms within 1e-3 relative, and the kernel's
         decode equals the pure-MLX decode of the same codes within 1e-4 relative."""
-        rng = np.random.default_rng(1)
-        x = mx.array(rng.standard_normal((1, 2, 256, head_dim)).astype(np.float32) * 3).astype(dtype)
+        x = normal((1, 2, 256, head_dim), 9, dtype, scale=3.0)
         got, want = self.kvq_quantize(x, params), self.fallback().kvq_quantize(x, params)
         from kvq import packing
 
