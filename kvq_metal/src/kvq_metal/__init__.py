@@ -29,8 +29,8 @@ TEMPLATES = {
 #: Back ends a template is built for, where not both (the tensor-core kernel is written in CUDA: ``mma.sync``).
 TEMPLATE_BACKENDS = {"decode_attend_tc": ("cuda",)}
 
-__all__ = ["BACKENDS", "KernelDisabledWarning", "KernelImpl", "TEMPLATES", "TEMPLATE_BACKENDS", "gpu_backend", "implementations",
-           "kvq_register", "sources_hash"]
+__all__ = ["BACKENDS", "KernelDisabledWarning", "KernelImpl", "TEMPLATES", "TEMPLATE_BACKENDS", "gpu_backend",
+           "implementations", "kvq_register", "sources_hash"]
 
 
 def implementations() -> list:

@@ -109,9 +109,9 @@ class KernelImpl:
             take uncompressed tokens for this call or its check failed (the caller then attends the parts
             separately and merges them: the same result).
         """
-        from .methods.common import check_attend_dense
+        from .methods.common import check_attend_dense, query_rows
 
-        rows = queries.shape[1] // keys.shape[1] * queries.shape[2]
+        rows = query_rows(queries, keys)
         key = (_check_key(keys.params), _check_key(values.params), queries.shape[3], rows,
                str(dense.window_keys.dtype))
         if not first_use_check(self.backend, f"decode_attend_dense[{self.method}]", key,

@@ -245,8 +245,9 @@ def fp16_bytes(model, run: Run, reference: Run | None) -> tuple[int, int, str]:
     if reference is not None and reference.cached_tokens == run.cached_tokens:
         return reference.nbytes, reference.measured, ""
     nbytes, measured = quality.filled_cache_bytes(model, run.cached_tokens, **FP16)
-    held = "" if reference is None else f"the fp16 run ended holding {reference.cached_tokens} tokens, so "
-    source = "zeros; the answer and speeds are the fp16 run's" if reference is not None else "zeros"
+    held, source = ("", "zeros") if reference is None else (
+        f"the fp16 run ended holding {reference.cached_tokens} tokens, so ",
+        "zeros; the answer and speeds are the fp16 run's")
     return nbytes, measured, (f"fp16 bytes: {held}these are of an fp16 cache filled with the same "
                               f"{run.cached_tokens} tokens as this run ({source})")
 

@@ -13,7 +13,7 @@ from kvq.baselines.affine import AffineParams
 
 from .. import attend
 from ..base import KernelImpl, first_use_check
-from .common import check_attend, decode_shape_ok, rows_of
+from .common import check_attend, decode_shape_ok, query_rows, rows_of
 
 
 def _side(encoded) -> attend.Side:
@@ -53,11 +53,11 @@ class AffineKernels(KernelImpl):
         return attend.decode_attend(queries, scale, _side(keys), _side(values), self.backend)
 
     def _serves(self, queries, keys, values, mask) -> bool:
-        B, Hq, Tq, D = queries.shape
+        B, Hq, _, D = queries.shape
         return (mask is None and keys.num_tokens > 0 and values.method == "affine"
                 and values.head_dim == D and Hq % keys.shape[1] == 0
                 and attend.supported(D, keys.params.bits, values.params.bits, keys.params.group_size,
-                                     values.params.group_size, Hq // keys.shape[1] * Tq))
+                                     values.params.group_size, query_rows(queries, keys)))
 
     def kvq_attend(self, queries, keys, values, scale, mask):
         """``kvq_attend`` spec; pure MLX serves masks, other methods' values and shapes beyond the kernel."""
@@ -70,7 +70,6 @@ class AffineKernels(KernelImpl):
         if not self._serves(queries, keys, values, None):
             return None
         ks, vs = _side(keys), _side(values)
-        rows = queries.shape[1] // keys.shape[1] * queries.shape[2]
-        if not attend.serves_dense(self.backend, queries.shape[3], ks, vs, rows):
+        if not attend.serves_dense(self.backend, queries.shape[3], ks, vs, query_rows(queries, keys)):
             return None
         return attend.decode_attend(queries, scale, ks, vs, self.backend, dense=dense)

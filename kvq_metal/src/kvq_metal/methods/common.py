@@ -16,6 +16,12 @@ def rows_of(problem) -> int:
     return ((problem.num_q_heads or H) // H) * problem.num_queries
 
 
+def query_rows(queries: mx.array, keys) -> int:
+    """Query rows per KV head of a call: ``n_rep * T_q`` for ``queries [B, H_q, T_q, D]`` over ``keys`` (an
+    Encoded of ``H_kv`` heads), as :func:`rows_of` for a problem."""
+    return queries.shape[1] // keys.shape[1] * queries.shape[2]
+
+
 def decode_shape_ok(problem) -> bool:
     """Decode problems the fused kernels serve: ``T_q <= MAX_DECODE_QUERIES`` and ``n_rep * T_q <= MAX_ROWS``."""
     return problem.num_queries <= MAX_DECODE_QUERIES and 1 <= rows_of(problem) <= MAX_ROWS

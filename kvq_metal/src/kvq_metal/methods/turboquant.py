@@ -18,7 +18,7 @@ from kvq.encoded import Encoded
 
 from .. import attend, quantize as fused
 from ..base import KernelImpl, first_use_check
-from .common import check_attend, decode_shape_ok, grouped_rows, normal, relative_error, rows_of
+from .common import check_attend, decode_shape_ok, grouped_rows, normal, query_rows, relative_error, rows_of
 
 
 @lru_cache(maxsize=None)
@@ -49,11 +49,11 @@ def rotated_kernel_serves(queries, keys, values, mask, accepts) -> bool:
     sides' parameters accepted by ``accepts(params)``, one head_dim, whole GQA groups, a shape
     :func:`kvq_metal.attend.supported` takes. Otherwise pure MLX serves it (same result)."""
     _, rotation, _ = _tq()
-    B, Hq, Tq, D = queries.shape
+    B, Hq, _, D = queries.shape
     dim, Hkv = rotation.padded_dim(D), keys.shape[1]
     return (mask is None and keys.num_tokens > 0 and accepts(keys.params) and accepts(values.params)
             and keys.head_dim == D and values.head_dim == D and Hq % Hkv == 0
-            and attend.supported(dim, keys.params.bits, values.params.bits, dim, dim, Hq // Hkv * Tq))
+            and attend.supported(dim, keys.params.bits, values.params.bits, dim, dim, query_rows(queries, keys)))
 
 
 def rotated_attend(impl, queries, keys, values, scale, side, dense=None):
@@ -71,8 +71,8 @@ def rotated_attend(impl, queries, keys, values, scale, side, dense=None):
         signs = rotation.rotation("hadamard", rotation.padded_dim(keys.head_dim), kp.seed).signs
         ks, vs = side(keys), side(values)
         if dense is not None:
-            rows = queries.shape[1] // keys.shape[1] * queries.shape[2]
-            if not attend.serves_dense(impl.backend, rotation.padded_dim(keys.head_dim), ks, vs, rows):
+            if not attend.serves_dense(impl.backend, rotation.padded_dim(keys.head_dim), ks, vs,
+                                       query_rows(queries, keys)):
                 return None
         return attend.decode_attend(queries, scale, ks, vs, impl.backend, signs=signs,
                                     out_dim=values.head_dim, dense=dense)
