@@ -7,6 +7,7 @@ import re
 
 import mlx.core as mx
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import kvq
 import kvq_metal
@@ -69,8 +70,23 @@ def test_decode_attend_limits():
     assert not attend.supported(128, 4, 4, 128, 128, 9)  # more query rows than one thread group serves
     assert not attend.supported(96, 4, 4, 96, 96, 1)  # 12 threads per token: not a power of two
     assert not attend.supported(512, 4, 4, 512, 512, 1)  # 64 threads per token
-    splits, chunk = attend.splits_for(8, 131072, "cuda", 64)
-    assert splits * chunk >= 131072 and chunk % 64 == 0 and splits <= attend.MAX_SPLITS
+
+
+@settings(max_examples=300, deadline=None)
+@given(batch_heads=st.integers(1, 64), num_tokens=st.integers(1, 1 << 20), tile=st.sampled_from([16, 32, 64, 128]),
+       groups=st.one_of(st.none(), st.integers(1, 4096)))
+def test_splits_cover_every_token_once_and_none_is_empty(batch_heads, num_tokens, tile, groups):
+    """The kernels take the split count from the grid and compute each split's length (``dialect.SPLIT_INDEX``,
+    mirrored by ``split_chunk``): the splits must cover the sequence, in whole tiles, with no empty split (an
+    empty one would still be launched and merged)."""
+    from kvq_metal import attend
+
+    splits = attend.splits_for(batch_heads, num_tokens, "cuda", tile, groups)
+    chunk = attend.split_chunk(num_tokens, splits, tile)
+    assert 1 <= splits <= attend.MAX_SPLITS and chunk % tile == 0
+    assert splits * chunk >= num_tokens and (splits - 1) * chunk < num_tokens
+    target = groups or attend.TARGET_GROUPS["cuda"]
+    assert splits <= max(1, -(-target // batch_heads))
 
 
 def test_tensor_core_attend_limits():
@@ -190,3 +206,17 @@ def test_attend_check_compares_the_kernel_path_with_pure_mlx(wrong):
     assert "relative error" in message
     a, b = normal((2, 3), 5), normal((2, 3), 5)
     assert mx.array_equal(a, b) and normal((2, 3), 5, mx.float16).dtype == mx.float16
+
+
+def test_float_bits_round_trips_and_rejects_non_finite():
+    """Float scalars (the softmax scale) reach the kernels as the int of their float32 bits, which the kernels
+    turn back with ``KVQ_AS_FLOAT``."""
+    import struct
+
+    assert dialect.float_bits(1.0) == 0x3F800000 and dialect.float_bits(-2.0) == -0x40000000
+    for value in (128 ** -0.5, 1e-30, 3.0e38):
+        bits = dialect.float_bits(value)
+        assert struct.unpack("<f", struct.pack("<i", bits))[0] == struct.unpack("<f", struct.pack("<f", value))[0]
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="value must be a finite float"):
+            dialect.float_bits(bad)

@@ -30,7 +30,7 @@ import mlx.core as mx
 from kvq.attention import DenseTokens
 
 from . import attend_tc
-from .dialect import LOAD_QUERIES, SPLIT_INDEX, hadamard_rows, kernel
+from .dialect import LOAD_QUERIES, SPLIT_INDEX, float_bits, hadamard_rows, kernel
 
 THREADS = 128
 #: Thread groups to aim for across the sequence splits (about eight per SM on an H200; a few per Apple GPU core).
@@ -279,7 +279,6 @@ MERGE_SOURCE = """
     constexpr int NW = D / 32;
     KVQ_SHARED float y_s[D];
     KVQ_SHARED float w_s[MAX_SPLITS];
-    KVQ_SHARED float wd_s[ND > 0 ? ND : 1];
     KVQ_SHARED float red_s[NW];
     const int g = KVQ_TG_X;
     const int bh = g / R;
@@ -287,12 +286,10 @@ MERGE_SOURCE = """
     const int j = KVQ_TID;
     const int lane = KVQ_LANE;
     const int warp = KVQ_WARP;
-    const int S = meta[1];
+    const int S = part_shape[2];
     // the largest split maximum, then every split's weight, in parallel over the splits
     float top = -KVQ_INF;
     for (int s = j; s < S; s += D) top = KVQ_FMAX(top, ml[((bh * S + s) * R + r) * 2]);
-    // ND > 0: the splits of uncompressed tokens (sinks, window; never rotated) in partd / mld
-    if (ND > 0 && j < ND) top = KVQ_FMAX(top, mld[((bh * ND + j) * R + r) * 2]);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) top = KVQ_FMAX(top, KVQ_SHFL_XOR(top, off));
     if (lane == 0) red_s[warp] = top;
@@ -306,12 +303,6 @@ MERGE_SOURCE = """
         const float w = KVQ_EXP(ml[row * 2] - top);
         w_s[s] = w;
         total += w * ml[row * 2 + 1];
-    }
-    if (ND > 0 && j < ND) {
-        const int64_t row = (int64_t)(bh * ND + j) * R + r;
-        const float w = KVQ_EXP(mld[row * 2] - top);
-        wd_s[j] = w;
-        total += w * mld[row * 2 + 1];
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) total += KVQ_SHFL_XOR(total, off);
@@ -338,18 +329,12 @@ MERGE_SOURCE = """
         KVQ_BARRIER();
         o = y_s[j] * signs[j] / KVQ_SQRT((float)D);
     }
-    if (ND > 0) {
-        KVQ_BARRIER();
-        float d = 0.0f;
-        for (int s = 0; s < ND; ++s) d += wd_s[s] * partd[((int64_t)(bh * ND + s) * R + r) * D + j];
-        o += d / total;
-    }
     if (j < DV) out[(int64_t)g * DV + j] = o;
     if (j == 0) lse[g] = top + KVQ_LOG(total);
 """
 
-INPUTS = ("q", "qscale", "signs", "meta", "kc", "kc2", "ks", "kb", "kt", "vc", "vc2", "vs", "vb", "vt")
-MERGE_INPUTS = ("part", "ml", "partd", "mld", "signs", "meta")
+INPUTS = ("q", "signs", "kc", "kc2", "ks", "kb", "kt", "vc", "vc2", "vs", "vb", "vt")
+MERGE_INPUTS = ("part", "ml", "signs")
 
 
 @attrs.frozen
@@ -405,22 +390,31 @@ def uses_tensor_cores(backend: str, head_dim: int, keys: Side, values: Side, row
 
 
 @lru_cache(maxsize=4096)
-def splits_for(batch_heads: int, num_tokens: int, backend: str, tile: int,
-               groups: int | None = None) -> tuple[int, int]:
-    """``(splits, chunk)``: the sequence is cut into ``splits`` chunks of ``chunk`` tokens (a multiple of the
-    tile) so that about ``groups`` (default :data:`TARGET_GROUPS` of the back end) thread groups run."""
+def splits_for(batch_heads: int, num_tokens: int, backend: str, tile: int, groups: int | None = None) -> int:
+    """Sequence splits per (batch, KV head) row, so that about ``groups`` (default :data:`TARGET_GROUPS` of the
+    back end) thread groups run: at most :data:`MAX_SPLITS` and one per ``tile`` tokens, each split whole tiles
+    and none empty. The kernels take the split count from the grid and compute each split's length from it
+    (:func:`split_chunk`)."""
     tiles = max(1, math.ceil(num_tokens / tile))
     groups = groups or TARGET_GROUPS.get(backend, 256)
     splits = max(1, min(tiles, MAX_SPLITS, math.ceil(groups / batch_heads)))
-    chunk = math.ceil(tiles / splits) * tile
-    return math.ceil(num_tokens / chunk), chunk
+    return math.ceil(tiles / math.ceil(tiles / splits))
+
+
+def split_chunk(num_tokens: int, splits: int, tile: int) -> int:
+    """Tokens per split (the last may be shorter) as the kernels compute it (``dialect.SPLIT_INDEX``): whole
+    tiles of ``tile`` tokens, ``ceil(tiles / splits)`` of them. With ``splits`` from :func:`splits_for` every
+    token lies in one split and no split is empty."""
+    return math.ceil(math.ceil(num_tokens / tile) / splits) * tile
 
 
 _CONSTANTS: dict = {}
 
 
 def _constant(values: tuple, dtype) -> mx.array:
-    """A small cached device array (per-call scalars without a host-to-device copy each call)."""
+    """A small cached array, made once: code tables of a few entries and placeholders for inputs a kernel
+    variant never reads. Never a per-call scalar (see :mod:`kvq_metal.dialect`: such arrays live in managed
+    memory that the host keeps rewriting)."""
     key = (values, dtype)
     if key not in _CONSTANTS:
         if len(_CONSTANTS) > 4096:
@@ -476,28 +470,30 @@ def _tc_template(**flags) -> list:
     """The tensor-core kernel's template arguments, in their fixed order: ``flags`` (``D``, ``R``, ``KG``, ``VG``
     and ``DV`` always) over the defaults of a launch without bits, biases, copies or merge."""
     t = {"D": None, "R": None, "KB": 1, "VB": 1, "KG": None, "VG": None, "KBIAS": False, "VBIAS": False, "KB2": 0,
-         "VB2": 0, "THREADS": THREADS, "ROT": False, "NT": TUNING["nt"], "PF": False, "PAIRTAB": True,
-         "DENSE": False, "KREP": False, "VREP": False, "VSAME": False, "MERGE": False, "ND": 0, "DV": None}
+         "VB2": 0, "THREADS": THREADS, "ROT": False, "QSCALE": None, "NT": TUNING["nt"], "PF": False,
+         "PAIRTAB": True, "DENSE": False, "SINKS": False, "KREP": False, "VREP": False, "VSAME": False,
+         "MERGE": False, "ND": 0, "DV": None}
     t.update(flags)
     return list(t.items())
 
 
-def _dense_parts(queries, qscale, dense: DenseTokens, R: int, D: int, backend: str):
+def _dense_parts(queries, qscale: int, dense: DenseTokens, R: int, D: int, backend: str):
     """Partial outputs ``[B, H, 2, R, D]`` and ``(max, sum)`` of the sinks (split 0) and the window (split 1), and
-    zeroed split counters ``[B * H]`` int32 for the compressed launch that merges them."""
+    zeroed split counters ``[B * H]`` int32 for the compressed launch that merges them. ``qscale``: the softmax
+    scale's float bits (:func:`kvq_metal.dialect.float_bits`)."""
     B, H = dense.window_keys.shape[:2]
     sk, sv = dense.sink_keys, dense.sink_values
-    sinks = 0 if sk is None else sk.shape[2]
+    sinks = sk is not None
     if sk is None:
         sk, sv = dense.window_keys, dense.window_values
-    table = _constant((0.0, 0.0), mx.float32)
     kern = kernel("decode_attend_tc", backend, TC_INPUTS, TC_OUTPUTS, attend_tc.SOURCE, attend_tc.HEADER,
                   ensure_row_contiguous=False)
-    zero = _constant((0,), mx.int32)
-    inputs = [queries, qscale, table, _constant((0, 2, sinks), mx.int32), dense.window_keys, sk, qscale, qscale,
-              table, dense.window_values, sv, qscale, qscale, table, zero, qscale, qscale]
+    # the placeholders (scales, biases, tables, counter, dense parts) are never read by a DENSE launch
+    pad, wk, wv = _constant((0.0,), mx.float32), dense.window_keys, dense.window_values
+    inputs = [queries, pad, wk, sk, wk, wk, pad, wv, sv, wv, wv, pad, _constant((0,), mx.int32), pad, pad]
     part, ml, _, _, cnt = kern(
-        inputs=inputs, template=_tc_template(D=D, R=R, KG=D, VG=D, DV=D, DENSE=True), grid=(THREADS * B * H, 2, 1),
+        inputs=inputs, template=_tc_template(D=D, R=R, KG=D, VG=D, DV=D, DENSE=True, SINKS=sinks, QSCALE=qscale),
+        grid=(THREADS * B * H, 2, 1),
         threadgroup=(THREADS, 1, 1), output_shapes=[(B, H, 2, R, D), (B, H, 2, R, 2), (1,), (1,), (B * H,)],
         output_dtypes=[mx.float32, mx.float32, mx.float32, mx.float32, mx.int32])
     return part, ml, cnt
@@ -506,7 +502,7 @@ def _dense_parts(queries, qscale, dense: DenseTokens, R: int, D: int, backend: s
 def _zero_counters(n: int, backend: str) -> mx.array:
     """``n`` zeroed int32 split counters: a fresh output of a one-block kernel each call, so no two launches (nor
     graph simplification) ever share them."""
-    kern = kernel("zero_counters", backend, ("meta",), ("cnt",), ZERO_SOURCE)
+    kern = kernel("zero_counters", backend, ("unused",), ("cnt",), ZERO_SOURCE)
     threads = max(32, -(-n // 32) * 32)
     return kern(inputs=[_constant((0,), mx.int32)], template=[("N", n)], grid=(threads, 1, 1),
                 threadgroup=(min(256, threads), 1, 1), output_shapes=[(n,)], output_dtypes=[mx.int32])[0]
@@ -547,24 +543,22 @@ def decode_attend(queries: mx.array, scale: float, keys: Side, values: Side, bac
                          f"{keys.group}/{values.group}, {R} query rows")
     rot = signs is not None
     signs = signs if rot else _constant((0.0,), mx.float32)
+    qscale = float_bits(float(scale))
     common = [("D", D), ("R", R), ("KB", keys.bits), ("VB", values.bits), ("KG", keys.group),
               ("VG", values.group), ("KBIAS", keys.biases is not None), ("VBIAS", values.biases is not None),
-              ("KB2", keys.bits2), ("VB2", values.bits2), ("THREADS", THREADS), ("ROT", rot)]
-    qscale = _constant((float(scale),), mx.float32)
-
-    def inputs(chunk: int, splits: int) -> list:
-        return [queries, qscale, signs, _constant((chunk, splits), mx.int32),
-                keys.codes, keys.codes if keys.codes2 is None else keys.codes2,
-                keys.scales, keys.scales if keys.biases is None else keys.biases, keys.table,
-                values.codes, values.codes if values.codes2 is None else values.codes2,
-                values.scales, values.scales if values.biases is None else values.biases, values.table]
+              ("KB2", keys.bits2), ("VB2", values.bits2), ("THREADS", THREADS), ("ROT", rot),
+              ("QSCALE", qscale)]
+    args = [queries, signs, keys.codes, keys.codes if keys.codes2 is None else keys.codes2,
+            keys.scales, keys.scales if keys.biases is None else keys.biases, keys.table,
+            values.codes, values.codes if values.codes2 is None else values.codes2,
+            values.scales, values.scales if values.biases is None else values.biases, values.table]
 
     if uses_tensor_cores(backend, D, keys, values, R):
         nd = 0 if dense is None else 2
         # the merging block keeps R * (splits + nd) weights in the 4 * 8 * D words its warps' outputs used
         limit = min(MAX_SPLITS, 32 * D // R - nd)
-        splits, chunk = splits_for(B * H, T, backend, 16 * TUNING["nt"] * THREADS // 32,
-                                   min(TUNING["tc_groups"], limit * B * H))
+        splits = splits_for(B * H, T, backend, 16 * TUNING["nt"] * THREADS // 32,
+                            min(TUNING["tc_groups"], limit * B * H))
         kern = kernel("decode_attend_tc", backend, TC_INPUTS, TC_OUTPUTS, attend_tc.SOURCE, attend_tc.HEADER,
                       ensure_row_contiguous=False)
         pf = D <= 128 if TUNING["pf"] is None else TUNING["pf"]
@@ -572,10 +566,10 @@ def decode_attend(queries: mx.array, scale: float, keys: Side, values: Side, bac
         template = _tc_template(**dict(common), PF=bool(pf), PAIRTAB=bool(TUNING["pair"]), KREP=krep, VREP=vrep,
                                 VSAME=same, MERGE=True, ND=nd, DV=out_dim)
         if dense is None:
-            partd, mld, counter = qscale, qscale, _zero_counters(B * H, backend)
+            partd, mld, counter = signs, signs, _zero_counters(B * H, backend)  # placeholders: ND == 0
         else:
             partd, mld, counter = _dense_parts(queries, qscale, dense, R, D, backend)
-        outs = kern(inputs=inputs(chunk, splits) + [counter, partd, mld], template=template,
+        outs = kern(inputs=args + [counter, partd, mld], template=template,
                     grid=(THREADS * B * H, splits, 1), threadgroup=(THREADS, 1, 1),
                     output_shapes=[(B, H, splits, R, D), (B, H, splits, R, 2), (B * H * R, out_dim), (B * H * R,),
                                    (1,)],
@@ -586,17 +580,15 @@ def decode_attend(queries: mx.array, scale: float, keys: Side, values: Side, bac
     else:
         cpt = min(coords_per_thread(keys.bits), coords_per_thread(values.bits))
         kt = TUNING["kt_small"] if R <= 4 else TUNING["kt_large"]
-        splits, chunk = splits_for(B * H, T, backend, kt * THREADS * cpt // D)
+        splits = splits_for(B * H, T, backend, kt * THREADS * cpt // D)
         kern = kernel("decode_attend", backend, INPUTS, ("out", "ml"), SOURCE, ensure_row_contiguous=False)
         template = common + [("CPT", cpt), ("KT", kt), ("PHASES", TUNING["phases"])]
-    args = inputs(chunk, splits)
     part, ml = kern(inputs=args, template=template, grid=(THREADS * B * H, splits, 1),
                     threadgroup=(THREADS, 1, 1), output_shapes=[(B, H, splits, R, D), (B, H, splits, R, 2)],
                     output_dtypes=[mx.float32, mx.float32])
     merge = kernel("decode_merge", backend, MERGE_INPUTS, ("out", "lse"), MERGE_SOURCE)
-    out, lse = merge(inputs=[part, ml, part, ml, signs, args[3]],
-                     template=[("D", D), ("DV", out_dim), ("R", R), ("ROT", rot), ("MAX_SPLITS", MAX_SPLITS),
-                               ("ND", 0)],
+    out, lse = merge(inputs=[part, ml, signs],
+                     template=[("D", D), ("DV", out_dim), ("R", R), ("ROT", rot), ("MAX_SPLITS", MAX_SPLITS)],
                      grid=(D * B * H * R, 1, 1), threadgroup=(D, 1, 1),
                      output_shapes=[(B, H, R, out_dim), (B, H, R)], output_dtypes=[mx.float32, mx.float32])
     return out.reshape(B, Hq, Tq, out_dim), lse.reshape(B, Hq, Tq)

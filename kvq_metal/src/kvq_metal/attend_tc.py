@@ -132,6 +132,7 @@ def _fill_table(side: str) -> str:
 
 SOURCE = """
     constexpr int NWARP = THREADS / 32;
+    constexpr int TILE = NWARP * 16 * NT;     // tokens of one block step (a split is whole tiles)
     constexpr int SK = D / 4;                 // key coordinates per thread slice (of 2 tokens)
     constexpr int SV = D / 8;                 // value coordinates per thread slice (of 4 tokens)
     constexpr int KS = D / 16;                // score k-steps == value m-tiles
@@ -186,10 +187,10 @@ SOURCE = """
     KVQ_SHARED float lw_s[NWARP * 8];
 
 """ + SPLIT_INDEX + """\
-    // DENSE: uncompressed keys and values (a cache's sinks in split 0: kc2/vc2, meta[2] tokens of them; its
-    // window in split 1: kc/vc), read as they are; otherwise codes, split over the sequence
+    // DENSE: uncompressed keys and values (a cache's sinks in split 0: kc2/vc2, none unless SINKS; its window in
+    // split 1: kc/vc), read as they are; otherwise codes, split over the sequence
     const int t_begin = DENSE ? 0 : split * chunk;
-    const int t_end = DENSE ? (split == 0 ? meta[2] : T) : min(T, t_begin + chunk);
+    const int t_end = DENSE ? (split == 0 ? (SINKS ? kc2_shape[2] : 0) : T) : min(T, t_begin + chunk);
     const int tid = KVQ_TID;
     const int lane = KVQ_LANE;
     const int warp = KVQ_WARP;
@@ -274,8 +275,8 @@ SOURCE = """
     // the code tables: their few values are read from global memory once per block (kt0_s / vt0_s), then
     // pair tables: entry ((p1 << 2 * B2) | p2) = (value of code a, value of code b) for the pair's two codes;
     // single tables: entry c = (value of c, value of c); KREP / VREP: 32 copies
-    for (int i = tid; i < (1 << CBK); i += THREADS) kt0_s[i] = kt[i];
-    for (int i = tid; i < (VSAME ? 0 : 1 << CBV); i += THREADS) vt0_s[i] = vt[i];
+    for (int i = tid; i < (DENSE ? 0 : 1 << CBK); i += THREADS) kt0_s[i] = kt[i];
+    for (int i = tid; i < (VSAME || DENSE ? 0 : 1 << CBV); i += THREADS) vt0_s[i] = vt[i];
     KVQ_BARRIER();
 """ + _fill_table("k") + _fill_table("v") + """\
     const uint* ktab_l = ktab_s + (KREP ? lane : 0);
@@ -322,9 +323,8 @@ SOURCE = """
         const int64_t r = b * vc_strides[0] + h * vc_strides[1] + (int64_t)t * vc_strides[2];
         return kvq_h2(KVQ_F32(vc[r + j * vc_strides[3]]), KVQ_F32(vc[r + (j + 1) * vc_strides[3]]));
     };
-    constexpr int STEP = NWARP * 16 * NT;
-    for (int t0 = t_begin + warp * 16 * NT; t0 < t_end; t0 += STEP) {
-        if (PF) load(nxt, t0 + STEP);
+    for (int t0 = t_begin + warp * 16 * NT; t0 < t_end; t0 += TILE) {
+        if (PF) load(nxt, t0 + TILE);
         // ---- scores on tensor cores
         float sc[NT][4];
 #pragma unroll
@@ -458,7 +458,7 @@ SOURCE = """
         if (PF) {
             buf = nxt;
         } else {
-            load(buf, t0 + STEP);
+            load(buf, t0 + TILE);
         }
     }
 

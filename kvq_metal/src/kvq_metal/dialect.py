@@ -9,6 +9,7 @@ on NVIDIA GPUs; both take the grid in threads, not thread groups). A kernel body
 token              Metal                                  CUDA
 =================  =====================================  ==================================
 ``KVQ_TG_X/Y``     ``threadgroup_position_in_grid.x/y``   ``blockIdx.x/y``
+``KVQ_NTG_Y``      ``threadgroups_per_grid.y``            ``gridDim.y``
 ``KVQ_TID``        ``thread_position_in_threadgroup.x``   ``threadIdx.x``
 ``KVQ_GID``        ``thread_position_in_grid.x``          ``blockIdx.x * blockDim.x + threadIdx.x``
 ``KVQ_LANE``       ``thread_index_in_simdgroup``          ``threadIdx.x & 31``
@@ -19,7 +20,15 @@ token              Metal                                  CUDA
 
 and the prelude of each back end defines the rest as macros: ``KVQ_SHFL_XOR(x, m)`` and ``KVQ_SHFL(x, lane)``
 (a 32-wide SIMD group / warp), ``KVQ_EXP``, ``KVQ_LOG``, ``KVQ_SQRT``, ``KVQ_FMAX``, ``KVQ_FMIN``, ``KVQ_INF``,
-``KVQ_F32(x)`` (any float type to float), and the 64-bit unsigned type ``kvq_u64``; CUDA also gets ``uint``.
+``KVQ_F32(x)`` (any float type to float), ``KVQ_AS_FLOAT(i)`` (the float whose IEEE-754 bits are the int ``i``:
+float scalars travel as template arguments, see :func:`float_bits`), and the 64-bit unsigned type ``kvq_u64``;
+CUDA also gets ``uint``.
+
+No kernel reads a per-call scalar from an array made on the host: on MLX's CUDA back end every array is managed
+(unified) memory, and arrays of at most 8 bytes share one pool whose pages the host writes whenever it makes a
+scalar; the next kernel that reads such an array takes a GPU page fault (about 10-20 us each, measured as the
+largest stall of the decode-attention kernel with Nsight Compute on an H200). Sizes come from the inputs' shapes
+and the grid, float scalars from template arguments.
 
 Kernels are compiled once per template key: MLX caches compiled modules by kernel name plus template arguments,
 so :func:`kernel` names each kernel by a hash of its translated source, and :class:`Kernel` adds every input's
@@ -30,7 +39,9 @@ module reused with the wrong signature).
 from __future__ import annotations
 
 import hashlib
+import math
 import re
+import struct
 from functools import lru_cache
 from typing import Sequence
 
@@ -46,6 +57,7 @@ _TOKENS = {
         "KVQ_TG_X": "threadgroup_position_in_grid.x",
         "KVQ_TG_Y": "threadgroup_position_in_grid.y",
         "KVQ_TG_Z": "threadgroup_position_in_grid.z",
+        "KVQ_NTG_Y": "threadgroups_per_grid.y",
         "KVQ_TID": "thread_position_in_threadgroup.x",
         "KVQ_GID": "thread_position_in_grid.x",
         "KVQ_LANE": "thread_index_in_simdgroup",
@@ -57,6 +69,7 @@ _TOKENS = {
         "KVQ_TG_X": "blockIdx.x",
         "KVQ_TG_Y": "blockIdx.y",
         "KVQ_TG_Z": "blockIdx.z",
+        "KVQ_NTG_Y": "gridDim.y",
         "KVQ_TID": "threadIdx.x",
         "KVQ_GID": "(blockIdx.x * blockDim.x + threadIdx.x)",
         "KVQ_LANE": "(threadIdx.x & 31u)",
@@ -77,6 +90,7 @@ PRELUDES = {
 #define KVQ_FMIN(a, b) metal::min((a), (b))
 #define KVQ_INF INFINITY
 #define KVQ_F32(x) static_cast<float>(x)
+#define KVQ_AS_FLOAT(i) as_type<float>((int)(i))
 typedef ulong kvq_u64;
 """,
     "cuda": """
@@ -91,6 +105,7 @@ typedef unsigned long long kvq_u64;
 #define KVQ_FMIN(a, b) fminf((a), (b))
 #define KVQ_INF __int_as_float(0x7f800000)
 #define KVQ_F32(x) static_cast<float>(x)
+#define KVQ_AS_FLOAT(i) __int_as_float((int)(i))
 """,
 }
 
@@ -108,6 +123,15 @@ def gpu_backend() -> str | None:
     if cuda is not None and cuda.is_available():
         return "cuda"
     return None
+
+
+def float_bits(value: float) -> int:
+    """The IEEE-754 float32 bits of ``value`` as a signed int: a template argument that a kernel turns back into
+    the float with ``KVQ_AS_FLOAT`` (one compiled kernel per distinct value; for per-model constants such as the
+    softmax scale). :raises ValueError: ``value`` is not finite."""
+    if not math.isfinite(value):
+        raise ValueError(f"value must be a finite float; got {value!r}")
+    return struct.unpack("<i", struct.pack("<f", value))[0]
 
 
 def translate(source: str, backend: str) -> str:
@@ -199,12 +223,13 @@ def hadamard_rows(indent: str, odd: str = "c") -> str:
 
 #: Kernel text shared by the decode-attention kernels: the ``R`` query rows of KV head ``h`` (``n_rep`` heads of a
 #: GQA group times ``T_q`` tokens, read through ``q``'s strides, zero-padded from ``D_q`` to ``D``), scaled by
-#: ``qscale[0]`` and, when ``ROT``, multiplied by the rotation's ``signs``, into the shared array ``q_s``.
+#: the softmax scale (template argument ``QSCALE``: its float bits) and, when ``ROT``, multiplied by the rotation's
+#: ``signs``, into the shared array ``q_s``.
 LOAD_QUERIES = """\
     const int Tq = q_shape[2];
     const int Dq = q_shape[3];
     const int n_rep = R / Tq;
-    const float scale = qscale[0];
+    const float scale = KVQ_AS_FLOAT(QSCALE);
     for (int e = tid; e < R * D; e += THREADS) {
         const int r = e / D;
         const int j = e - r * D;
@@ -218,15 +243,16 @@ LOAD_QUERIES = """\
 """
 
 #: Kernel text shared by the decode-attention kernels: thread group ``(x, y)`` serves batch row ``b`` and KV head
-#: ``h`` (``x = b * H + h``, ``H = kc_shape[1]``) and split ``y`` of ``nsplit`` splits of ``chunk`` tokens
-#: (``meta``) of the ``T`` cached tokens.
+#: ``h`` (``x = b * H + h``, ``H = kc_shape[1]``) and split ``y`` of the grid's ``nsplit`` splits of the ``T``
+#: cached tokens; a split is ``chunk`` tokens, whole tiles of the kernel's ``TILE`` tokens
+#: (:func:`kvq_metal.attend.split_chunk` is the same formula).
 SPLIT_INDEX = """\
     const int bh = KVQ_TG_X;
     const int split = KVQ_TG_Y;
+    const int nsplit = KVQ_NTG_Y;
     const int H = kc_shape[1];
     const int T = kc_shape[2];
     const int b = bh / H;
     const int h = bh - b * H;
-    const int chunk = meta[0];
-    const int nsplit = meta[1];
+    const int chunk = ((T + TILE - 1) / TILE + nsplit - 1) / nsplit * TILE;
 """
