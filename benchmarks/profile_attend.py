@@ -1,7 +1,8 @@
 """Decode-attention launches for a profiler: B 1, H_q 32, H_kv 8, D 128, one query, keys and values distinct.
 
 For each context length: one fp16 ``mx.fast.scaled_dot_product_attention`` call, then one ``kvq_attend`` kernel
-call per method (turboquant-4, turboquant-3, affine-4) and launch variant, each evaluated on its own after its
+call per method (turboquant-4, turboquant-3, affine-4) and launch variant, and one call with 4 sinks and a
+128-token window uncompressed (labelled ``"dense"``, as a KVQCache attends), each evaluated on its own after its
 inputs, so a profiler's kernel filter sees the launches of one call together. Prints one label per call, in order.
 
     ncu --clock-control none -k regex:"decode_attend|decode_merge|zero_counters|sdpa" \\
@@ -19,6 +20,7 @@ import json
 import mlx.core as mx
 
 import kvq
+from kvq.attention import DenseTokens
 from kvq.plugins import registry
 
 B, HQ, HKV, D = 1, 32, 8, 128
@@ -59,6 +61,15 @@ def main() -> None:
                 mx.eval(kern.kvq_attend(q, ke, ve, D ** -0.5, None)[0])
                 attend.TUNING.clear()
                 attend.TUNING.update(base)
+            # as a KVQCache attends: the compressed tokens with 4 sinks and a 128-token window in one softmax (a
+            # launch over the uncompressed tokens, then the compressed one, which merges both)
+            dense = DenseTokens(*(mx.contiguous(x) for x in (k[:, :, :4], v[:, :, :4], k[:, :, -128:], v[:, :, -128:])))
+            mx.eval(dense.sink_keys, dense.sink_values, dense.window_keys, dense.window_values)
+            for warm in (True, False):
+                print(json.dumps({"T": T, "method": f"{name}{params['bits']}", "dense": True,
+                                  **({"warmup": True} if warm else {})}), flush=True)
+                # unchecked, like kvq_attend above: a first-use check's launches would fall under this label
+                mx.eval(kern._attend_dense(q, ke, ve, D ** -0.5, dense)[0])
             del ke, ve
 
 

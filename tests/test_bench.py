@@ -187,7 +187,8 @@ def test_report_redraws_a_result(run, tmp_path, capsys):
 def test_kernel_durations_groups_each_calls_launches():
     """``benchmarks/kernel_durations.py`` turns ncu's CSV (one row per launch and metric, ns with thousands
     separators) into GPU time per call: fp16 SDPA one launch; a kvq call its counters' launch plus the tensor-core
-    kernel, or the SIMT kernel plus its merge; warm-up calls dropped."""
+    kernel, or the SIMT kernel plus its merge, or (with sinks and a window) two tensor-core launches; warm-up calls
+    dropped."""
     import importlib.util
     from pathlib import Path
 
@@ -199,16 +200,18 @@ def test_kernel_durations_groups_each_calls_launches():
     launches = [("cudnn_flash_sdpa_kernel", "140,960"), ("kvq_zero_counters_x", "1,568"),
                 ("kvq_decode_attend_tc_x(const __half *)", "123,936"), ("kvq_zero_counters_x", "1,600"),
                 ("kvq_decode_attend_tc_x(const __half *)", "120,000"), ("kvq_decode_attend_x", "256,896"),
-                ("kvq_decode_merge_x", "19,904")]
+                ("kvq_decode_merge_x", "19,904"), ("kvq_decode_attend_tc_x(const __half *)", "9,000"),
+                ("kvq_decode_attend_tc_x(const __half *)", "110,000")]
     rows = "".join(f'"{i}","7","{name}","gpu__time_duration.sum","ns","{ns}"\n'
                    f'"{i}","7","{name}","launch__grid_size","","1,024"\n' for i, (name, ns) in enumerate(launches))
     parsed = kd.parse_ncu_csv("==PROF== noise\n" + head + rows)
     assert [p["kernel"] for p in parsed] == [n for n, _ in launches]
     assert parsed[0]["gpu__time_duration.sum"] == pytest.approx(140.96) and parsed[0]["launch__grid_size"] == 1024
     labels = [{"T": 4096, "method": "fp16_sdpa"}, {"T": 4096, "method": "turboquant4", "warmup": True},
-              {"T": 4096, "method": "turboquant4"}, {"T": 4096, "method": "turboquant4", "tc": False}]
+              {"T": 4096, "method": "turboquant4"}, {"T": 4096, "method": "turboquant4", "tc": False},
+              {"T": 4096, "method": "turboquant4", "dense": True}]
     got = kd.group_calls(labels, parsed)
     assert [(r["method"], round(r["gpu_us"], 3), len(r["launches"])) for r in got] == [
-        ("fp16_sdpa", 140.96, 1), ("turboquant4", 121.6, 2), ("turboquant4", 276.8, 2)]
+        ("fp16_sdpa", 140.96, 1), ("turboquant4", 121.6, 2), ("turboquant4", 276.8, 2), ("turboquant4", 119.0, 2)]
     with pytest.raises(ValueError, match="no launch left"):
         kd.group_calls(labels + [{"T": 4096, "method": "affine4"}], parsed)

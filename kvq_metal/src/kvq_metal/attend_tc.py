@@ -75,6 +75,9 @@ __device__ __forceinline__ float kvq_exp2(float x) {
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
 }
+// entry e of a lane's view of a code table whose entries lie 1 << SH bytes apart: a byte offset, so the address
+// is one shift-add (an index scaled by the element size made the compiler spend four instructions on it)
+#define KVQ_TAB(tab, e, SH) (*reinterpret_cast<const uint*>(reinterpret_cast<const char*>(tab) + ((uint)(e) << (SH))))
 // NB bits at bit offset OFF of the register array w (OFF, NB compile-time after unrolling; NB <= 16); a whole
 // byte is one prmt
 #define KVQ_BITS_SHIFT(w, OFF, NB) \
@@ -107,20 +110,26 @@ __device__ __forceinline__ float kvq_exp2(float x) {
 
 def _fill_table(side: str) -> str:
     """Kernel text: one side's (``"k"`` or ``"v"``) code table in shared memory from its staged values, pair or
-    single entries, one copy per lane or one in all (see the kernel's comments)."""
+    single entries, one copy per lane (written four copies per 128-bit store) or one in all (see the kernel's
+    comments)."""
     text = """\
-    for (int i = tid; i < KTW; i += THREADS) {
-        const uint e = KREP ? (uint)i >> 5 : (uint)i;
-        float lo, hi;
-        if (KPAIR) {
-            const uint p1 = e >> (2 * KB2), p2 = e & ((1u << (2 * KB2)) - 1u);
-            lo = kt0_s[((p1 & KMASK) << KB2) | (p2 & KMASK2)];
-            hi = kt0_s[((p1 >> KB) << KB2) | (p2 >> KB2)];
+    {
+        // entry e of the table: (value of code a, value of code b) for a pair table, (value, value) otherwise
+        auto entry = [&](const uint e) -> uint {
+            if (KPAIR) {
+                const uint p1 = e >> (2 * KB2), p2 = e & ((1u << (2 * KB2)) - 1u);
+                return kvq_h2(kt0_s[((p1 & KMASK) << KB2) | (p2 & KMASK2)], kt0_s[((p1 >> KB) << KB2) | (p2 >> KB2)]);
+            }
+            return kvq_h2(kt0_s[e], kt0_s[e]);
+        };
+        if (KREP) {
+            for (int i = tid; i < KTW / 4; i += THREADS) {
+                const uint x = entry((uint)i >> 3);
+                reinterpret_cast<uint4*>(ktab_s)[i] = make_uint4(x, x, x, x);
+            }
         } else {
-            lo = kt0_s[e];
-            hi = lo;
+            for (int i = tid; i < KTW; i += THREADS) ktab_s[i] = entry((uint)i);
         }
-        ktab_s[i] = kvq_h2(lo, hi);
     }
 """
     if side == "k":
@@ -173,13 +182,13 @@ SOURCE = """
     // the tables during the loop, the warps' partial outputs after it
     constexpr int RED = NWARP * 8 * D;
     constexpr int SMW = KTW + VTW > RED ? KTW + VTW : RED;
-    KVQ_SHARED uint smem_s[SMW];
+    KVQ_SHARED __align__(16) uint smem_s[SMW];  // 16: the 128-bit stores of the table copies
     KVQ_SHARED float q_s[R * D];
     uint* ktab_s = smem_s;
     uint* vtab_s = VSAME ? smem_s : smem_s + KTW;
-    // this lane's view of the tables: entry e at [e * KST] (one address add per lookup)
-    constexpr int KST = KREP ? 32 : 1;
-    constexpr int VST = VREP ? 32 : 1;
+    // this lane's view of the tables: entry e at byte e << KSH (one copy per lane: 32 words apart)
+    constexpr int KSH = KREP ? 7 : 2;
+    constexpr int VSH = VREP ? 7 : 2;
     float* red_s = reinterpret_cast<float*>(smem_s);
     KVQ_SHARED float kt0_s[1 << CBK];
     KVQ_SHARED float vt0_s[1 << CBV];
@@ -360,11 +369,11 @@ SOURCE = """
                     if (DENSE) {
                         x = dense_k(t0 + st * 16 + g + 8 * u, c * SK + 2 * p);
                     } else if (KPAIR) {
-                        x = ktab_l[((p1 << (2 * KB2)) | p2) * KST];
+                        x = KVQ_TAB(ktab_l, (p1 << (2 * KB2)) | p2, KSH);
                     } else {
                         const uint ca = ((p1 & KMASK) << KB2) | (p2 & KMASK2);
                         const uint cb = ((p1 >> KB) << KB2) | (p2 >> KB2);
-                        x = kvq_prmt(ktab_l[ca * KST], ktab_l[cb * KST], 0x7610u);
+                        x = kvq_prmt(KVQ_TAB(ktab_l, ca, KSH), KVQ_TAB(ktab_l, cb, KSH), 0x7610u);
                     }
                     if (!KONE && !DENSE) {
                         const int gi = SK >= KG ? (2 * p) / KG : 0;
@@ -438,11 +447,11 @@ SOURCE = """
                     if (DENSE) {
                         x = dense_v(t0 + st * 16 + 2 * c + (u & 1) + 8 * (u >> 1), g * SV + 2 * i);
                     } else if (VPAIR) {
-                        x = vtab_l[((p1 << (2 * VB2)) | p2) * VST];
+                        x = KVQ_TAB(vtab_l, (p1 << (2 * VB2)) | p2, VSH);
                     } else {
                         const uint ca = ((p1 & VMASK) << VB2) | (p2 & VMASK2);
                         const uint cb = ((p1 >> VB) << VB2) | (p2 >> VB2);
-                        x = kvq_prmt(vtab_l[ca * VST], vtab_l[cb * VST], 0x7610u);
+                        x = kvq_prmt(KVQ_TAB(vtab_l, ca, VSH), KVQ_TAB(vtab_l, cb, VSH), 0x7610u);
                     }
                     if (!VONE && !DENSE) {
                         const int gi = SV >= VG ? (2 * i) / VG : 0;
