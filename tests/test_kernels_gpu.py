@@ -158,8 +158,9 @@ def test_decode_attend_calls_evaluated_together_stay_independent():
 
 
 DENSE_CASES = [
-    # method, params, head_dim, n_rep, sinks, window, dtype
+    # method, params, head_dim, n_rep, sinks, window, dtype[, the window a transposed view: read element-wise]
     ("turboquant", {"bits": 4}, 128, 4, 4, 140, mx.bfloat16),
+    ("turboquant", {"bits": 4}, 128, 4, 4, 37, mx.float16, True),
     ("turboquant", {"bits": 3}, 96, 4, 0, 33, mx.float16),
     ("affine", {"bits": 4, "group_size": 64}, 128, 8, 4, 128, mx.float16),
     ("turboquant_rvq", {"bits": 2, "residual_bits": 2}, 64, 2, 4, 1, mx.float32),
@@ -169,12 +170,14 @@ DENSE_CASES = [
 @pytest.mark.parametrize("case", range(len(DENSE_CASES)))
 def test_attend_dense_matches_parts(case):
     """The tensor-core kernel's one-call attention over compressed tokens plus a cache's sinks and window
-    (``attend_dense``) equals attending the three parts separately and merging them (pure MLX)."""
+    (``attend_dense``) equals attending the three parts separately and merging them (pure MLX): float16 and
+    bfloat16 rows read with vector loads, rows shorter than the codes' dimension, float32 rows and a strided
+    window read element by element."""
     from kvq.attention import DenseTokens, dense_attend, merge_parts
 
     if kvq_metal.gpu_backend() != "cuda":
         pytest.skip("attend_dense is served by the tensor-core kernel (CUDA)")
-    method, params, D, n_rep, n_sinks, n_window, dtype = DENSE_CASES[case]
+    method, params, D, n_rep, n_sinks, n_window, dtype, *transposed = DENSE_CASES[case]
     kernel, pure = _impl(method)
     p = kvq.make_params(method, **params)
     Hkv, T = 2, 3000
@@ -183,6 +186,9 @@ def test_attend_dense_matches_parts(case):
     sk, sv = (_normal((1, Hkv, n_sinks, D), dtype, 24), _normal((1, Hkv, n_sinks, D), dtype, 25)) if n_sinks \
         else (None, None)
     wk, wv = _normal((1, Hkv, n_window, D), dtype, 26, 2.0), _normal((1, Hkv, n_window, D), dtype, 27)
+    if transposed:  # the same values, stored [.., D, T]: the kernel gets a view with strides (.., 1, T)
+        wk, wv = (mx.swapaxes(mx.contiguous(mx.swapaxes(x, 2, 3)), 2, 3) for x in (wk, wv))
+        mx.eval(wk, wv)
     ke, ve = pure.kvq_quantize(k, p), pure.kvq_quantize(v, p)
     scale = D ** -0.5
     got = kernel.attend_dense(q, ke, ve, scale, DenseTokens(sk, sv, wk, wv))

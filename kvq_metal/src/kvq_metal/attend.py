@@ -471,10 +471,15 @@ def _tc_template(**flags) -> list:
     and ``DV`` always) over the defaults of a launch without bits, biases, copies or merge."""
     t = {"D": None, "R": None, "KB": 1, "VB": 1, "KG": None, "VG": None, "KBIAS": False, "VBIAS": False, "KB2": 0,
          "VB2": 0, "THREADS": THREADS, "ROT": False, "QSCALE": None, "NT": TUNING["nt"], "PF": False,
-         "PAIRTAB": True, "DENSE": False, "SINKS": False, "KREP": False, "VREP": False, "VSAME": False,
+         "PAIRTAB": True, "DENSE": False, "SINKS": False, "DDT": 0, "KREP": False, "VREP": False, "VSAME": False,
          "MERGE": False, "ND": 0, "DV": None}
     t.update(flags)
     return list(t.items())
+
+
+#: The tensor-core kernel's code for the dtype of uncompressed tokens (``DDT``): float16 and bfloat16 rows are read
+#: with vector loads (bfloat16 converted to float16), any other dtype element by element.
+DENSE_DTYPES = {mx.float16: 0, mx.bfloat16: 1}
 
 
 def _dense_parts(queries, qscale: int, dense: DenseTokens, R: int, D: int, backend: str):
@@ -492,7 +497,8 @@ def _dense_parts(queries, qscale: int, dense: DenseTokens, R: int, D: int, backe
     pad, wk, wv = _constant((0.0,), mx.float32), dense.window_keys, dense.window_values
     inputs = [queries, pad, wk, sk, wk, wk, pad, wv, sv, wv, wv, pad, _constant((0,), mx.int32), pad, pad]
     part, ml, _, _, cnt = kern(
-        inputs=inputs, template=_tc_template(D=D, R=R, KG=D, VG=D, DV=D, DENSE=True, SINKS=sinks, QSCALE=qscale),
+        inputs=inputs, template=_tc_template(D=D, R=R, KG=D, VG=D, DV=D, DENSE=True, SINKS=sinks, QSCALE=qscale, NT=1,
+                                             DDT=DENSE_DTYPES.get(wk.dtype, 2)),
         grid=(THREADS * B * H, 2, 1),
         threadgroup=(THREADS, 1, 1), output_shapes=[(B, H, 2, R, D), (B, H, 2, R, 2), (1,), (1,), (B * H,)],
         output_dtypes=[mx.float32, mx.float32, mx.float32, mx.float32, mx.int32])

@@ -75,6 +75,43 @@ __device__ __forceinline__ float kvq_exp2(float x) {
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
 }
+// NW half2 words (coordinates j0 + 2k, j0 + 2k + 1) of a row of uncompressed keys or values into dst: V-word
+// vector loads when vec (16-bit dtype, contiguous, aligned, D long: DT 0 float16 as is, 1 bfloat16 converted),
+// else element by element through float, zero past the row's length len
+template <int V, int DT, int NW, typename T>
+__device__ __forceinline__ void kvq_dense_row(uint (&dst)[NW], const T* row, const int j0, const bool vec,
+                                              const int64_t s3, const int len) {
+    if (DT < 2 && vec) {
+        const uint* w = reinterpret_cast<const uint*>(row + j0);
+#pragma unroll
+        for (int k = 0; k < NW / V; ++k) {
+            if (V == 4) {
+                const uint4 x = reinterpret_cast<const uint4*>(w)[k];
+                dst[4 * k] = x.x; dst[4 * k + 1] = x.y; dst[4 * k + 2] = x.z; dst[4 * k + 3] = x.w;
+            } else if (V == 2) {
+                const uint2 x = reinterpret_cast<const uint2*>(w)[k];
+                dst[2 * k] = x.x; dst[2 * k + 1] = x.y;
+            } else {
+                dst[k] = w[k];
+            }
+        }
+        if (DT == 1) {
+#pragma unroll
+            for (int k = 0; k < NW; ++k) dst[k] = kvq_h2(__uint_as_float(dst[k] << 16), __uint_as_float(dst[k] & 0xffff0000u));
+        }
+    } else {
+        // one word at a time (a running pointer, a compiler barrier per word): rows a cache never passes (strided,
+        // unaligned, other dtypes) take this path, and hoisting its loads would cost the common path registers
+        const T* e = row + j0 * s3;
+#pragma unroll
+        for (int k = 0; k < NW; ++k) {
+            const int j = j0 + 2 * k;
+            dst[k] = kvq_h2(j < len ? static_cast<float>(e[0]) : 0.0f, j + 1 < len ? static_cast<float>(e[s3]) : 0.0f);
+            e += 2 * s3;
+            asm volatile("" ::: "memory");
+        }
+    }
+}
 // entry e of a lane's view of a code table whose entries lie 1 << SH bytes apart: a byte offset, so the address
 // is one shift-add (an index scaled by the element size made the compiler spend four instructions on it)
 #define KVQ_TAB(tab, e, SH) (*reinterpret_cast<const uint*>(reinterpret_cast<const char*>(tab) + ((uint)(e) << (SH))))
@@ -235,9 +272,43 @@ SOURCE = """
         uint vw2[NT][4][VNW2];
         float ksc[NT][2][KNG], kbi[NT][2][KNG], vsc[NT][4][VNG], vbi[NT][4][VNG];
         float vn[NT][2];
+        // DENSE: the slices as half2 pairs (coordinates 2p, 2p + 1): key slices of D / 4, value slices of D / 8
+        uint dk[DENSE ? NT : 1][2][DENSE ? SK / 2 : 1];
+        uint dv[DENSE ? NT : 1][4][DENSE ? SV / 2 : 1];
     };
+    // DENSE: split 0 reads the sinks (kc2/vc2), split 1 the window (kc/vc); rows of the model's dtype (DDT 0:
+    // float16, 1: bfloat16, 2: other) read with 128/64-bit loads where a block's rows are contiguous, aligned and
+    // D long (dvec_k / dvec_v), else element by element (zero past the row's length)
+    const auto* dkp = split == 0 ? kc2 : kc;
+    const auto* dvp = split == 0 ? vc2 : vc;
+    const int64_t dks2 = split == 0 ? kc2_strides[2] : kc_strides[2], dks3 = split == 0 ? kc2_strides[3] : kc_strides[3];
+    const int64_t dvs2 = split == 0 ? vc2_strides[2] : vc_strides[2], dvs3 = split == 0 ? vc2_strides[3] : vc_strides[3];
+    const int dkl = split == 0 ? kc2_shape[3] : kc_shape[3], dvl = split == 0 ? vc2_shape[3] : vc_shape[3];
+    const int64_t dkb = split == 0 ? kbase2 : kbase, dvb = split == 0 ? vbase2 : vbase;
+    constexpr int DKW = SK / 2, DVW = SV / 2;  // half2 words per key / value slice
+    constexpr int DKV = DKW % 4 == 0 ? 4 : (DKW % 2 == 0 ? 2 : 1);
+    constexpr int DVV = DVW % 4 == 0 ? 4 : (DVW % 2 == 0 ? 2 : 1);
+    const bool dvec_k = DENSE && DDT < 2 && dks3 == 1 && dkl == D && dks2 % (2 * DKV) == 0 &&
+                        (reinterpret_cast<size_t>(dkp + dkb) & (4 * DKV - 1)) == 0;
+    const bool dvec_v = DENSE && DDT < 2 && dvs3 == 1 && dvl == D && dvs2 % (2 * DVV) == 0 &&
+                        (reinterpret_cast<size_t>(dvp + dvb) & (4 * DVV - 1)) == 0;
     auto load = [&](Step& buf, const int t0) {
-      if constexpr (!DENSE) {
+      if constexpr (DENSE) {
+        // tokens past the end read the last row (split 0 without sinks: row 0 of the window, never used)
+#pragma unroll
+        for (int st = 0; st < NT; ++st) {
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+                const int t = max(min(t0 + st * 16 + g + 8 * u, t_end - 1), 0);
+                kvq_dense_row<DKV, DDT>(buf.dk[st][u], dkp + dkb + (int64_t)t * dks2, c * SK, dvec_k, dks3, dkl);
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const int t = max(min(t0 + st * 16 + 2 * c + (u & 1) + 8 * (u >> 1), t_end - 1), 0);
+                kvq_dense_row<DVV, DDT>(buf.dv[st][u], dvp + dvb + (int64_t)t * dvs2, g * SV, dvec_v, dvs3, dvl);
+            }
+        }
+      } else {
         // past the end of the codes a token index is clamped: its words are read from a valid token and its
         // score is masked to -inf below, so no load needs a branch
 #pragma unroll
@@ -311,27 +382,6 @@ SOURCE = """
     for (int i = 0; i < KS; ++i) { acc[i][0] = 0.0f; acc[i][1] = 0.0f; acc[i][2] = 0.0f; acc[i][3] = 0.0f; }
     float m0 = -KVQ_INF, m1 = -KVQ_INF, l0 = 0.0f, l1 = 0.0f;
 
-    // a pair of uncompressed coordinates (j, j + 1) of token t as half2 (DENSE)
-    auto dense_k = [&](const int t, const int j) -> uint {
-        if (split == 0) {
-            if (t >= t_end || j >= kc2_shape[3]) return 0u;
-            const int64_t r = b * kc2_strides[0] + h * kc2_strides[1] + (int64_t)t * kc2_strides[2];
-            return kvq_h2(KVQ_F32(kc2[r + j * kc2_strides[3]]), KVQ_F32(kc2[r + (j + 1) * kc2_strides[3]]));
-        }
-        if (t >= t_end || j >= kc_shape[3]) return 0u;
-        const int64_t r = b * kc_strides[0] + h * kc_strides[1] + (int64_t)t * kc_strides[2];
-        return kvq_h2(KVQ_F32(kc[r + j * kc_strides[3]]), KVQ_F32(kc[r + (j + 1) * kc_strides[3]]));
-    };
-    auto dense_v = [&](const int t, const int j) -> uint {
-        if (split == 0) {
-            if (t >= t_end || j >= vc2_shape[3]) return 0u;
-            const int64_t r = b * vc2_strides[0] + h * vc2_strides[1] + (int64_t)t * vc2_strides[2];
-            return kvq_h2(KVQ_F32(vc2[r + j * vc2_strides[3]]), KVQ_F32(vc2[r + (j + 1) * vc2_strides[3]]));
-        }
-        if (t >= t_end || j >= vc_shape[3]) return 0u;
-        const int64_t r = b * vc_strides[0] + h * vc_strides[1] + (int64_t)t * vc_strides[2];
-        return kvq_h2(KVQ_F32(vc[r + j * vc_strides[3]]), KVQ_F32(vc[r + (j + 1) * vc_strides[3]]));
-    };
     for (int t0 = t_begin + warp * 16 * NT; t0 < t_end; t0 += TILE) {
         if (PF) load(nxt, t0 + TILE);
         // ---- scores on tensor cores
@@ -367,7 +417,7 @@ SOURCE = """
                     const uint p1 = KVQ_BITS(ku[u], p * 2 * KB, 2 * KB);
                     const uint p2 = KB2 > 0 ? KVQ_BITS(ku2[u], p * 2 * (KB2 > 0 ? KB2 : 1), 2 * (KB2 > 0 ? KB2 : 1)) : 0u;
                     if (DENSE) {
-                        x = dense_k(t0 + st * 16 + g + 8 * u, c * SK + 2 * p);
+                        x = buf.dk[st][u][p];
                     } else if (KPAIR) {
                         x = KVQ_TAB(ktab_l, (p1 << (2 * KB2)) | p2, KSH);
                     } else {
@@ -445,7 +495,7 @@ SOURCE = """
                     const uint p1 = KVQ_BITS(vu[u], i * 2 * VB, 2 * VB);
                     const uint p2 = VB2 > 0 ? KVQ_BITS(vu2[u], i * 2 * (VB2 > 0 ? VB2 : 1), 2 * (VB2 > 0 ? VB2 : 1)) : 0u;
                     if (DENSE) {
-                        x = dense_v(t0 + st * 16 + 2 * c + (u & 1) + 8 * (u >> 1), g * SV + 2 * i);
+                        x = buf.dv[st][u][i];
                     } else if (VPAIR) {
                         x = KVQ_TAB(vtab_l, (p1 << (2 * VB2)) | p2, VSH);
                     } else {
