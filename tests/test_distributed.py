@@ -41,6 +41,11 @@ BACKEND = os.environ.get("KVQ_TEST_DISTRIBUTED_BACKEND", "ring")
 #: implementation", seen on 2 H200s over NCCL): mlx-lm's pipelined models fail there on their own, so the pipeline
 #: part runs on the ring back end only.
 PIPELINE = BACKEND != "nccl"
+#: mlx-lm's server under ``mlx.launch`` on NCCL: its generation thread cannot use the NCCL group made in the main
+#: thread ("There is no Stream(gpu, N) in current thread" from ``mlx_lm.utils.sharded_load``), the same for
+#: ``mlx_lm.server`` with its own caches as for ``kvq serve``: 2 H200s, MLX 0.32.4, mlx-lm 0.32.2
+#: (benchmarks/results/distributed/2026-11-30-h200x2-nccl-serve-diagnosis.log).
+SERVE_LAUNCHED = BACKEND != "nccl"
 #: Seconds a launch may take (the one of every part: about 25 s on a busy 2-core CPU). A pipeline run that lost
 #: its send would hang until then.
 LAUNCH_TIMEOUT = 120
@@ -310,6 +315,8 @@ def served_ids(tiny_folder) -> list[int]:
 def test_serve_answers_with_kvq_caches(tiny_folder, served_ids, ranks):
     """``kvq serve`` (mlx-lm's server) alone and under ``mlx.launch`` (tensor parallel, rank 0 serves): the
     completion's tokens are those of mlx-lm with the same kvq cache in this process, and not fp16's."""
+    if ranks > 1 and not SERVE_LAUNCHED:
+        pytest.skip("mlx-lm's server under mlx.launch fails on NCCL in MLX itself (see SERVE_LAUNCHED)")
     port = free_port()
     serve = ["-m", "kvq.cli", "serve", "--model", str(tiny_folder), "--port", str(port),
              *[f"--{k}={v}" for k, v in SERVE_CACHE.items()]]

@@ -23,8 +23,10 @@ atomic counter per row) merges the row's splits with log-sum-exp, adds the split
 the Hadamard rotation and writes the output: no merge launch (flash-decoding's combine step, in the same kernel).
 
 Memory: each lane has its own copy of a code table where static shared memory allows (no bank conflicts;
-:func:`kvq_metal.attend.table_layout`), and aligned rows of codes are read with 128/64-bit loads. Measured with
-Nsight Compute on an H200: ``benchmarks/results/kernels/README.md``.
+:func:`kvq_metal.attend.table_layout`), looked up by byte offset (one shift-add per lookup), and aligned rows of
+codes are read with 128/64-bit loads. The launch over a cache's uncompressed sinks and window (``DENSE``) reads
+float16/bfloat16 rows the same way. Measured with Nsight Compute on an H200:
+``benchmarks/results/kernels/README.md``.
 
 Precision: queries and decoded keys and values are fp16 (11-bit significand), products accumulate in fp32: the
 numerics of fp16 FlashAttention. Parity with pure MLX is checked on first use like every kernel here.
