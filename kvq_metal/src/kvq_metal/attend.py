@@ -434,17 +434,23 @@ def table_layout(head_dim: int, rows: int, keys: Side, values: Side) -> tuple[bo
     memory left after the queries (:data:`SHARED_WORDS`), keys first; ``TUNING["rep"] = False`` turns them off.
     Measured on an H200 at 128K tokens (``benchmarks/kernel_durations.py``): turboquant-4 124 us with copies, 139
     without; affine-4 141 and 147."""
-    def entries(side: Side) -> int:
-        cb = side.bits + side.bits2
-        return 1 << (2 * cb) if TUNING["pair"] and 2 * cb <= 8 else 1 << cb
-
     same = keys.table is values.table and (keys.bits, keys.bits2) == (values.bits, values.bits2)
+    return _table_layout(head_dim, rows, keys.bits + keys.bits2, values.bits + values.bits2, same,
+                         bool(TUNING["pair"]), bool(TUNING["rep"]))
+
+
+@lru_cache(maxsize=1024)
+def _table_layout(head_dim: int, rows: int, key_code_bits: int, value_code_bits: int, same: bool, pair: bool,
+                  rep: bool) -> tuple[bool, bool, bool]:
+    """:func:`table_layout` from the code widths (``bits + bits2`` per side)."""
+    def entries(cb: int) -> int:
+        return 1 << (2 * cb) if pair and 2 * cb <= 8 else 1 << cb
+
     # left after the queries, the warps' (max, sum), the staged tables and a margin
-    free = SHARED_WORDS - rows * head_dim - 2 * 4 * 8 - (1 << keys.bits + keys.bits2) - \
-        (1 << values.bits + values.bits2) - 64
-    ke, ve = entries(keys), 0 if same else entries(values)
+    free = SHARED_WORDS - rows * head_dim - 2 * 4 * 8 - (1 << key_code_bits) - (1 << value_code_bits) - 64
+    ke, ve = entries(key_code_bits), 0 if same else entries(value_code_bits)
     for krep, vrep in ((True, True), (True, False), (False, True), (False, False)):
-        if not TUNING["rep"] and (krep or vrep):
+        if not rep and (krep or vrep):
             continue
         if same and krep != vrep:
             continue
@@ -480,6 +486,21 @@ def _tc_template(**flags) -> list:
 #: The tensor-core kernel's code for the dtype of uncompressed tokens (``DDT``): float16 and bfloat16 rows are read
 #: with vector loads (bfloat16 converted to float16), any other dtype element by element.
 DENSE_DTYPES = {mx.float16: 0, mx.bfloat16: 1}
+
+
+@lru_cache(maxsize=1024)
+def _tc_launch(common: tuple, nd: int, out_dim: int, layout: tuple, tuning: tuple) -> tuple[list, int]:
+    """The compressed launch's template (:func:`_tc_template`) and its tile (tokens per block step), once per
+    problem signature: ``common`` the template arguments every decode-attention kernel takes, ``layout``
+    :func:`table_layout`'s answer, ``tuning`` the items of :data:`TUNING` (part of the key, so benchmark overrides
+    take effect)."""
+    t = dict(tuning)
+    D = dict(common)["D"]
+    krep, vrep, same = layout
+    pf = D <= 128 if t["pf"] is None else t["pf"]
+    template = _tc_template(**dict(common), NT=t["nt"], PF=bool(pf), PAIRTAB=bool(t["pair"]), KREP=krep,
+                            VREP=vrep, VSAME=same, MERGE=True, ND=nd, DV=out_dim)
+    return template, 16 * t["nt"] * THREADS // 32
 
 
 def _dense_parts(queries, qscale: int, dense: DenseTokens, R: int, D: int, backend: str):
@@ -550,10 +571,10 @@ def decode_attend(queries: mx.array, scale: float, keys: Side, values: Side, bac
     rot = signs is not None
     signs = signs if rot else _constant((0.0,), mx.float32)
     qscale = float_bits(float(scale))
-    common = [("D", D), ("R", R), ("KB", keys.bits), ("VB", values.bits), ("KG", keys.group),
+    common = (("D", D), ("R", R), ("KB", keys.bits), ("VB", values.bits), ("KG", keys.group),
               ("VG", values.group), ("KBIAS", keys.biases is not None), ("VBIAS", values.biases is not None),
               ("KB2", keys.bits2), ("VB2", values.bits2), ("THREADS", THREADS), ("ROT", rot),
-              ("QSCALE", qscale)]
+              ("QSCALE", qscale))
     args = [queries, signs, keys.codes, keys.codes if keys.codes2 is None else keys.codes2,
             keys.scales, keys.scales if keys.biases is None else keys.biases, keys.table,
             values.codes, values.codes if values.codes2 is None else values.codes2,
@@ -561,16 +582,12 @@ def decode_attend(queries: mx.array, scale: float, keys: Side, values: Side, bac
 
     if uses_tensor_cores(backend, D, keys, values, R):
         nd = 0 if dense is None else 2
+        template, tile = _tc_launch(common, nd, out_dim, table_layout(D, R, keys, values), tuple(TUNING.items()))
         # the merging block keeps R * (splits + nd) weights in the 4 * 8 * D words its warps' outputs used
         limit = min(MAX_SPLITS, 32 * D // R - nd)
-        splits = splits_for(B * H, T, backend, 16 * TUNING["nt"] * THREADS // 32,
-                            min(TUNING["tc_groups"], limit * B * H))
+        splits = splits_for(B * H, T, backend, tile, min(TUNING["tc_groups"], limit * B * H))
         kern = kernel("decode_attend_tc", backend, TC_INPUTS, TC_OUTPUTS, attend_tc.SOURCE, attend_tc.HEADER,
                       ensure_row_contiguous=False)
-        pf = D <= 128 if TUNING["pf"] is None else TUNING["pf"]
-        krep, vrep, same = table_layout(D, R, keys, values)
-        template = _tc_template(**dict(common), PF=bool(pf), PAIRTAB=bool(TUNING["pair"]), KREP=krep, VREP=vrep,
-                                VSAME=same, MERGE=True, ND=nd, DV=out_dim)
         if dense is None:
             partd, mld, counter = signs, signs, _zero_counters(B * H, backend)  # placeholders: ND == 0
         else:
@@ -588,7 +605,7 @@ def decode_attend(queries: mx.array, scale: float, keys: Side, values: Side, bac
         kt = TUNING["kt_small"] if R <= 4 else TUNING["kt_large"]
         splits = splits_for(B * H, T, backend, kt * THREADS * cpt // D)
         kern = kernel("decode_attend", backend, INPUTS, ("out", "ml"), SOURCE, ensure_row_contiguous=False)
-        template = common + [("CPT", cpt), ("KT", kt), ("PHASES", TUNING["phases"])]
+        template = [*common, ("CPT", cpt), ("KT", kt), ("PHASES", TUNING["phases"])]
     part, ml = kern(inputs=args, template=template, grid=(THREADS * B * H, splits, 1),
                     threadgroup=(THREADS, 1, 1), output_shapes=[(B, H, splits, R, D), (B, H, splits, R, 2)],
                     output_dtypes=[mx.float32, mx.float32])
