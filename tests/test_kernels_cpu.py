@@ -220,3 +220,18 @@ def test_float_bits_round_trips_and_rejects_non_finite():
     for bad in (float("nan"), float("inf")):
         with pytest.raises(ValueError, match="value must be a finite float"):
             dialect.float_bits(bad)
+
+
+def test_dense_tokens_of_two_dtypes_are_refused_before_any_kernel():
+    """The tensor-core kernel reads a cache's sinks and window as one dtype: DenseTokens mixing dtypes get a clear
+    error (checked before a kernel is built, so it holds on any machine)."""
+    from kvq.attention import DenseTokens
+    from kvq_metal import attend
+
+    side = attend.Side(mx.zeros((1, 1, 8, 16), mx.uint32), mx.ones((1, 1, 8), mx.float16), None,
+                       mx.zeros((16,), mx.float32), 4, 128)
+    q = mx.zeros((1, 4, 1, 128), mx.float16)
+    w = mx.zeros((1, 1, 3, 128), mx.float16)
+    dense = DenseTokens(w.astype(mx.bfloat16), w.astype(mx.bfloat16), w, w)
+    with pytest.raises(ValueError, match=r"dense sinks and window must share one dtype.*bfloat16.*float16"):
+        attend.decode_attend(q, 0.1, side, side, "cuda", dense=dense)

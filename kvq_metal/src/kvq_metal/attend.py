@@ -518,10 +518,10 @@ def _dense_parts(queries, qscale: int, dense: DenseTokens, R: int, D: int, backe
     pad, wk, wv = _constant((0.0,), mx.float32), dense.window_keys, dense.window_values
     inputs = [queries, pad, wk, sk, wk, wk, pad, wv, sv, wv, wv, pad, _constant((0,), mx.int32), pad, pad]
     part, ml, _, _, cnt = kern(
-        inputs=inputs, template=_tc_template(D=D, R=R, KG=D, VG=D, DV=D, DENSE=True, SINKS=sinks, QSCALE=qscale, NT=1,
-                                             DDT=DENSE_DTYPES.get(wk.dtype, 2)),
-        grid=(THREADS * B * H, 2, 1),
-        threadgroup=(THREADS, 1, 1), output_shapes=[(B, H, 2, R, D), (B, H, 2, R, 2), (1,), (1,), (B * H,)],
+        inputs=inputs, template=_tc_template(D=D, R=R, KG=D, VG=D, DV=D, DENSE=True, SINKS=sinks, QSCALE=qscale,
+                                             NT=1, DDT=DENSE_DTYPES.get(wk.dtype, 2)),
+        grid=(THREADS * B * H, 2, 1), threadgroup=(THREADS, 1, 1),
+        output_shapes=[(B, H, 2, R, D), (B, H, 2, R, 2), (1,), (1,), (B * H,)],
         output_dtypes=[mx.float32, mx.float32, mx.float32, mx.float32, mx.int32])
     return part, ml, cnt
 
@@ -554,8 +554,8 @@ def decode_attend(queries: mx.array, scale: float, keys: Side, values: Side, bac
         them (before the compressed one, which merges them into its output).
     :return: ``(out [B, H_q, T_q, out_dim] float32, lse [B, H_q, T_q] float32)``: normalised output and the
         natural-log log-sum-exp of the scaled scores.
-    :raises ValueError: a shape :func:`supported` rejects, mismatched token counts, or ``dense`` where
-        :func:`serves_dense` is false.
+    :raises ValueError: a shape :func:`supported` rejects, mismatched token counts, ``dense`` where
+        :func:`serves_dense` is false, or ``dense`` sinks and window of different dtypes.
     """
     B, Hq, Tq, Dq = queries.shape
     H, T, D = keys.codes.shape[1], keys.codes.shape[2], keys.codes.shape[3] * 32 // keys.bits
@@ -568,6 +568,12 @@ def decode_attend(queries: mx.array, scale: float, keys: Side, values: Side, bac
     if not supported(D, keys.bits, values.bits, keys.group, values.group, R):
         raise ValueError(f"decode_attend does not serve head_dim {D}, bits {keys.bits}/{values.bits}, groups "
                          f"{keys.group}/{values.group}, {R} query rows")
+    if dense is not None:
+        dtypes = {x.dtype for x in (dense.sink_keys, dense.sink_values, dense.window_keys, dense.window_values)
+                  if x is not None}
+        if len(dtypes) > 1:
+            raise ValueError(f"dense sinks and window must share one dtype (the kernel reads both as one); got "
+                             f"{sorted(map(str, dtypes))}")
     rot = signs is not None
     signs = signs if rot else _constant((0.0,), mx.float32)
     qscale = float_bits(float(scale))
