@@ -304,3 +304,50 @@ def test_flush_blocks_leave_the_window_together_and_attention_is_unchanged(tmp_p
     assert mx.array_equal(loaded.kvq_attend(q, 0.125), cache.kvq_attend(q, 0.125))
     with pytest.raises(ValueError, match="flush must be an int >= 1"):
         make_config("fp16", flush=0)
+
+
+def test_a_plugin_with_only_quantize_and_dequantize_serves_the_cache(llama_model, registered):
+    """The example plugin (``absmax8``: no ``kvq_attend``) decodes through the cache once tokens are compressed:
+    kvq attends over its codes one dequantized block at a time; a method that can neither attend nor
+    dequantize is refused when the cache is made, naming what is missing."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    import attrs
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "examples" / "kvq-example-plugin" / "src"))
+    try:
+        example = importlib.import_module("kvq_example_plugin")
+    finally:
+        sys.path.pop(0)
+    if "absmax8" not in kvq.registry().methods:  # not installed in this environment: register it for this test
+        example.kvq_register(registered)
+    forced = mx.arange(8) * 11 % 256
+    ref = logits_run(llama_model, make_prompt_cache(llama_model, "fp16", window=8), chunk=64, steps=8, forced=forced)
+    cache = make_prompt_cache(llama_model, "absmax8", sinks=0, window=0)
+    ours = logits_run(llama_model, cache, chunk=64, steps=8, forced=forced)
+    assert cache[0].compressed_keys.length == PROMPT.size + 8 and "codes" in cache[0].compressed_keys.data
+    rel = (mx.linalg.norm(ours - ref) / mx.linalg.norm(ref)).item()
+    assert rel < 0.02, rel  # 8-bit codes; a wrong scale or merge gives errors of order 1
+
+    @attrs.frozen
+    class CodesOnlyParams(example.Absmax8Params):
+        method = "codes_only"
+
+    class CodesOnly:
+        method, backend = "codes_only", "mlx"
+
+        def supports(self, problem):
+            return True
+
+        def cost(self, problem):
+            return 1.0
+
+        def kvq_quantize(self, x, params):
+            return example.Absmax8MLX().kvq_quantize(x, params)
+
+    registered(kvq.Method("codes_only", CodesOnlyParams, "quantize only (test)"), CodesOnly())
+    with pytest.raises(ValueError, match="method 'codes_only' cannot serve the keys: no installed implementation "
+                                         "offers kvq_attend, a pure-MLX scores, or kvq_dequantize"):
+        make_prompt_cache(llama_model, "codes_only")

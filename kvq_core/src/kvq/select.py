@@ -115,8 +115,13 @@ class Plan:
         lines = [f"{self.method} {self.params} shape={self.shape} dtype={self.dtype} device={self.device}"]
         for op in OPS:
             choice = self.choices.get(op)
-            lines.append(f"  {op:<10} -> " + ("(no implementation installed)" if choice is None
-                                              else f"{choice.backend}: {choice.reason}"))
+            if choice is not None:
+                lines.append(f"  {op:<10} -> {choice.backend}: {choice.reason}")
+            elif op == "attend" and "dequantize" in self.choices:
+                lines.append(f"  {op:<10} -> (no implementation installed; a kvq cache attends over dequantized "
+                             f"blocks, one at a time)")
+            else:
+                lines.append(f"  {op:<10} -> (no implementation installed)")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:

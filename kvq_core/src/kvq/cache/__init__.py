@@ -17,7 +17,7 @@ from ..plugins import registry
 from . import patch as _patch
 from .batch import BatchKVQCache
 from ..select import check_kernels, select
-from .layer import CacheConfig, CompressedView, KVQCache, quantize_kernels
+from .layer import CacheConfig, CompressedView, KVQCache, block_implementation, has_attend, quantize_kernels
 
 # mlx-lm's load_prompt_cache rebuilds caches by class name from its own module's globals
 mlx_cache.KVQCache = KVQCache
@@ -45,7 +45,8 @@ def make_config(method: str | None = "affine", *, key_method: str | None = None,
     :param kernels: ``"auto"``, ``"require"`` or ``"off"`` (see :class:`CacheConfig`).
     :param flush: tokens leave the residual window in blocks of ``flush`` (see :class:`CacheConfig`).
     :raises ValueError: unknown method, parameter out of range, ``kernels`` not one of the three, a keys-only
-        method (``qjl``) on the values' side.
+        method (``qjl``) on the values' side, a method the cache cannot attend over (no ``kvq_attend`` and no
+        ``kvq_dequantize``: :func:`kvq.cache.layer.block_implementation`).
     :raises TypeError: unknown parameter name.
     """
     check_kernels(kernels)
@@ -55,6 +56,9 @@ def make_config(method: str | None = "affine", *, key_method: str | None = None,
         raise ValueError(f"{vp.method} compresses keys only (it estimates inner products, not vectors): give the "
                          f"values another method, e.g. value_method='affine' (CLI: --value-method affine; "
                          f"kvq eval: {vp.method}+affine:4)")
+    for p, side in ((kp, "keys"), (vp, "values")):
+        if kp.method != vp.method or not has_attend(p.method):
+            block_implementation(p.method, side)  # how the cache will attend: raises now if it cannot
     return CacheConfig(kp, vp, sinks, window, step, kernels, flush)
 
 

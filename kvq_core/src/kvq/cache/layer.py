@@ -18,7 +18,7 @@ import attrs
 import mlx.core as mx
 
 from ..attention import DenseTokens, attend_encoded, dense_attend, merge_parts, sinks_part
-from ..plugins import registry
+from ..plugins import implemented_ops, registry
 from ..select import MAX_DECODE_QUERIES, check_kernels, is_kernel, select
 from ..validate import float_array
 from ..encoded import Encoded
@@ -90,6 +90,38 @@ def attend_kernels(kernels: str, num_queries: int) -> str:
     kernels, so ``require`` is enforced for decode (``T_q <= MAX_DECODE_QUERIES``) and prefill chunks use
     the best available implementation."""
     return "auto" if kernels == "require" and num_queries > MAX_DECODE_QUERIES else kernels
+
+
+_HAS_ATTEND: dict = {}
+
+
+def has_attend(method: str) -> bool:
+    """Whether an installed implementation of ``method`` offers ``kvq_attend`` (once per registry change)."""
+    reg = registry()
+    key = (method, reg.generation)
+    if key not in _HAS_ATTEND:
+        _HAS_ATTEND[key] = bool(reg.implementations_of(method, "attend"))
+    return _HAS_ATTEND[key]
+
+
+def block_implementation(method: str, side: str):
+    """The implementation that attends over ``method``'s codes on one ``side`` (``"keys"`` or ``"values"``) where
+    no ``kvq_attend`` serves them (:func:`kvq.attention.attend_encoded`): the pure-MLX one with that side's block
+    hook (``scores`` / ``weighted_values``) or ``kvq_dequantize``, else any implementation that dequantizes (one
+    block at a time, never the whole cache).
+
+    :raises ValueError: none of ``method``'s implementations can (no block hook, no ``kvq_dequantize``).
+    """
+    reg = registry()
+    hook = "scores" if side == "keys" else "weighted_values"
+    mlx = reg.implementations.get((method, "mlx"))
+    if mlx is not None and (callable(getattr(mlx, hook, None)) or "dequantize" in implemented_ops(mlx)):
+        return mlx
+    candidates = reg.implementations_of(method, "dequantize")
+    if not candidates:
+        raise ValueError(f"method {method!r} cannot serve the {side}: no installed implementation offers "
+                         f"kvq_attend, a pure-MLX {hook}, or kvq_dequantize")
+    return candidates[0]
 
 
 class CompressedView:
@@ -313,8 +345,7 @@ class KVQCache:
         """Decode of one token in one fused call over the compressed tokens, the sinks and the window, where the
         chosen attend implementation offers ``attend_dense`` (kvq_metal's tensor-core kernel: two launches and a
         merge instead of an attention per part); ``None`` otherwise (the parts are attended and merged)."""
-        kp, vp = self.config.key_params, self.config.value_params
-        if kp.method != vp.method or not self.compressed_keys.length or not self.window.length:
+        if not self._own_attend() or not self.compressed_keys.length or not self.window.length:
             return None
         keys, values = self.compressed_keys.view(), self.compressed_values.view()
         choice = self._attend_plan(keys, queries).choices.get("attend")
@@ -353,13 +384,20 @@ class KVQCache:
         return select(kp.method, keys.shape, dtype=queries.dtype, op="attend", params=kp, num_queries=Tq,
                       num_q_heads=Hq, kernels=attend_kernels(self.config.kernels, Tq))
 
-    def _attend_fn(self, keys, queries):
+    def _own_attend(self) -> bool:
+        """Whether keys and values share a method that has an attention of its own (``kvq_attend``)."""
         kp, vp = self.config.key_params, self.config.value_params
-        if kp.method == vp.method:
+        return kp.method == vp.method and has_attend(kp.method)
+
+    def _attend_fn(self, keys, queries):
+        """The attention over the compressed tokens: the method's own ``kvq_attend`` chosen by :func:`kvq.select`;
+        otherwise (two methods, or a method that only quantizes and dequantizes, like the example plugin) each
+        side's pure-MLX block protocol or its ``kvq_dequantize``, one block at a time
+        (:func:`kvq.attention.attend_encoded`)."""
+        if self._own_attend():
             return self._attend_plan(keys, queries).attend
-        # different methods for keys and values: each side's pure-MLX block protocol
-        impls = registry().implementations
-        k_impl, v_impl = impls[(kp.method, "mlx")], impls[(vp.method, "mlx")]
+        kp, vp = self.config.key_params, self.config.value_params
+        k_impl, v_impl = block_implementation(kp.method, "keys"), block_implementation(vp.method, "values")
         return lambda q, k, v, s, m: attend_encoded(q, k, v, s, m, k_impl, v_impl)
 
     # -- mlx-lm cache protocol ------------------------------------------------------------------------
