@@ -226,3 +226,45 @@ def test_layer_cache_binds_per_layer_parameters():
     assert cache.config.key_params.layer == 3 and cache.config.value_params.layer == 3
     plain = make_layer_cache(parse_method("turboquant:4"), 4, 128, layer=3)
     assert plain.config.key_params.bits == 4 and plain.config.key_params.method == "turboquant"
+
+
+def test_long_reference_text_is_encoded_without_transformers_length_warning():
+    """``kvq eval``/``kvq bench`` tokenize a reference text far longer than the model's context on purpose:
+    ``encode_text`` gives the same ids as the tokenizer, without transformers' "sequence length is longer than
+    the specified maximum" warning (it read as an error to a new user), and leaves transformers' verbosity as
+    it was."""
+    import logging as std_logging
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.utils import logging
+
+    from kvq.textdata import encode_text
+
+    words = ["alpha", "beta", "gamma", "[UNK]"]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, model_max_length=8, unk_token="[UNK]")
+    text = " ".join(["alpha beta gamma"] * 10)  # 30 tokens > 8
+
+    class Collect(std_logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    handler = Collect()
+    logging.get_logger("transformers").addHandler(handler)
+    before = logging.get_verbosity()
+    try:
+        ids = encode_text(tokenizer, text)
+        assert ids == [0, 1, 2] * 10 and logging.get_verbosity() == before
+        assert not [m for m in handler.messages if "longer than the specified maximum" in m]
+        # the warning it silences, from a fresh tokenizer (each warns once)
+        fresh = PreTrainedTokenizerFast(tokenizer_object=core, model_max_length=8, unk_token="[UNK]")
+        fresh.encode(text, add_special_tokens=False)
+        assert [m for m in handler.messages if "longer than the specified maximum" in m]
+    finally:
+        logging.get_logger("transformers").removeHandler(handler)

@@ -185,10 +185,10 @@ def _load(checked: dict, seed: int):
     if checked["path"] is None:
         return build_random_model(checked["config"], dtype, seed), None
     from ..models import load
-    from ..textdata import language_reference
+    from ..textdata import encode_text, language_reference
 
     model, tokenizer = load(checked["path"], dtype=dtype)
-    return model, list(tokenizer.encode(language_reference(), add_special_tokens=False))
+    return model, encode_text(tokenizer, language_reference())
 
 
 def _model_info(name: str, model, path) -> dict:

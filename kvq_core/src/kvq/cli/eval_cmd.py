@@ -120,9 +120,10 @@ def main(argv: list[str]) -> int:
 
     from ..evaluation import EvalSettings, Evaluation, report
     from ..models import load
+    from ..textdata import encode_text
 
     model, tokenizer = load(path)
-    text_ids = list(tokenizer.encode(text, add_special_tokens=False))
+    text_ids = encode_text(tokenizer, text)
     limit = config.get("max_position_embeddings")
     notes = [f"context {c} + {args.score_tokens} scored tokens exceed max_position_embeddings {limit}"
              for c in contexts if limit is not None and c + args.score_tokens > limit]
