@@ -80,7 +80,7 @@ def test_generate_without_compare_measures_an_fp16_cache_of_the_same_length(defa
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "K qjl" in out and "V affine bits=3" in out
-    assert "an fp16 cache filled with the same" in out and "agreement" not in out
+    assert "fp16 bytes: of an fp16 cache holding this run's" in out and "agreement" not in out
     assert float(row(out, "compression vs fp16 (nbytes)")[1].rstrip("x")) > 1.5
 
 

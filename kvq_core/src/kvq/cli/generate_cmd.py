@@ -245,11 +245,10 @@ def fp16_bytes(model, run: Run, reference: Run | None) -> tuple[int, int, str]:
     if reference is not None and reference.cached_tokens == run.cached_tokens:
         return reference.nbytes, reference.measured, ""
     nbytes, measured = quality.filled_cache_bytes(model, run.cached_tokens, **FP16)
-    held, source = ("", "zeros") if reference is None else (
-        f"the fp16 run ended holding {reference.cached_tokens} tokens, so ",
-        "zeros; the answer and speeds are the fp16 run's")
-    return nbytes, measured, (f"fp16 bytes: {held}these are of an fp16 cache filled with the same "
-                              f"{run.cached_tokens} tokens as this run ({source})")
+    why = "" if reference is None else (f"; the fp16 run stopped at {reference.cached_tokens} tokens, and its "
+                                        f"answer and speeds are its own")
+    return nbytes, measured, (f"fp16 bytes: of an fp16 cache holding this run's {run.cached_tokens} tokens "
+                              f"(filled with zeros{why})")
 
 
 def megabytes(n: int) -> str:
