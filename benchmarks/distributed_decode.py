@@ -18,7 +18,7 @@ whole model. Then, per method string (``kvq.evaluation.spec``; ``fp16`` is mlx-l
    and a 64K prefill would dominate the run);
 2. records the caches' ``nbytes`` and the growth of ``mx.get_active_memory()`` from before the caches existed;
 3. times ``--steps`` greedy decode steps after ``--warmup`` untimed ones (every rank steps together: each step
-   all-sums the attention and MLP outputs): median latency and tokens/s (1 / median).
+   all-sums the attention and MLP outputs): median and mean latency and tokens/s (1 / mean).
 
 Rank 0 gathers every rank's rows and writes one JSON document to ``--out``: the settings, the model shape, the
 weights' memory per rank and, per rank and method, tokens/s, latency, KV bytes (``kv_bytes``) and measured memory

@@ -34,7 +34,7 @@ for name, fn in [("quantize", lambda: k.kvq_quantize(x, p).data["codes"]),
          tail -c 2000 "$OUT/ops/bench_ops.log";;
     e2e) timeout ${E2E_TIMEOUT:-570} python3 -m kvq.cli bench e2e --model random:llama3-8b --dtype bfloat16 \
            --methods fp16,mlx-affine:4,mlx-affine:8,affine:4,turboquant:4,turboquant:k4v3,turboquant:3 \
-           --contexts ${E2E_CONTEXTS:-4K,16K,32K,64K,128K} --steps 16 --largest-first --no-progress --out "$OUT/e2e" \
+           --contexts ${E2E_CONTEXTS:-4K,16K,32K,64K,128K} --steps ${E2E_STEPS:-64} --largest-first --no-progress --out "$OUT/e2e" \
            --name "$(date +%F)-h200-random-llama3-8b" > "$OUT/e2e.log" 2>&1
          python3 -m kvq.cli bench e2e --report "$OUT/e2e/$(date +%F)-h200-random-llama3-8b.json" > /dev/null 2>&1
          tail -c 3000 "$OUT/e2e.log";;

@@ -34,8 +34,9 @@ def test_every_context_and_method_has_a_measured_row(run):
     for r in rows:
         assert r["error"] is None
         assert len(r["latency_ms"]["all"]) == 2
+        assert len(r["warmup_ms"]) == 1 and r["warmup_ms"][0] > 0  # the CPU default: one untimed step
         assert r["latency_ms"]["p10"] <= r["latency_ms"]["median"] <= r["latency_ms"]["p90"]
-        assert r["tokens_per_second"] == pytest.approx(1e3 / r["latency_ms"]["median"])
+        assert r["tokens_per_second"] == pytest.approx(1e3 / r["latency_ms"]["mean"])
         assert r["peak_memory_growth"] >= r["kv_bytes"] > 0
     assert [r["cache"] for r in rows[:3]] == ["mlx-lm KVCache", "kvq KVQCache", "kvq KVQCache"]
     assert rows[1]["attend_implementation"] == "affine:mlx"
@@ -215,3 +216,15 @@ def test_kernel_durations_groups_each_calls_launches():
         ("fp16_sdpa", 140.96, 1), ("turboquant4", 121.6, 2), ("turboquant4", 276.8, 2), ("turboquant4", 119.0, 2)]
     with pytest.raises(ValueError, match="no launch left"):
         kd.group_calls(labels + [{"T": 4096, "method": "affine4"}], parsed)
+
+
+@pytest.mark.parametrize("on_cpu, argv, warmup", [
+    (True, [], 1), (False, [], 33), (False, ["--flush", "8"], 9), (False, ["--warmup", "0"], 0)])
+def test_default_warmup_leaves_the_first_flush_untimed_on_a_gpu(monkeypatch, on_cpu, argv, warmup):
+    """On a GPU the first window flush compiles the quantize kernels for the block shape: the default warmup
+    (flush + 1 steps) keeps it out of the timed steps; the CPU compiles nothing and keeps one warmup step."""
+    from kvq.cli import bench_cmd
+
+    monkeypatch.setattr(bench_cmd, "_on_cpu", lambda: on_cpu)
+    args = bench_cmd.e2e_parser().parse_args(["--model", "random:tiny", "--methods", "fp16", *argv])
+    assert bench_cmd.e2e_check(args)["settings"].warmup == warmup

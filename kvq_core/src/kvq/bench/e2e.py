@@ -10,8 +10,10 @@ For each context length and each method string (:mod:`kvq.evaluation.spec`; ``fp
    method's own cache (chunks of :data:`PREFILL_CHUNK`; prefill tokens/s are reported);
 2. memory: the caches' ``nbytes`` and the growth of ``mx.get_active_memory()`` from before the caches existed;
 3. decode: greedy steps (the argmax token fed back), pipelined like mlx-lm's ``generate_step`` (the next step
-   is queued with ``mx.async_eval`` while this one runs): ``warmup`` untimed, then ``steps`` timed; median, p10
-   and p90 milliseconds per token, tokens/s (1 / median), and the peak of ``mx.get_peak_memory()`` over the
+   is queued with ``mx.async_eval`` while this one runs): ``warmup`` untimed, then ``steps`` timed; mean, median,
+   p10 and p90 milliseconds per token, tokens/s (1 / mean: a kvq cache compresses its window once every ``flush``
+   steps, and those steps count; ``steps`` a multiple of ``flush`` times whole periods), and the peak of
+   ``mx.get_peak_memory()`` over the
    decode.
 
 A row whose method fails (an MLX back end without an implementation for a shape, out of memory) records the
@@ -47,7 +49,9 @@ class E2ESettings:
     """What one ``kvq bench e2e`` run measures.
 
     :param contexts: context lengths in tokens (each > 0), measured in this order.
-    :param steps: timed decode steps per row (>= 1); :param warmup: untimed steps before them (>= 0).
+    :param steps: timed decode steps per row (>= 1); :param warmup: untimed steps before them (>= 0; the CLI's
+        default on a GPU, ``flush + 1``, leaves the first window flush, when quantize kernels compile for the
+        block shape, untimed).
     :param chunk: tokens per ``update_and_fetch`` call when filling (``random``/``replay``).
     :param fill: one of :data:`FILLS`.
     :param sinks, window: kvq caches' uncompressed first and last tokens (a method string may override them).
@@ -241,7 +245,7 @@ class E2EBench:
         bar.set_postfix_str(f"{context} tokens: {spec.label} decode")
         first = int(self.text[context]) if self.text is not None else 1
         mx.reset_peak_memory()
-        seconds = decode(self.model, caches, first, s.steps, s.warmup)
+        seconds, untimed = decode(self.model, caches, first, s.steps, s.warmup)
         peak = mx.get_peak_memory()
         stored = 2 * len(caches) * self.kv_heads * context * self.head_dim
         return {"fill_seconds": fill_seconds,
@@ -249,7 +253,7 @@ class E2EBench:
                 **memory, "resident_bits_per_coordinate": 8 * memory["kv_bytes"] / stored,
                 "peak_memory": peak, "peak_memory_growth": peak - before,
                 "attend_implementation": attend_implementation(caches[0], self.model, s),
-                **latency_summary(seconds), "error": None}
+                **latency_summary(seconds), "warmup_ms": [round(t * 1e3, 4) for t in untimed], "error": None}
 
     def _describe(self, spec: MethodSpec, context: int) -> dict:
         s = self.settings

@@ -8,13 +8,13 @@ from .output import markdown_table, pyplot
 
 MIB = 2**20
 COLUMNS = ("method", "cache", "bits/coord (eff.)", "KV MiB (x fp16)", "measured MiB (x fp16)", "decode peak MiB",
-           "ms/token median [p10, p90]", "tokens/s (x fp16)", "attend")
+           "ms/token mean, median [p10, p90]", "tokens/s (x fp16)", "attend")
 NOTES = """Columns: bits/coord = stored bits per coordinate of compressed tokens (codes + norms + scales), keys and \
 values averaged; eff. = over the whole context with a kvq cache's sinks and window at 16 bits. KV MiB = the caches' \
 nbytes after the fill (allocated, preallocation included); measured = growth of mx.get_active_memory() from before \
 the caches were made to after the fill; decode peak = mx.get_peak_memory() during decode minus the memory before \
 the caches were made (caches + decode temporaries). ms/token: one greedy token per forward pass, mx.eval each, \
-after the warmup steps; tokens/s = 1 / median. fp16 = mlx-lm's KVCache in the model's dtype; mlx-affine:N = \
+after the warmup steps; tokens/s = 1 / mean (a kvq cache's window flush, once every flush steps, counts). fp16 = mlx-lm's KVCache in the model's dtype; mlx-affine:N = \
 mlx-lm's QuantizedKVCache (kv_bits N, group 64); the others are kvq caches."""
 
 
@@ -31,7 +31,7 @@ def _cells(r: dict) -> list[str]:
     return head + [_ratio(r["kv_bytes"] / MIB, r["kv_bytes_ratio"]),
                    _ratio(r["active_memory_growth"] / MIB, r["memory_ratio"]),
                    f"{r['peak_memory_growth'] / MIB:.1f}",
-                   f"{lat['median']:.3g} [{lat['p10']:.3g}, {lat['p90']:.3g}]", speed,
+                   f"{lat['mean']:.3g}, {lat['median']:.3g} [{lat['p10']:.3g}, {lat['p90']:.3g}]", speed,
                    r["attend_implementation"] or "mlx-lm"]
 
 
@@ -70,7 +70,7 @@ def plot(document: dict, path: str | Path) -> bool:
 
     rows = [r for r in document["rows"] if not r["error"]]
     fig, axes = plt.subplots(1, 3, figsize=(17, 5))
-    panels = (("tokens_per_second", 1, "decode tokens/s (1 / median latency)"),
+    panels = (("tokens_per_second", 1, "decode tokens/s (1 / mean latency)"),
               ("active_memory_growth", MIB, "KV memory, measured (MiB)"),
               ("peak_memory_growth", MIB, "decode peak memory above the pre-cache level (MiB)"))
     for ax, (key, scale, label) in zip(axes, panels):

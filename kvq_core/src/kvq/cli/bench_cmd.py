@@ -66,7 +66,9 @@ def e2e_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated method strings (default: {','.join(e2e.DEFAULT_METHODS)}, if installed)")
     p.add_argument("--contexts", default=None, help="context lengths, comma-separated (see below)")
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per row (default 32)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed decode steps first (default 1)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed decode steps first (default: --flush + 1 on a GPU, so the first window flush, "
+                        "when quantize kernels compile, is untimed; 1 on the CPU)")
     p.add_argument("--fill", choices=e2e.FILLS, default=None,
                    help="how caches reach the context: random, replay (one real prefill), prefill (each cache)")
     p.add_argument("--chunk", type=int, default=4096, help="tokens per update_and_fetch when filling (default 4096)")
@@ -147,7 +149,8 @@ def e2e_check(args) -> dict:
     from ..bench import e2e
     from ..bench.random_model import is_random
 
-    for option, value, low in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0), ("--chunk", args.chunk, 1),
+    warmup = args.warmup if args.warmup is not None else 1 if _on_cpu() else args.flush + 1
+    for option, value, low in (("--steps", args.steps, 1), ("--warmup", warmup, 0), ("--chunk", args.chunk, 1),
                                ("--sinks", args.sinks, 0), ("--window", args.window, 0), ("--flush", args.flush, 1)):
         if value < low:
             raise ValueError(f"{option} must be >= {low}; got {value}")
@@ -163,7 +166,7 @@ def e2e_check(args) -> dict:
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     specs = e2e.parse_methods(args.methods, head_dim, args.sinks, args.window)
     contexts = tuple(sorted(contexts, reverse=args.largest_first))
-    settings = e2e.E2ESettings(contexts, args.steps, args.warmup, args.chunk, fill, args.sinks, args.window,
+    settings = e2e.E2ESettings(contexts, args.steps, warmup, args.chunk, fill, args.sinks, args.window,
                                args.kernels, args.seed, not args.no_progress, args.flush)
     return {"name": name, "config": config, "path": path, "settings": settings, "specs": specs,
             "dtype": args.dtype or ("float32" if random and _on_cpu() else "bfloat16" if random else None)}
