@@ -1,0 +1,118 @@
+"""Host (Python + graph building) time of one decode step against the device time, per cache.
+
+A decode step pipelined as ``mlx_lm.generate`` does it (the next step's graph is built while the device runs
+this one) takes max(host time, device time). This script separates the two for a random-weight model of a real
+shape: for each method string it fills every layer's cache to ``--context`` tokens (random keys and values), then
+
+1. times ``--steps`` pipelined steps (ms/token, as ``kvq bench e2e``),
+2. times the graph building alone (``model(y, cache=...)`` with nothing evaluated inside the timer), and
+3. with ``--profile``, runs cProfile over the building of ``--steps`` steps and prints the top functions.
+
+    python benchmarks/profile_host.py --model random:llama3-8b --context 4096 \
+        --methods fp16,affine:4,turboquant:4 --out host.json [--profile]
+
+Writes the JSON to ``--out`` (one row per method: context, ms/token median and mean, host ms per step, host us per
+layer). Uses ``kvq.bench`` (``e2e.make_cache``, ``fill.RandomKV``); nothing here is part of the library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from kvq.bench import e2e, random_model
+from kvq.bench.fill import RandomKV, fill
+
+
+def build_seconds(model, caches, steps: int) -> list[float]:
+    """Seconds to build each of ``steps`` decode graphs (the step's logits evaluated after the timer)."""
+    y, times = mx.array([[1]]), []
+    for _ in range(steps):
+        tic = time.perf_counter()
+        logits = model(y, cache=caches)
+        times.append(time.perf_counter() - tic)
+        y = mx.argmax(logits[:, -1:, :], axis=-1)
+        mx.eval(y)
+    return times
+
+
+def captured_step(model, caches) -> bool:
+    """One decode step between the CUDA driver's cuProfilerStart and cuProfilerStop (so ``ncu
+    --profile-from-start off`` sees only its launches); False where the driver library is not found."""
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    y = mx.array([[1]])
+    mx.eval(model(y, cache=caches))
+    mx.synchronize()
+    cuda.cuProfilerStart()
+    mx.eval(model(y, cache=caches))
+    mx.synchronize()
+    cuda.cuProfilerStop()
+    return True
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="random:llama3-8b")
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--methods", default="fp16,affine:4,turboquant:4")
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--profile", action="store_true", help="cProfile the graph building of the kvq rows")
+    p.add_argument("--layers", type=int, default=None, help="keep this many layers of the random model")
+    p.add_argument("--capture", action="store_true",
+                   help="after the timings, run one more step between cuProfilerStart/Stop (for ncu --profile-from-start off)")
+    p.add_argument("--out", default="host.json")
+    args = p.parse_args()
+
+    config = random_model.random_config(args.model.split(":", 1)[1], args.layers)
+    model = random_model.build_random_model(config, mx.bfloat16)
+    kv_heads, head_dim = config["num_key_value_heads"], config["head_dim"]
+    layers = len(model.layers)
+    settings = e2e.E2ESettings((args.context,), steps=args.steps, warmup=33, progress=False)
+    rows = []
+    for spec in e2e.parse_methods(args.methods, head_dim):
+        caches = e2e.make_cache(model, spec, settings)
+        fill(caches, RandomKV(kv_heads, head_dim, mx.bfloat16), args.context, settings.chunk)
+        from kvq.bench.fill import decode
+
+        timed, _ = decode(model, caches, 1, args.steps, 33)
+        host = build_seconds(model, caches, args.steps)
+        row = {"method": spec.label, "context": args.context, "layers": layers,
+               "ms_per_token_median": 1e3 * float(np.median(timed)), "ms_per_token_mean": 1e3 * float(np.mean(timed)),
+               "host_ms_per_step_median": 1e3 * float(np.median(host)),
+               "host_ms_per_step_max": 1e3 * float(np.max(host)),
+               "host_us_per_layer": 1e6 * float(np.median(host)) / layers}
+        if args.profile and spec.label != "fp16":
+            prof = cProfile.Profile()
+            prof.enable()
+            build_seconds(model, caches, args.steps)
+            prof.disable()
+            text = io.StringIO()
+            stats = pstats.Stats(prof, stream=text)
+            stats.sort_stats("tottime").print_stats(25)
+            stats.sort_stats("cumulative").print_stats(40)
+            row["profile"] = text.getvalue()
+            print(text.getvalue())
+        if args.capture:
+            row["captured"] = captured_step(model, caches)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
+        del caches
+        mx.clear_cache()
+    with open(args.out, "w") as f:
+        json.dump({"device": str(mx.default_device()), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
