@@ -235,3 +235,23 @@ def test_dense_tokens_of_two_dtypes_are_refused_before_any_kernel():
     dense = DenseTokens(w.astype(mx.bfloat16), w.astype(mx.bfloat16), w, w)
     with pytest.raises(ValueError, match=r"dense sinks and window must share one dtype.*bfloat16.*float16"):
         attend.decode_attend(q, 0.1, side, side, "cuda", dense=dense)
+
+
+def test_kernel_names_tell_input_dtypes_apart():
+    """MLX names a compiled kernel by its template values and types each input pointer by its dtype: the packed
+    dtype arguments must differ for any two dtype lists, so a float16 build never serves bfloat16 inputs."""
+    import itertools
+
+    from kvq_metal.dialect import DTYPE_CODES, dtype_template
+
+    dtypes = list(DTYPE_CODES)
+    seen = {}
+    for combo in itertools.product(dtypes, repeat=2):
+        for n_before in (0, 6, 13):  # the pair inside one packed integer and across two
+            full = (mx.float16,) * n_before + combo
+            seen.setdefault(tuple(v for _, v in dtype_template(full)), set()).add(full)
+    assert all(len(group) == 1 for group in seen.values())
+    assert all(0 < v < 2**31 for args in seen for v in args)  # template ints are int32
+    assert dtype_template((mx.float16,) * 15)[0] == ("TDT0", sum(10 << (4 * i) for i in range(7)))
+    with pytest.raises(TypeError, match="kernel inputs must have one of the dtypes"):
+        dtype_template((mx.float16, "float8"))

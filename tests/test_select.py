@@ -80,3 +80,15 @@ def test_bad_params_name_the_argument(kwargs, error, match):
 def test_params_of_another_method_are_rejected():
     with pytest.raises(TypeError, match="params must be a AffineParams"):
         kvq.select("affine", (1, 1, 8, 64), params=kvq.make_params("fp16"))
+
+
+def test_repeated_questions_are_answered_from_the_cache_and_bad_ones_still_fail():
+    """The decode hot path asks select the same question every step; the answer comes from a cache keyed by the
+    exact arguments, which only holds arguments that passed validation."""
+    a = kvq.select("affine", (1, 8, 1000, 128), op="attend", num_q_heads=32)
+    assert kvq.select("affine", (1, 8, 1000, 128), op="attend", num_q_heads=32) is a
+    assert kvq.select("affine", (1, 8, 1000, 128), op="attend", num_q_heads=32, device="cpu") is a
+    with pytest.raises(ValueError, match="head_dim 96"):
+        kvq.select("affine", (1, 8, 1000, 96), op="attend", num_q_heads=32)
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        kvq.select("affine", (1, 8, 1000, 128), op="attend", num_q_heads=32, kernels="always")

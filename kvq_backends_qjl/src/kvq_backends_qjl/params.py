@@ -42,7 +42,7 @@ def _int_at_least(low: int, multiple: int = 1, optional: bool = False):
     return validator
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)  # hashed on every decode step (selection and kernel-check keys)
 class QJLParams:
     """Parameters of ``qjl``.
 

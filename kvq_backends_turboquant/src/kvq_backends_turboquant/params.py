@@ -116,7 +116,7 @@ def _indices_repr(value) -> str:
     return "None" if value is None else f"<{len(value)} heads x {len(value[0]) if value else 0} channels>"
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)  # hashed on every decode step (selection and kernel-check keys)
 class TurboQuantParams(_Params):
     """Parameters of ``turboquant`` (TurboQuant-mse, Zandieh et al., arXiv 2504.19874, algorithm 1).
 
@@ -220,7 +220,7 @@ class TurboQuantParams(_Params):
         return kvq.BitsAccounting(head_dim, self._per_token(head_dim), self._shared_bytes(head_dim))
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)  # hashed on every decode step (selection and kernel-check keys)
 class TurboQuantProdParams(_Params):
     """Parameters of ``turboquant_prod`` (TurboQuant-prod, arXiv 2504.19874, algorithm 2): unbiased inner products.
 

@@ -37,7 +37,7 @@ from .residual_codebook import residual_codebook
 from .rotation import ROTATIONS, padded_dim
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)  # hashed on every decode step (selection and kernel-check keys)
 class TurboQuantRVQParams:
     """Parameters of ``turboquant_rvq`` (see the module docstring).
 

@@ -58,7 +58,7 @@ def _check_bool(instance, attribute, value):
         raise ValueError(f"{attribute.name} must be True or False; got {value!r}")
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)  # hashed on every decode step (selection and kernel-check keys)
 class VecInferParams:
     """Parameters of ``vecinfer`` (VecInfer, arXiv 2510.06175): product vector quantization with calibrated codebooks.
 

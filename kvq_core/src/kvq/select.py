@@ -17,6 +17,8 @@ from .problem import Problem, device_kind
 from .plugins import registry
 
 _CACHE: dict[tuple, "Plan"] = {}
+#: The same plans keyed by :func:`select`'s raw arguments (looked up before any validation; filled only after it).
+_FAST: dict[tuple, "Plan"] = {}
 
 #: The three kernel preferences (the seed's ``use_kernels`` flag): ``auto`` ranks kernels and pure MLX by cost
 #: (kernels that fail their first-use check disable themselves); ``require`` considers kernel implementations
@@ -213,6 +215,20 @@ def select(
     :raises TypeError: non-float ``dtype``.
     """
     reg = registry()
+    shape = tuple(shape)
+    # the decode hot path asks the same question every step: answer from the exact arguments before validating
+    # (a key enters this cache only after its arguments passed the checks below)
+    kind = device_kind(device)
+    fast_key = (method, params, op, shape, dtype, kind, num_queries, num_q_heads, kernels, reg.generation,
+                autotune.state())
+    try:
+        plan = _FAST.get(fast_key)
+    except TypeError:  # unhashable arguments: the full path says what is wrong
+        plan = fast_key = None
+    if plan is not None:
+        return plan
+    if len(_FAST) > 8192:
+        _FAST.clear()
     declaration = reg.method(method)
     if op is not None and op not in OPS:
         raise ValueError(f"op must be one of {', '.join(OPS)}; got {op!r}")
@@ -221,15 +237,15 @@ def select(
     params = declaration.make_params() if params is None else params
     if not isinstance(params, declaration.params_class):
         raise TypeError(f"params must be a {declaration.params_class.__name__} for method {method!r}; got {params!r}")
-    shape = tuple(shape)
     Problem(method, "quantize", shape)  # validates the shape
     params.check_head_dim(shape[3])
     check_kernels(kernels)
-    kind = device_kind(device)
     ops = OPS if op is None else (op,)
     key = (method, params, ops, shape_bucket(shape), dtype, kind, num_queries, num_q_heads, kernels,
            reg.generation, autotune.state())
     if key in _CACHE:
+        if fast_key is not None:
+            _FAST[fast_key] = _CACHE[key]
         return _CACHE[key]
     choices = {}
     table = autotune.current(kind) if kernels == "auto" else None
@@ -243,4 +259,6 @@ def select(
     if kernels == "require" and not choices:
         raise ValueError(_missing(reg, method, "/".join(ops), shape, dtype, kind, kernels))
     plan = _CACHE[key] = Plan(method, params, shape, dtype, kind, choices)
+    if fast_key is not None:
+        _FAST[fast_key] = plan
     return plan

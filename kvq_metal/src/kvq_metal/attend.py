@@ -503,13 +503,12 @@ def _tc_launch(common: tuple, nd: int, out_dim: int, layout: tuple, tuning: tupl
     return template, 16 * t["nt"] * THREADS // 32
 
 
-def _dense_parts(queries, qscale: int, dense: DenseTokens, R: int, D: int, backend: str):
+def _dense_parts(queries, dense: DenseTokens, template: list, R: int, D: int, backend: str):
     """Partial outputs ``[B, H, 2, R, D]`` and ``(max, sum)`` of the sinks (split 0) and the window (split 1), and
-    zeroed split counters ``[B * H]`` int32 for the compressed launch that merges them. ``qscale``: the softmax
-    scale's float bits (:func:`kvq_metal.dialect.float_bits`)."""
+    zeroed split counters ``[B * H]`` int32 for the compressed launch that merges them. ``template``: the DENSE
+    launch's (:func:`_launch_plan`)."""
     B, H = dense.window_keys.shape[:2]
     sk, sv = dense.sink_keys, dense.sink_values
-    sinks = sk is not None
     if sk is None:
         sk, sv = dense.window_keys, dense.window_values
     kern = kernel("decode_attend_tc", backend, TC_INPUTS, TC_OUTPUTS, attend_tc.SOURCE, attend_tc.HEADER,
@@ -518,12 +517,66 @@ def _dense_parts(queries, qscale: int, dense: DenseTokens, R: int, D: int, backe
     pad, wk, wv = _constant((0.0,), mx.float32), dense.window_keys, dense.window_values
     inputs = [queries, pad, wk, sk, wk, wk, pad, wv, sv, wv, wv, pad, _constant((0,), mx.int32), pad, pad]
     part, ml, _, _, cnt = kern(
-        inputs=inputs, template=_tc_template(D=D, R=R, KG=D, VG=D, DV=D, DENSE=True, SINKS=sinks, QSCALE=qscale,
-                                             NT=1, DDT=DENSE_DTYPES.get(wk.dtype, 2)),
-        grid=(THREADS * B * H, 2, 1), threadgroup=(THREADS, 1, 1),
+        inputs=inputs, template=template, grid=(THREADS * B * H, 2, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(B, H, 2, R, D), (B, H, 2, R, 2), (1,), (1,), (B * H,)],
         output_dtypes=[mx.float32, mx.float32, mx.float32, mx.float32, mx.int32])
     return part, ml, cnt
+
+
+@attrs.frozen
+class LaunchPlan:
+    """What a decode-attention call does, fixed by its static signature (:func:`_launch_plan`): ``tc`` the
+    tensor-core kernel (else the SIMT kernel and the merge), ``template`` the main launch's template arguments,
+    ``tile`` tokens per split step, ``limit`` the most splits the merging block takes (tensor cores),
+    ``dense_template`` the launch over uncompressed tokens (``None`` without them), ``merge_template`` the SIMT
+    path's merge."""
+
+    tc: bool
+    template: list
+    tile: int
+    limit: int
+    dense_template: list | None = None
+    merge_template: list | None = None
+
+
+@lru_cache(maxsize=1024)
+def _launch_plan(D: int, R: int, kb: int, vb: int, kg: int, vg: int, kbias: bool, vbias: bool, kb2: int, vb2: int,
+                 rot: bool, qscale: int, out_dim: int, same_table: bool, dense: tuple | None, backend: str,
+                 tuning: tuple) -> LaunchPlan:
+    """The :class:`LaunchPlan` of one static signature, computed once: code widths and groups of both sides,
+    ``rot`` (rotated domain), ``qscale`` (the softmax scale's float bits), ``same_table`` (keys and values hold
+    the same table object), ``dense`` (``None``, or ``(sinks present, DENSE_DTYPES code)``), ``tuning`` the items
+    of :data:`TUNING` (part of the key, so benchmark overrides take effect). A decode step then only computes its
+    split count and builds the input lists.
+
+    :raises ValueError: a shape :func:`supported` rejects, or ``dense`` where :func:`serves_dense` is false.
+    """
+    if not supported(D, kb, vb, kg, vg, R):
+        raise ValueError(f"decode_attend does not serve head_dim {D}, bits {kb}/{vb}, groups {kg}/{vg}, {R} query "
+                         "rows")
+    t = dict(tuning)
+    common = (("D", D), ("R", R), ("KB", kb), ("VB", vb), ("KG", kg), ("VG", vg), ("KBIAS", kbias),
+              ("VBIAS", vbias), ("KB2", kb2), ("VB2", vb2), ("THREADS", THREADS), ("ROT", rot), ("QSCALE", qscale))
+    tc = (backend == "cuda" and bool(t["tc"]) and attend_tc.supported(D, kb, vb, kg, vg, R, kb2, vb2))
+    if tc:
+        nd = 0 if dense is None else 2
+        same = same_table and (kb, kb2) == (vb, vb2)
+        layout = _table_layout(D, R, kb + kb2, vb + vb2, same, bool(t["pair"]), bool(t["rep"]))
+        template, tile = _tc_launch(common, nd, out_dim, layout, tuning)
+        dense_template = None
+        if dense is not None:
+            sinks, ddt = dense
+            dense_template = _tc_template(D=D, R=R, KG=D, VG=D, DV=D, DENSE=True, SINKS=sinks, QSCALE=qscale, NT=1,
+                                          DDT=ddt)
+        # the merging block keeps R * (splits + nd) weights in the 4 * 8 * D words its warps' outputs used
+        return LaunchPlan(True, template, tile, min(MAX_SPLITS, 32 * D // R - nd), dense_template)
+    if dense is not None:
+        raise ValueError("decode_attend takes dense= with the tensor-core kernel only (see serves_dense)")
+    cpt = min(coords_per_thread(kb), coords_per_thread(vb))
+    kt = t["kt_small"] if R <= 4 else t["kt_large"]
+    template = [*common, ("CPT", cpt), ("KT", kt), ("PHASES", t["phases"])]
+    merge = [("D", D), ("DV", out_dim), ("R", R), ("ROT", rot), ("MAX_SPLITS", MAX_SPLITS)]
+    return LaunchPlan(False, template, kt * THREADS * cpt // D, MAX_SPLITS, None, merge)
 
 
 def _zero_counters(n: int, backend: str) -> mx.array:
@@ -558,66 +611,53 @@ def decode_attend(queries: mx.array, scale: float, keys: Side, values: Side, bac
         :func:`serves_dense` is false, or ``dense`` sinks and window of different dtypes.
     """
     B, Hq, Tq, Dq = queries.shape
-    H, T, D = keys.codes.shape[1], keys.codes.shape[2], keys.codes.shape[3] * 32 // keys.bits
+    _, H, T, words = keys.codes.shape
+    D = words * 32 // keys.bits
     out_dim = out_dim or D
     if values.codes.shape[2] != T or T < 1:
         raise ValueError(f"keys have {T} tokens and values {values.codes.shape[2]}; need the same count >= 1")
     if Hq % H or Dq > D or out_dim > D:
         raise ValueError(f"queries {queries.shape} do not fit codes of {H} heads and dimension {D}")
     R = Hq // H * Tq
-    if not supported(D, keys.bits, values.bits, keys.group, values.group, R):
-        raise ValueError(f"decode_attend does not serve head_dim {D}, bits {keys.bits}/{values.bits}, groups "
-                         f"{keys.group}/{values.group}, {R} query rows")
+    dense_key = None
     if dense is not None:
         dtypes = {x.dtype for x in (dense.sink_keys, dense.sink_values, dense.window_keys, dense.window_values)
                   if x is not None}
         if len(dtypes) > 1:
             raise ValueError(f"dense sinks and window must share one dtype (the kernel reads both as one); got "
                              f"{sorted(map(str, dtypes))}")
+        dense_key = (dense.sink_keys is not None, DENSE_DTYPES.get(dense.window_keys.dtype, 2))
     rot = signs is not None
     signs = signs if rot else _constant((0.0,), mx.float32)
-    qscale = float_bits(float(scale))
-    common = (("D", D), ("R", R), ("KB", keys.bits), ("VB", values.bits), ("KG", keys.group),
-              ("VG", values.group), ("KBIAS", keys.biases is not None), ("VBIAS", values.biases is not None),
-              ("KB2", keys.bits2), ("VB2", values.bits2), ("THREADS", THREADS), ("ROT", rot),
-              ("QSCALE", qscale))
+    plan = _launch_plan(D, R, keys.bits, values.bits, keys.group, values.group, keys.biases is not None,
+                        values.biases is not None, keys.bits2, values.bits2, rot, float_bits(float(scale)), out_dim,
+                        keys.table is values.table, dense_key, backend, tuple(TUNING.items()))
     args = [queries, signs, keys.codes, keys.codes if keys.codes2 is None else keys.codes2,
             keys.scales, keys.scales if keys.biases is None else keys.biases, keys.table,
             values.codes, values.codes if values.codes2 is None else values.codes2,
             values.scales, values.scales if values.biases is None else values.biases, values.table]
 
-    if uses_tensor_cores(backend, D, keys, values, R):
-        nd = 0 if dense is None else 2
-        template, tile = _tc_launch(common, nd, out_dim, table_layout(D, R, keys, values), tuple(TUNING.items()))
-        # the merging block keeps R * (splits + nd) weights in the 4 * 8 * D words its warps' outputs used
-        limit = min(MAX_SPLITS, 32 * D // R - nd)
-        splits = splits_for(B * H, T, backend, tile, min(TUNING["tc_groups"], limit * B * H))
+    if plan.tc:
+        splits = splits_for(B * H, T, backend, plan.tile, min(TUNING["tc_groups"], plan.limit * B * H))
         kern = kernel("decode_attend_tc", backend, TC_INPUTS, TC_OUTPUTS, attend_tc.SOURCE, attend_tc.HEADER,
                       ensure_row_contiguous=False)
         if dense is None:
             partd, mld, counter = signs, signs, _zero_counters(B * H, backend)  # placeholders: ND == 0
         else:
-            partd, mld, counter = _dense_parts(queries, qscale, dense, R, D, backend)
-        outs = kern(inputs=args + [counter, partd, mld], template=template,
+            partd, mld, counter = _dense_parts(queries, dense, plan.dense_template, R, D, backend)
+        outs = kern(inputs=args + [counter, partd, mld], template=plan.template,
                     grid=(THREADS * B * H, splits, 1), threadgroup=(THREADS, 1, 1),
                     output_shapes=[(B, H, splits, R, D), (B, H, splits, R, 2), (B * H * R, out_dim), (B * H * R,),
                                    (1,)],
                     output_dtypes=[mx.float32, mx.float32, mx.float32, mx.float32, mx.int32])
         return outs[2].reshape(B, Hq, Tq, out_dim), outs[3].reshape(B, Hq, Tq)
-    elif dense is not None:
-        raise ValueError("decode_attend takes dense= with the tensor-core kernel only (see serves_dense)")
-    else:
-        cpt = min(coords_per_thread(keys.bits), coords_per_thread(values.bits))
-        kt = TUNING["kt_small"] if R <= 4 else TUNING["kt_large"]
-        splits = splits_for(B * H, T, backend, kt * THREADS * cpt // D)
-        kern = kernel("decode_attend", backend, INPUTS, ("out", "ml"), SOURCE, ensure_row_contiguous=False)
-        template = [*common, ("CPT", cpt), ("KT", kt), ("PHASES", TUNING["phases"])]
-    part, ml = kern(inputs=args, template=template, grid=(THREADS * B * H, splits, 1),
+    splits = splits_for(B * H, T, backend, plan.tile)
+    kern = kernel("decode_attend", backend, INPUTS, ("out", "ml"), SOURCE, ensure_row_contiguous=False)
+    part, ml = kern(inputs=args, template=plan.template, grid=(THREADS * B * H, splits, 1),
                     threadgroup=(THREADS, 1, 1), output_shapes=[(B, H, splits, R, D), (B, H, splits, R, 2)],
                     output_dtypes=[mx.float32, mx.float32])
     merge = kernel("decode_merge", backend, MERGE_INPUTS, ("out", "lse"), MERGE_SOURCE)
-    out, lse = merge(inputs=[part, ml, signs],
-                     template=[("D", D), ("DV", out_dim), ("R", R), ("ROT", rot), ("MAX_SPLITS", MAX_SPLITS)],
+    out, lse = merge(inputs=[part, ml, signs], template=plan.merge_template,
                      grid=(D * B * H * R, 1, 1), threadgroup=(D, 1, 1),
                      output_shapes=[(B, H, R, out_dim), (B, H, R)], output_dtypes=[mx.float32, mx.float32])
     return out.reshape(B, Hq, Tq, out_dim), lse.reshape(B, Hq, Tq)

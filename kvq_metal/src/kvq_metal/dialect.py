@@ -151,8 +151,10 @@ class Kernel:
     """A compiled-on-first-call MLX custom kernel for one back end (see the module docstring).
 
     Call it like MLX's kernel objects: ``kernel(inputs=[...], template=[...], grid=..., threadgroup=...,
-    output_shapes=[...], output_dtypes=[...])``; the inputs' dtypes are appended to ``template`` as
-    ``T_<input name>``.
+    output_shapes=[...], output_dtypes=[...])``. The inputs' dtypes are appended to ``template`` as a few integers
+    (:func:`dtype_template`): MLX names a compiled kernel by its template values, and the generated signature
+    types each input pointer by its dtype, so the dtypes must be part of the name or a kernel compiled for
+    float16 inputs would serve bfloat16 ones.
     """
 
     def __init__(self, name: str, backend: str, input_names: Sequence[str], output_names: Sequence[str],
@@ -162,15 +164,42 @@ class Kernel:
         self.name = f"kvq_{name}_{digest}"
         self.backend = backend
         self.input_names = tuple(input_names)
-        self._type_names = tuple(f"T_{n}" for n in input_names)
         SOURCES[self.name] = head + body
         build = mx.fast.metal_kernel if backend == "metal" else mx.fast.cuda_kernel
         self._kernel = build(name=self.name, input_names=list(input_names), output_names=list(output_names),
                              source=body, header=head, ensure_row_contiguous=ensure_row_contiguous)
 
     def __call__(self, *, inputs, template=(), **kwargs):
-        types = [(n, a.dtype) for n, a in zip(self._type_names, inputs)]
-        return self._kernel(inputs=inputs, template=list(template) + types, **kwargs)
+        types = dtype_template(tuple(a.dtype for a in inputs))
+        return self._kernel(inputs=inputs, template=[*template, *types], **kwargs)
+
+
+#: A fixed code per dtype (never renumber: compiled kernels are named by these values).
+DTYPE_CODES = {mx.bool_: 1, mx.uint8: 2, mx.uint16: 3, mx.uint32: 4, mx.uint64: 5, mx.int8: 6, mx.int16: 7,
+               mx.int32: 8, mx.int64: 9, mx.float16: 10, mx.bfloat16: 11, mx.float32: 12, mx.complex64: 13,
+               mx.float64: 14}
+#: Input dtypes per template integer (4 bits each: 28 bits, a positive int32).
+DTYPES_PER_ARG = 7
+
+
+@lru_cache(maxsize=4096)
+def dtype_template(dtypes: tuple) -> tuple:
+    """The template arguments that name a kernel's input dtypes: ``("TDT0", code), ("TDT1", code), ...``, each
+    code :data:`DTYPES_PER_ARG` dtypes in 4 bits (:data:`DTYPE_CODES`). One integer per seven inputs instead of
+    one argument per input: MLX formats every template argument into the kernel's name and source on every
+    call, so fewer arguments cost less host time per launch. The sources never read these names.
+
+    :raises TypeError: a dtype without a code."""
+    unknown = [d for d in dtypes if d not in DTYPE_CODES]
+    if unknown:
+        raise TypeError(f"kernel inputs must have one of the dtypes {sorted(map(str, DTYPE_CODES))}; got {unknown[0]}")
+    args = []
+    for start in range(0, len(dtypes), DTYPES_PER_ARG):
+        code = 0
+        for i, dtype in enumerate(dtypes[start:start + DTYPES_PER_ARG]):
+            code |= DTYPE_CODES[dtype] << (4 * i)
+        args.append((f"TDT{start // DTYPES_PER_ARG}", code))
+    return tuple(args)
 
 
 @lru_cache(maxsize=None)

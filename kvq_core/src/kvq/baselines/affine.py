@@ -23,7 +23,7 @@ BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)  # hashed on every decode step (selection and kernel-check keys)
 class AffineParams:
     """Parameters of ``affine``.
 

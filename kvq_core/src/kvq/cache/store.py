@@ -37,6 +37,7 @@ class EncodedStore(_Trimmable):
         self.params: Any = None
         self.head_dim = 0
         self.length = 0
+        self._view: Encoded | None = None  # view() of the current tokens; every change clears it
 
     @property
     def capacity(self) -> int:
@@ -58,6 +59,16 @@ class EncodedStore(_Trimmable):
             # mx.array(...) copies: a slice assignment covering a whole array would alias its source
             self.data[name][:, :, self.length : self.length + n] = mx.array(array)
         self.length += n
+        self._view = None
+
+    def __getstate__(self) -> dict:
+        """Copies (``copy.deepcopy`` of a cache) leave out the cached view: it would copy the tokens again."""
+        return {**self.__dict__, "_view": None}
+
+    def trim(self, n: int) -> int:
+        """Forget the newest ``n`` tokens (see :class:`_Trimmable`)."""
+        self._view = None
+        return super().trim(n)
 
     def _grow(self, encoded: Encoded, needed: int) -> None:
         steps = -(-(needed - self.capacity) // self.step)
@@ -72,12 +83,16 @@ class EncodedStore(_Trimmable):
             else:
                 grown[name] = mx.concatenate([self.data[name][:, :, : self.length], block], axis=2)
         self.data = grown
+        self._view = None
 
     def view(self) -> Encoded | None:
         """The stored tokens as one :class:`Encoded` (views of the arrays, no copy); ``None`` if empty."""
         if self.data is None or self.length == 0:
             return None
-        return Encoded(self.params, {k: v[:, :, : self.length] for k, v in self.data.items()}, self.head_dim)
+        if self._view is None:  # made once per change: decode steps between flushes reuse it
+            self._view = Encoded(self.params, {k: v[:, :, : self.length] for k, v in self.data.items()},
+                                 self.head_dim)
+        return self._view
 
     @property
     def nbytes(self) -> int:

@@ -7,6 +7,8 @@ MLX kernel per call.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import mlx.core as mx
 
 from kvq.baselines.affine import AffineParams
@@ -16,11 +18,16 @@ from ..base import KernelImpl, first_use_check
 from .common import check_attend, decode_shape_ok, query_rows, rows_of
 
 
+@lru_cache(maxsize=None)
+def _levels(bits: int) -> tuple[float, ...]:
+    return tuple(float(i) for i in range(1 << bits))
+
+
 def _side(encoded) -> attend.Side:
     p = encoded.params
     d = encoded.data
     # the table 0 .. 2^bits - 1: one cached array per width, so keys and values share it (attend.table_layout)
-    table = attend._constant(tuple(float(i) for i in range(1 << p.bits)), mx.float32)
+    table = attend._constant(_levels(p.bits), mx.float32)
     return attend.Side(d["codes"], d["scales"], d["biases"], table, p.bits, p.group_size)
 
 
