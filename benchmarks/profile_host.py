@@ -28,7 +28,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvq.bench import e2e, random_model
-from kvq.bench.fill import RandomKV, fill
+from kvq.bench.fill import RandomKV, decode, fill
 
 
 def build_seconds(model, caches, steps: int) -> list[float]:
@@ -84,8 +84,6 @@ def main() -> None:
     for spec in e2e.parse_methods(args.methods, head_dim):
         caches = e2e.make_cache(model, spec, settings)
         fill(caches, RandomKV(kv_heads, head_dim, mx.bfloat16), args.context, settings.chunk)
-        from kvq.bench.fill import decode
-
         timed, _ = decode(model, caches, 1, args.steps, 33)
         host = build_seconds(model, caches, args.steps)
         row = {"method": spec.label, "context": args.context, "layers": layers,

@@ -384,9 +384,14 @@ def supported(head_dim: int, key_bits: int, value_bits: int, key_group: int, val
 def uses_tensor_cores(backend: str, head_dim: int, keys: Side, values: Side, rows: int) -> bool:
     """Whether :func:`decode_attend` runs the tensor-core kernel (:mod:`kvq_metal.attend_tc`) for this problem:
     on CUDA, with ``TUNING["tc"]`` on, for the shapes it serves (the SIMT kernel serves the rest, and Metal)."""
-    return (backend == "cuda" and bool(TUNING["tc"])
-            and attend_tc.supported(head_dim, keys.bits, values.bits, keys.group, values.group, rows,
-                                    keys.bits2, values.bits2))
+    return _tc_serves(backend, bool(TUNING["tc"]), head_dim, keys.bits, values.bits, keys.group, values.group, rows,
+                      keys.bits2, values.bits2)
+
+
+def _tc_serves(backend: str, tc: bool, D: int, kb: int, vb: int, kg: int, vg: int, R: int, kb2: int,
+               vb2: int) -> bool:
+    """:func:`uses_tensor_cores` from the widths and groups (``tc``: ``TUNING["tc"]``)."""
+    return backend == "cuda" and tc and attend_tc.supported(D, kb, vb, kg, vg, R, kb2, vb2)
 
 
 @lru_cache(maxsize=4096)
@@ -434,15 +439,17 @@ def table_layout(head_dim: int, rows: int, keys: Side, values: Side) -> tuple[bo
     memory left after the queries (:data:`SHARED_WORDS`), keys first; ``TUNING["rep"] = False`` turns them off.
     Measured on an H200 at 128K tokens (``benchmarks/kernel_durations.py``): turboquant-4 124 us with copies, 139
     without; affine-4 141 and 147."""
-    same = keys.table is values.table and (keys.bits, keys.bits2) == (values.bits, values.bits2)
-    return _table_layout(head_dim, rows, keys.bits + keys.bits2, values.bits + values.bits2, same,
-                         bool(TUNING["pair"]), bool(TUNING["rep"]))
+    return _table_layout(head_dim, rows, keys.bits, keys.bits2, values.bits, values.bits2,
+                         keys.table is values.table, bool(TUNING["pair"]), bool(TUNING["rep"]))
 
 
 @lru_cache(maxsize=1024)
-def _table_layout(head_dim: int, rows: int, key_code_bits: int, value_code_bits: int, same: bool, pair: bool,
+def _table_layout(head_dim: int, rows: int, kb: int, kb2: int, vb: int, vb2: int, same_table: bool, pair: bool,
                   rep: bool) -> tuple[bool, bool, bool]:
-    """:func:`table_layout` from the code widths (``bits + bits2`` per side)."""
+    """:func:`table_layout` from the code widths (``bits``, ``bits2`` per side) and whether both sides hold the
+    same table object."""
+    same = same_table and (kb, kb2) == (vb, vb2)
+    key_code_bits, value_code_bits = kb + kb2, vb + vb2
     def entries(cb: int) -> int:
         return 1 << (2 * cb) if pair and 2 * cb <= 8 else 1 << cb
 
@@ -557,11 +564,9 @@ def _launch_plan(D: int, R: int, kb: int, vb: int, kg: int, vg: int, kbias: bool
     t = dict(tuning)
     common = (("D", D), ("R", R), ("KB", kb), ("VB", vb), ("KG", kg), ("VG", vg), ("KBIAS", kbias),
               ("VBIAS", vbias), ("KB2", kb2), ("VB2", vb2), ("THREADS", THREADS), ("ROT", rot), ("QSCALE", qscale))
-    tc = (backend == "cuda" and bool(t["tc"]) and attend_tc.supported(D, kb, vb, kg, vg, R, kb2, vb2))
-    if tc:
+    if _tc_serves(backend, bool(t["tc"]), D, kb, vb, kg, vg, R, kb2, vb2):
         nd = 0 if dense is None else 2
-        same = same_table and (kb, kb2) == (vb, vb2)
-        layout = _table_layout(D, R, kb + kb2, vb + vb2, same, bool(t["pair"]), bool(t["rep"]))
+        layout = _table_layout(D, R, kb, kb2, vb, vb2, same_table, bool(t["pair"]), bool(t["rep"]))
         template, tile = _tc_launch(common, nd, out_dim, layout, tuning)
         dense_template = None
         if dense is not None:
