@@ -495,12 +495,10 @@ def _tc_template(**flags) -> list:
 DENSE_DTYPES = {mx.float16: 0, mx.bfloat16: 1}
 
 
-@lru_cache(maxsize=1024)
 def _tc_launch(common: tuple, nd: int, out_dim: int, layout: tuple, tuning: tuple) -> tuple[list, int]:
-    """The compressed launch's template (:func:`_tc_template`) and its tile (tokens per block step), once per
-    problem signature: ``common`` the template arguments every decode-attention kernel takes, ``layout``
-    :func:`table_layout`'s answer, ``tuning`` the items of :data:`TUNING` (part of the key, so benchmark overrides
-    take effect)."""
+    """The compressed launch's template (:func:`_tc_template`) and its tile (tokens per block step), for
+    :func:`_launch_plan` (which caches it): ``common`` the template arguments every decode-attention kernel
+    takes, ``layout`` :func:`table_layout`'s answer, ``tuning`` the items of :data:`TUNING`."""
     t = dict(tuning)
     D = dict(common)["D"]
     krep, vrep, same = layout

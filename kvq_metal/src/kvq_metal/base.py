@@ -109,11 +109,10 @@ class KernelImpl:
             take uncompressed tokens for this call or its check failed (the caller then attends the parts
             separately and merges them: the same result).
         """
-        from .methods.common import check_attend_dense  # (methods import this module)
+        from .methods.common import check_attend_dense, query_rows
 
-        q_shape = queries.shape
-        rows = q_shape[1] // keys.shape[1] * q_shape[2]  # methods.common.query_rows
-        key = (_check_key(keys.params), _check_key(values.params), q_shape[3], rows, dense.window_keys.dtype)
+        rows = query_rows(queries, keys)
+        key = (_check_key(keys.params), _check_key(values.params), queries.shape[3], rows, dense.window_keys.dtype)
         if not first_use_check(self.backend, f"decode_attend_dense[{self.method}]", key,
                                lambda: check_attend_dense(self, keys.params, values.params, queries.shape[3], rows,
                                                           dense.window_keys.dtype)):

@@ -14,8 +14,9 @@ values averaged; eff. = over the whole context with a kvq cache's sinks and wind
 nbytes after the fill (allocated, preallocation included); measured = growth of mx.get_active_memory() from before \
 the caches were made to after the fill; decode peak = mx.get_peak_memory() during decode minus the memory before \
 the caches were made (caches + decode temporaries). ms/token: one greedy token per forward pass, mx.eval each, \
-after the warmup steps; tokens/s = 1 / mean (a kvq cache's window flush, once every flush steps, counts). fp16 = mlx-lm's KVCache in the model's dtype; mlx-affine:N = \
-mlx-lm's QuantizedKVCache (kv_bits N, group 64); the others are kvq caches."""
+after the warmup steps; tokens/s = 1 / mean (a kvq cache's window flush, once every flush steps, counts). \
+fp16 = mlx-lm's KVCache in the model's dtype; mlx-affine:N = mlx-lm's QuantizedKVCache (kv_bits N, group 64); the \
+others are kvq caches."""
 
 
 def _ratio(value, ratio) -> str:
