@@ -23,6 +23,8 @@ import mlx.core as mx
 import kvq
 from kvq.plugins import registry
 
+from kv_encode import encode_kv  # benchmarks/ (the script's folder is on sys.path)
+
 
 def timeit(fn, warmup=3, reps=30) -> float:
     """Median milliseconds of ``fn`` (evaluated and synchronised each call)."""
@@ -127,11 +129,7 @@ def decode_rows(backend):
         except Exception as exc:  # MLX 0.32 CUDA quantized_matmul lacks some shapes
             row["mlx_lm_affine4_error"] = f"{type(exc).__name__}: {exc}"
         for name, params in methods:
-            p = kvq.make_params(name, **params)
-            pure = registry().implementations[(name, "mlx")]
-            kern = registry().implementations[(name, backend)]
-            ke, ve = pure.kvq_quantize(k, p), pure.kvq_quantize(v, p)
-            mx.eval(ke.data, ve.data)
+            p, pure, kern, ke, ve = encode_kv(name, params, k, v, backend)
             label = f"{name}{params['bits']}" + (f"{params['residual_bits']}" if "residual_bits" in params else "")
             row[f"{label}_bytes"] = ke.nbytes + ve.nbytes
             row[f"{label}_kernel_ms"] = timeit(lambda: kern.kvq_attend(q, ke, ve, scale, None)[0])

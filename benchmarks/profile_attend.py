@@ -19,9 +19,9 @@ import json
 
 import mlx.core as mx
 
-import kvq
 from kvq.attention import DenseTokens
-from kvq.plugins import registry
+
+from kv_encode import encode_kv  # benchmarks/ (the script's folder is on sys.path)
 
 B, HQ, HKV, D = 1, 32, 8, 128
 METHODS = (("turboquant", {"bits": 4}), ("turboquant", {"bits": 3}), ("affine", {"bits": 4}))
@@ -47,11 +47,7 @@ def main() -> None:
             print(json.dumps({"T": T, "method": "fp16_sdpa", **({"warmup": True} if warm else {})}), flush=True)
             mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5))
         for name, params in METHODS:
-            p = kvq.make_params(name, **params)
-            pure = registry().implementations[(name, "mlx")]
-            kern = registry().implementations[(name, backend)]
-            ke, ve = pure.kvq_quantize(k, p), pure.kvq_quantize(v, p)
-            mx.eval(ke.data, ve.data)
+            _, _, kern, ke, ve = encode_kv(name, params, k, v, backend)
             # the first launch on fresh arrays ran up to twice as long on the H200: warm up, labelled, dropped
             print(json.dumps({"T": T, "method": f"{name}{params['bits']}", "warmup": True}), flush=True)
             mx.eval(kern.kvq_attend(q, ke, ve, D ** -0.5, None)[0])
