@@ -1,0 +1,154 @@
+"""Record every GPU kernel call kvq's kernel implementations make, on a machine without a GPU.
+
+A refactor of the kernel code must not change what reaches the GPU. This script stubs MLX's custom-kernel
+builders (``mx.fast.cuda_kernel``, ``mx.fast.metal_kernel``) with recorders that return zero-filled outputs,
+pretends the default device is that GPU, passes every first-use check, and drives every registered kernel
+implementation through its ops (quantize, dequantize, attend, attend with sinks and window) over a fixed set of
+problems. For each call it records the kernel's name (which holds a hash of its translated source), its inputs'
+shapes and dtypes, its template arguments, grid, thread group and output shapes and dtypes, and the SHA-256 of
+every kernel source built. Two runs (before and after a change) are compared with ``--compare``:
+
+    python benchmarks/record_kernel_calls.py before.json
+    python benchmarks/record_kernel_calls.py after.json --compare before.json
+
+Runs on the CPU (CI); implementations are found through kvq's registry, so the script does not depend on which
+module holds them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import warnings
+
+import mlx.core as mx
+
+CALLS: list[dict] = []
+BUILT: dict[str, dict] = {}
+
+
+class _Recorder:
+    """Stands in for an MLX custom kernel object: records each call and returns zero-filled outputs."""
+
+    def __init__(self, backend: str, **spec):
+        self.backend, self.spec = backend, spec
+        BUILT[spec["name"]] = {"backend": backend, "inputs": list(spec["input_names"]),
+                               "outputs": list(spec["output_names"]),
+                               "source_sha": hashlib.sha256((spec.get("header", "") + spec["source"]).encode())
+                               .hexdigest()[:16],
+                               "ensure_row_contiguous": spec.get("ensure_row_contiguous", True)}
+
+    def __call__(self, *, inputs, template=(), grid, threadgroup, output_shapes, output_dtypes, **kwargs):
+        CALLS.append({"kernel": self.spec["name"], "backend": self.backend,
+                      "inputs": [[list(a.shape), str(a.dtype)] for a in inputs],
+                      "template": [[k, v if isinstance(v, (int, float)) else str(v)] for k, v in template],
+                      "grid": list(grid), "threadgroup": list(threadgroup),
+                      "outputs": [[list(s), str(d)] for s, d in zip(output_shapes, output_dtypes)]})
+        return [mx.zeros(tuple(s), dtype=d) for s, d in zip(output_shapes, output_dtypes)]
+
+
+def _install_stubs(backend: str) -> None:
+    mx.fast.cuda_kernel = lambda **spec: _Recorder("cuda", **spec)
+    mx.fast.metal_kernel = lambda **spec: _Recorder("metal", **spec)
+    for mod in list(sys.modules.values()):
+        name = getattr(mod, "__name__", "") or ""
+        if not name.startswith("kvq"):
+            continue
+        if hasattr(mod, "gpu_backend"):
+            mod.gpu_backend = lambda: backend
+        if hasattr(mod, "first_use_check"):
+            mod.first_use_check = lambda *a, **k: True
+
+
+def _problems():
+    """(method, params dict, head_dim, H_q, H_kv, T_q, T, dtype): a fixed sweep over what the kernels serve."""
+    out = []
+    for dtype in (mx.float16, mx.bfloat16):
+        for D in (64, 128, 256):
+            for hq, hkv, tq in ((8, 8, 1), (8, 2, 1), (8, 2, 2), (16, 2, 1)):
+                out.append(("turboquant", {"bits": 4}, D, hq, hkv, tq, 700, dtype))
+            out.append(("turboquant", {"bits": 3}, D, 8, 2, 1, 3000, dtype))
+            out.append(("turboquant", {"bits": 2}, D, 8, 2, 1, 300, dtype))
+            out.append(("affine", {"bits": 4, "group_size": 64}, D, 8, 2, 1, 700, dtype))
+            out.append(("affine", {"bits": 8, "group_size": 32}, D, 8, 2, 2, 300, dtype))
+        out.append(("turboquant", {"bits": 4, "rotation": "qr"}, 128, 8, 2, 1, 300, dtype))
+        out.append(("turboquant_rvq", {"bits": 2, "residual_bits": 2}, 128, 8, 2, 1, 700, dtype))
+    out.append(("turboquant", {"bits": 4}, 96, 8, 2, 1, 300, mx.float32))
+    return out
+
+
+def record(backend: str) -> dict:
+    """Run the sweep with stubbed ``backend`` kernels; return ``{"calls": [...], "kernels": {...}}``."""
+    import kvq
+    from kvq.attention import DenseTokens
+    from kvq.plugins import registry
+
+    reg = registry()
+    _install_stubs(backend)
+    warnings.simplefilter("ignore")
+    skipped = []
+    for method, kw, D, hq, hkv, tq, T, dtype in _problems():
+        impl = reg.implementations.get((method, backend))
+        pure = reg.implementations.get((method, "mlx"))
+        if impl is None or pure is None:
+            skipped.append(method)
+            continue
+        params = kvq.make_params(method, **kw)
+        key = mx.random.key(D + T)
+        x = mx.random.normal((2, 1, hkv, T, D), key=key).astype(dtype)
+        q = mx.random.normal((1, hq, tq, D), key=mx.random.key(7)).astype(dtype)
+        CALLS.append({"problem": [method, kw, D, hq, hkv, tq, T, str(dtype)]})
+        keys, values = pure.kvq_quantize(x[0], params), pure.kvq_quantize(x[1], params)
+        mx.eval(keys.data, values.data)
+        for op in ("quantize", "dequantize", "attend", "attend_dense"):
+            CALLS.append({"op": op})
+            if op == "quantize" and hasattr(impl, "kvq_quantize"):
+                enc = impl.kvq_quantize(x[0], params)
+                mx.eval(enc.data)
+            elif op == "dequantize" and hasattr(impl, "kvq_dequantize"):
+                mx.eval(impl.kvq_dequantize(keys, dtype))
+            elif op == "attend" and hasattr(impl, "kvq_attend"):
+                mx.eval(impl.kvq_attend(q, keys, values, D ** -0.5, None))
+            elif op == "attend_dense" and hasattr(impl, "attend_dense"):
+                sk, sv = x[0][:, :, :4], x[1][:, :, :4]
+                wk, wv = x[0][:, :, -40:], x[1][:, :, -40:]
+                got = impl.attend_dense(q, keys, values, D ** -0.5, DenseTokens(sk, sv, wk, wv))
+                if got is not None:
+                    mx.eval(got)
+    return {"calls": CALLS, "kernels": BUILT, "skipped": sorted(set(skipped))}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", help="JSON file to write")
+    ap.add_argument("--backend", default="cuda", choices=("cuda", "metal"))
+    ap.add_argument("--compare", help="an earlier run's JSON: exit 1 unless every call is identical")
+    args = ap.parse_args(argv)
+    result = record(args.backend)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    n = sum(1 for c in result["calls"] if "kernel" in c)
+    print(f"{n} kernel calls, {len(result['kernels'])} kernels built ({args.backend}); skipped: "
+          f"{result['skipped'] or 'none'}")
+    if args.compare:
+        with open(args.compare) as f:
+            before = json.load(f)
+        if before["calls"] != result["calls"]:
+            for i, (a, b) in enumerate(zip(before["calls"], result["calls"])):
+                if a != b:
+                    print(f"first difference at entry {i}:\n before {a}\n after  {b}")
+                    break
+            else:
+                print(f"call lists differ in length: {len(before['calls'])} before, {len(result['calls'])} after")
+            return 1
+        if before["kernels"] != result["kernels"]:
+            print("kernel sources differ:", sorted(set(before["kernels"]) ^ set(result["kernels"])))
+            return 1
+        print("identical to", args.compare)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
