@@ -19,18 +19,49 @@ COMMANDS = {
 
 
 def _usage() -> str:
-    lines = ["usage: kvq COMMAND [options]", "", "commands:"]
+    lines = ["usage: kvq COMMAND [options]    (kvq --version: the installed kvq distributions)", "", "commands:"]
     lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
     lines += ["", "Run 'kvq COMMAND --help' for a command's options."]
     return "\n".join(lines)
 
 
+def version_text() -> str:
+    """``kvq --version``: kvq's version, then each installed kvq distribution (``kvq-*`` and the packages that
+    declare plugins in the ``kvq`` entry-point group) with its version, and MLX's version and default device."""
+    from importlib import metadata
+
+    import mlx.core as mx
+
+    from .. import __version__
+
+    names = set()
+    for dist in metadata.distributions():
+        name = dist.metadata["Name"] or ""
+        if name.startswith("kvq-") or any(ep.group == "kvq" for ep in dist.entry_points):
+            names.add((name, dist.version))
+    lines = [f"kvq {__version__}"] + [f"  {name} {version}" for name, version in sorted(names)]
+    lines.append(f"  mlx {mx.__version__} (default device: {mx.default_device()})")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvq`` script. Returns the exit code (2 for usage errors, 1 for bad input)."""
-    argv = sys.argv[1:] if argv is None else argv
+    try:
+        return _dispatch(sys.argv[1:] if argv is None else argv)
+    except BrokenPipeError:  # the reader stopped early (kvq select --json | head): not an error of kvq's
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _dispatch(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        print(version_text())
+        return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         print(f"kvq: unknown command {name!r}; choose one of {', '.join(COMMANDS)}\n\n{_usage()}", file=sys.stderr)
@@ -41,8 +72,3 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as exc:
         print(f"kvq {name}: error: {exc}", file=sys.stderr)
         return 1
-    except BrokenPipeError:  # the reader stopped early (kvq select --json | head): not an error of kvq's
-        import os
-
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
