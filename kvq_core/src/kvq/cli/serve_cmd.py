@@ -19,6 +19,7 @@ import json
 import logging
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 from .generate_cmd import add_cache_arguments
 
@@ -77,6 +78,21 @@ def provider_class(options: dict):
     return KVQModelProvider
 
 
+def scan_or_empty(scan):
+    """``scan`` (huggingface_hub's ``scan_cache_dir``, which mlx-lm's ``GET /v1/models`` calls) made to answer an
+    empty cache where the machine has no Hugging Face hub folder (``CacheNotFound``) instead of raising: the
+    endpoint then lists the served model alone, with no traceback in the log."""
+    from huggingface_hub.errors import CacheNotFound
+
+    def scan_cache_dir(*args, **kwargs):
+        try:
+            return scan(*args, **kwargs)
+        except CacheNotFound:  # mlx-lm reads only ``repos`` (HFCacheInfo's other fields vary by version)
+            return SimpleNamespace(repos=frozenset(), size_on_disk=0, warnings=[])
+
+    return scan_cache_dir
+
+
 def main(argv: list[str]) -> int:
     """Run ``kvq serve`` until interrupted; returns 0.
 
@@ -97,9 +113,10 @@ def main(argv: list[str]) -> int:
     path = models.resolve_model(args.model)
     check_sharding(path, args.pipeline, mx.distributed.init().size())
     original, server.ModelProvider = server.ModelProvider, provider_class(options)
+    scan, server.scan_cache_dir = server.scan_cache_dir, scan_or_empty(server.scan_cache_dir)
     saved_argv, sys.argv = sys.argv, ["kvq serve", "--model", str(path), *(["--pipeline"] * args.pipeline), *rest]
     try:
         server.main()
     finally:
-        server.ModelProvider, sys.argv = original, saved_argv
+        server.ModelProvider, server.scan_cache_dir, sys.argv = original, scan, saved_argv
     return 0
