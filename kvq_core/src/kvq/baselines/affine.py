@@ -46,7 +46,8 @@ class AffineParams:
         head_dim_multiple("affine", head_dim, self.group_size, f"group_size={self.group_size} must divide it")
 
 
-METHOD = Method("affine", AffineParams, "per-group min-max quantization (mx.quantize), bits 2-8",
+METHOD = Method("affine", AffineParams,
+                f"per-group min-max quantization (mx.quantize), bits {', '.join(map(str, BITS))}",
                 source="mlx-lm QuantizedKVCache; KIVI (arXiv 2402.02750)")
 
 
