@@ -1,0 +1,44 @@
+"""The README's Python snippets run as written and print their results."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def snippets() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+
+
+def run(code: str) -> str:
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_select_snippet_prints_plan_bytes_and_error():
+    code = next(s for s in snippets() if "kvq.select(" in s)
+    out = run(code)
+    assert "attend" in out and "quantize" in out
+    stored = re.search(r"16,777,216 bytes of fp16 keys and values stored in ([\d,]+); attention output error "
+                       r"([\d.]+) \(relative\)", out)
+    assert stored, out
+    # 4-bit codes plus a 16-bit scale and bias per 64 coordinates: 4.5 bits of 16
+    assert int(stored.group(1).replace(",", "")) == 16_777_216 * 4.5 / 16
+    assert 0 < float(stored.group(2)) < 0.3
+
+
+@pytest.mark.slow
+def test_cache_snippet_generates_and_reports_bytes():
+    code = next(s for s in snippets() if "kvq.make_prompt_cache(model" in s)
+    out = run(code)
+    held = re.search(r"(\d+) tokens held in ([\d,]+) bytes", out)
+    assert held, out
+    assert len(out[: held.start()].strip()) > 0  # the answer's text came first
+    assert int(held.group(1)) > 20 and int(held.group(2).replace(",", "")) > 0
