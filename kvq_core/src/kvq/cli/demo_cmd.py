@@ -26,6 +26,8 @@ QUESTION = "Which built-in function returns an integer representing the identity
 #: [3.5]; turboquant_prod 3 bits 0.397 [3.5]; qjl keys / affine 3-bit values 0.518 [3.5]; affine 2 bits group 32
 #: 0.535 [3.0]. (Turboquant keys 4 / values 3 reaches 0.008, at 3.75 bits.)
 METHOD = {"method": "turboquant", "bits": 3, "sinks": 4, "window": 128}
+#: The best ~3-bit cache of kvq-core alone (KL 0.103 above), shown when kvq-backends-turboquant is not installed.
+FALLBACK = {"method": "affine", "bits": 3, "sinks": 4, "window": 128}
 MAX_TOKENS = 32
 
 
@@ -50,6 +52,18 @@ def demo_prompt(title: str = TOPIC, question: str = QUESTION) -> str:
     return f"{topic_text(title)}\n\nQuestion: {question}"
 
 
+def demo_method() -> tuple[dict, str]:
+    """The demo's cache options and a note: :data:`METHOD` when its plugin is installed, else :data:`FALLBACK`
+    with a note naming what to install (decided before any model work)."""
+    from ..install_hints import method_hint
+    from ..plugins import methods
+
+    if METHOD["method"] in methods():
+        return METHOD, ""
+    return FALLBACK, (f"kvq demo: {method_hint(METHOD['method'])}; showing {cache_label(FALLBACK)} (kvq-core's "
+                      f"best ~3-bit cache) instead.\n")
+
+
 def main(argv: list[str]) -> int:
     """Run ``kvq demo``; returns 0.
 
@@ -63,12 +77,14 @@ def main(argv: list[str]) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help=f"answer length (default {MAX_TOKENS})")
     args = parser.parse_args(argv)
+    method, note = demo_method()
+    print(note, end="", flush=True)
     model, tokenizer = models.load()
     ids = prompt_ids(tokenizer, demo_prompt(), chat=True)
     print(f"kvq demo: {models.DEFAULT_MODEL} on {device_kind()}, a prompt of {len(ids)} tokens (Python language "
           f"reference, topic {TOPIC!r}) and the question:\n  {QUESTION}\n", flush=True)
     print("fp16 cache answers:", flush=True)
     reference = run_cache(model, tokenizer, ids, FP16, args.max_tokens, record=True, on_text=stream_to_stdout)
-    print(f"\n\nkvq cache ({cache_label(METHOD)}) answers:", flush=True)
-    run_and_report(model, tokenizer, ids, METHOD, args.max_tokens, reference)
+    print(f"\n\nkvq cache ({cache_label(method)}) answers:", flush=True)
+    run_and_report(model, tokenizer, ids, method, args.max_tokens, reference)
     return 0
