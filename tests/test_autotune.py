@@ -1,4 +1,5 @@
-"""kvq autotune: crossover finding, the stored table, selection following it (and ignoring a bad one), the CLI."""
+"""kvq autotune: crossover finding (kvq.bench.autotune), the stored table (kvq.tuning), selection following it
+(and ignoring a bad one), the CLI."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import pytest
 from conftest import fake_kernel_class
 
 import kvq
-from kvq import autotune
-from kvq.autotune import NEVER, AutotuneWarning, find_crossover
+from kvq import tuning
+from kvq.bench import autotune
+from kvq.bench.autotune import find_crossover
+from kvq.tuning import NEVER, AutotuneWarning
 from kvq.cli import main
 
 
@@ -33,13 +36,13 @@ def cache(tmp_path, monkeypatch):
 
 
 def entry(crossover, op="attend", bits=4, label="affine:4"):
-    return {"method": "affine", "label": label, "params": autotune.params_json(kvq.make_params("affine", bits=bits)),
+    return {"method": "affine", "label": label, "params": tuning.params_json(kvq.make_params("affine", bits=bits)),
             "op": op, "backend": "fake-kernel", "crossover": crossover, "sizes": [1024, 4096], "kernel_s": [1, 1],
             "mlx_s": [1, 1]}
 
 
 def write_table(*entries):
-    return autotune.save({"format": autotune.FORMAT, **autotune.identity(), "entries": list(entries)})
+    return tuning.save({"format": tuning.FORMAT, **tuning.identity(), "entries": list(entries)})
 
 
 def attend_choice(T, bits=4, **kwargs):
@@ -69,7 +72,7 @@ def test_find_crossover_rejects_bad_input(args, match):
 def test_table_path_is_keyed_by_device_mlx_and_kvq(cache):
     import mlx.core as mx
 
-    path = autotune.table_path("cpu")
+    path = tuning.table_path("cpu")
     assert path.parent == cache / "autotune"
     assert path.name.startswith("cpu_") and f"_mlx-{mx.__version__}_kvq-{kvq.__version__}.json" in path.name
 
@@ -82,7 +85,7 @@ def test_select_follows_the_measured_crossover(registered, cache):
     assert f"measured crossover 4096 (kvq autotune, {path})" in short.reason
     assert "B*T=1024 < 4096, pure MLX is faster" in short.reason
     assert "B*T=16384 >= 4096, the fake-kernel kernel is faster" in long.reason
-    assert autotune.crossover("affine", "attend", "fake-kernel", kvq.Problem("affine", "attend", (1, 8, 64, 128),
+    assert tuning.crossover("affine", "attend", "fake-kernel", kvq.Problem("affine", "attend", (1, 8, 64, 128),
                               params=kvq.make_params("affine"))) == 4096
     # quantize has no entry: the cost model decides; 'require' considers kernels only, table or not
     quantize = kvq.select("affine", (1, 8, 1024, 128), op="quantize").choices["quantize"]
@@ -95,9 +98,9 @@ def test_without_a_table_the_cost_model_decides(registered, cache):
     choice = attend_choice(1024)
     assert choice.backend == "fake-kernel" and "lowest cost of 2 supporting" in choice.reason
     assert "measured" not in choice.reason
-    assert autotune.load() is None
+    assert tuning.load() is None
     problem = kvq.Problem("affine", "attend", (1, 8, 64, 128))
-    assert autotune.crossover("affine", "attend", "fake-kernel", problem) is None
+    assert tuning.crossover("affine", "attend", "fake-kernel", problem) is None
 
 
 def test_never_always_and_entries_of_other_parameters(registered, cache):
@@ -122,12 +125,12 @@ def test_never_always_and_entries_of_other_parameters(registered, cache):
 ])
 def test_a_malformed_table_warns_and_is_ignored(registered, cache, content, reason):
     registered(FakeKernel())
-    header = {"format": autotune.FORMAT, **autotune.identity()}
+    header = {"format": tuning.FORMAT, **tuning.identity()}
     if content == "BAD-ENTRY":
         content = json.dumps({**header, "entries": [entry(-3)]})
     elif content == "OTHER-MLX":
         content = json.dumps({**header, "mlx": "0.0.1", "entries": [entry(4096)]})
-    path = autotune.table_path()
+    path = tuning.table_path()
     path.parent.mkdir(parents=True)
     path.write_text(content)
     with pytest.warns(AutotuneWarning, match=rf"{path.name} is ignored: .*{reason}"):
@@ -147,10 +150,10 @@ def test_kvq_autotune_on_the_cpu_measures_no_kernel(cache, capsys):
     """On the CPU only pure MLX runs (kvq_metal's kernels are for GPUs): the stored table has no entries."""
     assert main(["autotune", "--methods", "affine:4", "--sizes", "64,128", "--contexts", "64", "--reps", "1",
                  "--warmup", "0", "--no-progress"]) == 0
-    table = json.loads(autotune.table_path().read_text())
+    table = json.loads(tuning.table_path().read_text())
     assert table["entries"] == [] and table["grid"]["measured"] == [] and table["device_kind"] == "cpu"
     assert "no kernel runs on this cpu device" in capsys.readouterr().out
-    assert autotune.load().entries == ()
+    assert tuning.load().entries == ()
 
 
 def test_kvq_autotune_finds_a_slower_kernel_never_wins_and_select_follows(registered, cache, tmp_path, capsys):
@@ -158,11 +161,11 @@ def test_kvq_autotune_finds_a_slower_kernel_never_wins_and_select_follows(regist
     assert kvq.select("affine", (1, 8, 16, 128), op="quantize").choices["quantize"].backend == "fake-kernel"
     assert main(["autotune", "--methods", "affine:4", "--ops", "quantize", "--sizes", "64,128", "--reps", "3",
                  "--warmup", "0", "--no-progress", "--out-dir", str(tmp_path / "results")]) == 0
-    (stored,) = json.loads(autotune.table_path().read_text())["entries"]
+    (stored,) = json.loads(tuning.table_path().read_text())["entries"]
     assert (stored["op"], stored["backend"], stored["crossover"], stored["sizes"]) == ("quantize", "fake-kernel",
                                                                                        "never", [64, 128])
     assert all(k > m + 0.05 for k, m in zip(stored["kernel_s"], stored["mlx_s"]))
-    assert (tmp_path / "results" / f"autotune_{autotune.table_path().name}").is_file()
+    assert (tmp_path / "results" / f"autotune_{tuning.table_path().name}").is_file()
     choice = kvq.select("affine", (1, 8, 16, 128), op="quantize").choices["quantize"]
     assert choice.backend == "mlx" and "measured crossover never" in choice.reason
     assert "fake-kernel kernel faster: never" in " ".join(capsys.readouterr().out.split())
@@ -175,7 +178,7 @@ def test_kvq_autotune_rejects_bad_arguments_before_measuring(cache, monkeypatch,
     monkeypatch.setattr(autotune, "measure", lambda *a, **k: pytest.fail("measured despite a bad argument"))
     assert main(["autotune", *argv]) == 1
     assert match in capsys.readouterr().err
-    assert not autotune.table_path().exists()
+    assert not tuning.table_path().exists()
 
 
 def bench_document(**env):
@@ -186,7 +189,7 @@ def bench_document(**env):
     rows.append({"method": "fp16", "op": "attend", "implementation": "mx.fast.sdpa", "size": 64, "median_s": 1.0})
     settings = {"methods": ["affine:4"], "head_dim": 128, "sizes": [64, 128, 256, 512], "contexts": [64],
                 "warmup": 1, "reps": 3}
-    environment = {**autotune.identity(), "command": "kvq bench ops --methods affine:4", **env}
+    environment = {**tuning.identity(), "command": "kvq bench ops --methods affine:4", **env}
     return {"benchmark": "kvq bench ops", "environment": environment, "settings": settings, "rows": rows}
 
 
@@ -195,7 +198,7 @@ def test_kvq_autotune_from_a_bench_ops_result(registered, cache, tmp_path, capsy
     bench = tmp_path / "bench_ops.json"
     bench.write_text(json.dumps(bench_document()))
     assert main(["autotune", "--from-bench", str(bench)]) == 0
-    (stored,) = json.loads(autotune.table_path().read_text())["entries"]
+    (stored,) = json.loads(tuning.table_path().read_text())["entries"]
     assert (stored["op"], stored["crossover"], stored["verdict"]) == ("quantize", 256, "from 256")
     assert [kvq.select("affine", (1, 8, T, 128), op="quantize").choices["quantize"].backend for T in (16, 32)] == \
         ["mlx", "fake-kernel"]  # N = 8 * T vectors: 128 < 256 <= 256

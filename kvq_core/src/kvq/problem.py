@@ -1,4 +1,4 @@
-"""What selection is asked about: one op of one method on one shape, dtype and device."""
+"""What selection is asked about: one op of one method on one shape, dtype and device (its kind and name)."""
 
 from __future__ import annotations
 
@@ -44,6 +44,19 @@ def device_kind(device: mx.Device | str | None = None) -> str:
     if device.type == mx.DeviceType.cpu:
         return "cpu"
     return "metal" if mx.metal.is_available() else "cuda"
+
+
+def device_name(device: Any = None) -> str:
+    """The name of an MLX device (``mx.device_info()["device_name"]`` where MLX has it, e.g. ``"NVIDIA H200"``),
+    else ``str(device)``. :param device: ``mx.Device``, ``"cpu"``/``"gpu"``/``"metal"``/``"cuda"`` or ``None``."""
+    kind = device_kind(device)
+    target = mx.cpu if kind == "cpu" else mx.gpu
+    info = getattr(mx, "device_info", None)
+    try:
+        name = info(target).get("device_name") if info else None
+    except Exception:  # noqa: BLE001 - older MLX, or a back end without the query
+        name = None
+    return str(name) if name else str(mx.Device(target))
 
 
 @attrs.frozen

@@ -11,7 +11,7 @@ from typing import Any, Callable
 import attrs
 import mlx.core as mx
 
-from . import autotune
+from . import tuning
 from .hookspecs import OPS
 from .problem import Problem, device_kind
 from .plugins import registry
@@ -144,7 +144,7 @@ def shape_bucket(shape: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
 
 
 def _rank(problem: Problem, implementations: list[Any], kernels: str = "auto",
-          table: "autotune.Table | None" = None) -> Choice | None:
+          table: "tuning.Table | None" = None) -> Choice | None:
     if kernels == "off":
         implementations = [i for i in implementations if not is_kernel(i)]
     elif kernels == "require":
@@ -157,7 +157,7 @@ def _rank(problem: Problem, implementations: list[Any], kernels: str = "auto",
         else:
             candidates.append(Candidate(impl.backend, False, None, note or "does not support this problem"))
     # a measured crossover (kvq autotune) decides between a kernel and pure MLX instead of the cost model
-    ruled_out, measured = autotune.verdict(table, problem, implementations, candidates)
+    ruled_out, measured = tuning.verdict(table, problem, implementations, candidates)
     usable = [(c.cost, i, c) for i, c in enumerate(candidates) if c.supported and i not in ruled_out]
     if not usable:
         return None
@@ -206,7 +206,7 @@ def select(
     :param params: the method's parameter object; ``None`` uses its defaults.
     :param num_queries: ``T_q`` for ``attend`` (1 in decode). :param num_q_heads: ``H_q`` (GQA).
     :param kernels: ``"auto"`` (default: kernels and pure MLX ranked by cost, or by this device's measured
-        crossover where ``kvq autotune`` stored one: :mod:`kvq.autotune`), ``"require"`` (kernel
+        crossover where ``kvq autotune`` stored one: :mod:`kvq.tuning`), ``"require"`` (kernel
         implementations only) or ``"off"`` (pure MLX only); see :data:`KERNELS`.
     :return: :class:`Plan`; ops without a supporting implementation are absent from ``plan.choices``.
     :raises ValueError: unknown method or op, bad shape, a head_dim the method does not support, ``kernels``
@@ -220,7 +220,7 @@ def select(
     # (a key enters this cache only after its arguments passed the checks below)
     kind = device_kind(device)
     fast_key = (method, params, op, shape, dtype, kind, num_queries, num_q_heads, kernels, reg.generation,
-                autotune.state())
+                tuning.state())
     try:
         plan = _FAST.get(fast_key)
     except TypeError:  # unhashable arguments: the full path says what is wrong
@@ -242,13 +242,13 @@ def select(
     check_kernels(kernels)
     ops = OPS if op is None else (op,)
     key = (method, params, ops, shape_bucket(shape), dtype, kind, num_queries, num_q_heads, kernels,
-           reg.generation, autotune.state())
+           reg.generation, tuning.state())
     if key in _CACHE:
         if fast_key is not None:
             _FAST[fast_key] = _CACHE[key]
         return _CACHE[key]
     choices = {}
-    table = autotune.current(kind) if kernels == "auto" else None
+    table = tuning.current(kind) if kernels == "auto" else None
     for name in ops:
         problem = Problem(method, name, shape, dtype, kind, params, num_queries, num_q_heads)
         choice = _rank(problem, reg.implementations_of(method, name), kernels, table)

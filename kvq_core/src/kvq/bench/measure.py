@@ -16,8 +16,9 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
+from .. import provenance
 from ..encoded import Encoded
-from ..problem import device_kind
+from ..problem import device_kind, device_name
 
 
 def arrays_of(result: Any) -> list[mx.array]:
@@ -91,19 +92,6 @@ def elementwise_bandwidth(total_bytes: int = 2**30, warmup: int = 3, reps: int =
             "bandwidth_Bps": moved / timing["median_s"]}
 
 
-def device_name(device: Any = None) -> str:
-    """The name of an MLX device (``mx.device_info()["device_name"]`` where MLX has it, e.g. ``"NVIDIA H200"``),
-    else ``str(device)``. :param device: ``mx.Device``, ``"cpu"``/``"gpu"``/``"metal"``/``"cuda"`` or ``None``."""
-    kind = device_kind(device)
-    target = mx.cpu if kind == "cpu" else mx.gpu
-    info = getattr(mx, "device_info", None)
-    try:
-        name = info(target).get("device_name") if info else None
-    except Exception:  # noqa: BLE001 - older MLX, or a back end without the query
-        name = None
-    return str(name) if name else str(mx.Device(target))
-
-
 def _git_commit() -> dict:
     here = Path(__file__).resolve().parent
     try:
@@ -116,24 +104,14 @@ def _git_commit() -> dict:
     return {"git_commit": commit, "git_dirty": bool(dirty)}
 
 
-def kernels_hash() -> str | None:
-    """``kvq_metal.sources_hash()`` (the kernel sources a result was measured with), or ``None`` when kvq_metal
-    does not import."""
-    try:
-        import kvq_metal
-
-        return kvq_metal.sources_hash()
-    except Exception:  # noqa: BLE001 - kvq_metal absent or broken: the result says so
-        return None
-
-
 def environment(command: str) -> dict:
     """Where and when a result was measured: device name and kind, MLX and kvq versions, git commit (when the
-    sources are a git checkout), kvq_metal's kernel sources hash, UTC date, and the exact ``command``."""
+    sources are a git checkout), the installed kvq distributions and the sources hashes their plugins report
+    (:mod:`kvq.provenance`: kernel sources, for instance), UTC date, and the exact ``command``."""
     from .. import __version__
 
     return {
         "device": device_name(), "device_kind": device_kind(), "mlx": mx.__version__, "kvq": __version__,
-        **_git_commit(), "kvq_metal_sources_hash": kernels_hash(),
+        **_git_commit(), "distributions": provenance.distributions(), "sources_hashes": provenance.sources_hashes(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "command": command,
     }

@@ -28,18 +28,12 @@ def _usage() -> str:
 def version_text() -> str:
     """``kvq --version``: kvq's version, then each installed kvq distribution (``kvq-*`` and the packages that
     declare plugins in the ``kvq`` entry-point group) with its version, and MLX's version and default device."""
-    from importlib import metadata
-
     import mlx.core as mx
 
     from .. import __version__
+    from ..provenance import distributions
 
-    names = set()
-    for dist in metadata.distributions():
-        name = dist.metadata["Name"] or ""
-        if name.startswith("kvq-") or any(ep.group == "kvq" for ep in dist.entry_points):
-            names.add((name, dist.version))
-    lines = [f"kvq {__version__}"] + [f"  {name} {version}" for name, version in sorted(names)]
+    lines = [f"kvq {__version__}"] + [f"  {name} {version}" for name, version in distributions().items()]
     lines.append(f"  mlx {mx.__version__} (default device: {mx.default_device()})")
     return "\n".join(lines)
 

@@ -10,8 +10,8 @@ import json
 import shlex
 from pathlib import Path
 
-from .. import autotune
-from ..bench import ops
+from .. import tuning
+from ..bench import autotune, ops
 
 
 def parser() -> argparse.ArgumentParser:
@@ -67,8 +67,8 @@ def main(argv: list[str]) -> int:
     else:
         document = autotune.measure(args.methods, args.ops, sizes, contexts, warmup=args.warmup, reps=args.reps,
                                     command=command, progress=not args.no_progress)
-    paths = [autotune.save(document)]
+    paths = [tuning.save(document)]
     if args.out_dir:
-        paths.append(autotune.save(document, Path(args.out_dir) / f"autotune_{paths[0].name}"))
+        paths.append(tuning.save(document, Path(args.out_dir) / f"autotune_{paths[0].name}"))
     print(_summary(document, paths))
     return 0
