@@ -261,6 +261,8 @@ def test_long_reference_text_is_encoded_without_transformers_length_warning():
     try:
         ids = encode_text(tokenizer, text)
         assert ids == [0, 1, 2] * 10 and logging.get_verbosity() == before
+        # kvq calibrate's form: the tokenizer's own special tokens kept, as tokenizer.encode(text) gives them
+        assert encode_text(tokenizer, text, special_tokens=True) == tokenizer.encode(text)
         assert not [m for m in handler.messages if "longer than the specified maximum" in m]
         # the warning it silences, from a fresh tokenizer (each warns once)
         fresh = PreTrainedTokenizerFast(tokenizer_object=core, model_max_length=8, unk_token="[UNK]")

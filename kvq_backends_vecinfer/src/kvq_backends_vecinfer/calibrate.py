@@ -162,6 +162,7 @@ def run(model: str | None = None, *, text: str | None = None, text_name: str | N
     if tokens < 16 or seq_len < 16:
         raise ValueError(f"tokens and seq_len must be >= 16; got tokens={tokens}, seq_len={seq_len}")
     from kvq.models import load
+    from kvq.textdata import encode_text
 
     loaded, tokenizer = load(model, dtype=mx.float32, progress=progress)
     head_dim = _head_dim(loaded)
@@ -169,7 +170,7 @@ def run(model: str | None = None, *, text: str | None = None, text_name: str | N
         s.check_head_dim(head_dim)  # fail before the slow part
     if text is None:
         text, text_name = calibration_text(), DEFAULT_SOURCE
-    ids = tokenizer.encode(text)
+    ids = encode_text(tokenizer, text, special_tokens=True)  # longer than the model's context on purpose
     recording = record(loaded, ids, seq_len, tokens, progress=progress)
     source = text_name or f"text sha256 {hashlib.sha256(text.encode()).hexdigest()[:16]}"
     options = Options(seed, smooth_alpha, iterations, points_per_centroid, source, seq_len)

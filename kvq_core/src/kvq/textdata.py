@@ -20,21 +20,22 @@ def language_reference() -> str:
     return "\n\n".join(topics[key] for key in sorted(topics))
 
 
-def encode_text(tokenizer, text: str) -> list[int]:
-    """Token ids of ``text`` without special tokens, for texts longer than the model's context on purpose
-    (evaluation and benchmark windows are cut from them): transformers' warning that the sequence exceeds the
+def encode_text(tokenizer, text: str, special_tokens: bool = False) -> list[int]:
+    """Token ids of ``text``, for texts longer than the model's context on purpose (evaluation and benchmark
+    windows and calibration sequences are cut from them): transformers' warning that the sequence exceeds the
     model's maximum length, which would read as an error here, is silenced for this call only.
 
-    :param tokenizer: an mlx-lm tokenizer (``encode(text, add_special_tokens=False)``).
+    :param tokenizer: an mlx-lm tokenizer (``encode(text, add_special_tokens=...)``).
+    :param special_tokens: add the tokenizer's special tokens (a BOS token) as ``tokenizer.encode(text)`` does.
     :return: the ids as a list of ints.
     """
     try:
         from transformers.utils import logging
     except ImportError:  # a tokenizer without transformers: nothing to silence
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        return list(tokenizer.encode(text, add_special_tokens=special_tokens))
     level = logging.get_verbosity()
     logging.set_verbosity_error()
     try:
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        return list(tokenizer.encode(text, add_special_tokens=special_tokens))
     finally:
         logging.set_verbosity(level)
