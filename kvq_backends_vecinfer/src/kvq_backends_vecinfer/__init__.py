@@ -26,7 +26,7 @@ SOURCE = "Yao et al., VecInfer, arXiv 2510.06175"
 VECINFER = kvq.Method(
     "vecinfer", VecInferParams,
     "smoothing + Hadamard + product VQ with calibrated k-means codebooks, code_bits/sub_dim bits (e.g. 2, 1)",
-    source=SOURCE, needs_calibration=True)
+    source=SOURCE, needs_calibration=True, calibrate="kvq_backends_vecinfer.calibrate")
 
 __all__ = ["VECINFER", "CalibrationError", "VecInferMLX", "VecInferParams", "bind_layers", "kvq_register",
            "make_prompt_cache"]

@@ -144,6 +144,17 @@ def _meta(recording: Recording, setting: VecInferParams, options: Options) -> di
             "tokens": N, **attrs.asdict(options), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
+def add_arguments(parser) -> None:
+    """``kvq calibrate --method vecinfer``'s own options, each ``dest`` named as :func:`run`'s keyword."""
+    parser.add_argument("--sub-dim", dest="sub_dims", metavar="SUB_DIM", type=int, nargs="+", default=[4, 8],
+                        help="sub-vector sizes (default 4 8)")
+    parser.add_argument("--code-bits", type=int, nargs="+", default=[8], help="bits per code (default 8)")
+    parser.add_argument("--role", dest="roles", choices=("keys", "values"), nargs="+", default=["keys", "values"])
+    parser.add_argument("--per-head", action="store_true", help="one codebook per KV head (default: one per layer)")
+    parser.add_argument("--smooth-alpha", type=float, default=0.5, help="key smoothing factor max|K|**alpha (0.5)")
+    parser.add_argument("--iterations", type=int, default=20, help="k-means iterations at most (default 20)")
+
+
 def run(model: str | None = None, *, text: str | None = None, text_name: str | None = None, tokens: int = 4096,
         seq_len: int = 512, sub_dims=(4, 8), code_bits=(8,), roles=("keys", "values"), per_head: bool = False,
         seed: int = 0, smooth_alpha: float = 0.5, iterations: int = 20, points_per_centroid: int = 128,

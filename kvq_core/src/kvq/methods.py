@@ -57,6 +57,11 @@ class Method:
     :param needs_calibration: ``True`` when parameters come from calibration data (``kvq calibrate``).
     :param keys_only: ``True`` for a key method that cannot serve values (QJL's sign sketch estimates inner
         products, not vectors); a cache refuses it on the values' side.
+    :param calibrate: how ``kvq calibrate --method NAME`` calibrates it: the import path of a module (or
+        ``"module:attribute"``) that is imported only when that command runs and offers
+        ``add_arguments(parser)`` (the method's own options, optional) and ``run(model, *, text, text_name,
+        tokens, seq_len, seed, model_id, progress, **options) -> list[Path]`` (``options``: what
+        ``add_arguments`` added, by ``dest``; returns the files written). ``None``: no calibration command.
     """
 
     name: str
@@ -65,6 +70,7 @@ class Method:
     source: str = ""
     needs_calibration: bool = False
     keys_only: bool = False
+    calibrate: str | None = None
 
     def make_params(self, **kwargs: Any):
         """Build validated parameters, naming the allowed parameters when one is unknown.

@@ -1,7 +1,8 @@
 """``kvq calibrate``: compute a method's calibration (codebooks, smoothing factors) from a model's real keys/values.
 
-Today one method needs calibration, ``vecinfer`` (plugin ``kvq-backends-vecinfer``); the work is done by that
-plugin, which is imported here only when this command runs.
+The work is done by the plugin that declares the method: its :class:`kvq.Method` names a calibration module
+(``calibrate="package.module"``), imported only when this command runs. This command reads the options every
+calibration shares (model, text, tokens, seed) and adds the method's own (the module's ``add_arguments``).
 """
 
 from __future__ import annotations
@@ -10,22 +11,46 @@ import argparse
 import importlib
 from pathlib import Path
 
-PLUGINS = {"vecinfer": ("kvq_backends_vecinfer.calibrate", "kvq-backends-vecinfer")}
+from ..methods import Method
+from ..plugins import registry
+
+#: ``dest`` of the options every calibration shares; the others are the method's own (passed on by name).
+COMMON = ("method", "model", "model_id", "text", "tokens", "seq_len", "seed", "quiet")
 
 
-def _plugin(method: str):
-    module, distribution = PLUGINS[method]
+def calibrated_methods() -> dict[str, Method]:
+    """Installed methods that declare a calibration (``Method.calibrate``), by name."""
+    return {name: m for name, m in sorted(registry().methods.items()) if m.calibrate}
+
+
+def calibration(method: Method):
+    """The calibration module (or object) ``method`` declares, imported now.
+
+    :raises ValueError: it does not import (the message names it and the plugin that declared it).
+    """
+    module, _, attribute = method.calibrate.partition(":")
     try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        raise ValueError(f"calibrating {method!r} needs the {distribution} package ({exc}); "
-                         f"install it: pip install {distribution}") from None
+        found = importlib.import_module(module)
+        return getattr(found, attribute) if attribute else found
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"calibrating {method.name!r}: {method.calibrate} (declared by "
+                         f"{registry().origin.get(method.name, 'its plugin')}) does not import: {exc}") from None
 
 
-def parser() -> argparse.ArgumentParser:
-    """The argument parser of ``kvq calibrate``."""
+def _method_name(argv: list[str]) -> str | None:
+    """``--method`` of ``argv`` (before the method's own options are known), or ``None``."""
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--method")
+    return first.parse_known_args(argv)[0].method
+
+
+def parser(method: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser of ``kvq calibrate`` with ``method``'s own options (default: the only installed method
+    that declares a calibration; with several, ``--method`` is required)."""
+    methods = calibrated_methods()
+    default = next(iter(methods)) if len(methods) == 1 else None
     p = argparse.ArgumentParser(prog="kvq calibrate", description=__doc__)
-    p.add_argument("--method", choices=sorted(PLUGINS), default="vecinfer")
+    p.add_argument("--method", choices=sorted(methods), default=default, required=default is None)
     p.add_argument("--model", default=None, help="model name, folder, .gguf file or Hub id (default: "
                    "SmolLM2-135M-Instruct)")
     p.add_argument("--model-id", default=None, help="store under this id (default: derived from --model)")
@@ -33,35 +58,35 @@ def parser() -> argparse.ArgumentParser:
                    "half of the Python language reference)")
     p.add_argument("--tokens", type=int, default=4096, help="tokens of the text to use (default 4096)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per forward pass (default 512)")
-    p.add_argument("--sub-dim", type=int, nargs="+", default=[4, 8], help="sub-vector sizes (default 4 8)")
-    p.add_argument("--code-bits", type=int, nargs="+", default=[8], help="bits per code (default 8)")
-    p.add_argument("--role", choices=("keys", "values"), nargs="+", default=["keys", "values"])
-    p.add_argument("--per-head", action="store_true", help="one codebook per KV head (default: one per layer)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--smooth-alpha", type=float, default=0.5, help="key smoothing factor max|K|**alpha (0.5)")
-    p.add_argument("--iterations", type=int, default=20, help="k-means iterations at most (default 20)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    chosen = methods.get(method or default)
+    add_arguments = getattr(calibration(chosen), "add_arguments", None) if chosen else None
+    if add_arguments is not None:
+        add_arguments(p.add_argument_group(f"{chosen.name} options"))
     return p
 
 
 def main(argv: list[str]) -> int:
     """Run ``kvq calibrate`` with ``argv``; prints the files written. Returns 0.
 
-    :raises ValueError: bad settings, an unreadable ``--text``, a model that cannot be loaded, the plugin missing.
+    :raises ValueError: no installed method declares a calibration, bad settings, an unreadable ``--text``, a
+        model that cannot be loaded, a calibration module that does not import.
     """
-    args = parser().parse_args(argv)
-    plugin = _plugin(args.method)
+    if not calibrated_methods():
+        raise ValueError("no installed method declares a calibration (a plugin declares one with "
+                         "kvq.Method(..., calibrate='package.module'))")
+    args = parser(_method_name(argv)).parse_args(argv)
+    run = calibration(calibrated_methods()[args.method]).run
     text = None
     if args.text is not None:
         try:
             text = args.text.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise ValueError(f"--text {args.text}: cannot read it as UTF-8 text ({exc})") from None
-    paths = plugin.run(args.model, text=text, text_name=None if text is None else str(args.text),
-                       tokens=args.tokens, seq_len=args.seq_len, sub_dims=tuple(args.sub_dim),
-                       code_bits=tuple(args.code_bits), roles=tuple(args.role), per_head=args.per_head,
-                       seed=args.seed, smooth_alpha=args.smooth_alpha, iterations=args.iterations,
-                       model_id=args.model_id, progress=not args.quiet)
+    options = {name: value for name, value in vars(args).items() if name not in COMMON}
+    paths = run(args.model, text=text, text_name=None if text is None else str(args.text), tokens=args.tokens,
+                seq_len=args.seq_len, seed=args.seed, model_id=args.model_id, progress=not args.quiet, **options)
     for path in paths:
         print(path)
     return 0
