@@ -60,13 +60,13 @@ def markdown_file(document: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(document: dict, path: str | Path) -> bool:
+def plot(document: dict, path: str | Path) -> None:
     """Three panels against context length (log 2): decode tokens/s, measured KV memory, decode peak memory;
-    one line per method (fp16 dashed black, mlx-lm caches with squares). :return: False when matplotlib is
-    missing (a warning says so), else True."""
+    one line per method (fp16 dashed black, mlx-lm caches with squares).
+
+    :raises ValueError: matplotlib is missing (the message says how to install it).
+    """
     plt = pyplot()
-    if plt is None:
-        return False
     from matplotlib.ticker import LogFormatter
 
     rows = [r for r in document["rows"] if not r["error"]]
@@ -95,4 +95,3 @@ def plot(document: dict, path: str | Path) -> bool:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return True

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -48,16 +47,20 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     return "\n".join([line(headers), "|" + "---|" * len(headers), *(line(r) for r in rows)])
 
 
+#: How to get matplotlib, which kvq-core installs only with its ``plots`` extra.
+PLOTS_EXTRA = "pip install 'kvq-core[plots]' (from a clone of kvq: uv pip install './kvq_core[plots]')"
+
+
 def pyplot():
-    """matplotlib's pyplot on the Agg back end (no display needed), or ``None`` with a warning when matplotlib
-    does not import (the caller then writes no PNG)."""
+    """matplotlib's pyplot on the Agg back end (no display needed).
+
+    :raises ValueError: matplotlib does not import (the message names the install command and ``--no-plot``).
+    """
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        warnings.warn(f"kvq bench: no PNG plot, matplotlib does not import ({exc}); pip install 'matplotlib>=3.8'",
-                      RuntimeWarning, stacklevel=2)
-        return None
+        raise ValueError(f"the PNG plots need matplotlib ({exc}): {PLOTS_EXTRA}; or pass --no-plot") from None
     return plt

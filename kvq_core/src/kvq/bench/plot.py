@@ -21,11 +21,9 @@ def plot_ops(rows: list[dict], out_dir: str | Path, device: str) -> list[str]:
     """One PNG per op in ``rows``: ``ops_<op>.png`` in ``out_dir``, median ms against size (vectors for
     quantize/dequantize, context tokens for attend), log-log.
 
-    :return: the paths written (none when matplotlib is missing; a warning says so).
+    :return: the paths written. :raises ValueError: matplotlib is missing (the message says how to install it).
     """
     plt = pyplot()
-    if plt is None:
-        return []
     written = []
     for op in dict.fromkeys(r["op"] for r in rows):
         fig, ax = plt.subplots(figsize=(7, 4.5))

@@ -51,6 +51,7 @@ mlx-affine:N mlx-lm's QuantizedKVCache (kv_bits N, group 64), kvq-fp16 kvq's own
 Default contexts: real models 1024,2048,4096 on the CPU, 1K..8K on a GPU (up to the model's maximum); random
 models 1024,4096 on the CPU, 4K,16K,32K,64K,128K on a GPU. Sizes take K suffixes (1K = 1024).
 Writes OUT/NAME.json (after every row), OUT/NAME.md and OUT/NAME.png; --report OUT/NAME.json redraws the last two.
+The PNG needs matplotlib: pip install 'kvq-core[plots]' (or pass --no-plot).
 """
 
 
@@ -88,14 +89,16 @@ def e2e_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench-e2e", help="output folder (default ./bench-e2e)")
     p.add_argument("--name", default=None, help="file name stem (default DATE-DEVICE-MODEL)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-plot", action="store_true", help="write no PNG (matplotlib is not needed then)")
     p.add_argument("--report", default=None, metavar="JSON",
                    help="measure nothing: write the .md and .png of a result JSON (one cut short, say) beside it")
     return p
 
 
-def e2e_report_only(path: str) -> int:
-    """Write ``NAME.md`` and ``NAME.png`` beside the result ``NAME.json`` (rows measured so far) and print the
-    tables. :raises ValueError: the file cannot be read or is not a ``kvq bench e2e`` result."""
+def e2e_report_only(path: str, plot: bool = True) -> int:
+    """Write ``NAME.md`` and (with ``plot``) ``NAME.png`` beside the result ``NAME.json`` (rows measured so far)
+    and print the tables. :raises ValueError: the file cannot be read or is not a ``kvq bench e2e`` result, or
+    matplotlib is missing for the plot."""
     from pathlib import Path
 
     from ..bench import e2e_report
@@ -108,7 +111,8 @@ def e2e_report_only(path: str) -> int:
         raise ValueError(f"--report: {path} is not a kvq bench e2e result")
     json_path = Path(path)
     json_path.with_suffix(".md").write_text(e2e_report.markdown_file(document))
-    e2e_report.plot(document, json_path.with_suffix(".png"))
+    if plot:
+        e2e_report.plot(document, json_path.with_suffix(".png"))
     print(e2e_report.markdown(document["rows"]))
     return 0
 
@@ -211,13 +215,17 @@ def _model_info(name: str, model, path) -> dict:
 
 
 def e2e_main(argv: list[str]) -> int:
-    """Run ``kvq bench e2e``; every argument is checked before any model is loaded or built."""
+    """Run ``kvq bench e2e``; every argument (and matplotlib, for the plot) is checked before any model is loaded
+    or built."""
     args = e2e_parser().parse_args(argv)
     if args.report:
-        return e2e_report_only(args.report)
+        return e2e_report_only(args.report, plot=not args.no_plot)
     checked = e2e_check(args)
     from ..bench import e2e, e2e_report, measure, output
     from ..problem import device_kind
+
+    if not args.no_plot:
+        output.pyplot()  # fail now, not after the measurements, when matplotlib is missing
 
     stem = args.name or f"{datetime.date.today().isoformat()}-{device_kind()}-{output.slug(checked['name'])}"
     paths = output.output_paths(args.out, stem)
@@ -240,7 +248,10 @@ def e2e_main(argv: list[str]) -> int:
 
     e2e.E2EBench(model, settings, text_ids).run(checked["specs"], on_row=save)
     paths[".md"].write_text(e2e_report.markdown_file(document))
-    wrote = [paths[".json"], paths[".md"]] + ([paths[".png"]] if e2e_report.plot(document, paths[".png"]) else [])
+    wrote = [paths[".json"], paths[".md"]]
+    if not args.no_plot:
+        e2e_report.plot(document, paths[".png"])
+        wrote.append(paths[".png"])
     print(e2e_report.markdown(document["rows"]))
     failed = sum(bool(r["error"]) for r in document["rows"])
     print(f"\n{len(document['rows'])} rows ({failed} failed); wrote {', '.join(map(str, wrote))}", file=sys.stderr)

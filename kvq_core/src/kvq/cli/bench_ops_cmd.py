@@ -1,7 +1,8 @@
 """``kvq bench ops``: each op of each method, every implementation that runs here (kernels and pure MLX), timed
 over N vectors (quantize, dequantize) or context length T (decode attend, with fp16 SDPA as the reference line);
 intermediate memory per call, achieved bandwidth of attend against the device's measured elementwise bandwidth.
-Writes bench_ops.json and one PNG per op (log-log time against size) to --out.
+Writes bench_ops.json and one PNG per op (log-log time against size) to --out; the PNGs need matplotlib
+(pip install 'kvq-core[plots]', or pass --no-plot).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def parser() -> argparse.ArgumentParser:
                    help="array size of the elementwise-bandwidth probe (default 1G on a GPU, 64M on the CPU)")
     p.add_argument("--out", default="bench-ops", help="output folder (default ./bench-ops)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-plot", action="store_true", help="write no PNG (matplotlib is not needed then)")
     return p
 
 
@@ -78,9 +80,12 @@ def _summary(rows: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """Run ``kvq bench ops``; every argument is checked before anything is measured."""
+    """Run ``kvq bench ops``; every argument (and matplotlib, for the plots) is checked before anything is
+    measured."""
     args = parser().parse_args(argv)
     settings = settings_from(args)
+    if not args.no_plot:
+        output.pyplot()  # fail now, not after the measurements, when matplotlib is missing
     probe = ops.parse_sizes(args.bandwidth_bytes, "--bandwidth-bytes")[0] if args.bandwidth_bytes else \
         (2**26 if device_kind() == "cpu" else 2**30)
     out = Path(args.out)
@@ -96,7 +101,7 @@ def main(argv: list[str]) -> int:
         output.write_json(document, out / "bench_ops.json")
 
     result = ops.run(settings, progress=not args.no_progress, on_step=write)
-    plots = plot.plot_ops(result["rows"], out, env["device"])
+    plots = [] if args.no_plot else plot.plot_ops(result["rows"], out, env["device"])
     write(result, complete=True, plots=[Path(p).name for p in plots])
     print(_summary(result["rows"]))
     print(f"\nelementwise bandwidth {bandwidth['bandwidth_Bps'] / 1e9:.0f} GB/s; {env['device']}, MLX {env['mlx']}")

@@ -89,7 +89,7 @@ def write_json(document: dict, path: str | Path) -> None:
 def plot(document: dict, path: str | Path) -> None:
     """Quality vs bits per coordinate: PPL change and KL per method, one row of panels per context.
 
-    :raises ValueError: matplotlib is not installed (``pip install matplotlib``).
+    :raises ValueError: matplotlib is not installed (``pip install 'kvq-core[plots]'``).
     """
     try:
         import matplotlib
@@ -97,7 +97,8 @@ def plot(document: dict, path: str | Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise ValueError(f"--plot needs matplotlib (pip install 'matplotlib>=3.8'): {exc}") from None
+        raise ValueError(f"--plot needs matplotlib ({exc}): pip install 'kvq-core[plots]' (from a clone of kvq: "
+                         "uv pip install './kvq_core[plots]')") from None
     runs = document["runs"]
     fig, axes = plt.subplots(len(runs), 2, figsize=(12, 4.5 * len(runs)), squeeze=False)
     for (ax_ppl, ax_kl), run in zip(axes, runs):
