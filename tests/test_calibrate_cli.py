@@ -64,7 +64,8 @@ def test_a_calibration_that_does_not_import_is_named(registered, capsys):
     registered(kvq.Method("toy_calibrated", ToyParams, "(test)", calibrate="kvq_no_such_module.calibrate"))
     assert main(["calibrate", "--method", "toy_calibrated"]) == 1
     err = capsys.readouterr().err
-    assert "calibrating 'toy_calibrated': kvq_no_such_module.calibrate (declared by kvq.register) does not import" in err
+    assert ("calibrating 'toy_calibrated': kvq_no_such_module.calibrate (declared by kvq.register) does not "
+            "import") in err
 
 
 def test_no_calibrated_method_installed(monkeypatch, capsys):

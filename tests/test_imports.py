@@ -3,12 +3,14 @@
 A static walk of every workspace package: each module's AST is parsed and every ``import`` / ``from ... import``
 counts, at module level or inside a function (a lazy import is still a dependency), relative imports resolved;
 so does ``importlib.import_module("...")`` with a constant name, and a constant string that names a plugin module
-(``"kvq_backends_x.mod"``, ``"kvq_backends_x:attr"``: an import by name). Nothing is imported.
+(``"kvq_backends_x.mod"``, ``"kvq_backends_x:attr"``: an import by name). Nothing is imported. Imports under
+``if TYPE_CHECKING:`` never run: they count for the direction between distributions (a type is an API one
+depends on) but not for the layers and cycles of modules, which are about what runs.
 
 Layers of ``kvq`` (:data:`LAYERS`), lowest first; a module may import its own layer and those below, never above:
 
-- contract: hook specs, method declarations, Encoded, Problem and the device, validation, packing, cost model,
-  attention helpers, text data;
+- contract: the contract's Protocols, hook specs, method declarations, Encoded, Problem and the device,
+  validation, packing, cost model, attention helpers, text data, install hints;
 - registry: kvq.plugins (entry points), kvq.tuning (stored autotune crossovers), kvq.provenance;
 - selection: kvq.select;
 - runtime: the baselines and the mlx-lm cache;
@@ -36,8 +38,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS = {
-    "contract": ("kvq.hookspecs", "kvq.methods", "kvq.encoded", "kvq.problem", "kvq.validate", "kvq.packing",
-                 "kvq.costmodel", "kvq.attention", "kvq.textdata", "kvq.install_hints"),
+    "contract": ("kvq.contract", "kvq.hookspecs", "kvq.methods", "kvq.encoded", "kvq.problem", "kvq.validate",
+                 "kvq.packing", "kvq.costmodel", "kvq.attention", "kvq.textdata", "kvq.install_hints"),
     "registry": ("kvq.plugins", "kvq.tuning", "kvq.provenance"),
     "selection": ("kvq.select",),
     "runtime": ("kvq.baselines", "kvq.cache"),
@@ -111,10 +113,22 @@ def _resolve(module: str, level: int, name: str | None) -> str:
 PLUGIN_REFERENCE = re.compile(r"^(kvq_metal|kvq_backends_\w+|kvq_example_plugin)(\.[\w.]+|:[\w.]+)+$")
 
 
-def _imported(module: str, tree: ast.AST) -> set[str]:
-    """Every module ``module`` imports, as written (may name modules outside the workspace)."""
-    names = set()
+def _typing_only(tree: ast.AST) -> set[int]:
+    """``id`` of every node under ``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``)."""
+    found = set()
     for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            found |= {id(inner) for statement in node.body for inner in ast.walk(statement)}
+    return found
+
+
+def _imported(module: str, tree: ast.AST, typing: bool) -> set[str]:
+    """Every module ``module`` imports, as written (may name modules outside the workspace); with ``typing``,
+    also those imported for type checkers only."""
+    names, skip = set(), set() if typing else _typing_only(tree)
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -126,7 +140,7 @@ def _imported(module: str, tree: ast.AST) -> set[str]:
                 "import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant):
             names.add(str(node.args[0].value))
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and PLUGIN_REFERENCE.match(node.value):
-            names.add(re.split(r"[:]", node.value)[0])
+            names.add(node.value.partition(":")[0])
     return names
 
 
@@ -140,11 +154,13 @@ def _workspace_module(name: str) -> str | None:
 
 
 @cache
-def graph() -> dict[str, set[str]]:
-    """Module -> workspace modules it imports (not itself)."""
+def graph(typing: bool = False) -> dict[str, set[str]]:
+    """Module -> workspace modules it imports when it runs (not itself); with ``typing``, also those imported
+    for type checkers only."""
     edges = {}
     for module, path in modules().items():
-        found = {_workspace_module(n) for n in _imported(module, ast.parse(path.read_text(), str(path)))}
+        tree = ast.parse(path.read_text(), str(path))
+        found = {_workspace_module(n) for n in _imported(module, tree, typing)}
         edges[module] = {m for m in found if m is not None and m != module}
     return edges
 
@@ -202,17 +218,21 @@ def components() -> list[list[str]]:
 
 
 def layer_of(module: str) -> str | None:
-    """The layer of a ``kvq`` module: that of the longest prefix listed in :data:`LAYERS`."""
+    """The layer of a ``kvq`` module: that of the longest package or module listed in :data:`LAYERS` that is or
+    contains it (``kvq`` itself stands for its ``__init__`` only)."""
     best = None
     for name, members in LAYERS.items():
         for prefix in members:
-            if (module == prefix or _contains(prefix, module)) and (best is None or len(prefix) > len(best[1])):
+            inside = module == prefix or (prefix != CORE and _contains(prefix, module))
+            if inside and (best is None or len(prefix) > len(best[1])):
                 best = (name, prefix)
     return None if best is None else best[0]
 
 
 def _edges_to(packages: set[str], of: str) -> list[str]:
-    return sorted(f"{m} -> {n}" for m in graph() if top(m) == of for n in graph()[m] if top(n) in packages)
+    """Imports (type-checking ones included) from package ``of`` into any of ``packages``."""
+    edges = graph(typing=True)
+    return sorted(f"{m} -> {n}" for m in edges if top(m) == of for n in edges[m] if top(n) in packages)
 
 
 # -- the tests -------------------------------------------------------------------------------------------
@@ -222,6 +242,14 @@ def test_the_walk_sees_every_package_and_lazy_imports():
     assert "kvq.cli.calibrate_cmd" in modules() and "kvq.tuning" in graph()["kvq.select"]
     assert "kvq.cache" in graph()["kvq"]  # kvq.__getattr__'s lazy `from . import cache`
     assert "kvq.cli.list_cmd" not in graph()["kvq.cli"]  # a dict of names is not an import (the CLI dispatcher)
+
+
+def test_the_walk_resolves_relative_lazy_by_name_and_type_checking_imports():
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import kvq_metal\n"
+                     "def f():\n    from . import select\n    return load('kvq_backends_x.calibrate')\n")
+    runs = {"typing", "kvq.select", "kvq_backends_x.calibrate"}
+    assert _imported("kvq.plugins", tree, typing=False) == runs
+    assert _imported("kvq.plugins", tree, typing=True) == runs | {"kvq_metal"}
 
 
 def test_core_imports_no_plugin_and_not_the_kernels():
@@ -251,7 +279,8 @@ def test_every_core_module_has_a_layer():
 
 def test_nothing_outside_the_core_imports_its_tooling():
     """Tooling sits on top (STYLE.md): kernels and plugins use the core's runtime, never its CLI or benchmarks."""
-    found = [f"{m} -> {n}" for m in graph() if top(m) != CORE for n in graph()[m]
+    edges = graph(typing=True)
+    found = [f"{m} -> {n}" for m in edges if top(m) != CORE for n in edges[m]
              if any(n == t or _contains(t, n) for t in TOOLING)]
     assert not found, "\n".join(found)
 
