@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 import kvq
 import kvq_metal
-from kvq_metal import dialect
+from kvq_metal import dialect, kernel_files
 
 pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="CPU-only behaviour")
 
@@ -34,7 +34,7 @@ def test_kernels_are_registered_for_both_back_ends_but_offer_nothing_here():
     assert kvq_metal.gpu_backend() is None
 
 
-@pytest.mark.parametrize("name", sorted(kvq_metal.TEMPLATES))
+@pytest.mark.parametrize("name", sorted(kernel_files.templates()))
 @pytest.mark.parametrize("backend", dialect.BACKENDS)
 def test_dialect_translates_every_token(name, backend):
     if backend not in kvq_metal.TEMPLATE_BACKENDS.get(name, dialect.BACKENDS):
@@ -46,9 +46,82 @@ def test_dialect_translates_every_token(name, backend):
     defined = set(re.findall(r"#define (KVQ_[A-Z0-9_]+)", dialect.PRELUDES[backend] + body))
     assert left <= defined, left - defined
     if backend == "metal":
-        assert "threadgroup_position_in_grid" in body and "__syncthreads" not in body
+        assert "_position_in_grid" in body and not re.search(r"__syncthreads|blockIdx|threadIdx", body)
     else:
-        assert "blockIdx" in body and "threadgroup_barrier" not in body
+        assert "blockIdx" in body and not re.search(r"threadgroup_barrier|_position_in_grid", body)
+
+
+@pytest.mark.parametrize("name", sorted(kernel_files.templates()))
+def test_every_kernel_file_names_its_reference_and_launcher(name):
+    """Each kernel file's preamble names its pure-MLX reference and its launcher, and both exist."""
+    import pkgutil
+
+    source = kernel_files.LOADED[name]
+    for dotted in (source.reference, source.launcher):
+        assert dotted, f"{source.path}: the preamble needs '// Reference:' and '// Launcher:' lines"
+        assert callable(pkgutil.resolve_name(dotted)), dotted
+
+
+def test_kernel_files_drop_preambles_and_expand_includes(tmp_path):
+    """A kernel file's leading ``//`` lines are documentation, not text; ``#include "name"`` lines are replaced by
+    the named file (beside it, or one of kvq_metal's shared fragments); cycles and missing files are errors."""
+    (tmp_path / "part.kvq").write_text("// a fragment\n    int y = 2;\n")
+    (tmp_path / "k.kvq").write_text("// k: a kernel\n// Reference: mlx.core.zeros\n// Launcher: x.y\n\n"
+                                    '    int x = 1;\n#include "part.kvq"\n  #include "split_index.kvq"\n    // kept\n')
+    source = kernel_files.read(tmp_path / "k.kvq")
+    split = kernel_files._split_preamble((kernel_files.KERNELS / "split_index.kvq").read_text())[1]
+    assert source.source == "\n    int x = 1;\n    int y = 2;\n" + split + "    // kept\n"
+    assert (source.name, source.reference, source.launcher, source.backends) == ("k", "mlx.core.zeros", "x.y",
+                                                                               dialect.BACKENDS)
+    assert "k" not in kernel_files.LOADED  # read() registers nothing
+    (tmp_path / "c.cu").write_text('#include "c.cu"\n')
+    with pytest.raises(ValueError, match="includes itself: c.cu -> c.cu"):
+        kernel_files.read(tmp_path / "c.cu")
+    (tmp_path / "m.cu").write_text('#include "missing.kvq"\n')
+    with pytest.raises(FileNotFoundError, match="included file 'missing.kvq'"):
+        kernel_files.read(tmp_path / "m.cu")
+
+
+def test_kvq_metal_knows_no_method_plugin():
+    """kvq_metal imports no method's plugin (kvq core <- kvq_metal <- plugins) and works without one."""
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(kvq_metal.__file__).parent
+    imports = re.compile(r"^\s*(from|import)\s+kvq_backends_|import_module\([^)]*kvq_backends_", re.MULTILINE)
+    assert not [str(p.relative_to(root)) for p in root.rglob("*.py") if imports.search(p.read_text())]
+    code = ("import sys; sys.modules['kvq_backends_turboquant'] = None; import kvq_metal; "
+            "print(sorted({i.method for i in kvq_metal.implementations()}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['affine']"
+
+
+@pytest.mark.parametrize("method", ["affine", "turboquant", "turboquant_rvq"])
+def test_reference_attend_agrees_with_each_methods_pure_mlx(method):
+    """:func:`kvq_metal.reference.decode_attend` (the decode-attention kernels' pure-MLX reference, over Sides)
+    gives each method's pure-MLX attention: the Side description (``table[code] * scale + bias``, rotated by
+    ``signs``) is the whole contract between a method and the kernels."""
+    from kvq.plugins import registry
+    from kvq_backends_turboquant import rotation
+    from kvq_backends_turboquant.kernels import turboquant, turboquant_rvq
+    from kvq_metal import reference
+    from kvq_metal.baselines import affine
+    from kvq_metal.common import relative_error
+
+    kw, side, D = {"affine": ({"bits": 4, "group_size": 32}, affine._side, 64),
+                   "turboquant": ({"bits": 3}, turboquant._side, 96),
+                   "turboquant_rvq": ({"bits": 2, "residual_bits": 2}, turboquant_rvq._side, 64)}[method]
+    p = kvq.make_params(method, **kw)
+    pure = registry().implementations[(method, "mlx")]
+    x = mx.random.normal((2, 1, 2, 100, D), key=mx.random.key(1)).astype(mx.float16)
+    keys, values = pure.kvq_quantize(x[0], p), pure.kvq_quantize(x[1], p)
+    q = mx.random.normal((1, 8, 1, D), key=mx.random.key(2)).astype(mx.float16)
+    want, want_lse = pure.kvq_attend(q, keys, values, D**-0.5, None)
+    signs = None if method == "affine" else rotation.rotation("hadamard", rotation.padded_dim(D), p.seed).signs
+    got, lse = reference.decode_attend(q, D**-0.5, side(keys), side(values), signs=signs, out_dim=D)
+    assert got.shape == want.shape and relative_error(got, want) < 1e-5
+    assert mx.max(mx.abs(lse - want_lse)).item() < 1e-5
 
 
 def test_translate_rejects_unknown_backend():
@@ -190,7 +263,7 @@ def test_attend_check_compares_the_kernel_path_with_pure_mlx(wrong):
 
     import kvq
     from kvq_metal.base import KernelImpl
-    from kvq_metal.methods.common import check_attend, normal
+    from kvq_metal.common import check_attend, normal
 
     class Fake(KernelImpl):
         method = "affine"

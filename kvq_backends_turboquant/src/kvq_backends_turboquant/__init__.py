@@ -19,6 +19,8 @@ Three methods, each with a pure-MLX implementation (:class:`~kvq_backends_turboq
 ``D_pad`` is head_dim rounded up to a power of two. Parameters: :class:`TurboQuantParams`,
 :class:`TurboQuantProdParams`, :class:`TurboQuantRVQParams`; their ``accounting(head_dim)`` gives the exact bits
 per coordinate.
+Fused kernels (Metal and CUDA, built on kvq_metal's dialect and decode-attention kernels) serve ``turboquant`` and
+``turboquant_rvq`` on GPUs: :mod:`~kvq_backends_turboquant.kernels`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import kvq
 
 from .impl import TurboQuantMLX
+from .kernels import implementations as kernel_implementations
 from .params import TurboQuantParams, TurboQuantProdParams
 from .rvq import TurboQuantRVQParams
 from .rvq_impl import TurboQuantRVQMLX
@@ -49,7 +52,8 @@ __all__ = ["TURBOQUANT", "TURBOQUANT_PROD", "TURBOQUANT_RVQ", "TurboQuantMLX", "
 
 
 def kvq_register(register):
-    """Entry point ``turboquant``: the three methods and their pure-MLX implementations."""
+    """Entry point ``turboquant``: the three methods, their pure-MLX implementations and the kernel implementations
+    of ``turboquant`` and ``turboquant_rvq`` (``metal`` and ``cuda``; :mod:`~kvq_backends_turboquant.kernels`)."""
     for obj in (TURBOQUANT, TURBOQUANT_PROD, TURBOQUANT_RVQ, TurboQuantMLX("turboquant"),
-                TurboQuantMLX("turboquant_prod"), TurboQuantRVQMLX()):
+                TurboQuantMLX("turboquant_prod"), TurboQuantRVQMLX(), *kernel_implementations()):
         register(obj)

@@ -1,60 +1,39 @@
-"""kvq fused kernels for Metal (Apple GPUs) and CUDA (NVIDIA GPUs), built with MLX custom kernels.
+"""kvq's kernel library: fused kernels for Metal (Apple GPUs) and CUDA (NVIDIA GPUs), built with MLX custom kernels.
 
-Each kernel is written once in a small dialect (:mod:`kvq_metal.dialect`) and built for the back end of MLX's
-default device. Implementations are registered for both back ends; each offers itself only on its own GPU, after
-a first-use check against the pure-MLX implementation (:mod:`kvq_metal.base`), and kvq's selection ranks it by
-cost against pure MLX.
+It knows no method (dependencies run one way: kvq core <- kvq_metal <- method plugins). It holds the dialect each
+kernel is written in once and the launch helpers (:mod:`kvq_metal.dialect`), the kernel files and their loader
+(:mod:`kvq_metal.kernel_files`), the base of kernel implementations and their first-use check
+(:mod:`kvq_metal.base`, :mod:`kvq_metal.common`), and the generic kernels: fused decode attention over any code
+stream that decodes as ``table[code] * scale + bias`` (:mod:`kvq_metal.attend`, on tensor cores on CUDA:
+:mod:`kvq_metal.attend_tc`; pure-MLX reference :mod:`kvq_metal.reference`). Methods' plugins write their own
+kernels on these pieces and register them themselves (``kvq_backends_turboquant.kernels``). Implementations
+are registered for both back ends; each offers itself only on its own GPU, after a first-use check against the
+pure-MLX implementation, and kvq's selection ranks it by cost against pure MLX.
 
-Kernels: fused decode attention over compressed keys and values (:mod:`kvq_metal.attend`, on tensor cores on
-CUDA in :mod:`kvq_metal.attend_tc`; ``affine``,
-``turboquant``, ``turboquant_rvq``), fused TurboQuant encode/decode (normalise + randomized Hadamard + Lloyd-Max + pack;
-:mod:`kvq_metal.quantize`).
+The entry point ``metal`` registers the kernels of kvq core's baseline ``affine`` (:mod:`kvq_metal.baselines`:
+the baseline lives in kvq core, below kvq_metal, so its kernels cannot live with it).
 """
 
 from __future__ import annotations
 
-from . import attend, attend_tc, quantize
+from . import attend, attend_tc  # noqa: F401 - importing them loads (registers) kvq_metal's kernels
 from .base import KernelDisabledWarning, KernelImpl
 from .dialect import BACKENDS, gpu_backend, sources_hash
-
-#: Kernel templates by name (hashed into benchmark results by :func:`kvq_metal.dialect.sources_hash`).
-TEMPLATES = {
-    "decode_attend": attend.SOURCE,
-    "decode_attend_tc": attend_tc.HEADER + attend_tc.SOURCE,
-    "tq_quantize": quantize.QUANTIZE_SOURCE,
-    "tq_dequantize": quantize.DEQUANTIZE_SOURCE,
-    "decode_merge": attend.MERGE_SOURCE,
-}
-
-#: Back ends a template is built for, where not both (the tensor-core kernel is written in CUDA: ``mma.sync``).
-TEMPLATE_BACKENDS = {"decode_attend_tc": ("cuda",)}
+from .kernel_files import TEMPLATE_BACKENDS, TEMPLATES
 
 __all__ = ["BACKENDS", "KernelDisabledWarning", "KernelImpl", "TEMPLATES", "TEMPLATE_BACKENDS", "gpu_backend",
            "implementations", "kvq_register", "sources_hash"]
 
 
 def implementations() -> list:
-    """Kernel implementation objects for every installed method kvq_metal serves, on both back ends (methods
-    whose plugin is not installed are skipped)."""
-    from .methods.affine import AffineKernels
+    """kvq_metal's own kernel implementation objects, on both back ends: those of kvq core's baseline ``affine``
+    (methods' plugins register theirs)."""
+    from .baselines.affine import AffineKernels
 
-    classes = [AffineKernels]
-    try:
-        import kvq_backends_turboquant  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        from .methods.turboquant import TurboQuantKernels
-
-        classes.append(TurboQuantKernels)
-        if hasattr(kvq_backends_turboquant, "TurboQuantRVQParams"):
-            from .methods.turboquant_rvq import TurboQuantRVQKernels
-
-            classes.append(TurboQuantRVQKernels)
-    return [cls(backend) for cls in classes for backend in BACKENDS]
+    return [AffineKernels(backend) for backend in BACKENDS]
 
 
 def kvq_register(register):
-    """Entry point ``metal``: kernel implementations (``metal`` and ``cuda`` back ends) of the installed methods."""
+    """Entry point ``metal``: kernel implementations (``metal`` and ``cuda`` back ends) of kvq core's baselines."""
     for impl in implementations():
         register(impl)

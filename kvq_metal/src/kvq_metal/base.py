@@ -109,7 +109,7 @@ class KernelImpl:
             take uncompressed tokens for this call or its check failed (the caller then attends the parts
             separately and merges them: the same result).
         """
-        from .methods.common import check_attend_dense, query_rows
+        from .common import check_attend_dense, query_rows
 
         rows = query_rows(queries, keys)
         key = (_check_key(keys.params), _check_key(values.params), queries.shape[3], rows, dense.window_keys.dtype)

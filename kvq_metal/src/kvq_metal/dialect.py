@@ -1,5 +1,8 @@
 """One kernel dialect, two back ends: kvq's kernels are written once and built for Metal or CUDA.
 
+Kernel text lives in kernel files (``.kvq`` in this dialect, ``.cu`` for CUDA only), read by
+:mod:`kvq_metal.kernel_files`; this module translates and builds them.
+
 MLX builds custom kernels from a function body (``mx.fast.metal_kernel`` on Apple GPUs, ``mx.fast.cuda_kernel``
 on NVIDIA GPUs; both take the grid in threads, not thread groups). A kernel body here uses these tokens, which
 :func:`translate` rewrites textually for the back end (textual, not ``#define``: MLX's Metal builder only passes
@@ -214,74 +217,15 @@ def kernel(name: str, backend: str, input_names: tuple[str, ...], output_names: 
 
 def sources_hash(sources: Sequence[str] = ()) -> str:
     """SHA-256 (first 16 hex digits) of the kernel sources and both preludes: benchmark results record it, so
-    results can be matched to the kernels that produced them. By default it hashes every kernel template that
-    :mod:`kvq_metal` defines (:data:`kvq_metal.TEMPLATES`), whether built in this process or not."""
+    results can be matched to the kernels that produced them. By default it hashes every kernel template loaded
+    once kvq's plugins have registered (:func:`kvq_metal.kernel_files.templates`: kvq_metal's own and the methods'
+    plugins'), whether built in this process or not."""
     if not sources:
-        from . import TEMPLATES
+        from .kernel_files import TEMPLATES, templates
+
+        templates()
         sources = [TEMPLATES[k] for k in sorted(TEMPLATES)]
     h = hashlib.sha256()
     for text in (*PRELUDES.values(), *sources):
         h.update(text.encode())
     return h.hexdigest()[:16]
-
-
-def hadamard_rows(indent: str, odd: str = "c") -> str:
-    """Kernel text shared by the decode-attention kernels: when ``ROT``, the in-place fast Walsh-Hadamard transform
-    (unnormalised) of the ``R`` rows of ``D`` floats in the shared array ``q_s``, by the block's ``THREADS``
-    threads (``tid``); ``D`` a power of two. The caller synchronises before reading the result.
-
-    :param indent: prefix of every line (the text is pasted into a kernel body).
-    :param odd: name of the temporary holding the second element of a pair (one the body does not use).
-    """
-    body = f"""if (ROT) {{
-    for (int hs = 1; hs < D; hs <<= 1) {{
-        KVQ_BARRIER();
-        for (int e = tid; e < R * D / 2; e += THREADS) {{
-            const int r = e / (D / 2);
-            const int i = e - r * (D / 2);
-            const int lo = (i / hs) * 2 * hs + (i % hs);
-            const float a = q_s[r * D + lo];
-            const float {odd} = q_s[r * D + lo + hs];
-            q_s[r * D + lo] = a + {odd};
-            q_s[r * D + lo + hs] = a - {odd};
-        }}
-    }}
-}}"""
-    return "".join(indent + line + "\n" for line in body.splitlines())
-
-
-#: Kernel text shared by the decode-attention kernels: the ``R`` query rows of KV head ``h`` (``n_rep`` heads of a
-#: GQA group times ``T_q`` tokens, read through ``q``'s strides, zero-padded from ``D_q`` to ``D``), scaled by
-#: the softmax scale (template argument ``QSCALE``: its float bits) and, when ``ROT``, multiplied by the rotation's
-#: ``signs``, into the shared array ``q_s``.
-LOAD_QUERIES = """\
-    const int Tq = q_shape[2];
-    const int Dq = q_shape[3];
-    const int n_rep = R / Tq;
-    const float scale = KVQ_AS_FLOAT(QSCALE);
-    for (int e = tid; e < R * D; e += THREADS) {
-        const int r = e / D;
-        const int j = e - r * D;
-        const int hq = h * n_rep + r / Tq;
-        float val = 0.0f;
-        if (j < Dq) {
-            val = KVQ_F32(q[b * q_strides[0] + hq * q_strides[1] + (r % Tq) * q_strides[2] + j * q_strides[3]]) * scale;
-        }
-        q_s[e] = ROT ? val * signs[j] : val;
-    }
-"""
-
-#: Kernel text shared by the decode-attention kernels: thread group ``(x, y)`` serves batch row ``b`` and KV head
-#: ``h`` (``x = b * H + h``, ``H = kc_shape[1]``) and split ``y`` of the grid's ``nsplit`` splits of the ``T``
-#: cached tokens; a split is ``chunk`` tokens, whole tiles of the kernel's ``TILE`` tokens
-#: (:func:`kvq_metal.attend.split_chunk` is the same formula).
-SPLIT_INDEX = """\
-    const int bh = KVQ_TG_X;
-    const int split = KVQ_TG_Y;
-    const int nsplit = KVQ_NTG_Y;
-    const int H = kc_shape[1];
-    const int T = kc_shape[2];
-    const int b = bh / H;
-    const int h = bh - b * H;
-    const int chunk = ((T + TILE - 1) / TILE + nsplit - 1) / nsplit * TILE;
-"""

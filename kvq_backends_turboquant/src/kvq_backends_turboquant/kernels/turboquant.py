@@ -1,4 +1,4 @@
-"""``turboquant`` on kvq_metal: fused encode (normalise + randomized Hadamard + Lloyd-Max + pack), fused
+"""``turboquant`` on kvq_metal's kernels: fused encode (normalise + randomized Hadamard + Lloyd-Max + pack), fused
 decode, and decode attention in the rotated domain.
 
 TurboQuant-mse (Zandieh et al., arXiv 2504.19874). Attention rotates the queries once and inverse-rotates the
@@ -10,34 +10,24 @@ need the Hadamard rotation; attention takes either rotation). Everything else is
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import mlx.core as mx
 
 from kvq.encoded import Encoded
+from kvq_metal import attend
+from kvq_metal.base import KernelImpl, first_use_check
+from kvq_metal.common import check_attend, decode_shape_ok, grouped_rows, normal, query_rows, relative_error, rows_of
 
-from .. import attend, quantize as fused
-from ..base import KernelImpl, first_use_check
-from .common import check_attend, decode_shape_ok, grouped_rows, normal, query_rows, relative_error, rows_of
-
-
-@lru_cache(maxsize=None)
-def _tq():
-    """The turboquant plugin's modules (imported on first use: kvq_metal does not depend on the plugin)."""
-    from kvq_backends_turboquant import codebook, rotation
-    from kvq_backends_turboquant.params import TurboQuantParams
-
-    return codebook, rotation, TurboQuantParams
+from .. import codebook, rotation
+from ..params import TurboQuantParams
+from . import quantize as fused
 
 
 def _plain(params) -> bool:
     """TurboQuant-mse without outlier channels (``turboquant_prod`` and mixed precision are not served)."""
-    _, _, TurboQuantParams = _tq()
     return type(params) is TurboQuantParams and params.outlier_channels == 0
 
 
 def _side(encoded) -> attend.Side:
-    codebook, rotation, _ = _tq()
     p = encoded.params
     dim = rotation.padded_dim(encoded.head_dim)
     return attend.Side(encoded.data["codes"], encoded.data["norms"], None, codebook.codebook(dim, p.bits).centroids,
@@ -48,7 +38,6 @@ def rotated_kernel_serves(queries, keys, values, mask, accepts) -> bool:
     """Whether the rotated-domain decode kernel serves this ``kvq_attend`` call: no mask, at least one key, both
     sides' parameters accepted by ``accepts(params)``, one head_dim, whole GQA groups, a shape
     :func:`kvq_metal.attend.supported` takes. Otherwise pure MLX serves it (same result)."""
-    _, rotation, _ = _tq()
     B, Hq, _, D = queries.shape
     dim, Hkv = rotation.padded_dim(D), keys.shape[1]
     return (mask is None and keys.num_tokens > 0 and accepts(keys.params) and accepts(values.params)
@@ -65,7 +54,6 @@ def rotated_attend(impl, queries, keys, values, scale, side, dense=None):
     :param dense: uncompressed tokens in the same softmax (:meth:`KernelImpl.attend_dense`); ``None`` is returned
         where the kernel cannot take them (another rotation, or the SIMT kernel).
     """
-    _, rotation, _ = _tq()
     kp, vp = keys.params, values.params
     if kp.rotation == vp.rotation == "hadamard" and kp.seed == vp.seed:
         signs = rotation.rotation("hadamard", rotation.padded_dim(keys.head_dim), kp.seed).signs
@@ -95,7 +83,6 @@ class TurboQuantKernels(KernelImpl):
         """Plain TurboQuant-mse (no outlier channels): decode attention within
         :func:`kvq_metal.attend.supported`; quantize/dequantize with the Hadamard rotation and head_dim padded to
         32..256. Each after its first-use check."""
-        codebook, rotation, TurboQuantParams = _tq()
         p = problem.params or TurboQuantParams()
         D = problem.head_dim
         dim = rotation.padded_dim(D)
@@ -118,7 +105,6 @@ class TurboQuantKernels(KernelImpl):
     def cost(self, problem) -> float:
         """Quantize/dequantize: one kernel reading and writing each vector once; attend: one kernel over the
         packed codes and norms of K and V plus the query rotation, output rotation and split merge."""
-        _, rotation, TurboQuantParams = _tq()
         p = problem.params or TurboQuantParams()
         B, H, T, D = problem.shape
         dim = rotation.padded_dim(D)
@@ -134,7 +120,6 @@ class TurboQuantKernels(KernelImpl):
         if not (_plain(params) and params.rotation == "hadamard" and fused.supported(D, params.bits)
                 and x.size and x.dtype in (mx.float16, mx.bfloat16, mx.float32) and x.ndim == 4):
             return self.fallback().kvq_quantize(x, params)
-        codebook, rotation, _ = _tq()
         dim = rotation.padded_dim(D)
         rot = rotation.rotation("hadamard", dim, params.seed)
         norm_dtype = mx.float16 if params.norm_dtype == "float16" else mx.float32
@@ -147,7 +132,6 @@ class TurboQuantKernels(KernelImpl):
         p, D = encoded.params, encoded.head_dim
         if not (_plain(p) and p.rotation == "hadamard" and fused.supported(D, p.bits) and encoded.num_tokens):
             return self.fallback().kvq_dequantize(encoded, dtype)
-        codebook, rotation, _ = _tq()
         dim = rotation.padded_dim(D)
         rot = rotation.rotation("hadamard", dim, p.seed)
         return fused.dequantize(encoded.data["codes"], encoded.data["norms"], rot.signs,
@@ -182,6 +166,7 @@ class TurboQuantKernels(KernelImpl):
         differ = mx.mean(packing.unpack(got.data["codes"], params.bits, dim)
                          != packing.unpack(want.data["codes"], params.bits, dim)).item()
         norm_err = relative_error(got.data["norms"], want.data["norms"])
-        dec_err = relative_error(self.kvq_dequantize(want, mx.float32), self.fallback().kvq_dequantize(want, mx.float32))
+        dec_err = relative_error(self.kvq_dequantize(want, mx.float32),
+                                 self.fallback().kvq_dequantize(want, mx.float32))
         ok = differ <= 1e-3 and norm_err < 1e-3 and dec_err < 1e-4
         return ok, f"{differ:.2e} of codes differ, norm error {norm_err:.2e}, decode error {dec_err:.2e}"

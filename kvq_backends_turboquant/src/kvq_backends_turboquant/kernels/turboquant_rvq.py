@@ -1,4 +1,5 @@
-"""``turboquant_rvq`` on kvq_metal: decode attention that decodes ``k = norm · (c1[idx1] + c2[idx2])`` on the fly.
+"""``turboquant_rvq`` on kvq_metal's kernels: decode attention that decodes ``k = norm · (c1[idx1] + c2[idx2])``
+on the fly.
 
 The seed system's TurboQuant-RVQ fused decode + attend: both code streams are read from the cache's packed words
 and each code pair indexes one table of ``2^(b1 + b2)`` sums ``c1[i] + c2[j]`` (at most 256 entries), inside the
@@ -12,17 +13,13 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from .. import attend
-from ..base import KernelImpl, first_use_check
-from .common import check_attend, decode_shape_ok, rows_of
-from .turboquant import _tq, rotated_attend, rotated_kernel_serves
+from kvq_metal import attend
+from kvq_metal.base import KernelImpl, first_use_check
+from kvq_metal.common import check_attend, decode_shape_ok, rows_of
 
-
-@lru_cache(maxsize=None)
-def _params_class():
-    from kvq_backends_turboquant.rvq import TurboQuantRVQParams
-
-    return TurboQuantRVQParams
+from .. import rotation
+from ..rvq import TurboQuantRVQParams
+from .turboquant import rotated_attend, rotated_kernel_serves
 
 
 @lru_cache(maxsize=64)
@@ -36,7 +33,6 @@ def _table(params, head_dim: int) -> mx.array:
 
 
 def _side(encoded) -> attend.Side:
-    _, rotation, _ = _tq()
     p = encoded.params
     dim = rotation.padded_dim(encoded.head_dim)
     return attend.Side(encoded.data["codes"], encoded.data["norms"], None, _table(p, encoded.head_dim), p.bits,
@@ -50,8 +46,7 @@ class TurboQuantRVQKernels(KernelImpl):
 
     def kernel_supports(self, problem) -> bool:
         """Decode attention only, within :func:`kvq_metal.attend.supported`, after the first-use check."""
-        _, rotation, _ = _tq()
-        p = problem.params or _params_class()()
+        p = problem.params or TurboQuantRVQParams()
         if problem.op != "attend" or not decode_shape_ok(problem):
             return False
         dim, rows = rotation.padded_dim(problem.head_dim), rows_of(problem)
@@ -64,8 +59,7 @@ class TurboQuantRVQKernels(KernelImpl):
 
     def cost(self, problem) -> float:
         """One kernel over both packed code streams and the norms of K and V, plus the split merge."""
-        _, rotation, _ = _tq()
-        p = problem.params or _params_class()()
+        p = problem.params or TurboQuantRVQParams()
         B, H, T, D = problem.shape
         dim = rotation.padded_dim(D)
         packed = B * H * T * (dim * (p.bits + p.residual_bits) / 8 + p.norm_bits / 8)

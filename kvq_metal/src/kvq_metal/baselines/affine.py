@@ -1,8 +1,10 @@
-"""``affine`` on kvq_metal: decode attention read straight from ``mx.quantize``'s packed codes.
+"""``affine`` (the baseline :mod:`kvq.baselines.affine`) on kvq_metal: decode attention read straight from
+``mx.quantize``'s packed codes.
 
 ``x_j = code_j * scale_g + bias_g`` (mlx-lm's QuantizedKVCache numerics; ``mx.quantize`` packs codes densely,
 little-endian, exactly as :mod:`kvq.packing`). Quantize stays with ``mx.quantize``, which is already one fused
-MLX kernel per call.
+MLX kernel per call. It lives in kvq_metal, not with its method, because the method lives in kvq core, below
+kvq_metal (see :mod:`kvq_metal.baselines`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from kvq.baselines.affine import AffineParams
 
 from .. import attend
 from ..base import KernelImpl, first_use_check
-from .common import check_attend, decode_shape_ok, query_rows, rows_of
+from ..common import check_attend, decode_shape_ok, query_rows, rows_of
 
 
 @lru_cache(maxsize=None)

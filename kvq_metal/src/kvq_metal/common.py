@@ -1,4 +1,5 @@
-"""Shared pieces of the decode-attention implementations: query grouping, shape checks, the first-use check."""
+"""What kernel implementations share (kvq_metal's and the methods' plugins'): query rows per KV head, the decode
+shape test, and the first-use checks of decode attention against pure MLX."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import mlx.core as mx
 from kvq.attention import split_heads
 from kvq.select import MAX_DECODE_QUERIES
 
-from ..attend import MAX_ROWS
+from .attend import MAX_ROWS
 
 
 def rows_of(problem) -> int:

@@ -1,0 +1,419 @@
+// decode_attend_tc: decode attention over compressed keys and values on tensor cores (CUDA, mma.sync m16n8k16,
+// sm_80 and later), with the split merge in the same launch; also the launch over uncompressed tokens (DENSE).
+// Same contract as decode_attend.kvq; the design and measurements: kvq_metal.attend_tc's docstring.
+// Reference: kvq_metal.reference.decode_attend
+// Launcher: kvq_metal.attend.decode_attend
+// Inputs kvq_metal.attend.TC_INPUTS; outputs part, ml (per split), fout [B * H * R, DV], lse [B * H * R], cnt.
+// Template: kvq_metal.attend._tc_template. Header: decode_attend_tc.cuh.
+// Threads: THREADS per (batch, KV head, split); each warp takes NT tiles of 16 tokens per step. Scores: keys are
+// the A operand (lane: 2 tokens g, g + 8, coordinates c * SK ...), the R <= 8 query rows the B operand. Values:
+// V^T is the A operand (lane: 4 tokens, coordinates g * SV ...), the probabilities the B operand.
+#include "hadamard_rows.kvq"
+
+    constexpr int NWARP = THREADS / 32;
+    constexpr int TILE = NWARP * 16 * NT;     // tokens of one block step (a split is whole tiles)
+    constexpr int SK = D / 4;                 // key coordinates per thread slice (of 2 tokens)
+    constexpr int SV = D / 8;                 // value coordinates per thread slice (of 4 tokens)
+    constexpr int KS = D / 16;                // score k-steps == value m-tiles
+    constexpr int CBK = KB + KB2;
+    constexpr int CBV = VB + VB2;
+    constexpr bool KPAIR = PAIRTAB && 2 * CBK <= 8;
+    constexpr bool VPAIR = PAIRTAB && 2 * CBV <= 8;
+    constexpr int KTAB = KPAIR ? (1 << (2 * CBK)) : (1 << CBK);
+    constexpr int VTAB = VPAIR ? (1 << (2 * CBV)) : (1 << CBV);
+    // KREP/VREP: one copy of the table per lane (word e * 32 + lane): every lookup is free of bank conflicts.
+    // VSAME: values read the keys' table (the same codebook; then VREP == KREP)
+    constexpr int KTW = KTAB * (KREP ? 32 : 1);
+    constexpr int VTW = VSAME ? 0 : VTAB * (VREP ? 32 : 1);
+    constexpr uint KMASK = (1u << KB) - 1u;
+    constexpr uint VMASK = (1u << VB) - 1u;
+    constexpr uint KMASK2 = (1u << KB2) - 1u;
+    constexpr uint VMASK2 = (1u << VB2) - 1u;
+    // a slice starts on a word boundary for every thread when its bit length is a multiple of 32
+    constexpr bool KAL = (SK * KB) % 32 == 0 && (SK * KB2) % 32 == 0;
+    constexpr bool VAL = (SV * VB) % 32 == 0 && (SV * VB2) % 32 == 0;
+    constexpr int KNW = (SK * KB + 31) / 32 + (KAL ? 0 : 1);
+    constexpr int VNW = (SV * VB + 31) / 32 + (VAL ? 0 : 1);
+    constexpr int KNW2 = KB2 > 0 ? (SK * KB2 + 31) / 32 + (KAL ? 0 : 1) : 1;
+    constexpr int VNW2 = VB2 > 0 ? (SV * VB2 + 31) / 32 + (VAL ? 0 : 1) : 1;
+    // words per vector load of a slice (slices start on a word when aligned; uint4 / uint2 / uint)
+    constexpr int KVEC = !KAL ? 1 : (KNW % 4 == 0 ? 4 : (KNW % 2 == 0 ? 2 : 1));
+    constexpr int VVEC = !VAL ? 1 : (VNW % 4 == 0 ? 4 : (VNW % 2 == 0 ? 2 : 1));
+    constexpr int KVEC2 = !KAL || KB2 == 0 ? 1 : (KNW2 % 4 == 0 ? 4 : (KNW2 % 2 == 0 ? 2 : 1));
+    constexpr int VVEC2 = !VAL || VB2 == 0 ? 1 : (VNW2 % 4 == 0 ? 4 : (VNW2 % 2 == 0 ? 2 : 1));
+    // scale groups per slice (one when the slice lies inside a group)
+    constexpr int KNG = SK >= KG ? SK / KG : 1;
+    constexpr int VNG = SV >= VG ? SV / VG : 1;
+    constexpr bool KONE = KG == D && !KBIAS;  // one scale per vector: applied to the fp32 scores
+    constexpr bool VONE = VG == D && !VBIAS;  // folded into the probabilities
+    constexpr float LOG2E = 1.4426950408889634f;
+    constexpr float LN2 = 0.6931471805599453f;
+
+    // the tables during the loop, the warps' partial outputs after it
+    constexpr int RED = NWARP * 8 * D;
+    constexpr int SMW = KTW + VTW > RED ? KTW + VTW : RED;
+    KVQ_SHARED __align__(16) uint smem_s[SMW];  // 16: the 128-bit stores of the table copies
+    KVQ_SHARED float q_s[R * D];
+    uint* ktab_s = smem_s;
+    uint* vtab_s = VSAME ? smem_s : smem_s + KTW;
+    // this lane's view of the tables: entry e at byte e << KSH (one copy per lane: 32 words apart)
+    constexpr int KSH = KREP ? 7 : 2;
+    constexpr int VSH = VREP ? 7 : 2;
+    float* red_s = reinterpret_cast<float*>(smem_s);
+    KVQ_SHARED float kt0_s[1 << CBK];
+    KVQ_SHARED float vt0_s[1 << CBV];
+    KVQ_SHARED float mw_s[NWARP * 8];
+    KVQ_SHARED float lw_s[NWARP * 8];
+
+#include "split_index.kvq"
+    // DENSE: uncompressed keys and values (a cache's sinks in split 0: kc2/vc2, none unless SINKS; its window in
+    // split 1: kc/vc), read as they are; otherwise codes, split over the sequence
+    const int t_begin = DENSE ? 0 : split * chunk;
+    const int t_end = DENSE ? (split == 0 ? (SINKS ? kc2_shape[2] : 0) : T) : min(T, t_begin + chunk);
+    const int tid = KVQ_TID;
+    const int lane = KVQ_LANE;
+    const int warp = KVQ_WARP;
+    const int g = lane >> 2;
+    const int c = lane & 3;
+
+    const int64_t kbase = b * kc_strides[0] + h * kc_strides[1];
+    const int64_t kbase2 = b * kc2_strides[0] + h * kc2_strides[1];
+    const int64_t ksbase = b * ks_strides[0] + h * ks_strides[1];
+    const int64_t kbbase = b * kb_strides[0] + h * kb_strides[1];
+    const int64_t vbase = b * vc_strides[0] + h * vc_strides[1];
+    const int64_t vbase2 = b * vc2_strides[0] + h * vc2_strides[1];
+    const int64_t vsbase = b * vs_strides[0] + h * vs_strides[1];
+    const int64_t vbbase = b * vb_strides[0] + h * vb_strides[1];
+    // first word and bit shift of this thread's key slice (coordinates c * SK ...) and value slice (g * SV ...)
+    const int kbit = c * SK * KB, kbit2 = c * SK * KB2;
+    const int vbit = g * SV * VB, vbit2 = g * SV * VB2;
+    const int kwl = kc_shape[3], kwl2 = kc2_shape[3], vwl = vc_shape[3], vwl2 = vc2_shape[3];
+    const int kg0 = (c * SK) / KG, vg0 = (g * SV) / VG;
+    // vector loads where every row of codes is contiguous and aligned to the vector (one check per block)
+    const bool kvec = kc_strides[3] == 1 && kc_strides[2] % KVEC == 0 && (reinterpret_cast<size_t>(kc + kbase) & (4 * KVEC - 1)) == 0;
+    const bool vvec = vc_strides[3] == 1 && vc_strides[2] % VVEC == 0 && (reinterpret_cast<size_t>(vc + vbase) & (4 * VVEC - 1)) == 0;
+    const bool kvec2 = kc2_strides[3] == 1 && kc2_strides[2] % KVEC2 == 0 && (reinterpret_cast<size_t>(kc2 + kbase2) & (4 * KVEC2 - 1)) == 0;
+    const bool vvec2 = vc2_strides[3] == 1 && vc2_strides[2] % VVEC2 == 0 && (reinterpret_cast<size_t>(vc2 + vbase2) & (4 * VVEC2 - 1)) == 0;
+
+
+    // one warp step: NT tiles of 16 tokens; key slices of tokens g, g + 8, value slices of tokens 2c, 2c + 1,
+    // 2c + 8, 2c + 9, their scales. With PF the next step's loads are issued before this step's math.
+    struct Step {
+        uint kw[NT][2][KNW];
+        uint kw2[NT][2][KNW2];
+        uint vw[NT][4][VNW];
+        uint vw2[NT][4][VNW2];
+        float ksc[NT][2][KNG], kbi[NT][2][KNG], vsc[NT][4][VNG], vbi[NT][4][VNG];
+        float vn[NT][2];
+        // DENSE: the slices as half2 pairs (coordinates 2p, 2p + 1): key slices of D / 4, value slices of D / 8
+        uint dk[DENSE ? NT : 1][2][DENSE ? SK / 2 : 1];
+        uint dv[DENSE ? NT : 1][4][DENSE ? SV / 2 : 1];
+    };
+    // DENSE: split 0 reads the sinks (kc2/vc2), split 1 the window (kc/vc); rows of the model's dtype (DDT 0:
+    // float16, 1: bfloat16, 2: other) read with 128/64-bit loads where a block's rows are contiguous, aligned and
+    // D long (dvec_k / dvec_v), else element by element (zero past the row's length)
+    const auto* dkp = split == 0 ? kc2 : kc;
+    const auto* dvp = split == 0 ? vc2 : vc;
+    const int64_t dks2 = split == 0 ? kc2_strides[2] : kc_strides[2], dks3 = split == 0 ? kc2_strides[3] : kc_strides[3];
+    const int64_t dvs2 = split == 0 ? vc2_strides[2] : vc_strides[2], dvs3 = split == 0 ? vc2_strides[3] : vc_strides[3];
+    const int dkl = split == 0 ? kc2_shape[3] : kc_shape[3], dvl = split == 0 ? vc2_shape[3] : vc_shape[3];
+    const int64_t dkb = split == 0 ? kbase2 : kbase, dvb = split == 0 ? vbase2 : vbase;
+    constexpr int DKW = SK / 2, DVW = SV / 2;  // half2 words per key / value slice
+    constexpr int DKV = DKW % 4 == 0 ? 4 : (DKW % 2 == 0 ? 2 : 1);
+    constexpr int DVV = DVW % 4 == 0 ? 4 : (DVW % 2 == 0 ? 2 : 1);
+    const bool dvec_k = DENSE && DDT < 2 && dks3 == 1 && dkl == D && dks2 % (2 * DKV) == 0 &&
+                        (reinterpret_cast<size_t>(dkp + dkb) & (4 * DKV - 1)) == 0;
+    const bool dvec_v = DENSE && DDT < 2 && dvs3 == 1 && dvl == D && dvs2 % (2 * DVV) == 0 &&
+                        (reinterpret_cast<size_t>(dvp + dvb) & (4 * DVV - 1)) == 0;
+    auto load = [&](Step& buf, const int t0) {
+      if constexpr (DENSE) {
+        // tokens past the end read the last row (split 0 without sinks: row 0 of the window, never used)
+#pragma unroll
+        for (int st = 0; st < NT; ++st) {
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+                const int t = max(min(t0 + st * 16 + g + 8 * u, t_end - 1), 0);
+                kvq_dense_row<DKV, DDT>(buf.dk[st][u], dkp + dkb + (int64_t)t * dks2, c * SK, dvec_k, dks3, dkl);
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const int t = max(min(t0 + st * 16 + 2 * c + (u & 1) + 8 * (u >> 1), t_end - 1), 0);
+                kvq_dense_row<DVV, DDT>(buf.dv[st][u], dvp + dvb + (int64_t)t * dvs2, g * SV, dvec_v, dvs3, dvl);
+            }
+        }
+      } else {
+        // past the end of the codes a token index is clamped: its words are read from a valid token and its
+        // score is masked to -inf below, so no load needs a branch
+#pragma unroll
+        for (int st = 0; st < NT; ++st) {
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+                const int t = min(t0 + st * 16 + g + 8 * u, T - 1);
+                KVQ_LOAD_CODES(K, k)
+#pragma unroll
+                for (int k = 0; k < KNG; ++k) {
+                    buf.ksc[st][u][k] = KVQ_F32(ks[ksbase + (int64_t)t * ks_strides[2] + (KONE ? 0 : (kg0 + k) * ks_strides[3])]);
+                    buf.kbi[st][u][k] = KBIAS ? KVQ_F32(kb[kbbase + (int64_t)t * kb_strides[2] + (kg0 + k) * kb_strides[3]]) : 0.0f;
+                }
+                buf.vn[st][u] = VONE ? KVQ_F32(vs[vsbase + (int64_t)t * vs_strides[2]]) : 0.0f;
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const int t = min(t0 + st * 16 + 2 * c + (u & 1) + 8 * (u >> 1), T - 1);
+                KVQ_LOAD_CODES(V, v)
+#pragma unroll
+                for (int k = 0; k < VNG; ++k) {
+                    buf.vsc[st][u][k] = VONE ? 0.0f : KVQ_F32(vs[vsbase + (int64_t)t * vs_strides[2] + (vg0 + k) * vs_strides[3]]);
+                    buf.vbi[st][u][k] = VBIAS ? KVQ_F32(vb[vbbase + (int64_t)t * vb_strides[2] + (vg0 + k) * vb_strides[3]]) : 0.0f;
+                }
+            }
+        }
+      }
+    };
+    // the first step's codes are requested before the tables and queries are prepared (their latency overlaps)
+    Step buf;
+    Step nxt;
+    load(buf, t_begin + warp * 16 * NT);
+
+    // the code tables: their few values are read from global memory once per block (kt0_s / vt0_s), then
+    // pair tables: entry ((p1 << 2 * B2) | p2) = (value of code a, value of code b) for the pair's two codes;
+    // single tables: entry c = (value of c, value of c); KREP / VREP: 32 copies
+    for (int i = tid; i < (DENSE ? 0 : 1 << CBK); i += THREADS) kt0_s[i] = kt[i];
+    for (int i = tid; i < (VSAME || DENSE ? 0 : 1 << CBV); i += THREADS) vt0_s[i] = vt[i];
+    KVQ_BARRIER();
+    KVQ_FILL_TABLE(K, k)
+    KVQ_FILL_TABLE(V, v)
+    const uint* ktab_l = ktab_s + (KREP ? lane : 0);
+    const uint* vtab_l = vtab_s + (VREP ? lane : 0);
+    // queries: scale, (randomized Hadamard rotation), into shared memory
+#include "load_queries.kvq"
+    KVQ_HADAMARD_ROWS(cc)
+    KVQ_BARRIER();
+    // query B fragments: k-step s holds coordinates c * SK + 4 s + {0, 1} (b0) and {2, 3} (b1) of row g
+    const float qmul = ROT ? 1.0f / KVQ_SQRT((float)D) : 1.0f;
+    uint qf[KS][2];
+#pragma unroll
+    for (int s = 0; s < KS; ++s) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int j = c * SK + 4 * s + 2 * e;
+            qf[s][e] = g < R ? kvq_h2(q_s[g * D + j] * qmul, q_s[g * D + j + 1] * qmul) : 0u;
+        }
+    }
+
+    float acc[KS][4];
+#pragma unroll
+    for (int i = 0; i < KS; ++i) { acc[i][0] = 0.0f; acc[i][1] = 0.0f; acc[i][2] = 0.0f; acc[i][3] = 0.0f; }
+    float m0 = -KVQ_INF, m1 = -KVQ_INF, l0 = 0.0f, l1 = 0.0f;
+
+    for (int t0 = t_begin + warp * 16 * NT; t0 < t_end; t0 += TILE) {
+        if (PF) load(nxt, t0 + TILE);
+        // ---- scores on tensor cores
+        float sc[NT][4];
+#pragma unroll
+        for (int st = 0; st < NT; ++st) {
+            uint ku[2][KNW], ku2[2][KNW2];
+            uint kh[2][KNG], kbh[2][KNG];
+#pragma unroll
+            for (int u = 0; u < 2 && !DENSE; ++u) {
+                KVQ_SLICE_WORDS(K, k)
+            }
+            float d4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int s = 0; s < KS; ++s) {
+                uint a[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int u = e & 1;            // a0/a2: token g, a1/a3: token g + 8
+                    const int p = 2 * s + (e >> 1); // pair of the slice
+                    uint x;
+                    KVQ_DECODE_PAIR(K, k, p)
+                    a[e] = x;
+                }
+                kvq_mma(d4, a[0], a[1], a[2], a[3], qf[s][0], qf[s][1]);
+            }
+            // d4: (token g, rows 2c, 2c + 1), (token g + 8, rows 2c, 2c + 1)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int u = e >> 1;
+                const bool ok = t0 + st * 16 + g + 8 * u < t_end;
+                const float mul = KONE && !DENSE ? buf.ksc[st][u][0] * LOG2E : LOG2E;
+                sc[st][e] = ok ? d4[e] * mul : -KVQ_INF;
+            }
+        }
+        // ---- online softmax of rows 2c, 2c + 1 (a row's 16 NT scores live in the 8 lanes of equal c)
+        float x0 = -KVQ_INF, x1 = -KVQ_INF;
+#pragma unroll
+        for (int st = 0; st < NT; ++st) {
+            x0 = KVQ_FMAX(x0, KVQ_FMAX(sc[st][0], sc[st][2]));
+            x1 = KVQ_FMAX(x1, KVQ_FMAX(sc[st][1], sc[st][3]));
+        }
+#pragma unroll
+        for (int off = 4; off < 32; off <<= 1) {
+            x0 = KVQ_FMAX(x0, KVQ_SHFL_XOR(x0, off));
+            x1 = KVQ_FMAX(x1, KVQ_SHFL_XOR(x1, off));
+        }
+        const float n0 = KVQ_FMAX(m0, x0), n1 = KVQ_FMAX(m1, x1);
+        const float z0 = n0 == -KVQ_INF ? 0.0f : n0, z1 = n1 == -KVQ_INF ? 0.0f : n1;
+        const float al0 = kvq_exp2(m0 - z0), al1 = kvq_exp2(m1 - z1);
+        m0 = n0; m1 = n1;
+        l0 *= al0; l1 *= al1;
+#pragma unroll
+        for (int i = 0; i < KS; ++i) { acc[i][0] *= al0; acc[i][1] *= al1; acc[i][2] *= al0; acc[i][3] *= al1; }
+        // ---- values on tensor cores
+#pragma unroll
+        for (int st = 0; st < NT; ++st) {
+            const float p0 = kvq_exp2(sc[st][0] - z0), p1_ = kvq_exp2(sc[st][1] - z1);
+            const float p2_ = kvq_exp2(sc[st][2] - z0), p3 = kvq_exp2(sc[st][3] - z1);
+            l0 += p0 + p2_; l1 += p1_ + p3;
+            const float w0 = VONE && !DENSE ? buf.vn[st][0] : 1.0f, w1 = VONE && !DENSE ? buf.vn[st][1] : 1.0f;
+            const uint pb0 = kvq_trans(kvq_h2(p0 * w0, p1_ * w0));
+            const uint pb1 = kvq_trans(kvq_h2(p2_ * w1, p3 * w1));
+            uint vu[4][VNW], vu2[4][VNW2];
+            uint vh[4][VNG], vbh[4][VNG];
+#pragma unroll
+            for (int u = 0; u < 4 && !DENSE; ++u) {
+                KVQ_SLICE_WORDS(V, v)
+            }
+#pragma unroll
+            for (int i = 0; i < KS; ++i) {
+                uint xv[4];
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    uint x;
+                    KVQ_DECODE_PAIR(V, v, i)
+                    xv[u] = x;
+                }
+                // A = V^T: rows (coordinates g SV + 2i, g SV + 2i + 1), columns (tokens 2c, 2c + 1 | 2c + 8, 2c + 9)
+                kvq_mma(acc[i], kvq_prmt(xv[0], xv[1], 0x5410u), kvq_prmt(xv[0], xv[1], 0x7632u),
+                        kvq_prmt(xv[2], xv[3], 0x5410u), kvq_prmt(xv[2], xv[3], 0x7632u), pb0, pb1);
+            }
+        }
+        if (PF) {
+            buf = nxt;
+        } else {
+            load(buf, t0 + TILE);
+        }
+    }
+
+    // ---- merge the block's warps: (max, sum) per row, then the rescaled outputs
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) {
+        l0 += KVQ_SHFL_XOR(l0, off);
+        l1 += KVQ_SHFL_XOR(l1, off);
+    }
+    if (g == 0) {
+        mw_s[warp * 8 + 2 * c] = m0; mw_s[warp * 8 + 2 * c + 1] = m1;
+        lw_s[warp * 8 + 2 * c] = l0; lw_s[warp * 8 + 2 * c + 1] = l1;
+    }
+    KVQ_BARRIER();
+    float top0 = -KVQ_INF, top1 = -KVQ_INF;
+#pragma unroll
+    for (int w = 0; w < NWARP; ++w) {
+        top0 = KVQ_FMAX(top0, mw_s[w * 8 + 2 * c]);
+        top1 = KVQ_FMAX(top1, mw_s[w * 8 + 2 * c + 1]);
+    }
+    const float f0 = m0 == -KVQ_INF ? 0.0f : kvq_exp2(m0 - top0);
+    const float f1 = m1 == -KVQ_INF ? 0.0f : kvq_exp2(m1 - top1);
+#pragma unroll
+    for (int i = 0; i < KS; ++i) {
+        const int j = g * SV + 2 * i;
+        red_s[(warp * 8 + 2 * c) * D + j] = acc[i][0] * f0;
+        red_s[(warp * 8 + 2 * c + 1) * D + j] = acc[i][1] * f1;
+        red_s[(warp * 8 + 2 * c) * D + j + 1] = acc[i][2] * f0;
+        red_s[(warp * 8 + 2 * c + 1) * D + j + 1] = acc[i][3] * f1;
+    }
+    KVQ_BARRIER();
+    const int64_t obase = ((int64_t)bh * nsplit + split) * R;
+    for (int o = tid; o < R * D; o += THREADS) {
+        const int r = o / D;
+        const int j = o - r * D;
+        float s = 0.0f;
+#pragma unroll
+        for (int w = 0; w < NWARP; ++w) s += red_s[(w * 8 + r) * D + j];
+        part[obase * D + o] = s;
+    }
+    if (tid < R) {
+        float top = -KVQ_INF;
+#pragma unroll
+        for (int w = 0; w < NWARP; ++w) top = KVQ_FMAX(top, mw_s[w * 8 + tid]);
+        float sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < NWARP; ++w) {
+            const float mw = mw_s[w * 8 + tid];
+            sum += mw == -KVQ_INF ? 0.0f : lw_s[w * 8 + tid] * kvq_exp2(mw - top);
+        }
+        ml[obase * 2 + 2 * tid] = top == -KVQ_INF ? -KVQ_INF : top * LN2;
+        ml[obase * 2 + 2 * tid + 1] = sum;
+    }
+    // DENSE: the launch before the compressed one also zeroes the split counters that launch counts with
+    if (DENSE && split == 0 && tid == 0) cnt[bh] = 0;
+
+    // ---- MERGE: the block that finishes a (batch, KV head) last merges its splits (flash-decoding's log-sum-exp
+    // combine, in the same launch), undoes the rotation, adds the ND uncompressed splits and writes the output
+    if (MERGE) {
+        KVQ_SHARED int last_s;
+        KVQ_SHARED float rtop_s[8];
+        KVQ_SHARED float rtot_s[8];
+        __threadfence();
+        KVQ_BARRIER();
+        if (tid == 0) last_s = atomicAdd(const_cast<int*>(counter) + bh, 1) == nsplit - 1;
+        KVQ_BARRIER();
+        if (last_s) {
+            __threadfence();
+            const int WS = nsplit + ND;
+            float* w_s = red_s;  // [R][WS] split weights: the tables' memory is free again
+            for (int r = warp; r < R; r += NWARP) {
+                float top = -KVQ_INF;
+                for (int s2 = lane; s2 < nsplit; s2 += 32)
+                    top = KVQ_FMAX(top, __ldcg(ml + (((int64_t)bh * nsplit + s2) * R + r) * 2));
+                if (ND > 0 && lane < ND) top = KVQ_FMAX(top, mld[((int64_t)(bh * ND + lane) * R + r) * 2]);
+#pragma unroll
+                for (int off = 16; off > 0; off >>= 1) top = KVQ_FMAX(top, KVQ_SHFL_XOR(top, off));
+                float tot = 0.0f;
+                for (int s2 = lane; s2 < nsplit; s2 += 32) {
+                    const float* mls = ml + (((int64_t)bh * nsplit + s2) * R + r) * 2;
+                    const float m = __ldcg(mls);
+                    const float w = m == -KVQ_INF ? 0.0f : KVQ_EXP(m - top);
+                    w_s[r * WS + s2] = w;
+                    tot += w * __ldcg(mls + 1);
+                }
+                if (ND > 0 && lane < ND) {
+                    const float* mls = mld + ((int64_t)(bh * ND + lane) * R + r) * 2;
+                    const float w = mls[0] == -KVQ_INF ? 0.0f : KVQ_EXP(mls[0] - top);
+                    w_s[r * WS + nsplit + lane] = w;
+                    tot += w * mls[1];
+                }
+#pragma unroll
+                for (int off = 16; off > 0; off >>= 1) tot += KVQ_SHFL_XOR(tot, off);
+                if (lane == 0) { rtop_s[r] = top; rtot_s[r] = tot; }
+            }
+            KVQ_BARRIER();
+            // weighted sum of the splits' outputs (read from L2: other blocks wrote them), into q_s
+            for (int o = tid; o < R * D; o += THREADS) {
+                const int r = o / D;
+                const float* ps = part + ((int64_t)bh * nsplit * R + r) * D + (o - r * D);
+                float a0 = 0.0f, a1 = 0.0f;
+                int s2 = 0;
+#pragma unroll 4
+                for (; s2 + 1 < nsplit; s2 += 2) {
+                    a0 += w_s[r * WS + s2] * __ldcg(ps + (int64_t)s2 * R * D);
+                    a1 += w_s[r * WS + s2 + 1] * __ldcg(ps + (int64_t)(s2 + 1) * R * D);
+                }
+                if (s2 < nsplit) a0 += w_s[r * WS + s2] * __ldcg(ps + (int64_t)s2 * R * D);
+                q_s[o] = a0 + a1;
+            }
+            KVQ_HADAMARD_ROWS(cc)
+            KVQ_BARRIER();
+            const float rs = ROT ? 1.0f / KVQ_SQRT((float)D) : 1.0f;
+            for (int o = tid; o < R * D; o += THREADS) {
+                const int r = o / D;
+                const int j = o - r * D;
+                float v = ROT ? q_s[o] * signs[j] * rs : q_s[o];
+#pragma unroll
+                for (int d = 0; d < ND; ++d) v += w_s[r * WS + nsplit + d] * partd[((int64_t)(bh * ND + d) * R + r) * D + j];
+                if (j < DV) fout[((int64_t)bh * R + r) * DV + j] = v / rtot_s[r];
+            }
+            if (tid < R) lse[bh * R + tid] = rtop_s[tid] + KVQ_LOG(rtot_s[tid]);
+        }
+    }

@@ -1,0 +1,181 @@
+// decode_attend_tc.cuh: the header decode_attend_tc.cu is built with: inline-PTX helpers (mma.sync, movmatrix,
+// conversions to half2, prmt, funnel shift, ex2), the row loader of uncompressed tokens, the bit-field and
+// table-lookup macros, and the macros that write each step of one side once for both (keys K, k and values V, v):
+// KVQ_FILL_TABLE, KVQ_LOAD_CODES, KVQ_SLICE_WORDS, KVQ_DECODE_PAIR.
+
+__device__ __forceinline__ void kvq_mma(float (&d)[4], uint a0, uint a1, uint a2, uint a3, uint b0, uint b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint kvq_trans(uint x) {
+    uint y;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+    return y;
+}
+// two floats to one half2 (lo in the low 16 bits)
+__device__ __forceinline__ uint kvq_h2(float lo, float hi) {
+    uint y;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(y) : "f"(hi), "f"(lo));
+    return y;
+}
+__device__ __forceinline__ uint kvq_hfma2(uint a, uint b, uint c) {
+    uint y;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(y) : "r"(a), "r"(b), "r"(c));
+    return y;
+}
+__device__ __forceinline__ uint kvq_prmt(uint a, uint b, uint sel) {
+    uint y;
+    asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(y) : "r"(a), "r"(b), "r"(sel));
+    return y;
+}
+// bits [sh, sh + 32) of the 64-bit word hi:lo (sh in 0..32)
+__device__ __forceinline__ uint kvq_funnel(uint lo, uint hi, uint sh) {
+    uint y;
+    asm("shf.r.clamp.b32 %0, %1, %2, %3;\n" : "=r"(y) : "r"(lo), "r"(hi), "r"(sh));
+    return y;
+}
+__device__ __forceinline__ float kvq_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+// NW half2 words (coordinates j0 + 2k, j0 + 2k + 1) of a row of uncompressed keys or values into dst: V-word
+// vector loads when vec (16-bit dtype, contiguous, aligned, D long: DT 0 float16 as is, 1 bfloat16 converted),
+// else element by element through float, zero past the row's length len
+template <int V, int DT, int NW, typename T>
+__device__ __forceinline__ void kvq_dense_row(uint (&dst)[NW], const T* row, const int j0, const bool vec,
+                                              const int64_t s3, const int len) {
+    if (DT < 2 && vec) {
+        const uint* w = reinterpret_cast<const uint*>(row + j0);
+#pragma unroll
+        for (int k = 0; k < NW / V; ++k) {
+            if (V == 4) {
+                const uint4 x = reinterpret_cast<const uint4*>(w)[k];
+                dst[4 * k] = x.x; dst[4 * k + 1] = x.y; dst[4 * k + 2] = x.z; dst[4 * k + 3] = x.w;
+            } else if (V == 2) {
+                const uint2 x = reinterpret_cast<const uint2*>(w)[k];
+                dst[2 * k] = x.x; dst[2 * k + 1] = x.y;
+            } else {
+                dst[k] = w[k];
+            }
+        }
+        if (DT == 1) {
+#pragma unroll
+            for (int k = 0; k < NW; ++k) dst[k] = kvq_h2(__uint_as_float(dst[k] << 16), __uint_as_float(dst[k] & 0xffff0000u));
+        }
+    } else {
+        // one word at a time (a running pointer, a compiler barrier per word): rows a cache never passes (strided,
+        // unaligned, other dtypes) take this path, and hoisting its loads would cost the common path registers
+        const T* e = row + j0 * s3;
+#pragma unroll
+        for (int k = 0; k < NW; ++k) {
+            const int j = j0 + 2 * k;
+            dst[k] = kvq_h2(j < len ? static_cast<float>(e[0]) : 0.0f, j + 1 < len ? static_cast<float>(e[s3]) : 0.0f);
+            e += 2 * s3;
+            asm volatile("" ::: "memory");
+        }
+    }
+}
+// entry e of a lane's view of a code table whose entries lie 1 << SH bytes apart: a byte offset, so the address
+// is one shift-add (an index scaled by the element size made the compiler spend four instructions on it)
+#define KVQ_TAB(tab, e, SH) (*reinterpret_cast<const uint*>(reinterpret_cast<const char*>(tab) + ((uint)(e) << (SH))))
+// NB bits at bit offset OFF of the register array w (OFF, NB compile-time after unrolling; NB <= 16); a whole
+// byte is one prmt
+#define KVQ_BITS_SHIFT(w, OFF, NB) \
+    ((((OFF) & 31) + (NB) <= 32 ? ((w)[(OFF) >> 5] >> ((OFF) & 31)) \
+                                : (((w)[(OFF) >> 5] >> ((OFF) & 31)) | ((w)[((OFF) >> 5) + 1] << (32 - ((OFF) & 31))))) \
+     & ((1u << (NB)) - 1u))
+#define KVQ_BITS(w, OFF, NB) \
+    ((NB) == 8 && ((OFF) & 7) == 0 ? kvq_prmt((w)[(OFF) >> 5], 0u, 0x4440u + (((OFF) & 31) >> 3)) \
+                                   : KVQ_BITS_SHIFT(w, OFF, NB))
+// NW words of a thread's slice from row (word stride s3) into dst: VEC-word vector loads when vec (unit stride,
+// aligned rows: VEC is a compile-time 1, 2 or 4), else word by word, reading words first + k >= lim as 0 unless
+// ALIGNED (a slice that ends on a word)
+#define KVQ_LOAD_SLICE(dst, row, NW, VEC, vec, s3, first, lim, ALIGNED)                                   \
+    if ((VEC) == 4 && (vec)) {                                                                          \
+        _Pragma("unroll") for (int k_ = 0; k_ < (NW) / 4; ++k_) {                                       \
+            const uint4 v_ = reinterpret_cast<const uint4*>(row)[k_];                                   \
+            dst[4 * k_] = v_.x; dst[4 * k_ + 1] = v_.y; dst[4 * k_ + 2] = v_.z; dst[4 * k_ + 3] = v_.w; \
+        }                                                                                               \
+    } else if ((VEC) == 2 && (vec)) {                                                                   \
+        _Pragma("unroll") for (int k_ = 0; k_ < (NW) / 2; ++k_) {                                       \
+            const uint2 v_ = reinterpret_cast<const uint2*>(row)[k_];                                   \
+            dst[2 * k_] = v_.x; dst[2 * k_ + 1] = v_.y;                                                 \
+        }                                                                                               \
+    } else {                                                                                            \
+        _Pragma("unroll") for (int k_ = 0; k_ < (NW); ++k_)                                             \
+            dst[k_] = (ALIGNED) || (first) + k_ < (lim) ? (uint)(row)[k_ * (s3)] : 0u;                  \
+    }
+// one side's code table in shared memory from its staged values: SIDE is the side's template-argument prefix (K
+// or V: SIDE##PAIR, SIDE##B, SIDE##B2, SIDE##MASK, SIDE##MASK2, SIDE##REP, SIDE##TW) and side its arrays' (k or v:
+// side##t0_s the staged values, side##tab_s the table); pair or single entries, one copy per lane (written four
+// copies per 128-bit store) or one in all
+#define KVQ_FILL_TABLE(SIDE, side)                                                                                  \
+    {                                                                                                               \
+        /* entry e of the table: (value of code a, value of code b) for a pair table, (value, value) otherwise */   \
+        auto entry = [&](const uint e) -> uint {                                                                    \
+            if (SIDE##PAIR) {                                                                                       \
+                const uint p1 = e >> (2 * SIDE##B2), p2 = e & ((1u << (2 * SIDE##B2)) - 1u);                        \
+                return kvq_h2(side##t0_s[((p1 & SIDE##MASK) << SIDE##B2) | (p2 & SIDE##MASK2)],                     \
+                              side##t0_s[((p1 >> SIDE##B) << SIDE##B2) | (p2 >> SIDE##B2)]);                        \
+            }                                                                                                       \
+            return kvq_h2(side##t0_s[e], side##t0_s[e]);                                                            \
+        };                                                                                                          \
+        if (SIDE##REP) {                                                                                            \
+            for (int i = tid; i < SIDE##TW / 4; i += THREADS) {                                                     \
+                const uint x = entry((uint)i >> 3);                                                                 \
+                reinterpret_cast<uint4*>(side##tab_s)[i] = make_uint4(x, x, x, x);                                  \
+            }                                                                                                       \
+        } else {                                                                                                    \
+            for (int i = tid; i < SIDE##TW; i += THREADS) side##tab_s[i] = entry((uint)i);                          \
+        }                                                                                                           \
+    }
+// the code words of this thread's slice of token t of one side (both streams) into step st's buffer, slice u
+// (KVQ_LOAD_SLICE); SIDE and side as in KVQ_FILL_TABLE
+#define KVQ_LOAD_CODES(SIDE, side)                                                                                  \
+    const auto* row = side##c + side##base + (int64_t)t * side##c_strides[2] + (side##bit >> 5) * side##c_strides[3]; \
+    KVQ_LOAD_SLICE(buf.side##w[st][u], row, SIDE##NW, SIDE##VEC, side##vec, side##c_strides[3], side##bit >> 5,      \
+                   side##wl, SIDE##AL)                                                                             \
+    if (SIDE##B2 > 0) {                                                                                            \
+        const auto* row2 = side##c2 + side##base2 + (int64_t)t * side##c2_strides[2] +                             \
+                           (side##bit2 >> 5) * side##c2_strides[3];                                                \
+        KVQ_LOAD_SLICE(buf.side##w2[st][u], row2, SIDE##NW2, SIDE##VEC2, side##vec2, side##c2_strides[3],          \
+                       side##bit2 >> 5, side##wl2, SIDE##AL)                                                       \
+    }
+// the words of slice u of one side in step st, aligned to bit 0 (side##u, side##u2; a no-op when every slice starts
+// on a word), and its group scales and biases as half2 pairs (side##h, side##bh); SIDE and side as in KVQ_FILL_TABLE
+#define KVQ_SLICE_WORDS(SIDE, side)                                                                                 \
+    _Pragma("unroll") for (int k = 0; k < SIDE##NW; ++k)                                                          \
+        side##u[u][k] = SIDE##AL ? buf.side##w[st][u][k]                                                          \
+                                 : kvq_funnel(buf.side##w[st][u][k], k + 1 < SIDE##NW ? buf.side##w[st][u][k + 1] : 0u, \
+                                              side##bit & 31);                                                     \
+    _Pragma("unroll") for (int k = 0; k < SIDE##NW2; ++k)                                                         \
+        side##u2[u][k] = SIDE##AL ? buf.side##w2[st][u][k]                                                        \
+                                  : kvq_funnel(buf.side##w2[st][u][k], k + 1 < SIDE##NW2 ? buf.side##w2[st][u][k + 1] \
+                                                                                         : 0u, side##bit2 & 31);   \
+    _Pragma("unroll") for (int k = 0; k < SIDE##NG; ++k) {                                                        \
+        side##h[u][k] = kvq_h2(buf.side##sc[st][u][k], buf.side##sc[st][u][k]);                                   \
+        side##bh[u][k] = kvq_h2(buf.side##bi[st][u][k], buf.side##bi[st][u][k]);                                  \
+    }
+// x (declared by the caller) = the half2 of coordinate pair j of slice u of one side: its two codes from the
+// aligned words, looked up in the side's table (pair or single entries), times the pair's group scale plus its
+// bias where the side has group scales; DENSE: the pair as loaded. SIDE and side as in KVQ_FILL_TABLE
+#define KVQ_DECODE_PAIR(SIDE, side, j)                                                                              \
+    const uint p1 = KVQ_BITS(side##u[u], j * 2 * SIDE##B, 2 * SIDE##B);                                            \
+    const uint p2 = SIDE##B2 > 0 ? KVQ_BITS(side##u2[u], j * 2 * (SIDE##B2 > 0 ? SIDE##B2 : 1),                    \
+                                            2 * (SIDE##B2 > 0 ? SIDE##B2 : 1)) : 0u;                               \
+    if (DENSE) {                                                                                                   \
+        x = buf.d##side[st][u][j];                                                                                 \
+    } else if (SIDE##PAIR) {                                                                                       \
+        x = KVQ_TAB(side##tab_l, (p1 << (2 * SIDE##B2)) | p2, SIDE##SH);                                           \
+    } else {                                                                                                       \
+        const uint ca = ((p1 & SIDE##MASK) << SIDE##B2) | (p2 & SIDE##MASK2);                                      \
+        const uint cb = ((p1 >> SIDE##B) << SIDE##B2) | (p2 >> SIDE##B2);                                          \
+        x = kvq_prmt(KVQ_TAB(side##tab_l, ca, SIDE##SH), KVQ_TAB(side##tab_l, cb, SIDE##SH), 0x7610u);             \
+    }                                                                                                              \
+    if (!SIDE##ONE && !DENSE) {                                                                                    \
+        const int gi = S##SIDE >= SIDE##G ? (2 * j) / SIDE##G : 0;                                                 \
+        x = kvq_hfma2(x, side##h[u][gi], side##bh[u][gi]);                                                         \
+    }
