@@ -132,7 +132,7 @@ def test_translate_rejects_unknown_backend():
 def test_sources_hash_is_stable_and_covers_the_templates():
     h = kvq_metal.sources_hash()
     assert re.fullmatch(r"[0-9a-f]{16}", h) and h == kvq_metal.sources_hash()
-    assert dialect.sources_hash([kvq_metal.TEMPLATES["decode_attend"] + " "]) != h
+    assert kernel_files.sources_hash([kvq_metal.TEMPLATES["decode_attend"] + " "]) != h
 
 
 def test_decode_attend_limits():

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from . import attend, attend_tc  # noqa: F401 - importing them loads (registers) kvq_metal's kernels
 from .base import KernelDisabledWarning, KernelImpl
-from .dialect import BACKENDS, gpu_backend, sources_hash
-from .kernel_files import TEMPLATE_BACKENDS, TEMPLATES
+from .dialect import BACKENDS, gpu_backend
+from .kernel_files import TEMPLATE_BACKENDS, TEMPLATES, sources_hash
 
 __all__ = ["BACKENDS", "KernelDisabledWarning", "KernelImpl", "TEMPLATES", "TEMPLATE_BACKENDS", "gpu_backend",
            "implementations", "kvq_register", "sources_hash"]

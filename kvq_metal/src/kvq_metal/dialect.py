@@ -213,19 +213,3 @@ def kernel(name: str, backend: str, input_names: tuple[str, ...], output_names: 
     :raises ValueError: ``backend`` not one of :data:`BACKENDS`.
     """
     return Kernel(name, backend, input_names, output_names, source, header, ensure_row_contiguous)
-
-
-def sources_hash(sources: Sequence[str] = ()) -> str:
-    """SHA-256 (first 16 hex digits) of the kernel sources and both preludes: benchmark results record it, so
-    results can be matched to the kernels that produced them. By default it hashes every kernel template loaded
-    once kvq's plugins have registered (:func:`kvq_metal.kernel_files.templates`: kvq_metal's own and the methods'
-    plugins'), whether built in this process or not."""
-    if not sources:
-        from .kernel_files import TEMPLATES, templates
-
-        templates()
-        sources = [TEMPLATES[k] for k in sorted(TEMPLATES)]
-    h = hashlib.sha256()
-    for text in (*PRELUDES.values(), *sources):
-        h.update(text.encode())
-    return h.hexdigest()[:16]

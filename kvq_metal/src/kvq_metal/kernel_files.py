@@ -22,20 +22,21 @@ and dtypes of the inputs and outputs and the template arguments (``mx.fast.metal
   (:data:`KERNELS`: ``split_index.kvq``, ``load_queries.kvq``, ``hadamard_rows.kvq``). MLX compiles a kernel
   from one string, without an include path, so includes are expanded here.
 
-Every loaded kernel is registered by name (:data:`LOADED`, :data:`TEMPLATES`): :func:`kvq_metal.sources_hash`
-hashes them all, kvq_metal's own and those its plugins load, and ``tests/test_metal_syntax.py`` parses every one
+Every loaded kernel is registered by name (:data:`LOADED`, :data:`TEMPLATES`): :func:`sources_hash` hashes them
+all, kvq_metal's own and those its plugins load, and ``tests/test_metal_syntax.py`` parses every one
 built for Metal.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from pathlib import Path
 from typing import Sequence
 
 import attrs
 
-from .dialect import BACKENDS, Kernel, kernel
+from .dialect import BACKENDS, PRELUDES, Kernel, kernel
 
 #: kvq_metal's kernel files and shared fragments.
 KERNELS = Path(__file__).parent / "kernels"
@@ -77,7 +78,7 @@ class KernelSource:
 
 #: Every kernel loaded in this process, by name.
 LOADED: dict[str, KernelSource] = {}
-#: Template text by kernel name (header + body, untranslated), for :func:`kvq_metal.dialect.sources_hash`.
+#: Template text by kernel name (header + body, untranslated), for :func:`sources_hash`.
 TEMPLATES: dict[str, str] = {}
 #: Back ends a template is built for, where not both (a ``.cu`` kernel: CUDA only).
 TEMPLATE_BACKENDS: dict[str, tuple[str, ...]] = {}
@@ -148,3 +149,17 @@ def templates() -> dict[str, KernelSource]:
 
     registry()
     return dict(LOADED)
+
+
+def sources_hash(sources: Sequence[str] = ()) -> str:
+    """SHA-256 (first 16 hex digits) of the kernel sources and both preludes: benchmark results record it, so
+    results can be matched to the kernels that produced them. By default it hashes every kernel template loaded
+    once kvq's plugins have registered (:func:`templates`: kvq_metal's own and the methods' plugins'), whether
+    built in this process or not."""
+    if not sources:
+        templates()
+        sources = [TEMPLATES[k] for k in sorted(TEMPLATES)]
+    h = hashlib.sha256()
+    for text in (*PRELUDES.values(), *sources):
+        h.update(text.encode())
+    return h.hexdigest()[:16]
