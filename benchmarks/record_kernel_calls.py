@@ -6,10 +6,15 @@ pretends the default device is that GPU, passes every first-use check, and drive
 implementation through its ops (quantize, dequantize, attend, attend with sinks and window) over a fixed set of
 problems. For each call it records the kernel's name (which holds a hash of its translated source), its inputs'
 shapes and dtypes, its template arguments, grid, thread group and output shapes and dtypes, and the SHA-256 of
-every kernel source built. Two runs (before and after a change) are compared with ``--compare``:
+every kernel source built (and the source itself). Two runs (before and after a change) are compared with
+``--compare``:
 
     python benchmarks/record_kernel_calls.py before.json
     python benchmarks/record_kernel_calls.py after.json --compare before.json
+
+The verdict is one of: identical (same kernel names, so byte-identical sources, and the same calls); identical up
+to kernel names, where every renamed kernel's source preprocesses (``clang++ -E -P``, whitespace normalised) to the
+same token stream as before (a refactor that moved text into macros or include files); or different (exit 1).
 
 Runs on the CPU (CI); implementations are found through kvq's registry, so the script does not depend on which
 module holds them.
@@ -20,6 +25,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import re
+import shutil
+import subprocess
 import sys
 import warnings
 
@@ -38,7 +46,8 @@ class _Recorder:
                                "outputs": list(spec["output_names"]),
                                "source_sha": hashlib.sha256((spec.get("header", "") + spec["source"]).encode())
                                .hexdigest()[:16],
-                               "ensure_row_contiguous": spec.get("ensure_row_contiguous", True)}
+                               "ensure_row_contiguous": spec.get("ensure_row_contiguous", True),
+                               "text": spec.get("header", "") + "\n" + spec["source"]}
 
     def __call__(self, *, inputs, template=(), grid, threadgroup, output_shapes, output_dtypes, **kwargs):
         CALLS.append({"kernel": self.spec["name"], "backend": self.backend,
@@ -120,6 +129,49 @@ def record(backend: str) -> dict:
     return {"calls": CALLS, "kernels": BUILT, "skipped": sorted(set(skipped))}
 
 
+def _normalised(record: dict) -> tuple[list, dict]:
+    """Calls and kernels with the source hash dropped from kernel names (``kvq_NAME_<12 hex>`` -> ``kvq_NAME``)."""
+    norm = lambda name: re.sub(r"_[0-9a-f]{12}$", "", name)  # noqa: E731
+    calls = [dict(c, kernel=norm(c["kernel"])) if "kernel" in c else c for c in record["calls"]]
+    kernels = {norm(k): {f: v for f, v in spec.items() if f not in ("source_sha", "text")}
+               for k, spec in record["kernels"].items()}
+    return calls, kernels
+
+
+def preprocessed_tokens(text: str) -> list[str]:
+    """``text`` run through ``clang++ -E -P`` (macros and conditionals expanded; MLX's template arguments stay
+    names), split into tokens. :raises FileNotFoundError: no clang++ on PATH."""
+    clang = shutil.which("clang++")
+    if clang is None:
+        raise FileNotFoundError("clang++ is not on PATH (apt-get install clang)")
+    done = subprocess.run([clang, "-E", "-P", "-x", "c++", "-"], input=text, capture_output=True, text=True)
+    return re.findall(r"[A-Za-z_][A-Za-z0-9_]*|\d[\w.]*|\S", done.stdout)
+
+
+def compare(before: dict, after: dict) -> tuple[bool, str]:
+    """``(same, verdict)`` of two records (see the module docstring)."""
+    if before["calls"] == after["calls"] and before["kernels"].keys() == after["kernels"].keys():
+        return True, "identical (same kernel names and sources, same calls)"
+    (calls_a, kernels_a), (calls_b, kernels_b) = _normalised(before), _normalised(after)
+    if calls_a != calls_b:
+        for i, (a, b) in enumerate(zip(calls_a, calls_b)):
+            if a != b:
+                return False, f"calls differ at entry {i}:\n before {a}\n after  {b}"
+        return False, f"call lists differ in length: {len(calls_a)} before, {len(calls_b)} after"
+    if kernels_a != kernels_b:
+        return False, f"kernels built differ: {sorted(set(kernels_a) ^ set(kernels_b)) or 'inputs/outputs'}"
+    if not all("text" in spec for rec in (before, after) for spec in rec["kernels"].values()):
+        return False, "calls identical up to kernel names; a record holds no sources to compare (an older record)"
+    texts_a = {re.sub(r"_[0-9a-f]{12}$", "", k): v["text"] for k, v in before["kernels"].items()}
+    texts_b = {re.sub(r"_[0-9a-f]{12}$", "", k): v["text"] for k, v in after["kernels"].items()}
+    renamed = sorted(k for k in texts_a if texts_a[k] != texts_b[k])
+    for name in renamed:
+        if preprocessed_tokens(texts_a[name]) != preprocessed_tokens(texts_b[name]):
+            return False, f"calls identical up to kernel names, but {name}'s source preprocesses differently"
+    return True, (f"identical up to kernel names: {len(renamed)} renamed kernel(s) ({', '.join(renamed)}) "
+                  "preprocess to the same tokens as before; every call the same")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", help="JSON file to write")
@@ -135,18 +187,9 @@ def main(argv=None) -> int:
     if args.compare:
         with open(args.compare) as f:
             before = json.load(f)
-        if before["calls"] != result["calls"]:
-            for i, (a, b) in enumerate(zip(before["calls"], result["calls"])):
-                if a != b:
-                    print(f"first difference at entry {i}:\n before {a}\n after  {b}")
-                    break
-            else:
-                print(f"call lists differ in length: {len(before['calls'])} before, {len(result['calls'])} after")
-            return 1
-        if before["kernels"] != result["kernels"]:
-            print("kernel sources differ:", sorted(set(before["kernels"]) ^ set(result["kernels"])))
-            return 1
-        print("identical to", args.compare)
+        same, verdict = compare(before, result)
+        print(f"against {args.compare}: {verdict}")
+        return 0 if same else 1
     return 0
 
 
