@@ -16,8 +16,8 @@ import attrs
 class BitsAccounting:
     """What a method stores, in bits, for one vector of ``head_dim`` coordinates.
 
-    DESIGN.md's rule: everything stored per token (codes, norms, scales, outlier indices) counts towards bits
-    per coordinate; constants shared by all tokens (codebooks, rotations) are reported apart, in bytes.
+    docs/DESIGN.md's rule ("Vocabulary"): everything stored per token (codes, norms, scales, outlier indices) counts
+    towards bits per coordinate; constants shared by all tokens (codebooks, rotations) are reported apart, in bytes.
 
     :param head_dim: ``D``.
     :param per_token: field name -> bits stored per token and head for that field (e.g. ``{"codes": 512,

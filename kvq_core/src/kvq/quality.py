@@ -7,7 +7,7 @@ Shared by ``kvq generate``, ``kvq demo`` and evaluation code:
 * :func:`kl_divergence` and :func:`compare_to_reference`: KL(reference || method) and top-1 agreement on those
   same tokens;
 * :func:`settle`, :func:`cache_nbytes` and :func:`filled_cache_bytes`: bytes resident, measured with
-  ``mx.get_active_memory`` (DESIGN.md: memory is measured, never inferred from byte sums).
+  ``mx.get_active_memory`` (docs/DESIGN.md, "The cache": memory is measured, never inferred from byte sums).
 """
 
 from __future__ import annotations

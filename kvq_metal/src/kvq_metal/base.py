@@ -4,7 +4,7 @@ A kernel is only offered on the back end it was built for, on a machine whose de
 Before a kernel variant (one template key: head_dim, bits, dtype ...) is used for the first time in a process, it
 runs on a small input and is compared with the pure-MLX implementation; a mismatch or an error disables that
 variant for the rest of the process with a :class:`KernelDisabledWarning` naming the kernel, and selection
-falls back to pure MLX (DESIGN.md, "Selection").
+falls back to pure MLX (docs/DESIGN.md, "Selection").
 """
 
 from __future__ import annotations
