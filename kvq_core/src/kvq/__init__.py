@@ -2,15 +2,19 @@
 
 Public entry points: :func:`select` (the implementation per op for a shape), :func:`register` (add a method or
 implementation that is not installed as an entry point), :func:`methods`, :func:`make_params`, and the cache
-(:func:`make_prompt_cache`). See DESIGN.md for the vocabulary.
+(:func:`make_prompt_cache`). What a plugin provides is specified in :mod:`kvq.contract` (its Protocols
+:class:`Implementation` and :class:`Params` are also exported here); :func:`plugin_manager` is the pluggy manager
+that validated it. docs/DESIGN.md, "Vocabulary", gives the names used throughout.
 """
 
+from . import contract
+from .contract import Implementation, Params
 from .encoded import Encoded
 from .hookspecs import OPS, hookimpl
 from .methods import BitsAccounting, Method
 from .problem import Problem
 from .plugins import (PluginLoadWarning, RegistrationError, all_implementations, make_params, methods,
-                       register, registry, unregister)
+                       plugin_manager, register, registry, unregister)
 from .select import Plan, select
 
 __version__ = "0.1.0"
@@ -27,7 +31,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'kvq' has no attribute {name!r}")
 
 __all__ = [
-    "OPS", "BitsAccounting", "Encoded", "Method", "Plan", "PluginLoadWarning", "Problem", "RegistrationError",
-    "all_implementations", "hookimpl", "make_params", "methods", "register", "registry", "select",
-    "unregister", "__version__", *_CACHE_API,
+    "OPS", "BitsAccounting", "Encoded", "Implementation", "Method", "Params", "Plan", "PluginLoadWarning",
+    "Problem", "RegistrationError", "all_implementations", "contract", "hookimpl", "make_params", "methods",
+    "plugin_manager", "register", "registry", "select", "unregister", "__version__", *_CACHE_API,
 ]

@@ -10,13 +10,21 @@ Two kinds of plugin objects meet kvq's :class:`pluggy.PluginManager`:
   ``cost(problem) -> float`` (estimated seconds). Registering it makes pluggy check every hook's argument
   names against these specs.
 
-Shapes follow DESIGN.md: keys and values ``[B, H_kv, T, D]``, queries ``[B, H_q, T_q, D]`` with
-``H_q % H_kv == 0``. Every array in an :class:`kvq.Encoded` has the token axis at position 2, so a cache can
+Everything else kvq reads from these objects and from a method's parameters (``explain``, ``attend_dense``, the
+block protocol ``prepare_queries``/``scores``/``weighted_values``/``finish_values``, ``for_layer``, ``fit`` ...)
+is specified, with these hooks' exact signatures, in :mod:`kvq.contract`.
+
+Shapes follow docs/DESIGN.md, "Vocabulary": keys and values ``[B, H_kv, T, D]``, queries ``[B, H_q, T_q, D]``
+with ``H_q % H_kv == 0``. Every array in an :class:`kvq.Encoded` has the token axis at position 2, so a cache can
 slice, preallocate and concatenate encodings without knowing the method.
 
 Hooks are never called by broadcast on the hot path: :func:`kvq.select` picks one implementation per op and
-returns its bound method. Broadcast calls (``kvq.plugin_manager().hook.kvq_quantize(...)``) are for parity
-tests and ``kvq check``. Do not use ``firstresult`` to pick an implementation: it picks by registration order.
+returns its bound method (``kvq select METHOD --shape ...`` prints that choice and why). A broadcast call runs a
+hook on every registered implementation and returns their results in a list, for parity checks:
+``kvq.plugin_manager().hook.kvq_pack(codes=codes, bits=3)`` (keyword arguments only). The parity tests
+(``tests/test_kernels_gpu.py``) instead take a kernel implementation and the pure-MLX one of the same method from
+``kvq.registry().implementations`` and compare them. Do not use ``firstresult`` to pick an implementation: it
+picks by registration order.
 """
 
 from __future__ import annotations

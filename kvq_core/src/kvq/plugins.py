@@ -185,6 +185,18 @@ def registry() -> Registry:
     return _REGISTRY
 
 
+def plugin_manager() -> pluggy.PluginManager:
+    """kvq's :class:`pluggy.PluginManager` (entry points loaded): the specs of :mod:`kvq.hookspecs`, each entry-point
+    module (named ``"entry-point:NAME"``) and each implementation object (``"METHOD:BACKEND"``).
+
+    For broadcast calls, which call one hook of every registered implementation at once and return their results in
+    a list (parity checks; the hot path uses :func:`kvq.select`'s bound callables instead). Hook calls take keyword
+    arguments only: ``kvq.plugin_manager().hook.kvq_pack(codes=codes, bits=3)``. Register and unregister through
+    :func:`register`/:func:`unregister`, not through the manager, so that kvq's registry stays in step.
+    """
+    return registry().pm
+
+
 def register(obj: Any) -> Any:
     """Register a :class:`Method` or an implementation object that is not installed as an entry point.
 

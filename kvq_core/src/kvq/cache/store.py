@@ -128,7 +128,8 @@ class DenseBuffer(_Trimmable):
             raise ValueError(f"{self.length + n} tokens exceed this buffer's capacity of {self.capacity}")
         if n == 0:
             return
-        # uncompressed tokens are kept in 16 bits (DESIGN.md): float32 models (the CPU) are stored as float16
+        # uncompressed tokens are kept in 16 bits (docs/DESIGN.md, "The cache"): float32 models (the CPU) are
+        # stored as float16
         keys, values = (x.astype(mx.float16) if x.dtype == mx.float32 else x for x in (keys, values))
         if self.keys is None:
             self._allocate(keys, values)
