@@ -8,16 +8,16 @@ import pytest
 import numpy as np
 
 import kvq
-from kvq.attention import dense_attend, merge_parts, sinks_part
+from kvq.attention import dense_attend, merge_parts, sink_logits_part
 
 
-def _reference(q, k, v, scale, mask=None, sinks=None):
+def _reference(q, k, v, scale, mask=None, sink_logits=None):
     rep = q.shape[1] // k.shape[1]
     s = (q * scale) @ mx.repeat(k, rep, axis=1).swapaxes(-1, -2)
     if mask is not None:
         s = mx.where(mask, s, -mx.inf)
-    if sinks is not None:
-        s = mx.concatenate([mx.broadcast_to(sinks[None, :, None, None], s.shape[:3] + (1,)), s], axis=-1)
+    if sink_logits is not None:
+        s = mx.concatenate([mx.broadcast_to(sink_logits[None, :, None, None], s.shape[:3] + (1,)), s], axis=-1)
         p = mx.softmax(s, axis=-1)[..., 1:]
     else:
         p = mx.softmax(s, axis=-1)
@@ -33,14 +33,14 @@ def test_blockwise_equals_softmax(block_size):
     assert mx.allclose(lse, mx.logsumexp(s, axis=-1), atol=1e-5).item()
 
 
-def test_split_parts_merge_exactly_with_masks_and_sinks():
+def test_split_parts_merge_exactly_with_masks_and_sink_logits():
     q, k, v = mx.random.normal((1, 4, 5, 8)), mx.random.normal((1, 2, 40, 8)), mx.random.normal((1, 2, 40, 8))
     mask = mx.arange(35, 40)[:, None] >= mx.arange(40)[None]
-    sinks = mx.random.normal((4,))
+    sink_logits = mx.random.normal((4,))
     parts = [dense_attend(q, k[:, :, a:b], v[:, :, a:b], 0.3, mask[:, a:b], block_size=4)
              for a, b in [(0, 3), (3, 30), (30, 40)]]
-    out, _ = merge_parts(parts + [sinks_part(sinks, q, 8)])
-    assert mx.allclose(out, _reference(q, k, v, 0.3, mask, sinks), atol=1e-5).item()
+    out, _ = merge_parts(parts + [sink_logits_part(sink_logits, q, 8)])
+    assert mx.allclose(out, _reference(q, k, v, 0.3, mask, sink_logits), atol=1e-5).item()
 
 
 def test_fully_masked_rows_give_zero_not_nan():

@@ -252,7 +252,7 @@ def test_decode_uses_one_fused_attend_call_over_all_parts(monkeypatch):
     v = mx.random.normal((1, 2, 60, 64), key=mx.random.key(1)).astype(mx.float16)
     q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(2)).astype(mx.float16)
     cache.update_and_fetch(k, v)
-    want = cache.kvq_attend(q, 0.125)
+    want = cache.attend(q, 0.125)
     impl = registry().implementations[("affine", "mlx")]
     calls = []
 
@@ -266,13 +266,13 @@ def test_decode_uses_one_fused_attend_call_over_all_parts(monkeypatch):
         return merge_parts(parts)
 
     monkeypatch.setattr(impl, "attend_dense", attend_dense, raising=False)
-    got = cache.kvq_attend(q, 0.125)
+    got = cache.attend(q, 0.125)
     (dense,) = calls
     assert mx.array_equal(dense.sink_keys, k[:, :, :4]) and mx.array_equal(dense.sink_values, v[:, :, :4])
     assert mx.array_equal(dense.window_keys, k[:, :, -16:]) and mx.array_equal(dense.window_values, v[:, :, -16:])
     assert mx.allclose(got, want, atol=1e-3)
-    assert mx.array_equal(cache.kvq_attend(q, 0.125), want) and len(calls) == 2  # None: the parts
-    cache.kvq_attend(mx.concatenate([q, q], axis=2), 0.125, mask="causal")  # prefill rows: never fused
+    assert mx.array_equal(cache.attend(q, 0.125), want) and len(calls) == 2  # None: the parts
+    cache.attend(mx.concatenate([q, q], axis=2), 0.125, mask="causal")  # prefill rows: never fused
     assert len(calls) == 2
 
 
@@ -296,12 +296,12 @@ def test_flush_blocks_leave_the_window_together_and_attention_is_unchanged(tmp_p
     from conftest import reference_attention
 
     want, _ = reference_attention(q.astype(mx.float32), k.astype(mx.float32), v.astype(mx.float32), 0.125)
-    assert mx.allclose(cache.kvq_attend(q, 0.125).astype(mx.float32), want, atol=2e-3)
+    assert mx.allclose(cache.attend(q, 0.125).astype(mx.float32), want, atol=2e-3)
     file = str(tmp_path / "flush.safetensors")
     mlx_cache.save_prompt_cache(file, [cache])
     (loaded,) = load_prompt_cache(file)
     assert loaded.config.flush == 4 and loaded.window.length == cache.window.length
-    assert mx.array_equal(loaded.kvq_attend(q, 0.125), cache.kvq_attend(q, 0.125))
+    assert mx.array_equal(loaded.attend(q, 0.125), cache.attend(q, 0.125))
     with pytest.raises(ValueError, match="flush must be an int >= 1"):
         make_config("fp16", flush=0)
 

@@ -360,7 +360,7 @@ def test_keys_and_values_can_be_reassigned_through_mx_depends(sinks, window, tok
     assert cache.keys is stored
     before = [np.array(v) for _, v in tree_flatten(cache.state) if isinstance(v, mx.array)]
     queries = mx.random.normal((1, 4, 1, 64))
-    out = cache.kvq_attend(queries, 0.125)
+    out = cache.attend(queries, 0.125)
     sent = mx.ones((3,))
     for side in ("keys", "values"):
         depending = mx.depends(getattr(cache, side), sent)
@@ -368,7 +368,7 @@ def test_keys_and_values_can_be_reassigned_through_mx_depends(sinks, window, tok
         assert getattr(cache, side) is depending
     after = [np.array(v) for _, v in tree_flatten(cache.state) if isinstance(v, mx.array)]
     assert len(after) == len(before) and all(np.array_equal(a, b) for a, b in zip(after, before))
-    assert mx.array_equal(cache.kvq_attend(queries, 0.125), out)
+    assert mx.array_equal(cache.attend(queries, 0.125), out)
     cache.update_and_fetch(mx.random.normal((1, 2, 5, 64)), mx.random.normal((1, 2, 5, 64)))
     assert cache.offset == tokens + 5
 

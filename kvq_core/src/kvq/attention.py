@@ -17,6 +17,8 @@ from typing import Callable, Sequence
 import attrs
 import mlx.core as mx
 
+from .contract import FinishesValues, PreparesQueries, ScoresKeys, WeightsValues, optional_hook
+
 #: Bytes of fp32 scores one block may hold; bounds prefill memory.
 SCORE_BUDGET_BYTES = 16 * 2**20
 #: Blocks with more score bytes than this are evaluated one at a time: MLX would otherwise schedule the
@@ -27,10 +29,9 @@ NEG_INF = float("-inf")
 
 @attrs.frozen
 class DenseTokens:
-    """Uncompressed tokens that a fused kernel attends together with compressed ones (a cache's attention sinks
-    and residual window): ``[B, H_kv, T, D]`` keys and values in the model's dtype, views of the cache's buffers.
-    Passed to an implementation's optional ``attend_dense(queries, keys, values, scale, dense)`` (kvq_metal's
-    kernels), which returns ``(out, lse)`` over all of them in one softmax, or ``None``.
+    """Uncompressed tokens that a fused kernel attends together with compressed ones (a cache's sinks, the first
+    tokens, and its residual window): ``[B, H_kv, T, D]`` keys and values in the model's dtype, views of the cache's
+    buffers. Passed to an implementation's optional ``attend_dense`` (:class:`kvq.contract.AttendsDense`).
 
     :param sink_keys, sink_values: the first tokens, or ``None`` when the cache holds none.
     :param window_keys, window_values: the most recent tokens (at least one).
@@ -193,13 +194,14 @@ def merge_parts(parts: Sequence[tuple[mx.array, mx.array]]) -> tuple[mx.array, m
     return out, lse
 
 
-def sinks_part(sinks: mx.array, queries: mx.array, value_dim: int) -> tuple[mx.array, mx.array]:
-    """The learned attention-sink logits (gpt-oss style: one logit per query head, no value) as a part.
+def sink_logits_part(sink_logits: mx.array, queries: mx.array, value_dim: int) -> tuple[mx.array, mx.array]:
+    """Learned attention-sink logits (gpt-oss: one logit per query head that joins the softmax normaliser and has
+    no value) as a part. Not the cache's sinks, which are its first tokens kept uncompressed.
 
-    :param sinks: ``[H_q]`` logits.
+    :param sink_logits: ``[H_q]`` logits (mlx-lm passes them to its attention as ``sinks=``).
     """
     B, Hq, Tq, _ = queries.shape
-    lse = mx.broadcast_to(sinks.astype(mx.float32)[None, :, None], (B, Hq, Tq))
+    lse = mx.broadcast_to(sink_logits.astype(mx.float32)[None, :, None], (B, Hq, Tq))
     return mx.zeros((B, Hq, Tq, value_dim), mx.float32), lse
 
 
@@ -215,31 +217,30 @@ def attend_encoded(
 ) -> tuple[mx.array, mx.array]:
     """Attention over :class:`kvq.Encoded` keys and values that may come from different methods.
 
-    Each side uses its implementation's block protocol when it has one, and otherwise decodes one block at a
-    time with ``kvq_dequantize`` (never the whole cache):
-
-    * ``key_impl.prepare_queries(q, keys) -> q'``: once, on the scaled float32 ``[B, H_kv, n_rep, T_q, D]`` query;
-    * ``key_impl.scores(q', keys, start, stop)`` -> float32 ``[B, H_kv, n_rep, T_q, stop - start]``;
-    * ``value_impl.weighted_values(p, values, start, stop)`` -> float32 ``[B, H_kv, n_rep, T_q, D_v']``;
-    * ``value_impl.finish_values(out, values)`` -> ``[..., D_v]``: once, on the normalised output.
+    Each side uses its implementation's block protocol where it has one, and otherwise decodes one block at a
+    time with ``kvq_dequantize`` (never the whole cache): on the keys' side ``prepare_queries`` (once) and
+    ``scores`` (per block), on the values' side ``weighted_values`` (per block) and ``finish_values`` (once);
+    :mod:`kvq.contract` specifies each (:class:`~kvq.contract.PreparesQueries`, :class:`~kvq.contract.ScoresKeys`,
+    :class:`~kvq.contract.WeightsValues`, :class:`~kvq.contract.FinishesValues`).
 
     :return: ``(out [B, H_q, T_q, D_v], lse [B, H_q, T_q])``, float32, as the ``kvq_attend`` spec says.
     """
     Hkv, T = keys.shape[1], keys.num_tokens
     if values.num_tokens != T:
         raise ValueError(f"values: {values.num_tokens} tokens, but keys have {T}")
-    prepare = getattr(key_impl, "prepare_queries", None)
-    finish = getattr(value_impl, "finish_values", None)
-    if hasattr(key_impl, "scores"):
+    prepare = optional_hook(key_impl, PreparesQueries)
+    finish = optional_hook(value_impl, FinishesValues)
+    scores, weighted_values = optional_hook(key_impl, ScoresKeys), optional_hook(value_impl, WeightsValues)
+    if scores is not None:
         def scores_fn(q, start, stop):
-            return key_impl.scores(q, keys, start, stop)
+            return scores(q, keys, start, stop)
     else:
         def scores_fn(q, start, stop):
             k = key_impl.kvq_dequantize(keys.tokens(start, stop), mx.float32)
             return q @ k[:, :, None].swapaxes(-1, -2)
-    if hasattr(value_impl, "weighted_values"):
+    if weighted_values is not None:
         def values_fn(p, start, stop):
-            return value_impl.weighted_values(p, values, start, stop)
+            return weighted_values(p, values, start, stop)
     else:
         def values_fn(p, start, stop):
             return p @ value_impl.kvq_dequantize(values.tokens(start, stop), mx.float32)[:, :, None]

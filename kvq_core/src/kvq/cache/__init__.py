@@ -13,6 +13,7 @@ from typing import Any
 
 import mlx_lm.models.cache as mlx_cache
 
+from ..contract import ChecksReady, SideDefaults, Unfits, optional_hook
 from ..plugins import registry
 from . import patch as _patch
 from .batch import BatchKVQCache
@@ -26,9 +27,10 @@ mlx_cache.BatchKVQCache = BatchKVQCache
 
 def _params(method: str | None, overrides: dict | None, shared: dict, side: str):
     """The parameters of one side (``"keys"`` or ``"values"``): the method's ``side_defaults(side)`` (if its
-    parameter class defines it, e.g. VecInfer's ``role``), then the shared parameters, then this side's."""
+    parameter class defines it: :class:`kvq.contract.SideDefaults`, e.g. VecInfer's ``role``), then the shared
+    parameters, then this side's."""
     declaration = registry().method(method)
-    side_defaults = getattr(declaration.params_class, "side_defaults", None)
+    side_defaults = optional_hook(declaration.params_class, SideDefaults)
     defaults = side_defaults(side) if side_defaults is not None else {}
     return declaration.make_params(**{**defaults, **shared, **(overrides or {})})
 
@@ -94,14 +96,15 @@ def make_prompt_cache(model, method: str | None = "affine", **kwargs: Any) -> li
     """One kvq cache per attention layer of an mlx-lm model (drop-in for ``mlx_lm``'s function).
 
     Layers whose model-made cache is not a plain ``KVCache`` (sliding-window ``RotatingKVCache``, SSM state)
-    keep it. Layer ``i`` gets ``config.for_layer(i)``: parameters with a ``for_layer(i)`` method (per-layer
-    calibration) are specialised for it. Also patches mlx-lm's attention (:mod:`kvq.cache.patch`).
+    keep it. Layer ``i`` gets ``config.for_layer(i)``: parameters with a ``for_layer(i)`` method
+    (:class:`kvq.contract.ForLayer`: per-layer calibration) are specialised for it. Also patches mlx-lm's attention (:mod:`kvq.cache.patch`).
 
     :param model: an mlx-lm model (``model.layers``; ``model.make_cache`` is used when present).
     :param method, kwargs: as :func:`make_config` (``bits=``, ``key_params=``, ``sinks=``, ``window=``,
         ``kernels=`` ...).
     :raises ValueError: bad method/parameters, a head_dim the method does not support (named), parameters whose
-        ``check_ready()`` fails (a missing VecInfer calibration names the command to run), or
+        ``check_ready()`` fails (:class:`kvq.contract.ChecksReady`: a missing VecInfer calibration names the
+        command to run), or
         ``kernels="require"`` where no kernel serves this model's decode attention on this device.
     """
     config = make_config(method, **kwargs)
@@ -110,7 +113,7 @@ def make_prompt_cache(model, method: str | None = "affine", **kwargs: Any) -> li
         config.key_params.check_head_dim(dims[0])
         config.value_params.check_head_dim(dims[1])
     for params in (config.key_params, config.value_params):
-        check_ready = getattr(params, "check_ready", None)  # e.g. VecInfer: its calibration exists and reads
+        check_ready = optional_hook(params, ChecksReady)  # e.g. VecInfer: its calibration exists and reads
         if check_ready is not None:
             check_ready()
     heads = getattr(getattr(model, "args", None), "num_attention_heads", None)
@@ -169,8 +172,14 @@ def load_prompt_cache(file_name: str, *, expect: CacheConfig | None = None, retu
 
 
 def _declared(config: CacheConfig) -> tuple:
-    """``(key_params, value_params)`` without fitted state (parameters' optional ``unfitted()`` hook)."""
-    return tuple(p.unfitted() if hasattr(p, "unfitted") else p for p in (config.key_params, config.value_params))
+    """``(key_params, value_params)`` without fitted state (parameters' optional ``unfitted()``:
+    :class:`kvq.contract.Unfits`)."""
+    return tuple(_unfitted(p) for p in (config.key_params, config.value_params))
+
+
+def _unfitted(params):
+    unfitted = optional_hook(params, Unfits)
+    return params if unfitted is None else unfitted()
 
 
 __all__ = ["BatchKVQCache", "CacheConfig", "CompressedView", "KVQCache", "load_prompt_cache", "make_config",

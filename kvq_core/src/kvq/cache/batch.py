@@ -54,9 +54,10 @@ class BatchKVQCache:
                 self._remaining[i] -= n
         return views
 
-    def kvq_attend(self, queries: mx.array, scale: float, mask=None, sinks=None) -> mx.array:
-        """Attention per row, each with its own token positions; ``[B, H_q, T_q, D_v]``."""
-        outs = [row.kvq_attend(queries[i : i + 1], scale, None, sinks, query_start=self._starts[i])
+    def attend(self, queries: mx.array, scale: float, mask=None, sink_logits=None) -> mx.array:
+        """:meth:`KVQCache.attend` per row, each with its own token positions (``mask`` is not needed: padding is
+        never stored); ``[B, H_q, T_q, D_v]``."""
+        outs = [row.attend(queries[i : i + 1], scale, None, sink_logits, query_start=self._starts[i])
                 for i, row in enumerate(self.rows)]
         return mx.concatenate(outs, axis=0)
 
@@ -105,15 +106,16 @@ class BatchKVQCache:
     def nbytes(self) -> int:
         return sum(r.nbytes for r in self.rows)
 
-    # -- keys/values attributes for mlx-lm's pipeline parallelism (issue #10; see KVQCache.keys) -------
-    def _anchor_row(self):
+    # -- keys/values: only for mlx-lm's pipeline parallelism (issue #10; see KVQCache.keys) ------------
+    def _last_filled_row(self):
         """The last row holding tokens (its arrays are part of :attr:`state`), or None."""
         return next((r for r in reversed(self.rows) if not r.empty()), None)
 
     @property
     def keys(self):
-        """:attr:`KVQCache.keys` of the last row holding tokens (``None`` if none does)."""
-        row = self._anchor_row()
+        """Not the keys: :attr:`KVQCache.keys` (one stored array, for ``mx.depends``) of the last row holding
+        tokens (``None`` if none does)."""
+        row = self._last_filled_row()
         return None if row is None else row.keys
 
     @keys.setter
@@ -123,8 +125,8 @@ class BatchKVQCache:
 
     @property
     def values(self):
-        """:attr:`KVQCache.values` of the last row holding tokens (``None`` if none does)."""
-        row = self._anchor_row()
+        """Not the values: :attr:`KVQCache.values` of the last row holding tokens (``None`` if none does)."""
+        row = self._last_filled_row()
         return None if row is None else row.values
 
     @values.setter
@@ -132,7 +134,7 @@ class BatchKVQCache:
         self._assign("values", value)
 
     def _assign(self, side: str, value) -> None:
-        row = self._anchor_row()
+        row = self._last_filled_row()
         if row is not None:
             setattr(row, side, value)
         elif value is not None:

@@ -17,7 +17,8 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
-from ..attention import DenseTokens, attend_encoded, dense_attend, merge_parts, sinks_part
+from ..attention import DenseTokens, attend_encoded, dense_attend, merge_parts, sink_logits_part
+from ..contract import AttendsDense, Fits, ForHeads, ForLayer, ScoresKeys, WeightsValues, member_name, optional_hook
 from ..plugins import implemented_ops, registry
 from ..select import MAX_DECODE_QUERIES, check_kernels, is_kernel, select
 from ..validate import float_array
@@ -63,11 +64,21 @@ class CacheConfig:
             raise ValueError(f"{attribute.name} must be an int >= {low}; got {value!r}")
 
     def for_layer(self, layer: int) -> "CacheConfig":
-        """This configuration for layer ``layer``: parameters that define ``for_layer(layer)`` (per-layer
-        calibration such as VecInfer's codebooks) are specialised; the others are shared."""
+        """This configuration for layer ``layer`` (its index in the whole model): parameters with the optional
+        ``for_layer`` (:class:`kvq.contract.ForLayer`: per-layer calibration such as VecInfer's codebooks) are
+        specialised; the others are shared."""
+        return self._specialised(ForLayer, layer)
+
+    def for_heads(self, start: int, stop: int) -> "CacheConfig":
+        """This configuration for a cache holding KV heads ``start:stop`` of the model (one tensor-parallel rank's):
+        parameters with the optional ``for_heads`` (:class:`kvq.contract.ForHeads`: per-head state) are
+        specialised; the others are shared."""
+        return self._specialised(ForHeads, start, stop)
+
+    def _specialised(self, protocol, *args) -> "CacheConfig":
         def specialise(params):
-            hook = getattr(params, "for_layer", None)
-            return params if hook is None else hook(layer)
+            hook = optional_hook(params, protocol)
+            return params if hook is None else hook(*args)
 
         return attrs.evolve(self, key_params=specialise(self.key_params), value_params=specialise(self.value_params))
 
@@ -107,20 +118,20 @@ def has_attend(method: str) -> bool:
 def block_implementation(method: str, side: str):
     """The implementation that attends over ``method``'s codes on one ``side`` (``"keys"`` or ``"values"``) where
     no ``kvq_attend`` serves them (:func:`kvq.attention.attend_encoded`): the pure-MLX one with that side's block
-    hook (``scores`` / ``weighted_values``) or ``kvq_dequantize``, else any implementation that dequantizes (one
-    block at a time, never the whole cache).
+    hook (:class:`kvq.contract.ScoresKeys` / :class:`kvq.contract.WeightsValues`) or ``kvq_dequantize``, else any
+    implementation that dequantizes (one block at a time, never the whole cache).
 
     :raises ValueError: none of ``method``'s implementations can (no block hook, no ``kvq_dequantize``).
     """
     reg = registry()
-    hook = "scores" if side == "keys" else "weighted_values"
+    protocol = ScoresKeys if side == "keys" else WeightsValues
     mlx = reg.implementations.get((method, "mlx"))
-    if mlx is not None and (callable(getattr(mlx, hook, None)) or "dequantize" in implemented_ops(mlx)):
+    if mlx is not None and (optional_hook(mlx, protocol) is not None or "dequantize" in implemented_ops(mlx)):
         return mlx
     candidates = reg.implementations_of(method, "dequantize")
     if not candidates:
         raise ValueError(f"method {method!r} cannot serve the {side}: no installed implementation offers "
-                         f"kvq_attend, a pure-MLX {hook}, or kvq_dequantize")
+                         f"kvq_attend, a pure-MLX {member_name(protocol)}, or kvq_dequantize")
     return candidates[0]
 
 
@@ -172,19 +183,24 @@ class KVQCache:
     def window_values(self):
         return self.window.view()[1]
 
-    # -- keys/values attributes for mlx-lm's pipeline parallelism (issue #10) -------------------------
-    # mlx-lm's pipelined models (qwen2, deepseek_v3, ...) run ``cache[-1].keys = mx.depends(cache[-1].keys, h)``
-    # so that evaluating the cache's ``state`` also runs the send of ``h`` to the next rank.
+    # -- keys/values: only for mlx-lm's pipeline parallelism (issue #10) -------------------------------
+    # mlx-lm's pipelined models (mlx-lm 0.32: qwen2, qwen3_moe, deepseek_v2/v3, glm4_moe, mistral4, ministral3 ...)
+    # run ``cache[-1].keys = mx.depends(cache[-1].keys, h)`` on every rank that sends ``h`` on, because
+    # generate_step evaluates only ``[c.state for c in cache]`` and the send must be part of that graph. Nothing
+    # else in mlx-lm reads a kvq cache's keys or values: masks come from make_mask, emptiness from empty(),
+    # files from state, batching from merge/extract. So these are not the keys; they are one stored array.
     @property
     def keys(self) -> mx.array | None:
-        """The newest stored keys' whole array (``None`` when empty), for code that reads and reassigns it.
+        """Not the keys: one array that stores key data, for ``cache.keys = mx.depends(cache.keys, h)``
+        (``None`` when the cache is empty).
 
-        The window's ``[B, H_kv, window, D]`` buffer when the window holds tokens, else the first field (by
-        name) of the compressed keys' store ``[B, H_kv, capacity, ...]``, else the sinks' buffer. It is part of
-        :attr:`state`, so an array assigned back (``mx.depends(cache.keys, h)``) keeps its dependency for as long
-        as those tokens are stored.
+        Which array: the residual window's keys buffer ``[B, H_kv, window + flush - 1, D]`` (preallocated, so
+        beyond the held tokens it is zeros) while the window holds tokens, else the alphabetically first field of
+        the compressed keys' store ``[B, H_kv, capacity, ...]`` (e.g. ``codes``), else the sinks' buffer
+        ``[B, H_kv, sinks, D]``. :attr:`state` contains it, so an array assigned back keeps its dependency
+        evaluated with the state for as long as those tokens stay in that part.
         """
-        holder, name = self._anchor("keys")
+        holder, name = self._dependency_slot("keys")
         return None if holder is None else holder[name]
 
     @keys.setter
@@ -194,21 +210,22 @@ class KVQCache:
 
         :raises ValueError: ``value`` is not an array of that shape and dtype (or not ``None`` on an empty cache).
         """
-        self._replace_anchor("keys", value)
+        self._replace_dependency_slot("keys", value)
 
     @property
     def values(self) -> mx.array | None:
-        """As :attr:`keys`, for the values."""
-        holder, name = self._anchor("values")
+        """As :attr:`keys`, for the values: not the values, one array that stores value data."""
+        holder, name = self._dependency_slot("values")
         return None if holder is None else holder[name]
 
     @values.setter
     def values(self, value) -> None:
         """As the :attr:`keys` setter, for the values."""
-        self._replace_anchor("values", value)
+        self._replace_dependency_slot("values", value)
 
-    def _anchor(self, side: str):
-        """``(dict, name)`` holding the newest stored array of ``side``, or ``(None, None)`` when empty."""
+    def _dependency_slot(self, side: str):
+        """``(dict, name)`` where :attr:`keys` (``side="keys"``) or :attr:`values` is held, or ``(None, None)``
+        when the cache is empty."""
         store = self.compressed_keys if side == "keys" else self.compressed_values
         if self.window.length:
             return vars(self.window), side
@@ -218,8 +235,8 @@ class KVQCache:
             return vars(self.sinks), side
         return None, None
 
-    def _replace_anchor(self, side: str, value) -> None:
-        holder, name = self._anchor(side)
+    def _replace_dependency_slot(self, side: str, value) -> None:
+        holder, name = self._dependency_slot(side)
         current = None if holder is None else holder[name]
         if current is None and value is None:
             return
@@ -294,15 +311,16 @@ class KVQCache:
         self.compressed_values.append(quantize_v(values, vp))
 
     def _fit_params(self, keys, values):
-        """Parameters with a ``fit(block) -> params`` hook (shared state chosen from data, e.g. TurboQuant's
-        data-chosen outlier channels) are fitted on the first block this layer compresses. The fitted parameters
-        replace the configuration's: every later block uses them, and prompt-cache files save them. ``fit``
-        returns fitted parameters unchanged, so this runs once per layer (a trim keeps the fitted state)."""
+        """Parameters with the optional ``fit(block)`` (:class:`kvq.contract.Fits`: shared state chosen from data,
+        e.g. TurboQuant's data-chosen outlier channels) are fitted on the first block this layer compresses. The
+        fitted parameters replace the configuration's: every later block uses them, and prompt-cache files save
+        them. ``fit`` returns fitted parameters unchanged, so this runs once per layer (a trim keeps the fitted
+        state)."""
         if self.compressed_keys.length:
             return
 
         def fit(params, block):
-            hook = getattr(params, "fit", None)
+            hook = optional_hook(params, Fits)
             return params if hook is None else hook(block)
 
         self.config = attrs.evolve(self.config, key_params=fit(self.config.key_params, keys),
@@ -313,18 +331,21 @@ class KVQCache:
         return CompressedView((B, H, self.offset, Dk), dtype), CompressedView((B, H, self.offset, Dv), dtype)
 
     # -- attention ----------------------------------------------------------------------------------
-    def kvq_attend(self, queries: mx.array, scale: float, mask=None, sinks: mx.array | None = None,
-                   query_start: int | None = None) -> mx.array:
-        """Attention of ``queries [B, H_q, T_q, D]`` (the newest ``T_q`` tokens) over everything stored.
+    def attend(self, queries: mx.array, scale: float, mask=None, sink_logits: mx.array | None = None,
+               query_start: int | None = None) -> mx.array:
+        """Attention of ``queries [B, H_q, T_q, D]`` (the newest ``T_q`` tokens) over everything stored: what
+        mlx-lm's attention calls for a kvq cache (:mod:`kvq.cache.patch`). Not the ``kvq_attend`` op hook, which
+        attends over compressed tokens only; this attends every part (sinks, compressed, window) and merges them.
 
         :param mask: mlx-lm's mask: ``None``, ``"causal"``, or a boolean/additive array whose last axis spans
             all ``offset`` tokens (batch padding); causality is also enforced from token positions.
-        :param sinks: optional learned sink logits ``[H_q]`` (gpt-oss), added to the softmax normaliser.
+        :param sink_logits: optional learned attention-sink logits ``[H_q]`` (gpt-oss; mlx-lm's ``sinks=``), added
+            to the softmax normaliser. Unrelated to the cache's sinks (its first tokens, kept uncompressed).
         :param query_start: position of the first query (default ``offset - T_q``; batches with padding pass it).
         :return: ``[B, H_q, T_q, D_v]`` in the queries' dtype.
         """
         Tq = queries.shape[2]
-        if Tq == 1 and (mask is None or isinstance(mask, str)) and sinks is None and query_start is None:
+        if Tq == 1 and (mask is None or isinstance(mask, str)) and sink_logits is None and query_start is None:
             fused = self._fused_attend(queries, scale)
             if fused is not None:
                 return fused
@@ -336,20 +357,21 @@ class KVQCache:
             part_mask = self._part_mask(q_pos, start_q, start, length, user_mask)
             parts.append(self._attend_part(kind, queries, scale, part_mask))
             start += length
-        if sinks is not None:
-            parts.append(sinks_part(sinks, queries, parts[0][0].shape[-1]))
+        if sink_logits is not None:
+            parts.append(sink_logits_part(sink_logits, queries, parts[0][0].shape[-1]))
         out, _ = merge_parts(parts)
         return out.astype(queries.dtype)
 
     def _fused_attend(self, queries, scale):
         """Decode of one token in one fused call over the compressed tokens, the sinks and the window, where the
-        chosen attend implementation offers ``attend_dense`` (kvq_metal's tensor-core kernel: two launches and a
-        merge instead of an attention per part); ``None`` otherwise (the parts are attended and merged)."""
+        chosen attend implementation offers ``attend_dense`` (:class:`kvq.contract.AttendsDense`; kvq_metal's
+        tensor-core kernel: two launches and a merge instead of an attention per part); ``None`` otherwise (the
+        parts are attended and merged)."""
         if not self._own_attend() or not self.compressed_keys.length or not self.window.length:
             return None
         keys, values = self.compressed_keys.view(), self.compressed_values.view()
         choice = self._attend_plan(keys, queries).choices.get("attend")
-        attend_dense = getattr(choice.implementation, "attend_dense", None) if choice else None
+        attend_dense = optional_hook(choice.implementation, AttendsDense) if choice else None
         if attend_dense is None:
             return None
         sink_keys, sink_values = self.sinks.view()

@@ -4,6 +4,10 @@ mlx-lm's model modules import ``scaled_dot_product_attention`` from ``mlx_lm.mod
 that name in every loaded ``mlx_lm.models.*`` module with :func:`scaled_dot_product_attention`, which calls
 :meth:`KVQCache.attend` when the layer's cache is a kvq cache and otherwise calls mlx-lm's original function
 unchanged, so models with ordinary caches behave exactly as before.
+
+This is the one place where mlx-lm's keyword ``sinks`` (learned attention-sink logits, gpt-oss) meets kvq, whose
+``sinks`` are the first tokens kept uncompressed: the patched function accepts mlx-lm's keyword and passes it on
+as ``sink_logits``.
 """
 
 from __future__ import annotations
@@ -12,15 +16,22 @@ import sys
 
 from mlx_lm.models import base
 
+from .batch import BatchKVQCache
+from .layer import KVQCache
+
 _ORIGINAL = base.scaled_dot_product_attention
 _PATCHED: set[str] = set()
 
 
 def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-    """mlx-lm's attention entry point, with kvq caches served by kvq (same signature as mlx-lm's)."""
-    attend = getattr(cache, "kvq_attend", None)
-    if attend is not None:
-        return attend(queries, scale, mask, sinks)
+    """mlx-lm's attention entry point, with kvq caches served by kvq (same signature as mlx-lm's
+    ``mlx_lm.models.base.scaled_dot_product_attention``).
+
+    :param sinks: mlx-lm's name for learned attention-sink logits ``[H_q]`` (or ``None``); passed to
+        :meth:`KVQCache.attend` as ``sink_logits``.
+    """
+    if isinstance(cache, (KVQCache, BatchKVQCache)):
+        return cache.attend(queries, scale, mask, sink_logits=sinks)
     return _ORIGINAL(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 
