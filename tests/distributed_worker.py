@@ -88,10 +88,10 @@ def generate(model, options: dict) -> tuple[list[int], list[list[float]], list]:
     mlx-lm's ``generate_step`` prefills in chunks of 16 tokens and evaluates only the caches' ``state`` after each:
     in pipeline mode the send to the next rank is reachable only through ``cache[-1].keys = mx.depends(...)``.
     """
-    import kvq.distributed
+    import kvq
     from mlx_lm.generate import generate_step
 
-    cache = kvq.distributed.make_prompt_cache(model, **options)
+    cache = kvq.make_prompt_cache(model, **options)
     tokens, logprobs = [], []
     for token, lp in generate_step(mx.array(prompt()), model, max_tokens=NEW_TOKENS, prompt_cache=cache,
                                    sampler=lambda x: mx.argmax(x, axis=-1), prefill_step_size=16):
@@ -156,7 +156,7 @@ def too_few_kv_heads(group) -> dict:
     model = tiny_model("llama", kv_heads=1)
     model.shard(group)  # as mlx_lm.utils.sharded_load does
     try:
-        kvq.distributed.make_prompt_cache(model, "affine", bits=4)
+        kvq.make_prompt_cache(model, "affine", bits=4)
     except ValueError as error:
         found["make_prompt_cache"] = str(error)
     try:

@@ -401,28 +401,29 @@ def test_batch_cache_keys_are_the_last_filled_row():
         BatchKVQCache([KVQCache(make_config("affine", bits=4))]).keys = mx.zeros((1,))
 
 
-@pytest.mark.parametrize("kv_heads, heads, group_size, allowed", [(1, 4, 2, "[1]"), (6, 12, 4, "[1, 2, 3, 6]"),
-                                                                   (8, 12, 8, "[1, 2, 4]")])
-def test_tensor_parallel_check_names_kv_heads_and_group_size(kv_heads, heads, group_size, allowed):
+@pytest.mark.parametrize("kv_heads, heads, num_ranks, allowed", [(1, 4, 2, "[1]"), (6, 12, 4, "[1, 2, 3, 6]"),
+                                                                  (8, 12, 8, "[1, 2, 4]")])
+def test_tensor_parallel_check_names_kv_heads_and_group_size(kv_heads, heads, num_ranks, allowed):
     from kvq.distributed import check_tensor_parallel
 
     with pytest.raises(ValueError, match=rf"num_kv_heads={kv_heads} \(num_attention_heads={heads}\).*group size "
-                                         rf"{group_size}.*Use a group size in \{allowed}"):
-        check_tensor_parallel(kv_heads, heads, group_size)
+                                         rf"{num_ranks}.*Use a group size in \{allowed}"):
+        check_tensor_parallel(kv_heads, heads, num_ranks)
     check_tensor_parallel(8, 32, 4)
     check_tensor_parallel(8, 32, 8)
 
 
-def test_unsharded_model_gets_kvq_make_prompt_cache_caches():
-    """On one process kvq.distributed.make_prompt_cache is kvq.make_prompt_cache (layers bound to 0, 1, ...)."""
+def test_unsharded_model_gets_caches_bound_to_its_layers():
+    """On one process kvq.make_prompt_cache binds layers 0, 1, ... and cuts no KV heads."""
     import kvq
     import kvq.distributed
     from distributed_worker import tiny_model
 
+    from kvq.cache import make_config
+
     model = tiny_model("llama")
-    ours, theirs = kvq.distributed.make_prompt_cache(model, "turboquant", bits=4), kvq.make_prompt_cache(
-        model, "turboquant", bits=4)
-    assert [c.config for c in ours] == [c.config for c in theirs]
+    caches = kvq.make_prompt_cache(model, "turboquant", bits=4)
+    assert [c.config for c in caches] == [make_config("turboquant", bits=4).for_layer(i) for i in range(2)]
     assert kvq.distributed.kv_head_range(model) is None and kvq.distributed.first_layer(model) == 0
 
 
@@ -480,11 +481,10 @@ def test_vecinfer_heads_are_checked_and_survive_prompt_cache_files(vecinfer_data
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_patched_model_makes_kvq_caches_with_or_without_its_own_make_cache(kind):
     """qwen2 (mlx-lm's pipelined models) has no ``make_cache``: the patch must not call itself."""
-    import kvq.distributed
     from distributed_worker import tiny_model
-    from kvq.cache import KVQCache, unpatch_model
+    from kvq.cache import KVQCache, patch_model, unpatch_model
 
-    model = kvq.distributed.patch_model(tiny_model(kind), "affine", bits=4)
+    model = patch_model(tiny_model(kind), "affine", bits=4)
     try:
         caches = model.make_cache()
         assert len(caches) == len(model.layers) and all(isinstance(c, KVQCache) for c in caches)
@@ -522,7 +522,7 @@ def test_pipeline_rank_binds_its_layers_to_their_index_in_the_model(rank, layers
 
     model = tiny_model("qwen2")
     model.model.pipeline(FakeGroup(rank, 2))
-    caches = kvq.distributed.make_prompt_cache(model, "vecinfer", **VECINFER_STRUCTURE)
+    caches = kvq.make_prompt_cache(model, "vecinfer", **VECINFER_STRUCTURE)
     assert kvq.distributed.first_layer(model) == layers[0]
     assert [(c.config.key_params.layer, c.config.value_params.layer) for c in caches] == list(zip(layers, layers))
 
@@ -530,6 +530,7 @@ def test_pipeline_rank_binds_its_layers_to_their_index_in_the_model(rank, layers
 @pytest.mark.parametrize("rank", [0, 1])
 def test_tensor_rank_binds_its_kv_heads(rank, monkeypatch):
     import kvq.distributed
+    from kvq.cache import make_config
     from kvq_backends_vecinfer.params import VecInferParams
 
     monkeypatch.setattr(VecInferParams, "check_ready", lambda self: None)  # the binding only: no calibration
@@ -538,7 +539,7 @@ def test_tensor_rank_binds_its_kv_heads(rank, monkeypatch):
     model = tiny_model("llama")
     model.shard(FakeGroup(rank, 2))
     assert kvq.distributed.kv_head_range(model) == (rank, rank + 1)
-    caches = kvq.distributed.make_prompt_cache(model, "vecinfer", **VECINFER_STRUCTURE)
+    caches = kvq.make_prompt_cache(model, "vecinfer", **VECINFER_STRUCTURE)
     assert {(c.config.key_params.heads, c.config.value_params.heads) for c in caches} == {((rank, rank + 1),) * 2}
-    affine = kvq.distributed.make_prompt_cache(model, "affine", bits=4)  # no per-head state: as kvq's own
-    assert [c.config for c in affine] == [c.config for c in kvq.make_prompt_cache(model, "affine", bits=4)]
+    affine = kvq.make_prompt_cache(model, "affine", bits=4)  # no per-head state: the configuration unchanged
+    assert {c.config for c in affine} == {make_config("affine", bits=4)}

@@ -6,17 +6,16 @@ split into sub-vectors of ``sub_dim`` coordinates, each stored as the index of i
 codebook of ``2**code_bits`` entries. ``code_bits / sub_dim`` bits per coordinate, nothing else per token.
 
 Codebooks and smoothing factors come from ``kvq calibrate --model M`` and are per layer, so the parameters carry
-the model id and the layer (:meth:`VecInferParams.for_layer`). Build caches with :func:`make_prompt_cache` (or
-``kvq.make_prompt_cache`` once it calls ``for_layer``). Modules: :mod:`.params`, :mod:`.impl` (quantize,
+the model id and the layer (:meth:`VecInferParams.for_layer`, which ``kvq.make_prompt_cache`` calls per layer):
+``kvq.make_prompt_cache(model, "vecinfer", model_id="M")``. Modules: :mod:`.params`, :mod:`.impl` (quantize,
 dequantize, attend by lookup tables), :mod:`.vq`, :mod:`.hadamard`, :mod:`.kmeans`, :mod:`.storage` (files),
-:mod:`.collect` and :mod:`.calibrate` (calibration), :mod:`.cache`.
+:mod:`.collect` and :mod:`.calibrate` (calibration).
 """
 
 from __future__ import annotations
 
 import kvq
 
-from .cache import bind_layers, make_prompt_cache
 from .impl import VecInferMLX
 from .params import VecInferParams
 from .storage import CalibrationError
@@ -28,8 +27,7 @@ VECINFER = kvq.Method(
     "smoothing + Hadamard + product VQ with calibrated k-means codebooks, code_bits/sub_dim bits (e.g. 2, 1)",
     source=SOURCE, needs_calibration=True, calibrate="kvq_backends_vecinfer.calibrate")
 
-__all__ = ["VECINFER", "CalibrationError", "VecInferMLX", "VecInferParams", "bind_layers", "kvq_register",
-           "make_prompt_cache"]
+__all__ = ["VECINFER", "CalibrationError", "VecInferMLX", "VecInferParams", "kvq_register"]
 
 
 def kvq_register(register):

@@ -73,7 +73,7 @@ class VecInferParams:
         calls it), ``None`` until then.
     :param heads: ``(start, stop)``: the cache holds only KV heads ``start:stop`` of the calibrated model, and
         uses their smoothing factors and (``per_head``) codebooks; set by :meth:`for_heads` under tensor
-        parallelism (:func:`kvq.distributed.make_prompt_cache`); ``None`` (default): all heads.
+        parallelism (:func:`kvq.make_prompt_cache` on a sharded model); ``None`` (default): all heads.
     :raises ValueError: any value outside those ranges (the message names the parameter and what is allowed).
     """
 
@@ -87,7 +87,8 @@ class VecInferParams:
     heads: tuple[int, int] | None = attrs.field(default=None, converter=_heads, validator=_check_heads)
 
     def for_layer(self, layer: int) -> VecInferParams:
-        """These parameters bound to ``layer`` (the index in ``model.layers``): the cache of that layer uses them.
+        """These parameters bound to ``layer`` (its index in the whole model): the cache of that layer uses them
+        (:class:`kvq.contract.ForLayer`).
 
         :raises ValueError: ``layer`` not an int >= 0.
         """
@@ -95,12 +96,13 @@ class VecInferParams:
 
     @staticmethod
     def side_defaults(side: str) -> dict:
-        """Defaults for the keys' or the values' parameters in a cache (:func:`kvq.cache.make_config`): the values
-        use the values' codebooks (``role="values"``) unless a role is given."""
+        """Defaults for the keys' or the values' parameters in a cache (:class:`kvq.contract.SideDefaults`): the
+        values use the values' codebooks (``role="values"``) unless a role is given."""
         return {"role": side}
 
     def check_ready(self) -> None:
-        """Raise now, at cache construction, what the first compressed block would raise later.
+        """Raise now, at cache construction, what the first compressed block would raise later
+        (:class:`kvq.contract.ChecksReady`).
 
         :raises CalibrationError: no ``model_id``, or its calibration is missing or unreadable (the message names
             the ``kvq calibrate`` command to run).
@@ -109,7 +111,8 @@ class VecInferParams:
 
     def for_heads(self, start: int, stop: int) -> VecInferParams:
         """These parameters for a cache holding KV heads ``start:stop`` of the calibrated model (one tensor-parallel
-        rank's slice; :func:`kvq.distributed.make_prompt_cache` calls it). :raises ValueError: a bad range."""
+        rank's slice; :func:`kvq.make_prompt_cache` calls it on a sharded model: :class:`kvq.contract.ForHeads`).
+        :raises ValueError: a bad range."""
         return attrs.evolve(self, heads=(start, stop))
 
     @property

@@ -171,7 +171,7 @@ def layer_codebook(params) -> LayerCodebook:
     calibration = calibration_for(params)
     if params.layer is None:
         raise CalibrationError("vecinfer params have no layer (codebooks are per layer): build caches with "
-                               "kvq_backends_vecinfer.make_prompt_cache(model, model_id), which gives layer i "
+                               "kvq.make_prompt_cache(model, 'vecinfer', model_id=...), which gives layer i "
                                "params.for_layer(i), or pass layer=<index in model.layers>")
     table = calibration.layer(params.layer)
     if getattr(params, "heads", None) is None:

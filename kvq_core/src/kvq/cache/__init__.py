@@ -4,7 +4,9 @@
     mlx_lm.generate(model, tokenizer, prompt, prompt_cache=cache)
 
 Also :func:`patch_model` (so that ``mlx_lm.server`` and anything calling ``make_prompt_cache(model)`` get kvq
-caches) and :func:`load_prompt_cache` (mlx-lm's loader with kvq's checks).
+caches) and :func:`load_prompt_cache` (mlx-lm's loader with kvq's checks). :func:`make_prompt_cache` is the only
+function that makes kvq caches for a model: per-layer parameters (VecInfer's codebooks) and a model sharded by
+mlx-lm (tensor or pipeline parallel, :mod:`kvq.cache.sharding`) are handled there.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from . import patch as _patch
 from .batch import BatchKVQCache
 from ..select import check_kernels, select
 from .layer import CacheConfig, CompressedView, KVQCache, block_implementation, has_attend, quantize_kernels
+from .sharding import first_layer, kv_head_range
 
 # mlx-lm's load_prompt_cache rebuilds caches by class name from its own module's globals
 mlx_cache.KVQCache = KVQCache
@@ -93,21 +96,45 @@ def _head_dims(model) -> tuple[int, int] | None:
 
 
 def make_prompt_cache(model, method: str | None = "affine", **kwargs: Any) -> list:
-    """One kvq cache per attention layer of an mlx-lm model (drop-in for ``mlx_lm``'s function).
+    """One kvq cache per attention layer of an mlx-lm model (drop-in for ``mlx_lm``'s function), on one process or
+    on each rank of a model that mlx-lm sharded.
 
-    Layers whose model-made cache is not a plain ``KVCache`` (sliding-window ``RotatingKVCache``, SSM state)
-    keep it. Layer ``i`` gets ``config.for_layer(i)``: parameters with a ``for_layer(i)`` method
-    (:class:`kvq.contract.ForLayer`: per-layer calibration) are specialised for it. Also patches mlx-lm's attention (:mod:`kvq.cache.patch`).
+    Layers whose model-made cache is not a plain ``KVCache`` (sliding-window ``RotatingKVCache``, SSM state) keep
+    it. Layer ``i`` of ``model.layers`` gets ``config.for_layer(first + i)``, where ``first`` is the index of this
+    rank's first layer in the whole model (:func:`~kvq.cache.sharding.first_layer`: 0 unless pipeline parallel),
+    so parameters with per-layer state (:class:`kvq.contract.ForLayer`, VecInfer's codebooks) are bound to their
+    layer. On a tensor-parallel model the configuration is also ``for_heads(start, stop)`` for this rank's KV heads
+    (:func:`~kvq.cache.sharding.kv_head_range`, :class:`kvq.contract.ForHeads`). Also patches mlx-lm's attention
+    (:mod:`kvq.cache.patch`).
 
     :param model: an mlx-lm model (``model.layers``; ``model.make_cache`` is used when present).
     :param method, kwargs: as :func:`make_config` (``bits=``, ``key_params=``, ``sinks=``, ``window=``,
         ``kernels=`` ...).
     :raises ValueError: bad method/parameters, a head_dim the method does not support (named), parameters whose
         ``check_ready()`` fails (:class:`kvq.contract.ChecksReady`: a missing VecInfer calibration names the
-        command to run), or
-        ``kernels="require"`` where no kernel serves this model's decode attention on this device.
+        command to run), a tensor-parallel split that leaves a rank part of a KV head, or ``kernels="require"``
+        where no kernel serves this model's decode attention on this device.
     """
+    heads = kv_head_range(model)  # a bad tensor-parallel split is named before anything else
     config = make_config(method, **kwargs)
+    _check_model(config, model)
+    _patch.patch()
+    first = first_layer(model)
+
+    def layer_cache(i: int) -> KVQCache:
+        layer = config.for_layer(first + i)
+        return KVQCache(layer if heads is None else layer.for_heads(*heads))
+
+    # a patched model's own make_cache (None if it has none: its make_cache is then the patch, which calls this)
+    patched = hasattr(model, "_kvq_original_make_cache")
+    make_cache = model._kvq_original_make_cache if patched else getattr(model, "make_cache", None)
+    if make_cache is None:
+        return [layer_cache(i) for i in range(len(model.layers))]
+    return [layer_cache(i) if type(c) is mlx_cache.KVCache else c for i, c in enumerate(make_cache())]
+
+
+def _check_model(config: CacheConfig, model) -> None:
+    """What :func:`make_prompt_cache` checks before making caches: head_dims, readiness, required kernels."""
     dims = _head_dims(model)
     if dims is not None:
         config.key_params.check_head_dim(dims[0])
@@ -120,22 +147,18 @@ def make_prompt_cache(model, method: str | None = "affine", **kwargs: Any) -> li
     if config.kernels == "require" and dims is not None and heads:
         # (a model without mlx-lm's args is checked at its first decode step, where selection raises the same)
         check_required_kernels(config, getattr(model.args, "num_key_value_heads", None) or heads, dims[0], heads)
-    _patch.patch()
-    # a patched model's own make_cache (None if it has none: its make_cache is then the patch, which calls this)
-    patched = hasattr(model, "_kvq_original_make_cache")
-    make_cache = model._kvq_original_make_cache if patched else getattr(model, "make_cache", None)
-    if make_cache is None:
-        return [KVQCache(config.for_layer(i)) for i in range(len(model.layers))]
-    return [KVQCache(config.for_layer(i)) if type(c) is mlx_cache.KVCache else c
-            for i, c in enumerate(make_cache())]
 
 
 def patch_model(model, method: str | None = "affine", **kwargs: Any):
-    """Make ``model.make_cache()`` return kvq caches, so ``mlx_lm.server`` and ``mlx_lm.generate`` use them.
+    """Make ``model.make_cache()`` return kvq caches (:func:`make_prompt_cache`, so this rank's caches under
+    ``mlx.launch``), so ``mlx_lm.server``, ``BatchGenerator`` and ``mlx_lm.generate`` use them.
 
     Every call of ``make_cache`` builds fresh caches. Returns ``model``. Undo with :func:`unpatch_model`.
+
+    :raises ValueError: as :func:`make_prompt_cache`, now rather than at the first request (caches are made once
+        here to check).
     """
-    make_config(method, **kwargs)  # fail now, not at the first request
+    make_prompt_cache(model, method, **kwargs)  # fail now, not at the first request
     if not hasattr(model, "_kvq_original_make_cache"):
         model._kvq_original_make_cache = getattr(model, "make_cache", None)
     model.make_cache = lambda: make_prompt_cache(model, method, **kwargs)

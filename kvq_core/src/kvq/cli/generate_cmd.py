@@ -203,7 +203,7 @@ def run_cache(model, tokenizer, ids: list[int], options: dict, max_tokens: int, 
     """
     import mlx_lm
 
-    from ..distributed import make_prompt_cache  # kvq.make_prompt_cache, and this rank's shard under mlx.launch
+    from ..cache import make_prompt_cache  # this rank's caches under mlx.launch
 
     cache = make_prompt_cache(model, **options)
     label = cache_label(options)
@@ -366,7 +366,7 @@ def main(argv: list[str]) -> int:
     :raises TypeError: an unknown parameter name.
     """
     from .. import distributed
-    from ..cache import make_config
+    from ..cache import make_config, make_prompt_cache
 
     args = build_parser().parse_args(argv)
     if args.max_tokens < 1:
@@ -379,7 +379,7 @@ def main(argv: list[str]) -> int:
     text = read_prompt(args)
     model, tokenizer = distributed.load(args.model, pipeline=args.pipeline)  # this rank's shard under mlx.launch
     ids = prompt_ids(tokenizer, text, args.chat)
-    distributed.make_prompt_cache(model, **options)  # an unsupported head_dim or KV-head split fails before output
+    make_prompt_cache(model, **options)  # an unsupported head_dim or KV-head split fails before output
     with distributed.rank0_stdout():  # every rank computes, rank 0 prints
         reference = None
         if args.compare:

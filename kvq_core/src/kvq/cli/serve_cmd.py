@@ -7,7 +7,7 @@ The cache options (``--method``, ``--bits``, ``--param``, ``--key-method`` ... `
 ``--kernels``) are kvq's, as in ``kvq generate``; every other option goes to ``mlx_lm.server`` unchanged (see
 ``mlx_lm.server --help``: ``--host``, ``--port``, ``--max-tokens``, ``--temp`` ...). ``--model`` is resolved as by
 ``kvq generate`` (default model, mlx-lm folder, GGUF file, Hub id). The server is mlx-lm's own: kvq only makes
-the loaded model's ``make_cache()`` return kvq caches (:func:`kvq.distributed.patch_model`), which mlx-lm's
+the loaded model's ``make_cache()`` return kvq caches (:func:`kvq.patch_model`), which mlx-lm's
 request loop, ``BatchGenerator`` and prompt-cache reuse then use. Under ``mlx.launch`` mlx-lm shards the model
 (tensor parallel, or ``--pipeline``), rank 0 serves HTTP and every rank builds its kvq caches.
 """
@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_sharding(path: Path, pipeline: bool, group_size: int) -> None:
+def check_sharding(path: Path, pipeline: bool, num_ranks: int) -> None:
     """Refuse before the server starts what would otherwise fail in its generation thread.
 
     :raises ValueError: tensor parallel over a group size that does not divide the KV heads of ``path``'s
@@ -43,7 +43,7 @@ def check_sharding(path: Path, pipeline: bool, group_size: int) -> None:
     """
     from ..distributed import check_tensor_parallel
 
-    if group_size == 1:
+    if num_ranks == 1:
         return
     if pipeline:
         if not (path / "model.safetensors.index.json").is_file():
@@ -53,7 +53,7 @@ def check_sharding(path: Path, pipeline: bool, group_size: int) -> None:
     config = json.loads((path / "config.json").read_text())
     heads = config.get("num_attention_heads")
     if heads:
-        check_tensor_parallel(config.get("num_key_value_heads") or heads, heads, group_size)
+        check_tensor_parallel(config.get("num_key_value_heads") or heads, heads, num_ranks)
 
 
 def provider_class(options: dict):
@@ -61,6 +61,7 @@ def provider_class(options: dict):
     from mlx_lm import server
 
     from .. import distributed
+    from ..cache import patch_model
     from .generate_cmd import cache_label
 
     class KVQModelProvider(server.ModelProvider):
@@ -68,7 +69,7 @@ def provider_class(options: dict):
 
         def _load(self, *args, **kwargs):
             super()._load(*args, **kwargs)
-            distributed.patch_model(self.model, **options)
+            patch_model(self.model, **options)
             caches = self.model.make_cache()
             self.is_batchable = self.draft_model is None and all(hasattr(c, "merge") for c in caches)
             heads = distributed.kv_head_range(self.model)
