@@ -351,7 +351,11 @@ def filled_cache(sinks: int, window: int, tokens: int = 10):
                                                            (4, 4, 3, "sinks")])
 def test_keys_and_values_can_be_reassigned_through_mx_depends(sinks, window, tokens, holder):
     """``cache.keys = mx.depends(cache.keys, h)`` (mlx-lm's pipelined models) replaces the newest stored array by
-    an equal one that depends on ``h``; the cache keeps working and returns the same attention."""
+    an equal one that depends on ``h``, and the cache's ``state`` (all that generate_step evaluates) then depends on
+    ``h`` too, also where attention had already viewed the compressed store; the cache keeps working and returns
+    the same attention."""
+    import io
+
     from mlx.utils import tree_flatten
 
     cache = filled_cache(sinks, window, tokens)
@@ -366,6 +370,9 @@ def test_keys_and_values_can_be_reassigned_through_mx_depends(sinks, window, tok
         depending = mx.depends(getattr(cache, side), sent)
         setattr(cache, side, depending)
         assert getattr(cache, side) is depending
+    graph = io.StringIO()
+    mx.export_to_dot(graph, *[v for _, v in tree_flatten(cache.state) if isinstance(v, mx.array)])
+    assert graph.getvalue().count('label ="Depends"') == 2  # keys and values: the send runs with the state
     after = [np.array(v) for _, v in tree_flatten(cache.state) if isinstance(v, mx.array)]
     assert len(after) == len(before) and all(np.array_equal(a, b) for a, b in zip(after, before))
     assert mx.array_equal(cache.attend(queries, 0.125), out)

@@ -247,7 +247,11 @@ class KVQCache:
             got = f"{type(value).__name__} {tuple(getattr(value, 'shape', ()))} {getattr(value, 'dtype', '')}"
             raise ValueError(f"{side}: a kvq cache accepts only {want} (the array it returned, e.g. through "
                              f"mx.depends); got {got.strip()}")
-        holder[name] = value
+        store = self.compressed_keys if side == "keys" else self.compressed_values
+        if holder is store.data:
+            store.replace_field(name, value)  # its cached view must not keep the array without the dependency
+        else:
+            holder[name] = value
 
     # -- storage ------------------------------------------------------------------------------------
     def _check(self, keys: mx.array, values: mx.array) -> None:

@@ -61,6 +61,12 @@ class EncodedStore(_Trimmable):
         self.length += n
         self._view = None
 
+    def replace_field(self, name: str, array: mx.array) -> None:
+        """Hold ``array`` as field ``name`` (an array of the same shape and dtype, such as ``mx.depends`` of the
+        field: :attr:`kvq.cache.KVQCache.keys`); the cached view is dropped, so views read the new array."""
+        self.data[name] = array
+        self._view = None
+
     def __getstate__(self) -> dict:
         """Copies (``copy.deepcopy`` of a cache) leave out the cached view: it would copy the tokens again."""
         return {**self.__dict__, "_view": None}
