@@ -1,4 +1,4 @@
-"""Dependencies point one way (DESIGN.md): core <- kvq_metal <- method plugins, and tooling on top of the core.
+"""Dependencies point one way (docs/DESIGN.md, "Kernels"): core <- kvq_metal <- method plugins, tooling on top.
 
 A static walk of every workspace package: each module's AST is parsed and every ``import`` / ``from ... import``
 counts, at module level or inside a function (a lazy import is still a dependency), relative imports resolved;
@@ -47,7 +47,7 @@ LAYERS = {
     "api": ("kvq",),
     "tools": ("kvq.bench", "kvq.evaluation", "kvq.cli"),
 }
-#: What DESIGN.md's hot path needs: none of these may reach the tooling, even through a lazy import.
+#: What docs/DESIGN.md's hot path needs ("The contract"): none of these may reach the tooling, even lazily.
 NOT_TOOLING = ("kvq", "kvq.select", "kvq.plugins", "kvq.hookspecs", "kvq.tuning", "kvq.cache", "kvq.baselines",
                "kvq.attention", "kvq.distributed")
 TOOLING = ("kvq.bench", "kvq.evaluation", "kvq.cli")

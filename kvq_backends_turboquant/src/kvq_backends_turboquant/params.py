@@ -183,7 +183,8 @@ class TurboQuantParams(_Params):
         compresses: these parameters with ``outlier_indices`` set (:func:`~kvq_backends_turboquant.outliers.
         choose_channels`). Parameters that are fitted already, or use no data, are returned unchanged.
 
-        The cache (:class:`kvq.cache.KVQCache`) calls ``fit`` once per layer, before quantizing its first block.
+        The cache (:class:`kvq.cache.KVQCache`) calls ``fit`` once per layer, before quantizing its first block
+        (:class:`kvq.contract.Fits`).
         :param block: ``[B, H_kv, T, D]`` float. :raises ValueError: an empty block, or bad ``outlier_channels``.
         """
         if not self.data_chosen or self.outlier_indices is not None:
@@ -193,11 +194,13 @@ class TurboQuantParams(_Params):
         return attrs.evolve(self, outlier_indices=chosen)
 
     def unfitted(self):
-        """These parameters without fitted state (what a user asks for; used to compare prompt-cache files)."""
+        """These parameters without fitted state (what a user asks for; used to compare prompt-cache files:
+        :class:`kvq.contract.Unfits`)."""
         return attrs.evolve(self, outlier_indices=None) if self.outlier_indices is not None else self
 
     def for_heads(self, start: int, stop: int):
-        """Tensor parallelism: the fitted channel sets of KV heads ``start:stop`` (unfitted parameters unchanged)."""
+        """Tensor parallelism: the fitted channel sets of KV heads ``start:stop`` (unfitted parameters unchanged;
+        :class:`kvq.contract.ForHeads`)."""
         if self.outlier_indices is None:
             return self
         return attrs.evolve(self, outlier_indices=self.outlier_indices[start:stop])

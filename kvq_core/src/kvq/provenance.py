@@ -31,7 +31,7 @@ def sources_hashes() -> dict[str, str | None]:
     pm = registry().pm
     hashes = {}
     for plugin in pm.get_plugins():
-        report = getattr(plugin, "sources_hash", None)
+        report = getattr(plugin, "sources_hash", None)  # kvq.contract.ReportsSources
         if callable(report):
             try:
                 hashes[pm.get_name(plugin)] = str(report())

@@ -151,7 +151,7 @@ def _rank(problem: Problem, implementations: list[Any], kernels: str = "auto",
         implementations = [i for i in implementations if is_kernel(i)]
     candidates = []
     for impl in implementations:
-        note = impl.explain(problem) if callable(getattr(impl, "explain", None)) else ""
+        note = impl.explain(problem) if callable(getattr(impl, "explain", None)) else ""  # kvq.contract.Explains
         if impl.supports(problem):
             candidates.append(Candidate(impl.backend, True, float(impl.cost(problem)), note))
         else:

@@ -233,7 +233,7 @@ def _method_rows(method: BenchMethod, op: str, size: int, base: dict, settings: 
     inputs, chosen, rows = _inputs(op, method, base), _selected(problem), []
     for impl in impls:
         if not impl.supports(problem):
-            note = impl.explain(problem) if callable(getattr(impl, "explain", None)) else ""
+            note = impl.explain(problem) if callable(getattr(impl, "explain", None)) else ""  # contract.Explains
             skipped.append({"method": method.label, "op": op, "size": size, "implementation": impl.backend,
                             "reason": note or f"does not support {where} on {kind}"})
             continue
