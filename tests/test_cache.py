@@ -89,6 +89,19 @@ def test_prompt_cache_file_round_trip_bit_exact_and_continues(llama_model, tmp_p
     assert greedy(llama_model, loaded, nxt, n=6) == greedy(llama_model, cache, nxt, n=6)
 
 
+def test_a_loaded_file_serves_attention_without_a_cache_made_first(llama_model, tmp_path):
+    """In a fresh process nothing has patched mlx-lm's attention yet: kvq.load_prompt_cache does it, or the model
+    would hand the caches' stand-ins to mx.fast.scaled_dot_product_attention (a TypeError)."""
+    cache = make_prompt_cache(llama_model, "affine", bits=4, window=8)
+    greedy(llama_model, cache, n=2)
+    file = str(tmp_path / "c.safetensors")
+    mlx_cache.save_prompt_cache(file, cache)
+    patch.unpatch()  # as in a new process
+    loaded = load_prompt_cache(file)
+    assert patch.is_patched("mlx_lm.models.llama")
+    assert greedy(llama_model, loaded, mx.array([3]), n=2) == greedy(llama_model, cache, mx.array([3]), n=2)
+
+
 def test_loading_a_file_of_another_method_or_format_fails_cleanly(llama_model, tmp_path):
     cache = make_prompt_cache(llama_model, "affine", bits=4)
     greedy(llama_model, cache, n=2)

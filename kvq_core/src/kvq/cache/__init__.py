@@ -177,13 +177,15 @@ def unpatch_model(model):
 
 
 def load_prompt_cache(file_name: str, *, expect: CacheConfig | None = None, return_metadata: bool = False):
-    """``mlx_lm.load_prompt_cache`` with kvq's checks; nothing is modified if a check fails.
+    """``mlx_lm.load_prompt_cache`` with kvq's checks; nothing is modified if a check fails. Also patches mlx-lm's
+    attention (:mod:`kvq.cache.patch`), as :func:`make_prompt_cache` does, so the caches work in a fresh process.
 
     :param expect: if given, every kvq layer in the file must have this method and parameters (state that a
         layer fitted from data, such as TurboQuant's data-chosen outlier channels, comes from the file).
     :raises ValueError: a file written by another kvq format or with other methods/parameters than ``expect``.
     """
     cache, metadata = mlx_cache.load_prompt_cache(file_name, return_metadata=True)
+    _patch.patch()
     if expect is not None:
         for i, c in enumerate(cache):
             got, want = getattr(c, "config", None), expect.for_layer(i)
