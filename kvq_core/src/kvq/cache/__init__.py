@@ -185,7 +185,6 @@ def load_prompt_cache(file_name: str, *, expect: CacheConfig | None = None, retu
     :raises ValueError: a file written by another kvq format or with other methods/parameters than ``expect``.
     """
     cache, metadata = mlx_cache.load_prompt_cache(file_name, return_metadata=True)
-    _patch.patch()
     if expect is not None:
         for i, c in enumerate(cache):
             got, want = getattr(c, "config", None), expect.for_layer(i)
@@ -193,6 +192,7 @@ def load_prompt_cache(file_name: str, *, expect: CacheConfig | None = None, retu
                 raise ValueError(f"{file_name}: layer {i} holds keys {got.key_params!r} / values "
                                  f"{got.value_params!r}, not the expected {want.key_params!r} / "
                                  f"{want.value_params!r}")
+    _patch.patch()
     return (cache, metadata) if return_metadata else cache
 
 
