@@ -12,6 +12,7 @@ checks that every kernel template built for Metal was launched, so a new kernel 
 from __future__ import annotations
 
 import pathlib
+import os
 import re
 import shutil
 import subprocess
@@ -26,6 +27,9 @@ from kvq_metal import attend, dialect, kernel_files
 CLANG = shutil.which("clang++")
 SHIM = pathlib.Path(__file__).parent / "metal_shim"
 
+if CLANG is None and os.environ.get("CI"):  # CI must check, not skip: .ci/run installs Debian's clang
+    raise RuntimeError("tests/test_metal_syntax.py: clang++ is not on PATH under CI; .ci/run installs Debian's "
+                       "clang (apt-get install clang)")
 pytestmark = pytest.mark.skipif(CLANG is None, reason="clang++ is not on PATH (.ci/run installs Debian's clang)")
 
 #: MLX's names of dtypes in generated sources (``get_type_string`` in ``mlx/backend/common/compiled.cpp``).
