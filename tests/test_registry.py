@@ -123,8 +123,22 @@ def test_broken_plugins_are_skipped_with_a_warning_naming_them(tmp_path, monkeyp
 def test_strict_mode_raises(tmp_path, monkeypatch):
     _fake_entry_points(tmp_path, monkeypatch, {"broken_import": BROKEN_IMPORT})
     monkeypatch.setenv("KVQ_STRICT_PLUGINS", "1")
-    with pytest.raises(kvq.RegistrationError, match="broken_import"):
+    with pytest.raises(kvq.RegistrationError, match="broken_import") as caught:
         registry_mod.Registry().load_entry_points()
+    # the command stops: the message says so, not that the plugin "was skipped"
+    assert "failed to load, and strict plugin loading is on (KVQ_STRICT_PLUGINS)" in str(caught.value)
+    assert "skipped" not in str(caught.value) and "ModuleNotFoundError" in str(caught.value)
+
+
+def test_unknown_method_of_an_absent_first_party_plugin_names_the_install_command():
+    reg = registry_mod.Registry()
+    reg.loaded = True  # no entry points: as an install of kvq-core alone
+    reg.register(kvq.baselines.affine.METHOD)
+    with pytest.raises(ValueError, match=r"method must be one of affine; got 'qjl' \('qjl' comes with "
+                                         r"kvq-backends-qjl, which is not installed here; install it with: "):
+        reg.method("qjl")
+    with pytest.raises(ValueError, match=r"got 'nope'$"):  # no hint for a method kvq does not ship
+        reg.method("nope")
 
 
 def test_load_plugins_env_limits_discovery(tmp_path, monkeypatch):

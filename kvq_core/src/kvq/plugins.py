@@ -19,6 +19,7 @@ import pluggy
 
 from . import hookspecs
 from .hookspecs import OPS
+from .install_hints import method_hint
 from .methods import Method
 
 GROUP = "kvq"
@@ -153,18 +154,25 @@ class Registry:
                 self.unregister(obj)
             if self.pm.has_plugin(f"entry-point:{ep.name}"):
                 self.pm.unregister(name=f"entry-point:{ep.name}")
-            message = f"kvq plugin {ep.name!r} ({ep.value}) was skipped: {type(exc).__name__}: {exc}"
+            reason = f"{type(exc).__name__}: {exc}"
             if strict:
-                raise RegistrationError(message) from exc
+                raise RegistrationError(f"kvq plugin {ep.name!r} ({ep.value}) failed to load, and strict plugin "
+                                        f"loading is on (KVQ_STRICT_PLUGINS): {reason}") from exc
+            message = f"kvq plugin {ep.name!r} ({ep.value}) was skipped: {reason}"
             self.failures[ep.name] = message
             warnings.warn(message, PluginLoadWarning, stacklevel=3)
 
     # -- queries ------------------------------------------------------------------------------------
     def method(self, name: str) -> Method:
-        """The declaration of ``name``. :raises ValueError: unknown name (lists the known ones)."""
+        """The declaration of ``name``.
+
+        :raises ValueError: unknown name: lists the installed methods and, for a method of one of kvq's own
+            distributions that is not installed, names it and the command that installs it
+            (:func:`kvq.install_hints.method_hint`)."""
         if name not in self.methods:
             known = ", ".join(sorted(self.methods)) or "(none installed)"
-            raise ValueError(f"method must be one of {known}; got {name!r}")
+            hint = method_hint(name) if isinstance(name, str) else ""
+            raise ValueError(f"method must be one of {known}; got {name!r}" + (f" ({hint})" if hint else ""))
         return self.methods[name]
 
     def implementations_of(self, method: str, op: str) -> list[Any]:
