@@ -35,3 +35,9 @@ def test_demo_falls_back_before_model_work_when_turboquant_is_absent():
     assert "kvq-backends-turboquant" in note and "uv pip install" in note and "instead" in note
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.startswith("turboquant 3\n")
+
+
+def test_extras_and_kernel_hints_use_the_same_commands():
+    assert install_command("kvq-core", extra="plots") == (f"uv pip install '{ROOT / 'kvq_core'}[plots]'  "
+                                                          f"(or: pip install '{ROOT / 'kvq_core'}[plots]')")
+    assert install_command("not-ours", extra="x") == "pip install 'not-ours[x]'"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,7 +15,8 @@ from kvq.cli import main
 
 TINY_OPS = ["--methods", "affine:4", "--ops", "quantize", "--sizes", "64", "--reps", "1", "--warmup", "0",
             "--bandwidth-bytes", "1M", "--no-progress"]
-INSTALL = "pip install 'kvq-core[plots]' (from a clone of kvq: uv pip install './kvq_core[plots]')"
+#: kvq-core comes from this clone in the workspace, so the command installs the clone's folder with the extra
+INSTALL = f"uv pip install '{Path(__file__).resolve().parents[1] / 'kvq_core'}[plots]'"
 
 CACHE_PATH = """
 import sys

@@ -17,6 +17,7 @@ from urllib.parse import unquote, urlparse
 
 #: kvq's own distributions: name -> (folder in the repository, methods it provides).
 DISTRIBUTIONS = {
+    "kvq-core": ("kvq_core", ()),
     "kvq-backends-turboquant": ("kvq_backends_turboquant", ("turboquant", "turboquant_prod", "turboquant_rvq")),
     "kvq-backends-qjl": ("kvq_backends_qjl", ("qjl",)),
     "kvq-backends-vecinfer": ("kvq_backends_vecinfer", ("vecinfer",)),
@@ -39,14 +40,16 @@ def _checkout() -> Path | None:
     return Path(unquote(url.path)).parent
 
 
-def install_command(distribution: str) -> str:
-    """A command that installs ``distribution`` (one of :data:`DISTRIBUTIONS`, or any PyPI name) here: from the
-    local clone kvq-core came from when there is one, else from PyPI by name."""
+def install_command(distribution: str, extra: str | None = None) -> str:
+    """A command that installs ``distribution`` (one of :data:`DISTRIBUTIONS`, or any PyPI name), with an optional
+    extra (``"plots"``), here: from the local clone kvq-core came from when there is one, else from PyPI by name."""
     folder = DISTRIBUTIONS.get(distribution, (None,))[0]
     root = _checkout()
+    suffix = f"[{extra}]" if extra else ""
     if folder is not None and root is not None and (root / folder / "pyproject.toml").is_file():
-        return f"uv pip install {root / folder}  (or: pip install {root / folder})"
-    return f"pip install {distribution}"
+        target = f"'{root / folder}{suffix}'" if extra else str(root / folder)
+        return f"uv pip install {target}  (or: pip install {target})"
+    return f"pip install '{distribution}{suffix}'" if extra else f"pip install {distribution}"
 
 
 def distribution_of(method: str) -> str | None:

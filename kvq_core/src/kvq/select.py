@@ -13,6 +13,7 @@ import mlx.core as mx
 
 from . import tuning
 from .hookspecs import OPS
+from .install_hints import install_command
 from .problem import Problem, device_kind
 from .plugins import registry
 
@@ -178,7 +179,7 @@ def _missing(reg, method, op, shape, dtype, kind, kernels) -> str:
         return f"no {what} of {method!r} supports op {op!r} for shape {shape} {dtype} on {kind}"
     installed = sorted({i.backend for o in OPS for i in reg.implementations_of(method, o) if is_kernel(i)})
     have = (f"installed kernel back ends for {method!r}: {', '.join(installed)}" if installed
-            else f"no kernel implementation of {method!r} is installed (pip install kvq-metal)")
+            else f"no kernel implementation of {method!r} is installed ({install_command('kvq-metal')})")
     return (f"kernels='require': no kernel serves {method!r} op {op!r} for shape {shape} {dtype} on this "
             f"{kind} device ({have}; kernels run on Apple GPUs through Metal and on NVIDIA GPUs through "
             f"CUDA). Use kernels='auto' (--kernels auto) to fall back to pure MLX.")

@@ -11,6 +11,8 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..install_hints import install_command
+
 
 def output_paths(out: str | Path, stem: str, suffixes: Sequence[str] = (".json", ".md", ".png")) -> dict[str, Path]:
     """``{".json": out/stem.json, ...}``; creates the folder ``out``.
@@ -47,8 +49,9 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     return "\n".join([line(headers), "|" + "---|" * len(headers), *(line(r) for r in rows)])
 
 
-#: How to get matplotlib, which kvq-core installs only with its ``plots`` extra.
-PLOTS_EXTRA = "pip install 'kvq-core[plots]' (from a clone of kvq: uv pip install './kvq_core[plots]')"
+def plots_extra() -> str:
+    """How to get matplotlib, which kvq-core installs only with its ``plots`` extra (a command that works here)."""
+    return install_command("kvq-core", extra="plots")
 
 
 def pyplot():
@@ -62,5 +65,5 @@ def pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise ValueError(f"the PNG plots need matplotlib ({exc}): {PLOTS_EXTRA}; or pass --no-plot") from None
+        raise ValueError(f"the PNG plots need matplotlib ({exc}): {plots_extra()}; or pass --no-plot") from None
     return plt

@@ -51,7 +51,7 @@ mlx-affine:N mlx-lm's QuantizedKVCache (kv_bits N, group 64), kvq-fp16 kvq's own
 Default contexts: real models 1024,2048,4096 on the CPU, 1K..8K on a GPU (up to the model's maximum); random
 models 1024,4096 on the CPU, 4K,16K,32K,64K,128K on a GPU. Sizes take K suffixes (1K = 1024).
 Writes OUT/NAME.json (after every row), OUT/NAME.md and OUT/NAME.png; --report OUT/NAME.json redraws the last two.
-The PNG needs matplotlib: pip install 'kvq-core[plots]' (or pass --no-plot).
+The PNG needs matplotlib, kvq-core's plots extra (the error says how to install it here; or pass --no-plot).
 """
 
 

@@ -2,7 +2,7 @@
 over N vectors (quantize, dequantize) or context length T (decode attend, with fp16 SDPA as the reference line);
 intermediate memory per call, achieved bandwidth of attend against the device's measured elementwise bandwidth.
 Writes bench_ops.json and one PNG per op (log-log time against size) to --out; the PNGs need matplotlib
-(pip install 'kvq-core[plots]', or pass --no-plot).
+(the plots extra of kvq-core; the error says how to install it here; or pass --no-plot).
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from ..install_hints import install_command
+
 MIB = 2**20
 COLUMNS = ("method", "bits/coord K, V (eff.)", "PPL", "ΔPPL", "KL", "top-1", "attn err mean / max", "needle",
            "KV MiB (ratio)", "measured MiB (ratio)", "s / window")
@@ -97,8 +99,7 @@ def plot(document: dict, path: str | Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise ValueError(f"--plot needs matplotlib ({exc}): pip install 'kvq-core[plots]' (from a clone of kvq: "
-                         "uv pip install './kvq_core[plots]')") from None
+        raise ValueError(f"--plot needs matplotlib ({exc}): {install_command('kvq-core', extra='plots')}") from None
     runs = document["runs"]
     fig, axes = plt.subplots(len(runs), 2, figsize=(12, 4.5 * len(runs)), squeeze=False)
     for (ax_ppl, ax_kl), run in zip(axes, runs):
