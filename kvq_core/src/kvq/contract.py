@@ -237,7 +237,8 @@ class ChecksReady(Protocol):
     """Optional: fail at cache construction what the first compressed block would fail later (data on disk)."""
 
     def check_ready(self) -> None:
-        """Called by :func:`kvq.make_prompt_cache` on both sides' parameters.
+        """Called by :func:`kvq.make_prompt_cache` on both sides' parameters, and by :func:`kvq.select`, whose
+        plan then says it is not ready (:attr:`kvq.Plan.not_ready`) and whose ``quantize`` raises the error.
 
         :raises ValueError: these parameters cannot encode yet (VecInfer: no calibration; the message names the
             command to run).
@@ -267,6 +268,18 @@ class ForHeads(Protocol):
 
 
 @runtime_checkable
+class ForHeadDim(Protocol):
+    """Optional: a parameter whose default depends on head_dim (``affine``'s ``group_size=None``: 64 where it
+    divides head_dim, else 32). :func:`kvq.select` calls it with the shape's head_dim, after ``check_head_dim``,
+    so a plan holds (and :meth:`kvq.Plan.explain` shows) the concrete parameters. A kvq cache learns its head_dim
+    from its first block; a method that needs concrete parameters there also defines :class:`Fits`."""
+
+    def for_head_dim(self, head_dim: int) -> Any:
+        """:return: parameters of the same class with every head_dim-dependent default made concrete (``self``
+        where there is none). :raises ValueError: a head_dim these parameters do not support."""
+
+
+@runtime_checkable
 class Fits(Protocol):
     """Optional: shared state chosen from data (TurboQuant's data-chosen outlier channels). A cache calls it once
     per layer, on the first block it compresses, and uses (and saves in prompt-cache files) what it returns.
@@ -293,7 +306,7 @@ class Unfits(Protocol):
 IMPLEMENTATION_OPTIONS = (Explains, AttendsDense, PreparesQueries, ScoresKeys, WeightsValues, FinishesValues,
                           ReportsSources)
 #: The optional single-member Protocols of parameter objects (:class:`SideDefaults` is read from the class).
-PARAMS_OPTIONS = (SideDefaults, ChecksReady, ForLayer, ForHeads, Fits, Unfits)
+PARAMS_OPTIONS = (SideDefaults, ChecksReady, ForLayer, ForHeads, ForHeadDim, Fits, Unfits)
 
 
 def member_name(protocol: type) -> str:
@@ -317,6 +330,6 @@ def optional_hook(obj: object, protocol: type) -> Callable[..., Any] | None:
 
 
 __all__ = ["AttendsDense", "Attends", "ChecksReady", "Dequantizes", "EntryPoint", "Explains", "FinishesValues",
-           "Fits", "ForHeads", "ForLayer", "IMPLEMENTATION_OPTIONS", "Implementation", "OP_PROTOCOLS",
+           "Fits", "ForHeadDim", "ForHeads", "ForLayer", "IMPLEMENTATION_OPTIONS", "Implementation", "OP_PROTOCOLS",
            "PARAMS_OPTIONS", "Packs", "Params", "PreparesQueries", "Quantizes", "ReportsSources", "ScoresKeys",
            "SideDefaults", "Unfits", "WeightsValues", "member_name", "optional_hook"]

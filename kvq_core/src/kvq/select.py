@@ -12,6 +12,7 @@ import attrs
 import mlx.core as mx
 
 from . import tuning
+from .contract import ChecksReady, ForHeadDim, optional_hook
 from .hookspecs import OPS
 from .install_hints import install_command
 from .problem import Problem, device_kind
@@ -75,6 +76,12 @@ class Plan:
     The hot path uses the bound callables: ``plan.quantize(x, params)``, ``plan.dequantize(enc, dtype)``,
     ``plan.attend(q, k_enc, v_enc, scale, mask)``, ``plan.pack(codes, bits)``, ``plan.unpack(packed, bits,
     count)``; each is ``None`` when no installed implementation serves that op.
+
+    :attr params: the parameters for this shape: defaults that depend on head_dim made concrete
+        (:class:`kvq.contract.ForHeadDim`; :attr:`notes` says which).
+    :attr not_ready: what the parameters' ``check_ready()`` raised (:class:`kvq.contract.ChecksReady`: VecInfer
+        without a calibration), or ``None``; while set, :attr:`quantize` raises it and :meth:`explain` says it.
+    :attr notes: how the parameters were made concrete, e.g. ``"group_size=None means 64 for head_dim 128"``.
     """
 
     method: str
@@ -83,6 +90,13 @@ class Plan:
     dtype: Any
     device: str
     choices: dict[str, Choice]
+    not_ready: Exception | None = attrs.field(default=None, eq=False)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def ready(self) -> bool:
+        """Whether the parameters can encode now (:attr:`not_ready` is ``None``)."""
+        return self.not_ready is None
 
     def _bound(self, op: str, hook: str) -> Callable | None:
         choice = self.choices.get(op)
@@ -90,8 +104,14 @@ class Plan:
 
     @property
     def quantize(self):
-        """``kvq_quantize(x, params)`` of the chosen implementation, or ``None``."""
+        """``kvq_quantize(x, params)`` of the chosen implementation, or ``None``; while the parameters are not
+        ready, a function that raises :attr:`not_ready` (before any work)."""
+        if self.not_ready is not None and "quantize" in self.choices:
+            return self._raise_not_ready
         return self._bound("quantize", "kvq_quantize")
+
+    def _raise_not_ready(self, *args, **kwargs):
+        raise self.not_ready.with_traceback(None) from None  # the cause, not the frames that found it
 
     @property
     def dequantize(self):
@@ -116,6 +136,9 @@ class Plan:
     def explain(self) -> str:
         """A human-readable account of the choice per op."""
         lines = [f"{self.method} {self.params} shape={self.shape} dtype={self.dtype} device={self.device}"]
+        lines += [f"  ({note})" for note in self.notes]
+        if self.not_ready is not None:
+            lines.append(f"  NOT READY: {self.not_ready} (quantize raises this)")
         for op in OPS:
             choice = self.choices.get(op)
             if choice is not None:
@@ -131,7 +154,8 @@ class Plan:
         """JSON-ready form of the plan (``kvq select --json``)."""
         return {
             "method": self.method, "params": repr(self.params), "shape": list(self.shape),
-            "dtype": str(self.dtype), "device": self.device,
+            "dtype": str(self.dtype), "device": self.device, "notes": list(self.notes),
+            "not_ready": None if self.not_ready is None else str(self.not_ready),
             "ops": {op: None if c is None else {
                 "backend": c.backend, "reason": c.reason,
                 "candidates": [attrs.asdict(k) for k in c.candidates]} for op, c in self.choices.items()},
@@ -185,6 +209,29 @@ def _missing(reg, method, op, shape, dtype, kind, kernels) -> str:
             f"CUDA). Use kernels='auto' (--kernels auto) to fall back to pure MLX.")
 
 
+def _for_head_dim(params: Any, head_dim: int) -> tuple[Any, tuple[str, ...]]:
+    """``params`` with head_dim-dependent defaults made concrete (:class:`kvq.contract.ForHeadDim`), and a note per
+    field that changed (``"group_size=None means 32 for head_dim 32"``)."""
+    for_head_dim = optional_hook(params, ForHeadDim)
+    if for_head_dim is None:
+        return params, ()
+    resolved = for_head_dim(head_dim)
+    fields = [f.name for f in attrs.fields(type(params))] if attrs.has(type(params)) else []
+    return resolved, tuple(f"{name}={getattr(params, name)!r} means {getattr(resolved, name)!r} for head_dim "
+                           f"{head_dim}" for name in fields if getattr(params, name) != getattr(resolved, name))
+
+
+def _not_ready(params: Any) -> Exception | None:
+    """What ``params.check_ready()`` raises (:class:`kvq.contract.ChecksReady`), or ``None``."""
+    check_ready = optional_hook(params, ChecksReady)
+    try:
+        if check_ready is not None:
+            check_ready()
+    except ValueError as error:
+        return error
+    return None
+
+
 def select(
     method: str,
     shape: tuple[int, int, int, int],
@@ -209,7 +256,11 @@ def select(
     :param kernels: ``"auto"`` (default: kernels and pure MLX ranked by cost, or by this device's measured
         crossover where ``kvq autotune`` stored one: :mod:`kvq.tuning`), ``"require"`` (kernel
         implementations only) or ``"off"`` (pure MLX only); see :data:`KERNELS`.
-    :return: :class:`Plan`; ops without a supporting implementation are absent from ``plan.choices``.
+    :return: :class:`Plan` with ``params`` made concrete for ``shape`` (:class:`kvq.contract.ForHeadDim`); ops
+        without a supporting implementation are absent from ``plan.choices``. Parameters that cannot encode yet
+        (:class:`kvq.contract.ChecksReady`, e.g. VecInfer without a calibration) give a plan that says why
+        (``plan.not_ready``, :meth:`Plan.explain`) and whose ``quantize`` raises it; such plans are not cached, so
+        a calibration made later is seen.
     :raises ValueError: unknown method or op, bad shape, a head_dim the method does not support, ``kernels``
         not one of :data:`KERNELS`, ``op`` given and no allowed implementation supports it, or
         ``kernels="require"`` and no kernel serves any of the ops asked (the message names what is missing).
@@ -248,6 +299,8 @@ def select(
         if fast_key is not None:
             _FAST[fast_key] = _CACHE[key]
         return _CACHE[key]
+    params, notes = _for_head_dim(params, shape[3])  # the key keeps the parameters as given
+    not_ready = _not_ready(params)
     choices = {}
     table = tuning.current(kind) if kernels == "auto" else None
     for name in ops:
@@ -259,7 +312,9 @@ def select(
             raise ValueError(_missing(reg, method, op, shape, dtype, kind, kernels))
     if kernels == "require" and not choices:
         raise ValueError(_missing(reg, method, "/".join(ops), shape, dtype, kind, kernels))
-    plan = _CACHE[key] = Plan(method, params, shape, dtype, kind, choices)
-    if fast_key is not None:
-        _FAST[fast_key] = plan
+    plan = Plan(method, params, shape, dtype, kind, choices, not_ready, notes)
+    if not_ready is None:  # an unready plan is asked again: a calibration made meanwhile is then seen
+        _CACHE[key] = plan
+        if fast_key is not None:
+            _FAST[fast_key] = plan
     return plan
