@@ -77,8 +77,10 @@ def test_bad_method_strings_are_named(text, message):
 
 
 def test_head_dim_is_checked_when_known():
-    with pytest.raises(ValueError, match="group_size=64 must divide"):
+    with pytest.raises(ValueError, match="head_dim 48 .* group sizes 32, 64, 128 only"):
         parse_methods("affine:4", head_dim=48)
+    with pytest.raises(ValueError, match="group_size=64 must divide"):
+        parse_methods("affine:4[group_size=64]", head_dim=96)
     with pytest.raises(ValueError, match="does not divide head_dim"):
         parse_methods("mlx-affine:4", head_dim=48)
 

@@ -57,7 +57,10 @@ def test_plans_are_cached_per_shape_bucket_and_invalidated_by_registration(regis
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(method="nope", shape=(1, 1, 8, 64)), ValueError, r"method must be one of ([a-z0-9_]+, )*affine, .*fp16.*got 'nope'"),
     (dict(method="affine", shape=(1, 8, 64)), ValueError, r"shape must be four"),
-    (dict(method="affine", shape=(1, 8, 64, 96)), ValueError, r"head_dim 96 .* multiple of 64"),
+    (dict(method="affine", shape=(1, 8, 64, 80)), ValueError, r"head_dim 80 .* multiple of 32 .* group sizes 32, 64, "
+                                                              r"128 only"),
+    (dict(method="affine", shape=(1, 8, 64, 96), params=kvq.make_params("affine", group_size=64)), ValueError,
+     r"head_dim 96 .* multiple of 64 \(group_size=64 must divide it\)"),
     (dict(method="affine", shape=(1, 8, 64, 64), op="compress"), ValueError, r"op must be one of quantize"),
     (dict(method="affine", shape=(1, 8, 64, 64), dtype=mx.int32), TypeError, r"dtype must be float16"),
     (dict(method="affine", shape=(1, 8, 64, 64), device="tpu"), ValueError, r"device must be one of"),
@@ -88,7 +91,7 @@ def test_repeated_questions_are_answered_from_the_cache_and_bad_ones_still_fail(
     a = kvq.select("affine", (1, 8, 1000, 128), op="attend", num_q_heads=32)
     assert kvq.select("affine", (1, 8, 1000, 128), op="attend", num_q_heads=32) is a
     assert kvq.select("affine", (1, 8, 1000, 128), op="attend", num_q_heads=32, device="cpu") is a
-    with pytest.raises(ValueError, match="head_dim 96"):
-        kvq.select("affine", (1, 8, 1000, 96), op="attend", num_q_heads=32)
+    with pytest.raises(ValueError, match="head_dim 80"):
+        kvq.select("affine", (1, 8, 1000, 80), op="attend", num_q_heads=32)
     with pytest.raises(ValueError, match="kernels must be one of"):
         kvq.select("affine", (1, 8, 1000, 128), op="attend", num_q_heads=32, kernels="always")

@@ -1,9 +1,11 @@
 """``affine``: per-group min-max quantization with ``mx.quantize``, the numerics of mlx-lm's QuantizedKVCache.
 
 Each group of ``group_size`` coordinates of a vector gets a scale and a bias (16-bit each), so side data costs
-``32 / group_size`` bits per coordinate (KIVI, Liu et al. 2024, quantizes keys per channel instead; mlx-lm and
+``32 / group_size`` bits per coordinate (group_size by default 64, mlx-lm's, where it divides head_dim, else 32:
+:func:`auto_group_size`; KIVI, Liu et al. 2024, quantizes keys per channel instead; mlx-lm and
 this baseline quantize per token). Attention runs on the packed codes with ``mx.quantized_matmul``, block by
 block, so no fp16 copy of the keys or values is made.
+
 """
 
 from __future__ import annotations
@@ -20,7 +22,27 @@ from ..methods import BitsAccounting, Method
 from ..validate import attrs_one_of, float_array, head_dim_multiple
 
 BITS = (2, 3, 4, 5, 6, 8)
+#: The group sizes ``mx.quantize`` supports (MLX 0.32 refuses 8, 16 and 256).
 GROUP_SIZES = (32, 64, 128)
+#: mlx-lm's QuantizedKVCache group size: the automatic choice wherever it divides head_dim.
+DEFAULT_GROUP_SIZE = 64
+
+
+def _check_group_size(instance, attribute, value):
+    if value is not None:
+        attrs_one_of(GROUP_SIZES)(instance, attribute, value)
+
+
+def auto_group_size(head_dim: int) -> int | None:
+    """The group size ``group_size=None`` means for ``head_dim``: 64 where it divides head_dim, else the largest of
+    :data:`GROUP_SIZES` that does (32: 128 divides no head_dim that 64 does not), ``None`` where none does.
+
+    64 first, not the largest: it is mlx-lm's QuantizedKVCache default and was affine's fixed default, so head_dims
+    it divides (64, 128, 256 ...) keep their results; only head_dims it does not divide (32, 96, 160 ...) get 32.
+    """
+    if head_dim >= 1 and head_dim % DEFAULT_GROUP_SIZE == 0:
+        return DEFAULT_GROUP_SIZE
+    return max((g for g in GROUP_SIZES if head_dim >= 1 and head_dim % g == 0), default=None)
 
 
 @attrs.frozen(cache_hash=True)  # hashed on every decode step (selection and kernel-check keys)
@@ -28,22 +50,61 @@ class AffineParams:
     """Parameters of ``affine``.
 
     :param bits: code width, one of 2, 3, 4, 5, 6, 8.
-    :param group_size: coordinates sharing one scale and bias, one of 32, 64, 128; must divide head_dim.
+    :param group_size: coordinates sharing one scale and bias, one of 32, 64, 128 (must divide head_dim), or
+        ``None`` (default): chosen from head_dim by :func:`auto_group_size` (64 where it divides head_dim, as
+        mlx-lm's QuantizedKVCache; else 32). It is made concrete where head_dim is known: :meth:`for_head_dim`
+        (:func:`kvq.select` calls it, so a plan holds e.g. ``AffineParams(bits=4, group_size=64)``) and
+        :meth:`fit` (a cache calls it on its first compressed block, so prompt-cache files store the number).
+    :raises ValueError: ``bits`` or ``group_size`` outside those values.
     """
 
     method: ClassVar[str] = "affine"
     bits: int = attrs.field(default=4, validator=attrs_one_of(BITS))
-    group_size: int = attrs.field(default=64, validator=attrs_one_of(GROUP_SIZES))
+    group_size: int | None = attrs.field(default=None, validator=_check_group_size)
+
+    def group_size_for(self, head_dim: int) -> int | None:
+        """``group_size``, or where it is ``None`` :func:`auto_group_size` ``(head_dim)`` (``None``: none divides it).
+        Whether a given ``group_size`` divides ``head_dim`` is :meth:`check_head_dim`'s question."""
+        return auto_group_size(head_dim) if self.group_size is None else self.group_size
+
+    def for_head_dim(self, head_dim: int) -> AffineParams:
+        """These parameters with a concrete ``group_size`` for ``head_dim`` (``self`` when it is given).
+
+        :raises ValueError: as :meth:`check_head_dim`.
+        """
+        self.check_head_dim(head_dim)
+        return self if self.group_size is not None else attrs.evolve(self, group_size=auto_group_size(head_dim))
+
+    def fit(self, block: mx.array) -> AffineParams:
+        """:meth:`for_head_dim` of the block's head_dim (``[B, H_kv, T, D]``): a cache calls it on the first block
+        it compresses (:class:`kvq.contract.Fits`), so its configuration, and the prompt-cache files it writes,
+        hold the group size used. :raises ValueError: as :meth:`check_head_dim`."""
+        return self.for_head_dim(block.shape[-1])
+
+    def unfitted(self) -> AffineParams:
+        """These parameters as a user who left ``group_size`` to its default could have asked for them
+        (:class:`kvq.contract.Unfits`; ``kvq.load_prompt_cache(expect=...)`` compares through it): group size 64
+        becomes ``None``, since 64 is valid only where it divides head_dim, and there the automatic choice is 64
+        too; 32 and 128 stay (whether the automatic choice would be 32 depends on a head_dim not known here)."""
+        return attrs.evolve(self, group_size=None) if self.group_size == DEFAULT_GROUP_SIZE else self
 
     def accounting(self, head_dim: int) -> BitsAccounting:
-        """Codes (``bits`` per coordinate) plus a 16-bit scale and a 16-bit bias per group."""
-        groups = head_dim // self.group_size
+        """Codes (``bits`` per coordinate) plus a 16-bit scale and a 16-bit bias per group.
+
+        :raises ValueError: ``group_size=None`` and no supported group size divides ``head_dim``.
+        """
+        groups = head_dim // (self.group_size or self.for_head_dim(head_dim).group_size)
         return BitsAccounting(head_dim, {"codes": self.bits * head_dim, "scales": 16 * groups,
                                          "biases": 16 * groups})
 
     def check_head_dim(self, head_dim: int) -> None:
-        """:raises ValueError: ``group_size`` does not divide ``head_dim``."""
-        head_dim_multiple("affine", head_dim, self.group_size, f"group_size={self.group_size} must divide it")
+        """:raises ValueError: ``group_size`` does not divide ``head_dim``, or (``group_size=None``) none of the
+        group sizes ``mx.quantize`` supports (32, 64, 128) does (head_dim 80, 48, 16, 8 ...)."""
+        if self.group_size is not None:
+            head_dim_multiple("affine", head_dim, self.group_size, f"group_size={self.group_size} must divide it")
+        elif auto_group_size(head_dim) is None:
+            head_dim_multiple("affine", head_dim, min(GROUP_SIZES), "the group size must divide it, and "
+                              f"mx.quantize supports group sizes {', '.join(map(str, GROUP_SIZES))} only")
 
 
 METHOD = Method("affine", AffineParams,
@@ -58,7 +119,8 @@ class AffineMLX:
     backend = "mlx"
 
     def supports(self, problem) -> bool:
-        return problem.head_dim % (problem.params or AffineParams()).group_size == 0
+        group_size = (problem.params or AffineParams()).group_size_for(problem.head_dim)
+        return group_size is not None and problem.head_dim % group_size == 0
 
     def cost(self, problem) -> float:
         B, H, T, D = problem.shape
@@ -67,7 +129,7 @@ class AffineMLX:
 
     def kvq_quantize(self, x, params):
         x = float_array("x", x)
-        params.check_head_dim(x.shape[-1])
+        params = params.for_head_dim(x.shape[-1])  # checks head_dim; the codes record the group size used
         # float32 input is stored with float16 scales, as the accounting (and mlx-lm's fp16 models) assume
         x = x.astype(mx.float16) if x.dtype == mx.float32 else x
         codes, scales, biases = mx.quantize(x, group_size=params.group_size, bits=params.bits)

@@ -45,8 +45,10 @@ class AffineKernels(KernelImpl):
             return False
         p = problem.params or AffineParams()
         D, rows = problem.head_dim, rows_of(problem)
-        if not attend.supported(D, p.bits, p.bits, p.group_size, p.group_size, rows):
+        group = p.group_size_for(D)  # group_size=None: the one chosen for D (None where none divides D)
+        if group is None or not attend.supported(D, p.bits, p.bits, group, group, rows):
             return False
+        p = p.for_head_dim(D)
         return first_use_check(self.backend, "decode_attend[affine]", (D, p.bits, p.group_size, rows),
                                lambda: check_attend(self, self.fallback().kvq_quantize, p, p, D, rows, mx.float16))
 
@@ -54,7 +56,7 @@ class AffineKernels(KernelImpl):
         """One kernel plus the split merge; bytes: the packed codes and 16-bit scales and biases of K and V."""
         B, H, T, D = problem.shape
         p = problem.params or AffineParams()
-        per_token = D * p.bits / 8 + 4 * D / p.group_size
+        per_token = D * p.bits / 8 + 4 * D / (p.group_size_for(D) or D)  # (no group size: not supported anyway)
         return self.estimate(problem, launches=6, bytes_moved=2 * B * H * T * per_token)
 
     def attend_kernel(self, queries, keys, values, scale):
