@@ -7,7 +7,10 @@ codebook of ``2**code_bits`` entries. ``code_bits / sub_dim`` bits per coordinat
 
 Codebooks and smoothing factors come from ``kvq calibrate --model M`` and are per layer, so the parameters carry
 the model id and the layer (:meth:`VecInferParams.for_layer`, which ``kvq.make_prompt_cache`` calls per layer):
-``kvq.make_prompt_cache(model, "vecinfer", model_id="M")``. Modules: :mod:`.params`, :mod:`.impl` (quantize,
+``kvq.make_prompt_cache(model, "vecinfer", model_id="M")``. kvq's commands that run a model (``kvq generate``,
+``eval``, ``serve``, ``bench``) use ``--model``'s calibration, named as ``kvq calibrate`` names it
+(:func:`.storage.model_id_for`). Without a model id the parameters are not ready (``check_ready``): a cache
+refuses them and ``kvq.select`` says so in its plan. Modules: :mod:`.params`, :mod:`.impl` (quantize,
 dequantize, attend by lookup tables), :mod:`.vq`, :mod:`.hadamard`, :mod:`.kmeans`, :mod:`.storage` (files),
 :mod:`.collect` and :mod:`.calibrate` (calibration).
 """

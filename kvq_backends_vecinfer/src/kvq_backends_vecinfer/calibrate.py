@@ -8,6 +8,10 @@ layer (and per head with ``per_head``). Results are saved by :mod:`kvq_backends_
 
 The default text is the first half of :func:`kvq.textdata.language_reference`; :func:`heldout_text` (the second
 half) is never used for calibration, so evaluations on it are out of sample.
+
+As ``vecinfer``'s calibration module (``kvq.Method(calibrate=...)``) it offers ``add_arguments`` and ``run`` to
+``kvq calibrate``, and :func:`model_id_for` to the commands that run a model (``kvq generate --model M --method
+vecinfer`` uses the calibration ``kvq calibrate --model M`` wrote: :func:`kvq.evaluation.spec.model_namer`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from . import storage, vq
 from .collect import Recording, record
 from .kmeans import kmeans
 from .params import VecInferParams
+from .storage import model_id_for  # kvq's commands that run a model read it here (the calibration module)
 
 _EPS = 1e-6
 DEFAULT_SOURCE = "kvq.textdata.language_reference(), first half"
@@ -45,17 +50,6 @@ def calibration_text() -> str:
 def heldout_text() -> str:
     """The second half of the Python language reference: disjoint from :func:`calibration_text`, for evaluation."""
     return _split()[1]
-
-
-def model_id_for(model: str | None) -> str:
-    """The id a calibration is stored and looked up under: the default model's name, a model folder's name, a GGUF
-    file's stem, or a Hub id as given (``org/name``)."""
-    if model in (None, "default", storage.DEFAULT_MODEL_ID):
-        return storage.DEFAULT_MODEL_ID
-    path = Path(model).expanduser()
-    if path.exists():
-        return path.resolve().stem if path.is_file() else path.resolve().name
-    return model
 
 
 def smoothing_factors(keys: mx.array, alpha: float = 0.5) -> mx.array:

@@ -62,8 +62,10 @@ def _check_bool(instance, attribute, value):
 class VecInferParams:
     """Parameters of ``vecinfer`` (VecInfer, arXiv 2510.06175): product vector quantization with calibrated codebooks.
 
-    :param model_id: the model whose calibration to use, as given to ``kvq calibrate --model`` (``"default"`` is
-        ``SmolLM2-135M-Instruct``); ``None`` (the default) only allows structural checks: quantizing then raises.
+    :param model_id: the model whose calibration to use, by the id ``kvq calibrate --model M`` stored it under
+        (:func:`~kvq_backends_vecinfer.storage.model_id_for`: a Hub id as given, a folder's name, a .gguf file's
+        stem; ``"default"`` is ``SmolLM2-135M-Instruct``); kvq's commands that run a model set it from ``--model``.
+        ``None`` (the default) allows structural checks only: the parameters are not ready (:meth:`check_ready`).
     :param role: ``"keys"`` (per-channel smoothing, then Hadamard; queries are transformed inversely) or
         ``"values"`` (Hadamard only). Use ``role="values"`` for the values' parameters.
     :param sub_dim: coordinates per sub-vector, one of 2, 4, 8; must divide head_dim.
@@ -102,7 +104,7 @@ class VecInferParams:
 
     def check_ready(self) -> None:
         """Raise now, at cache construction, what the first compressed block would raise later
-        (:class:`kvq.contract.ChecksReady`).
+        (:class:`kvq.contract.ChecksReady`; :func:`kvq.select` reports it in its plan, whose ``quantize`` raises it).
 
         :raises CalibrationError: no ``model_id``, or its calibration is missing or unreadable (the message names
             the ``kvq calibrate`` command to run).

@@ -52,6 +52,19 @@ def file_name(role: str, sub_dim: int, code_bits: int, per_head: bool) -> str:
     return f"vecinfer-{role}-sub{sub_dim}-bits{code_bits}{'-per-head' if per_head else ''}.safetensors"
 
 
+def model_id_for(model: str | os.PathLike | None) -> str:
+    """The id ``kvq calibrate --model MODEL`` stores a calibration under, and the one to look it up by: the
+    default model's name (for ``None``, ``"default"`` or that name), a model folder's name, a GGUF file's stem, or
+    a Hub id as given (``org/name``). kvq's commands that run a model name its calibration with it (the
+    calibration module's ``model_id_for``: :mod:`kvq_backends_vecinfer.calibrate`)."""
+    if model in (None, "default", DEFAULT_MODEL_ID):
+        return DEFAULT_MODEL_ID
+    path = Path(model).expanduser()
+    if path.exists():
+        return path.resolve().stem if path.is_file() else path.resolve().name
+    return str(model)
+
+
 def path_for(params) -> Path:
     """Where the calibration named by ``params`` (a :class:`VecInferParams` with a ``model_id``) lives."""
     return model_dir(params.model_id) / file_name(params.role, params.sub_dim, params.code_bits, params.per_head)
@@ -155,8 +168,9 @@ def calibration_for(params) -> Calibration:
         setting than its name says.
     """
     if params.model_id is None:
-        raise CalibrationError("vecinfer needs a calibrated model: pass model_id=<the model> (after running "
-                               "'kvq calibrate --model <the model>')")
+        raise CalibrationError(f"vecinfer needs a calibrated model: pass model_id=<the model> (after running "
+                               f"'kvq calibrate --model <the model>'), e.g. kvq.make_prompt_cache(model, "
+                               f"'vecinfer', model_id={DEFAULT_MODEL_ID!r})")
     path = path_for(params)
     if path not in _LOADED:
         _LOADED[path] = _read(path, params)
@@ -188,9 +202,11 @@ def layer_codebook(params) -> LayerCodebook:
 def _read(path: Path, params) -> Calibration:
     redo = f"recompute it with: {calibrate_command(params)}"
     if not path.is_file():
+        stored = model_id_for(params.model_id)  # a path names the model that 'kvq calibrate' stored by name
+        hint = "" if stored == params.model_id else f" (model_id is the name it is stored under: {stored!r})"
         raise CalibrationError(f"no vecinfer calibration for model {params.model_id!r} ({params.role}, sub_dim "
                                f"{params.sub_dim}, code_bits {params.code_bits}) at {path}; run: "
-                               f"{calibrate_command(params)}")
+                               f"{calibrate_command(params)}{hint}")
     try:
         arrays, metadata = mx.load(str(path), return_metadata=True)
         meta = json.loads(metadata[METADATA_KEY])

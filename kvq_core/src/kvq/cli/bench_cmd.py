@@ -46,7 +46,8 @@ cuts its layer count). Random models are filled with random keys and values; rea
 keys and values of one real prefill of the Python language reference per context (--fill replay).
 
 methods: kvq eval's method strings; fp16 is mlx-lm's KVCache (always measured first, the reference),
-mlx-affine:N mlx-lm's QuantizedKVCache (kv_bits N, group 64), kvq-fp16 kvq's own 16-bit cache.
+mlx-affine:N mlx-lm's QuantizedKVCache (kv_bits N, group 64), kvq-fp16 kvq's own 16-bit cache. A method
+calibrated per model (vecinfer) uses --model's calibration unless [model_id=...] names another.
 
 Default contexts: real models 1024,2048,4096 on the CPU, 1K..8K on a GPU (up to the model's maximum); random
 models 1024,4096 on the CPU, 4K,16K,32K,64K,128K on a GPU. Sizes take K suffixes (1K = 1024).
@@ -152,6 +153,7 @@ def e2e_check(args) -> dict:
     """
     from ..bench import e2e
     from ..bench.random_model import is_random
+    from ..evaluation import spec as spec_module
 
     warmup = args.warmup if args.warmup is not None else 1 if _on_cpu() else args.flush + 1
     for option, value, low in (("--steps", args.steps, 1), ("--warmup", warmup, 0), ("--chunk", args.chunk, 1),
@@ -169,6 +171,9 @@ def e2e_check(args) -> dict:
         raise ValueError(f"--contexts {max(contexts)} is longer than the model's max_position_embeddings ({limit})")
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     specs = e2e.parse_methods(args.methods, head_dim, args.sinks, args.window)
+    # a method calibrated per model (vecinfer) uses --model's calibration unless [model_id=...] names another
+    specs = [spec_module.spec_for_model(s, args.model, head_dim, args.sinks, args.window, calibrated=not random)
+             for s in specs]
     contexts = tuple(sorted(contexts, reverse=args.largest_first))
     settings = e2e.E2ESettings(contexts, args.steps, warmup, args.chunk, fill, args.sinks, args.window,
                                args.kernels, args.seed, not args.no_progress, args.flush)

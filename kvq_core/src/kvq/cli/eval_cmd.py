@@ -17,6 +17,7 @@ from pathlib import Path
 from ..evaluation import spec as spec_module
 
 EPILOG = "method strings:\n" + spec_module.__doc__.split("Grammar", 1)[1].split("\n", 1)[1] + """
+A method calibrated per model (vecinfer) uses the calibration of --model unless [model_id=...] names another.
 The fp16 cache is always run first as the reference (added if not listed). kvq caches keep --sinks first and
 --window last tokens uncompressed; their bits per coordinate exclude those tokens (the table also gives the
 effective bits at the context length). mlx-affine quantizes every token.
@@ -108,8 +109,8 @@ def check(args) -> tuple[list, list[int], str, str, Path, dict]:
     if limit is not None and max(contexts) > limit:
         raise ValueError(f"--context {max(contexts)} is longer than the model's max_position_embeddings ({limit})")
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    for spec in specs:
-        spec_module.validate(spec, head_dim, args.sinks, args.window)
+    # validated for this model; a method calibrated per model (vecinfer) uses --model's calibration by default
+    specs = [spec_module.spec_for_model(spec, args.model, head_dim, args.sinks, args.window) for spec in specs]
     return specs, contexts, text, source, path, config
 
 

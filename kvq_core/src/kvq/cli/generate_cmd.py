@@ -65,10 +65,15 @@ def cache_options(args: argparse.Namespace) -> dict:
 
     ``--method`` also takes ``kvq eval``'s method strings (``turboquant:4``, ``affine:k8v4``, ``qjl+affine:4``,
     ``turboquant:3[rotation=qr]``); they carry their own parameters, so ``--bits``/``--param`` and the per-side
-    options are refused next to them. :raises ValueError: such a combination, or a string that does not parse.
+    options are refused next to them. A method calibrated per model (``vecinfer``) uses ``--model``'s
+    calibration unless ``--param model_id=...`` names another, and parameters that cannot encode yet (no such
+    calibration) fail here, before the model is loaded (:func:`kvq.evaluation.spec.for_model`).
+
+    :raises ValueError: such a combination, a string that does not parse, bad or unready parameters.
     """
+    from ..evaluation.spec import for_model, parse_method
+
     if any(c in args.method for c in ":+["):
-        from ..evaluation.spec import parse_method
 
         given = [name for name, value in (("--bits", args.bits), ("--param", args.param),
                                           ("--key-method", args.key_method), ("--value-method", args.value_method),
@@ -81,8 +86,8 @@ def cache_options(args: argparse.Namespace) -> dict:
         if spec.is_mlx:
             raise ValueError(f"--method {args.method!r}: mlx-affine (mlx-lm's own cache) is for kvq eval and "
                              f"kvq bench; use --method affine for kvq's")
-        return {**spec.cache_kwargs(args.sinks, args.window), "kernels": getattr(args, "kernels", "auto"),
-                "flush": getattr(args, "flush", 1)}
+        return for_model({**spec.cache_kwargs(args.sinks, args.window), "kernels": getattr(args, "kernels", "auto"),
+                          "flush": getattr(args, "flush", 1)}, args.model)
     shared = dict(parse_param(p) for p in args.param)
     if args.bits is not None:
         shared["bits"] = args.bits
@@ -94,7 +99,7 @@ def cache_options(args: argparse.Namespace) -> dict:
     if args.value_method or args.value_param:
         options["value_method"] = args.value_method
         options["value_params"] = dict(parse_param(p) for p in args.value_param)
-    return options
+    return for_model(options, args.model)
 
 
 def params_label(params) -> str:

@@ -4,7 +4,8 @@
     mlx.launch --backend ring -n 2 -- python -m kvq.cli serve --model M --method turboquant --bits 4
 
 The cache options (``--method``, ``--bits``, ``--param``, ``--key-method`` ... ``--sinks``, ``--window``,
-``--kernels``) are kvq's, as in ``kvq generate``; every other option goes to ``mlx_lm.server`` unchanged (see
+``--kernels``) are kvq's, as in ``kvq generate`` (a method calibrated per model, ``vecinfer``, uses ``--model``'s
+calibration unless ``--param model_id=...`` names another); every other option goes to ``mlx_lm.server`` unchanged (see
 ``mlx_lm.server --help``: ``--host``, ``--port``, ``--max-tokens``, ``--temp`` ...). ``--model`` is resolved as by
 ``kvq generate`` (default model, mlx-lm folder, GGUF file, Hub id). The server is mlx-lm's own: kvq only makes
 the loaded model's ``make_cache()`` return kvq caches (:func:`kvq.patch_model`), which mlx-lm's

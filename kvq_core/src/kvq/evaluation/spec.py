@@ -19,6 +19,7 @@ Examples: ``fp16``, ``affine:4``, ``affine:k8v4``, ``turboquant:3[rotation=qr]``
 from __future__ import annotations
 
 import re
+import shlex
 from typing import Any
 
 import attrs
@@ -28,6 +29,9 @@ MLX_AFFINE = "mlx-affine"
 MLX_BITS = (2, 3, 4, 5, 6, 8)
 MLX_GROUP_SIZES = (32, 64, 128)
 CACHE_OPTIONS = ("sinks", "window")
+#: The parameter naming the calibrated model, in a method that declares a calibration (``kvq.Method(calibrate=)``):
+#: the name ``kvq calibrate --model-id`` and the calibration module's ``run(model_id=)`` give it too.
+MODEL_ID = "model_id"
 _SIDE = re.compile(r"^(?P<name>[A-Za-z_][\w-]*)(?::(?P<bits>[^\[\]]+))?(?:\[(?P<options>[^\[\]]*)\])?$")
 _SPLIT_BITS = re.compile(r"^k(\d+)v(\d+)$")
 
@@ -238,6 +242,109 @@ def bits_per_coordinate(spec: MethodSpec, head_dim: int) -> tuple[float, float]:
     kp = make_params(spec.key_method, **spec.key_params)
     vp = make_params(spec.value_method, **spec.value_params)
     return kp.accounting(head_dim).bits_per_coordinate, vp.accounting(head_dim).bits_per_coordinate
+
+
+def model_namer(method: str):
+    """How ``method``'s calibrations name a model: its calibration module's ``model_id_for(model) -> str`` (the id
+    ``kvq calibrate --model MODEL`` stores under), or ``None`` where ``method`` declares no calibration, its
+    parameters have no :data:`MODEL_ID`, or its module does not say. Imports that module (only for such a method).
+    """
+    from ..cli.calibrate_cmd import calibration
+    from ..plugins import registry
+
+    declaration = registry().method(method)
+    if not declaration.calibrate or MODEL_ID not in attrs.fields_dict(declaration.params_class):
+        return None
+    return getattr(calibration(declaration), "model_id_for", None)
+
+
+def model_ids(cache_kwargs: dict, model: str | None) -> dict[str, str]:
+    """``{"key_params": id, "value_params": id}`` for each side of the cache ``cache_kwargs`` describes (keywords of
+    :func:`kvq.cache.make_config`) whose method is calibrated per model (:func:`model_namer`) and whose
+    :data:`MODEL_ID` is not given: the id of ``model``'s calibration (``None``: the default model)."""
+    from ..cache import make_config
+
+    config = make_config(**cache_kwargs)
+    ids = {}
+    for side, params in (("key_params", config.key_params), ("value_params", config.value_params)):
+        namer = model_namer(params.method)
+        if namer is not None and getattr(params, MODEL_ID) is None:
+            ids[side] = namer(model)
+    return ids
+
+
+def for_model(cache_kwargs: dict, model: str | None) -> dict:
+    """``cache_kwargs`` (keywords of :func:`kvq.cache.make_config`) for a cache of ``model``: each side calibrated
+    per model names ``model``'s calibration (:func:`model_ids`) unless ``model_id`` is given; then checked as the
+    cache will check them at construction, before any model is loaded (:func:`check_ready`).
+
+    :raises ValueError: bad methods or parameters, or parameters not ready (e.g. no calibration of ``model``: the
+        message gives the ``kvq calibrate --model`` command for ``model`` as given).
+    """
+    ids = model_ids(cache_kwargs, model)
+    kwargs = {**cache_kwargs, **{side: _named(cache_kwargs.get(side), i) for side, i in ids.items()}}
+    try:
+        check_ready(kwargs)
+    except ValueError as error:
+        raise ValueError(_as_given(str(error), model, ids.values())) from None
+    return kwargs
+
+
+def spec_for_model(spec: MethodSpec, model: str | None, head_dim: int | None = None, sinks: int = 4,
+                   window: int = 128, *, calibrated: bool = True) -> MethodSpec:
+    """``spec`` for a cache of ``model``, as :func:`for_model`, and validated for ``head_dim`` (:func:`validate`).
+
+    :param calibrated: ``False`` for a model that has no calibration (``kvq bench``'s ``random:PRESET``): a
+        method calibrated per model must then name one in the method string (``vecinfer[model_id=M]``).
+    :raises ValueError: as :func:`for_model` and :func:`validate`, the message starting with the method string.
+    """
+    if spec.is_mlx or spec.value_method == MLX_AFFINE:
+        validate(spec, head_dim, sinks, window)
+        return spec
+    ids = model_ids(spec.cache_kwargs(sinks, window), model)
+    if ids and not calibrated:
+        method = spec.key_method if "key_params" in ids else spec.value_method
+        raise ValueError(f"method {spec.label!r}: {method} uses a model's calibration and {model} has none: write "
+                         f"{method}[model_id=M] with M a model calibrated by 'kvq calibrate --model M'")
+    spec = attrs.evolve(spec, key_params=_named(spec.key_params, ids.get("key_params")),
+                        value_params=_named(spec.value_params, ids.get("value_params")))
+    try:
+        validate(spec, head_dim, sinks, window)
+        check_ready(spec.cache_kwargs(sinks, window))
+    except ValueError as error:
+        text = str(error) if str(error).startswith(f"method {spec.label!r}") else f"method {spec.label!r}: {error}"
+        raise ValueError(_as_given(text, model, ids.values())) from None
+    return spec
+
+
+def check_ready(cache_kwargs: dict) -> None:
+    """Raise now what :func:`kvq.make_prompt_cache` raises at construction for parameters that cannot encode yet
+    (their ``check_ready``: :class:`kvq.contract.ChecksReady`).
+
+    :raises ValueError: as :func:`kvq.cache.make_config`, or what ``check_ready`` raises.
+    """
+    from ..cache import make_config
+    from ..contract import ChecksReady, optional_hook
+
+    config = make_config(**cache_kwargs)
+    for params in (config.key_params, config.value_params):
+        hook = optional_hook(params, ChecksReady)
+        if hook is not None:
+            hook()
+
+
+def _named(params: dict | None, model_id: str | None) -> dict:
+    """``params`` with :data:`MODEL_ID` set to ``model_id`` (unchanged where it is ``None``)."""
+    return {**(params or {}), **({} if model_id is None else {MODEL_ID: model_id})}
+
+
+def _as_given(message: str, model: str | None, ids) -> str:
+    """``message`` with ``kvq calibrate --model ID``, for each id in ``ids`` (named after ``model``), naming
+    ``model`` as given: a folder or .gguf file is named by its path there, its calibration by its name."""
+    for i in ids if model is not None else ():
+        message = re.sub(rf"(kvq calibrate --model ){re.escape(i)}(?=\s|'|$)",
+                         lambda m: m[1] + shlex.quote(str(model)), message)
+    return message
 
 
 def make_cache(model, spec: MethodSpec, sinks: int, window: int) -> list:
