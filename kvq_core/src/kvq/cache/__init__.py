@@ -4,9 +4,10 @@
     mlx_lm.generate(model, tokenizer, prompt, prompt_cache=cache)
 
 Also :func:`patch_model` (so that ``mlx_lm.server`` and anything calling ``make_prompt_cache(model)`` get kvq
-caches) and :func:`load_prompt_cache` (mlx-lm's loader with kvq's checks). :func:`make_prompt_cache` is the only
-function that makes kvq caches for a model: per-layer parameters (VecInfer's codebooks) and a model sharded by
-mlx-lm (tensor or pipeline parallel, :mod:`kvq.cache.sharding`) are handled there.
+caches), and :func:`save_prompt_cache` / :func:`load_prompt_cache` (mlx-lm's prompt-cache files with checksums and
+kvq's checks: :mod:`kvq.cache.files`). :func:`make_prompt_cache` is the only function that makes kvq caches for a
+model: per-layer parameters (VecInfer's codebooks) and a model sharded by mlx-lm (tensor or pipeline parallel,
+:mod:`kvq.cache.sharding`) are handled there.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ from typing import Any
 
 import mlx_lm.models.cache as mlx_cache
 
-from ..contract import ChecksReady, SideDefaults, Unfits, optional_hook
+from ..contract import ChecksReady, SideDefaults, optional_hook
 from ..plugins import registry
 from . import patch as _patch
 from .batch import BatchKVQCache
 from ..select import check_kernels, select
+from .files import load_prompt_cache, save_prompt_cache
 from .layer import CacheConfig, CompressedView, KVQCache, block_implementation, has_attend, quantize_kernels
 from .sharding import first_layer, kv_head_range
 
@@ -176,36 +178,5 @@ def unpatch_model(model):
     return model
 
 
-def load_prompt_cache(file_name: str, *, expect: CacheConfig | None = None, return_metadata: bool = False):
-    """``mlx_lm.load_prompt_cache`` with kvq's checks; nothing is modified if a check fails. Also patches mlx-lm's
-    attention (:mod:`kvq.cache.patch`), as :func:`make_prompt_cache` does, so the caches work in a fresh process.
-
-    :param expect: if given, every kvq layer in the file must have this method and parameters (state that a
-        layer fitted from data, such as TurboQuant's data-chosen outlier channels, comes from the file).
-    :raises ValueError: a file written by another kvq format or with other methods/parameters than ``expect``.
-    """
-    cache, metadata = mlx_cache.load_prompt_cache(file_name, return_metadata=True)
-    if expect is not None:
-        for i, c in enumerate(cache):
-            got, want = getattr(c, "config", None), expect.for_layer(i)
-            if got is not None and _declared(got) != _declared(want):
-                raise ValueError(f"{file_name}: layer {i} holds keys {got.key_params!r} / values "
-                                 f"{got.value_params!r}, not the expected {want.key_params!r} / "
-                                 f"{want.value_params!r}")
-    _patch.patch()
-    return (cache, metadata) if return_metadata else cache
-
-
-def _declared(config: CacheConfig) -> tuple:
-    """``(key_params, value_params)`` without fitted state (parameters' optional ``unfitted()``:
-    :class:`kvq.contract.Unfits`)."""
-    return tuple(_unfitted(p) for p in (config.key_params, config.value_params))
-
-
-def _unfitted(params):
-    unfitted = optional_hook(params, Unfits)
-    return params if unfitted is None else unfitted()
-
-
 __all__ = ["BatchKVQCache", "CacheConfig", "CompressedView", "KVQCache", "load_prompt_cache", "make_config",
-           "make_prompt_cache", "patch_model", "unpatch_model"]
+           "make_prompt_cache", "patch_model", "save_prompt_cache", "unpatch_model"]

@@ -23,7 +23,7 @@ from ..plugins import implemented_ops, registry
 from ..select import MAX_DECODE_QUERIES, check_kernels, is_kernel, select
 from ..validate import float_array
 from ..encoded import Encoded
-from .state import config_from_json, config_to_json
+from .state import check_layer, config_from_json, config_to_json
 from .store import DenseBuffer, EncodedStore
 
 
@@ -499,11 +499,16 @@ class KVQCache:
 
     @classmethod
     def from_state(cls, state: dict) -> "KVQCache":
-        """Rebuild a cache from :attr:`state` (what ``mlx_lm.load_prompt_cache`` calls).
+        """Rebuild a cache from :attr:`state` (what ``mlx_lm.load_prompt_cache`` calls), and patch mlx-lm's
+        attention (:mod:`kvq.cache.patch`) so that a model loaded before uses it.
 
-        :raises ValueError: a file of another format version, or of a method that is not installed, or
-            inconsistent contents; the message says which.
+        A state saved by :func:`kvq.save_prompt_cache` holds its checksum, verified here first; a state without one
+        (saved with mlx-lm's ``save_prompt_cache``, or before kvq wrote checksums) is rebuilt unchecked.
+
+        :raises ValueError: a state that does not match its checksum (a corrupt file), a file of another format
+            version, or of a method that is not installed, or inconsistent contents; the message says which.
         """
+        check_layer(state)
         config, layout = config_from_json(state["config"])
         cache = cls(config)
         cache._layout = layout
@@ -521,6 +526,9 @@ class KVQCache:
         if stored + cache.compressed_keys.length != cache.offset:
             raise ValueError(f"prompt cache: {stored + cache.compressed_keys.length} tokens stored but offset "
                              f"is {cache.offset}; the file is inconsistent")
+        from . import patch  # (patch imports this module)
+
+        patch.patch()  # mlx-lm's loader gives no other moment: without it attention would get the stand-ins
         return cache
 
     @property
