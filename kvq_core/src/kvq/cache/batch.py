@@ -106,6 +106,15 @@ class BatchKVQCache:
     def nbytes(self) -> int:
         return sum(r.nbytes for r in self.rows)
 
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> "BatchKVQCache":
+        """mlx-lm's ``kv_bits`` hook: this batch itself where every row already holds what ``kv_bits`` asks for.
+
+        :raises ValueError: as :meth:`KVQCache.to_quantized` (kvq caches are not quantized a second time).
+        """
+        for row in self.rows:
+            row.to_quantized(group_size, bits)
+        return self
+
     # -- keys/values: only for mlx-lm's pipeline parallelism (issue #10; see KVQCache.keys) ------------
     def _last_filled_row(self):
         """The last row holding tokens (its arrays are part of :attr:`state`), or None."""

@@ -479,6 +479,33 @@ class KVQCache:
                              "kvq.make_prompt_cache leaves those layers' own caches in place")
         return None if N == 1 else "causal"
 
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> "KVQCache":
+        """mlx-lm's ``kv_bits`` hook (``generate``, ``stream_generate`` and ``generate_step`` with ``kv_bits=``; the
+        ``--kv-bits`` of its CLI and server): once a cache holds ``quantized_kv_start`` tokens (mlx-lm's default:
+        5000), mlx-lm calls this after every model call and goes on with the cache it returns.
+
+        A kvq cache is compressed already, so ``kv_bits`` can only ask for what it holds: when keys and values both
+        use kvq's ``affine`` method with these ``bits`` and ``group_size`` (what mlx-lm's ``QuantizedKVCache`` stores,
+        with kvq's sinks and window kept in 16 bits), this returns the cache itself. Anything else is refused, not
+        converted: quantizing tokens that kvq compressed loses accuracy twice and silently replaces the method the
+        user chose; ignoring ``kv_bits`` would hide that it has no effect. (mlx-lm likewise refuses a ``--kv-bits``
+        that differs from the bits of a quantized cache it loads.)
+
+        :raises ValueError: naming this cache's methods and the two ways out: leave ``kv_bits`` out, or make kvq
+            caches of ``affine`` with these bits and group size.
+        """
+        kp, vp = self.config.key_params, self.config.value_params
+        head_dims = (None, None) if self._layout is None else self._layout[2:4]
+        if all(p.method == "affine" and (p.bits, _group_size(p, d)) == (bits, group_size)
+               for p, d in zip((kp, vp), head_dims)):
+            return self
+        raise ValueError(
+            f"kv_bits={bits} (kv_group_size={group_size}) asks mlx-lm to quantize a kvq cache that already "
+            f"compresses its keys with {kp!r} and its values with {vp!r}; kvq does not quantize compressed tokens a "
+            f"second time. Leave kv_bits out to keep kvq's compression, or make kvq caches that hold what kv_bits "
+            f"asks for, which it then accepts: kvq.patch_model(model, 'affine', bits={bits}, "
+            f"group_size={group_size}) (or kvq.make_prompt_cache with the same arguments)")
+
     # -- prompt-cache files ---------------------------------------------------------------------------
     @property
     def state(self) -> dict:
@@ -536,6 +563,15 @@ class KVQCache:
         """Bytes resident: sinks, window and the allocated compressed store (codes and side data)."""
         return self.sinks.nbytes + self.window.nbytes + self.compressed_keys.nbytes + \
             self.compressed_values.nbytes
+
+
+def _group_size(params, head_dim: int | None):
+    """The group size affine ``params`` quantize ``head_dim``-wide vectors with: their ``group_size``, or where that
+    is left to be chosen from head_dim (``None``), the choice (``group_size_for``) once head_dim is known."""
+    choose = getattr(params, "group_size_for", None)
+    if params.group_size is None and choose is not None and head_dim is not None:
+        return choose(head_dim)
+    return params.group_size
 
 
 def _bool_mask(mask):
