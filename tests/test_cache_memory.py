@@ -24,12 +24,15 @@ def test_resident_growth_matches_nbytes_and_accounting(method, params):
     B, H, T, D, chunk = 1, 8, 8192, 128, 512
     config = make_config(method, sinks=4, window=128, **params)
     cache = KVQCache(config)
+    query = mx.random.normal((B, H, 1, D)).astype(mx.float16)
     before = _settle()
     for start in range(0, T, chunk):
         k = mx.random.normal((B, H, chunk, D)).astype(mx.float16)
         v = mx.random.normal((B, H, chunk, D)).astype(mx.float16)
         cache.update_and_fetch(k, v)
-        mx.eval(cache.state)
+        # as in a model's forward, attention follows the update: it drops what the update kept for the
+        # chunk's queries (the uncompressed copies of tokens compressed by this update)
+        mx.eval(cache.state, cache.attend(query, D ** -0.5))
         del k, v
     growth = _settle() - before
     assert growth == pytest.approx(cache.nbytes, rel=0.10)

@@ -199,9 +199,10 @@ def test_through_the_cache_fitted_once_per_layer_saved_and_reproducible(llama_mo
     fitted = [c.config.key_params.outlier_indices for c in cache]
     assert all(f is not None and len(f) == 2 and len(f[0]) == 16 for f in fitted)
     assert cache[0].config.value_params.outlier_indices is not None
-    # chosen from the first compressed block: tokens 4..55 of the first 64-token chunk (layer 0's keys are the fp16
-    # run's), and the same on a rerun
-    first_block = fp16[0].compressed_keys.view().data["x"][:, :, :52]
+    # chosen at the first compression from the first window + flush tokens after the 4 sinks, tokens 4..12 (what a
+    # token-by-token run holds then, whatever the chunking; layer 0's keys are the fp16 run's), and the same on a
+    # rerun
+    first_block = fp16[0].compressed_keys.view().data["x"][:, :, :9]
     assert fitted[0] == outliers.choose_channels(first_block, 16, "second_moment")
     again = make_prompt_cache(llama_model, "turboquant", **kwargs)
     logits_run(llama_model, again, chunk=64, steps=0)

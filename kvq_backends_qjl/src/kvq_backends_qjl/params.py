@@ -68,6 +68,11 @@ class QJLParams:
     group_size: int = attrs.field(default=32, validator=_int_at_least(1))
     seed: int = attrs.field(default=0, validator=_int_at_least(0))
 
+    def block_tokens(self) -> int:
+        """:class:`kvq.contract.EncodesBlocks`: outlier channels are chosen per ``group_size`` tokens, so a cache
+        compresses whole groups (1 without outlier channels)."""
+        return self.group_size if self.outlier_channels else 1
+
     def sketch_dim_for(self, head_dim: int) -> int:
         """``m`` for keys of ``head_dim``: ``sketch_dim``, or ``2 · head_dim`` rounded up to a multiple of 8."""
         return self.sketch_dim if self.sketch_dim is not None else -(-2 * head_dim // 8) * 8

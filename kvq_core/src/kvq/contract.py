@@ -302,11 +302,23 @@ class Unfits(Protocol):
         """:return: parameters of the same class without fitted state (``self`` where there is none)."""
 
 
+@runtime_checkable
+class EncodesBlocks(Protocol):
+    """Optional: an encoding that depends on which tokens are encoded together (QJL chooses outlier channels per
+    group of tokens). The cache then compresses only whole, aligned blocks: its flush becomes the least common
+    multiple of the configured ``flush`` and both sides' ``block_tokens()``
+    (:attr:`kvq.cache.CacheConfig.flush_tokens`), so a prompt gives the same stored bytes and the same attention
+    whatever its chunking."""
+
+    def block_tokens(self) -> int:
+        """:return: tokens (>= 1) the method must encode together, counted from the first compressed token."""
+
+
 #: The optional single-member Protocols of implementation objects (entry-point modules: :class:`ReportsSources`).
 IMPLEMENTATION_OPTIONS = (Explains, AttendsDense, PreparesQueries, ScoresKeys, WeightsValues, FinishesValues,
                           ReportsSources)
 #: The optional single-member Protocols of parameter objects (:class:`SideDefaults` is read from the class).
-PARAMS_OPTIONS = (SideDefaults, ChecksReady, ForLayer, ForHeads, ForHeadDim, Fits, Unfits)
+PARAMS_OPTIONS = (SideDefaults, ChecksReady, ForLayer, ForHeads, ForHeadDim, Fits, Unfits, EncodesBlocks)
 
 
 def member_name(protocol: type) -> str:
@@ -331,5 +343,5 @@ def optional_hook(obj: object, protocol: type) -> Callable[..., Any] | None:
 
 __all__ = ["AttendsDense", "Attends", "ChecksReady", "Dequantizes", "EntryPoint", "Explains", "FinishesValues",
            "Fits", "ForHeadDim", "ForHeads", "ForLayer", "IMPLEMENTATION_OPTIONS", "Implementation", "OP_PROTOCOLS",
-           "PARAMS_OPTIONS", "Packs", "Params", "PreparesQueries", "Quantizes", "ReportsSources", "ScoresKeys",
+           "PARAMS_OPTIONS", "EncodesBlocks", "Packs", "Params", "PreparesQueries", "Quantizes", "ReportsSources", "ScoresKeys",
            "SideDefaults", "Unfits", "WeightsValues", "member_name", "optional_hook"]

@@ -12,13 +12,14 @@ Sinks and window follow StreamingLLM (Xiao et al., arXiv 2309.17453) and KIVI's 
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 import attrs
 import mlx.core as mx
 
 from ..attention import DenseTokens, attend_encoded, dense_attend, merge_parts, sink_logits_part
-from ..contract import AttendsDense, Fits, ForHeads, ForLayer, ScoresKeys, WeightsValues, member_name, optional_hook
+from ..contract import AttendsDense, EncodesBlocks, Fits, ForHeads, ForLayer, ScoresKeys, WeightsValues, member_name, optional_hook
 from ..plugins import implemented_ops, registry
 from ..select import MAX_DECODE_QUERIES, check_kernels, is_kernel, select
 from ..validate import float_array
@@ -62,6 +63,18 @@ class CacheConfig:
         low = 1 if attribute.name in ("step", "flush") else 0
         if not isinstance(value, int) or value < low:
             raise ValueError(f"{attribute.name} must be an int >= {low}; got {value!r}")
+
+    @property
+    def flush_tokens(self) -> int:
+        """Tokens per compression: ``flush``, made a multiple of both sides' block (:class:`kvq.contract.
+        EncodesBlocks`, e.g. QJL's outlier groups) by taking their least common multiple. The window holds
+        ``window`` to ``window + flush_tokens - 1`` tokens."""
+        blocks = [self.flush]
+        for params in (self.key_params, self.value_params):
+            hook = optional_hook(params, EncodesBlocks)
+            if hook is not None:
+                blocks.append(hook())
+        return math.lcm(*blocks)
 
     def for_layer(self, layer: int) -> "CacheConfig":
         """This configuration for layer ``layer`` (its index in the whole model): parameters with the optional
@@ -146,6 +159,21 @@ class CompressedView:
         self.ndim = len(shape)
 
 
+@attrs.frozen
+class _Fresh:
+    """What :meth:`KVQCache.attend` needs from the update just made, to give each query of a chunk what a
+    token-by-token run would show it: ``start`` the position of the update's first token after the sinks,
+    ``compressed`` and ``held`` the compressed and window tokens before the update, ``new`` the tokens it added
+    after the sinks, ``dense`` the window before the update followed by those tokens, uncompressed (keys,
+    values), or ``None``."""
+
+    start: int
+    compressed: int
+    held: int
+    new: int
+    dense: tuple | None = None
+
+
 class KVQCache:
     """A drop-in replacement for mlx-lm's ``KVCache`` that stores keys and values compressed.
 
@@ -160,10 +188,12 @@ class KVQCache:
         self.config = config
         self.offset = 0
         self.sinks = DenseBuffer(config.sinks)
-        self.window = DenseBuffer(config.window + config.flush - 1)
+        self._flush = config.flush_tokens  # decided once: the decode path reads it every step
+        self.window = DenseBuffer(config.window + self._flush - 1)
         self.compressed_keys = EncodedStore(config.step)
         self.compressed_values = EncodedStore(config.step)
         self._layout = None  # (B, H, D_k, D_v, dtype), fixed by the first update
+        self._fresh = None  # _Fresh of the last update, until attend uses it
 
     @property
     def sink_keys(self):
@@ -275,14 +305,61 @@ class KVQCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Store new tokens (``[B, H_kv, T, D]`` keys and values); returns stand-ins for attention.
 
+        A chunk of ``T`` tokens leaves the cache exactly as ``T`` single-token updates would (the same tokens
+        compressed, in the same window), and the next :meth:`attend` lets each of the chunk's queries see what
+        it would have seen in a token-by-token run (:meth:`_visible`): so prefill gives the same result whatever
+        the chunk size.
+
+        An update that raises (bad input, or a quantizer that fails) leaves the cache as it was before it.
+
         :raises ValueError/TypeError: mismatched shapes or dtypes, or a head_dim the methods do not support.
         """
-        self._check(keys, values)
+        shape = getattr(keys, "shape", ())
+        # a chunk, or a step that quantizes: snapshot first (bad input is refused by _check before any change)
+        may_fail = (len(shape) == 4 and shape[2] > 1) or self._leaving(self.window.length, 1)
+        saved = self._snapshot() if may_fail else None
+        try:
+            self._check(keys, values)
+            self._store(keys, values)
+        except BaseException:
+            if saved is not None:
+                self._restore(saved)  # a failed update leaves the cache as it was before the chunk
+            raise
+        return self._views()
+
+    def _store(self, keys, values) -> None:
+        first = self.offset
         self.offset += keys.shape[2]
         keys, values = self._fill_sinks(keys, values)
-        if keys.shape[2]:
-            self._push_window(keys, values)
-        return self._views()
+        taken = self.offset - first - keys.shape[2]
+        if keys.shape[2] > 1:  # what the chunk's queries need from this update (attend uses it once)
+            fresh = _Fresh(first + taken, self.compressed_keys.length, self.window.length, keys.shape[2])
+            self._fresh = attrs.evolve(fresh, dense=self._push_window(keys, values))
+        else:  # one token: its query sees the cache as it is after the update
+            self._fresh = None
+            if keys.shape[2]:
+                self._push_window(keys, values)
+
+    def _parts_objects(self) -> tuple:
+        return self, self.sinks, self.window, self.compressed_keys, self.compressed_values
+
+    def _snapshot(self) -> list[dict]:
+        """The attributes of the cache and its stores, with new handles on every array (stores update their
+        arrays in place with slice assignments; a handle made before keeps the old contents). Lazy: nothing is
+        copied unless :meth:`_restore` puts them back and they are evaluated."""
+        def keep(value):
+            if isinstance(value, mx.array):
+                return mx.array(value)
+            if isinstance(value, dict):
+                return {k: keep(v) for k, v in value.items()}
+            return value
+
+        return [{k: keep(v) for k, v in vars(obj).items()} for obj in self._parts_objects()]
+
+    def _restore(self, saved: list[dict]) -> None:
+        for obj, attributes in zip(self._parts_objects(), saved):
+            vars(obj).clear()
+            vars(obj).update(attributes)
 
     def _fill_sinks(self, keys, values):
         take = min(self.config.sinks - self.sinks.length, keys.shape[2])
@@ -291,21 +368,35 @@ class KVQCache:
         self.sinks.append(keys[:, :, :take], values[:, :, :take])
         return keys[:, :, take:], values[:, :, take:]
 
+    def _leaving(self, held: int, new: int) -> int:
+        """Tokens that leave the window when ``new`` tokens join the ``held`` ones, as ``new`` single-token
+        updates would have it: the window grows to ``window + f - 1`` tokens, then its oldest ``f`` are
+        compressed together (``f`` = :attr:`CacheConfig.flush_tokens`); so a multiple of ``f`` (0 while fewer
+        than ``window + f`` are held)."""
+        w, f = self.config.window, self._flush
+        return f * max(0, (held + new - w) // f)
+
     def _push_window(self, keys, values):
-        if self.window.length + keys.shape[2] < self.config.window + self.config.flush:
+        """Append non-sink tokens to the window, compressing those that leave it (:meth:`_leaving`). Returns the
+        uncompressed ``(keys, values)`` of the window before the update followed by the new tokens (a chunk's
+        queries attend to them where a token-by-token run still held them uncompressed)."""
+        overflow = self._leaving(self.window.length, keys.shape[2])
+        if not overflow:
             self.window.append(keys, values)  # no token leaves the window yet: one copy into the buffer
-            return
+            return self.window.view()
         held_k, held_v = self.window.view()
         if held_k is not None:
             keys = mx.concatenate([held_k, keys], axis=2)
             values = mx.concatenate([held_v, values], axis=2)
-        overflow = max(keys.shape[2] - self.config.window, 0)
-        if overflow:
-            self._compress(keys[:, :, :overflow], values[:, :, :overflow])
+        if not self.compressed_keys.length:
+            # fitted parameters see the tokens a token-by-token run holds at its first compression
+            first = self.config.window + self._flush
+            self._fit_params(keys[:, :, :first], values[:, :, :first])
+        self._compress(keys[:, :, :overflow], values[:, :, :overflow])
         self.window.replace(keys[:, :, overflow:], values[:, :, overflow:])
+        return keys, values
 
     def _compress(self, keys, values):
-        self._fit_params(keys, values)
         kp, vp = self.config.key_params, self.config.value_params
         quantize_k = select(kp.method, keys.shape, dtype=keys.dtype, op="quantize", params=kp,
                             kernels=quantize_kernels(kp.method, self.config.kernels)).quantize
@@ -316,10 +407,11 @@ class KVQCache:
 
     def _fit_params(self, keys, values):
         """Parameters with the optional ``fit(block)`` (:class:`kvq.contract.Fits`: shared state chosen from data,
-        e.g. TurboQuant's data-chosen outlier channels) are fitted on the first block this layer compresses. The
-        fitted parameters replace the configuration's: every later block uses them, and prompt-cache files save
-        them. ``fit`` returns fitted parameters unchanged, so this runs once per layer (a trim keeps the fitted
-        state)."""
+        e.g. TurboQuant's data-chosen outlier channels) are fitted when this layer first compresses, on the first
+        ``window + flush`` tokens after the sinks (what a token-by-token run holds then, so the fit does not
+        depend on how the prompt was chunked). The fitted parameters replace the configuration's: every block
+        uses them, and prompt-cache files save them. ``fit`` returns fitted parameters unchanged, so this runs
+        once per layer (a trim keeps the fitted state)."""
         if self.compressed_keys.length:
             return
 
@@ -349,22 +441,83 @@ class KVQCache:
         :return: ``[B, H_q, T_q, D_v]`` in the queries' dtype.
         """
         Tq = queries.shape[2]
+        fresh, self._fresh = self._fresh, None  # made by the update before this call; used once
         if Tq == 1 and (mask is None or isinstance(mask, str)) and sink_logits is None and query_start is None:
             fused = self._fused_attend(queries, scale)
             if fused is not None:
                 return fused
         start_q = self.offset - Tq if query_start is None else query_start
-        q_pos = mx.arange(start_q, start_q + Tq)
         user_mask = _bool_mask(mask)
-        parts, start = [], 0
-        for kind, length in self._parts():
-            part_mask = self._part_mask(q_pos, start_q, start, length, user_mask)
-            parts.append(self._attend_part(kind, queries, scale, part_mask))
-            start += length
+        if Tq > 1 and fresh is not None and fresh.dense is not None:
+            parts = self._chunk_parts(queries, scale, start_q, user_mask, fresh)
+        else:  # one query (what it sees is the cache as it is now), or no update before this call
+            q_pos = mx.arange(start_q, start_q + Tq)
+            parts, start = [], 0
+            for kind, length in self._parts():
+                part_mask = self._part_mask(q_pos, start_q, start, length, user_mask)
+                parts.append(self._attend_part(kind, queries, scale, part_mask))
+                start += length
         if sink_logits is not None:
             parts.append(sink_logits_part(sink_logits, queries, parts[0][0].shape[-1]))
         out, _ = merge_parts(parts)
         return out.astype(queries.dtype)
+
+    def _visible(self, fresh: _Fresh, position: int) -> int:
+        """Compressed tokens a query at ``position`` sees in a token-by-token run: those compressed before the
+        update, plus those that had left the window by the time that query's own token was added."""
+        added = min(max(position - fresh.start + 1, 0), fresh.new)
+        return fresh.compressed + self._leaving(fresh.held, added)
+
+    #: Query rows per slice of the uncompressed part of a chunk (each slice reads only the keys it may see).
+    CHUNK_ROWS = 256
+
+    def _chunk_parts(self, queries, scale, start_q, user_mask, fresh: _Fresh) -> list:
+        """Attention parts of a chunk's queries (positions ``start_q ...``), each query seeing what it would see
+        in a token-by-token run: the sinks before it, the tokens compressed by then (from the compressed store,
+        masked per row), and the rest up to itself uncompressed (``fresh.dense``, in slices of
+        :attr:`CHUNK_ROWS` rows whose keys span only what those rows may see). ``[(out, lse)]``."""
+        Tq = queries.shape[2]
+        positions = range(start_q, start_q + Tq)
+        bounds = [self._visible(fresh, p) for p in positions]
+        q_pos = mx.arange(start_q, start_q + Tq)
+        parts = []
+        n_sinks = self.sinks.length
+        if n_sinks:
+            parts.append(self._attend_part("sinks", queries, scale,
+                                           self._part_mask(q_pos, start_q, 0, n_sinks, user_mask)))
+        n_compressed = self.compressed_keys.length
+        if n_compressed and bounds[-1]:
+            mask = None
+            if bounds[0] < n_compressed:
+                mask = mx.arange(n_compressed)[None] < mx.array(bounds)[:, None]
+            if user_mask is not None:
+                window = user_mask[..., n_sinks : n_sinks + n_compressed]
+                mask = window if mask is None else mask & window
+            keys, values = self.compressed_keys.view(), self.compressed_values.view()
+            parts.append(self._attend_fn(keys, queries)(queries, keys, values, scale, mask))
+        dense_k, dense_v = fresh.dense
+        first = n_sinks + fresh.compressed  # position of the first uncompressed token after the sinks
+        outs, lses = [], []
+        for r0 in range(0, Tq, self.CHUNK_ROWS):
+            r1 = min(Tq, r0 + self.CHUNK_ROWS)
+            lo = bounds[r0] - fresh.compressed
+            hi = min(positions[r1 - 1] - first + 1, dense_k.shape[2])
+            rows = queries[:, :, r0:r1]
+            if hi <= lo:
+                outs.append(mx.zeros(rows.shape[:3] + (dense_v.shape[-1],), mx.float32))
+                lses.append(mx.full(rows.shape[:3], float("-inf"), mx.float32))
+                continue
+            key_pos = mx.arange(first + lo, first + hi)[None]
+            row_pos = q_pos[r0:r1, None]
+            mask = (key_pos >= n_sinks + mx.array(bounds[r0:r1])[:, None]) & (key_pos <= row_pos)
+            if user_mask is not None:
+                rows_mask = user_mask[..., r0:r1, :] if user_mask.shape[-2] > 1 else user_mask
+                mask = mask & rows_mask[..., first + lo : first + hi]
+            out, lse = dense_attend(rows, dense_k[:, :, lo:hi], dense_v[:, :, lo:hi], scale, mask)
+            outs.append(out)
+            lses.append(lse)
+        parts.append((mx.concatenate(outs, axis=2), mx.concatenate(lses, axis=2)))
+        return parts
 
     def _fused_attend(self, queries, scale):
         """Decode of one token in one fused call over the compressed tokens, the sinks and the window, where the
