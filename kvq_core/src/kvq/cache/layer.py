@@ -449,6 +449,8 @@ class KVQCache:
         start_q = self.offset - Tq if query_start is None else query_start
         user_mask = _bool_mask(mask)
         if Tq > 1 and fresh is not None and fresh.dense is not None:
+            if self._prefill_on_device(queries):
+                return self._chunk_attend_dequantized(queries, scale, start_q, user_mask, fresh, sink_logits)
             parts = self._chunk_parts(queries, scale, start_q, user_mask, fresh)
         else:  # one query (what it sees is the cache as it is now), or no update before this call
             q_pos = mx.arange(start_q, start_q + Tq)
@@ -470,6 +472,74 @@ class KVQCache:
 
     #: Query rows per slice of the uncompressed part of a chunk (each slice reads only the keys it may see).
     CHUNK_ROWS = 256
+    #: Query rows per fused attention call of a chunk on a GPU (bounds the transient score memory where MLX's
+    #: attention with a mask array materialises scores: rows x keys x query heads).
+    PREFILL_ROWS = 512
+
+    def _prefill_on_device(self, queries) -> bool:
+        """Whether a chunk attends through MLX's fused attention over a transient dequantized copy of the
+        compressed tokens (:meth:`_chunk_attend_dequantized`): on a GPU, where the pure-MLX block protocol is
+        slow for many query rows, for methods that can dequantize; the CPU keeps :meth:`_chunk_parts`."""
+        if mx.default_device() != mx.gpu or not self.compressed_keys.length:
+            return False
+        kp, vp = self.config.key_params, self.config.value_params
+        return all("dequantize" in implemented_ops(registry().implementations.get((p.method, "mlx")))
+                   for p in (kp, vp))
+
+    def _dequantized(self, store, params, dtype):
+        """The compressed tokens of ``store`` decoded to ``dtype`` ``[B, H, T, D]`` (the implementation
+        :func:`kvq.select` picks for dequantize: a fused kernel where one serves)."""
+        encoded = store.view()
+        plan = select(params.method, encoded.shape, dtype=dtype, op="dequantize", params=params,
+                      kernels=quantize_kernels(params.method, self.config.kernels))
+        return plan.dequantize(encoded, dtype)
+
+    def _chunk_attend_dequantized(self, queries, scale, start_q, user_mask, fresh: _Fresh, sink_logits):
+        """A chunk's attention with the visibility of :meth:`_chunk_parts`, in ``mx.fast.scaled_dot_product_
+        attention`` calls over ``[sinks | compressed tokens decoded to the queries' dtype | fresh.dense]`` with a
+        boolean mask, :attr:`PREFILL_ROWS` query rows at a time, each reading only the keys its rows may see.
+        The decoded copy is transient (one layer's, freed after the call): the cache keeps only the codes
+        (issue #23). :return: ``[B, H_q, T_q, D_v]`` in the queries' dtype."""
+        Tq, dtype = queries.shape[2], queries.dtype
+        bounds = [self._visible(fresh, p) for p in range(start_q, start_q + Tq)]
+        n_sinks, n_compressed = self.sinks.length, self.compressed_keys.length
+        dense_k, dense_v = fresh.dense
+        first = n_sinks + fresh.compressed
+        parts_k, parts_v = [], []
+        if n_sinks:
+            sk, sv = self.sinks.view()
+            parts_k.append(sk.astype(dtype))
+            parts_v.append(sv.astype(dtype))
+        parts_k.append(self._dequantized(self.compressed_keys, self.config.key_params, dtype))
+        parts_v.append(self._dequantized(self.compressed_values, self.config.value_params, dtype))
+        parts_k.append(dense_k.astype(dtype))
+        parts_v.append(dense_v.astype(dtype))
+        keys, values = mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2)
+        # the position each key column stands for (sinks, compressed, dense), and which kind it is
+        col = mx.arange(keys.shape[2])
+        dense_start = n_sinks + n_compressed
+        position = mx.where(col < n_sinks, col, mx.where(col < dense_start, col, first + col - dense_start))
+        if user_mask is not None:
+            user_cols = mx.concatenate([mx.arange(n_sinks + n_compressed), first + mx.arange(dense_k.shape[2])])
+        sinks = None if sink_logits is None else sink_logits.astype(dtype)
+        outs = []
+        for r0 in range(0, Tq, self.PREFILL_ROWS):
+            r1 = min(Tq, r0 + self.PREFILL_ROWS)
+            last = start_q + r1 - 1
+            end = dense_start + min(last - first + 1, dense_k.shape[2])  # keys past the last row's position: none
+            row_pos = mx.arange(start_q + r0, start_q + r1)[:, None]
+            bound = mx.array(bounds[r0:r1])[:, None]
+            c, pos = col[None, :end], position[None, :end]
+            mask = mx.where(c < n_sinks, pos <= row_pos,
+                            mx.where(c < dense_start, c - n_sinks < bound,
+                                     (pos >= n_sinks + bound) & (pos <= row_pos)))
+            if user_mask is not None:
+                rows_mask = user_mask[..., r0:r1, :] if user_mask.shape[-2] > 1 else user_mask
+                mask = mask & mx.take(rows_mask, user_cols[:end], axis=-1)
+            outs.append(mx.fast.scaled_dot_product_attention(queries[:, :, r0:r1], keys[:, :, :end],
+                                                             values[:, :, :end], scale=scale, mask=mask,
+                                                             sinks=sinks))
+        return mx.concatenate(outs, axis=2)
 
     def _chunk_parts(self, queries, scale, start_q, user_mask, fresh: _Fresh) -> list:
         """Attention parts of a chunk's queries (positions ``start_q ...``), each query seeing what it would see
