@@ -3,27 +3,57 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
+import pytest
+
+from kvq import install_hints
 from kvq.install_hints import DISTRIBUTIONS, distribution_of, install_command, method_hint
 
 ROOT = Path(__file__).resolve().parents[1]
+#: the workspace venv (``uv sync``) holds every distribution, editable from this clone
+UV_HERE = f"uv pip install --python {sys.executable} --no-sources"
 
 
-def test_every_listed_distribution_is_a_folder_of_this_repository():
-    for name, (folder, _) in DISTRIBUTIONS.items():
-        assert f'name = "{name}"' in (ROOT / folder / "pyproject.toml").read_text()
+def test_every_listed_distribution_is_a_folder_of_this_repository_with_those_kvq_dependencies():
+    for name, (folder, _, requires) in DISTRIBUTIONS.items():
+        project = tomllib.loads((ROOT / folder / "pyproject.toml").read_text())["project"]
+        assert project["name"] == name
+        assert tuple(d for d in project["dependencies"] if d.startswith("kvq-")) == requires
 
 
-def test_hint_names_the_local_folder_of_this_checkout():
-    # the workspace installs kvq-core from this clone, so the command installs the sibling folder
-    assert install_command("kvq-backends-turboquant").startswith(f"uv pip install {ROOT / 'kvq_backends_turboquant'}")
+def test_hint_names_this_interpreter_and_the_local_folder_of_this_checkout():
+    # the workspace installs kvq-core editable from this clone, so the command installs the sibling folder so too
+    assert install_command("kvq-backends-turboquant") == f"{UV_HERE} -e {ROOT / 'kvq_backends_turboquant'}"
     hint = method_hint("turboquant_prod")
-    assert "kvq-backends-turboquant" in hint and str(ROOT / "kvq_backends_turboquant") in hint
+    assert hint == ("'turboquant_prod' comes with kvq-backends-turboquant, which is not installed here; install it "
+                    f"with: {UV_HERE} -e {ROOT / 'kvq_backends_turboquant'}")
     assert distribution_of("qjl") == "kvq-backends-qjl" and distribution_of("affine") is None
-    assert method_hint("affine") == "" and install_command("not-ours") == "pip install not-ours"
+    assert method_hint("affine") == "" and install_command("not-ours") == f"{UV_HERE} not-ours"
+
+
+def test_hint_adds_the_folders_of_missing_kvq_dependencies_and_pip_where_pip_imports(monkeypatch):
+    monkeypatch.setattr(install_hints, "_core_origin", lambda: (ROOT, False))  # a non-editable install
+    monkeypatch.setattr(install_hints, "_installed", lambda name: name == "kvq-core")
+    monkeypatch.setattr(install_hints, "_has_pip", lambda: True)
+    folders = f"{ROOT / 'kvq_backends_turboquant'} {ROOT / 'kvq_metal'}"
+    assert install_command("kvq-backends-turboquant") == (f"{UV_HERE} {folders}  "
+                                                          f"(or: {sys.executable} -m pip install {folders})")
+    monkeypatch.setattr(install_hints, "_has_pip", lambda: False)  # a uv venv has no pip: no pip form
+    assert install_command("kvq-backends-qjl") == f"{UV_HERE} {ROOT / 'kvq_backends_qjl'}"
+
+
+def test_without_a_clone_the_hint_says_how_to_get_one_and_never_names_pypi(monkeypatch):
+    monkeypatch.setattr(install_hints, "_core_origin", lambda: (None, False))  # kvq-core from a wheel, say
+    monkeypatch.setattr(install_hints, "_installed", lambda name: name == "kvq-core")
+    hint = install_command("kvq-backends-turboquant")
+    assert hint == ("kvq's packages are not on PyPI yet: clone the kvq repository into ./kvq (git clone <kvq's "
+                    f"repository URL> kvq), then run: {UV_HERE} ./kvq/kvq_backends_turboquant ./kvq/kvq_metal")
+    assert "pip install kvq-" not in method_hint("qjl")
 
 
 def test_demo_falls_back_before_model_work_when_turboquant_is_absent():
@@ -38,6 +68,43 @@ def test_demo_falls_back_before_model_work_when_turboquant_is_absent():
 
 
 def test_extras_and_kernel_hints_use_the_same_commands():
-    assert install_command("kvq-core", extra="plots") == (f"uv pip install '{ROOT / 'kvq_core'}[plots]'  "
-                                                          f"(or: pip install '{ROOT / 'kvq_core'}[plots]')")
-    assert install_command("not-ours", extra="x") == "pip install 'not-ours[x]'"
+    assert install_command("kvq-core", extra="plots") == f"{UV_HERE} -e '{ROOT / 'kvq_core'}[plots]'"
+    assert install_command("not-ours", extra="x") == f"{UV_HERE} 'not-ours[x]'"
+
+
+def _run(command, **kwargs):
+    done = subprocess.run(command, capture_output=True, text=True, **kwargs)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+HINT = "from kvq.install_hints import install_command; print(install_command({!r}))"
+#: the distribution's files, then whether it was installed editable (False: a copy, as the hint asks for)
+IMPORTED = ("import json, sys, kvq, {module}; from importlib import metadata; assert {method!r} in kvq.methods(); "
+            "print(json.loads(metadata.distribution({dist!r}).read_text('direct_url.json'))"
+            ".get('dir_info', {{}}).get('editable', False))")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("uv") is None, reason="uv is not on PATH")
+@pytest.mark.parametrize("form, dist, method", [("uv", "kvq-backends-qjl", "qjl"),
+                                                ("pip", "kvq-backends-turboquant", "turboquant")])
+def test_printed_command_installs_the_plugin_in_a_fresh_environment(form, dist, method, tmp_path):
+    """kvq-core alone (a copy from this clone, as README says), then the hint's command run as printed: ``uv``'s
+    form in a ``uv venv`` (no pip), pip's form in one seeded with pip (turboquant: its kvq-metal folder too)."""
+    from test_install_alone import CORE_EXTRA, _uv_install
+
+    venv = tmp_path / "venv"
+    _run(["uv", "venv", "--quiet", *(["--seed"] if form == "pip" else []), "--python", sys.executable, str(venv)])
+    python = str(venv / "bin" / "python")
+    _uv_install(python, [f"{ROOT / 'kvq_core'}{CORE_EXTRA}"])
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "KVQ_LOAD_PLUGINS")}
+    hint = _run([python, "-c", HINT.format(dist)], env=env, cwd=tmp_path).strip()
+    uv_form, _, pip_form = hint.partition("  (or: ")
+    assert uv_form.startswith(f"uv pip install --python {python} --no-sources {ROOT / dist.replace('-', '_')}")
+    assert (str(ROOT / "kvq_metal") in hint) == (dist == "kvq-backends-turboquant") and "-e " not in hint
+    assert bool(pip_form) == (form == "pip")
+    _run(uv_form if form == "uv" else pip_form.removesuffix(")"), shell=True, env=env, cwd=tmp_path)
+    module = dist.replace("-", "_")
+    out = _run([python, "-c", IMPORTED.format(module=module, method=method, dist=dist)], env=env, cwd=tmp_path)
+    assert out.strip() == "False"

@@ -15,8 +15,10 @@ from kvq.cli import main
 
 TINY_OPS = ["--methods", "affine:4", "--ops", "quantize", "--sizes", "64", "--reps", "1", "--warmup", "0",
             "--bandwidth-bytes", "1M", "--no-progress"]
-#: kvq-core comes from this clone in the workspace, so the command installs the clone's folder with the extra
-INSTALL = f"uv pip install '{Path(__file__).resolve().parents[1] / 'kvq_core'}[plots]'"
+#: kvq-core comes from this clone in the workspace (editable), so the command installs the clone's folder so too,
+#: with the extra, into this interpreter (no activated environment needed) and without the workspace's sources
+INSTALL = (f"uv pip install --python {sys.executable} --no-sources "
+           f"-e '{Path(__file__).resolve().parents[1] / 'kvq_core'}[plots]'")
 
 CACHE_PATH = """
 import sys

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -135,7 +136,8 @@ def test_unknown_method_of_an_absent_first_party_plugin_names_the_install_comman
     reg.loaded = True  # no entry points: as an install of kvq-core alone
     reg.register(kvq.baselines.affine.METHOD)
     with pytest.raises(ValueError, match=r"method must be one of affine; got 'qjl' \('qjl' comes with "
-                                         r"kvq-backends-qjl, which is not installed here; install it with: "):
+                                         r"kvq-backends-qjl, which is not installed here; install it with: uv pip "
+                                         rf"install --python {re.escape(sys.executable)} --no-sources "):
         reg.method("qjl")
     with pytest.raises(ValueError, match=r"got 'nope'$"):  # no hint for a method kvq does not ship
         reg.method("nope")

@@ -1,60 +1,108 @@
 """Install commands for kvq's own distributions, worded for how this kvq was installed.
 
 The core imports no plugin; it only knows which of kvq's own distributions provides which method, so that an
-error about a missing method can say what to install. The command works where it is shown: when ``kvq-core`` was
-installed from a local folder (a clone of the kvq repository: ``uv sync``, ``pip install ./kvq_core``), the hint
-names the sibling folder of that clone (``uv pip install /path/to/kvq/kvq_backends_turboquant``); otherwise the
-distribution's PyPI name. Third-party plugins are not listed: their own documentation says how to install them.
+error about a missing method can say what to install. The command works as printed, in any shell and without an
+activated environment: it names this interpreter (``uv pip install --python <sys.executable>``), passes
+``--no-sources`` (inside a clone, uv would otherwise read the workspace's ``[tool.uv.sources]`` and install
+kvq-core and kvq-metal as editable copies of the clone) and lists the folders of the distribution's kvq
+dependencies that are not installed here (they are not on PyPI, so no resolver can find them by name). A pip form
+(``<sys.executable> -m pip install ...``) follows only where pip imports in this interpreter (a ``uv venv`` has no
+pip). When ``kvq-core`` came from a local folder (a clone of the kvq repository), the folders are that clone's, and
+editable when kvq-core is; otherwise the command says how to get a clone. Third-party plugins are not listed:
+their own documentation says how to install them.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import shlex
+import sys
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-#: kvq's own distributions: name -> (folder in the repository, methods it provides).
+#: kvq's own distributions: name -> (folder in the repository, methods it provides, the kvq distributions its
+#: pyproject.toml requires; tests/test_install_hints.py checks these against the folders).
 DISTRIBUTIONS = {
-    "kvq-core": ("kvq_core", ()),
-    "kvq-backends-turboquant": ("kvq_backends_turboquant", ("turboquant", "turboquant_prod", "turboquant_rvq")),
-    "kvq-backends-qjl": ("kvq_backends_qjl", ("qjl",)),
-    "kvq-backends-vecinfer": ("kvq_backends_vecinfer", ("vecinfer",)),
-    "kvq-metal": ("kvq_metal", ()),
+    "kvq-core": ("kvq_core", (), ()),
+    "kvq-backends-turboquant": ("kvq_backends_turboquant", ("turboquant", "turboquant_prod", "turboquant_rvq"),
+                                ("kvq-core", "kvq-metal")),
+    "kvq-backends-qjl": ("kvq_backends_qjl", ("qjl",), ("kvq-core",)),
+    "kvq-backends-vecinfer": ("kvq_backends_vecinfer", ("vecinfer",), ("kvq-core",)),
+    "kvq-metal": ("kvq_metal", (), ("kvq-core",)),
 }
 
 
 @lru_cache(maxsize=1)
-def _checkout() -> Path | None:
-    """The repository folder ``kvq-core`` was installed from (``direct_url.json`` of its metadata), if local."""
+def _core_origin() -> tuple[Path | None, bool]:
+    """The local folder ``kvq-core`` was installed from (``direct_url.json`` of its metadata: its parent is the
+    clone), or ``None``; and whether that install is editable."""
     try:
         text = metadata.distribution("kvq-core").read_text("direct_url.json")
     except metadata.PackageNotFoundError:
-        return None
+        return None, False
     if not text:
-        return None
-    url = urlparse(json.loads(text).get("url", ""))
+        return None, False
+    info = json.loads(text)
+    url = urlparse(info.get("url", ""))
     if url.scheme != "file":
-        return None
-    return Path(unquote(url.path)).parent
+        return None, False
+    return Path(unquote(url.path)).parent, bool(info.get("dir_info", {}).get("editable"))
+
+
+def _installed(distribution: str) -> bool:
+    try:
+        metadata.distribution(distribution)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def _to_install(distribution: str) -> list[str]:
+    """``distribution`` and the kvq distributions it needs (transitively) that are not installed here."""
+    chosen, todo = [distribution], list(DISTRIBUTIONS[distribution][2])
+    while todo:
+        name = todo.pop(0)
+        if name not in chosen and not _installed(name):
+            chosen.append(name)
+            todo += DISTRIBUTIONS[name][2]
+    return chosen
+
+
+def _has_pip() -> bool:
+    return importlib.util.find_spec("pip") is not None
+
+
+def _commands(targets: list[str]) -> str:
+    """uv's command for ``targets`` (quoted for a POSIX shell) into this interpreter, and pip's where pip imports."""
+    python = shlex.quote(sys.executable)
+    args = " ".join(targets)
+    uv = f"uv pip install --python {python} --no-sources {args}"
+    return f"{uv}  (or: {python} -m pip install {args})" if _has_pip() else uv
 
 
 def install_command(distribution: str, extra: str | None = None) -> str:
     """A command that installs ``distribution`` (one of :data:`DISTRIBUTIONS`, or any PyPI name), with an optional
-    extra (``"plots"``), here: from the local clone kvq-core came from when there is one, else from PyPI by name."""
-    folder = DISTRIBUTIONS.get(distribution, (None,))[0]
-    root = _checkout()
+    extra (``"plots"``), into this interpreter's environment: for kvq's own distributions the folders of the
+    clone kvq-core came from (the distribution's and those of its kvq dependencies not installed here), else how
+    to get a clone (kvq is not on PyPI yet); any other name from PyPI."""
     suffix = f"[{extra}]" if extra else ""
-    if folder is not None and root is not None and (root / folder / "pyproject.toml").is_file():
-        target = f"'{root / folder}{suffix}'" if extra else str(root / folder)
-        return f"uv pip install {target}  (or: pip install {target})"
-    return f"pip install '{distribution}{suffix}'" if extra else f"pip install {distribution}"
+    if distribution not in DISTRIBUTIONS:
+        return _commands([shlex.quote(distribution + suffix)])
+    folders = [DISTRIBUTIONS[name][0] + (suffix if name == distribution else "") for name in _to_install(distribution)]
+    root, editable = _core_origin()
+    if root is not None and (root / DISTRIBUTIONS[distribution][0] / "pyproject.toml").is_file():
+        return _commands([("-e " if editable else "") + shlex.quote(str(root / f)) for f in folders])
+    clone = _commands([shlex.quote(f"./kvq/{f}") for f in folders])
+    return (f"kvq's packages are not on PyPI yet: clone the kvq repository into ./kvq "
+            f"(git clone <kvq's repository URL> kvq), then run: {clone}")
 
 
 def distribution_of(method: str) -> str | None:
     """The kvq distribution that provides ``method``, or ``None`` (a core method, or one kvq does not ship)."""
-    return next((name for name, (_, methods) in DISTRIBUTIONS.items() if method in methods), None)
+    return next((name for name, (_, methods, _) in DISTRIBUTIONS.items() if method in methods), None)
 
 
 def method_hint(method: str) -> str:
