@@ -32,6 +32,9 @@ def test_select_snippet_prints_plan_bytes_and_error():
     # 4-bit codes plus a 16-bit scale and bias per 64 coordinates: 4.5 bits of 16
     assert int(stored.group(1).replace(",", "")) == 16_777_216 * 4.5 / 16
     assert 0 < float(stored.group(2)) < 0.3
+    # the snippet seeds MLX's generator, so the figure the README states is the one it prints (to a rounding step)
+    stated = re.search(r"stored in [\d,]+; attention output error\s+([\d.]+) \(relative\)`", README.read_text())
+    assert stated and abs(float(stated.group(1)) - float(stored.group(2))) <= 0.001, (stated, out)
 
 
 @pytest.mark.slow
@@ -42,3 +45,6 @@ def test_cache_snippet_generates_and_reports_bytes():
     assert held, out
     assert len(out[: held.start()].strip()) > 0  # the answer's text came first
     assert int(held.group(1)) > 20 and int(held.group(2).replace(",", "")) > 0
+    # the cache holds more tokens than its 4 sinks and the snippet's window keep uncompressed: it compresses some
+    window = int(re.search(r'make_prompt_cache\(model, "turboquant", bits=4, window=(\d+)\)', code).group(1))
+    assert int(held.group(1)) > 4 + window
