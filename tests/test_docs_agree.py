@@ -11,7 +11,8 @@ import pytest
 
 import kvq
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
 
 
 def _accepted_affine_bits() -> list[int]:
@@ -51,3 +52,11 @@ def test_affine_bits_agree_with_mx_quantize_list_and_readme():
 def test_affine_refuses_widths_mx_quantize_lacks_by_name(bits):
     with pytest.raises(ValueError, match=r"bits must be one of 2, 3, 4, 5, 6, 8; got " + str(bits)):
         kvq.make_params("affine", bits=bits)
+
+
+def test_architecture_paths_are_exact_from_the_repository_root():
+    """docs/ARCHITECTURE.md says its paths are relative to the repository root: every code-quoted path of two or
+    more parts (``kvq_metal/src/kvq_metal/dialect.py``, not ``kvq_metal/dialect.py``) exists there."""
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    paths = {t for t in re.findall(r"`([^`\s<>]+)`", text) if "/" in t.rstrip("/").strip("/")}
+    assert len(paths) > 20 and not [p for p in sorted(paths) if not (ROOT / p).exists()]

@@ -4,6 +4,7 @@ to both back ends (the CUDA build is exercised by tests/test_kernels_gpu.py on a
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -60,6 +61,27 @@ def test_every_kernel_file_names_its_reference_and_launcher(name):
     for dotted in (source.reference, source.launcher):
         assert dotted, f"{source.path}: the preamble needs '// Reference:' and '// Launcher:' lines"
         assert callable(pkgutil.resolve_name(dotted)), dotted
+
+
+def test_every_other_kernel_folder_file_names_the_kernels_that_use_it():
+    """Every file of a kernel folder is a loaded kernel (the test above resolves its Reference: and Launcher:) or a
+    shared fragment or header whose preamble has one ``// Used by: a.kvq, b.cu`` line naming exactly the kernel
+    files that ``#include`` it, or, for a header, the kernel built with it."""
+    loaded = {Path(s.path).resolve(): s for s in kernel_files.templates().values()}
+    folders = {kernel_files.KERNELS.resolve(), *(path.parent for path in loaded)}
+    files = sorted(p.resolve() for d in folders for p in d.iterdir() if p.suffix in (".kvq", ".cu", ".cuh"))
+    for path in files:
+        preamble = kernel_files._split_preamble(path.read_text())[0]
+        used = [line.split(":", 1)[1] for line in preamble if line.startswith("// Used by:")]
+        if path in loaded:
+            assert not used, f"{path.name} is a kernel: its preamble names Reference: and Launcher:, not Used by:"
+            continue
+        assert len(used) == 1, f"{path.name}: a fragment or header needs one '// Used by:' line"
+        if path.suffix == ".cuh":
+            users = {k.name for k, s in loaded.items() if s.header and s.header == kernel_files._expand(path)[1]}
+        else:
+            users = {f.name for f in files if f'#include "{path.name}"' in f.read_text()}
+        assert set(re.findall(r"\b\w+\.(?:kvq|cu)\b", used[0])) == users and users, (path.name, users)
 
 
 def test_kernel_files_drop_preambles_and_expand_includes(tmp_path):

@@ -14,9 +14,10 @@ and dtypes of the inputs and outputs and the template arguments (``mx.fast.metal
 
 * Preamble: a file's leading ``//`` lines document it: what it computes, how threads map to data, its template
   arguments, ``// Reference: <dotted name>`` (the pure-MLX function it must agree with) and ``// Launcher: <dotted
-  name>`` (the Python function that launches it). They are dropped from the text, so documentation edits rename
-  no kernel (MLX caches compiled kernels by name, and :func:`kvq_metal.dialect.kernel` names them by a hash of
-  their text).
+  name>`` (the Python function that launches it); a fragment or header names instead the kernel files that use it
+  (``// Used by: decode_attend.kvq, decode_attend_tc.cu``). They are dropped from the text, so documentation
+  edits rename no kernel (MLX caches compiled kernels by name, and :func:`kvq_metal.dialect.kernel` names them by
+  a hash of their text).
 * Includes: a line ``#include "name"`` is replaced by the text of the file ``name`` (its preamble dropped, its own
   includes expanded), found beside the including file or else among kvq_metal's shared fragments
   (:data:`KERNELS`: ``split_index.kvq``, ``load_queries.kvq``, ``hadamard_rows.kvq``). MLX compiles a kernel

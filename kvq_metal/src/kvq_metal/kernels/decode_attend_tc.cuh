@@ -2,6 +2,7 @@
 // conversions to half2, prmt, funnel shift, ex2), the row loader of uncompressed tokens, the bit-field and
 // table-lookup macros, and the macros that write each step of one side once for both (keys K, k and values V, v):
 // KVQ_FILL_TABLE, KVQ_LOAD_CODES, KVQ_SLICE_WORDS, KVQ_DECODE_PAIR.
+// Used by: decode_attend_tc.cu (its header, loaded with it by kvq_metal.attend_tc)
 
 __device__ __forceinline__ void kvq_mma(float (&d)[4], uint a0, uint a1, uint a2, uint a3, uint b0, uint b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
