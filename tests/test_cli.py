@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 from kvq.cli import main
 
@@ -40,3 +43,14 @@ def test_errors_are_one_line_and_non_zero(capsys):
     assert main(["select", "nope", "--shape", "1,8,16,64"]) == 1
     assert "method must be one of" in capsys.readouterr().err
     assert main(["frobnicate"]) == 2
+
+
+def test_list_shows_plugins_that_kvq_load_plugins_left_out():
+    code = "from kvq.cli import main; main(['list']); main(['list', '--json'])"
+    env = {**os.environ, "KVQ_LOAD_PLUGINS": "baselines"}  # only kvq-core's own methods
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    text, _, document = out.partition("\n{")
+    rows = {line.split()[0]: line for line in text.splitlines() if line.startswith("  ") and "kvq" in line}
+    assert rows["baselines"].endswith(" ok") and rows["turboquant"].endswith(" not loaded (KVQ_LOAD_PLUGINS)")
+    loaded = {p["entry_point"]: p["loaded"] for p in json.loads("{" + document)["plugins"]}
+    assert loaded["baselines"] and not loaded["turboquant"] and not loaded["qjl"]

@@ -149,6 +149,7 @@ def test_load_plugins_env_limits_discovery(tmp_path, monkeypatch):
     reg = registry_mod.Registry()
     reg.load_entry_points()
     assert ("fp16", "twin") in reg.implementations and not reg.failures
+    assert reg.not_loaded == {"broken_import"}  # kvq list shows it as "not loaded (KVQ_LOAD_PLUGINS)"
 
 
 def _install_example(target: Path) -> None:

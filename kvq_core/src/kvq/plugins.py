@@ -83,6 +83,7 @@ class Registry:
         self.implementations: dict[tuple[str, str], Any] = {}
         self.origin: dict[Any, str] = {}  # method name or (method, backend) -> who registered it
         self.failures: dict[str, str] = {}  # entry point name -> error message
+        self.not_loaded: set[str] = set()  # entry points KVQ_LOAD_PLUGINS left out
         self.generation = 0  # bumped on every change; selection caches key on it
         self.loaded = False
 
@@ -137,6 +138,8 @@ class Registry:
         for ep in sorted(entry_points(group=GROUP), key=lambda e: e.name):
             if allowed is None or ep.name in allowed:
                 self._load_one(ep, strict)
+            else:
+                self.not_loaded.add(ep.name)
 
     def _load_one(self, ep, strict: bool) -> None:
         done: list[Any] = []

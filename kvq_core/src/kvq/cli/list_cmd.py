@@ -38,7 +38,7 @@ def collect() -> dict:
     for ep in sorted(entry_points(group=GROUP), key=lambda e: e.name):
         dist = ep.dist.name if ep.dist else "?"
         plugins.append({"entry_point": ep.name, "distribution": dist, "module": ep.value,
-                        "error": reg.failures.get(ep.name)})
+                        "loaded": ep.name not in reg.not_loaded, "error": reg.failures.get(ep.name)})
     methods = {name: {"description": m.description, "source": m.source, "origin": reg.origin[name],
                       "default_params": repr(m.make_params()), "needs_calibration": m.needs_calibration}
                for name, m in sorted(reg.methods.items())}
@@ -57,7 +57,8 @@ def render(info: dict) -> str:
     """The human-readable form of :func:`collect`."""
     out = [f"device: {info['device']} (MLX {info['mlx']})", "", "plugins (entry points, group 'kvq'):"]
     for p in info["plugins"]:
-        status = f"FAILED: {p['error']}" if p["error"] else "ok"
+        status = (f"FAILED: {p['error']}" if p["error"] else "ok" if p["loaded"]
+                  else "not loaded (KVQ_LOAD_PLUGINS)")
         out.append(f"  {p['entry_point']:<12} {p['distribution']:<26} {p['module']:<26} {status}")
     out += ["", "methods:"]
     for name, m in info["methods"].items():
