@@ -2,7 +2,7 @@
 
     # 2 NVIDIA GPUs (issue #10): 64K context, 32 layers
     mlx.launch --backend nccl -n 2 -- python benchmarks/distributed_decode.py --context 65536 \\
-        --out benchmarks/results/distributed_decode_h200x2.json
+        --out benchmarks/results/distributed/$(date +%F)-h200x2-nccl-tp-64k.json
     # check on a CPU (about a minute on 2 cores)
     mlx.launch --backend ring -n 2 -- python benchmarks/distributed_decode.py --layers 2 --context 512 \\
         --steps 4 --out /tmp/distributed_decode.json

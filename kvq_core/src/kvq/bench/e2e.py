@@ -7,7 +7,7 @@ For each context length and each method string (:mod:`kvq.evaluation.spec`; ``fp
    ``random`` calls ``cache.update_and_fetch`` with random normal keys and values in chunks (prefill memory stays
    small; speed does not depend on the values), ``replay`` does the same with the keys and values of one real
    prefill of the text (mlx-lm's KVCache, once per context), ``prefill`` runs the model over the text with the
-   method's own cache (chunks of :data:`PREFILL_CHUNK`; prefill tokens/s are reported);
+   method's own cache (chunks of :data:`kvq.bench.fill.PREFILL_CHUNK`; prefill tokens/s are reported);
 2. memory: the caches' ``nbytes`` and the growth of ``mx.get_active_memory()`` from before the caches existed;
 3. decode: greedy steps (the argmax token fed back), pipelined like mlx-lm's ``generate_step`` (the next step
    is queued with ``mx.async_eval`` while this one runs): ``warmup`` untimed, then ``steps`` timed; mean, median,

@@ -732,7 +732,7 @@ class KVQCache:
     # -- prompt-cache files ---------------------------------------------------------------------------
     @property
     def state(self) -> dict:
-        """Everything needed to rebuild this cache, for ``mlx_lm.save_prompt_cache``: the compressed form.
+        """Everything needed to rebuild this cache, for ``mlx_lm.models.cache.save_prompt_cache``: the compressed form.
 
         A dict of arrays (compressed fields trimmed to the stored length), ints and one JSON string holding
         the configuration, the layout, the kvq version and the file-format version.
@@ -749,8 +749,8 @@ class KVQCache:
 
     @classmethod
     def from_state(cls, state: dict) -> "KVQCache":
-        """Rebuild a cache from :attr:`state` (what ``mlx_lm.load_prompt_cache`` calls), and patch mlx-lm's
-        attention (:mod:`kvq.cache.patch`) so that a model loaded before uses it.
+        """Rebuild a cache from :attr:`state` (what ``mlx_lm.models.cache.load_prompt_cache`` calls), and patch
+        mlx-lm's attention (:mod:`kvq.cache.patch`) so that a model loaded before uses it.
 
         A state saved by :func:`kvq.save_prompt_cache` holds its checksum, verified here first; a state without one
         (saved with mlx-lm's ``save_prompt_cache``, or before kvq wrote checksums) is rebuilt unchecked.

@@ -62,7 +62,8 @@ def describe(text: str) -> dict:
 # -- checksums --------------------------------------------------------------------------------------------
 #: Key of the file's checksum in a prompt-cache file's metadata (beside the caller's own metadata).
 FILE_CHECKSUM = "kvq_checksum"
-#: Key of a kvq layer's own checksum in its state (what ``mlx_lm.load_prompt_cache`` hands ``from_state``).
+#: Key of a kvq layer's own checksum in its state (what ``mlx_lm.models.cache.load_prompt_cache`` hands
+#: ``from_state``).
 LAYER_CHECKSUM = "checksum"
 
 
