@@ -228,3 +228,20 @@ def test_default_warmup_leaves_the_first_flush_untimed_on_a_gpu(monkeypatch, on_
     monkeypatch.setattr(bench_cmd, "_on_cpu", lambda: on_cpu)
     args = bench_cmd.e2e_parser().parse_args(["--model", "random:tiny", "--methods", "fp16", *argv])
     assert bench_cmd.e2e_check(args)["settings"].warmup == warmup
+
+
+def test_default_name_never_overwrites_an_earlier_run(tmp_path, capsys):
+    """Two runs of one day, device and model: the second gets DATE-DEVICE-MODEL-2 and says so; --name overwrites
+    (and says so too)."""
+    argv = ["bench", "e2e", "--model", "random:tiny", "--contexts", "64", "--methods", "fp16", "--steps", "1",
+            "--warmup", "0", "--out", str(tmp_path), "--no-progress", "--no-plot"]
+    assert main(argv) == 0
+    (first,) = tmp_path.glob("*.json")
+    capsys.readouterr()
+    assert main(argv) == 0
+    second = first.with_name(f"{first.stem}-2.json")
+    assert f"keeping an earlier run's {tmp_path / first.stem}.*; writing {second}" in capsys.readouterr().err
+    assert set(tmp_path.glob("*.json")) == {first, second} and second.with_suffix(".md").exists()
+    assert main([*argv, "--name", first.stem]) == 0
+    assert f"overwriting {first} (--name {first.stem})" in capsys.readouterr().err
+    assert set(tmp_path.glob("*.json")) == {first, second}

@@ -28,6 +28,19 @@ def output_paths(out: str | Path, stem: str, suffixes: Sequence[str] = (".json",
     return {suffix: folder / f"{stem}{suffix}" for suffix in suffixes}
 
 
+def unused_stem(out: str | Path, stem: str, suffixes: Sequence[str] = (".json", ".md", ".png")) -> str:
+    """``stem``, or ``stem-2``, ``stem-3`` ... the first whose files (``out/stem.json`` ...) do not exist yet: a
+    default result name never overwrites an earlier run's files."""
+    def taken(name: str) -> bool:
+        return any((Path(out) / f"{name}{suffix}").exists() for suffix in suffixes)
+
+    n, free = 1, stem
+    while taken(free):
+        n += 1
+        free = f"{stem}-{n}"
+    return free
+
+
 def slug(text: str) -> str:
     """``"random:llama3-8b"`` -> ``"random-llama3-8b"``: lower case, runs of other characters as one ``-``."""
     return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-") or "model"

@@ -12,6 +12,7 @@ import importlib
 import json
 import shlex
 import sys
+from pathlib import Path
 
 #: name -> ("module:function", one-line help).
 SUBCOMMANDS = {
@@ -52,6 +53,7 @@ calibrated per model (vecinfer) uses --model's calibration unless [model_id=...]
 Default contexts: real models 1024,2048,4096 on the CPU, 1K..8K on a GPU (up to the model's maximum); random
 models 1024,4096 on the CPU, 4K,16K,32K,64K,128K on a GPU. Sizes take K suffixes (1K = 1024).
 Writes OUT/NAME.json (after every row), OUT/NAME.md and OUT/NAME.png; --report OUT/NAME.json redraws the last two.
+Without --name, NAME is DATE-DEVICE-MODEL, with -2, -3 ... added where an earlier run's files have that name.
 The PNG needs matplotlib, kvq-core's plots extra (the error says how to install it here; or pass --no-plot).
 """
 
@@ -88,7 +90,8 @@ def e2e_parser() -> argparse.ArgumentParser:
                    help="measure the longest context first (a run cut short keeps the rows that matter most)")
     p.add_argument("--seed", type=int, default=0, help="seed of random weights, keys and values (default 0)")
     p.add_argument("--out", default="bench-e2e", help="output folder (default ./bench-e2e)")
-    p.add_argument("--name", default=None, help="file name stem (default DATE-DEVICE-MODEL)")
+    p.add_argument("--name", default=None,
+                   help="file name stem (default DATE-DEVICE-MODEL; -2, -3 ... added when taken)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-plot", action="store_true", help="write no PNG (matplotlib is not needed then)")
     p.add_argument("--report", default=None, metavar="JSON",
@@ -100,8 +103,6 @@ def e2e_report_only(path: str, plot: bool = True) -> int:
     """Write ``NAME.md`` and (with ``plot``) ``NAME.png`` beside the result ``NAME.json`` (rows measured so far)
     and print the tables. :raises ValueError: the file cannot be read or is not a ``kvq bench e2e`` result, or
     matplotlib is missing for the plot."""
-    from pathlib import Path
-
     from ..bench import e2e_report
 
     try:
@@ -219,6 +220,21 @@ def _model_info(name: str, model, path) -> dict:
             "parameters": sum(w.size for w in weights), "weight_bytes": sum(w.nbytes for w in weights)}
 
 
+def _result_paths(out: str, stem: str, named: bool) -> dict:
+    """The result files; a default name already taken by an earlier run gets a suffix (``-2``, ``-3`` ...), and
+    either case is said on stderr: nothing is overwritten silently."""
+    from ..bench import output
+
+    free = stem if named else output.unused_stem(out, stem)
+    paths = output.output_paths(out, free)
+    if free != stem:
+        print(f"kvq bench e2e: keeping an earlier run's {Path(out) / stem}.*; writing {paths['.json']}",
+              file=sys.stderr)
+    elif paths[".json"].exists():
+        print(f"kvq bench e2e: overwriting {paths['.json']} (--name {stem})", file=sys.stderr)
+    return paths
+
+
 def e2e_main(argv: list[str]) -> int:
     """Run ``kvq bench e2e``; every argument (and matplotlib, for the plot) is checked before any model is loaded
     or built."""
@@ -233,7 +249,7 @@ def e2e_main(argv: list[str]) -> int:
         output.pyplot()  # fail now, not after the measurements, when matplotlib is missing
 
     stem = args.name or f"{datetime.date.today().isoformat()}-{device_kind()}-{output.slug(checked['name'])}"
-    paths = output.output_paths(args.out, stem)
+    paths = _result_paths(args.out, stem, named=args.name is not None)
     model, text_ids = _load(checked, args.seed)
     settings = checked["settings"]
     info = _model_info(checked["name"], model, checked["path"])
