@@ -1,4 +1,4 @@
-"""The README's Python snippets run as written and print their results."""
+"""The Python snippets of README.md and kvq_core/README.md run as written and print their results."""
 
 from __future__ import annotations
 
@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+#: kvq-core's own readme (its package metadata's long description)
+CORE_README = README.parent / "kvq_core" / "README.md"
 
 
-def snippets() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+def snippets(readme: Path = README) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", readme.read_text(), re.S)
 
 
 def run(code: str) -> str:
@@ -48,3 +50,13 @@ def test_cache_snippet_generates_and_reports_bytes():
     # the cache holds more tokens than its 4 sinks and the snippet's window keep uncompressed: it compresses some
     window = int(re.search(r'make_prompt_cache\(model, "turboquant", bits=4, window=(\d+)\)', code).group(1))
     assert int(held.group(1)) > 4 + window
+
+
+@pytest.mark.slow
+def test_core_readme_snippet_generates_with_a_compressing_cache():
+    (code,) = snippets(CORE_README)
+    out = run(code)
+    held = re.search(r"(\d+) tokens held in ([\d,]+) bytes", out)
+    assert held and len(out[: held.start()].strip()) > 0, out
+    window = int(re.search(r"window=(\d+)", code).group(1))
+    assert int(held.group(1)) > 4 + window  # more than the sinks and window hold: some tokens were compressed
