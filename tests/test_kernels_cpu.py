@@ -140,7 +140,7 @@ def test_reference_attend_agrees_with_each_methods_pure_mlx(method):
     keys, values = pure.kvq_quantize(x[0], p), pure.kvq_quantize(x[1], p)
     q = mx.random.normal((1, 8, 1, D), key=mx.random.key(2)).astype(mx.float16)
     want, want_lse = pure.kvq_attend(q, keys, values, D**-0.5, None)
-    signs = None if method == "affine" else rotation.rotation("hadamard", rotation.padded_dim(D), p.seed).signs
+    signs = None if method == "affine" else rotation.rotation("hadamard", p.rotated_dim(D), p.seed).signs
     got, lse = reference.decode_attend(q, D**-0.5, side(keys), side(values), signs=signs, out_dim=D)
     assert got.shape == want.shape and relative_error(got, want) < 1e-5
     assert mx.max(mx.abs(lse - want_lse)).item() < 1e-5

@@ -46,7 +46,7 @@ ATTEND_CASES = [
     ("turboquant", {"bits": 2}, 128, 1, 1, 1),
     ("turboquant", {"bits": 1}, 64, 8, 1, 129),
     ("turboquant", {"bits": 4, "norm_dtype": "float32"}, 256, 2, 2, 1000),
-    ("turboquant", {"bits": 3}, 96, 4, 2, 777),
+    ("turboquant", {"bits": 3}, 120, 4, 2, 777),  # head_dim 120 rotates zero-padded to 128
     ("turboquant", {"bits": 4, "rotation": "qr"}, 128, 4, 1, 600),
     ("affine", {"bits": 4, "group_size": 64}, 128, 4, 1, 5000),
     ("affine", {"bits": 8, "group_size": 32}, 128, 4, 1, 300),
@@ -161,7 +161,7 @@ DENSE_CASES = [
     # method, params, head_dim, n_rep, sinks, window, dtype[, the window a transposed view: read element-wise]
     ("turboquant", {"bits": 4}, 128, 4, 4, 140, mx.bfloat16),
     ("turboquant", {"bits": 4}, 128, 4, 4, 37, mx.float16, True),
-    ("turboquant", {"bits": 3}, 96, 4, 0, 33, mx.float16),
+    ("turboquant", {"bits": 3}, 120, 4, 0, 33, mx.float16),  # rows shorter than the codes' 128 coordinates
     ("affine", {"bits": 4, "group_size": 64}, 128, 8, 4, 128, mx.float16),
     ("turboquant_rvq", {"bits": 2, "residual_bits": 2}, 64, 2, 4, 1, mx.float32),
 ]
@@ -203,8 +203,10 @@ def test_attend_dense_matches_parts(case):
 
 
 # -- fused TurboQuant encode / decode ---------------------------------------------------------------------
-CODEC_CASES = [(64, 1, mx.float16), (80, 2, mx.bfloat16), (96, 3, mx.float32), (128, 4, mx.float16),
-               (128, 3, mx.bfloat16), (128, 2, mx.float32), (128, 1, mx.float16), (192, 4, mx.float16),
+# head_dims below their power-of-two rotation size (120 and 240; 112 at 1 bit); 80, 96, 192 rotate unpadded, which
+# the fused kernels leave to pure MLX (tests/test_turboquant_dims.py)
+CODEC_CASES = [(64, 1, mx.float16), (120, 2, mx.bfloat16), (112, 1, mx.float32), (128, 4, mx.float16),
+               (128, 3, mx.bfloat16), (128, 2, mx.float32), (128, 1, mx.float16), (240, 4, mx.float16),
                (256, 4, mx.bfloat16), (256, 1, mx.float32), (32, 3, mx.float16)]
 
 

@@ -19,7 +19,7 @@ from kvq.attention import attend_encoded, dense_attend
 from kvq_backends_turboquant import codebook as codebook_module, mse
 from kvq_backends_turboquant.codebook import codebook, lloyd_max, load_or_compute
 from kvq_backends_turboquant.impl import TurboQuantMLX
-from kvq_backends_turboquant.rotation import padded_dim, rotation
+from kvq_backends_turboquant.rotation import power_of_two_dim, rotation
 
 # REFERENCE_VALUES.md, TurboQuant: Lloyd-Max centroids × sqrt(d) at d = 128 (positive half)
 CENTROIDS_128 = {1: [0.7996], 2: [0.4530, 1.5056], 3: [0.2460, 0.7547, 1.3378, 2.1325],
@@ -58,7 +58,7 @@ def _expected_distortion(params, head_dim):
     variant's error has a mean component ⟨e, y⟩ y = D_mse · y along y (centroid condition), which lies in the kept
     subspace, and the rest (D_mse - D_mse²) spreads over the D_pad - 1 directions orthogonal to y.
     """
-    dim = padded_dim(head_dim)
+    dim = params.rotated_dim(head_dim)
     per_group = [(n, codebook(dim, b).mse if b else 1.0) for _, n, b in params.groups(head_dim)]
     total = sum(n * e for n, e in per_group) / dim
     if params.method == "turboquant_prod":
@@ -120,7 +120,7 @@ def test_rotation_is_orthogonal_and_seeded(kind):
 
 
 def test_padding_to_a_power_of_two():
-    assert [padded_dim(d) for d in (1, 2, 64, 80, 96, 128, 192, 576)] == [2, 2, 64, 128, 128, 128, 256, 1024]
+    assert [power_of_two_dim(d) for d in (1, 2, 64, 80, 96, 128, 192, 576)] == [2, 2, 64, 128, 128, 128, 256, 1024]
 
 
 # -- distortion and inner products (unit vectors) -------------------------------------------------------
@@ -187,7 +187,7 @@ def test_zero_vectors_decode_to_zero():
 def test_padded_head_dims(head_dim):
     x = unit_vectors(4000, head_dim, seed=head_dim)
     encoded, x_hat = _round_trip("turboquant", x, bits=3)
-    assert encoded.data["codes"].shape == (1, 1, 4000, padded_dim(head_dim) * 3 // 32)
+    assert encoded.data["codes"].shape == (1, 1, 4000, packing.packed_words(encoded.params.rotated_dim(head_dim), 3))
     assert x_hat.shape == x.shape
     expected = _expected_distortion(encoded.params, head_dim)  # the padding's share of the error is dropped
     assert mx.mean(mx.sum((x - x_hat) ** 2, axis=-1)).item() == pytest.approx(expected, rel=0.03)
@@ -252,7 +252,7 @@ def test_attend_mixes_with_affine_on_either_side():
 def test_round_trip_properties(method, bits, outlier_bits, shape, outlier_share, dtype, seed):
     B, H, T, D = shape
     x = mx.array(np.random.default_rng(seed).standard_normal(shape).astype(np.float32)).astype(dtype)
-    outliers = int(outlier_share * padded_dim(D))
+    outliers = int(outlier_share * power_of_two_dim(D))
     params = kvq.make_params(method, bits=bits, outlier_channels=outliers, outlier_bits=outlier_bits, seed=seed)
     impl = TurboQuantMLX(method)
     encoded = impl.kvq_quantize(x, params)
@@ -265,7 +265,7 @@ def test_round_trip_properties(method, bits, outlier_bits, shape, outlier_share,
     for name, count, group_bits in params.groups(D):
         if count and group_bits:
             codes = packing.unpack(encoded.data[name], group_bits, count)
-            expected = codebook(padded_dim(D), group_bits).encode(y[..., start:start + count])
+            expected = codebook(params.rotated_dim(D), group_bits).encode(y[..., start:start + count])
             assert mx.array_equal(codes, expected).item()
             assert mx.array_equal(mse.pack_codes(codes, group_bits), encoded.data[name]).item()
         start += count
@@ -280,7 +280,7 @@ def test_round_trip_properties(method, bits, outlier_bits, shape, outlier_share,
         # the smallest code group, plus for _prod the one fixed sketch S of D_pad rows (its error deviates from the
         # average over S by ~1/sqrt(D_pad)); over 3,000 random cases the error stayed below 88% of it
         smallest = min(n for _, n, _ in params.groups(D) if n)
-        slack = (1 + 20 / math.sqrt(64 * smallest)) * (1 + 8 / math.sqrt(padded_dim(D)) * (
+        slack = (1 + 20 / math.sqrt(64 * smallest)) * (1 + 8 / math.sqrt(params.rotated_dim(D)) * (
             method == "turboquant_prod"))
         assert relative <= _expected_distortion(params, D) * slack + 2e-3
 
@@ -317,7 +317,7 @@ def test_mismatches_are_rejected():
     impl = TurboQuantMLX("turboquant")
     with pytest.raises(TypeError, match="params must be a TurboQuantParams for method 'turboquant'"):
         impl.kvq_quantize(mx.zeros((1, 1, 4, 64)), kvq.make_params("turboquant_prod"))
-    with pytest.raises(ValueError, match="outlier_channels must be at most the padded head_dim 64"):
+    with pytest.raises(ValueError, match="outlier_channels must be at most 64, the next power of two of head_dim 64"):
         impl.kvq_quantize(mx.zeros((1, 1, 4, 64)), kvq.make_params("turboquant", outlier_channels=65))
     keys = impl.kvq_quantize(mx.ones((1, 1, 4, 64)), kvq.make_params("turboquant"))
     with pytest.raises(ValueError, match="queries: head_dim 32 does not match the keys' 64"):
@@ -340,12 +340,13 @@ def test_mismatches_are_rejected():
     ("turboquant", 128, {"bits": 2, "outlier_channels": 48, "outlier_bits": 3}, (160 + 160 + 16) / 128),
     ("turboquant", 128, {"bits": 4, "norm_dtype": "float32"}, 4.25),
     ("turboquant", 64, {"bits": 4}, 4.25),
-    ("turboquant", 96, {"bits": 4}, (4 * 128 + 16) / 96),  # the padding to 128 is paid for
+    ("turboquant", 96, {"bits": 4}, (4 * 96 + 16) / 96),  # 96 = 12 · 8 is a Hadamard size: no padding
     ("turboquant_prod", 128, {"bits": 1}, 1.25),  # signs + two norms
     ("turboquant_prod", 128, {"bits": 3}, 3.25),
     ("turboquant_prod", 128, {"bits": 4}, 4.25),
-    # 5 outlier codes of 2 bits fill one word, 123 codes of 1 bit four words; 128 signs; two float16 norms
-    ("turboquant_prod", 80, {"bits": 2, "outlier_channels": 5}, (32 + 128 + 128 + 16 + 16) / 80),
+    # rotated at 80 = 20 · 4: 5 outlier codes of 2 bits fill one word, 75 codes of 1 bit three words; 80 signs
+    # three words; two float16 norms
+    ("turboquant_prod", 80, {"bits": 2, "outlier_channels": 5}, (32 + 96 + 96 + 16 + 16) / 80),
 ])
 def test_bits_accounting_matches_the_arrays(method, head_dim, params, bits_per_coordinate):
     params = kvq.make_params(method, **params)

@@ -21,7 +21,6 @@ from kvq.evaluation import spec
 from kvq_backends_turboquant import codebook as codebook_module, mse, residual_codebook as rc
 from kvq_backends_turboquant.codebook import codebook
 from kvq_backends_turboquant.residual_codebook import residual_codebook, residual_lloyd_max
-from kvq_backends_turboquant.rotation import padded_dim
 from kvq_backends_turboquant.rvq_impl import TurboQuantRVQMLX
 from test_cache import PROMPT, greedy, logits_run
 
@@ -165,7 +164,7 @@ def test_round_trip_properties(bits, residual_bits, shape, dtype, seed):
     params = kvq.make_params("turboquant_rvq", bits=bits, residual_bits=residual_bits, seed=seed)
     plan = kvq.select("turboquant_rvq", shape, params=params, dtype=dtype)
     encoded = plan.quantize(x, params)
-    dim = padded_dim(D)
+    dim = params.rotated_dim(D)
     assert set(encoded.data) == {"codes", "residual_codes", "norms"}
     assert encoded.data["codes"].shape == (B, H, T, packing.packed_words(dim, bits))
     assert encoded.data["residual_codes"].shape == (B, H, T, packing.packed_words(dim, residual_bits))
@@ -235,8 +234,8 @@ def test_bad_inputs_and_mismatches_are_rejected():
     (128, {"bits": 2, "residual_bits": 2}, 4.125),
     (128, {"bits": 3, "residual_bits": 1, "norm_dtype": "float32"}, 4.25),
     (64, {"bits": 2, "residual_bits": 1}, 3.25),
-    # 128 padded codes of 3 bits fill 12 words exactly; 96 is paid for the padding to 128
-    (96, {"bits": 3, "residual_bits": 2}, (384 + 256 + 16) / 96),
+    # rotated at 96 = 12 · 8, no padding: 96 codes of 3 bits fill 9 words, of 2 bits 6
+    (96, {"bits": 3, "residual_bits": 2}, (288 + 192 + 16) / 96),
     # 2 padded codes (head_dim 1): one word per stage
     (1, {"bits": 1, "residual_bits": 1}, 32 + 32 + 16),
 ])
@@ -245,7 +244,7 @@ def test_bits_accounting_matches_the_arrays(head_dim, params, bits_per_coordinat
     accounting = params.accounting(head_dim)
     assert accounting.bits_per_coordinate == pytest.approx(bits_per_coordinate)
     assert set(accounting.per_token) == {"codes", "residual_codes", "norms"}
-    dim = padded_dim(head_dim)
+    dim = params.rotated_dim(head_dim)
     # shared: the rotation's D_pad signs, and centroids + boundaries of both codebooks, float32
     tables = 4 * (2 * 2**params.bits - 1) + 4 * (2 * 2**params.residual_bits - 1)
     assert accounting.shared_bytes == 4 * dim + tables

@@ -16,9 +16,10 @@ Three methods, each with a pure-MLX implementation (:class:`~kvq_backends_turboq
   Fields ``codes`` uint32 ``[..., ceil(D_pad * bits / 32)]``, ``residual_codes`` uint32
   ``[..., ceil(D_pad * residual_bits / 32)]``, ``norms`` ``[B, H_kv, T]``.
 
-``D_pad`` is head_dim rounded up to a power of two. Parameters: :class:`TurboQuantParams`,
-:class:`TurboQuantProdParams`, :class:`TurboQuantRVQParams`; their ``accounting(head_dim)`` gives the exact bits
-per coordinate.
+``D_pad`` is the rotation size, ``params.rotated_dim(head_dim)``: head_dim rounded up to the smallest Hadamard size
+``m · 2^k`` (``m`` in 1, 12, 20, 28: 80, 96 and 112 are their own), or to the next power of two where that stores
+no more words. Parameters: :class:`TurboQuantParams`, :class:`TurboQuantProdParams`, :class:`TurboQuantRVQParams`;
+their ``accounting(head_dim)`` gives the exact bits per coordinate.
 Fused kernels (Metal and CUDA, built on kvq_metal's dialect and decode-attention kernels) serve ``turboquant`` and
 ``turboquant_rvq`` on GPUs: :mod:`~kvq_backends_turboquant.kernels`.
 """

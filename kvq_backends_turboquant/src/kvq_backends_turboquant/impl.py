@@ -20,7 +20,7 @@ from kvq.validate import float_array
 
 from . import mse, outliers, prod
 from .params import TurboQuantParams, TurboQuantProdParams
-from .rotation import padded_dim
+from .rotation import group_dim
 
 FAMILY = ("turboquant", "turboquant_prod")
 
@@ -46,6 +46,23 @@ def head_dim_supported(params, head_dim: int) -> bool:
     except ValueError:
         return False
     return True
+
+
+def padding_note(params, head_dim: int) -> str:
+    """``"head_dim 72 zero-padded to 80 for the rotation: 4.44 bits per coordinate"`` where the rotated vectors of
+    ``params`` (both channel groups' with data-chosen outliers) have more coordinates than ``head_dim``, else
+    ``""`` (also for a head_dim ``params`` does not support: :meth:`explain` must not raise)."""
+    if not head_dim_supported(params, head_dim):
+        return ""
+    if _is_split(params):
+        k = params.outlier_channels
+        dim = sum(group_dim(n, params.rotation) for n in (k, head_dim - k))
+    else:
+        dim = params.rotated_dim(head_dim)
+    if dim == head_dim:
+        return ""
+    bits = params.accounting(head_dim).bits_per_coordinate
+    return f"head_dim {head_dim} zero-padded to {dim} for the rotation: {bits:.4g} bits per coordinate"
 
 
 def check_attend_inputs(method: str, accepted: tuple[str, ...], queries, keys, values) -> mx.array:
@@ -84,8 +101,13 @@ class TurboQuantMLX:
 
     # -- selection ----------------------------------------------------------------------------------
     def supports(self, problem) -> bool:
-        """Every device and float dtype; head_dim 1..1024 (padded to a power of two)."""
+        """Every device and float dtype; head_dim 1..1024 (zero-padded to ``params.rotated_dim(head_dim)``)."""
         return head_dim_supported(problem.params or self.params_class(), problem.head_dim)
+
+    def explain(self, problem) -> str:
+        """Where the rotation pads head_dim, the padded size and the bits per coordinate that it costs
+        (:class:`kvq.contract.Explains`); ``""`` otherwise."""
+        return padding_note(problem.params or self.params_class(), problem.head_dim)
 
     def cost(self, problem) -> float:
         """Estimated seconds. Bytes are counted as the pure-MLX ops move them: every elementwise pass over the
@@ -93,7 +115,7 @@ class TurboQuantMLX:
         ``2**bits - 1`` boundaries), which puts the CPU estimate within ~3x of measured times."""
         B, H, T, D = problem.shape
         params = problem.params or self.params_class()
-        dim, prod_ = padded_dim(D), _is_prod(params)
+        dim, prod_ = params.rotated_dim(D), _is_prod(params)
         bits = max(params.stage_bits)
         coords = B * H * T * dim
         sketch_flops = 2 * B * H * T * dim * dim if prod_ else 0
@@ -161,11 +183,11 @@ class TurboQuantMLX:
         block, D = keys.tokens(start, stop), keys.head_dim
         if _is_split(block.params):
             return outliers.scores(q, block, D)
-        dim = padded_dim(D)
+        dim = block.params.rotated_dim(D)
         y_hat = mse.decode_rotated(block.data, block.params, D)[:, :, None]
         s = q[..., :dim] @ y_hat.swapaxes(-1, -2)
         if _is_prod(block.params):
-            signs = prod.signs_of(block.data, D)[:, :, None]
+            signs = prod.signs_of(block.data, block.params, D)[:, :, None]
             gamma = _tokens_axis(block.data["residual_norms"]) * prod.qjl_scale(dim)
             s = s + (q[..., dim:] @ signs.swapaxes(-1, -2)) * gamma
         return s * _tokens_axis(block.data["norms"])
@@ -180,8 +202,9 @@ class TurboQuantMLX:
         out = weights @ mse.decode_rotated(block.data, block.params, D)[:, :, None]
         if not _is_prod(block.params):
             return out
-        gamma = _tokens_axis(block.data["residual_norms"]) * prod.qjl_scale(padded_dim(D))
-        return mx.concatenate([out, (weights * gamma) @ prod.signs_of(block.data, D)[:, :, None]], axis=-1)
+        gamma = _tokens_axis(block.data["residual_norms"]) * prod.qjl_scale(block.params.rotated_dim(D))
+        return mx.concatenate([out, (weights * gamma) @ prod.signs_of(block.data, block.params, D)[:, :, None]],
+                              axis=-1)
 
     def finish_values(self, out, values):
         """Normalised rotated-domain output -> ``[B, H_kv, n_rep, T_q, D]``: adds ``(Σ p γ sign) S`` for
@@ -189,7 +212,7 @@ class TurboQuantMLX:
         D = values.head_dim
         if _is_split(values.params):
             return outliers.finish_values(out, values.params, D)
-        dim = padded_dim(D)
+        dim = values.params.rotated_dim(D)
         y = out[..., :dim]
         if _is_prod(values.params):
             y = y + out[..., dim:] @ prod.sketch_of(values.params, D)

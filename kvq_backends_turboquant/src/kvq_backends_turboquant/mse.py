@@ -3,7 +3,8 @@
 Zandieh et al., TurboQuant (arXiv 2504.19874), algorithm 1: ``x̃ = ‖x‖ · Πᵀ c[idx]`` with ``idx_j`` the nearest
 centroid of ``(Π x/‖x‖)_j``. Norms are computed in float32 (a key of norm 700 has ``‖k‖² ≈ 5e5``, beyond
 float16) and stored as ``params.norm_dtype``. These helpers work on rotated unit vectors ``y``
-``[B, H, T, D_pad]`` float32; :mod:`kvq_backends_turboquant.impl` wraps them into the kvq ops.
+``[B, H, T, D_pad]`` float32 (``D_pad``: ``params.rotated_dim(D)``); :mod:`kvq_backends_turboquant.impl` wraps
+them into the kvq ops.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import mlx.core as mx
 from kvq import packing
 
 from .codebook import codebook
-from .rotation import padded_dim, rotation
+from .rotation import power_of_two_dim, rotation
 
 #: Largest finite float16; float16 norms saturate here instead of becoming inf.
 FLOAT16_MAX = 65504.0
@@ -22,7 +23,7 @@ _TINY = 1e-30
 
 def rotation_of(params, head_dim: int):
     """The :class:`~kvq_backends_turboquant.rotation.Rotation` that ``params`` uses for ``head_dim``."""
-    return rotation(params.rotation, padded_dim(head_dim), params.seed)
+    return rotation(params.rotation, params.rotated_dim(head_dim), params.seed)
 
 
 def normalise(x: mx.array) -> tuple[mx.array, mx.array]:
@@ -75,15 +76,33 @@ def decode_rotated(data, params, head_dim: int) -> mx.array:
 
     :param data: the fields of an Encoded (``norms`` gives the leading shape). Groups of 0 bits (the MSE stage of
         ``turboquant_prod`` at 1 bit) decode to zeros.
+    :raises ValueError: codes stored at another rotation size (:func:`check_stored_width`).
     """
-    dim, parts = padded_dim(head_dim), []
+    dim, parts = params.rotated_dim(head_dim), []
     lead = data["norms"].shape
     for name, count, bits in params.groups(head_dim):
         if count and bits:
+            check_stored_width(data, name, params, head_dim)
             parts.append(codebook(dim, bits).decode(packing.unpack(data[name], bits, count)))
         elif count:
             parts.append(mx.zeros(lead + (count,), mx.float32))
     return _join(parts)
+
+
+def check_stored_width(data, name: str, params, head_dim: int) -> None:
+    """Check that field ``name`` holds the words per token that ``params`` stores at ``head_dim``: codes written at
+    another rotation size (a prompt-cache file of kvq 0.1.0, which padded every head_dim to a power of two, e.g.
+    head_dim 80 and 96 to 128) would otherwise decode silently wrong. Shapes only: no host synchronisation.
+
+    :raises ValueError: the widths differ (the message says which file to recompute).
+    """
+    dim = params.rotated_dim(head_dim)
+    want, got = params.stored_words(dim)[name], data[name].shape[-1]
+    if got != want:
+        raise ValueError(f"{params.method}: stored {name!r} hold {got} uint32 words per token, but head_dim {head_dim} "
+                         f"with these parameters rotates at {dim} coordinates and stores {want}: the codes were "
+                         f"written at another rotation size (kvq 0.1.0 padded head_dim {head_dim} to "
+                         f"{power_of_two_dim(head_dim)}); recompute this prompt cache with this kvq")
 
 
 def _join(parts):

@@ -1,7 +1,7 @@
 """Parameters and bits accounting of ``turboquant`` and ``turboquant_prod`` (Zandieh et al., arXiv 2504.19874).
 
-Both methods rotate each vector (padded to ``D_pad``, the next power of two) and quantize every rotated coordinate
-with a Lloyd-Max codebook. Stored per token and head:
+Both methods rotate each vector (zero-padded to ``D_pad`` coordinates: :meth:`_Params.rotated_dim`) and quantize
+every rotated coordinate with the Lloyd-Max codebook of that dimension. Stored per token and head:
 
 * ``turboquant``: ``D_pad`` codes of ``bits`` bits, and the vector's norm.
 * ``turboquant_prod``: ``D_pad`` codes of ``bits - 1`` bits (none at 1 bit), ``D_pad`` QJL sign bits of the
@@ -23,6 +23,7 @@ Mixed precision (the paper's fractional settings, e.g. 2.5 and 3.5 bits), two wa
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import ClassVar
 
 import attrs
@@ -33,11 +34,11 @@ from kvq.validate import attrs_one_of
 
 from . import codebook as codebook_module
 from . import outliers
-from .rotation import ROTATIONS, padded_dim, rotation
+from .rotation import ROTATIONS, power_of_two_dim, rotated_dim, rotation
 
 BITS = (1, 2, 3, 4)
 NORM_DTYPES = ("float16", "float32")
-#: Largest head_dim accepted (padded to 1024; the largest in use is 576).
+#: Largest head_dim accepted (rotated at most at 1024; the largest in use is 576, rotated at 640).
 MAX_HEAD_DIM = 1024
 
 
@@ -68,21 +69,34 @@ class _Params:
         raise NotImplementedError
 
     def check_head_dim(self, head_dim: int) -> None:
-        """:raises ValueError: ``head_dim`` outside 1..1024, or ``outlier_channels`` above the padded head_dim."""
+        """:raises ValueError: ``head_dim`` outside 1..1024, or ``outlier_channels`` above the next power of two."""
         if not isinstance(head_dim, int) or not 1 <= head_dim <= MAX_HEAD_DIM:
             raise ValueError(f"{self.method}: head_dim {head_dim!r} is not supported: it must be an int in "
                              f"1..{MAX_HEAD_DIM}")
-        if self.outlier_channels > padded_dim(head_dim):
-            raise ValueError(f"outlier_channels must be at most the padded head_dim {padded_dim(head_dim)} "
-                             f"(head_dim {head_dim}); got {self.outlier_channels}")
+        if self.outlier_channels > power_of_two_dim(head_dim):
+            raise ValueError(f"outlier_channels must be at most {power_of_two_dim(head_dim)}, the next power of two "
+                             f"of head_dim {head_dim}; got {self.outlier_channels}")
+
+    def rotated_dim(self, head_dim: int) -> int:
+        """``D_pad``, the coordinates of the rotated vector: the smallest Hadamard size ``m · 2^k >= head_dim`` (``m``
+        in 1, 12, 20, 28; 80, 96 and 112 are their own), unless the next power of two stores no more words per
+        token (:func:`~kvq_backends_turboquant.rotation.rotated_dim`). Powers of two are their own ``D_pad``."""
+        return rotated_dim_of(self, head_dim, self.outlier_channels)
+
+    def stored_words(self, dim: int) -> dict[str, int]:
+        """uint32 words per token of each code field at rotation size ``dim`` (fields that store nothing left out)."""
+        return {name: packed_words(n, b) for name, n, b in self._groups_at(dim) if n and b}
 
     def groups(self, head_dim: int) -> tuple[tuple[str, int, int], ...]:
         """``(field, coordinates, bits)`` of both code groups, in rotated-coordinate order: ``outlier_codes`` (the
-        first ``outlier_channels`` coordinates) and ``codes`` (the rest). A group with 0 coordinates or 0 bits
-        stores nothing (its coordinates decode to 0)."""
+        first ``outlier_channels`` coordinates) and ``codes`` (the rest of :meth:`rotated_dim`). A group with 0
+        coordinates or 0 bits stores nothing (its coordinates decode to 0)."""
+        return self._groups_at(self.rotated_dim(head_dim))
+
+    def _groups_at(self, dim: int) -> tuple[tuple[str, int, int], ...]:
         regular, outlier = self.stage_bits
         k = self.outlier_channels
-        return (("outlier_codes", k, outlier), ("codes", padded_dim(head_dim) - k, regular))
+        return (("outlier_codes", k, outlier), ("codes", dim - k, regular))
 
     @property
     def norm_bits(self) -> int:
@@ -91,14 +105,21 @@ class _Params:
 
     def _per_token(self, head_dim: int) -> dict[str, float]:
         # packed words, exactly as the arrays hold them (a partial last word costs a whole word)
-        bits = {name: 32 * packed_words(n, b) for name, n, b in self.groups(head_dim) if n and b}
+        bits = {name: 32 * words for name, words in self.stored_words(self.rotated_dim(head_dim)).items()}
         return {**bits, "norms": self.norm_bits}
 
     def _shared_bytes(self, head_dim: int) -> int:
-        dim = padded_dim(head_dim)
+        dim = self.rotated_dim(head_dim)
         tables = {b for _, n, b in self.groups(head_dim) if n and b}
         return rotation(self.rotation, dim, self.seed).nbytes + sum(
             codebook_module.codebook(dim, b).nbytes for b in tables)
+
+
+@lru_cache(maxsize=1024)
+def rotated_dim_of(params, head_dim: int, at_least: int = 0) -> int:
+    """:func:`~kvq_backends_turboquant.rotation.rotated_dim` with ``params.stored_words`` (any parameters of the
+    family), cached: it is asked on every decode step, for every block."""
+    return rotated_dim(head_dim, lambda dim: sum(params.stored_words(dim).values()), at_least)
 
 
 def _indices(value):
@@ -124,8 +145,8 @@ class TurboQuantParams(_Params):
     :param rotation: ``"hadamard"`` (randomized fast Walsh-Hadamard, default) or ``"qr"`` (dense, for checks).
     :param seed: int >= 0 seeding the rotation (same seed, same rotation in every process).
     :param outlier_channels: number of rotated coordinates quantized with ``outlier_bits`` (0 = off); at most the
-        padded head_dim. E.g. ``bits=2, outlier_channels=64, outlier_bits=3`` at head_dim 128 stores 2.5 bits of
-        codes per coordinate.
+        next power of two of head_dim (the rotation size is then at least this). E.g. ``bits=2,
+        outlier_channels=64, outlier_bits=3`` at head_dim 128 stores 2.5 bits of codes per coordinate.
     :param outlier_bits: code width of those coordinates, 1..4 (default ``min(bits + 1, 4)``).
     :param norm_dtype: ``"float16"`` (default) or ``"float32"``: storage of the per-vector norm (computed in
         float32; float16 saturates at 65504).
@@ -240,6 +261,10 @@ class TurboQuantProdParams(_Params):
         """``(bits - 1, outlier_bits - 1)``: one bit per coordinate goes to the QJL sketch."""
         return self.bits - 1, self.outlier_bits - 1
 
+    def stored_words(self, dim: int) -> dict[str, int]:
+        """As :meth:`_Params.stored_words`, and ``signs``: ``dim`` QJL sign bits of the residual."""
+        return {**super().stored_words(dim), "signs": packed_words(dim, 1)}
+
     def accounting(self, head_dim: int) -> kvq.BitsAccounting:
         """Per token: MSE-stage codes, ``D_pad`` sign bits, the norm and the residual norm; shared: rotation,
         codebooks and ``S`` (float32).
@@ -247,7 +272,6 @@ class TurboQuantProdParams(_Params):
         :raises ValueError: unsupported ``head_dim`` (see :meth:`check_head_dim`).
         """
         self.check_head_dim(head_dim)
-        dim = padded_dim(head_dim)
-        per_token = {**self._per_token(head_dim), "signs": 32 * packed_words(dim, 1),
-                     "residual_norms": self.norm_bits}
+        dim = self.rotated_dim(head_dim)
+        per_token = {**self._per_token(head_dim), "residual_norms": self.norm_bits}
         return kvq.BitsAccounting(head_dim, per_token, self._shared_bytes(head_dim) + 4 * dim * dim)

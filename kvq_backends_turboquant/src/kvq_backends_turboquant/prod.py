@@ -19,8 +19,8 @@ import mlx.core as mx
 
 from kvq import packing
 
-from .mse import pack_codes, store_norms
-from .rotation import padded_dim, sketch_matrix
+from .mse import check_stored_width, pack_codes, store_norms
+from .rotation import sketch_matrix
 
 
 def qjl_scale(dim: int) -> float:
@@ -29,8 +29,8 @@ def qjl_scale(dim: int) -> float:
 
 
 def sketch_of(params, head_dim: int) -> mx.array:
-    """``S``: float32 ``[D_pad, D_pad]`` i.i.d. N(0, 1), seeded by ``params.seed``."""
-    return sketch_matrix(padded_dim(head_dim), params.seed)
+    """``S``: float32 ``[D_pad, D_pad]`` i.i.d. N(0, 1), seeded by ``params.seed`` (``D_pad = params.rotated_dim``)."""
+    return sketch_matrix(params.rotated_dim(head_dim), params.seed)
 
 
 def encode_residual(residual: mx.array, params, head_dim: int) -> dict[str, mx.array]:
@@ -45,14 +45,15 @@ def encode_residual(residual: mx.array, params, head_dim: int) -> dict[str, mx.a
     return {"signs": signs, "residual_norms": store_norms(norms, params)}
 
 
-def signs_of(data, head_dim: int) -> mx.array:
-    """The stored signs as float32 ±1, ``[B, H, T, D_pad]``."""
-    bits = packing.unpack(data["signs"], 1, padded_dim(head_dim))
+def signs_of(data, params, head_dim: int) -> mx.array:
+    """The stored signs as float32 ±1, ``[B, H, T, D_pad]``. :raises ValueError: signs of another rotation size."""
+    check_stored_width(data, "signs", params, head_dim)
+    bits = packing.unpack(data["signs"], 1, params.rotated_dim(head_dim))
     return bits.astype(mx.float32) * 2 - 1
 
 
 def decode_residual(data, params, head_dim: int) -> mx.array:
     """The residual estimate ``sqrt(π/2)/m · ‖r‖ · Sᵀ sign(S r)``: float32 ``[B, H, T, D_pad]`` (rotated domain)."""
-    dim = padded_dim(head_dim)
+    dim = params.rotated_dim(head_dim)
     gamma = data["residual_norms"].astype(mx.float32)[..., None] * qjl_scale(dim)
-    return gamma * (signs_of(data, head_dim) @ sketch_of(params, head_dim))
+    return gamma * (signs_of(data, params, head_dim) @ sketch_of(params, head_dim))

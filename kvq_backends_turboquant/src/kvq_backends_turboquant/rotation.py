@@ -8,10 +8,14 @@ follows the same known distribution. Two rotations are offered:
 * ``"qr"``: a dense Haar-random orthogonal matrix (QR of a Gaussian matrix, signs fixed by ``diag(R)``), for
   checks; ``O(D²)`` per vector.
 
-A head_dim that is not a power of two (80, 96, 192, 576) is zero-padded to the next power of two ``D_pad`` (a
-Hadamard of the wrong size is a known pitfall). The two channel groups of data-chosen mixed precision
-(:mod:`~kvq_backends_turboquant.outliers`) are rotated at :func:`group_dim`: MLX's Hadamard also has the sizes
-``m · 2^k`` for ``m`` in 12, 20, 28 (a group of 48 channels needs no padding), and ``qr`` has every size.
+The rotation acts on ``D_pad >= head_dim`` coordinates (the vector zero-padded; a Hadamard of the wrong size is a
+known pitfall). ``mx.hadamard_transform`` has the sizes ``m · 2^k`` for ``m`` in 1, 12, 20, 28, so 80 (20 · 4), 96
+(12 · 8) and 112 (28 · 4) need no padding. :func:`rotated_dim` picks ``D_pad`` for a method's stored layout: the
+smallest such size, unless the next power of two stores no more packed words per token (then the power of two:
+more rotated coordinates for the same bytes, the layout kvq 0.1.0 wrote, and the one the fused kernels serve). The
+two channel groups of data-chosen mixed precision (:mod:`~kvq_backends_turboquant.outliers`) are rotated at
+:func:`group_dim`, and ``qr`` has every size. MLX's Hadamard matrices of sizes ``20 · 2^k`` and ``28 · 2^k`` are
+not symmetric: their inverse is applied as a dense matrix (:meth:`Rotation.inverse`).
 Every constant comes from ``numpy.random.default_rng`` seeded with ``(seed, D_pad, purpose)``, never from global
 state, so every process builds the same matrices.
 """
@@ -30,18 +34,36 @@ _PURPOSE_ROTATION, _PURPOSE_SKETCH, _PURPOSE_OUTLIER_ROTATION = 1, 2, 3
 HADAMARD_FACTORS = (1, 12, 20, 28)
 
 
-def padded_dim(head_dim: int) -> int:
-    """``D_pad``: the smallest power of two ``>= head_dim`` (at least 2, the smallest sphere with a density)."""
+def power_of_two_dim(head_dim: int) -> int:
+    """The smallest power of two ``>= head_dim`` (at least 2, the smallest sphere with a density): the rotation size
+    kvq 0.1.0 used for every head_dim, and the only kind the fused kernels serve."""
     return 1 << max(1, (head_dim - 1).bit_length())
+
+
+def rotated_dim(head_dim: int, words, at_least: int = 0) -> int:
+    """``D_pad`` of a layout: :func:`hadamard_size` ``(max(head_dim, at_least))`` (the smallest Hadamard size, 12,
+    20 and 28 left out), unless :func:`power_of_two_dim` ``(head_dim)`` stores no more words per token; then that
+    power of two. The same for both rotations (``qr`` has every size), so the layout and the accounting do not
+    depend on the rotation.
+
+    :param words: ``dim -> packed uint32 words per token`` of the method's code fields at rotation size ``dim``.
+    :param at_least: coordinates the rotated vector must have (``outlier_channels``), at most the power of two.
+    """
+    power, smallest = power_of_two_dim(head_dim), hadamard_size(max(head_dim, at_least), odd_alone=False)
+    return smallest if words(smallest) < words(power) else power
+
+
+def hadamard_size(n: int, odd_alone: bool = True) -> int:
+    """The smallest ``m · 2^k >= n`` (``m`` in :data:`HADAMARD_FACTORS`), at least 2. ``odd_alone=False`` leaves
+    out 12, 20 and 28 themselves (``k = 0``), which MLX 0.32's CUDA ``hadamard_transform`` fails to compile."""
+    n = max(n, 2)
+    return min(m << max(int(m > 1 and not odd_alone), (-(-n // m) - 1).bit_length()) for m in HADAMARD_FACTORS)
 
 
 def group_dim(channels: int, kind: str) -> int:
     """Rotation size for a group of ``channels`` coordinates: the smallest ``m · 2^k >= channels`` (``m`` in
     :data:`HADAMARD_FACTORS`) for ``"hadamard"``, ``channels`` itself for ``"qr"``; at least 2."""
-    channels = max(channels, 2)
-    if kind == "qr":
-        return channels
-    return min(m << max(0, (-(-channels // m) - 1).bit_length()) for m in HADAMARD_FACTORS)
+    return max(channels, 2) if kind == "qr" else hadamard_size(channels)
 
 
 def _is_hadamard_size(dim: int) -> bool:
@@ -56,9 +78,10 @@ def _rng(seed: int, dim: int, purpose: int) -> np.random.Generator:
 class Rotation:
     """An orthogonal map of ``R^D_pad``, applied along the last axis.
 
-    :param kind: ``"hadamard"`` or ``"qr"``. :param dim: ``D_pad``, a power of two.
+    :param kind: ``"hadamard"`` or ``"qr"``. :param dim: ``D_pad``, a Hadamard size ``m · 2^k``.
     :param signs: float32 ``[D_pad]`` random ±1 (``hadamard``), or ``None``.
-    :param matrix: float32 ``[D_pad, D_pad]`` orthogonal ``Π`` (``qr``), or ``None``.
+    :param matrix: float32 ``[D_pad, D_pad]`` orthogonal ``Π`` (``qr``; and ``hadamard`` at the sizes whose
+        Hadamard matrix is not symmetric, for the inverse), or ``None``.
     """
 
     kind: str
@@ -77,9 +100,9 @@ class Rotation:
 
     def inverse(self, y: mx.array) -> mx.array:
         """``Πᵀ y``: float32 ``[..., D_pad]`` -> ``[..., D_pad]`` (the caller drops the padding)."""
-        if self.kind == "qr":
+        if self.matrix is not None:  # qr, and Hadamard sizes 20 · 2^k, 28 · 2^k: y @ Π is Πᵀ y for row vectors
             return y @ self.matrix
-        # the normalised Sylvester Hadamard matrix is symmetric and orthogonal: it is its own inverse
+        # the normalised Sylvester Hadamard matrix (and MLX's 12 · 2^k) is symmetric and orthogonal: its own inverse
         return _hadamard(y) * self.signs
 
     def dense(self) -> mx.array:
@@ -101,7 +124,7 @@ def _hadamard(x: mx.array) -> mx.array:
 def rotation(kind: str, dim: int, seed: int, outlier_group: bool = False) -> Rotation:
     """The seeded rotation of ``R^dim`` (cached per process).
 
-    :param kind: one of :data:`ROTATIONS`. :param dim: ``D_pad`` (a power of two), or a :func:`group_dim`.
+    :param kind: one of :data:`ROTATIONS`. :param dim: ``D_pad`` (:func:`rotated_dim`), or a :func:`group_dim`.
     :param seed: int >= 0. :param outlier_group: draw the independent rotation of the outlier channel group of
         data-chosen mixed precision (another stream of the same seed).
     :raises ValueError: unknown ``kind``, or ``dim`` not a Hadamard size ``m · 2^k`` (``hadamard``) or below 1.
@@ -113,11 +136,19 @@ def rotation(kind: str, dim: int, seed: int, outlier_group: bool = False) -> Rot
                          f"channel group); got {dim}")
     rng = _rng(seed, dim, _PURPOSE_OUTLIER_ROTATION if outlier_group else _PURPOSE_ROTATION)
     if kind == "hadamard":
-        signs = rng.integers(0, 2, size=dim) * 2.0 - 1.0
-        return Rotation(kind, dim, signs=mx.array(signs.astype(np.float32)))
+        signs = (rng.integers(0, 2, size=dim) * 2.0 - 1.0).astype(np.float32)
+        matrix = None if dim & (dim - 1) == 0 else _dense_if_asymmetric(dim, signs)
+        return Rotation(kind, dim, signs=mx.array(signs), matrix=matrix)
     q, r = np.linalg.qr(rng.standard_normal((dim, dim)))
     q = q * np.sign(np.diag(r))[None, :]  # makes the distribution Haar (uniform over rotations)
     return Rotation(kind, dim, matrix=mx.array(q.astype(np.float32)))
+
+
+def _dense_if_asymmetric(dim: int, signs: np.ndarray) -> mx.array | None:
+    """``Π = H diag(signs)`` float32 ``[dim, dim]`` where MLX's Hadamard matrix of size ``dim`` is not symmetric
+    (``20 · 2^k``, ``28 · 2^k``), else ``None``."""
+    H = np.array(_hadamard(mx.eye(dim))).T  # column j is H e_j
+    return None if np.allclose(H, H.T) else mx.array((H * signs[None, :]).astype(np.float32))
 
 
 @lru_cache(maxsize=None)

@@ -1,6 +1,7 @@
 """``turboquant_rvq``: TurboQuant's rotation, then two-stage residual scalar quantization of every coordinate.
 
-Each vector ``x`` (head_dim ``D``, zero-padded to ``D_pad``) is normalised and rotated as in ``turboquant``
+Each vector ``x`` (head_dim ``D``, zero-padded to ``D_pad``: :meth:`TurboQuantRVQParams.rotated_dim`) is normalised
+and rotated as in ``turboquant``
 (Zandieh et al., arXiv 2504.19874): ``y = Π x / ‖x‖``. Every coordinate is quantized with the stage-1 Lloyd-Max
 codebook ``c1`` (``bits`` bits, :mod:`~kvq_backends_turboquant.codebook`), and its residual ``y - c1[idx1]`` with
 the stage-2 codebook ``c2`` (``residual_bits`` bits), the Lloyd-Max quantizer of that residual's exact density
@@ -31,10 +32,10 @@ from kvq.packing import packed_words
 from kvq.validate import attrs_one_of
 
 from .codebook import codebook
-from .mse import pack_codes, rotation_of
-from .params import BITS, MAX_HEAD_DIM, NORM_DTYPES, _non_negative_int
+from .mse import check_stored_width, pack_codes, rotation_of
+from .params import BITS, MAX_HEAD_DIM, NORM_DTYPES, _non_negative_int, rotated_dim_of
 from .residual_codebook import residual_codebook
-from .rotation import ROTATIONS, padded_dim
+from .rotation import ROTATIONS
 
 
 @attrs.frozen(cache_hash=True)  # hashed on every decode step (selection and kernel-check keys)
@@ -68,8 +69,17 @@ class TurboQuantRVQParams:
         """Bits of one stored norm (16 for float16, 32 for float32)."""
         return 16 if self.norm_dtype == "float16" else 32
 
+    def rotated_dim(self, head_dim: int) -> int:
+        """``D_pad``: the smallest Hadamard size ``>= head_dim`` unless the next power of two stores no more words
+        per token (as ``turboquant``: :func:`~kvq_backends_turboquant.rotation.rotated_dim`)."""
+        return rotated_dim_of(self, head_dim)
+
+    def stored_words(self, dim: int) -> dict[str, int]:
+        """uint32 words per token of ``codes`` and ``residual_codes`` at rotation size ``dim``."""
+        return {"codes": packed_words(dim, self.bits), "residual_codes": packed_words(dim, self.residual_bits)}
+
     def check_head_dim(self, head_dim: int) -> None:
-        """:raises ValueError: ``head_dim`` outside 1..1024 (padded to a power of two)."""
+        """:raises ValueError: ``head_dim`` outside 1..1024 (zero-padded to :meth:`rotated_dim`)."""
         if not isinstance(head_dim, int) or not 1 <= head_dim <= MAX_HEAD_DIM:
             raise ValueError(f"{self.method}: head_dim {head_dim!r} is not supported: it must be an int in "
                              f"1..{MAX_HEAD_DIM}")
@@ -79,16 +89,15 @@ class TurboQuantRVQParams:
         centroids, both ascending, in rotated unit-vector units (multiply by the norm). A code pair decodes to
         ``c1[idx1] + c2[idx2]``. :raises ValueError: unsupported ``head_dim``."""
         self.check_head_dim(head_dim)
-        dim = padded_dim(head_dim)
+        dim = self.rotated_dim(head_dim)
         return codebook(dim, self.bits).centroids, residual_codebook(dim, self.bits, self.residual_bits).centroids
 
     def accounting(self, head_dim: int) -> kvq.BitsAccounting:
         """Per token: both packed code fields (whole uint32 words, as stored) and one norm; shared: the rotation and
         both codebooks (centroids and boundaries, float32). :raises ValueError: unsupported ``head_dim``."""
         self.check_head_dim(head_dim)
-        dim = padded_dim(head_dim)
-        per_token = {"codes": 32 * packed_words(dim, self.bits),
-                     "residual_codes": 32 * packed_words(dim, self.residual_bits), "norms": self.norm_bits}
+        dim = self.rotated_dim(head_dim)
+        per_token = {**{name: 32 * words for name, words in self.stored_words(dim).items()}, "norms": self.norm_bits}
         shared = (rotation_of(self, head_dim).nbytes + codebook(dim, self.bits).nbytes
                   + residual_codebook(dim, self.bits, self.residual_bits).nbytes)
         return kvq.BitsAccounting(head_dim, per_token, shared)
@@ -110,8 +119,14 @@ def encode_rotated(y: mx.array, params: TurboQuantRVQParams) -> tuple[dict[str, 
 
 
 def unpack_codes(data, params: TurboQuantRVQParams, head_dim: int) -> tuple[mx.array, mx.array]:
-    """``(idx1, idx2)``: uint32 ``[B, H, T, D_pad]`` codes of both stages, from the packed fields of ``data``."""
-    dim = padded_dim(head_dim)
+    """``(idx1, idx2)``: uint32 ``[B, H, T, D_pad]`` codes of both stages, from the packed fields of ``data``.
+
+    :raises ValueError: codes stored at another rotation size (:func:`~kvq_backends_turboquant.mse.
+        check_stored_width`).
+    """
+    for name in ("codes", "residual_codes"):
+        check_stored_width(data, name, params, head_dim)
+    dim = params.rotated_dim(head_dim)
     return (packing.unpack(data["codes"], params.bits, dim),
             packing.unpack(data["residual_codes"], params.residual_bits, dim))
 

@@ -16,8 +16,7 @@ from kvq.encoded import Encoded
 from kvq.validate import float_array
 
 from . import mse, rvq
-from .impl import check_attend_inputs, head_dim_supported
-from .rotation import padded_dim
+from .impl import check_attend_inputs, head_dim_supported, padding_note
 from .rvq import TurboQuantRVQParams
 
 
@@ -41,13 +40,17 @@ class TurboQuantRVQMLX:
         """Every device and float dtype; head_dim 1..1024."""
         return head_dim_supported(problem.params or self.params_class(), problem.head_dim)
 
+    def explain(self, problem) -> str:
+        """Where the rotation pads head_dim, the padded size and its bits per coordinate (else ``""``)."""
+        return padding_note(problem.params or self.params_class(), problem.head_dim)
+
     def cost(self, problem) -> float:
         """Estimated seconds, counted like ``turboquant``'s (elementwise passes over float32 ``[B, H, T, D_pad]``)
         with both stages' encode comparisons and bit-unpacking passes."""
         B, H, T, D = problem.shape
         params = problem.params or TurboQuantRVQParams()
         b1, b2 = params.stage_bits
-        coords = B * H * T * padded_dim(D)
+        coords = B * H * T * params.rotated_dim(D)
         decode_passes = 12 + 8 * (b1 + b2)
         if problem.op == "quantize":
             passes = 20 + 2**b1 + 2**b2 + 8 * (b1 + b2)
@@ -56,7 +59,7 @@ class TurboQuantRVQMLX:
             return estimate(problem, launches=16, bytes_moved=4 * coords * decode_passes, flops=coords * 5)
         q_rows = B * (problem.num_q_heads or H) * problem.num_queries
         return estimate(problem, launches=34, bytes_moved=8 * coords * decode_passes,
-                        flops=4 * q_rows * T * padded_dim(D))
+                        flops=4 * q_rows * T * params.rotated_dim(D))
 
     # -- ops ----------------------------------------------------------------------------------------
     def kvq_quantize(self, x, params):

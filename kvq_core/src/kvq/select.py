@@ -135,7 +135,8 @@ class Plan:
 
     def explain(self) -> str:
         """A human-readable account of the choice per op."""
-        lines = [f"{self.method} {self.params} shape={self.shape} dtype={self.dtype} device={self.device}"]
+        lines = [f"{self.method} {self.params} shape={self.shape} dtype={self.dtype} device={self.device}",
+                 _bits_line(self.params, self.shape[3])]
         lines += [f"  ({note})" for note in self.notes]
         if self.not_ready is not None:
             lines.append(f"  NOT READY: {self.not_ready} (quantize raises this)")
@@ -160,6 +161,18 @@ class Plan:
                 "backend": c.backend, "reason": c.reason,
                 "candidates": [attrs.asdict(k) for k in c.candidates]} for op, c in self.choices.items()},
         }
+
+
+def _bits_line(params: Any, head_dim: int) -> str:
+    """What one token costs, as stored (docs/DESIGN.md, "Vocabulary": bits per coordinate): the per-token fields
+    show any padding the method pays for (TurboQuant's rotation at a padded head_dim, say)."""
+    try:
+        accounting = params.accounting(head_dim)
+    except ValueError as error:  # e.g. VecInfer without its calibration: explain must still print the plan
+        return f"  stores     (bits per coordinate unknown: {error})"
+    fields = ", ".join(f"{name} {bits:g}" for name, bits in accounting.per_token.items())
+    return (f"  stores     {accounting.bits_per_coordinate:.4g} bits per coordinate at head_dim {head_dim} "
+            f"({fields} bits per token and head)")
 
 
 def shape_bucket(shape: tuple[int, int, int, int]) -> tuple[int, int, int, int]:

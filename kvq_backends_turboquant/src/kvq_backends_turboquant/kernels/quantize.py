@@ -30,29 +30,28 @@ QUANTIZE = load(Path(__file__).with_name("tq_quantize.kvq"))
 DEQUANTIZE = load(Path(__file__).with_name("tq_dequantize.kvq"))
 
 
-def supported(head_dim: int, bits: int) -> bool:
-    """Whether the fused encoder serves ``head_dim`` (padded to 32..256) and ``bits`` (1..4)."""
-    dim = 1 << max(1, (head_dim - 1).bit_length())
-    return 32 <= dim <= 256 and 1 <= bits <= 4 and head_dim <= dim
-
-
-def _padded(head_dim: int) -> int:
-    return 1 << max(1, (head_dim - 1).bit_length())
+def supported(head_dim: int, dim: int, bits: int) -> bool:
+    """Whether the fused encoder serves ``head_dim`` rotated at ``dim`` coordinates with ``bits`` (1..4): ``dim`` a
+    power of two in 32..256 (the warp's butterflies and lane layout; MLX's other Hadamard sizes, 80 = 20 · 4 and
+    the like, are left to pure MLX) and ``head_dim <= dim``."""
+    return 32 <= dim <= 256 and dim & (dim - 1) == 0 and 1 <= bits <= 4 and head_dim <= dim
 
 
 def quantize(x: mx.array, signs: mx.array, boundaries: mx.array, bits: int, norm_dtype, backend: str):
     """Encode ``x`` ``[..., D]`` (float16/bfloat16/float32) with the randomized Hadamard rotation (kernel
     ``tq_quantize.kvq``; pure-MLX reference :meth:`kvq_backends_turboquant.impl.TurboQuantMLX.kvq_quantize`).
 
-    :param signs: float32 ``[D_pad]`` ±1. :param boundaries: float32 ``[2**bits - 1]`` ascending cell edges.
+    :param signs: float32 ``[D_pad]`` ±1 (their length is the rotation size). :param boundaries: float32
+        ``[2**bits - 1]`` ascending cell edges.
     :param norm_dtype: ``mx.float16`` (saturating at 65504) or ``mx.float32``.
     :return: ``(codes uint32 [..., D_pad * bits / 32], norms [...] of norm_dtype)``.
     :raises ValueError: a shape or width :func:`supported` rejects.
     """
-    D = x.shape[-1]
-    if not supported(D, bits):
-        raise ValueError(f"fused quantize serves head_dim padded to 32..256 and bits 1..4; got {D}, {bits}")
-    dim, lead = _padded(D), x.shape[:-1]
+    D, dim = x.shape[-1], signs.shape[0]
+    if not supported(D, dim, bits):
+        raise ValueError(f"fused quantize serves head_dim rotated at a power of two in 32..256 and bits 1..4; got "
+                         f"{D} at {dim}, {bits}")
+    lead = x.shape[:-1]
     n = 1
     for s in lead:
         n *= s
@@ -74,10 +73,11 @@ def dequantize(codes: mx.array, norms: mx.array, signs: mx.array, centroids: mx.
 
     :return: ``[..., head_dim]`` of ``dtype``. :raises ValueError: as :func:`quantize`.
     """
-    if not supported(head_dim, bits):
-        raise ValueError(f"fused dequantize serves head_dim padded to 32..256 and bits 1..4; got {head_dim}, "
-                         f"{bits}")
-    dim, lead = _padded(head_dim), codes.shape[:-1]
+    dim = signs.shape[0]
+    if not supported(head_dim, dim, bits):
+        raise ValueError(f"fused dequantize serves head_dim rotated at a power of two in 32..256 and bits 1..4; "
+                         f"got {head_dim} at {dim}, {bits}")
+    lead = codes.shape[:-1]
     n = 1
     for s in lead:
         n *= s

@@ -4,8 +4,10 @@ decode, and decode attention in the rotated domain.
 TurboQuant-mse (Zandieh et al., arXiv 2504.19874). Attention rotates the queries once and inverse-rotates the
 output once (the pure-MLX implementation's ``prepare_queries``/``finish_values``); in between, the kernel scores
 ``norm_t * Σ_j q_j c[code_tj]`` and accumulates ``p_t * norm_t * c[code_tj]`` straight from the packed codes.
-Served: ``turboquant`` without outlier channels, bits 1-4, head_dim padded to 32..256 (quantize/dequantize also
-need the Hadamard rotation; attention takes either rotation). Everything else is served by pure MLX.
+Served: ``turboquant`` without outlier channels, bits 1-4, head_dim rotated at a power of two in 32..256
+(``params.rotated_dim``; quantize/dequantize also need the Hadamard rotation; attention takes either rotation).
+Everything else is served by pure MLX, with the same result: the other Hadamard sizes (80 = 20 · 4, 96 = 12 · 8,
+112 = 28 · 4 ...), because the kernels' Hadamard transforms are power-of-two butterflies.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from kvq_metal import attend
 from kvq_metal.base import KernelImpl, first_use_check
 from kvq_metal.common import check_attend, decode_shape_ok, grouped_rows, normal, query_rows, relative_error, rows_of
 
-from .. import codebook, rotation
+from .. import codebook, mse, rotation
+from ..impl import head_dim_supported, padding_note
 from ..params import TurboQuantParams
 from . import quantize as fused
 
@@ -27,21 +30,29 @@ def _plain(params) -> bool:
     return type(params) is TurboQuantParams and params.outlier_channels == 0
 
 
+def power_of_two(dim: int) -> bool:
+    """Whether ``dim`` is a power of two: the only rotation sizes the kernels' Hadamard butterflies (and the decode
+    kernel's in-kernel query rotation) serve."""
+    return dim & (dim - 1) == 0
+
+
 def _side(encoded) -> attend.Side:
     p = encoded.params
-    dim = rotation.padded_dim(encoded.head_dim)
+    dim = p.rotated_dim(encoded.head_dim)
     return attend.Side(encoded.data["codes"], encoded.data["norms"], None, codebook.codebook(dim, p.bits).centroids,
                        p.bits, dim)
 
 
 def rotated_kernel_serves(queries, keys, values, mask, accepts) -> bool:
     """Whether the rotated-domain decode kernel serves this ``kvq_attend`` call: no mask, at least one key, both
-    sides' parameters accepted by ``accepts(params)``, one head_dim, whole GQA groups, a shape
-    :func:`kvq_metal.attend.supported` takes. Otherwise pure MLX serves it (same result)."""
+    sides' parameters accepted by ``accepts(params)``, one head_dim and one rotation size (a power of two), whole
+    GQA groups, a shape :func:`kvq_metal.attend.supported` takes. Otherwise pure MLX serves it (same result)."""
     B, Hq, _, D = queries.shape
-    dim, Hkv = rotation.padded_dim(D), keys.shape[1]
-    return (mask is None and keys.num_tokens > 0 and accepts(keys.params) and accepts(values.params)
-            and keys.head_dim == D and values.head_dim == D and Hq % Hkv == 0
+    if not (accepts(keys.params) and accepts(values.params)):
+        return False
+    dim, Hkv = keys.params.rotated_dim(D), keys.shape[1]
+    return (mask is None and keys.num_tokens > 0 and keys.head_dim == D and values.head_dim == D
+            and values.params.rotated_dim(D) == dim and power_of_two(dim) and Hq % Hkv == 0
             and attend.supported(dim, keys.params.bits, values.params.bits, dim, dim, query_rows(queries, keys)))
 
 
@@ -56,11 +67,11 @@ def rotated_attend(impl, queries, keys, values, scale, side, dense=None):
     """
     kp, vp = keys.params, values.params
     if kp.rotation == vp.rotation == "hadamard" and kp.seed == vp.seed:
-        signs = rotation.rotation("hadamard", rotation.padded_dim(keys.head_dim), kp.seed).signs
+        dim = kp.rotated_dim(keys.head_dim)
+        signs = rotation.rotation("hadamard", dim, kp.seed).signs
         ks, vs = side(keys), side(values)
         if dense is not None:
-            if not attend.serves_dense(impl.backend, rotation.padded_dim(keys.head_dim), ks, vs,
-                                       query_rows(queries, keys)):
+            if not attend.serves_dense(impl.backend, dim, ks, vs, query_rows(queries, keys)):
                 return None
         return attend.decode_attend(queries, scale, ks, vs, impl.backend, signs=signs,
                                     out_dim=values.head_dim, dense=dense)
@@ -80,13 +91,15 @@ class TurboQuantKernels(KernelImpl):
     method = "turboquant"
 
     def kernel_supports(self, problem) -> bool:
-        """Plain TurboQuant-mse (no outlier channels): decode attention within
-        :func:`kvq_metal.attend.supported`; quantize/dequantize with the Hadamard rotation and head_dim padded to
-        32..256. Each after its first-use check."""
+        """Plain TurboQuant-mse (no outlier channels) rotated at a power of two: decode attention within
+        :func:`kvq_metal.attend.supported`; quantize/dequantize with the Hadamard rotation at 32..256. Each after
+        its first-use check."""
         p = problem.params or TurboQuantParams()
         D = problem.head_dim
-        dim = rotation.padded_dim(D)
-        if not _plain(p):
+        if not (_plain(p) and head_dim_supported(p, D)):
+            return False
+        dim = p.rotated_dim(D)
+        if not power_of_two(dim):  # 80, 96, 112 ...: pure MLX
             return False
         if problem.op == "attend":
             rows = rows_of(problem)
@@ -96,18 +109,23 @@ class TurboQuantKernels(KernelImpl):
                                    lambda: check_attend(self, self.fallback().kvq_quantize, p, p, D, rows,
                                                         problem.dtype))
         if problem.op in ("quantize", "dequantize"):
-            if p.rotation != "hadamard" or not fused.supported(D, p.bits):
+            if p.rotation != "hadamard" or not fused.supported(D, dim, p.bits):
                 return False
             return first_use_check(self.backend, "tq_codec", (D, p.bits, p.norm_dtype, str(problem.dtype)),
                                    lambda: self._check_codec(p, D, problem.dtype))
         return False
+
+    def explain(self, problem) -> str:
+        """:meth:`KernelImpl.explain`; where the kernel serves ``problem`` and the rotation pads head_dim, what that
+        costs (:func:`~kvq_backends_turboquant.impl.padding_note`)."""
+        return super().explain(problem) or padding_note(problem.params or TurboQuantParams(), problem.head_dim)
 
     def cost(self, problem) -> float:
         """Quantize/dequantize: one kernel reading and writing each vector once; attend: one kernel over the
         packed codes and norms of K and V plus the query rotation, output rotation and split merge."""
         p = problem.params or TurboQuantParams()
         B, H, T, D = problem.shape
-        dim = rotation.padded_dim(D)
+        dim = p.rotated_dim(D)
         packed = B * H * T * (dim * p.bits / 8 + p.norm_bits / 8)
         if problem.op == "attend":
             return self.estimate(problem, launches=10, bytes_moved=2 * packed)
@@ -117,10 +135,11 @@ class TurboQuantKernels(KernelImpl):
     def kvq_quantize(self, x, params):
         """``kvq_quantize`` spec: the same Encoded as the pure-MLX implementation (codes, norms)."""
         D = x.shape[-1]
-        if not (_plain(params) and params.rotation == "hadamard" and fused.supported(D, params.bits)
+        if not (_plain(params) and params.rotation == "hadamard" and head_dim_supported(params, D)
+                and fused.supported(D, params.rotated_dim(D), params.bits)
                 and x.size and x.dtype in (mx.float16, mx.bfloat16, mx.float32) and x.ndim == 4):
             return self.fallback().kvq_quantize(x, params)
-        dim = rotation.padded_dim(D)
+        dim = params.rotated_dim(D)
         rot = rotation.rotation("hadamard", dim, params.seed)
         norm_dtype = mx.float16 if params.norm_dtype == "float16" else mx.float32
         codes, norms = fused.quantize(x, rot.signs, codebook.codebook(dim, params.bits).boundaries, params.bits,
@@ -130,9 +149,11 @@ class TurboQuantKernels(KernelImpl):
     def kvq_dequantize(self, encoded, dtype):
         """``kvq_dequantize`` spec: ``[B, H, T, D]`` of ``dtype``."""
         p, D = encoded.params, encoded.head_dim
-        if not (_plain(p) and p.rotation == "hadamard" and fused.supported(D, p.bits) and encoded.num_tokens):
+        if not (_plain(p) and p.rotation == "hadamard" and fused.supported(D, p.rotated_dim(D), p.bits)
+                and encoded.num_tokens):
             return self.fallback().kvq_dequantize(encoded, dtype)
-        dim = rotation.padded_dim(D)
+        dim = p.rotated_dim(D)
+        mse.check_stored_width(encoded.data, "codes", p, D)
         rot = rotation.rotation("hadamard", dim, p.seed)
         return fused.dequantize(encoded.data["codes"], encoded.data["norms"], rot.signs,
                                 codebook.codebook(dim, p.bits).centroids, p.bits, D, dtype, self.backend)
