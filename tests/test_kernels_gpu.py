@@ -258,6 +258,61 @@ def test_turboquant_quantize_intermediate_memory_under_16mb():
     assert mx.get_peak_memory() - base - enc.nbytes > 10 * intermediate  # what the kernel saves
 
 
+# -- non-finite input (kvq.contract.Quantizes) -----------------------------------------------------------
+NON_FINITE_CASES = [("turboquant", {"bits": 4}), ("turboquant", {"bits": 3, "norm_dtype": "float32"}),
+                    ("affine", {"bits": 4, "group_size": 64}), ("turboquant_rvq", {"bits": 2, "residual_bits": 2})]
+
+
+def _with_non_finite(x: mx.array, token: int) -> mx.array:
+    """``x`` with a NaN and a +inf in ``token`` of KV head 0 (coordinates 5 and 20: one affine group) and a -inf
+    alone in ``token + 5``."""
+    a = np.array(x.astype(mx.float32))
+    a[0, 0, token, 5], a[0, 0, token, 20], a[0, 0, token + 5, 7] = np.nan, np.inf, -np.inf
+    return mx.array(a).astype(x.dtype)
+
+
+@pytest.mark.parametrize("method,params", NON_FINITE_CASES)
+def test_non_finite_token_like_pure_mlx(method, params, attend_kernel_kind):
+    """The kernels follow kvq's non-finite policy as pure MLX does: the fused encoder stores a NaN norm (float16
+    norms too, which saturate at 65504 otherwise), the fused decoder gives NaN for that token, and decode
+    attention (also with sinks and window in one call) is NaN for the queries of that KV head and matches pure
+    MLX for the other head."""
+    from kvq.attention import DenseTokens
+
+    kernel, pure = _impl(method)
+    p = kvq.make_params(method, **params)
+    D, T, n_rep = 128, 700, 4
+    k, v = _normal((1, 2, T, D), seed=71), _normal((1, 2, T, D), seed=72)
+    q = _normal((1, 2 * n_rep, 1, D), seed=73)
+    k_bad, v_bad = _with_non_finite(k, 300), _with_non_finite(v, 301)
+    if hasattr(kernel, "kvq_quantize"):
+        got, want = kernel.kvq_quantize(k_bad, p), pure.kvq_quantize(k_bad, p)
+        norms = "norms" if "norms" in want.data else "scales"
+        assert mx.array_equal(mx.isnan(got.data[norms]), mx.isnan(want.data[norms])).item()
+        assert np.flatnonzero(np.isnan(np.array(got.data[norms][0, 0]))).tolist() == [300, 305]  # those tokens only
+        assert not mx.any(mx.isnan(got.data[norms][0, 1])).item()
+    if hasattr(kernel, "kvq_dequantize"):
+        decoded = kernel.kvq_dequantize(pure.kvq_quantize(k_bad, p), mx.float32)
+        assert mx.array_equal(mx.isnan(decoded), mx.isnan(pure.kvq_dequantize(pure.kvq_quantize(k_bad, p),
+                                                                                mx.float32))).item()
+    ke, ve, ke_bad, ve_bad = (pure.kvq_quantize(x, p) for x in (k, v, k_bad, v_bad))
+    dense = DenseTokens(_normal((1, 2, 4, D), seed=74), _normal((1, 2, 4, D), seed=75),
+                        _normal((1, 2, 40, D), seed=76), _normal((1, 2, 40, D), seed=77))
+    for keys, values in ((ke_bad, ve), (ke, ve_bad)):
+        ref = np.array(pure.kvq_attend(q, keys, values, D ** -0.5, None)[0])
+        calls = [kernel.kvq_attend(q, keys, values, D ** -0.5, None)[0]]
+        if kvq_metal.gpu_backend() == "cuda":
+            calls.append(kernel.attend_dense(q, keys, values, D ** -0.5, dense))
+        for out in calls:
+            if out is None:  # attend_dense declined this call: the cache attends the parts (pure MLX's path)
+                continue
+            out = np.array(out[0] if isinstance(out, tuple) else out)
+            assert np.array_equal(np.isnan(out[:, :n_rep]), np.isnan(ref[:, :n_rep]))
+            assert np.isnan(out[:, :n_rep]).any(axis=-1).all()  # every query of KV head 0
+            assert np.isfinite(out[:, n_rep:]).all()
+        assert _rel(mx.array(np.array(calls[0])[:, n_rep:]), mx.array(ref[:, n_rep:])) < 1e-3
+
+
 # -- selection, first-use check, and the cache ------------------------------------------------------------
 def test_selection_prefers_the_kernel_at_long_context():
     backend = kvq_metal.gpu_backend()

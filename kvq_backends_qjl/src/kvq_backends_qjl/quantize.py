@@ -3,6 +3,11 @@
 Source: Zandieh, Daliri, Han, "QJL: 1-Bit Quantized JL Transform for KV Cache Quantization with Zero
 Overhead", arXiv 2406.03482: the sign sketch, and the outlier-channel handling of the paper and its code
 (top-k channels by norm per group of tokens, sketched apart with their own norm).
+
+Non-finite input (kvq's policy, :class:`kvq.contract.Quantizes`): a key with a NaN or ±inf coordinate gets NaN
+norms (inlier and outlier), so its estimate and its scores are NaN, as an fp16 cache would give; when a group's
+outlier channels are chosen, non-finite coordinates count as 0, so the other keys of the group are encoded as if
+the bad coordinates were 0.
 """
 
 from __future__ import annotations
@@ -33,11 +38,12 @@ def outlier_sketch(params: QJLParams) -> Sketch:
 def outlier_indices(x: mx.array, group_size: int, count: int) -> mx.array:
     """Per group of ``group_size`` tokens, the ``count`` channels of largest norm over the group.
 
-    :param x: float32 ``[B, H, T, D]``.
+    :param x: float32 ``[B, H, T, D]``; NaN and ±inf coordinates count as 0.
     :return: uint8 (uint16 for D > 256) ``[B, H, T, count]``, ascending within a token; every token carries
         its group's indices (groups start at token 0; the last may be shorter).
     """
     B, H, T, D = x.shape
+    x = mx.where(mx.isfinite(x), x, 0.0)
     pad = (-T) % group_size
     # zero padding tokens add nothing to a channel's energy
     padded = mx.pad(x, [(0, 0), (0, 0), (0, pad), (0, 0)]) if pad else x
@@ -47,9 +53,11 @@ def outlier_indices(x: mx.array, group_size: int, count: int) -> mx.array:
     return mx.repeat(top, group_size, axis=2)[:, :, :T]
 
 
-def _norms(x: mx.array) -> mx.array:
-    """float32 ``[..., n]`` -> float16 ``[...]`` Euclidean norms (computed in float32, clamped to fp16 range)."""
-    return mx.minimum(mx.sqrt(mx.sum(mx.square(x), axis=-1)), FLOAT16_MAX).astype(mx.float16)
+def _norms(x: mx.array, finite: mx.array) -> mx.array:
+    """float32 ``[..., n]`` -> float16 ``[...]`` Euclidean norms (computed in float32, clamped to fp16 range), NaN
+    where ``finite`` (bool ``[...]``, the whole key's coordinates all finite) is False."""
+    norms = mx.minimum(mx.sqrt(mx.sum(mx.square(x), axis=-1)), FLOAT16_MAX)
+    return mx.where(finite, norms, float("nan")).astype(mx.float16)
 
 
 def quantize(x: mx.array, params: QJLParams) -> Encoded:
@@ -69,7 +77,7 @@ def quantize(x: mx.array, params: QJLParams) -> Encoded:
         raise TypeError(f"params must be QJLParams for method 'qjl'; got {params!r}")
     D = x.shape[-1]
     params.check_head_dim(D)
-    data = {}
+    data, finite = {}, mx.all(mx.isfinite(x), axis=-1)
     k = params.outlier_channels
     if k:
         idx = outlier_indices(x, params.group_size, k)
@@ -78,8 +86,8 @@ def quantize(x: mx.array, params: QJLParams) -> Encoded:
         x = mx.put_along_axis(x, idx.astype(mx.int32), mx.zeros_like(outliers), axis=-1)
         data["outlier_indices"] = idx
         data["outlier_signs"] = pack_signs(outliers @ outlier_sketch(params).matrix.T)
-        data["outlier_norms"] = _norms(outliers)
-    data = {"signs": pack_signs(x @ main_sketch(params, D).matrix.T), "norms": _norms(x), **data}
+        data["outlier_norms"] = _norms(outliers, finite)
+    data = {"signs": pack_signs(x @ main_sketch(params, D).matrix.T), "norms": _norms(x, finite), **data}
     return Encoded(params, data, D)
 
 

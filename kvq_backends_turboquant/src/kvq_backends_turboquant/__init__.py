@@ -18,8 +18,9 @@ Three methods, each with a pure-MLX implementation (:class:`~kvq_backends_turboq
 
 ``D_pad`` is the rotation size, ``params.rotated_dim(head_dim)``: head_dim rounded up to the smallest Hadamard size
 ``m · 2^k`` (``m`` in 1, 12, 20, 28: 80, 96 and 112 are their own), or to the next power of two where that stores
-no more words. Parameters: :class:`TurboQuantParams`, :class:`TurboQuantProdParams`, :class:`TurboQuantRVQParams`;
-their ``accounting(head_dim)`` gives the exact bits per coordinate.
+no more words. A vector with a NaN or ±inf coordinate is stored with a NaN norm (:class:`kvq.contract.Quantizes`).
+Parameters: :class:`TurboQuantParams`, :class:`TurboQuantProdParams`, :class:`TurboQuantRVQParams`; their
+``accounting(head_dim)`` gives the exact bits per coordinate.
 Fused kernels (Metal and CUDA, built on kvq_metal's dialect and decode-attention kernels) serve ``turboquant`` and
 ``turboquant_rvq`` on GPUs: :mod:`~kvq_backends_turboquant.kernels`.
 """

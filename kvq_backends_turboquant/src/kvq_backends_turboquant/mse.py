@@ -5,6 +5,10 @@ centroid of ``(Π x/‖x‖)_j``. Norms are computed in float32 (a key of norm 7
 float16) and stored as ``params.norm_dtype``. These helpers work on rotated unit vectors ``y``
 ``[B, H, T, D_pad]`` float32 (``D_pad``: ``params.rotated_dim(D)``); :mod:`kvq_backends_turboquant.impl` wraps
 them into the kvq ops.
+
+Non-finite input (kvq's policy: :class:`kvq.contract.Quantizes`): a vector with a NaN or ±inf coordinate gets a
+NaN norm (:func:`normalise`), so it decodes to NaN in every coordinate and its scores and weighted values are NaN,
+as an fp16 cache would propagate it; its codes are whatever the encoder makes of NaN, and no other vector changes.
 """
 
 from __future__ import annotations
@@ -26,18 +30,26 @@ def rotation_of(params, head_dim: int):
     return rotation(params.rotation, params.rotated_dim(head_dim), params.seed)
 
 
+def non_finite_to_nan(norms: mx.array, x: mx.array) -> mx.array:
+    """``norms`` ``[...]`` with NaN where the vector ``x`` ``[..., D]`` has a NaN or ±inf coordinate (lazy, no host
+    synchronisation; finite vectors keep their norms bit for bit)."""
+    return mx.where(mx.all(mx.isfinite(x), axis=-1), norms, float("nan"))
+
+
 def normalise(x: mx.array) -> tuple[mx.array, mx.array]:
     """``(x / ‖x‖, ‖x‖)`` in float32: ``x`` ``[..., D]`` of any float dtype -> ``[..., D]`` and ``[...]``.
 
-    A zero vector gives a zero unit vector (and decodes to zero), never NaN.
+    A zero vector gives a zero unit vector (and decodes to zero), never NaN. A vector with a non-finite coordinate
+    gets a NaN norm (and a NaN unit vector), whatever its other coordinates: it decodes to NaN.
     """
     x = x.astype(mx.float32)
-    norms = mx.sqrt(mx.sum(x * x, axis=-1))
+    norms = non_finite_to_nan(mx.sqrt(mx.sum(x * x, axis=-1)), x)
     return x / mx.maximum(norms, _TINY)[..., None], norms
 
 
 def store_norms(norms: mx.array, params) -> mx.array:
-    """Float32 norms ``[...]`` -> ``params.norm_dtype`` (float16 saturates at 65504 rather than overflow)."""
+    """Float32 norms ``[...]`` -> ``params.norm_dtype`` (float16 saturates at 65504 rather than overflow; NaN stays
+    NaN: ``mx.minimum`` propagates it)."""
     if params.norm_dtype == "float16":
         return mx.minimum(norms, FLOAT16_MAX).astype(mx.float16)
     return norms

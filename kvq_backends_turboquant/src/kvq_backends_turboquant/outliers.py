@@ -14,6 +14,9 @@ quantized with the Lloyd-Max codebook of that size. Stored per token, all ``[B, 
 ``outlier_codes`` uint32 ``[..., ceil(k_dim · outlier_bits / 32)]``, ``codes`` uint32
 ``[..., ceil(r_dim · bits / 32)]``, ``outlier_norms`` and ``norms`` ``[B, H_kv, T]`` (``params.norm_dtype``),
 with ``k_dim = group_dim(k)``, ``r_dim = group_dim(D - k)``.
+
+Non-finite input (kvq's policy, :class:`kvq.contract.Quantizes`): a vector with a NaN or ±inf coordinate gets
+NaN norms in both groups, so all of it decodes to NaN; when channels are chosen, non-finite coordinates count as 0.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ def choose_channels(block: mx.array, k: int, statistic: str) -> tuple[tuple[int,
     """The ``k`` channels of each KV head with the largest statistic over the block's batch and tokens.
 
     :param block: ``[B, H_kv, T, D]`` float keys or values, ``T >= 1``.
-    :param statistic: ``"second_moment"`` (mean ``x²``) or ``"mean_abs"`` (mean ``|x|``), computed in float32.
+    :param statistic: ``"second_moment"`` (mean ``x²``) or ``"mean_abs"`` (mean ``|x|``), computed in float32;
+        NaN and ±inf coordinates count as 0 (one bad token must not choose the layer's channels).
     :return: ``H_kv`` ascending tuples of ``k`` channel indices; ties go to the lower index (reproducible).
     :raises ValueError: an empty block, or ``k`` not in ``1..D - 1``.
     """
@@ -48,6 +52,7 @@ def choose_channels(block: mx.array, k: int, statistic: str) -> tuple[tuple[int,
     if not 1 <= k < D:
         raise ValueError(f"outlier_channels must be in 1..{D - 1} (head_dim {D}) to choose them from data; got {k}")
     x = block.astype(mx.float32)
+    x = mx.where(mx.isfinite(x), x, 0.0)
     stat = mx.mean(x * x if statistic == "second_moment" else mx.abs(x), axis=(0, 2))
     order = np.argsort(-np.array(stat, dtype=np.float64), axis=-1, kind="stable")[:, :k]
     return tuple(tuple(int(c) for c in np.sort(row)) for row in order)
@@ -69,9 +74,11 @@ class Group:
         """The rotation size (``channels`` zero-padded to a Hadamard size)."""
         return self.rotation.dim
 
-    def encode(self, x: mx.array, params) -> dict[str, mx.array]:
-        """``x`` float32 ``[..., channels]`` -> ``{field: packed codes, norms_field: norms}``."""
+    def encode(self, x: mx.array, params, finite: mx.array) -> dict[str, mx.array]:
+        """``x`` float32 ``[..., channels]`` -> ``{field: packed codes, norms_field: norms}``; the norm is NaN where
+        ``finite`` (bool ``[...]``: the whole vector's coordinates all finite) is False."""
         unit, norms = normalise(x)
+        norms = mx.where(finite, norms, float("nan"))
         codes = self.codebook.encode(self.rotation.forward(unit))
         return {self.field: pack_codes(codes, self.bits), self.norms_field: store_norms(norms, params)}
 
@@ -150,9 +157,9 @@ def quantize(x: mx.array, params) -> dict[str, mx.array]:
     """Encode ``x`` ``[B, H_kv, T, D]`` (any float dtype) as the four fields of the module docstring."""
     split = split_of(params, x.shape[-1])
     check_heads(split, x.shape[1])
-    fields = {}
+    fields, finite = {}, mx.all(mx.isfinite(x), axis=-1)
     for group, part in zip(split.groups, split.gather(x)):
-        fields.update(group.encode(part, params))
+        fields.update(group.encode(part, params, finite))
     return fields
 
 

@@ -9,6 +9,8 @@ inverse-transformed once (:meth:`VecInferMLX.finish_values`).
 
 Encoded fields, all ``[B, H_kv, T, ...]``: ``codes`` uint32 ``[B, H_kv, T, ceil(M * code_bits / 32)]``, nothing
 else. The codebook comes from the calibration that the parameters name (:mod:`kvq_backends_vecinfer.storage`).
+A vector stored with the reserved code pattern (it had a NaN or ±inf coordinate: :mod:`kvq_backends_vecinfer.vq`)
+decodes to NaN, and its scores and its weight in the values are NaN, as in an fp16 cache.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ class VecInferMLX:
         p = encoded.params
         table = _layer(p, encoded.shape[1])
         y = vq.decode_rotated(_codes(encoded, 0, encoded.num_tokens), table.codebook)
+        y = mx.where(_non_finite(encoded, 0, encoded.num_tokens)[..., None], float("nan"), y)
         return vq.inverse_transform(y, table.smoothing).astype(dtype)
 
     def kvq_attend(self, queries, keys, values, scale, mask):
@@ -121,13 +124,17 @@ class VecInferMLX:
         entries gathered by the codes (or, for a ``q'`` from a long prefill, ``q' · ŷ`` over gathered centroids)."""
         codes = _codes(keys, start, stop)
         if q.ndim == 6:
-            return vq.table_scores(q, codes)
-        y_hat = vq.decode_rotated(codes, _layer(keys.params, keys.shape[1]).codebook)
-        return q @ y_hat[:, :, None].swapaxes(-1, -2)
+            s = vq.table_scores(q, codes)
+        else:
+            y_hat = vq.decode_rotated(codes, _layer(keys.params, keys.shape[1]).codebook)
+            s = q @ y_hat[:, :, None].swapaxes(-1, -2)
+        return mx.where(_non_finite(keys, start, stop)[:, :, None, None], float("nan"), s)
 
     def weighted_values(self, p, values, start, stop):
-        """``p @ ŷ`` for values ``start:stop``, in the rotated domain: float32 ``[B, H_kv, n_rep, T_q, D]``."""
+        """``p @ ŷ`` for values ``start:stop``, in the rotated domain: float32 ``[B, H_kv, n_rep, T_q, D]`` (NaN for
+        the queries that weigh a vector of the reserved pattern, whatever its weight, as ``0 · NaN`` in fp16)."""
         y_hat = vq.decode_rotated(_codes(values, start, stop), _layer(values.params, values.shape[1]).codebook)
+        p = mx.where(_non_finite(values, start, stop)[:, :, None, None], float("nan"), p)
         return p @ y_hat[:, :, None]
 
     def finish_values(self, out, values):
@@ -153,6 +160,12 @@ def _codes(encoded, start: int, stop: int) -> mx.array:
     """Unpacked codes of tokens ``start:stop``: uint32 ``[B, H_kv, n, M]``."""
     p = encoded.params
     return vq.unpack_codes(encoded.data["codes"][:, :, start:stop], p.code_bits, p.sub_vectors(encoded.head_dim))
+
+
+def _non_finite(encoded, start: int, stop: int) -> mx.array:
+    """bool ``[B, H_kv, n]``: tokens ``start:stop`` stored with the reserved pattern (a non-finite input)."""
+    p = encoded.params
+    return vq.reserved(encoded.data["codes"][:, :, start:stop], p.sub_vectors(encoded.head_dim), p.code_bits)
 
 
 def _check_role(encoded, side: str) -> None:

@@ -9,9 +9,17 @@ distance, Jégou et al. 2011).
 
 Arrays: ``x`` ``[B, H_kv, T, D]``; codes uint32 ``[B, H_kv, T, M]`` (packed by :mod:`kvq.packing` along the last
 axis); codebook float32 ``[G, K, sub_dim]`` with ``G`` = 1 (shared) or ``H_kv`` (per head).
+
+Non-finite input (kvq's policy, :class:`kvq.contract.Quantizes`): VecInfer stores nothing per token but codes, so
+one code pattern is reserved: every sub-vector code ``K - 1`` (:func:`reserved_words`) marks a vector that had a NaN
+or ±inf coordinate, and decodes to NaN (:func:`reserved`). A finite vector whose nearest codes are exactly that
+pattern (probability about ``K^-M``: 2^-128 at the defaults) stores its first sub-vector's second-nearest centroid
+instead. No bits are added, and every other vector is stored as before.
 """
 
 from __future__ import annotations
+
+from functools import lru_cache
 
 import mlx.core as mx
 from kvq import packing
@@ -78,12 +86,43 @@ def encode(x: mx.array, codebook: mx.array, smoothing: mx.array | None, sub_dim:
         points = y.swapaxes(0, 1).reshape(H, -1, sub_dim) if G > 1 else y.reshape(1, -1, sub_dim)
         codes, _ = nearest(points, codebook, budget)
         codes = codes.reshape(H, B, t, M).swapaxes(0, 1) if G > 1 else codes.reshape(B, H, t, M)
+        codes = _reserve(codes, y[..., 0, :], codebook, mx.all(mx.isfinite(x[:, :, start:start + step]), axis=-1),
+                         budget)
         blocks.append(pack_codes(codes, bits))
         if T > step:
             mx.eval(blocks[-1])
     if not blocks:
         return mx.zeros((B, H, 0, packing.packed_words(M, bits)), mx.uint32)
     return blocks[0] if len(blocks) == 1 else mx.concatenate(blocks, axis=2)
+
+
+def _reserve(codes: mx.array, first: mx.array, codebook: mx.array, finite: mx.array, budget: int) -> mx.array:
+    """Apply the reserved pattern (module docstring) to codes uint32 ``[B, H, t, M]``: all ``K - 1`` where
+    ``finite`` (bool ``[B, H, t]``) is False; where a finite vector's codes are all ``K - 1``, its first code
+    becomes the nearest centroid but ``K - 1`` of its first sub-vector ``first`` float32 ``[B, H, t, S]``."""
+    B, H, t, _ = codes.shape
+    G, K, S = codebook.shape
+    points = first.swapaxes(0, 1).reshape(H, -1, S) if G > 1 else first.reshape(1, -1, S)
+    second, _ = nearest(points, codebook[:, : K - 1], budget)
+    second = second.reshape(H, B, t).swapaxes(0, 1) if G > 1 else second.reshape(B, H, t)
+    clash = mx.all(codes == K - 1, axis=-1)
+    codes = mx.concatenate([mx.where(clash, second, codes[..., 0])[..., None], codes[..., 1:]], axis=-1)
+    return mx.where(finite[..., None], codes, K - 1)
+
+
+@lru_cache(maxsize=64)
+def reserved_words(count: int, bits: int) -> mx.array:
+    """The reserved pattern, packed: uint32 ``[ceil(count * bits / 32)]``, every one of ``count`` codes
+    ``2**bits - 1`` (a partial last word keeps its unused high bits 0, as :func:`kvq.packing.pack` writes)."""
+    words = packing.pack(mx.full((count,), 2**bits - 1, mx.uint32), bits)
+    mx.eval(words)
+    return words
+
+
+def reserved(packed: mx.array, count: int, bits: int) -> mx.array:
+    """bool ``[B, H, T]``: which vectors of packed codes uint32 ``[B, H, T, W]`` hold the reserved pattern (had a
+    non-finite coordinate: they decode to NaN). Lazy, no host synchronisation."""
+    return mx.all(packed == reserved_words(count, bits), axis=-1)
 
 
 def unpack_codes(packed: mx.array, bits: int, count: int) -> mx.array:

@@ -69,7 +69,27 @@ class Implementation(Protocol):
 # -- implementation objects: the op hooks (arguments, results and errors: kvq.hookspecs) ---------------------------
 @runtime_checkable
 class Quantizes(Protocol):
-    """Op ``quantize``."""
+    """Op ``quantize``.
+
+    Non-finite input, kvq's one policy for every method (issue #24): a vector (one token of one KV head) with a NaN
+    or ±inf coordinate is stored so that it stays non-finite, as an fp16 cache propagates it, and nothing else
+    changes. Never a finite value for it, never an exception or a warning, and no host synchronisation: the check
+    is part of the lazy graph that encodes the block, so the decode hot path does not wait on it.
+
+    * ``kvq_dequantize`` gives that vector non-finite coordinates: ``fp16`` exactly the ones given (NaN, ±inf);
+      ``affine`` NaN in each group of ``group_size`` coordinates that holds one (its scale is stored as NaN);
+      every other method (``turboquant``, ``turboquant_prod``, ``turboquant_rvq``, ``qjl``, ``vecinfer``) NaN in
+      all ``head_dim`` coordinates (its norm is stored as NaN: the rotation or sketch mixes every coordinate;
+      ``vecinfer``, which stores codes only, marks it with a reserved code pattern).
+    * Attention: every query that attends such a key gets a NaN output (its score is NaN), as fp16 attention
+      (``mx.fast.scaled_dot_product_attention``) gives for a NaN coordinate. (``fp16`` keeps an inf as given: its
+      score is then ±inf, a NaN output where +inf, the key ignored where -inf.) Such a value makes the output
+      coordinates it reaches non-finite for every query that attends it: all of them, ``affine`` its groups',
+      ``fp16`` the coordinates given.
+    * Every other vector is stored and decoded exactly as it would be without it. Where a method chooses shared
+      state from a block (``qjl``'s outlier channels per group of tokens, ``turboquant``'s data-chosen channels),
+      non-finite coordinates count as 0 in that choice.
+    """
 
     def kvq_quantize(self, x: mx.array, params: Any) -> Encoded:
         """:func:`kvq.hookspecs.kvq_quantize`."""

@@ -44,7 +44,9 @@ def quantize(x: mx.array, signs: mx.array, boundaries: mx.array, bits: int, norm
     :param signs: float32 ``[D_pad]`` ±1 (their length is the rotation size). :param boundaries: float32
         ``[2**bits - 1]`` ascending cell edges.
     :param norm_dtype: ``mx.float16`` (saturating at 65504) or ``mx.float32``.
-    :return: ``(codes uint32 [..., D_pad * bits / 32], norms [...] of norm_dtype)``.
+    :return: ``(codes uint32 [..., D_pad * bits / 32], norms [...] of norm_dtype)``. A vector with a NaN or ±inf
+        coordinate gets a NaN norm (kvq's policy, :class:`kvq.contract.Quantizes`), as the pure-MLX encoder
+        stores it.
     :raises ValueError: a shape or width :func:`supported` rejects.
     """
     D, dim = x.shape[-1], signs.shape[0]
@@ -71,7 +73,8 @@ def dequantize(codes: mx.array, norms: mx.array, signs: mx.array, centroids: mx.
     """Inverse of :func:`quantize`: ``‖x‖ · diag(s) H c[codes] / sqrt(D_pad)`` with the padding dropped (kernel
     ``tq_dequantize.kvq``; pure-MLX reference :meth:`kvq_backends_turboquant.impl.TurboQuantMLX.kvq_dequantize`).
 
-    :return: ``[..., head_dim]`` of ``dtype``. :raises ValueError: as :func:`quantize`.
+    :return: ``[..., head_dim]`` of ``dtype`` (NaN for a vector whose stored norm is NaN).
+    :raises ValueError: as :func:`quantize`.
     """
     dim = signs.shape[0]
     if not supported(head_dim, dim, bits):

@@ -6,6 +6,9 @@ Each group of ``group_size`` coordinates of a vector gets a scale and a bias (16
 this baseline quantize per token). Attention runs on the packed codes with ``mx.quantized_matmul``, block by
 block, so no fp16 copy of the keys or values is made.
 
+Non-finite input (kvq's policy, :class:`kvq.contract.Quantizes`): ``mx.quantize`` alone turns a group holding a
+NaN into finite values (its min and max skip the NaN); here the scale of every group holding a NaN or ±inf is
+stored as NaN, so that group (and only it) decodes to NaN and its scores and weighted values are NaN.
 """
 
 from __future__ import annotations
@@ -133,6 +136,7 @@ class AffineMLX:
         # float32 input is stored with float16 scales, as the accounting (and mlx-lm's fp16 models) assume
         x = x.astype(mx.float16) if x.dtype == mx.float32 else x
         codes, scales, biases = mx.quantize(x, group_size=params.group_size, bits=params.bits)
+        scales = _nan_where_non_finite(scales, x, params.group_size)
         return Encoded(params, {"codes": codes, "scales": scales, "biases": biases}, x.shape[-1])
 
     def kvq_dequantize(self, encoded, dtype):
@@ -171,6 +175,13 @@ class AffineMLX:
         if values.method != "affine":
             raise ValueError(f"values: affine attend needs affine-encoded values; got {values.method!r}")
         return attend_encoded(queries, keys, values, scale, mask, self, self)
+
+
+def _nan_where_non_finite(scales: mx.array, x: mx.array, group_size: int) -> mx.array:
+    """``scales`` ``[..., D / group_size]`` with NaN for each group of ``x`` ``[..., D]`` that holds a NaN or ±inf
+    (lazy, no host synchronisation; other scales unchanged bit for bit)."""
+    finite = mx.all(mx.isfinite(x).reshape(*x.shape[:-1], -1, group_size), axis=-1)
+    return mx.where(finite, scales, float("nan"))
 
 
 def _on_cpu() -> bool:
