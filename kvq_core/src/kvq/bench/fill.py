@@ -63,6 +63,8 @@ def fill(caches: list, source: Callable, context: int, chunk: int) -> None:
         stop = min(start + chunk, context)
         for layer, cache in enumerate(caches):
             cache.update_and_fetch(*source(layer, start, stop))
+            if hasattr(cache, "release_chunk"):  # no attention follows: kvq's cache may drop the chunk's copy
+                cache.release_chunk()
             mx.eval(cache_arrays(cache))
 
 

@@ -54,6 +54,11 @@ class BatchKVQCache:
                 self._remaining[i] -= n
         return views
 
+    def release_chunk(self) -> None:
+        """:meth:`KVQCache.release_chunk` for every row."""
+        for row in self.rows:
+            row.release_chunk()
+
     def attend(self, queries: mx.array, scale: float, mask=None, sink_logits=None) -> mx.array:
         """:meth:`KVQCache.attend` per row, each with its own token positions (``mask`` is not needed: padding is
         never stored); ``[B, H_q, T_q, D_v]``."""

@@ -464,6 +464,12 @@ class KVQCache:
         out, _ = merge_parts(parts)
         return out.astype(queries.dtype)
 
+    def release_chunk(self) -> None:
+        """Drop what the last update kept for its chunk's queries (the uncompressed window and chunk, up to
+        ``window + flush - 1 + T`` tokens' keys and values): :meth:`attend` drops it itself, so only code that
+        stores tokens without attending needs this (filling caches with random tokens in ``kvq bench``)."""
+        self._fresh = None
+
     def _visible(self, fresh: _Fresh, position: int) -> int:
         """Compressed tokens a query at ``position`` sees in a token-by-token run: those compressed before the
         update, plus those that had left the window by the time that query's own token was added."""
@@ -472,9 +478,11 @@ class KVQCache:
 
     #: Query rows per slice of the uncompressed part of a chunk (each slice reads only the keys it may see).
     CHUNK_ROWS = 256
-    #: Query rows per fused attention call of a chunk on a GPU (bounds the transient score memory where MLX's
-    #: attention with a mask array materialises scores: rows x keys x query heads).
-    PREFILL_ROWS = 512
+    #: Query rows per fused attention call of a chunk on a GPU: MLX's attention with a mask array materialises the
+    #: scores (rows x keys x query heads, float32 for the softmax), so this bounds the transient memory: 128 rows
+    #: at 32K keys and 32 query heads is about 0.5 GB. (An H200 run with 512 rows and one evaluation per chunk
+    #: peaked at 2x fp16's prefill memory at 32K.)
+    PREFILL_ROWS = 128
 
     def _prefill_on_device(self, queries) -> bool:
         """Whether a chunk attends through MLX's fused attention over a transient dequantized copy of the
@@ -498,8 +506,11 @@ class KVQCache:
         """A chunk's attention with the visibility of :meth:`_chunk_parts`, in ``mx.fast.scaled_dot_product_
         attention`` calls over ``[sinks | compressed tokens decoded to the queries' dtype | fresh.dense]`` with a
         boolean mask, :attr:`PREFILL_ROWS` query rows at a time, each reading only the keys its rows may see.
-        The decoded copy is transient (one layer's, freed after the call): the cache keeps only the codes
-        (issue #23). :return: ``[B, H_q, T_q, D_v]`` in the queries' dtype."""
+        The decoded copy is transient: the result is evaluated before returning, so one layer's copy and scores
+        exist at a time; the cache keeps only the codes (issue #23). Memory above the cache: about
+        ``2 * T * H_kv * D * 2`` bytes of decoded keys and values (twice, with their concatenation) plus
+        ``PREFILL_ROWS * T * H_q * 6`` bytes of scores, for ``T`` tokens held.
+        :return: ``[B, H_q, T_q, D_v]`` in the queries' dtype."""
         Tq, dtype = queries.shape[2], queries.dtype
         bounds = [self._visible(fresh, p) for p in range(start_q, start_q + Tq)]
         n_sinks, n_compressed = self.sinks.length, self.compressed_keys.length
@@ -539,7 +550,11 @@ class KVQCache:
             outs.append(mx.fast.scaled_dot_product_attention(queries[:, :, r0:r1], keys[:, :, :end],
                                                              values[:, :, :end], scale=scale, mask=mask,
                                                              sinks=sinks))
-        return mx.concatenate(outs, axis=2)
+        out = mx.concatenate(outs, axis=2)
+        # evaluated here, so this layer's decoded copy and scores are freed before the next layer builds its own
+        # (left lazy, a whole chunk's layers would hold them at once)
+        mx.eval(out)
+        return out
 
     def _chunk_parts(self, queries, scale, start_q, user_mask, fresh: _Fresh) -> list:
         """Attention parts of a chunk's queries (positions ``start_q ...``), each query seeing what it would see
