@@ -4,6 +4,12 @@ Protocol (../shared/REFERENCE_VALUES.md): a window of the text is ``context`` to
 chunks of 512, and the ``score_tokens`` that follow are fed in one forward pass; the log-probabilities at those
 positions score the tokens after each of them (teacher forcing). Metrics over all scored tokens of all windows:
 perplexity, mean KL(reference || method) of the next-token distributions, and top-1 agreement.
+
+Each scored token is seen as decoding would see it: a kvq cache gives every query of a chunk what a token-by-token
+run would show it (the sinks, the tokens compressed by then, the newest ``window`` .. ``window + flush - 1``
+uncompressed; :meth:`kvq.cache.KVQCache.attend`), so scoring 256 tokens in one forward pass equals scoring them
+one at a time (KL below 1e-4, tests/test_prefill_chunks.py). Before kvq 0.1.0's chunk semantics (2026-12-01) a
+chunk's queries read compressed copies of their own recent neighbours, which made scores worse than decoding's.
 """
 
 from __future__ import annotations
