@@ -104,7 +104,8 @@ def main(argv=None) -> int:
                 del caches
     lines = [f"Prefill, {args.model} ({config['num_hidden_layers']} layers, {args.dtype}), chunks of {args.chunk}, "
              f"{doc['device']}, MLX {doc['mlx']}", "",
-             "| context | rep | cache | s | tokens/s | x fp16 | peak GB above model | x fp16 |", "|---|---|---|---|---|---|---|---|"]
+             "| context | rep | cache | s | tokens/s | x fp16 | peak GB above model | x fp16 |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['context'] // 1024}K | {r['rep']} | {r['method']} | {r['seconds']:.2f} | "
                      f"{r['tokens_per_second']:.0f} | {r.get('speed_vs_fp16', 1.0):.2f} | "
