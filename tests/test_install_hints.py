@@ -57,7 +57,8 @@ def test_without_a_clone_the_hint_says_how_to_get_one_and_never_names_pypi(monke
 
 
 def test_demo_falls_back_before_model_work_when_turboquant_is_absent():
-    code = "from kvq.cli.demo_cmd import demo_method; m, note = demo_method(); print(m['method'], m['bits']); print(note)"
+    code = ("from kvq.cli.demo_cmd import demo_method; m, note = demo_method(); print(m['method'], m['bits']); "
+            "print(note)")
     env = {**os.environ, "KVQ_LOAD_PLUGINS": "baselines"}  # only kvq-core's own methods
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
     first, note = out.split("\n", 1)

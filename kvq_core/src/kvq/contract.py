@@ -363,5 +363,6 @@ def optional_hook(obj: object, protocol: type) -> Callable[..., Any] | None:
 
 __all__ = ["AttendsDense", "Attends", "ChecksReady", "Dequantizes", "EntryPoint", "Explains", "FinishesValues",
            "Fits", "ForHeadDim", "ForHeads", "ForLayer", "IMPLEMENTATION_OPTIONS", "Implementation", "OP_PROTOCOLS",
-           "PARAMS_OPTIONS", "EncodesBlocks", "Packs", "Params", "PreparesQueries", "Quantizes", "ReportsSources", "ScoresKeys",
+           "PARAMS_OPTIONS", "EncodesBlocks", "Packs", "Params", "PreparesQueries", "Quantizes", "ReportsSources",
+           "ScoresKeys",
            "SideDefaults", "Unfits", "WeightsValues", "member_name", "optional_hook"]

@@ -19,7 +19,8 @@ import attrs
 import mlx.core as mx
 
 from ..attention import DenseTokens, attend_encoded, dense_attend, merge_parts, sink_logits_part
-from ..contract import AttendsDense, EncodesBlocks, Fits, ForHeads, ForLayer, ScoresKeys, WeightsValues, member_name, optional_hook
+from ..contract import (AttendsDense, EncodesBlocks, Fits, ForHeads, ForLayer, ScoresKeys, WeightsValues, member_name,
+                        optional_hook)
 from ..plugins import implemented_ops, registry
 from ..select import MAX_DECODE_QUERIES, check_kernels, is_kernel, select
 from ..validate import float_array
