@@ -37,6 +37,16 @@ def supported(head_dim: int, dim: int, bits: int) -> bool:
     return 32 <= dim <= 256 and dim & (dim - 1) == 0 and 1 <= bits <= 4 and head_dim <= dim
 
 
+def _rows(shape) -> tuple[tuple, int, int]:
+    """``(leading shape, vectors n, thread groups)`` of an array of vectors ``[..., D]``: the kernels see ``n``
+    rows, :data:`VECTORS_PER_GROUP` per thread group."""
+    lead = tuple(shape[:-1])
+    n = 1
+    for s in lead:
+        n *= s
+    return lead, n, max(1, -(-n // VECTORS_PER_GROUP))
+
+
 def quantize(x: mx.array, signs: mx.array, boundaries: mx.array, bits: int, norm_dtype, backend: str):
     """Encode ``x`` ``[..., D]`` (float16/bfloat16/float32) with the randomized Hadamard rotation (kernel
     ``tq_quantize.kvq``; pure-MLX reference :meth:`kvq_backends_turboquant.impl.TurboQuantMLX.kvq_quantize`).
@@ -53,12 +63,8 @@ def quantize(x: mx.array, signs: mx.array, boundaries: mx.array, bits: int, norm
     if not supported(D, dim, bits):
         raise ValueError(f"fused quantize serves head_dim rotated at a power of two in 32..256 and bits 1..4; got "
                          f"{D} at {dim}, {bits}")
-    lead = x.shape[:-1]
-    n = 1
-    for s in lead:
-        n *= s
+    lead, n, groups = _rows(x.shape)
     kern = QUANTIZE.kernel(backend, ("x", "signs", "bounds"), ("codes", "norms"))
-    groups = max(1, -(-n // VECTORS_PER_GROUP))
     codes, norms = kern(
         inputs=[x.reshape(n, D), signs, boundaries],
         template=[("D", D), ("DP", dim), ("BITS", bits), ("VPG", VECTORS_PER_GROUP),
@@ -80,12 +86,8 @@ def dequantize(codes: mx.array, norms: mx.array, signs: mx.array, centroids: mx.
     if not supported(head_dim, dim, bits):
         raise ValueError(f"fused dequantize serves head_dim rotated at a power of two in 32..256 and bits 1..4; "
                          f"got {head_dim} at {dim}, {bits}")
-    lead = codes.shape[:-1]
-    n = 1
-    for s in lead:
-        n *= s
+    lead, n, groups = _rows(codes.shape)
     kern = DEQUANTIZE.kernel(backend, ("codes", "norms", "signs", "centroids"), ("out",))
-    groups = max(1, -(-n // VECTORS_PER_GROUP))
     (out,) = kern(
         inputs=[codes.reshape(n, codes.shape[-1]), norms.reshape(n), signs, centroids],
         template=[("D", head_dim), ("DP", dim), ("BITS", bits), ("VPG", VECTORS_PER_GROUP),
