@@ -234,3 +234,13 @@ def test_vecinfer_generate_after_calibrating_the_default_model(data_dir, capsys)
                  "--sinks", "0", "--window", "0"]) == 0
     out = capsys.readouterr().out
     assert "vecinfer model_id=SmolLM2-135M-Instruct" in out and "bits/coordinate (K / V)" in out
+
+
+def test_kvq_select_names_the_command_line_form_for_a_missing_calibration(capsys):
+    """``kvq select`` prints the plan's Python-worded reason and the form its own options take."""
+    from kvq.cli import main
+
+    assert main(["select", "vecinfer", "--shape", "1,2,64,64"]) == 0
+    out = capsys.readouterr().out
+    assert "NOT READY" in out
+    assert "kvq select vecinfer --shape 1,2,64,64 --param model_id=<the model>" in out

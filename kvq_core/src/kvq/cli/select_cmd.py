@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+import attrs
+
 import mlx.core as mx
 
 from ..hookspecs import OPS
@@ -55,4 +57,8 @@ def main(argv: list[str]) -> int:
     plan = select(args.method, parse_shape(args.shape), dtype=DTYPES[args.dtype], device=args.device,
                   op=args.op, params=params, kernels=args.kernels)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.explain())
+    if not plan.ready and not args.json and "model_id" in attrs.fields_dict(type(params)):
+        # the reason is worded for Python (model_id=...); here a parameter is given as --param NAME=VALUE
+        print(f"  (from the command line: kvq select {args.method} --shape {args.shape} --param "
+              f"model_id=<the model>, after 'kvq calibrate --model <the model>')")
     return 0
