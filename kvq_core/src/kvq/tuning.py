@@ -100,20 +100,39 @@ class Table:
     device: str
     entries: tuple[Entry, ...]
 
-    def lookup(self, method: str, op: str, backend: str, params: Any = None) -> tuple[Entry, bool] | None:
+    def lookup(self, method: str, op: str, backend: str, params: Any = None,
+               head_dim: int | None = None) -> tuple[Entry, bool] | None:
         """The entry for ``(method, op, backend)`` and whether its params equal ``params`` (a params object or
-        JSON dict); without an exact match, the entry with the largest crossover. ``None``: nothing measured."""
+        JSON dict); without an exact match, the entry with the largest crossover. ``None``: nothing measured.
+
+        :param head_dim: compare parameters as they are at this head_dim, where the params class resolves
+            defaults per head_dim (:class:`kvq.contract.ForHeadDim`: affine's ``group_size=None`` is 64 at
+            head_dim 128, so a table written with either form matches a problem with the other)."""
         found = [e for e in self.entries if (e.method, e.op, e.backend) == (method, op, backend)]
         if not found:
             return None
-        wanted = params_json(params) if params is not None else None
-        exact = [e for e in found if e.params == wanted]
+        wanted = _resolved_json(params, params, head_dim) if params is not None else None
+        exact = [e for e in found if _resolved_json(e.params, params, head_dim) == wanted]
         return (exact[0], True) if exact else (max(found, key=lambda e: e.crossover), False)
 
 
 def verdict_text(crossover: int) -> str:
     """``"always"``, ``"never"`` or ``"from N"``."""
     return "always" if crossover == 0 else "never" if crossover == NEVER else f"from {crossover}"
+
+
+def _resolved_json(value: Any, like: Any, head_dim: int | None) -> dict:
+    """``value`` (a params object, or a JSON dict of the class of the object ``like``) as JSON, with its
+    ``for_head_dim(head_dim)`` applied where the class has one; unresolvable values are compared as written."""
+    resolve = getattr(type(like), "for_head_dim", None) if head_dim is not None and not isinstance(like, dict) \
+        else None  # kvq.contract.ForHeadDim
+    if resolve is None:
+        return params_json(value)
+    try:
+        obj = value if not isinstance(value, dict) else type(like)(**value)
+        return params_json(resolve(obj, head_dim))
+    except (TypeError, ValueError):
+        return params_json(value)
 
 
 def params_json(params: Any) -> dict:
@@ -219,7 +238,7 @@ def crossover(method: str, op: str, backend: str, problem) -> int | None:
     """The measured size from which ``backend``'s kernel beats pure MLX for ``problem``'s method/op (0: always;
     :data:`NEVER`: never), or ``None`` when this device's table has no entry (or there is no table)."""
     table = current(problem.device)
-    found = table.lookup(method, op, backend, problem.params) if table is not None else None
+    found = table.lookup(method, op, backend, problem.params, problem.head_dim) if table is not None else None
     return None if found is None else found[0].crossover
 
 
@@ -246,7 +265,7 @@ def verdict(table: Table | None, problem, implementations: list, candidates: lis
     size, unit = problem_size(problem), "B*T" if problem.op == "attend" else "N"
     excluded, notes = set(), []
     for i, impl in enumerate(implementations):
-        found = (table.lookup(problem.method, problem.op, impl.backend, problem.params)
+        found = (table.lookup(problem.method, problem.op, impl.backend, problem.params, problem.head_dim)
                  if impl.backend != "mlx" and candidates[i].supported else None)
         if found is not None:
             wins = size >= found[0].crossover
