@@ -284,7 +284,9 @@ def completion_ids(port: int, prompt: str, timeout: float = 90) -> tuple[list[in
 
 
 #: A cache whose greedy tokens differ from fp16's on this model, so the completion shows which cache served it
-SERVE_CACHE = {"method": "turboquant", "bits": 2, "sinks": 0, "window": 0}
+#: (flush given explicitly: kvq serve's default is 32, the library's 1, and a chunk sees what token-by-token decoding
+#: with that flush sees, so the in-process reference must use the server's)
+SERVE_CACHE = {"method": "turboquant", "bits": 2, "sinks": 0, "window": 0, "flush": 32}
 SERVE_PROMPT = "the the the hello world " * 6
 
 

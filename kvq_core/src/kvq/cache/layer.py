@@ -316,8 +316,9 @@ class KVQCache:
         :raises ValueError/TypeError: mismatched shapes or dtypes, or a head_dim the methods do not support.
         """
         shape = getattr(keys, "shape", ())
-        # a chunk, or a step that quantizes: snapshot first (bad input is refused by _check before any change)
-        may_fail = (len(shape) == 4 and shape[2] > 1) or self._leaving(self.window.length, 1)
+        # a chunk (prefill): snapshot first, so a failure part-way leaves the cache as it was; a single token is
+        # checked by _check before any change (decode steps, the hot path, make no snapshot)
+        may_fail = len(shape) == 4 and shape[2] > 1
         saved = self._snapshot() if may_fail else None
         try:
             self._check(keys, values)
