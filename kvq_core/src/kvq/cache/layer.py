@@ -311,7 +311,8 @@ class KVQCache:
         it would have seen in a token-by-token run (:meth:`_visible`): so prefill gives the same result whatever
         the chunk size.
 
-        An update that raises (bad input, or a quantizer that fails) leaves the cache as it was before it.
+        A chunk's update that raises (bad input, or a quantizer that fails) leaves the cache as it was before
+        it; a single token's bad input is refused before any change.
 
         :raises ValueError/TypeError: mismatched shapes or dtypes, or a head_dim the methods do not support.
         """
