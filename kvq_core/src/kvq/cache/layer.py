@@ -166,13 +166,13 @@ class _Fresh:
     token-by-token run would show it: ``start`` the position of the update's first token after the sinks,
     ``compressed`` and ``held`` the compressed and window tokens before the update, ``new`` the tokens it added
     after the sinks, ``dense`` the window before the update followed by those tokens, uncompressed (keys,
-    values), or ``None``."""
+    values)."""
 
     start: int
     compressed: int
     held: int
     new: int
-    dense: tuple | None = None
+    dense: tuple
 
 
 class KVQCache:
@@ -336,8 +336,8 @@ class KVQCache:
         keys, values = self._fill_sinks(keys, values)
         taken = self.offset - first - keys.shape[2]
         if keys.shape[2] > 1:  # what the chunk's queries need from this update (attend uses it once)
-            fresh = _Fresh(first + taken, self.compressed_keys.length, self.window.length, keys.shape[2])
-            self._fresh = attrs.evolve(fresh, dense=self._push_window(keys, values))
+            compressed, held = self.compressed_keys.length, self.window.length
+            self._fresh = _Fresh(first + taken, compressed, held, keys.shape[2], self._push_window(keys, values))
         else:  # one token: its query sees the cache as it is after the update
             self._fresh = None
             if keys.shape[2]:
@@ -391,10 +391,9 @@ class KVQCache:
         if held_k is not None:
             keys = mx.concatenate([held_k, keys], axis=2)
             values = mx.concatenate([held_v, values], axis=2)
-        if not self.compressed_keys.length:
-            # fitted parameters see the tokens a token-by-token run holds at its first compression
-            first = self.config.window + self._flush
-            self._fit_params(keys[:, :, :first], values[:, :, :first])
+        # fitted parameters see the tokens a token-by-token run holds at its first compression (no-op after it)
+        first = self.config.window + self._flush
+        self._fit_params(keys[:, :, :first], values[:, :, :first])
         self._compress(keys[:, :, :overflow], values[:, :, :overflow])
         self.window.replace(keys[:, :, overflow:], values[:, :, overflow:])
         return keys, values
@@ -451,7 +450,7 @@ class KVQCache:
                 return fused
         start_q = self.offset - Tq if query_start is None else query_start
         user_mask = _bool_mask(mask)
-        if Tq > 1 and fresh is not None and fresh.dense is not None:
+        if Tq > 1 and fresh is not None:
             if self._prefill_on_device(queries):
                 return self._chunk_attend_dequantized(queries, scale, start_q, user_mask, fresh, sink_logits)
             parts = self._chunk_parts(queries, scale, start_q, user_mask, fresh)
