@@ -41,6 +41,19 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+def config_folder(folder, **config):
+    """``folder`` (created) holding only an mlx-lm ``config.json``: a llama with head_dim 64 and 1024 positions,
+    ``config`` overriding it. No weights, so nothing may load it: for commands that must fail or decide before
+    loading a model."""
+    import json
+
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 256, "num_attention_heads": 4, "head_dim": 64,
+        "max_position_embeddings": 1024, **config}))
+    return folder
+
+
 def tiny_llama(hidden=256, layers=2, heads=4, kv_heads=2, vocab=256, dtype=mx.float16, seed=0, head_dim=None):
     """A random llama from an mlx-lm config dict (no download); head_dim defaults to hidden // heads."""
     from mlx_lm.models import llama

@@ -19,6 +19,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from conftest import config_folder
+
 import kvq
 from kvq.cli import bench_cmd, eval_cmd, generate_cmd, main
 
@@ -75,12 +77,7 @@ def toy(registered):
 @pytest.fixture
 def model_folder(tmp_path):
     """A llama config without weights (nothing may load it) in a folder named ``my-model``."""
-    folder = tmp_path / "my-model"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({
-        "model_type": "llama", "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 64, "max_position_embeddings": 1024}))
-    return folder
+    return config_folder(tmp_path / "my-model", num_key_value_heads=2)
 
 
 # -- kvq.select ------------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ import json
 import mlx.core as mx
 import pytest
 
+from conftest import config_folder
+
 from kvq.cli import main
 from kvq.evaluation import parse_method, parse_methods
 from kvq.evaluation.needle import is_match
@@ -104,12 +106,7 @@ def no_model_work(monkeypatch):
 @pytest.fixture
 def small_model_folder(tmp_path):
     """A model folder whose config says max_position_embeddings 1024 (no weights: nothing may load it)."""
-    folder = tmp_path / "model"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({
-        "model_type": "llama", "hidden_size": 256, "num_attention_heads": 4, "head_dim": 64,
-        "max_position_embeddings": 1024}))
-    return folder
+    return config_folder(tmp_path / "model")
 
 
 @pytest.mark.parametrize("args, message", [
