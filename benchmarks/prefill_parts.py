@@ -5,9 +5,8 @@
 
 For each context (tokens already held) and method, one layer's cache is filled with random keys and values, then
 the median seconds over ``--reps`` of: fp16's attention for the chunk (``mx.fast.scaled_dot_product_attention``,
-causal, over context + chunk keys; and with the same mask as a boolean array), decoding the compressed tokens (keys and values), the whole chunk
-(``update_and_fetch`` and ``attend`` on a copy of the cache), and the chunk's attention alone at different
-:attr:`kvq.cache.KVQCache.PREFILL_ROWS`. Writes OUT_DIR/prefill_parts.json.
+causal, over context + chunk keys; and with the same mask as a boolean and as an additive array), decoding the compressed tokens (keys and values), the whole chunk
+(``update_and_fetch`` and ``attend`` on a copy of the cache),. Writes OUT_DIR/prefill_parts.json.
 """
 
 from __future__ import annotations
@@ -52,11 +51,9 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--rows", default="128,2048", help="PREFILL_ROWS values to time the chunk's attention at")
     args = ap.parse_args(argv)
 
     from kvq.bench.fill import RandomKV, cache_arrays, fill
-    from kvq.cache import KVQCache
     from kvq.evaluation.spec import make_layer_cache, parse_method
 
     dtype = getattr(mx, args.dtype)
@@ -77,6 +74,9 @@ def main(argv=None) -> int:
         causal = mx.arange(context, context + C)[:, None] >= mx.arange(context + C)[None]
         row["masked_attention_s"] = timed(lambda: mx.fast.scaled_dot_product_attention(q, k_all, v_all, scale=scale,
                                                                                        mask=causal), args.reps)
+        additive = mx.where(causal, mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))
+        row["additive_mask_attention_s"] = timed(
+            lambda: mx.fast.scaled_dot_product_attention(q, k_all, v_all, scale=scale, mask=additive), args.reps)
         rows.append(row)
         print(json.dumps(row), flush=True)
         for label in [m.strip() for m in args.methods.split(",")]:
@@ -102,9 +102,6 @@ def main(argv=None) -> int:
                 return cache_arrays(c)
 
             row["update_s"] = timed(update_only, args.reps)
-            for n in [int(r) for r in args.rows.split(",")]:
-                KVQCache.PREFILL_ROWS = n
-                row[f"chunk_rows{n}_s"] = timed(chunk, args.reps)
             rows.append(row)
             print(json.dumps(row), flush=True)
             (args.out / "prefill_parts.json").write_text(json.dumps({"rows": rows, "mlx": mx.__version__,

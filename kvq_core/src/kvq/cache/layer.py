@@ -480,11 +480,12 @@ class KVQCache:
 
     #: Query rows per slice of the uncompressed part of a chunk (each slice reads only the keys it may see).
     CHUNK_ROWS = 256
-    #: Query rows per fused attention call of a chunk on a GPU: MLX's attention with a mask array materialises the
-    #: scores (rows x keys x query heads, float32 for the softmax), so this bounds the transient memory: 128 rows
-    #: at 32K keys and 32 query heads is about 0.5 GB. (An H200 run with 512 rows and one evaluation per chunk
-    #: peaked at 2x fp16's prefill memory at 32K.)
-    PREFILL_ROWS = 128
+    #: Bytes of one call's additive mask (query rows x keys, in the queries' dtype) in a chunk's attention on a GPU
+    #: (:meth:`_chunk_attend_dequantized`); a larger chunk is attended in slices of rows.
+    PREFILL_MASK_BYTES = 1 << 30
+    #: Bytes of attention scores one call may materialise where MLX has no fused attention for the chunk (float32,
+    #: or head_dim above 128, on CUDA: MLX computes rows x keys x query heads scores, float32 for the softmax).
+    PREFILL_SCORES_BYTES = 1 << 29
 
     def _prefill_on_device(self, queries) -> bool:
         """Whether a chunk attends through MLX's fused attention over a transient dequantized copy of the
@@ -504,14 +505,28 @@ class KVQCache:
                       kernels=quantize_kernels(params.method, self.config.kernels))
         return plan.dequantize(encoded, dtype)
 
+    def _prefill_rows(self, queries, num_keys: int) -> int:
+        """Query rows per attention call of a chunk (:meth:`_chunk_attend_dequantized`): bounded by
+        :attr:`PREFILL_MASK_BYTES` where MLX's fused attention (cuDNN on CUDA) serves the chunk (float16 or
+        bfloat16, head_dim at most 128), by :attr:`PREFILL_SCORES_BYTES` where it materialises the scores."""
+        B, Hq, _, D = queries.shape
+        if queries.dtype in (mx.float16, mx.bfloat16) and D <= 128:
+            return max(16, self.PREFILL_MASK_BYTES // (num_keys * queries.dtype.size * B))
+        return max(16, self.PREFILL_SCORES_BYTES // (num_keys * Hq * B * 4))
+
     def _chunk_attend_dequantized(self, queries, scale, start_q, user_mask, fresh: _Fresh, sink_logits):
         """A chunk's attention with the visibility of :meth:`_chunk_parts`, in ``mx.fast.scaled_dot_product_
-        attention`` calls over ``[sinks | compressed tokens decoded to the queries' dtype | fresh.dense]`` with a
-        boolean mask, :attr:`PREFILL_ROWS` query rows at a time, each reading only the keys its rows may see.
-        The decoded copy is transient: the result is evaluated before returning, so one layer's copy and scores
-        exist at a time; the cache keeps only the codes (issue #23). Memory above the cache: about
-        ``2 * T * H_kv * D * 2`` bytes of decoded keys and values (twice, with their concatenation) plus
-        ``PREFILL_ROWS * T * H_q * 6`` bytes of scores, for ``T`` tokens held.
+        attention`` over ``[sinks | compressed tokens decoded to the queries' dtype | fresh.dense]`` with an
+        additive mask in the queries' dtype (``[T_q, keys]``, broadcast over batch and heads: MLX hands it to
+        cuDNN as a bias without copying it; a boolean mask is expanded by MLX to ``[B, H_q, T_q, keys]`` first,
+        which made this path 8x slower than causal attention on an H200 and cost 4.5 GB per layer at 32K).
+        One call per chunk unless :meth:`_prefill_rows` bounds it.
+
+        The decoded copy is transient: the result is evaluated before returning, so one layer's copy exists at a
+        time; the cache keeps only the codes (issue #23). Memory above the cache: about ``2 * T * H_kv * D * 2``
+        bytes of decoded keys and values (twice, with their concatenation) plus the mask, ``T_q * T * 2`` bytes
+        (bfloat16), for ``T`` tokens held.
+
         :return: ``[B, H_q, T_q, D_v]`` in the queries' dtype."""
         Tq, dtype = queries.shape[2], queries.dtype
         bounds = [self._visible(fresh, p) for p in range(start_q, start_q + Tq)]
@@ -535,28 +550,35 @@ class KVQCache:
         if user_mask is not None:
             user_cols = mx.concatenate([mx.arange(n_sinks + n_compressed), first + mx.arange(dense_k.shape[2])])
         sinks = None if sink_logits is None else sink_logits.astype(dtype)
+        visible_value, hidden_value = mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype)
+        rows = self._prefill_rows(queries, keys.shape[2])
         outs = []
-        for r0 in range(0, Tq, self.PREFILL_ROWS):
-            r1 = min(Tq, r0 + self.PREFILL_ROWS)
+        for r0 in range(0, Tq, rows):
+            r1 = min(Tq, r0 + rows)
             last = start_q + r1 - 1
             end = dense_start + min(last - first + 1, dense_k.shape[2])  # keys past the last row's position: none
             row_pos = mx.arange(start_q + r0, start_q + r1)[:, None]
             bound = mx.array(bounds[r0:r1])[:, None]
             c, pos = col[None, :end], position[None, :end]
-            mask = mx.where(c < n_sinks, pos <= row_pos,
-                            mx.where(c < dense_start, c - n_sinks < bound,
-                                     (pos >= n_sinks + bound) & (pos <= row_pos)))
+            visible = mx.where(c < n_sinks, pos <= row_pos,
+                               mx.where(c < dense_start, c - n_sinks < bound,
+                                        (pos >= n_sinks + bound) & (pos <= row_pos)))
             if user_mask is not None:
                 rows_mask = user_mask[..., r0:r1, :] if user_mask.shape[-2] > 1 else user_mask
-                mask = mask & mx.take(rows_mask, user_cols[:end], axis=-1)
+                visible = visible & mx.take(rows_mask, user_cols[:end], axis=-1)
+            mask = mx.where(visible, visible_value, hidden_value)
             outs.append(mx.fast.scaled_dot_product_attention(queries[:, :, r0:r1], keys[:, :, :end],
                                                              values[:, :, :end], scale=scale, mask=mask,
                                                              sinks=sinks))
-        out = mx.concatenate(outs, axis=2)
-        # evaluated here, so this layer's decoded copy and scores are freed before the next layer builds its own
-        # (left lazy, a whole chunk's layers would hold them at once)
-        mx.eval(out)
+        out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
+        if self.EVAL_CHUNK_ATTENTION:
+            # evaluated here, so this layer's decoded copy and mask are freed before the next layer builds its own
+            mx.eval(out)
         return out
+
+    #: Whether :meth:`_chunk_attend_dequantized` evaluates its result before returning (one layer's transient
+    #: decoded copy at a time); a benchmark switch.
+    EVAL_CHUNK_ATTENTION = True
 
     def _chunk_parts(self, queries, scale, start_q, user_mask, fresh: _Fresh) -> list:
         """Attention parts of a chunk's queries (positions ``start_q ...``), each query seeing what it would see
