@@ -65,17 +65,17 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--layers", type=int, default=None, help="keep this many layers of the random preset")
-    ap.add_argument("--lazy-layers", action="store_true",
-                    help="KVQCache.EVAL_CHUNK_ATTENTION off: a chunk's layers are evaluated together, not one by one")
+    ap.add_argument("--inflight-bytes", type=int, default=None,
+                    help="set KVQCache.PREFILL_INFLIGHT_BYTES (0: each layer's chunk attention evaluated in turn)")
     args = ap.parse_args(argv)
 
     import kvq
     from kvq.bench.random_model import build_random_model, random_config
 
-    if args.lazy_layers:
+    if args.inflight_bytes is not None:
         from kvq.cache import KVQCache
 
-        KVQCache.EVAL_CHUNK_ATTENTION = False
+        KVQCache.PREFILL_INFLIGHT_BYTES = args.inflight_bytes
     args.out.mkdir(parents=True, exist_ok=True)
     config = random_config(args.model, args.layers)
     model = build_random_model(config, getattr(mx, args.dtype))
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     rows = []
     doc = {"model": args.model, "layers": config["num_hidden_layers"], "dtype": args.dtype, "chunk": args.chunk,
            "device": str(mx.default_device()), "mlx": mx.__version__, "kvq": kvq.__version__,
-           "python": platform.python_version(), "lazy_layers": args.lazy_layers, "rows": rows}
+           "python": platform.python_version(), "inflight_bytes": args.inflight_bytes, "rows": rows}
     try:
         import kvq_metal
 

@@ -141,9 +141,63 @@ def test_default_model_same_answer_whatever_the_chunking():
 @pytest.mark.parametrize("label", ["affine:4", "turboquant:4", "turboquant_prod:4", "qjl+affine:4", "fp16"])
 def test_gpu_prefill_path_sees_what_token_by_token_sees(model32, label, monkeypatch):
     """The GPU's prefill path (MLX's fused attention over a transient dequantized copy, with the same per-row
-    visibility as a boolean mask), forced on the CPU: KL to the token-by-token run < 1e-4 (measured 2e-10 ..
+    visibility as an additive mask), forced on the CPU: KL to the token-by-token run < 1e-4 (measured 2e-10 ..
     8e-5; turboquant_prod's QJL residual is the most sensitive) for chunks of 16, 100 and the whole prompt."""
     reference = run(model32, label, 1)
     monkeypatch.setattr(KVQCache, "_prefill_on_device", lambda self, queries: self.compressed_keys.length > 0)
     for chunk in (16, 100, PROMPT.shape[1]):
         assert mean_kl(reference, run(model32, label, chunk)) < 1e-4, chunk
+
+
+@pytest.mark.parametrize("start_q, n_sinks, n_compressed, compressed_before, flush, r0, r1",
+                         [(200, 4, 120, 100, 1, 0, 30), (200, 4, 120, 100, 1, 7, 30), (200, 4, 120, 100, 8, 0, 30),
+                          (2, 4, 10, 0, 1, 0, 12), (0, 4, 0, 0, 1, 0, 6), (300, 0, 150, 140, 4, 3, 19)])
+def test_chunk_mask_is_the_visibility_rule(start_q, n_sinks, n_compressed, compressed_before, flush, r0, r1):
+    """chunk_mask (which writes the columns every row sees as zeros and computes the rest) equals the rule written
+    column by column: a sink before the row, a compressed token among the row's first ``bound``, a dense token
+    from ``n_sinks + bound`` up to the row's own position; with and without a user mask."""
+    from kvq.cache.prefill import chunk_mask
+
+    rows = r1
+    bounds = [min(n_compressed, compressed_before + max(0, (r + 1 - 10) // flush * flush)) for r in range(rows)]
+    first = n_sinks + compressed_before
+    n_dense = start_q + rows - first
+    end = n_sinks + n_compressed + n_dense
+    positions = list(range(n_sinks)) + list(range(n_sinks, n_sinks + n_compressed)) + [first + i for i in
+                                                                                       range(n_dense)]
+    expected = np.zeros((r1 - r0, end), bool)
+    for r in range(r0, r1):
+        p = start_q + r
+        for c in range(end):
+            if c < n_sinks:
+                expected[r - r0, c] = c <= p
+            elif c < n_sinks + n_compressed:
+                expected[r - r0, c] = c - n_sinks < bounds[r]
+            else:
+                expected[r - r0, c] = n_sinks + bounds[r] <= positions[c] <= p
+    low = float(mx.finfo(mx.float16).min)
+    mask = np.array(chunk_mask(bounds, start_q, r0, r1, n_sinks, n_compressed, first, end, mx.float16))
+    assert mask.shape == expected.shape
+    np.testing.assert_array_equal(mask, np.where(expected, 0.0, low))
+    # a user mask (batch padding: the first 3 positions hidden) is applied on top, per key position
+    user = mx.array(np.arange(start_q + rows + 1)[None] >= 3)[None]  # [1, 1, all positions]
+    cols = mx.array(positions)
+    masked = np.array(chunk_mask(bounds, start_q, r0, r1, n_sinks, n_compressed, first, end, mx.float16,
+                                 mx.broadcast_to(user, (1, rows, user.shape[-1])), cols))
+    np.testing.assert_array_equal(masked[0], np.where(expected & (np.array(positions) >= 3)[None], 0.0, low))
+
+
+def test_in_flight_waits_only_beyond_its_budget():
+    """InFlight queues attentions without waiting while under budget and drains the oldest beyond it."""
+    from kvq.cache.prefill import InFlight
+
+    queue = InFlight()
+    outs = [mx.ones((1, 1, 2, 2)) * i for i in range(4)]
+    for out in outs[:3]:
+        queue.push(out, 100, budget=1000)
+    assert len(queue._queue) == 3 and queue._bytes == 300
+    queue.push(outs[3], 900, budget=1000)  # 1200 > 1000: the oldest are waited for until 1000 or less remain
+    assert [size for _, size in queue._queue] == [100, 900] and queue._bytes == 1000
+    queue.push(mx.zeros((1, 1, 1, 1)), 5000, budget=0)  # alone over budget: only older entries are waited for
+    assert [size for _, size in queue._queue] == [5000]
+    assert [float(o[0, 0, 0, 0]) for o in outs] == [0.0, 1.0, 2.0, 3.0]

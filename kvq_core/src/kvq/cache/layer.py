@@ -25,6 +25,7 @@ from ..plugins import implemented_ops, registry
 from ..select import MAX_DECODE_QUERIES, check_kernels, is_kernel, select
 from ..validate import float_array
 from ..encoded import Encoded
+from .prefill import IN_FLIGHT, chunk_mask, rows_per_call
 from .state import check_layer, config_from_json, config_to_json
 from .store import DenseBuffer, EncodedStore
 
@@ -486,6 +487,9 @@ class KVQCache:
     #: Bytes of attention scores one call may materialise where MLX has no fused attention for the chunk (float32,
     #: or head_dim above 128, on CUDA: MLX computes rows x keys x query heads scores, float32 for the softmax).
     PREFILL_SCORES_BYTES = 1 << 29
+    #: Bytes of transient decoded copies and masks that chunk attentions may hold queued on the device
+    #: (:class:`kvq.cache.prefill.InFlight`); 0 evaluates each layer's before the next is built.
+    PREFILL_INFLIGHT_BYTES = 1 << 29
 
     def _prefill_on_device(self, queries) -> bool:
         """Whether a chunk attends through MLX's fused attention over a transient dequantized copy of the
@@ -505,34 +509,22 @@ class KVQCache:
                       kernels=quantize_kernels(params.method, self.config.kernels))
         return plan.dequantize(encoded, dtype)
 
-    def _prefill_rows(self, queries, num_keys: int) -> int:
-        """Query rows per attention call of a chunk (:meth:`_chunk_attend_dequantized`): bounded by
-        :attr:`PREFILL_MASK_BYTES` where MLX's fused attention (cuDNN on CUDA) serves the chunk (float16 or
-        bfloat16, head_dim at most 128), by :attr:`PREFILL_SCORES_BYTES` where it materialises the scores."""
-        B, Hq, _, D = queries.shape
-        if queries.dtype in (mx.float16, mx.bfloat16) and D <= 128:
-            return max(16, self.PREFILL_MASK_BYTES // (num_keys * queries.dtype.size * B))
-        return max(16, self.PREFILL_SCORES_BYTES // (num_keys * Hq * B * 4))
-
     def _chunk_attend_dequantized(self, queries, scale, start_q, user_mask, fresh: _Fresh, sink_logits):
         """A chunk's attention with the visibility of :meth:`_chunk_parts`, in ``mx.fast.scaled_dot_product_
-        attention`` over ``[sinks | compressed tokens decoded to the queries' dtype | fresh.dense]`` with an
-        additive mask in the queries' dtype (``[T_q, keys]``, broadcast over batch and heads: MLX hands it to
-        cuDNN as a bias without copying it; a boolean mask is expanded by MLX to ``[B, H_q, T_q, keys]`` first,
-        which made this path 8x slower than causal attention on an H200 and cost 4.5 GB per layer at 32K).
-        One call per chunk unless :meth:`_prefill_rows` bounds it.
-
-        The decoded copy is transient: the result is evaluated before returning, so one layer's copy exists at a
-        time; the cache keeps only the codes (issue #23). Memory above the cache: about ``2 * T * H_kv * D * 2``
-        bytes of decoded keys and values (twice, with their concatenation) plus the mask, ``T_q * T * 2`` bytes
-        (bfloat16), for ``T`` tokens held.
+        attention`` over ``[sinks | compressed tokens decoded to the queries' dtype | fresh.dense]`` with the
+        additive mask of :func:`kvq.cache.prefill.chunk_mask` (one call per chunk unless
+        :func:`kvq.cache.prefill.rows_per_call` cuts it). The decoded copy is transient: the call is queued on
+        the device (:data:`kvq.cache.prefill.IN_FLIGHT`) and the copy freed once it has run; the cache keeps only
+        the codes. Memory above the cache: at most :attr:`PREFILL_INFLIGHT_BYTES` plus one layer's
+        ``2 * T * H_kv * (D_k + D_v) * 2`` bytes of decoded keys and values (with their concatenation) and
+        ``T_q * T * 2`` bytes of mask (16-bit queries), for ``T`` tokens held.
 
         :return: ``[B, H_q, T_q, D_v]`` in the queries' dtype."""
         Tq, dtype = queries.shape[2], queries.dtype
         bounds = [self._visible(fresh, p) for p in range(start_q, start_q + Tq)]
         n_sinks, n_compressed = self.sinks.length, self.compressed_keys.length
         dense_k, dense_v = fresh.dense
-        first = n_sinks + fresh.compressed
+        first = n_sinks + fresh.compressed  # position of the first dense column
         parts_k, parts_v = [], []
         if n_sinks:
             sk, sv = self.sinks.view()
@@ -543,42 +535,25 @@ class KVQCache:
         parts_k.append(dense_k.astype(dtype))
         parts_v.append(dense_v.astype(dtype))
         keys, values = mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2)
-        # the position each key column stands for (sinks, compressed, dense), and which kind it is
-        col = mx.arange(keys.shape[2])
         dense_start = n_sinks + n_compressed
-        position = mx.where(col < n_sinks, col, mx.where(col < dense_start, col, first + col - dense_start))
+        user_cols = None
         if user_mask is not None:
-            user_cols = mx.concatenate([mx.arange(n_sinks + n_compressed), first + mx.arange(dense_k.shape[2])])
+            user_cols = mx.concatenate([mx.arange(dense_start), first + mx.arange(dense_k.shape[2])])
         sinks = None if sink_logits is None else sink_logits.astype(dtype)
-        visible_value, hidden_value = mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype)
-        rows = self._prefill_rows(queries, keys.shape[2])
+        rows = rows_per_call(queries, keys.shape[2], self.PREFILL_MASK_BYTES, self.PREFILL_SCORES_BYTES)
         outs = []
         for r0 in range(0, Tq, rows):
             r1 = min(Tq, r0 + rows)
-            last = start_q + r1 - 1
-            end = dense_start + min(last - first + 1, dense_k.shape[2])  # keys past the last row's position: none
-            row_pos = mx.arange(start_q + r0, start_q + r1)[:, None]
-            bound = mx.array(bounds[r0:r1])[:, None]
-            c, pos = col[None, :end], position[None, :end]
-            visible = mx.where(c < n_sinks, pos <= row_pos,
-                               mx.where(c < dense_start, c - n_sinks < bound,
-                                        (pos >= n_sinks + bound) & (pos <= row_pos)))
-            if user_mask is not None:
-                rows_mask = user_mask[..., r0:r1, :] if user_mask.shape[-2] > 1 else user_mask
-                visible = visible & mx.take(rows_mask, user_cols[:end], axis=-1)
-            mask = mx.where(visible, visible_value, hidden_value)
+            end = dense_start + min(start_q + r1 - first, dense_k.shape[2])  # no key past the last row's position
+            mask = chunk_mask(bounds, start_q, r0, r1, n_sinks, n_compressed, first, end, dtype, user_mask,
+                              user_cols)
             outs.append(mx.fast.scaled_dot_product_attention(queries[:, :, r0:r1], keys[:, :, :end],
                                                              values[:, :, :end], scale=scale, mask=mask,
                                                              sinks=sinks))
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
-        if self.EVAL_CHUNK_ATTENTION:
-            # evaluated here, so this layer's decoded copy and mask are freed before the next layer builds its own
-            mx.eval(out)
+        transient = 2 * (keys.nbytes + values.nbytes) + min(rows, Tq) * keys.shape[2] * dtype.size * queries.shape[0]
+        IN_FLIGHT.push(out, transient, self.PREFILL_INFLIGHT_BYTES)
         return out
-
-    #: Whether :meth:`_chunk_attend_dequantized` evaluates its result before returning (one layer's transient
-    #: decoded copy at a time); a benchmark switch.
-    EVAL_CHUNK_ATTENTION = True
 
     def _chunk_parts(self, queries, scale, start_q, user_mask, fresh: _Fresh) -> list:
         """Attention parts of a chunk's queries (positions ``start_q ...``), each query seeing what it would see
