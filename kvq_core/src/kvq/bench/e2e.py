@@ -22,7 +22,6 @@ error and the run goes on.
 
 from __future__ import annotations
 
-import gc
 import time
 from typing import Callable
 
@@ -32,6 +31,7 @@ from tqdm import tqdm
 
 from ..evaluation.spec import MethodSpec, bits_per_coordinate, checked_with_reference, parse_method, split_methods
 from .fill import RandomKV, ReplayKV, decode, fill, latency_summary, prefill
+from .measure import release
 
 #: How caches are brought to the context length.
 FILLS = ("random", "replay", "prefill")
@@ -75,10 +75,11 @@ class E2ESettings:
 
 
 def parse_methods(text: str | None, head_dim: int | None = None, sinks: int = 4, window: int = 128,
-                  installed: set[str] | None = None) -> list[MethodSpec]:
-    """``--methods`` (``None``: the installed :data:`DEFAULT_METHODS`), validated; ``fp16`` first, added if missing.
+                  installed: set[str] | None = None, defaults: tuple[str, ...] = DEFAULT_METHODS) -> list[MethodSpec]:
+    """``--methods`` (``None``: the installed ``defaults``), validated; ``fp16`` first, added if missing.
 
     :param installed: installed method names (for the defaults; default: the registry's).
+    :param defaults: the method strings measured without ``--methods`` (default :data:`DEFAULT_METHODS`).
     :raises ValueError: a string that does not parse, an unknown method or parameter, a head_dim a method
         rejects, a duplicate (the message names the method string).
     """
@@ -86,7 +87,7 @@ def parse_methods(text: str | None, head_dim: int | None = None, sinks: int = 4,
         from ..plugins import registry
 
         installed = set(registry().methods) if installed is None else installed
-        text = ",".join(m for m in DEFAULT_METHODS if _names(m) <= installed | {"mlx-affine"})
+        text = ",".join(m for m in defaults if _names(m) <= installed | {"mlx-affine"})
     specs = []
     for part in split_methods(text):
         if part == KVQ_FP16 or part.startswith(KVQ_FP16 + "["):
@@ -205,7 +206,7 @@ class E2EBench:
                         on_row(row)
                     bar.update(1)
                 del source
-                _release()
+                release()
         return rows
 
     def _source(self, context: int):
@@ -225,12 +226,12 @@ class E2EBench:
         except Exception as exc:  # noqa: BLE001 - one failing method must not end the run: the row says why
             row["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
             bar.write(f"kvq bench e2e: {spec.label} at {context} tokens failed: {row['error']}")
-        _release()
+        release()
         return row
 
     def _measure_caches(self, spec, context, source, bar) -> dict:
         s = self.settings
-        _release()
+        release()
         before = mx.get_active_memory()
         mx.reset_peak_memory()
         tic = time.perf_counter()
@@ -279,10 +280,3 @@ def add_ratios(row: dict, reference: dict | None) -> None:
     row["kv_bytes_ratio"] = row["kv_bytes"] / reference["kv_bytes"] if ok else None
     row["memory_ratio"] = row["active_memory_growth"] / max(reference["active_memory_growth"], 1) if ok else None
     row["speed_vs_fp16"] = row["tokens_per_second"] / reference["tokens_per_second"] if ok else None
-
-
-def _release() -> None:
-    """Free what the last row left: Python garbage, then MLX's buffer cache (so memory deltas start clean)."""
-    gc.collect()
-    mx.synchronize()
-    mx.clear_cache()

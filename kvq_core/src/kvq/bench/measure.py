@@ -8,6 +8,7 @@ running it to completion (what a caller of the op waits for).
 from __future__ import annotations
 
 import datetime
+import gc
 import statistics
 import subprocess
 import time
@@ -19,6 +20,14 @@ import mlx.core as mx
 from .. import provenance
 from ..encoded import Encoded
 from ..problem import device_kind, device_name
+
+
+def release() -> None:
+    """Free what the last measurement left: Python garbage, then MLX's buffer cache (so memory deltas start
+    clean)."""
+    gc.collect()
+    mx.synchronize()
+    mx.clear_cache()
 
 
 def arrays_of(result: Any) -> list[mx.array]:

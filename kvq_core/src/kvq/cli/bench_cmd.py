@@ -18,6 +18,7 @@ from pathlib import Path
 SUBCOMMANDS = {
     "e2e": ("kvq.cli.bench_cmd:e2e_main", "decode tokens/s and memory against context length per cache"),
     "ops": ("kvq.cli.bench_ops_cmd:main", "each op per method, kernels vs pure MLX, time/memory/bandwidth vs size"),
+    "prefill": ("kvq.cli.bench_prefill_cmd:main", "prefill tokens/s and peak memory against prompt length per cache"),
 }
 
 
@@ -220,7 +221,7 @@ def _model_info(name: str, model, path) -> dict:
             "parameters": sum(w.size for w in weights), "weight_bytes": sum(w.nbytes for w in weights)}
 
 
-def _result_paths(out: str, stem: str, named: bool) -> dict:
+def _result_paths(out: str, stem: str, named: bool, command: str = "kvq bench e2e") -> dict:
     """The result files; a default name already taken by an earlier run gets a suffix (``-2``, ``-3`` ...), and
     either case is said on stderr: nothing is overwritten silently."""
     from ..bench import output
@@ -228,10 +229,10 @@ def _result_paths(out: str, stem: str, named: bool) -> dict:
     free = stem if named else output.unused_stem(out, stem)
     paths = output.output_paths(out, free)
     if free != stem:
-        print(f"kvq bench e2e: keeping an earlier run's {Path(out) / stem}.*; writing {paths['.json']}",
+        print(f"{command}: keeping an earlier run's {Path(out) / stem}.*; writing {paths['.json']}",
               file=sys.stderr)
     elif paths[".json"].exists():
-        print(f"kvq bench e2e: overwriting {paths['.json']} (--name {stem})", file=sys.stderr)
+        print(f"{command}: overwriting {paths['.json']} (--name {stem})", file=sys.stderr)
     return paths
 
 

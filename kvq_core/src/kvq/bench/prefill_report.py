@@ -1,0 +1,84 @@
+"""Reports of ``kvq bench prefill``: a markdown table per context, the results file, and the speed/memory plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .output import markdown_table, pyplot
+
+GB = 1e9
+COLUMNS = ("method", "cache", "rep", "s", "tokens/s (x fp16)", "peak GB above (x fp16)", "KV GB (x fp16)")
+NOTES = """Columns: s = wall time of the whole prefill (chunks of the settings' size, each chunk's cache state \
+evaluated before the next, as mlx_lm.generate_step prefills; logits never computed); tokens/s = context / s; peak \
+= mx.get_peak_memory() during the prefill minus the active memory before the caches were made; KV = the caches' \
+nbytes afterwards (allocated, preallocation included). Ratios compare with fp16 (mlx-lm's KVCache in the model's \
+dtype) in the same repetition; the first repetition includes compiling. mlx-affine:N = mlx-lm's QuantizedKVCache \
+(kv_bits N, group 64); the others are kvq caches."""
+
+
+def _ratio(text: str, ratio) -> str:
+    return text if ratio is None else f"{text} ({ratio:.2f})"
+
+
+def _cells(r: dict) -> list[str]:
+    head = [r["method"], r["cache"], str(r["rep"] + 1)]
+    if r["error"]:
+        return head + ["-", "-", "-", f"error: {r['error'][:120]}"]
+    return head + [f"{r['seconds']:.3g}", _ratio(f"{r['tokens_per_second']:,.0f}", r["speed_vs_fp16"]),
+                   _ratio(f"{r['peak_memory_growth'] / GB:.3g}", r["peak_vs_fp16"]),
+                   _ratio(f"{r['kv_bytes'] / GB:.3g}", r["kv_bytes_ratio"])]
+
+
+def markdown(rows: list[dict]) -> str:
+    """One table per context length (shortest first), then :data:`NOTES`."""
+    parts = []
+    for context in sorted({r["context"] for r in rows}):
+        parts.append(f"### {context} tokens of prompt\n")
+        parts.append(markdown_table(COLUMNS, [_cells(r) for r in rows if r["context"] == context]) + "\n")
+    return "\n".join(parts + [NOTES])
+
+
+def markdown_file(document: dict) -> str:
+    """A results file: title, exact command, device, versions, model and settings, then :func:`markdown`."""
+    env, s, m = document["environment"], document["settings"], document["model"]
+    commit = env.get("git_commit")
+    lines = [f"# kvq bench prefill, {env['date']}", "", f"`{env['command']}`", "",
+             f"Device: {env['device']} ({env['device_kind']}); MLX {env['mlx']}, kvq {env['kvq']}"
+             + (f", git {commit[:10]}{' (modified tree)' if env.get('git_dirty') else ''}" if commit else "") + ".",
+             f"Model: {m['name']} ({m['layers']} layers, {m['q_heads']} query / {m['kv_heads']} KV heads, head_dim "
+             f"{m['head_dim']}, {m['dtype']}, {m['parameters'] / 1e6:.0f}M parameters).",
+             f"Prompt: {s['prompt']}, chunks of {s['chunk']}, {s['reps']} repetitions; kvq caches: sinks {s['sinks']}, "
+             f"window {s['window']}, flush {s['flush']}, kernels {s['kernels']}.", "", markdown(document["rows"])]
+    return "\n".join(lines) + "\n"
+
+
+def plot(document: dict, path: str | Path) -> None:
+    """Two panels against prompt length (log 2): prefill tokens/s and peak memory above the model, the last
+    repetition of each row; one line per method (fp16 dashed black, mlx-lm caches with squares).
+
+    :raises ValueError: matplotlib is missing (the message says how to install it).
+    """
+    plt = pyplot()
+    rows = [r for r in document["rows"] if not r["error"]]
+    last = max((r["rep"] for r in rows), default=0)
+    rows = [r for r in rows if r["rep"] == last]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    panels = (("tokens_per_second", 1, "prefill tokens/s"), ("peak_memory_growth", GB, "peak GB above the model"))
+    for ax, (key, scale, label) in zip(axes, panels):
+        for method in dict.fromkeys(r["method"] for r in rows):
+            points = sorted((r["context"], r[key] / scale) for r in rows if r["method"] == method)
+            cache = next(r["cache"] for r in rows if r["method"] == method)
+            style = dict(color="black", linestyle="--", marker="o") if cache == "mlx-lm KVCache" else \
+                dict(marker="s" if cache.startswith("mlx-lm") else "o")
+            ax.plot([p[0] for p in points], [p[1] for p in points], label=method, **style)
+        ax.set(xscale="log", xlabel="prompt length (tokens)", ylabel=label)
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(lambda v, _: f"{v / 1024:g}K" if v >= 1024 else f"{v:g}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    env, m = document["environment"], document["model"]
+    fig.suptitle(f"kvq bench prefill: {m['name']} ({m['dtype']}) on {env['device']}, MLX {env['mlx']}, "
+                 f"repetition {last + 1}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
