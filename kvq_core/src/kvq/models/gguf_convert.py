@@ -1,4 +1,4 @@
-"""Convert a llama-architecture GGUF file into an mlx-lm model folder.
+"""Convert a llama- or qwen2-architecture GGUF file into an mlx-lm model folder.
 
 The folder holds `config.json`, `model.safetensors` (dequantized weights), `tokenizer.json` and
 `tokenizer_config.json`. Tensors are dequantized with the `gguf` library's own numpy dequantizer (MLX's GGUF loader
@@ -20,7 +20,9 @@ from tqdm import tqdm
 from . import ModelError
 from .tokenizer import write_tokenizer
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+#: GGUF architectures converted, each to the mlx-lm model type of the same name (same parameter names; llama.cpp
+#: permutes llama's Q/K rows for its interleaved rotary embedding, not qwen2's, which has biases on Q, K and V)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 # Bumped whenever conversion output changes, so stale cached folders are rebuilt
 CONVERSION_VERSION = 1
 
@@ -77,7 +79,7 @@ def open_gguf(path: Path) -> tuple[gguf.GGUFReader, dict[str, Any]]:
 
 
 def model_config(metadata: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
-    """The mlx-lm `config.json` for a llama-architecture GGUF.
+    """The mlx-lm `config.json` for a llama- or qwen2-architecture GGUF.
 
     Args:
         metadata: GGUF metadata as plain values.
@@ -87,7 +89,7 @@ def model_config(metadata: dict[str, Any], tensor_names: set[str]) -> dict[str, 
         A JSON-serialisable config with `rope_theta` at the top level (mlx-lm silently uses 10000 without it).
 
     Raises:
-        ModelError: the architecture is not llama, or it uses features this converter does not handle.
+        ModelError: the architecture is not supported, or it uses features this converter does not handle.
     """
     architecture = metadata.get("general.architecture")
     if architecture not in SUPPORTED_ARCHITECTURES:
@@ -105,7 +107,7 @@ def model_config(metadata: dict[str, Any], tensor_names: set[str]) -> dict[str, 
     if metadata.get(key("rope.scaling.type"), "none") != "none" or "rope_freqs.weight" in tensor_names:
         raise ModelError("unsupported GGUF: rotary embedding scaling is not converted")
     config = {
-        "model_type": "llama",
+        "model_type": architecture,
         "hidden_size": hidden_size,
         "num_hidden_layers": metadata[key("block_count")],
         "intermediate_size": metadata[key("feed_forward_length")],
@@ -180,6 +182,8 @@ def convert_tensors(reader: gguf.GGUFReader, config: dict[str, Any], dtype: mx.D
         mlx-lm parameter name -> array of `dtype`.
     """
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    if config["model_type"] != "llama":
+        heads = {}  # llama.cpp permutes only llama's Q/K rows
     weights = {}
     for tensor in tqdm(reader.tensors, desc="converting GGUF tensors", unit="tensor", disable=not progress):
         values = tensor_array(tensor)
@@ -191,23 +195,26 @@ def convert_tensors(reader: gguf.GGUFReader, config: dict[str, Any], dtype: mx.D
 
 
 def _check_parameters(config: dict[str, Any], weights: dict[str, mx.array]) -> None:
-    """Fail early, naming the tensor, if the weights do not fit mlx-lm's llama model."""
-    from mlx.utils import tree_flatten
-    from mlx_lm.models import llama
+    """Fail early, naming the tensor, if the weights do not fit mlx-lm's model of the config's type."""
+    import importlib
 
-    model = llama.Model(llama.ModelArgs.from_dict(config))
+    from mlx.utils import tree_flatten
+
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    model = module.Model(module.ModelArgs.from_dict(config))
     expected = {name: value.shape for name, value in tree_flatten(model.parameters())}
     mismatched = sorted(expected.keys() ^ weights.keys())
     if mismatched:
         name = mismatched[0]
-        raise ModelError(f"GGUF does not fit mlx-lm's llama: {'missing' if name in expected else 'extra'} {name}")
+        raise ModelError(f"GGUF does not fit mlx-lm's {config['model_type']}: "
+                         f"{'missing' if name in expected else 'extra'} {name}")
     for name, shape in expected.items():
         if weights[name].shape != shape:
             raise ModelError(f"GGUF tensor {name} has shape {weights[name].shape}, expected {shape}")
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, *, dtype: mx.Dtype = mx.float32, progress: bool = True) -> Path:
-    """Convert a llama-architecture GGUF file into an mlx-lm model folder.
+    """Convert a llama- or qwen2-architecture GGUF file into an mlx-lm model folder.
 
     Args:
         gguf_path: the `.gguf` file.

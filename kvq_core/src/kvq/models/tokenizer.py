@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from . import ModelError
 
@@ -24,10 +24,16 @@ LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
     r"|\s+(?!\S)|\s+"
 )
+# Qwen2's pattern (its tokenizer.json; llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2): Llama 3's with single digits
+QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
 GPT2_FAMILY = ("gpt2", "gpt-2", "default")
 # GPT-2's pattern after splitting every digit on its own (llama.cpp: STARCODER, REFACT, SMOLLM, CODESHELL)
 DIGITS_FAMILY = ("smollm", "starcoder", "refact", "codeshell")
 LLAMA3_FAMILY = ("llama-bpe", "llama3")
+QWEN2_FAMILY = ("qwen2",)
 
 
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
@@ -37,10 +43,11 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
         return byte_level
     if pre in DIGITS_FAMILY:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre in LLAMA3_FAMILY:
-        split = pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated", invert=False)
+    if pre in LLAMA3_FAMILY + QWEN2_FAMILY:
+        pattern = LLAMA3_PATTERN if pre in LLAMA3_FAMILY else QWEN2_PATTERN
+        split = pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False)
         return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    known = ", ".join(GPT2_FAMILY + DIGITS_FAMILY + LLAMA3_FAMILY)
+    known = ", ".join(GPT2_FAMILY + DIGITS_FAMILY + LLAMA3_FAMILY + QWEN2_FAMILY)
     raise ModelError(f"unsupported GGUF pre-tokenizer {pre!r} (supported: {known})")
 
 
@@ -77,7 +84,10 @@ def build_tokenizer(metadata: dict[str, Any]) -> Tokenizer:
     merges = [(m[: m.index(" ", 1)], m[m.index(" ", 1) + 1:]) for m in metadata["tokenizer.ggml.merges"]]
     vocab = {token: index for index, token in enumerate(tokens)}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    tokenizer.pre_tokenizer = _pre_tokenizer(metadata.get("tokenizer.ggml.pre", "default"))
+    pre = metadata.get("tokenizer.ggml.pre", "default")
+    tokenizer.pre_tokenizer = _pre_tokenizer(pre)
+    if pre in QWEN2_FAMILY:
+        tokenizer.normalizer = normalizers.NFC()  # as Qwen2's tokenizer.json
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = _post_processor(metadata, tokens)
     # Special and user-defined tokens keep their vocabulary ids; they are matched before pre-tokenization
