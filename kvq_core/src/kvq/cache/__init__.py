@@ -22,6 +22,7 @@ from . import patch as _patch
 from .batch import BatchKVQCache
 from ..select import check_kernels, select
 from .files import load_prompt_cache, save_prompt_cache
+from .guard import POLICIES, OutlierLayerWarning
 from .layer import CacheConfig, CompressedView, KVQCache, block_implementation, has_attend, quantize_kernels
 from .sharding import first_layer, kv_head_range
 
@@ -43,7 +44,7 @@ def _params(method: str | None, overrides: dict | None, shared: dict, side: str)
 def make_config(method: str | None = "affine", *, key_method: str | None = None, value_method: str | None = None,
                 key_params: dict | None = None, value_params: dict | None = None, sinks: int = 4,
                 window: int = 128, step: int = 256, kernels: str = "auto", flush: int = 1,
-                **params: Any) -> CacheConfig:
+                outlier_layers: str = "upgrade", **params: Any) -> CacheConfig:
     """A validated :class:`CacheConfig`.
 
     :param method: method for keys and values (``key_method``/``value_method`` override it per side).
@@ -51,6 +52,9 @@ def make_config(method: str | None = "affine", *, key_method: str | None = None,
     :param params: parameters shared by both sides (``bits=4``).
     :param kernels: ``"auto"``, ``"require"`` or ``"off"`` (see :class:`CacheConfig`).
     :param flush: tokens leave the residual window in blocks of ``flush`` (see :class:`CacheConfig`).
+    :param outlier_layers: ``"upgrade"`` (default), ``"warn"`` or ``"off"``: layers whose keys show outlier
+        channels low-bit keys cannot hold (:mod:`kvq.cache.guard`) are stored at 8 bits with a warning, only
+        warned about, or left alone.
     :raises ValueError: unknown method, parameter out of range, ``kernels`` not one of the three, a keys-only
         method (``qjl``) on the values' side, a method the cache cannot attend over (no ``kvq_attend`` and no
         ``kvq_dequantize``: :func:`kvq.cache.layer.block_implementation`).
@@ -66,7 +70,9 @@ def make_config(method: str | None = "affine", *, key_method: str | None = None,
     for p, side in ((kp, "keys"), (vp, "values")):
         if kp.method != vp.method or not has_attend(p.method):
             block_implementation(p.method, side)  # how the cache will attend: raises now if it cannot
-    return CacheConfig(kp, vp, sinks, window, step, kernels, flush)
+    if outlier_layers not in POLICIES:
+        raise ValueError(f"outlier_layers must be one of {', '.join(POLICIES)}; got {outlier_layers!r}")
+    return CacheConfig(kp, vp, sinks, window, step, kernels, flush, outlier_layers)
 
 
 def check_required_kernels(config: CacheConfig, num_kv_heads: int, head_dim: int, num_q_heads: int) -> None:
@@ -178,5 +184,6 @@ def unpatch_model(model):
     return model
 
 
-__all__ = ["BatchKVQCache", "CacheConfig", "CompressedView", "KVQCache", "load_prompt_cache", "make_config",
+__all__ = ["BatchKVQCache", "CacheConfig", "CompressedView", "KVQCache", "OutlierLayerWarning", "load_prompt_cache",
+           "make_config",
            "make_prompt_cache", "patch_model", "save_prompt_cache", "unpatch_model"]

@@ -25,6 +25,7 @@ from ..plugins import implemented_ops, registry
 from ..select import MAX_DECODE_QUERIES, check_kernels, is_kernel, select
 from ..validate import float_array
 from ..encoded import Encoded
+from .guard import POLICIES, guard_layer
 from .prefill import IN_FLIGHT, chunk_mask, rows_per_call
 from .state import check_layer, config_from_json, config_to_json
 from .store import DenseBuffer, EncodedStore
@@ -47,6 +48,11 @@ class CacheConfig:
         implementations the cache's hot path may use. ``require``: attention must run in a kernel (checked by
         :func:`kvq.make_prompt_cache` at construction) and quantize runs in a kernel wherever the method has
         one. A run-time preference of this process: it is not written to prompt-cache files.
+    :param outlier_layers: ``"upgrade"`` (default), ``"warn"`` or ``"off"``: what the layer does when the keys of
+        the first block it compresses show outlier channels that low-bit keys cannot hold
+        (:mod:`kvq.cache.guard`: stored with affine 8-bit instead, with a warning; warn only; nothing). A run-time
+        preference, not written to prompt-cache files (the parameters a layer ends up with are).
+    :param layer: the layer's index in the model (set by :meth:`for_layer`; named in warnings), or ``None``.
     """
 
     key_params: Any
@@ -56,6 +62,8 @@ class CacheConfig:
     step: int = attrs.field(default=256)
     kernels: str = attrs.field(default="auto", validator=lambda i, a, v: check_kernels(v))
     flush: int = attrs.field(default=1)
+    outlier_layers: str = attrs.field(default="upgrade", validator=attrs.validators.in_(POLICIES))
+    layer: int | None = attrs.field(default=None)
 
     @flush.validator
     @sinks.validator
@@ -82,7 +90,7 @@ class CacheConfig:
         """This configuration for layer ``layer`` (its index in the whole model): parameters with the optional
         ``for_layer`` (:class:`kvq.contract.ForLayer`: per-layer calibration such as VecInfer's codebooks) are
         specialised; the others are shared."""
-        return self._specialised(ForLayer, layer)
+        return attrs.evolve(self._specialised(ForLayer, layer), layer=layer)
 
     def for_heads(self, start: int, stop: int) -> "CacheConfig":
         """This configuration for a cache holding KV heads ``start:stop`` of the model (one tensor-parallel rank's):
@@ -422,6 +430,7 @@ class KVQCache:
             hook = optional_hook(params, Fits)
             return params if hook is None else hook(block)
 
+        self.config = guard_layer(self.config, keys)  # outlier layers: stored at 8 bits (kvq.cache.guard)
         self.config = attrs.evolve(self.config, key_params=fit(self.config.key_params, keys),
                                    value_params=fit(self.config.value_params, values))
 

@@ -126,7 +126,7 @@ class Evaluation:
         prefill(self.model, cache, ids[: s.context], s.chunk)
         seconds["prefill"].append(time.perf_counter() - t)
         memory = {"kv_bytes": sum(c.nbytes for c in cache), "active_memory_growth": mx.get_active_memory() - before,
-                  "peak_memory_growth": mx.get_peak_memory() - before}
+                  "peak_memory_growth": mx.get_peak_memory() - before, **layer_methods(cache, spec, self.head_dim)}
         record = self.layers is None and w == 0
         hook.recording = {} if record else None
         t = time.perf_counter()
@@ -167,7 +167,7 @@ class Evaluation:
         return {"rate": rate, "trials": trials}
 
     def _row(self, spec, sinks, window, quality, errors, needle, memory) -> dict:
-        key_bits, value_bits = bits_per_coordinate(spec, self.head_dim)
+        key_bits, value_bits = memory.pop("layer_bits", None) or bits_per_coordinate(spec, self.head_dim)
         bits = (key_bits + value_bits) / 2
         dense = min(sinks + window, self.settings.context)
         effective = ((self.settings.context - dense) * bits + dense * DENSE_BITS) / self.settings.context
@@ -185,3 +185,20 @@ class Evaluation:
             "kv_bytes_ratio": memory["kv_bytes"] / ref["kv_bytes"],
             "memory_ratio": memory["active_memory_growth"] / max(ref["active_memory_growth"], 1),
         }
+
+
+def layer_methods(cache: list, spec: MethodSpec, head_dim: int) -> dict:
+    """What the layers of ``cache`` ended up storing, after a prefill: ``{"layer_bits": (keys, values) bits per
+    coordinate averaged over the layers, "outlier_layers": indices of layers stored otherwise than ``spec`` says
+    (kvq's outlier-layer guard, :mod:`kvq.cache.guard`)}``; empty for caches that are not kvq's."""
+    from ..cache import KVQCache
+
+    configs = [c.config for c in cache if isinstance(c, KVQCache)]
+    if not configs or len(configs) != len(cache):
+        return {}
+    bits = [(c.key_params.accounting(head_dim).bits_per_coordinate,
+             c.value_params.accounting(head_dim).bits_per_coordinate) for c in configs]
+    changed = [i for i, c in enumerate(configs) if (c.key_params.method, c.value_params.method) !=
+               (spec.key_method, spec.value_method)]
+    return {"layer_bits": (sum(b[0] for b in bits) / len(bits), sum(b[1] for b in bits) / len(bits)),
+            "outlier_layers": changed}

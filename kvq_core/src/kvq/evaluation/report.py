@@ -60,6 +60,10 @@ def markdown(document: dict) -> str:
                      f"tokens (offsets {', '.join(map(str, run['offsets']))}), needle depths "
                      f"{', '.join(f'{d:g}' for d in s['needle_depths']) or 'none'}\n")
         parts.append(markdown_table(run["rows"]) + "\n")
+        for r in run["rows"]:
+            if r.get("outlier_layers"):
+                parts.append(f"{r['method']}: layers {', '.join(map(str, r['outlier_layers']))} stored with affine:8 "
+                             "(outlier layers, kvq.cache.guard); bits/coord averages every layer.\n")
     parts.append(NOTES)
     return "\n".join(parts)
 
