@@ -19,8 +19,11 @@ def versions() -> dict:
     """Versions of Python, the platform and the packages the numbers depend on."""
     import mlx.core as mx
 
+    from ..provenance import distributions
+
     found = {"python": sys.version.split()[0], "platform": platform.platform(), "mlx_device": str(mx.default_device())}
-    for dist in ("kvq-core", "kvq-backends-turboquant", "kvq-backends-qjl", "mlx", "mlx-lm", "transformers"):
+    found.update(distributions())  # every kvq distribution and plugin installed (kvq-metal, vecinfer ...)
+    for dist in ("mlx", "mlx-lm", "transformers"):
         try:
             found[dist] = version(dist)
         except PackageNotFoundError:

@@ -1,0 +1,87 @@
+"""Per layer of a real model: the keys' offset energy and each key method's attention-output error (issue #20).
+
+    python benchmarks/outlier_layers.py OUT.json [--model Qwen2.5-Coder-0.5B-Instruct] [--tokens 1024]
+        [--offset 5000] [--methods turboquant:4,turboquant:3,affine:4,affine:8]
+
+One forward pass over ``--tokens`` tokens of the Python language reference (from token ``--offset``) with mlx-lm's
+KVCache records every layer's queries, keys and values. Per layer: :func:`kvq.cache.guard.offset_energy` of the keys
+of the first block a kvq cache would compress (the 129 tokens after 4 sinks), and, per method, the relative error
+of the causal attention output when only the keys are quantized and dequantized (pure MLX). Shows which layers
+kvq's outlier-layer guard flags (offset energy >= ``OFFSET_ENERGY_LIMIT``) and what they cost each method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+import mlx.core as mx
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out")
+    ap.add_argument("--model", default="Qwen2.5-Coder-0.5B-Instruct")
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--offset", type=int, default=5000)
+    ap.add_argument("--methods", default="turboquant:4,turboquant:3,affine:4,affine:8")
+    args = ap.parse_args(argv)
+
+    import kvq.models
+    from mlx_lm.models.cache import KVCache
+
+    from kvq import select
+    from kvq.cache.guard import OFFSET_ENERGY_LIMIT, offset_energy
+    from kvq.evaluation.spec import parse_method
+    from kvq.plugins import registry
+    from kvq.textdata import encode_text, language_reference
+
+    model, tokenizer = kvq.models.load(args.model, progress=False)
+    module = importlib.import_module(type(model).__module__)
+    ids = mx.array(encode_text(tokenizer, language_reference())[args.offset : args.offset + args.tokens])
+    calls, original = [], module.scaled_dot_product_attention
+
+    def record(q, k, v, cache, scale, mask, sinks=None):
+        calls.append((q, k, v, scale))
+        return original(q, k, v, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    module.scaled_dot_product_attention = record
+    try:
+        model(ids[None], cache=[KVCache() for _ in model.layers])
+    finally:
+        module.scaled_dot_product_attention = original
+    methods = []
+    for label in args.methods.split(","):
+        spec = parse_method(label)
+        methods.append((label, registry().method(spec.key_method).make_params(**spec.key_params)))
+
+    def roundtrip(x, p):
+        encoded = select(p.method, x.shape, dtype=x.dtype, op="quantize", params=p, kernels="off").quantize(x, p)
+        plan = select(p.method, x.shape, dtype=x.dtype, op="dequantize", params=p, kernels="off")
+        return plan.dequantize(encoded, mx.float32)
+
+    rows = []
+    for layer, (q, k, v, scale) in enumerate(calls):
+        q, k, v = (a.astype(mx.float32) for a in (q, k, v))
+        ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")
+        row = {"layer": layer, "offset_energy": offset_energy(k[:, :, 4:133]),
+               "key_norm": float(mx.mean(mx.linalg.norm(k, axis=-1))), "attention_error": {}}
+        for label, p in methods:
+            out = mx.fast.scaled_dot_product_attention(q, roundtrip(k, p), v, scale=scale, mask="causal")
+            row["attention_error"][label] = float(mx.linalg.norm(out - ref) / mx.linalg.norm(ref))
+        row["flagged"] = row["offset_energy"] >= OFFSET_ENERGY_LIMIT
+        rows.append(row)
+        errors = " ".join(f"{m} {e:.3f}" for m, e in row["attention_error"].items())
+        print(f"layer {layer:2d} offset energy {row['offset_energy']:.3f} key norm {row['key_norm']:6.1f} "
+              f"{'FLAGGED ' if row['flagged'] else ''}{errors}", flush=True)
+    doc = {"model": args.model, "tokens": args.tokens, "offset": args.offset, "limit": OFFSET_ENERGY_LIMIT,
+           "mlx": mx.__version__, "rows": rows}
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
