@@ -60,6 +60,7 @@ def test_an_outlier_layer_is_stored_at_8_bits_and_named(method, bits):
         guarded = filled(method, keys, values, bits=bits)
     assert (guarded.config.key_params.method, guarded.config.key_params.bits) == ("affine", 8)
     assert (guarded.config.value_params.method, guarded.config.value_params.bits) == ("affine", 8)
+    assert guarded.config.outlier_layer
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # "off": no warning at all
         plain = filled(method, keys, values, policy="off", bits=bits)
@@ -75,7 +76,7 @@ def test_warn_only_keeps_the_method():
     keys, values = keys_values(offsets=True)
     with pytest.warns(OutlierLayerWarning, match="outlier_layers='upgrade' .* would store it with affine:8"):
         cache = filled("turboquant", keys, values, policy="warn", bits=4)
-    assert cache.config.key_params.method == "turboquant"
+    assert cache.config.key_params.method == "turboquant" and cache.config.outlier_layer
 
 
 def test_ordinary_keys_short_blocks_and_8_bit_keys_are_left_alone():
@@ -109,3 +110,17 @@ def test_the_upgraded_layer_is_what_a_prompt_cache_file_holds(tmp_path):
 def test_bad_policy_is_named():
     with pytest.raises(ValueError, match="outlier_layers must be one of upgrade, warn, off; got 'always'"):
         make_config("turboquant", bits=4, outlier_layers="always")
+
+
+def test_kvq_eval_counts_what_the_layers_store():
+    """kvq eval's bits per coordinate average the layers as stored (an upgraded layer at affine:8's 8.5 bits) and
+    name the flagged layers; affine:4 upgraded to affine:8 counts too (same method name)."""
+    from kvq.evaluation.harness import layer_methods
+
+    shifted, values = keys_values(offsets=True)
+    plain, _ = keys_values(offsets=False)
+    with pytest.warns(OutlierLayerWarning):
+        caches = [filled("affine", plain, values, bits=4, layer=0), filled("affine", shifted, values, bits=4, layer=1)]
+    found = layer_methods(caches, D)
+    assert found["outlier_layers"] == [1]
+    assert found["layer_bits"] == pytest.approx(((4.5 + 8.5) / 2, (4.5 + 8.5) / 2))

@@ -68,8 +68,8 @@ def safe_params():
 def guard_layer(config, keys: mx.array):
     """``config`` (a :class:`kvq.cache.CacheConfig`) after checking the keys of the first block its layer
     compresses: unchanged unless the layer is an outlier layer and ``config.outlier_layers`` is not ``"off"``;
-    then an :class:`OutlierLayerWarning` naming the layer, and under ``"upgrade"`` both sides' parameters
-    replaced by :func:`safe_params`. A block of fewer than :data:`MIN_TOKENS` tokens is not checked."""
+    then an :class:`OutlierLayerWarning` naming the layer, ``outlier_layer`` set, and under ``"upgrade"`` both
+    sides' parameters replaced by :func:`safe_params`. A block of fewer than :data:`MIN_TOKENS` tokens is not checked."""
     import attrs
 
     if config.outlier_layers == "off" or not guarded(config.key_params) or keys.shape[2] < MIN_TOKENS:
@@ -84,8 +84,8 @@ def guard_layer(config, keys: mx.array):
     if config.outlier_layers == "warn":
         warnings.warn(f"{found}; outlier_layers='upgrade' (the default) would store it with affine:8",
                       OutlierLayerWarning, stacklevel=3)
-        return config
+        return attrs.evolve(config, outlier_layer=True)
     warnings.warn(f"{found}: it is stored with {SAFE_METHOD}:{SAFE_BITS} (keys and values) instead; "
                   f"outlier_layers='off' keeps {method}", OutlierLayerWarning, stacklevel=3)
     safe = safe_params()
-    return attrs.evolve(config, key_params=safe, value_params=safe)
+    return attrs.evolve(config, key_params=safe, value_params=safe, outlier_layer=True)

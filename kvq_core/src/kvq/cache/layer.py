@@ -53,6 +53,8 @@ class CacheConfig:
         (:mod:`kvq.cache.guard`: stored with affine 8-bit instead, with a warning; warn only; nothing). A run-time
         preference, not written to prompt-cache files (the parameters a layer ends up with are).
     :param layer: the layer's index in the model (set by :meth:`for_layer`; named in warnings), or ``None``.
+    :param outlier_layer: set by the guard when this layer's first compressed block showed outlier channels
+        (whatever the policy did about it); not written to prompt-cache files.
     """
 
     key_params: Any
@@ -64,6 +66,7 @@ class CacheConfig:
     flush: int = attrs.field(default=1)
     outlier_layers: str = attrs.field(default="upgrade", validator=attrs.validators.in_(POLICIES))
     layer: int | None = attrs.field(default=None)
+    outlier_layer: bool = attrs.field(default=False)
 
     @flush.validator
     @sinks.validator

@@ -126,7 +126,7 @@ class Evaluation:
         prefill(self.model, cache, ids[: s.context], s.chunk)
         seconds["prefill"].append(time.perf_counter() - t)
         memory = {"kv_bytes": sum(c.nbytes for c in cache), "active_memory_growth": mx.get_active_memory() - before,
-                  "peak_memory_growth": mx.get_peak_memory() - before, **layer_methods(cache, spec, self.head_dim)}
+                  "peak_memory_growth": mx.get_peak_memory() - before, **layer_methods(cache, self.head_dim)}
         record = self.layers is None and w == 0
         hook.recording = {} if record else None
         t = time.perf_counter()
@@ -187,10 +187,11 @@ class Evaluation:
         }
 
 
-def layer_methods(cache: list, spec: MethodSpec, head_dim: int) -> dict:
+def layer_methods(cache: list, head_dim: int) -> dict:
     """What the layers of ``cache`` ended up storing, after a prefill: ``{"layer_bits": (keys, values) bits per
-    coordinate averaged over the layers, "outlier_layers": indices of layers stored otherwise than ``spec`` says
-    (kvq's outlier-layer guard, :mod:`kvq.cache.guard`)}``; empty for caches that are not kvq's."""
+    coordinate averaged over the layers, "outlier_layers": indices of the layers kvq's outlier-layer guard flagged
+    (:mod:`kvq.cache.guard`; stored with affine:8 under its default policy)}``; empty for caches that are not
+    kvq's."""
     from ..cache import KVQCache
 
     configs = [c.config for c in cache if isinstance(c, KVQCache)]
@@ -198,7 +199,6 @@ def layer_methods(cache: list, spec: MethodSpec, head_dim: int) -> dict:
         return {}
     bits = [(c.key_params.accounting(head_dim).bits_per_coordinate,
              c.value_params.accounting(head_dim).bits_per_coordinate) for c in configs]
-    changed = [i for i, c in enumerate(configs) if (c.key_params.method, c.value_params.method) !=
-               (spec.key_method, spec.value_method)]
+    changed = [i for i, c in enumerate(configs) if c.outlier_layer]
     return {"layer_bits": (sum(b[0] for b in bits) / len(bits), sum(b[1] for b in bits) / len(bits)),
             "outlier_layers": changed}
