@@ -29,6 +29,19 @@ def registered():
         kvq.unregister(obj)
 
 
+@pytest.fixture
+def no_model_work(monkeypatch):
+    """Building or loading a model fails the test (for checks that must come before any model work)."""
+    import kvq.models
+    from kvq.bench import random_model
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("model work started before the input was checked")
+
+    monkeypatch.setattr(kvq.models, "load", refuse)
+    monkeypatch.setattr(random_model, "build_random_model", refuse)
+
+
 def has_gpu() -> bool:
     return mx.metal.is_available() or (hasattr(mx, "cuda") and mx.cuda.is_available())
 

@@ -133,18 +133,6 @@ def test_llama3_8b_preset_shape():
     assert random_model.random_config("llama3-8b")["num_hidden_layers"] == 32
 
 
-@pytest.fixture
-def no_model_work(monkeypatch):
-    """Building or loading a model fails the test."""
-    import kvq.models
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("model work started before the input was checked")
-
-    monkeypatch.setattr(kvq.models, "load", refuse)
-    monkeypatch.setattr(random_model, "build_random_model", refuse)
-
-
 @pytest.mark.parametrize("args, message", [
     (["--model", "random:llama3-9b"], "unknown random preset 'llama3-9b'; choose one of random:llama3-8b"),
     (["--model", "random:tiny", "--methods", "affine:x"], "bits 'x' must be an integer"),

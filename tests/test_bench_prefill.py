@@ -8,7 +8,7 @@ import json
 import mlx.core as mx
 import pytest
 
-from kvq.bench import prefill, random_model
+from kvq.bench import prefill
 from kvq.cli import main
 from kvq.problem import device_kind
 
@@ -89,17 +89,6 @@ def test_real_text_prompts_repeat_the_text():
     assert ids.tolist() == [5, 6, 7, 5, 6, 7, 5]
     a, b = prefill.prompt(64, 100, None, seed=1), prefill.prompt(64, 100, None, seed=1)
     assert a.tolist() == b.tolist() and 0 <= min(a.tolist()) and max(a.tolist()) < 100
-
-
-@pytest.fixture
-def no_model_work(monkeypatch):
-    import kvq.models
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("model work started before the input was checked")
-
-    monkeypatch.setattr(kvq.models, "load", refuse)
-    monkeypatch.setattr(random_model, "build_random_model", refuse)
 
 
 @pytest.mark.parametrize("args, message", [

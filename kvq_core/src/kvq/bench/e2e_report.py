@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .output import markdown_table, pyplot
+from .output import context_axis, header_lines, pyplot, tables_by_context
 
 MIB = 2**20
 COLUMNS = ("method", "cache", "bits/coord (eff.)", "KV MiB (x fp16)", "measured MiB (x fp16)", "decode peak MiB",
@@ -38,22 +38,13 @@ def _cells(r: dict) -> list[str]:
 
 def markdown(rows: list[dict]) -> str:
     """One table per context length (shortest first), then :data:`NOTES`."""
-    parts = []
-    for context in sorted({r["context"] for r in rows}):
-        parts.append(f"### {context} tokens of context\n")
-        parts.append(markdown_table(COLUMNS, [_cells(r) for r in rows if r["context"] == context]) + "\n")
-    return "\n".join(parts + [NOTES])
+    return "\n".join(tables_by_context(rows, COLUMNS, _cells, "tokens of context") + [NOTES])
 
 
 def markdown_file(document: dict) -> str:
     """A results file: title, exact command, device, versions, model and settings, then :func:`markdown`."""
-    env, s, m = document["environment"], document["settings"], document["model"]
-    commit = env.get("git_commit")
-    lines = [f"# kvq bench e2e, {env['date']}", "", f"`{env['command']}`", "",
-             f"Device: {env['device']} ({env['device_kind']}); MLX {env['mlx']}, kvq {env['kvq']}"
-             + (f", git {commit[:10]}{' (modified tree)' if env.get('git_dirty') else ''}" if commit else "") + ".",
-             f"Model: {m['name']} ({m['layers']} layers, {m['q_heads']} query / {m['kv_heads']} KV heads, head_dim "
-             f"{m['head_dim']}, {m['dtype']}, {m['parameters'] / 1e6:.0f}M parameters).",
+    s = document["settings"]
+    lines = [*header_lines("kvq bench e2e", document),
              f"Fill: {s['fill']} (chunks of {s['chunk']}); decode: {s['warmup']} warmup + {s['steps']} timed steps; "
              f"kvq caches: sinks {s['sinks']}, window {s['window']}, kernels {s['kernels']}.",
              *(f"Note: {n}" for n in document.get("notes", [])), "", markdown(document["rows"])]
@@ -82,12 +73,10 @@ def plot(document: dict, path: str | Path) -> None:
                 dict(marker="s" if cache.startswith("mlx-lm") else "o")
             name = f"{method} (mlx-lm KVCache, {rows[0]['kv_dtype']})" if cache == "mlx-lm KVCache" else method
             ax.plot([p[0] for p in points], [p[1] for p in points], label=name, **style)
-        ax.set(xscale="log", yscale="log", xlabel="context length (tokens)", ylabel=label)
-        ax.set_xscale("log", base=2)
-        ax.xaxis.set_major_formatter(lambda v, _: f"{v / 1024:g}K" if v >= 1024 else f"{v:g}")
+        ax.set(yscale="log", ylabel=label)
+        context_axis(ax)
         ax.yaxis.set_major_formatter(LogFormatter())  # plain numbers; minor ticks labelled on short ranges
         ax.yaxis.set_minor_formatter(LogFormatter())
-        ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=8)
     env, m = document["environment"], document["model"]
     fig.suptitle(f"kvq bench e2e: {m['name']} ({m['dtype']}) on {env['device']}, MLX {env['mlx']} "

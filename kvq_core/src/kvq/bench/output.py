@@ -62,6 +62,36 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     return "\n".join([line(headers), "|" + "---|" * len(headers), *(line(r) for r in rows)])
 
 
+def tables_by_context(rows: Sequence[dict], headers: Sequence[str], cells, heading: str) -> list[str]:
+    """One markdown table per ``row["context"]`` (shortest first), each under ``### {context} {heading}``;
+    ``cells(row)`` gives a row's cells."""
+    parts = []
+    for context in sorted({r["context"] for r in rows}):
+        parts.append(f"### {context} {heading}\n")
+        parts.append(markdown_table(headers, [cells(r) for r in rows if r["context"] == context]) + "\n")
+    return parts
+
+
+def header_lines(title: str, document: dict[str, Any]) -> list[str]:
+    """The first lines of a results file: ``# {title}, date``, the exact command, the device and versions (and
+    git commit), and the model (``document["environment"]`` and ``["model"]``)."""
+    env, m = document["environment"], document["model"]
+    commit = env.get("git_commit")
+    return [f"# {title}, {env['date']}", "", f"`{env['command']}`", "",
+            f"Device: {env['device']} ({env['device_kind']}); MLX {env['mlx']}, kvq {env['kvq']}"
+            + (f", git {commit[:10]}{' (modified tree)' if env.get('git_dirty') else ''}" if commit else "") + ".",
+            f"Model: {m['name']} ({m['layers']} layers, {m['q_heads']} query / {m['kv_heads']} KV heads, head_dim "
+            f"{m['head_dim']}, {m['dtype']}, {m['parameters'] / 1e6:.0f}M parameters)."]
+
+
+def context_axis(ax, label: str = "context length (tokens)") -> None:
+    """A matplotlib x axis of token counts: log 2, ticks as 1K, 4K ... (plain below 1024), a light grid."""
+    ax.set_xlabel(label)
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(lambda v, _: f"{v / 1024:g}K" if v >= 1024 else f"{v:g}")
+    ax.grid(True, which="both", alpha=0.3)
+
+
 def plots_extra() -> str:
     """How to get matplotlib, which kvq-core installs only with its ``plots`` extra (a command that works here)."""
     return install_command("kvq-core", extra="plots")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .output import markdown_table, pyplot
+from .output import context_axis, header_lines, pyplot, tables_by_context
 
 GB = 1e9
 COLUMNS = ("method", "cache", "rep", "s", "tokens/s (x fp16)", "peak GB above (x fp16)", "KV GB (x fp16)")
@@ -31,22 +31,13 @@ def _cells(r: dict) -> list[str]:
 
 def markdown(rows: list[dict]) -> str:
     """One table per context length (shortest first), then :data:`NOTES`."""
-    parts = []
-    for context in sorted({r["context"] for r in rows}):
-        parts.append(f"### {context} tokens of prompt\n")
-        parts.append(markdown_table(COLUMNS, [_cells(r) for r in rows if r["context"] == context]) + "\n")
-    return "\n".join(parts + [NOTES])
+    return "\n".join(tables_by_context(rows, COLUMNS, _cells, "tokens of prompt") + [NOTES])
 
 
 def markdown_file(document: dict) -> str:
     """A results file: title, exact command, device, versions, model and settings, then :func:`markdown`."""
-    env, s, m = document["environment"], document["settings"], document["model"]
-    commit = env.get("git_commit")
-    lines = [f"# kvq bench prefill, {env['date']}", "", f"`{env['command']}`", "",
-             f"Device: {env['device']} ({env['device_kind']}); MLX {env['mlx']}, kvq {env['kvq']}"
-             + (f", git {commit[:10]}{' (modified tree)' if env.get('git_dirty') else ''}" if commit else "") + ".",
-             f"Model: {m['name']} ({m['layers']} layers, {m['q_heads']} query / {m['kv_heads']} KV heads, head_dim "
-             f"{m['head_dim']}, {m['dtype']}, {m['parameters'] / 1e6:.0f}M parameters).",
+    s = document["settings"]
+    lines = [*header_lines("kvq bench prefill", document),
              f"Prompt: {s['prompt']}, chunks of {s['chunk']}, {s['reps']} repetitions; kvq caches: sinks {s['sinks']}, "
              f"window {s['window']}, flush {s['flush']}, kernels {s['kernels']}.", "", markdown(document["rows"])]
     return "\n".join(lines) + "\n"
@@ -71,10 +62,8 @@ def plot(document: dict, path: str | Path) -> None:
             style = dict(color="black", linestyle="--", marker="o") if cache == "mlx-lm KVCache" else \
                 dict(marker="s" if cache.startswith("mlx-lm") else "o")
             ax.plot([p[0] for p in points], [p[1] for p in points], label=method, **style)
-        ax.set(xscale="log", xlabel="prompt length (tokens)", ylabel=label)
-        ax.set_xscale("log", base=2)
-        ax.xaxis.set_major_formatter(lambda v, _: f"{v / 1024:g}K" if v >= 1024 else f"{v:g}")
-        ax.grid(True, which="both", alpha=0.3)
+        ax.set(ylabel=label)
+        context_axis(ax, "prompt length (tokens)")
     axes[0].legend(fontsize=8)
     env, m = document["environment"], document["model"]
     fig.suptitle(f"kvq bench prefill: {m['name']} ({m['dtype']}) on {env['device']}, MLX {env['mlx']}, "

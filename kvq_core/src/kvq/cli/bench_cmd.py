@@ -59,6 +59,21 @@ The PNG needs matplotlib, kvq-core's plots extra (the error says how to install 
 """
 
 
+def add_model_and_cache_options(p: argparse.ArgumentParser) -> None:
+    """The options ``kvq bench e2e`` and ``kvq bench prefill`` share: ``--dtype``, ``--layers`` (the model) and
+    ``--sinks``, ``--window``, ``--flush``, ``--kernels`` (kvq caches)."""
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
+                   help="model dtype (default: random models bfloat16 on a GPU, float32 on the CPU; real models "
+                        "as stored)")
+    p.add_argument("--layers", type=int, default=None, help="random models: keep this many layers")
+    p.add_argument("--sinks", type=int, default=4, help="kvq caches: uncompressed first tokens (default 4)")
+    p.add_argument("--window", type=int, default=128, help="kvq caches: uncompressed last tokens (default 128)")
+    p.add_argument("--flush", type=int, default=32, metavar="N",
+                   help="kvq caches: tokens leave the window in blocks of N (default 32, as kvq generate)")
+    p.add_argument("--kernels", choices=("auto", "require", "off"), default="auto",
+                   help="kvq caches: fused kernels (default auto)")
+
+
 def e2e_parser() -> argparse.ArgumentParser:
     """The argument parser of ``kvq bench e2e``."""
     from ..bench import e2e
@@ -77,16 +92,7 @@ def e2e_parser() -> argparse.ArgumentParser:
     p.add_argument("--fill", choices=e2e.FILLS, default=None,
                    help="how caches reach the context: random, replay (one real prefill), prefill (each cache)")
     p.add_argument("--chunk", type=int, default=4096, help="tokens per update_and_fetch when filling (default 4096)")
-    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
-                   help="model dtype (default: random models bfloat16 on a GPU, float32 on the CPU; real models "
-                        "as stored)")
-    p.add_argument("--layers", type=int, default=None, help="random models: keep this many layers")
-    p.add_argument("--sinks", type=int, default=4, help="kvq caches: uncompressed first tokens (default 4)")
-    p.add_argument("--window", type=int, default=128, help="kvq caches: uncompressed last tokens (default 128)")
-    p.add_argument("--flush", type=int, default=32, metavar="N",
-                   help="kvq caches: tokens leave the window in blocks of N (default 32, as kvq generate)")
-    p.add_argument("--kernels", choices=("auto", "require", "off"), default="auto",
-                   help="kvq caches: fused kernels (default auto)")
+    add_model_and_cache_options(p)
     p.add_argument("--largest-first", action="store_true",
                    help="measure the longest context first (a run cut short keeps the rows that matter most)")
     p.add_argument("--seed", type=int, default=0, help="seed of random weights, keys and values (default 0)")

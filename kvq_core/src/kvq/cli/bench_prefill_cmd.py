@@ -12,7 +12,7 @@ import datetime
 import shlex
 import sys
 
-from .bench_cmd import _load, _model_config, _model_info, _result_paths
+from .bench_cmd import _load, _model_config, _model_info, _result_paths, add_model_and_cache_options
 
 EPILOG = """
 models: the default model (SmolLM2-135M-Instruct), any --model kvq eval takes, or random:PRESET, a random-weight
@@ -44,16 +44,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk", type=int, default=2048,
                    help="tokens per forward pass (default 2048, mlx-lm's prefill_step_size)")
     p.add_argument("--reps", type=int, default=2, help="repetitions of every row (default 2; the first compiles)")
-    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
-                   help="model dtype (default: random models bfloat16 on a GPU, float32 on the CPU; real models "
-                        "as stored)")
-    p.add_argument("--layers", type=int, default=None, help="random models: keep this many layers")
-    p.add_argument("--sinks", type=int, default=4, help="kvq caches: uncompressed first tokens (default 4)")
-    p.add_argument("--window", type=int, default=128, help="kvq caches: uncompressed last tokens (default 128)")
-    p.add_argument("--flush", type=int, default=32, metavar="N",
-                   help="kvq caches: tokens leave the window in blocks of N (default 32, as kvq generate)")
-    p.add_argument("--kernels", choices=("auto", "require", "off"), default="auto",
-                   help="kvq caches: fused kernels (default auto)")
+    add_model_and_cache_options(p)
     p.add_argument("--seed", type=int, default=0, help="seed of random weights and prompts (default 0)")
     p.add_argument("--out", default="bench-prefill", help="output folder (default ./bench-prefill)")
     p.add_argument("--name", default=None,
