@@ -1,4 +1,5 @@
-"""Route mlx-lm's attention to kvq for kvq caches: an idempotent, reversible patch.
+"""Route mlx-lm's attention to kvq for kvq caches (and keep ``max_kv_size`` meaningful): an idempotent, reversible
+patch.
 
 mlx-lm's model modules import ``scaled_dot_product_attention`` from ``mlx_lm.models.base`` by name. kvq replaces
 that name in every loaded ``mlx_lm.models.*`` module with :func:`scaled_dot_product_attention`, which calls
@@ -8,19 +9,53 @@ unchanged, so models with ordinary caches behave exactly as before.
 This is the one place where mlx-lm's keyword ``sinks`` (learned attention-sink logits, gpt-oss) meets kvq, whose
 ``sinks`` are the first tokens kept uncompressed: the patched function accepts mlx-lm's keyword and passes it on
 as ``sink_logits``.
+
+mlx-lm's ``make_prompt_cache`` is replaced the same way (in ``mlx_lm.models.cache``, ``mlx_lm.generate``,
+``mlx_lm.server`` ...) by :func:`make_prompt_cache`, so that ``max_kv_size`` is never silently dropped for a model
+:func:`kvq.patch_model` patched.
 """
 
 from __future__ import annotations
 
 import sys
+import warnings
 
 from mlx_lm.models import base
+from mlx_lm.models import cache as mlx_cache
 
 from .batch import BatchKVQCache
 from .layer import KVQCache
 
 _ORIGINAL = base.scaled_dot_product_attention
+_ORIGINAL_MAKE = mlx_cache.make_prompt_cache
 _PATCHED: set[str] = set()
+_PATCHED_MAKE: set[str] = set()
+
+
+class MaxKVSizeWarning(UserWarning):
+    """``max_kv_size`` was asked of a model whose caches kvq makes: mlx-lm's rotating cache is kept (uncompressed)."""
+
+
+def make_prompt_cache(model, max_kv_size=None):
+    """mlx-lm's ``make_prompt_cache(model, max_kv_size)`` (same signature), which never ignores ``max_kv_size``.
+
+    mlx-lm returns ``model.make_cache()`` whenever the model has one, ignoring ``max_kv_size``; a model patched by
+    :func:`kvq.patch_model` has one, so without this a bounded request got kvq's unbounded caches (604 tokens held
+    after a 600-token prompt with ``max_kv_size=64``). kvq has no compressed sliding-window cache yet (issue #25):
+    for such a model with ``max_kv_size`` this returns the model's own caches with every plain ``KVCache``
+    replaced by mlx-lm's ``RotatingKVCache(max_size=max_kv_size, keep=4)`` (what mlx-lm gives a model without
+    ``make_cache``; layers with their own kind of cache keep it) and says so with a :class:`MaxKVSizeWarning`.
+    Everything else goes to mlx-lm's function unchanged.
+    """
+    if max_kv_size is None or not hasattr(model, "_kvq_original_make_cache"):
+        return _ORIGINAL_MAKE(model, max_kv_size)
+    warnings.warn(f"max_kv_size={max_kv_size}: kvq has no compressed sliding-window cache yet, so this model keeps "
+                  f"mlx-lm's caches (RotatingKVCache: uncompressed, at most {max_kv_size} tokens per layer); without "
+                  "max_kv_size it gets kvq's compressed caches", MaxKVSizeWarning, stacklevel=2)
+    original = model._kvq_original_make_cache
+    caches = original() if original is not None else [mlx_cache.KVCache() for _ in model.layers]
+    return [mlx_cache.RotatingKVCache(max_size=max_kv_size, keep=4) if type(c) is mlx_cache.KVCache else c
+            for c in caches]
 
 
 def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
@@ -46,11 +81,21 @@ def patch() -> list[str]:
             if getattr(module, "scaled_dot_product_attention", None) is _ORIGINAL:
                 module.scaled_dot_product_attention = scaled_dot_product_attention
                 _PATCHED.add(name)
+        # mlx-lm's make_prompt_cache, wherever a module bound it (models.cache, generate, server ...)
+        if name.startswith("mlx_lm") and module is not None and getattr(module, "make_prompt_cache", None) is \
+                _ORIGINAL_MAKE:
+            module.make_prompt_cache = make_prompt_cache
+            _PATCHED_MAKE.add(name)
     return sorted(_PATCHED)
 
 
 def unpatch() -> None:
-    """Restore mlx-lm's original function everywhere kvq patched it."""
+    """Restore mlx-lm's original functions everywhere kvq patched them."""
+    for name in list(_PATCHED_MAKE):
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "make_prompt_cache", None) is make_prompt_cache:
+            module.make_prompt_cache = _ORIGINAL_MAKE
+        _PATCHED_MAKE.discard(name)
     for name in list(_PATCHED):
         module = sys.modules.get(name)
         if module is not None and getattr(module, "scaled_dot_product_attention", None) is scaled_dot_product_attention:
