@@ -102,7 +102,13 @@ def test_the_upgraded_layer_is_what_a_prompt_cache_file_holds(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # loading does not check (or warn) again: the file says affine:8
         (loaded,) = load_prompt_cache(path)
-    assert loaded.config.key_params == cache.config.key_params
+    assert loaded.config.key_params == cache.config.key_params and loaded.config.outlier_layer
+    # a file expected to hold a method below 8 bits accepts the layer the guard stored at 8 bits; one expected to
+    # hold fp16 (which the guard never changes) does not
+    (checked,) = load_prompt_cache(path, expect=make_config("turboquant", bits=3))
+    assert checked.config == loaded.config
+    with pytest.raises(ValueError, match="layer 0 holds keys AffineParams"):
+        load_prompt_cache(path, expect=make_config("fp16"))
     q = mx.random.normal((B, 2 * H, 1, D), key=mx.random.key(3))
     np.testing.assert_array_equal(np.array(loaded.attend(q, D**-0.5)), np.array(cache.attend(q, D**-0.5)))
 

@@ -12,6 +12,7 @@ model: per-layer parameters (VecInfer's codebooks) and a model sharded by mlx-lm
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import mlx_lm.models.cache as mlx_cache
@@ -24,6 +25,7 @@ from ..select import check_kernels, select
 from .files import load_prompt_cache, save_prompt_cache
 from .guard import POLICIES, OutlierLayerWarning
 from .layer import CacheConfig, CompressedView, KVQCache, block_implementation, has_attend, quantize_kernels
+from .servable import UnservableModelWarning, unservable_reason
 from .sharding import first_layer, kv_head_range
 
 # mlx-lm's load_prompt_cache rebuilds caches by class name from its own module's globals
@@ -108,7 +110,9 @@ def make_prompt_cache(model, method: str | None = "affine", **kwargs: Any) -> li
     on each rank of a model that mlx-lm sharded.
 
     Layers whose model-made cache is not a plain ``KVCache`` (sliding-window ``RotatingKVCache``, SSM state) keep
-    it. Layer ``i`` of ``model.layers`` gets ``config.for_layer(first + i)``, where ``first`` is the index of this
+    it. A model whose attention cannot use kvq's caches (it handles keys and values itself:
+    :mod:`kvq.cache.servable`, probed once per model class) keeps mlx-lm's caches, with an
+    :class:`UnservableModelWarning` naming the error. Layer ``i`` of ``model.layers`` gets ``config.for_layer(first + i)``, where ``first`` is the index of this
     rank's first layer in the whole model (:func:`~kvq.cache.sharding.first_layer`: 0 unless pipeline parallel),
     so parameters with per-layer state (:class:`kvq.contract.ForLayer`, VecInfer's codebooks) are bound to their
     layer. On a tensor-parallel model the configuration is also ``for_heads(start, stop)`` for this rank's KV heads
@@ -136,9 +140,22 @@ def make_prompt_cache(model, method: str | None = "affine", **kwargs: Any) -> li
     # a patched model's own make_cache (None if it has none: its make_cache is then the patch, which calls this)
     patched = hasattr(model, "_kvq_original_make_cache")
     make_cache = model._kvq_original_make_cache if patched else getattr(model, "make_cache", None)
-    if make_cache is None:
-        return [layer_cache(i) for i in range(len(model.layers))]
-    return [layer_cache(i) if type(c) is mlx_cache.KVCache else c for i, c in enumerate(make_cache())]
+
+    def mlx_caches() -> list:
+        return make_cache() if make_cache is not None else [mlx_cache.KVCache() for _ in model.layers]
+
+    def kvq_caches() -> list:
+        return [layer_cache(i) if type(c) is mlx_cache.KVCache else c for i, c in enumerate(mlx_caches())]
+
+    if heads is None and first == 0:  # (a sharded model's forward pass talks to other ranks: not probed)
+        reason = unservable_reason(model, kvq_caches, mlx_caches)
+        if reason is not None:
+            model_type = getattr(getattr(model, "args", None), "model_type", type(model).__module__)
+            warnings.warn(f"kvq cannot serve the attention of this model ({model_type}: with kvq's caches its "
+                          f"forward pass raises {reason}); its layers keep mlx-lm's caches, uncompressed",
+                          UnservableModelWarning, stacklevel=2)
+            return mlx_caches()
+    return kvq_caches()
 
 
 def _check_model(config: CacheConfig, model) -> None:
@@ -184,6 +201,6 @@ def unpatch_model(model):
     return model
 
 
-__all__ = ["BatchKVQCache", "CacheConfig", "CompressedView", "KVQCache", "OutlierLayerWarning", "load_prompt_cache",
-           "make_config",
-           "make_prompt_cache", "patch_model", "save_prompt_cache", "unpatch_model"]
+__all__ = ["BatchKVQCache", "CacheConfig", "CompressedView", "KVQCache", "OutlierLayerWarning", "UnservableModelWarning",
+           "load_prompt_cache", "make_config", "make_prompt_cache", "patch_model", "save_prompt_cache",
+           "unpatch_model"]

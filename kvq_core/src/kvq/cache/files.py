@@ -25,6 +25,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ..contract import Unfits, optional_hook
 from . import patch as _patch
 from .batch import BatchKVQCache
+from .guard import guarded, safe_params
 from .layer import CacheConfig, KVQCache
 from .state import FILE_CHECKSUM, LAYER_CHECKSUM, as_stored, checksum, layer_checksum
 
@@ -83,7 +84,8 @@ def load_prompt_cache(file_name: str, *, expect: CacheConfig | None = None, retu
     before it wrote checksums) still load, with the checks that do not need one.
 
     :param expect: if given, every kvq layer in the file must have this method and parameters (state that a
-        layer fitted from data, such as TurboQuant's data-chosen outlier channels, comes from the file).
+        layer fitted from data, such as TurboQuant's data-chosen outlier channels, comes from the file), or be an
+        outlier layer stored with affine 8-bit (:mod:`kvq.cache.guard`).
     :raises FileNotFoundError: no file ``file_name``.
     :raises ValueError: naming ``file_name``: a file that is truncated or damaged (it cannot be read, or it does
         not match its checksum), one written by another kvq format, one of a method that is not installed, or one
@@ -143,6 +145,9 @@ def _without_layer_checksum(class_name: str, state):
 def _check_expected(file_name: str, cache: list, expect: CacheConfig) -> None:
     for i, c in enumerate(cache):
         got, want = getattr(c, "config", None), expect.for_layer(i)
+        if got is not None and got.outlier_layer and guarded(want.key_params) and \
+                _declared(got) == (safe_params(), safe_params()):
+            continue  # an outlier layer the guard stored at 8 bits (kvq.cache.guard) where it expected fewer
         if got is not None and _declared(got) != _declared(want):
             raise ValueError(f"{file_name}: layer {i} holds keys {got.key_params!r} / values "
                              f"{got.value_params!r}, not the expected {want.key_params!r} / "

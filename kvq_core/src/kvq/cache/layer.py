@@ -52,9 +52,10 @@ class CacheConfig:
         the first block it compresses show outlier channels that low-bit keys cannot hold
         (:mod:`kvq.cache.guard`: stored with affine 8-bit instead, with a warning; warn only; nothing). A run-time
         preference, not written to prompt-cache files (the parameters a layer ends up with are).
-    :param layer: the layer's index in the model (set by :meth:`for_layer`; named in warnings), or ``None``.
+    :param layer: the layer's index in the model (set by :meth:`for_layer`; named in warnings), or ``None``; not
+        compared (two layers' equal configurations are equal).
     :param outlier_layer: set by the guard when this layer's first compressed block showed outlier channels
-        (whatever the policy did about it); not written to prompt-cache files.
+        (whatever the policy did about it); written to prompt-cache files.
     """
 
     key_params: Any
@@ -65,7 +66,7 @@ class CacheConfig:
     kernels: str = attrs.field(default="auto", validator=lambda i, a, v: check_kernels(v))
     flush: int = attrs.field(default=1)
     outlier_layers: str = attrs.field(default="upgrade", validator=attrs.validators.in_(POLICIES))
-    layer: int | None = attrs.field(default=None)
+    layer: int | None = attrs.field(default=None, eq=False)
     outlier_layer: bool = attrs.field(default=False)
 
     @flush.validator
