@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -51,6 +53,11 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason="needs an MLX GPU back end (Metal or CUDA)")
         for item in items:
             if "gpu" in item.keywords:
+                item.add_marker(skip)
+    if os.environ.get("KVQ_BIG_TESTS") != "1":
+        skip = pytest.mark.skip(reason="downloads and converts a model of hundreds of MB: set KVQ_BIG_TESTS=1")
+        for item in items:
+            if "big" in item.keywords:
                 item.add_marker(skip)
 
 
