@@ -166,3 +166,22 @@ def test_qwen25_outlier_layers_are_found_and_turboquant3_holds():
 
 def nn_log_softmax(x: mx.array) -> mx.array:
     return x - mx.logsumexp(x, axis=-1, keepdims=True)
+
+
+def test_data_chosen_outlier_channels_do_not_hold_offsets_and_the_guard_covers_them():
+    """Why kvq's data-chosen outlier channels fail on Qwen2.5 (issue #20): not float16 overflow (the stored norms of
+    the offset group, about 195 here and 280 in Qwen, are far below float16's 65504; squares are taken in float32),
+    but that the offset channels form their own TurboQuant group whose error still scales with the offsets, which
+    queries read: choosing exactly the two offset channels leaves the attention error above 0.2 (measured 0.32), as
+    bad as plain turboquant:4 (0.48). The guard applies to that setting too."""
+    keys, values = keys_values(offsets=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cache = filled("turboquant", keys, values, policy="off", bits=4, outlier_select="data", outlier_channels=2)
+    assert cache.config.key_params.outlier_indices == ((5, 40), (5, 40))
+    norms = np.array(cache.compressed_keys.view().data["outlier_norms"])
+    assert norms.dtype == np.float16 and np.isfinite(norms).all() and 150 < norms.mean() < 250
+    assert attention_error(cache, keys, values) > 0.2
+    with pytest.warns(OutlierLayerWarning):
+        assert filled("turboquant", keys, values, bits=4, outlier_select="data",
+                      outlier_channels=2).config.key_params.bits == 8
