@@ -275,12 +275,18 @@ def e2e_main(argv: list[str]) -> int:
         output.write_json(document, paths[".json"])
 
     e2e.E2EBench(model, settings, text_ids).run(checked["specs"], on_row=save)
-    paths[".md"].write_text(e2e_report.markdown_file(document))
+    return write_reports(document, paths, e2e_report, plot=not args.no_plot)
+
+
+def write_reports(document: dict, paths: dict, report, plot: bool) -> int:
+    """After a bench's rows: ``NAME.md`` (and with ``plot`` ``NAME.png``) from ``report`` (a module with
+    ``markdown_file``, ``plot`` and ``markdown``), the tables on stdout, a summary on stderr; returns 0."""
+    paths[".md"].write_text(report.markdown_file(document))
     wrote = [paths[".json"], paths[".md"]]
-    if not args.no_plot:
-        e2e_report.plot(document, paths[".png"])
+    if plot:
+        report.plot(document, paths[".png"])
         wrote.append(paths[".png"])
-    print(e2e_report.markdown(document["rows"]))
+    print(report.markdown(document["rows"]))
     failed = sum(bool(r["error"]) for r in document["rows"])
     print(f"\n{len(document['rows'])} rows ({failed} failed); wrote {', '.join(map(str, wrote))}", file=sys.stderr)
     return 0

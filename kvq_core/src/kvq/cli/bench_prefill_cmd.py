@@ -10,9 +10,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import shlex
-import sys
 
-from .bench_cmd import _load, _model_config, _model_info, _result_paths, add_model_and_cache_options
+from .bench_cmd import _load, _model_config, _model_info, _result_paths, add_model_and_cache_options, write_reports
 
 EPILOG = """
 models: the default model (SmolLM2-135M-Instruct), any --model kvq eval takes, or random:PRESET, a random-weight
@@ -128,12 +127,4 @@ def main(argv: list[str]) -> int:
 
     bench = prefill.PrefillBench(model, settings, info["vocab_size"], text_ids)
     bench.run(checked["specs"], on_row=save)
-    paths[".md"].write_text(prefill_report.markdown_file(document))
-    wrote = [paths[".json"], paths[".md"]]
-    if not args.no_plot:
-        prefill_report.plot(document, paths[".png"])
-        wrote.append(paths[".png"])
-    print(prefill_report.markdown(document["rows"]))
-    failed = sum(bool(r["error"]) for r in document["rows"])
-    print(f"\n{len(document['rows'])} rows ({failed} failed); wrote {', '.join(map(str, wrote))}", file=sys.stderr)
-    return 0
+    return write_reports(document, paths, prefill_report, plot=not args.no_plot)
