@@ -9,7 +9,8 @@ only what varies between keys: on Qwen2.5-Coder-0.5B-Instruct, turboquant:4 make
 The sign is measurable from keys alone: the share of the keys' energy that is the per-channel mean over the
 block's tokens (:func:`offset_energy`). In that model it is 0.95-1.00 in the broken layers (0, 1, 2, 4, 8) and
 0.46-0.81 in the others; in SmolLM2-135M at most 0.76 (``benchmarks/results/outliers``). A layer at or above
-:data:`OFFSET_ENERGY_LIMIT` is "an outlier layer": with ``CacheConfig.outlier_layers="upgrade"`` (the default) its keys and values are stored with
+:data:`OFFSET_ENERGY_LIMIT` is "an outlier layer": with ``CacheConfig.outlier_layers="upgrade"`` (the default)
+its keys and values are stored with
 affine 8-bit (8-bit keys keep Qwen2.5's perplexity within 1%; values follow so the layer keeps one method and its
 fused kernels), with a warning naming the layer; ``"warn"`` only warns; ``"off"`` does neither. The cost is in
 the bytes the cache reports and saves (the layer's parameters change), never hidden.
