@@ -5,8 +5,9 @@
 
 For each context (tokens already held) and method, one layer's cache is filled with random keys and values, then
 the median seconds over ``--reps`` of: fp16's attention for the chunk (``mx.fast.scaled_dot_product_attention``,
-causal, over context + chunk keys; and with the same mask as a boolean and as an additive array), decoding the compressed tokens (keys and values), the whole chunk
-(``update_and_fetch`` and ``attend`` on a copy of the cache),. Writes OUT_DIR/prefill_parts.json.
+causal, over context + chunk keys; and with the same mask as a boolean and as an additive array), decoding the
+compressed tokens (keys and values), the whole chunk (``update_and_fetch`` and ``attend`` on a copy of the cache)
+and the update alone. Writes OUT_DIR/prefill_parts.json.
 """
 
 from __future__ import annotations

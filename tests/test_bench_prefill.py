@@ -1,5 +1,6 @@
-"""kvq bench prefill with random:tiny (on the CPU in CI; the H200 ran it too): every row measured against fp16 of its repetition, bytes that a
-compressed cache really saves, the files, failed rows recorded, and bad input caught before any model work."""
+"""kvq bench prefill with random:tiny (on the CPU in CI; the H200 ran it too): every row measured against fp16 of
+its repetition, bytes that a compressed cache really saves, the files, failed rows recorded, and bad input caught
+before any model work."""
 
 from __future__ import annotations
 

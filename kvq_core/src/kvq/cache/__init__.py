@@ -112,7 +112,8 @@ def make_prompt_cache(model, method: str | None = "affine", **kwargs: Any) -> li
     Layers whose model-made cache is not a plain ``KVCache`` (sliding-window ``RotatingKVCache``, SSM state) keep
     it. A model whose attention cannot use kvq's caches (it handles keys and values itself:
     :mod:`kvq.cache.servable`, probed once per model class) keeps mlx-lm's caches, with an
-    :class:`UnservableModelWarning` naming the error. Layer ``i`` of ``model.layers`` gets ``config.for_layer(first + i)``, where ``first`` is the index of this
+    :class:`UnservableModelWarning` naming the error. Layer ``i`` of ``model.layers`` gets
+    ``config.for_layer(first + i)``, where ``first`` is the index of this
     rank's first layer in the whole model (:func:`~kvq.cache.sharding.first_layer`: 0 unless pipeline parallel),
     so parameters with per-layer state (:class:`kvq.contract.ForLayer`, VecInfer's codebooks) are bound to their
     layer. On a tensor-parallel model the configuration is also ``for_heads(start, stop)`` for this rank's KV heads
@@ -201,6 +202,6 @@ def unpatch_model(model):
     return model
 
 
-__all__ = ["BatchKVQCache", "CacheConfig", "CompressedView", "KVQCache", "OutlierLayerWarning", "UnservableModelWarning",
-           "load_prompt_cache", "make_config", "make_prompt_cache", "patch_model", "save_prompt_cache",
-           "unpatch_model"]
+__all__ = ["BatchKVQCache", "CacheConfig", "CompressedView", "KVQCache", "OutlierLayerWarning",
+           "UnservableModelWarning", "load_prompt_cache", "make_config", "make_prompt_cache", "patch_model",
+           "save_prompt_cache", "unpatch_model"]
