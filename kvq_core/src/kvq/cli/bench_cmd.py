@@ -24,7 +24,8 @@ SUBCOMMANDS = {
 
 def _usage() -> str:
     lines = ["usage: kvq bench SUBCOMMAND [options]", "", "subcommands:"]
-    lines += [f"  {name:<6} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    width = max(map(len, SUBCOMMANDS)) + 1
+    lines += [f"  {name:<{width}} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
     return "\n".join(lines + ["", "Run 'kvq bench SUBCOMMAND --help' for its options."])
 
 
