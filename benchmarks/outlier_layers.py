@@ -2,12 +2,14 @@
 
     python benchmarks/outlier_layers.py OUT.json [--model Qwen2.5-Coder-0.5B-Instruct] [--tokens 1024]
         [--offset 5000] [--methods turboquant:4,turboquant:3,affine:4,affine:8]
+    python benchmarks/outlier_layers.py --report OUT.json      (only writes OUT.md from an earlier OUT.json)
 
 One forward pass over ``--tokens`` tokens of the Python language reference (from token ``--offset``) with mlx-lm's
 KVCache records every layer's queries, keys and values. Per layer: :func:`kvq.cache.guard.offset_energy` of the keys
 of the first block a kvq cache would compress (the 129 tokens after 4 sinks), and, per method, the relative error
 of the causal attention output when only the keys are quantized and dequantized (pure MLX). Shows which layers
 kvq's outlier-layer guard flags (offset energy >= ``OFFSET_ENERGY_LIMIT``) and what they cost each method.
+Writes OUT.json and a markdown table OUT.md (one row per layer).
 """
 
 from __future__ import annotations
@@ -16,11 +18,33 @@ import argparse
 import importlib
 import json
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 
 
+def markdown(doc: dict) -> str:
+    """One row per layer: offset energy, whether the guard flags it, key norm, each method's attention error."""
+    methods = list(doc["rows"][0]["attention_error"])
+    lines = [f"Per layer of {doc['model']} ({doc['tokens']} tokens of the Python language reference from token "
+             f"{doc['offset']}; MLX {doc['mlx']}): the keys' offset energy (flagged at >= {doc['limit']}), their "
+             "mean norm, and the relative attention-output error with only the keys quantized.", "",
+             "| layer | offset energy | flagged | key norm | " + " | ".join(methods) + " |",
+             "|---|---|---|---|" + "---|" * len(methods)]
+    for r in doc["rows"]:
+        errors = " | ".join(f"{r['attention_error'][m]:.3f}" for m in methods)
+        lines.append(f"| {r['layer']} | {r['offset_energy']:.3f} | {'yes' if r['flagged'] else ''} | "
+                     f"{r['key_norm']:.1f} | {errors} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--report"]:
+        path = Path(argv[1])
+        path.with_suffix(".md").write_text(markdown(json.loads(path.read_text())))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
     ap.add_argument("--model", default="Qwen2.5-Coder-0.5B-Instruct")
@@ -80,6 +104,7 @@ def main(argv=None) -> int:
            "mlx": mx.__version__, "rows": rows}
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)
+    Path(args.out).with_suffix(".md").write_text(markdown(doc))
     return 0
 
 
