@@ -23,7 +23,7 @@ from . import patch as _patch
 from .batch import BatchKVQCache
 from ..select import check_kernels, select
 from .files import load_prompt_cache, save_prompt_cache
-from .guard import POLICIES, OutlierLayerWarning
+from .guard import OutlierLayerWarning
 from .layer import CacheConfig, CompressedView, KVQCache, block_implementation, has_attend, quantize_kernels
 from .servable import UnservableModelWarning, unservable_reason
 from .sharding import first_layer, kv_head_range
@@ -72,8 +72,6 @@ def make_config(method: str | None = "affine", *, key_method: str | None = None,
     for p, side in ((kp, "keys"), (vp, "values")):
         if kp.method != vp.method or not has_attend(p.method):
             block_implementation(p.method, side)  # how the cache will attend: raises now if it cannot
-    if outlier_layers not in POLICIES:
-        raise ValueError(f"outlier_layers must be one of {', '.join(POLICIES)}; got {outlier_layers!r}")
     return CacheConfig(kp, vp, sinks, window, step, kernels, flush, outlier_layers)
 
 

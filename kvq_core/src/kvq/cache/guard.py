@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import warnings
 
+import attrs
 import mlx.core as mx
 
 #: Share of the keys' energy in their per-channel mean at or above which a layer is an outlier layer.
@@ -31,6 +32,14 @@ MIN_TOKENS = 16
 POLICIES = ("upgrade", "warn", "off")
 #: What an outlier layer is stored with under ``"upgrade"``.
 SAFE_METHOD, SAFE_BITS = "affine", 8
+
+
+def check_policy(policy) -> str:
+    """:raises ValueError: ``policy`` (``outlier_layers``) not one of :data:`POLICIES` (named with the allowed
+    values)."""
+    if policy not in POLICIES:
+        raise ValueError(f"outlier_layers must be one of {', '.join(POLICIES)}; got {policy!r}")
+    return policy
 
 
 class OutlierLayerWarning(UserWarning):
@@ -72,8 +81,6 @@ def guard_layer(config, keys: mx.array):
     then an :class:`OutlierLayerWarning` naming the layer, ``outlier_layer`` set, and under ``"upgrade"`` both
     sides' parameters replaced by :func:`safe_params`. A block of fewer than :data:`MIN_TOKENS` tokens is not
     checked."""
-    import attrs
-
     if config.outlier_layers == "off" or not guarded(config.key_params) or keys.shape[2] < MIN_TOKENS:
         return config
     share = offset_energy(keys)

@@ -25,7 +25,7 @@ from ..plugins import implemented_ops, registry
 from ..select import MAX_DECODE_QUERIES, check_kernels, is_kernel, select
 from ..validate import float_array
 from ..encoded import Encoded
-from .guard import POLICIES, guard_layer
+from .guard import check_policy, guard_layer
 from .prefill import IN_FLIGHT, chunk_mask, rows_per_call
 from .state import check_layer, config_from_json, config_to_json
 from .store import DenseBuffer, EncodedStore
@@ -65,7 +65,7 @@ class CacheConfig:
     step: int = attrs.field(default=256)
     kernels: str = attrs.field(default="auto", validator=lambda i, a, v: check_kernels(v))
     flush: int = attrs.field(default=1)
-    outlier_layers: str = attrs.field(default="upgrade", validator=attrs.validators.in_(POLICIES))
+    outlier_layers: str = attrs.field(default="upgrade", validator=lambda i, a, v: check_policy(v))
     layer: int | None = attrs.field(default=None, eq=False)
     outlier_layer: bool = attrs.field(default=False)
 
