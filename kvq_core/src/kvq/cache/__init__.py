@@ -136,12 +136,8 @@ def make_prompt_cache(model, method: str | None = "affine", **kwargs: Any) -> li
         layer = config.for_layer(first + i)
         return KVQCache(layer if heads is None else layer.for_heads(*heads))
 
-    # a patched model's own make_cache (None if it has none: its make_cache is then the patch, which calls this)
-    patched = hasattr(model, "_kvq_original_make_cache")
-    make_cache = model._kvq_original_make_cache if patched else getattr(model, "make_cache", None)
-
-    def mlx_caches() -> list:
-        return make_cache() if make_cache is not None else [mlx_cache.KVCache() for _ in model.layers]
+    def mlx_caches() -> list:  # a patched model's own caches, not the patch's (which calls this function)
+        return _patch.mlx_lm_caches(model)
 
     def kvq_caches() -> list:
         return [layer_cache(i) if type(c) is mlx_cache.KVCache else c for i, c in enumerate(mlx_caches())]

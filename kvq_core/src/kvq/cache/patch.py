@@ -36,6 +36,14 @@ class MaxKVSizeWarning(UserWarning):
     """``max_kv_size`` was asked of a model whose caches kvq makes: mlx-lm's rotating cache is kept (uncompressed)."""
 
 
+def mlx_lm_caches(model) -> list:
+    """The caches mlx-lm makes for ``model`` without kvq: the model's own ``make_cache()`` (the one from before
+    :func:`kvq.patch_model`, if it patched the model), else a ``KVCache`` per layer."""
+    patched = hasattr(model, "_kvq_original_make_cache")
+    make_cache = model._kvq_original_make_cache if patched else getattr(model, "make_cache", None)
+    return make_cache() if make_cache is not None else [mlx_cache.KVCache() for _ in model.layers]
+
+
 def make_prompt_cache(model, max_kv_size=None):
     """mlx-lm's ``make_prompt_cache(model, max_kv_size)`` (same signature), which never ignores ``max_kv_size``.
 
@@ -52,10 +60,8 @@ def make_prompt_cache(model, max_kv_size=None):
     warnings.warn(f"max_kv_size={max_kv_size}: kvq has no compressed sliding-window cache yet, so this model keeps "
                   f"mlx-lm's caches (RotatingKVCache: uncompressed, at most {max_kv_size} tokens per layer); without "
                   "max_kv_size it gets kvq's compressed caches", MaxKVSizeWarning, stacklevel=2)
-    original = model._kvq_original_make_cache
-    caches = original() if original is not None else [mlx_cache.KVCache() for _ in model.layers]
     return [mlx_cache.RotatingKVCache(max_size=max_kv_size, keep=4) if type(c) is mlx_cache.KVCache else c
-            for c in caches]
+            for c in mlx_lm_caches(model)]
 
 
 def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
