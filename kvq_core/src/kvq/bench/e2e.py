@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from ..evaluation.spec import MethodSpec, bits_per_coordinate, checked_with_reference, parse_method, split_methods
 from .fill import RandomKV, ReplayKV, decode, fill, latency_summary, prefill
-from .measure import release
+from .measure import error_text, release
 
 #: How caches are brought to the context length.
 FILLS = ("random", "replay", "prefill")
@@ -224,7 +224,7 @@ class E2EBench:
         try:
             row.update(self._measure_caches(spec, context, source, bar))
         except Exception as exc:  # noqa: BLE001 - one failing method must not end the run: the row says why
-            row["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            row["error"] = error_text(exc)
             bar.write(f"kvq bench e2e: {spec.label} at {context} tokens failed: {row['error']}")
         release()
         return row

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .output import context_axis, header_lines, pyplot, tables_by_context
+from .output import cache_style, context_axis, header_lines, pyplot, tables_by_context
 
 MIB = 2**20
 COLUMNS = ("method", "cache", "bits/coord (eff.)", "KV MiB (x fp16)", "measured MiB (x fp16)", "decode peak MiB",
@@ -69,10 +69,8 @@ def plot(document: dict, path: str | Path) -> None:
         for method in dict.fromkeys(r["method"] for r in rows):
             points = sorted((r["context"], r[key] / scale) for r in rows if r["method"] == method)
             cache = next(r["cache"] for r in rows if r["method"] == method)
-            style = dict(color="black", linestyle="--", marker="o") if cache == "mlx-lm KVCache" else \
-                dict(marker="s" if cache.startswith("mlx-lm") else "o")
             name = f"{method} (mlx-lm KVCache, {rows[0]['kv_dtype']})" if cache == "mlx-lm KVCache" else method
-            ax.plot([p[0] for p in points], [p[1] for p in points], label=name, **style)
+            ax.plot([p[0] for p in points], [p[1] for p in points], label=name, **cache_style(cache))
         ax.set(yscale="log", ylabel=label)
         context_axis(ax)
         ax.yaxis.set_major_formatter(LogFormatter())  # plain numbers; minor ticks labelled on short ranges

@@ -30,6 +30,12 @@ def release() -> None:
     mx.clear_cache()
 
 
+def error_text(exc: BaseException) -> str:
+    """A failed row's ``error``: ``"Type: first line of the message"``."""
+    message = str(exc).strip()
+    return f"{type(exc).__name__}: {message.splitlines()[0] if message else ''}"
+
+
 def arrays_of(result: Any) -> list[mx.array]:
     """Every ``mx.array`` in an op's result: an array, an :class:`~kvq.Encoded` (its fields), or a tuple/list
     of those (``attend``'s ``(out, lse)``)."""

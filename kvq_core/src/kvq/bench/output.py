@@ -92,6 +92,14 @@ def context_axis(ax, label: str = "context length (tokens)") -> None:
     ax.grid(True, which="both", alpha=0.3)
 
 
+def cache_style(cache: str) -> dict[str, str]:
+    """matplotlib line style of a row's ``cache`` kind: mlx-lm's KVCache (fp16, the reference) dashed black,
+    mlx-lm's other caches with squares, kvq's with dots."""
+    if cache == "mlx-lm KVCache":
+        return dict(color="black", linestyle="--", marker="o")
+    return dict(marker="s" if cache.startswith("mlx-lm") else "o")
+
+
 def plots_extra() -> str:
     """How to get matplotlib, which kvq-core installs only with its ``plots`` extra (a command that works here)."""
     return install_command("kvq-core", extra="plots")

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from ..evaluation.spec import MethodSpec
 from .e2e import REFERENCE, cache_kind, make_cache
 from .fill import cache_arrays
-from .measure import release
+from .measure import error_text, release
 
 #: Method strings measured when ``--methods`` is not given (those whose methods are installed).
 DEFAULT_METHODS = ("fp16", "mlx-affine:4", "affine:4", "turboquant:4", "turboquant:3")
@@ -111,7 +111,7 @@ class PrefillBench:
                        kv_bytes=sum(c.nbytes for c in caches))
             del caches
         except Exception as exc:  # noqa: BLE001 - one failing method must not end the run: the row says why
-            row["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            row["error"] = error_text(exc)
             bar.write(f"kvq bench prefill: {spec.label} at {context} tokens failed: {row['error']}")
         release()
         return row

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .output import context_axis, header_lines, pyplot, tables_by_context
+from .output import cache_style, context_axis, header_lines, pyplot, tables_by_context
 
 GB = 1e9
 COLUMNS = ("method", "cache", "rep", "s", "tokens/s (x fp16)", "peak GB above (x fp16)", "KV GB (x fp16)")
@@ -59,9 +59,7 @@ def plot(document: dict, path: str | Path) -> None:
         for method in dict.fromkeys(r["method"] for r in rows):
             points = sorted((r["context"], r[key] / scale) for r in rows if r["method"] == method)
             cache = next(r["cache"] for r in rows if r["method"] == method)
-            style = dict(color="black", linestyle="--", marker="o") if cache == "mlx-lm KVCache" else \
-                dict(marker="s" if cache.startswith("mlx-lm") else "o")
-            ax.plot([p[0] for p in points], [p[1] for p in points], label=method, **style)
+            ax.plot([p[0] for p in points], [p[1] for p in points], label=method, **cache_style(cache))
         ax.set(ylabel=label)
         context_axis(ax, "prompt length (tokens)")
     axes[0].legend(fontsize=8)
