@@ -32,6 +32,7 @@ from typing import Any
 import attrs
 import platformdirs
 
+from .contract import ForHeadDim, optional_hook
 from .problem import device_kind, device_name
 
 FORMAT = "kvq-autotune/1"
@@ -123,14 +124,13 @@ def verdict_text(crossover: int) -> str:
 
 def _resolved_json(value: Any, like: Any, head_dim: int | None) -> dict:
     """``value`` (a params object, or a JSON dict of the class of the object ``like``) as JSON, with its
-    ``for_head_dim(head_dim)`` applied where the class has one; unresolvable values are compared as written."""
-    resolve = getattr(type(like), "for_head_dim", None) if head_dim is not None and not isinstance(like, dict) \
-        else None  # kvq.contract.ForHeadDim
-    if resolve is None:
+    ``for_head_dim(head_dim)`` applied where the class has one (:class:`kvq.contract.ForHeadDim`, read with
+    :func:`kvq.contract.optional_hook`); unresolvable values are compared as written."""
+    if head_dim is None or isinstance(like, dict) or optional_hook(like, ForHeadDim) is None:
         return params_json(value)
     try:
-        obj = value if not isinstance(value, dict) else type(like)(**value)
-        return params_json(resolve(obj, head_dim))
+        obj = type(like)(**value) if isinstance(value, dict) else value
+        return params_json(optional_hook(obj, ForHeadDim)(head_dim))
     except (TypeError, ValueError):
         return params_json(value)
 
