@@ -201,3 +201,21 @@ def test_in_flight_waits_only_beyond_its_budget():
     queue.push(mx.zeros((1, 1, 1, 1)), 5000, budget=0)  # alone over budget: only older entries are waited for
     assert [size for _, size in queue._queue] == [5000]
     assert [float(o[0, 0, 0, 0]) for o in outs] == [0.0, 1.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize("flush, window", [(1, 128), (8, 16), (32, 128), (4, 0)])
+def test_visible_bounds_are_leaving_of_each_row(flush, window):
+    """KVQCache._visible (all of a chunk's rows at once) equals its definition row by row: the tokens compressed
+    before the update plus _leaving(held, tokens added up to that row)."""
+    import itertools
+
+    from kvq.cache.layer import _Fresh
+
+    cache = KVQCache(make_config("turboquant", bits=4, flush=flush, window=window))
+    for compressed, held, start, new in itertools.product((0, 7, 800), (0, 5, window + flush - 1), (4, 1000),
+                                                          (1, 3, 2048)):
+        fresh = _Fresh(start, compressed, held, new, None)
+        for first, count in ((start - 5, 40), (start, new), (start + 3, 9)):
+            rows = [compressed + cache._leaving(held, min(max(p - start + 1, 0), new))
+                    for p in range(first, first + count)]
+            assert cache._visible(fresh, first, count) == rows

@@ -17,6 +17,7 @@ from typing import Any
 
 import attrs
 import mlx.core as mx
+import numpy as np
 
 from ..attention import DenseTokens, attend_encoded, dense_attend, merge_parts, sink_logits_part
 from ..contract import (AttendsDense, EncodesBlocks, Fits, ForHeads, ForLayer, ScoresKeys, WeightsValues, member_name,
@@ -486,11 +487,14 @@ class KVQCache:
         stores tokens without attending needs this (filling caches with random tokens in ``kvq bench``)."""
         self._fresh = None
 
-    def _visible(self, fresh: _Fresh, position: int) -> int:
-        """Compressed tokens a query at ``position`` sees in a token-by-token run: those compressed before the
-        update, plus those that had left the window by the time that query's own token was added."""
-        added = min(max(position - fresh.start + 1, 0), fresh.new)
-        return fresh.compressed + self._leaving(fresh.held, added)
+    def _visible(self, fresh: _Fresh, start_q: int, count: int) -> list[int]:
+        """Compressed tokens each query at positions ``start_q .. start_q + count - 1`` sees in a token-by-token
+        run: those compressed before the update, plus those that had left the window by the time that query's own
+        token was added (:meth:`_leaving` of the tokens added by then, computed for all rows at once: a chunk's
+        rows times the model's layers, per chunk, made one Python call per row cost as much as the attention)."""
+        w, f = self.config.window, self._flush
+        added = np.clip(np.arange(start_q, start_q + count) - fresh.start + 1, 0, fresh.new)
+        return (fresh.compressed + f * np.maximum(0, (fresh.held + added - w) // f)).tolist()
 
     #: Query rows per slice of the uncompressed part of a chunk (each slice reads only the keys it may see).
     CHUNK_ROWS = 256
@@ -534,7 +538,7 @@ class KVQCache:
 
         :return: ``[B, H_q, T_q, D_v]`` in the queries' dtype."""
         Tq, dtype = queries.shape[2], queries.dtype
-        bounds = [self._visible(fresh, p) for p in range(start_q, start_q + Tq)]
+        bounds = self._visible(fresh, start_q, Tq)
         n_sinks, n_compressed = self.sinks.length, self.compressed_keys.length
         dense_k, dense_v = fresh.dense
         first = n_sinks + fresh.compressed  # position of the first dense column
@@ -575,7 +579,7 @@ class KVQCache:
         :attr:`CHUNK_ROWS` rows whose keys span only what those rows may see). ``[(out, lse)]``."""
         Tq = queries.shape[2]
         positions = range(start_q, start_q + Tq)
-        bounds = [self._visible(fresh, p) for p in positions]
+        bounds = self._visible(fresh, start_q, Tq)
         q_pos = mx.arange(start_q, start_q + Tq)
         parts = []
         n_sinks = self.sinks.length
