@@ -1,15 +1,18 @@
-"""Per layer of a real model: the keys' offset energy and each key method's attention-output error (issue #20).
+"""Per layer of a real model: what kvq's key guard sees and each key method's attention error, raw and as kvq stores
+the keys (issue #20).
 
     python benchmarks/outlier_layers.py OUT.json [--model Qwen2.5-Coder-0.5B-Instruct] [--tokens 1024]
         [--offset 5000] [--methods turboquant:4,turboquant:3,affine:4,affine:8]
     python benchmarks/outlier_layers.py --report OUT.json      (only writes OUT.md from an earlier OUT.json)
 
 One forward pass over ``--tokens`` tokens of the Python language reference (from token ``--offset``) with mlx-lm's
-KVCache records every layer's queries, keys and values. Per layer: :func:`kvq.cache.guard.offset_energy` of the keys
-of the first block a kvq cache would compress (the 129 tokens after 4 sinks), and, per method, the relative error
-of the causal attention output when only the keys are quantized and dequantized (pure MLX). Shows which layers
-kvq's outlier-layer guard flags (offset energy >= ``OFFSET_ENERGY_LIMIT``) and what they cost each method.
-Writes OUT.json and a markdown table OUT.md (one row per layer).
+KVCache records every layer's queries, keys and values. Per layer, on the keys of the first block a kvq cache would
+compress (the 129 tokens after 4 sinks): :func:`kvq.cache.guard.offset_energy` (centred at >= ``CENTER_LIMIT``) and
+:func:`kvq.cache.guard.channel_concentration` (stored at 8 bits at >= ``CONCENTRATION_LIMIT``); and, per method, the
+relative error of the causal attention output when only the keys are quantized and dequantized (pure MLX): "raw"
+quantizes the keys as they are, "kvq" as the guard stores them (centred on that block's mean where it centres,
+the mean added back after dequantizing; affine:8 where it upgrades the layer). Writes OUT.json and a markdown
+table OUT.md (one row per layer).
 """
 
 from __future__ import annotations
@@ -24,17 +27,19 @@ import mlx.core as mx
 
 
 def markdown(doc: dict) -> str:
-    """One row per layer: offset energy, whether the guard flags it, key norm, each method's attention error."""
+    """One row per layer: offset energy, centred, concentration, 8 bits, key norm, each method's attention error raw
+    and as kvq stores the keys."""
     methods = list(doc["rows"][0]["attention_error"])
     lines = [f"Per layer of {doc['model']} ({doc['tokens']} tokens of the Python language reference from token "
-             f"{doc['offset']}; MLX {doc['mlx']}): the keys' offset energy (flagged at >= {doc['limit']}), their "
-             "mean norm, and the relative attention-output error with only the keys quantized.", "",
-             "| layer | offset energy | flagged | key norm | " + " | ".join(methods) + " |",
-             "|---|---|---|---|" + "---|" * len(methods)]
+             f"{doc['offset']}; MLX {doc['mlx']}): the keys' offset energy (centred at >= {doc['center_limit']}), "
+             f"their largest one-channel share once centred (8 bits at >= {doc['concentration_limit']}), mean norm, "
+             "and the relative attention-output error with only the keys quantized: raw -> as kvq stores them.", "",
+             "| layer | offset energy | centred | concentration | 8 bits | key norm | " + " | ".join(methods) + " |",
+             "|---|---|---|---|---|---|" + "---|" * len(methods)]
     for r in doc["rows"]:
-        errors = " | ".join(f"{r['attention_error'][m]:.3f}" for m in methods)
-        lines.append(f"| {r['layer']} | {r['offset_energy']:.3f} | {'yes' if r['flagged'] else ''} | "
-                     f"{r['key_norm']:.1f} | {errors} |")
+        errors = " | ".join(f"{r['attention_error'][m]:.3f} -> {r['kvq_attention_error'][m]:.3f}" for m in methods)
+        lines.append(f"| {r['layer']} | {r['offset_energy']:.3f} | {'yes' if r['centred'] else ''} | "
+                     f"{r['concentration']:.3f} | {'yes' if r['upgraded'] else ''} | {r['key_norm']:.1f} | {errors} |")
     return "\n".join(lines) + "\n"
 
 
@@ -57,7 +62,8 @@ def main(argv=None) -> int:
     from mlx_lm.models.cache import KVCache
 
     from kvq import select
-    from kvq.cache.guard import OFFSET_ENERGY_LIMIT, offset_energy
+    from kvq.cache.guard import (CENTER_LIMIT, CONCENTRATION_LIMIT, channel_concentration, key_mean, offset_energy,
+                                 safe_params)
     from kvq.evaluation.spec import parse_method
     from kvq.plugins import registry
     from kvq.textdata import encode_text, language_reference
@@ -87,21 +93,33 @@ def main(argv=None) -> int:
         return plan.dequantize(encoded, mx.float32)
 
     rows = []
+    safe = safe_params()
     for layer, (q, k, v, scale) in enumerate(calls):
         q, k, v = (a.astype(mx.float32) for a in (q, k, v))
         ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")
-        row = {"layer": layer, "offset_energy": offset_energy(k[:, :, 4:133]),
-               "key_norm": float(mx.mean(mx.linalg.norm(k, axis=-1))), "attention_error": {}}
+        block = k[:, :, 4:133]
+        row = {"layer": layer, "offset_energy": offset_energy(block), "concentration": channel_concentration(block),
+               "key_norm": float(mx.mean(mx.linalg.norm(k, axis=-1))), "attention_error": {},
+               "kvq_attention_error": {}}
+        row["centred"] = row["offset_energy"] >= CENTER_LIMIT
+        row["upgraded"] = row["concentration"] >= CONCENTRATION_LIMIT
+        mean = key_mean(block) if row["centred"] else mx.zeros((1, 1, 1, 1))
+
+        def error(keys):
+            out = mx.fast.scaled_dot_product_attention(q, keys, v, scale=scale, mask="causal")
+            return float(mx.linalg.norm(out - ref) / mx.linalg.norm(ref))
+
         for label, p in methods:
-            out = mx.fast.scaled_dot_product_attention(q, roundtrip(k, p), v, scale=scale, mask="causal")
-            row["attention_error"][label] = float(mx.linalg.norm(out - ref) / mx.linalg.norm(ref))
-        row["flagged"] = row["offset_energy"] >= OFFSET_ENERGY_LIMIT
+            row["attention_error"][label] = error(roundtrip(k, p))
+            stored = safe if row["upgraded"] and p.bits < 8 else p
+            row["kvq_attention_error"][label] = error(roundtrip(k - mean, stored) + mean)
         rows.append(row)
-        errors = " ".join(f"{m} {e:.3f}" for m, e in row["attention_error"].items())
-        print(f"layer {layer:2d} offset energy {row['offset_energy']:.3f} key norm {row['key_norm']:6.1f} "
-              f"{'FLAGGED ' if row['flagged'] else ''}{errors}", flush=True)
-    doc = {"model": args.model, "tokens": args.tokens, "offset": args.offset, "limit": OFFSET_ENERGY_LIMIT,
-           "mlx": mx.__version__, "rows": rows}
+        errors = " ".join(f"{m} {e:.3f}->{row['kvq_attention_error'][m]:.3f}" for m, e in row["attention_error"].items())
+        print(f"layer {layer:2d} offset energy {row['offset_energy']:.3f} concentration {row['concentration']:.3f} "
+              f"key norm {row['key_norm']:6.1f} {'CENTRED ' if row['centred'] else ''}"
+              f"{'8-BIT ' if row['upgraded'] else ''}{errors}", flush=True)
+    doc = {"model": args.model, "tokens": args.tokens, "offset": args.offset, "center_limit": CENTER_LIMIT,
+           "concentration_limit": CONCENTRATION_LIMIT, "mlx": mx.__version__, "rows": rows}
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)
     Path(args.out).with_suffix(".md").write_text(markdown(doc))

@@ -110,7 +110,7 @@ def test_loading_a_file_of_another_method_or_format_fails_cleanly(llama_model, t
     with pytest.raises(ValueError, match=r"holds keys AffineParams\(bits=4.*not the expected"):
         load_prompt_cache(file, expect=make_config("affine", bits=8))
     arrays, meta = mx.load(file, return_metadata=True)
-    config = cache[0].state["config"].replace('"format": 1', '"format": 99')
+    config = cache[0].state["config"].replace('"format": 2', '"format": 99')
     bad = copy.copy(cache[0])
     with pytest.raises(ValueError, match="file format 99 .* not supported"):
         KVQCache.from_state({**bad.state, "config": config})

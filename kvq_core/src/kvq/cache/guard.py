@@ -1,4 +1,4 @@
-"""Layers whose keys no low-bit method survives: found from the first block a layer compresses, stored at 8 bits.
+"""Keys with constant offsets and concentrated channels: centred, or stored at 8 bits, chosen from the first block.
 
 Some models' keys carry large constant offsets in a few channels (Qwen2.5: the k_proj bias, kept nearly constant
 by slow RoPE frequencies; key norms near 280 in layer 0 against about 20 elsewhere). A quantizer's error scales
@@ -6,14 +6,25 @@ with the whole vector (TurboQuant normalises by the norm; affine's scales span t
 only what varies between keys: on Qwen2.5-Coder-0.5B-Instruct, turboquant:4 makes layer 0's attention output
 136% wrong and affine:4 86%, against 10-25% in ordinary layers (issue #20, ``benchmarks/results/outliers``).
 
-The sign is measurable from keys alone: the share of the keys' energy that is the per-channel mean over the
-block's tokens (:func:`offset_energy`). In that model it is 0.95-1.00 in the broken layers (0, 1, 2, 4, 8) and
-0.46-0.81 in the others; in SmolLM2-135M at most 0.76 (``benchmarks/results/outliers``). A layer at or above
-:data:`OFFSET_ENERGY_LIMIT` is "an outlier layer": with ``CacheConfig.outlier_layers="upgrade"`` (the default)
-its keys and values are stored with
-affine 8-bit (8-bit keys keep Qwen2.5's perplexity within 1%; values follow so the layer keeps one method and its
-fused kernels), with a warning naming the layer; ``"warn"`` only warns; ``"off"`` does neither. The cost is in
-the bytes the cache reports and saves (the layer's parameters change), never hidden.
+Two remedies, chosen per layer from the keys of the first block it compresses (the tokens a token-by-token run
+holds at its first compression, so the choice does not depend on how a prompt was chunked):
+
+- **Centring** (when :func:`offset_energy`, the share of the keys' energy in their per-channel mean over the block,
+  is at least :data:`CENTER_LIMIT`): the layer stores ``k - mu`` for its compressed tokens, ``mu`` the block's
+  per-channel mean ``[B, H_kv, 1, D]`` (float32, kept with the cache and its files), and adds ``q . mu`` back to
+  the compressed tokens' scores. Exact, not an approximation: a score's softmax is unchanged by a term every key
+  shares, so attention is as if the keys were stored whole; only the quantization error shrinks (with the norm).
+  Qwen2.5's layers 1, 2, 4 and 8 go from 0.45-0.76 attention error at turboquant:4 to 0.08-0.22, like ordinary
+  layers. Below the limit centring is not used: the offset's share of a key's quantization error is then largely
+  common to all keys, which softmax cancels, and centring measured no better (SmolLM2-135M, every layer < 0.76).
+  The mean costs ``32 / T`` bits per key coordinate for ``T`` tokens held (0.016 at 2K).
+- **8 bits** (when, after centring, one channel of one head holds at least :data:`CONCENTRATION_LIMIT` of the keys'
+  varying energy, :func:`channel_concentration`): an outlier layer. Qwen2.5's layer 0 (0.40; every other layer of
+  Qwen2.5 and SmolLM2 at most 0.14) stays 0.90 wrong at turboquant:4 even centred. With
+  ``CacheConfig.outlier_layers="upgrade"`` (the default) its keys and values are stored with affine 8-bit (values
+  follow so the layer keeps one method and its fused kernels), with a warning naming the layer; ``"warn"`` only
+  warns; ``"off"`` turns both remedies off. The cost is in the bytes the cache reports and saves (the layer's
+  parameters change), never hidden.
 """
 
 from __future__ import annotations
@@ -23,9 +34,11 @@ import warnings
 import attrs
 import mlx.core as mx
 
-#: Share of the keys' energy in their per-channel mean at or above which a layer is an outlier layer.
-OFFSET_ENERGY_LIMIT = 0.9
-#: Tokens the first compressed block must hold for the check (with fewer, ``1 / T`` of independent keys' energy is
+#: Share of the keys' energy in their per-channel mean at or above which a layer's keys are centred.
+CENTER_LIMIT = 0.8
+#: Share of the centred keys' energy in one channel of one head at or above which a layer is an outlier layer.
+CONCENTRATION_LIMIT = 0.25
+#: Tokens the first compressed block must hold for the checks (with fewer, ``1 / T`` of independent keys' energy is
 #: their mean already: a window + flush below this leaves the layer unchecked).
 MIN_TOKENS = 16
 #: ``CacheConfig.outlier_layers`` values.
@@ -43,7 +56,12 @@ def check_policy(policy) -> str:
 
 
 class OutlierLayerWarning(UserWarning):
-    """A layer's keys carry offsets that the configured method cannot hold (see :mod:`kvq.cache.guard`)."""
+    """A layer's keys carry outliers that the configured method cannot hold (see :mod:`kvq.cache.guard`)."""
+
+
+def _finite32(keys: mx.array) -> mx.array:
+    x = keys.astype(mx.float32)
+    return mx.where(mx.isfinite(x), x, 0.0)
 
 
 def offset_energy(keys: mx.array) -> float:
@@ -52,11 +70,30 @@ def offset_energy(keys: mx.array) -> float:
     1 means every key is the same vector; independent zero-mean keys give about ``1 / T``."""
     if keys.shape[2] == 0:
         return 0.0
-    x = keys.astype(mx.float32)
-    x = mx.where(mx.isfinite(x), x, 0.0)
+    x = _finite32(keys)
     mean = mx.mean(x, axis=2)
     total = mx.sum(mx.mean(mx.sum(x * x, axis=-1), axis=2))
     return float(mx.sum(mean * mean) / mx.maximum(total, 1e-30))
+
+
+def key_mean(keys: mx.array) -> mx.array:
+    """The per-channel mean of ``keys`` ``[B, H_kv, T, D]`` over tokens: float32 ``[B, H_kv, 1, D]`` (non-finite
+    values as 0). :raises ValueError: no tokens."""
+    if keys.shape[2] == 0:
+        raise ValueError("keys: a mean needs at least one token")
+    return mx.mean(_finite32(keys), axis=2, keepdims=True)
+
+
+def channel_concentration(keys: mx.array) -> float:
+    """The largest share of one channel in the energy of ``keys`` ``[B, H_kv, T, D]`` once centred (their mean over
+    tokens subtracted), over heads: ``max_h max_d sum_t c_hd^2 / sum_t |c_h|^2`` (float32; 0 for no tokens).
+    ``1 / D`` when the varying energy is spread evenly; 1 when it is all in one channel."""
+    if keys.shape[2] == 0:
+        return 0.0
+    centred = _finite32(keys) - key_mean(keys)
+    per_channel = mx.sum(centred * centred, axis=(0, 2))  # [H_kv, D]
+    share = mx.max(per_channel, axis=-1) / mx.maximum(mx.sum(per_channel, axis=-1), 1e-30)
+    return float(mx.max(share))
 
 
 def guarded(params) -> bool:
@@ -76,25 +113,30 @@ def safe_params():
 
 
 def guard_layer(config, keys: mx.array):
-    """``config`` (a :class:`kvq.cache.CacheConfig`) after checking the keys of the first block its layer
-    compresses: unchanged unless the layer is an outlier layer and ``config.outlier_layers`` is not ``"off"``;
-    then an :class:`OutlierLayerWarning` naming the layer, ``outlier_layer`` set, and under ``"upgrade"`` both
-    sides' parameters replaced by :func:`safe_params`. A block of fewer than :data:`MIN_TOKENS` tokens is not
-    checked."""
+    """What a layer does about the keys ``[B, H_kv, T, D]`` of the first block it compresses: ``(config, mean)``.
+
+    ``mean`` is :func:`key_mean` where the keys are to be centred (:func:`offset_energy` >= :data:`CENTER_LIMIT`),
+    else ``None``. ``config`` (a :class:`kvq.cache.CacheConfig`) is unchanged unless the layer is an outlier layer
+    (:func:`channel_concentration` >= :data:`CONCENTRATION_LIMIT`); then an :class:`OutlierLayerWarning` naming
+    the layer, ``outlier_layer`` set, and under ``"upgrade"`` both sides' parameters replaced by
+    :func:`safe_params`. Nothing is done under ``outlier_layers="off"``, for keys stored at 8 bits or more
+    (:func:`guarded`), or for a block of fewer than :data:`MIN_TOKENS` tokens.
+    """
     if config.outlier_layers == "off" or not guarded(config.key_params) or keys.shape[2] < MIN_TOKENS:
-        return config
-    share = offset_energy(keys)
-    if share < OFFSET_ENERGY_LIMIT:
-        return config
+        return config, None
+    mean = key_mean(keys) if offset_energy(keys) >= CENTER_LIMIT else None
+    share = channel_concentration(keys)
+    if share < CONCENTRATION_LIMIT:
+        return config, mean
     layer = "a layer" if config.layer is None else f"layer {config.layer}"
     method = config.key_params.method + (f":{config.key_params.bits}" if hasattr(config.key_params, "bits") else "")
-    found = (f"kvq: {layer}'s keys hold {share:.0%} of their energy in constant per-channel offsets (outlier "
-             f"channels, as in Qwen2.5), which {method} keys cannot hold without breaking that layer's attention")
+    found = (f"kvq: {layer}'s keys hold {share:.0%} of their varying energy in one channel (outlier channels, as "
+             f"in Qwen2.5), which {method} keys cannot hold without breaking that layer's attention")
     if config.outlier_layers == "warn":
         warnings.warn(f"{found}; outlier_layers='upgrade' (the default) would store it with affine:8",
                       OutlierLayerWarning, stacklevel=3)
-        return attrs.evolve(config, outlier_layer=True)
+        return attrs.evolve(config, outlier_layer=True), mean
     warnings.warn(f"{found}: it is stored with {SAFE_METHOD}:{SAFE_BITS} (keys and values) instead; "
                   f"outlier_layers='off' keeps {method}", OutlierLayerWarning, stacklevel=3)
     safe = safe_params()
-    return attrs.evolve(config, key_params=safe, value_params=safe, outlier_layer=True)
+    return attrs.evolve(config, key_params=safe, value_params=safe, outlier_layer=True), mean

@@ -209,6 +209,8 @@ class KVQCache:
         self.compressed_values = EncodedStore(config.step)
         self._layout = None  # (B, H, D_k, D_v, dtype), fixed by the first update
         self._fresh = None  # _Fresh of the last update, until attend uses it
+        self.key_mean = None  # float32 [B, H, 1, D_k] subtracted from compressed keys (kvq.cache.guard), or None
+        self._key_mean_cast = None  # key_mean in the model's dtype, for the decode hot path
 
     @property
     def sink_keys(self):
@@ -418,7 +420,7 @@ class KVQCache:
                             kernels=quantize_kernels(kp.method, self.config.kernels)).quantize
         quantize_v = select(vp.method, values.shape, dtype=values.dtype, op="quantize", params=vp,
                             kernels=quantize_kernels(vp.method, self.config.kernels)).quantize
-        self.compressed_keys.append(quantize_k(keys, kp))
+        self.compressed_keys.append(quantize_k(self._centred(keys), kp))
         self.compressed_values.append(quantize_v(values, vp))
 
     def _fit_params(self, keys, values):
@@ -435,9 +437,48 @@ class KVQCache:
             hook = optional_hook(params, Fits)
             return params if hook is None else hook(block)
 
-        self.config = guard_layer(self.config, keys)  # outlier layers: stored at 8 bits (kvq.cache.guard)
+        # keys with constant offsets are centred; outlier layers stored at 8 bits (kvq.cache.guard)
+        self.config, mean = guard_layer(self.config, keys)
+        self._set_key_mean(mean)
+        keys = self._centred(keys)
         self.config = attrs.evolve(self.config, key_params=fit(self.config.key_params, keys),
                                    value_params=fit(self.config.value_params, values))
+
+    def _set_key_mean(self, mean) -> None:
+        self.key_mean, self._key_mean_cast = mean, None
+
+    def _centred(self, keys):
+        """``keys`` less :attr:`key_mean` (computed in float32, returned in ``keys``' dtype); ``keys`` itself where
+        the layer is not centred."""
+        if self.key_mean is None:
+            return keys
+        return (keys.astype(mx.float32) - self.key_mean).astype(keys.dtype)
+
+    def _centred_dense(self, keys):
+        """Uncompressed ``keys`` (the sinks, the window) less :attr:`key_mean` in their own dtype, for attention
+        that scores them together with the centred compressed keys (one subtraction; the mean is cast once)."""
+        if self.key_mean is None or keys is None:
+            return keys
+        if self._key_mean_cast is None or self._key_mean_cast.dtype != keys.dtype:
+            self._key_mean_cast = self.key_mean.astype(keys.dtype)
+        return keys - self._key_mean_cast
+
+    def _mean_logits(self, queries, scale):
+        """``scale * q . mu`` ``[B, H_q, T_q]`` float32 for ``queries [B, H_q, T_q, D]``: what the compressed tokens'
+        scores lack when they are scored from centred keys (GQA: each query head reads its KV head's mean)."""
+        B, Hq, Tq, D = queries.shape
+        Hkv = self.key_mean.shape[1]
+        q = queries.astype(mx.float32).reshape(B, Hkv, Hq // Hkv, Tq, D)
+        mean = mx.broadcast_to(self.key_mean, (B, Hkv, 1, D))[:, :, None]  # [B, H_kv, 1, 1, D]
+        return (scale * mx.sum(q * mean, axis=-1)).reshape(B, Hq, Tq)
+
+    def _uncentre(self, part, queries, scale):
+        """A compressed part's ``(out, lse)`` with the mean's logits added to its log-sum-exp (exact: every score of
+        the part lacks the same ``scale * q . mu``, so its softmax, ``out``, is unchanged)."""
+        if self.key_mean is None:
+            return part
+        out, lse = part
+        return out, lse + self._mean_logits(queries, scale)
 
     def _views(self):
         B, H, Dk, Dv, dtype = self._layout
@@ -526,6 +567,20 @@ class KVQCache:
                       kernels=quantize_kernels(params.method, self.config.kernels))
         return plan.dequantize(encoded, dtype)
 
+    def decoded(self, dtype=mx.float32) -> tuple[mx.array, mx.array]:
+        """The compressed tokens decoded to ``dtype``: keys ``[B, H, T, D_k]`` (a centred layer's :attr:`key_mean`
+        added back) and values ``[B, H, T, D_v]``, for ``T`` compressed tokens. A copy the cache does not keep
+        (prefill on a GPU, ``kvq eval``'s attention error).
+
+        :raises ValueError: no compressed tokens.
+        """
+        if not self.compressed_keys.length:
+            raise ValueError("this cache holds no compressed tokens to decode")
+        keys = self._dequantized(self.compressed_keys, self.config.key_params, dtype)
+        if self.key_mean is not None:
+            keys = (keys.astype(mx.float32) + self.key_mean).astype(dtype)
+        return keys, self._dequantized(self.compressed_values, self.config.value_params, dtype)
+
     def _chunk_attend_dequantized(self, queries, scale, start_q, user_mask, fresh: _Fresh, sink_logits):
         """A chunk's attention with the visibility of :meth:`_chunk_parts`, in ``mx.fast.scaled_dot_product_
         attention`` over ``[sinks | compressed tokens decoded to the queries' dtype | fresh.dense]`` with the
@@ -547,8 +602,9 @@ class KVQCache:
             sk, sv = self.sinks.view()
             parts_k.append(sk.astype(dtype))
             parts_v.append(sv.astype(dtype))
-        parts_k.append(self._dequantized(self.compressed_keys, self.config.key_params, dtype))
-        parts_v.append(self._dequantized(self.compressed_values, self.config.value_params, dtype))
+        compressed_k, compressed_v = self.decoded(dtype)
+        parts_k.append(compressed_k)
+        parts_v.append(compressed_v)
         parts_k.append(dense_k.astype(dtype))
         parts_v.append(dense_v.astype(dtype))
         keys, values = mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2)
@@ -595,7 +651,8 @@ class KVQCache:
                 window = user_mask[..., n_sinks : n_sinks + n_compressed]
                 mask = window if mask is None else mask & window
             keys, values = self.compressed_keys.view(), self.compressed_values.view()
-            parts.append(self._attend_fn(keys, queries)(queries, keys, values, scale, mask))
+            parts.append(self._uncentre(self._attend_fn(keys, queries)(queries, keys, values, scale, mask), queries,
+                                        scale))
         dense_k, dense_v = fresh.dense
         first = n_sinks + fresh.compressed  # position of the first uncompressed token after the sinks
         outs, lses = [], []
@@ -634,8 +691,11 @@ class KVQCache:
             return None
         sink_keys, sink_values = self.sinks.view()
         window_keys, window_values = self.window.view()
+        # a centred layer scores its sinks and window from centred keys too: every score then lacks the same
+        # scale * q . mu, which the softmax does not see
         result = attend_dense(queries, keys, values, scale,
-                              DenseTokens(sink_keys, sink_values, window_keys, window_values))
+                              DenseTokens(self._centred_dense(sink_keys), sink_values, self._centred_dense(window_keys),
+                                          window_values))
         return None if result is None else result[0].astype(queries.dtype)
 
     def _parts(self):
@@ -655,7 +715,7 @@ class KVQCache:
             keys, values = (self.sinks if kind == "sinks" else self.window).view()
             return dense_attend(queries, keys, values, scale, mask)
         keys, values = self.compressed_keys.view(), self.compressed_values.view()
-        return self._attend_fn(keys, queries)(queries, keys, values, scale, mask)
+        return self._uncentre(self._attend_fn(keys, queries)(queries, keys, values, scale, mask), queries, scale)
 
     def _attend_plan(self, keys, queries):
         """:func:`kvq.select`'s plan for attending ``queries`` over the compressed ``keys`` (one method)."""
@@ -765,11 +825,14 @@ class KVQCache:
     def state(self) -> dict:
         """Everything needed to rebuild this cache, for ``mlx_lm.models.cache.save_prompt_cache``: the compressed form.
 
-        A dict of arrays (compressed fields trimmed to the stored length), ints and one JSON string holding
-        the configuration, the layout, the kvq version and the file-format version.
+        A dict of arrays (compressed fields trimmed to the stored length; ``key_mean``, float32 ``[B, H, 1, D_k]``,
+        for a centred layer only), ints and one JSON string holding the configuration, the layout, the
+        kvq version and the file-format version.
         """
         keys, values = self.compressed_keys.view(), self.compressed_values.view()
+        centred = {} if self.key_mean is None else {"key_mean": self.key_mean}
         return {
+            **centred,
             "config": config_to_json(self.config, self._layout),
             "offset": self.offset,
             "sink_keys": self.sink_keys, "sink_values": self.sink_values,
@@ -794,6 +857,13 @@ class KVQCache:
         cache = cls(config)
         cache._layout = layout
         cache.offset = int(state["offset"])
+        mean = state.get("key_mean")
+        if mean is not None and mean.size:
+            want = None if layout is None else (layout[0], layout[1], 1, layout[2])
+            if want is None or tuple(mean.shape) != want or mean.dtype != mx.float32:
+                raise ValueError(f"prompt cache: key_mean of shape {tuple(mean.shape)} ({mean.dtype}) does not fit the "
+                                 f"layout {want} (float32); the file is inconsistent")
+            cache._set_key_mean(mean)
         for buffer, name in ((cache.sinks, "sink"), (cache.window, "window")):
             if state.get(f"{name}_keys") is not None:
                 buffer.replace(state[f"{name}_keys"], state[f"{name}_values"])
@@ -814,9 +884,10 @@ class KVQCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes resident: sinks, window and the allocated compressed store (codes and side data)."""
+        """Bytes resident: sinks, window, the allocated compressed store (codes and side data) and a centred
+        layer's key mean."""
         return self.sinks.nbytes + self.window.nbytes + self.compressed_keys.nbytes + \
-            self.compressed_values.nbytes
+            self.compressed_values.nbytes + (0 if self.key_mean is None else self.key_mean.nbytes)
 
 
 def _group_size(params, head_dim: int | None):

@@ -13,8 +13,11 @@ from mlx.utils import tree_flatten
 
 from ..plugins import registry
 
-#: Bumped whenever the saved layout changes; files of another format are refused.
-FORMAT = 1
+#: Bumped whenever the saved layout changes. 2: a layer may hold ``key_mean`` (centred keys, :mod:`kvq.cache.guard`),
+#: which a reader of format 1 would ignore and so misread.
+FORMAT = 2
+#: Formats this kvq reads (a format-1 file holds no centred layer); files of another format are refused.
+READABLE_FORMATS = (1, 2)
 
 
 def config_to_json(config, layout) -> str:
@@ -42,9 +45,10 @@ def config_from_json(text: str):
         data = json.loads(text)
     except (TypeError, json.JSONDecodeError) as exc:
         raise ValueError(f"prompt cache: not a kvq cache configuration ({exc})") from None
-    if data.get("format") != FORMAT:
+    if data.get("format") not in READABLE_FORMATS:
         raise ValueError(f"prompt cache: file format {data.get('format')!r} (written by kvq {data.get('kvq')}) "
-                         f"is not supported by this kvq, which reads format {FORMAT}; recompute the cache")
+                         f"is not supported by this kvq, which reads formats "
+                         f"{', '.join(map(str, READABLE_FORMATS))}; recompute the cache")
     reg = registry()
     key_params = reg.method(data["key_method"]).make_params(**data["key_params"])
     value_params = reg.method(data["value_method"]).make_params(**data["value_params"])

@@ -65,25 +65,15 @@ class AttentionHook:
 
 
 def dense_kv(cache) -> tuple[mx.array, mx.array]:
-    """Every key and value a kvq cache holds, in token order, decoded to float32 ``[B, H_kv, T, D]``."""
-    from ..select import select
-
+    """Every key and value a kvq cache holds, in token order, decoded to float32 ``[B, H_kv, T, D]`` (a centred
+    layer's compressed keys with their mean added back: :meth:`kvq.cache.KVQCache.decoded`)."""
+    compressed = cache.decoded(mx.float32) if cache.compressed_keys.length else (None, None)
     keys, values = [], []
-    for k, v in ((cache.sink_keys, cache.sink_values), (_decoded(cache.compressed_keys, select),
-                                                        _decoded(cache.compressed_values, select)),
-                 (cache.window_keys, cache.window_values)):
+    for k, v in ((cache.sink_keys, cache.sink_values), compressed, (cache.window_keys, cache.window_values)):
         if k is not None:
             keys.append(k.astype(mx.float32))
             values.append(v.astype(mx.float32))
     return mx.concatenate(keys, axis=2), mx.concatenate(values, axis=2)
-
-
-def _decoded(store, select):
-    encoded = store.view()
-    if encoded is None:
-        return None
-    plan = select(encoded.params.method, encoded.shape, dtype=mx.float32, op="dequantize", params=encoded.params)
-    return plan.dequantize(encoded, mx.float32)
 
 
 class LayerReference:

@@ -67,6 +67,9 @@ def markdown(document: dict) -> str:
             if r.get("outlier_layers"):
                 parts.append(f"{r['method']}: layers {', '.join(map(str, r['outlier_layers']))} stored with affine:8 "
                              "(outlier layers, kvq.cache.guard); bits/coord averages every layer.\n")
+            if r.get("centred_layers"):
+                parts.append(f"{r['method']}: keys of layers {', '.join(map(str, r['centred_layers']))} stored "
+                             "centred (kvq.cache.guard; the mean counted in bits/coord).\n")
     parts.append(NOTES)
     return "\n".join(parts)
 
