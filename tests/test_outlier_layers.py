@@ -73,7 +73,7 @@ def test_exact_centring(method="turboquant", bits=4):
     """A centred layer's attention is exactly attention over its decoded keys with the mean added back (the mean's
     logits restore every compressed score), so centring changes only the quantization error."""
     keys, values = keys_values("offsets")
-    cache = filled(method, keys, values, bits=bits)
+    cache = filled(method, keys, values, bits=bits, kernels="off")  # the arithmetic, not a kernel's rounding
     assert cache.key_mean is not None
     q = mx.random.normal((B, 2 * H, 3, D), key=mx.random.key(5))
     decoded_k, decoded_v = dense_kv(cache)
@@ -156,9 +156,9 @@ def test_chunked_prefill_of_a_centred_layer_matches_token_by_token():
             cache.update_and_fetch(keys[:, :, s : s + chunk], values[:, :, s : s + chunk])
             rows.append(cache.attend(q[:, :, s : s + chunk], D**-0.5))
         assert cache.key_mean is not None
-        outs.append(np.array(mx.concatenate(rows, axis=2).astype(mx.float32)))
-    for out in outs[1:]:
-        np.testing.assert_allclose(out, outs[0], rtol=0, atol=2e-3)
+        outs.append(mx.concatenate(rows, axis=2).astype(mx.float32))
+    for out in outs[1:]:  # float16 outputs; on a GPU the fused kernel (decode) against MLX's attention (chunks)
+        assert float(mx.linalg.norm(out - outs[0]) / mx.linalg.norm(outs[0])) < 1e-3
 
 
 def test_layers_in_a_prompt_cache_file(tmp_path):

@@ -209,7 +209,9 @@ class KVQCache:
         self.compressed_values = EncodedStore(config.step)
         self._layout = None  # (B, H, D_k, D_v, dtype), fixed by the first update
         self._fresh = None  # _Fresh of the last update, until attend uses it
-        self.key_mean = None  # float32 [B, H, 1, D_k] subtracted from compressed keys (kvq.cache.guard), or None
+        # float32 [B, H, 1, D_k] (values of the dense buffers' 16-bit dtype) subtracted from compressed keys
+        # (kvq.cache.guard), or None
+        self.key_mean = None
         self._key_mean_cast = None  # key_mean in the model's dtype, for the decode hot path
 
     @property
@@ -415,13 +417,19 @@ class KVQCache:
         return keys, values
 
     def _compress(self, keys, values):
+        encoded_keys, encoded_values = self._encode(keys, values)
+        self.compressed_keys.append(encoded_keys)
+        self.compressed_values.append(encoded_values)
+
+    def _encode(self, keys, values) -> tuple[Encoded, Encoded]:
+        """``keys`` (centred where the layer is) and ``values`` ``[B, H, T, D]`` quantized by the implementations
+        :func:`kvq.select` picks: ``(Encoded keys, Encoded values)``."""
         kp, vp = self.config.key_params, self.config.value_params
         quantize_k = select(kp.method, keys.shape, dtype=keys.dtype, op="quantize", params=kp,
                             kernels=quantize_kernels(kp.method, self.config.kernels)).quantize
         quantize_v = select(vp.method, values.shape, dtype=values.dtype, op="quantize", params=vp,
                             kernels=quantize_kernels(vp.method, self.config.kernels)).quantize
-        self.compressed_keys.append(quantize_k(self._centred(keys), kp))
-        self.compressed_values.append(quantize_v(values, vp))
+        return quantize_k(self._centred(keys), kp), quantize_v(values, vp)
 
     def _fit_params(self, keys, values):
         """Parameters with the optional ``fit(block)`` (:class:`kvq.contract.Fits`: shared state chosen from data,
@@ -439,6 +447,10 @@ class KVQCache:
 
         # keys with constant offsets are centred; outlier layers stored at 8 bits (kvq.cache.guard)
         self.config, mean = guard_layer(self.config, keys)
+        if mean is not None:
+            # a mean the sinks' and window's 16-bit dtype holds exactly: the fused kernel scores them centred in that
+            # dtype (k - mu there is exact where the offsets dominate), with no rounded shift against the codes
+            mean = mean.astype(mx.float16 if keys.dtype == mx.float32 else keys.dtype).astype(mx.float32)
         self._set_key_mean(mean)
         keys = self._centred(keys)
         self.config = attrs.evolve(self.config, key_params=fit(self.config.key_params, keys),
@@ -854,7 +866,7 @@ class KVQCache:
         """
         check_layer(state)
         config, layout = config_from_json(state["config"])
-        cache = cls(config)
+        cache = cls._empty_for_state(config, state)
         cache._layout = layout
         cache.offset = int(state["offset"])
         mean = state.get("key_mean")
@@ -873,14 +885,23 @@ class KVQCache:
                                                head_dims[1])):
             if state.get(name):
                 store.append(Encoded(params, dict(state[name]), head_dim))
-        stored = cache.sinks.length + cache.window.length
-        if stored + cache.compressed_keys.length != cache.offset:
-            raise ValueError(f"prompt cache: {stored + cache.compressed_keys.length} tokens stored but offset "
-                             f"is {cache.offset}; the file is inconsistent")
+        cache._check_restored(state)
         from . import patch  # (patch imports this module)
 
         patch.patch()  # mlx-lm's loader gives no other moment: without it attention would get the stand-ins
         return cache
+
+    @classmethod
+    def _empty_for_state(cls, config: CacheConfig, state: dict) -> "KVQCache":
+        """The empty cache :meth:`from_state` fills (a subclass reads its own entries of ``state`` here)."""
+        return cls(config)
+
+    def _check_restored(self, state: dict) -> None:
+        """:raises ValueError: the tokens :meth:`from_state` restored do not add up to ``offset``."""
+        stored = self.sinks.length + self.window.length + self.compressed_keys.length
+        if stored != self.offset:
+            raise ValueError(f"prompt cache: {stored} tokens stored but offset is {self.offset}; the file is "
+                             f"inconsistent")
 
     @property
     def nbytes(self) -> int:
