@@ -1,9 +1,9 @@
 """kvq's caches on mlx-lm's own model classes beyond llama and qwen2 (issue #25): tiny random-weight qwen3 (q/k
 norms), phi3 (head_dim 96), gemma3 (head_dim 256, five sliding layers to one global), gpt_oss (learned sinks,
 alternating sliding layers, MoE), qwen3_moe and a llama with mistral-style sliding layers. Layers with a sliding
-window keep mlx-lm's RotatingKVCache; the others get kvq's. kvq's fp16 cache gives mlx-lm's logits (16-bit storage
-of a float32 model's keys and values: within 3e-3), every method finite logits, and prompt-cache files round trip
-mixed layers exactly."""
+window get kvq's RotatingKVQCache (tests/test_rotating_cache.py), the others kvq's KVQCache. kvq's fp16 cache gives
+mlx-lm's logits (16-bit storage of a float32 model's keys and values: within 3e-3), every method finite logits, and
+prompt-cache files round trip mixed layers exactly."""
 
 from __future__ import annotations
 
@@ -38,9 +38,14 @@ CONFIGS = {
                   num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=128, head_dim=32,
                   layer_types=["sliding_attention", "full_attention"], sliding_window=16, rope_theta=10000.0),
 }
-#: Which layers keep mlx-lm's sliding-window cache.
+#: Which layers have a sliding window (kvq's RotatingKVQCache).
 SLIDING = {"gemma3_text": [0, 1, 2, 3, 4], "gpt_oss": [0], "llama": [0]}
 PROMPT = mx.array([[(7 * i + 3) % 128 for i in range(40)]])
+#: How far kvq's fp16 cache may move the logits from mlx-lm's float32 caches: 16-bit storage of the float32 models'
+#: keys and values (3e-3), except the random gemma3, whose six layers all store 16 bits now that its sliding layers
+#: are kvq's too (measured 0.018; against mlx-lm caches that store the same 16 bits, tests/test_rotating_cache.py,
+#: within 5e-3).
+TOLERANCE = {"gemma3_text": 3e-2}
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -70,10 +75,11 @@ def test_fp16_cache_gives_mlx_lm_logits(model):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # served: no UnservableModelWarning
         caches = kvq.make_prompt_cache(model, "fp16", window=8)
-    sliding = [i for i, c in enumerate(caches) if isinstance(c, mlx_cache.RotatingKVCache)]
+    sliding = [i for i, c in enumerate(caches) if isinstance(c, kvq.RotatingKVQCache)]
     assert sliding == SLIDING.get(model.name, [])
-    assert all(isinstance(c, kvq.KVQCache) for i, c in enumerate(caches) if i not in sliding)
-    np.testing.assert_allclose(run(model, caches), run(model, mlx_caches(model)), atol=3e-3)
+    assert all(type(c) is kvq.KVQCache for i, c in enumerate(caches) if i not in sliding)
+    np.testing.assert_allclose(run(model, caches), run(model, mlx_caches(model)),
+                               atol=TOLERANCE.get(model.name, 3e-3))
 
 
 @pytest.mark.parametrize("method", ["affine:4", "turboquant:4", "turboquant:3"])

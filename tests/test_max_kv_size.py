@@ -1,20 +1,19 @@
 """max_kv_size is never silently ignored (issue #25): a model patched by kvq.patch_model, asked for a bounded cache
-through mlx-lm (make_prompt_cache, generate), keeps mlx-lm's rotating cache and says so."""
+through mlx-lm (make_prompt_cache, generate), gets kvq's compressed rotating caches, bounded as mlx-lm's
+RotatingKVCache(max_kv_size, keep=4) is."""
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import mlx.core as mx
-import sys
-
 import mlx_lm.generate  # noqa: F401 (the module: mlx_lm.generate, the attribute, is the function)
 import pytest
 from mlx_lm.models import cache as mlx_cache
 
 import kvq
-from kvq.cache import KVQCache
-from kvq.cache.patch import MaxKVSizeWarning
+from kvq.cache import KVQCache, RotatingKVQCache
 
 
 @pytest.fixture
@@ -24,29 +23,45 @@ def patched(llama_model):
     kvq.unpatch_model(llama_model)
 
 
-def test_a_bounded_request_keeps_mlx_lm_rotating_cache(patched):
-    with pytest.warns(MaxKVSizeWarning, match="max_kv_size=64: kvq has no compressed sliding-window cache yet"):
+def test_a_bounded_request_gets_compressed_rotating_caches(patched):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no MaxKVSizeWarning any more
         caches = mlx_cache.make_prompt_cache(patched, max_kv_size=64)
-    assert all(isinstance(c, mlx_cache.RotatingKVCache) and c.max_size == 64 for c in caches)
+    assert all(type(c) is RotatingKVQCache and (c.max_size, c.keep) == (64, 4) for c in caches)
+    assert caches[0].config.key_params == kvq.cache.make_config("affine", bits=4).key_params
     prompt = mx.array([(7 * i + 3) % 256 for i in range(600)])[None]
     for start in range(0, 600, 128):
         patched(prompt[:, start : start + 128], cache=caches)
-    assert caches[0].keys.shape[2] <= 64 + 127 and caches[0].offset == 600  # mlx-lm's bound, not 600 tokens
+    nbytes = caches[0].nbytes
+    for token in range(20):
+        patched(mx.array([[token]]), cache=caches)
+    layer = caches[0]
+    assert layer.offset == 620 and layer.size() == 64  # mlx-lm's bound, not 620 tokens
+    assert layer.sinks.length == 4 and layer.window.length == 16 and layer.compressed_keys.length == 64 - 4 - 16
+    assert layer.nbytes == nbytes  # decoding on holds no more
 
 
 def test_generate_with_max_kv_size_goes_through_the_same_function(patched):
     module = sys.modules["mlx_lm.generate"]
     assert module.make_prompt_cache is kvq.cache.patch.make_prompt_cache
-    with pytest.warns(MaxKVSizeWarning):
-        caches = module.make_prompt_cache(patched, max_kv_size=32)
-    assert isinstance(caches[0], mlx_cache.RotatingKVCache)
+    caches = module.make_prompt_cache(patched, max_kv_size=32)
+    assert all(type(c) is RotatingKVQCache and c.max_size == 32 for c in caches)
 
 
 def test_without_max_kv_size_kvq_caches_and_no_warning(patched):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         caches = mlx_cache.make_prompt_cache(patched)
-    assert all(isinstance(c, KVQCache) for c in caches)
+    assert all(type(c) is KVQCache for c in caches)
+
+
+def test_an_unpatched_model_keeps_mlx_lm_behaviour(llama_model):
+    """(mlx-lm's llama has a make_cache, so mlx-lm itself ignores max_kv_size for it.)"""
+    from kvq.cache import patch
+
+    caches = mlx_cache.make_prompt_cache(llama_model, max_kv_size=32)
+    assert [type(c) for c in caches] == [type(c) for c in patch._ORIGINAL_MAKE(llama_model, max_kv_size=32)]
+    assert not any(isinstance(c, KVQCache) for c in caches)
 
 
 def test_unpatch_restores_mlx_lm_function():

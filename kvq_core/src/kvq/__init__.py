@@ -31,7 +31,7 @@ from .select import Plan, select
 __version__ = "0.1.0"
 
 _CACHE_API = ("make_prompt_cache", "patch_model", "unpatch_model", "load_prompt_cache", "save_prompt_cache",
-              "KVQCache")
+              "KVQCache", "RotatingKVQCache")
 
 
 def __getattr__(name):

@@ -25,11 +25,13 @@ from ..select import check_kernels, select
 from .files import load_prompt_cache, save_prompt_cache
 from .guard import OutlierLayerWarning
 from .layer import CacheConfig, CompressedView, KVQCache, block_implementation, has_attend, quantize_kernels
+from .rotating import RotatingKVQCache
 from .servable import UnservableModelWarning, unservable_reason
 from .sharding import first_layer, kv_head_range
 
 # mlx-lm's load_prompt_cache rebuilds caches by class name from its own module's globals
 mlx_cache.KVQCache = KVQCache
+mlx_cache.RotatingKVQCache = RotatingKVQCache
 mlx_cache.BatchKVQCache = BatchKVQCache
 
 
@@ -103,14 +105,18 @@ def _head_dims(model) -> tuple[int, int] | None:
     return (head_dim, getattr(args, "v_head_dim", None) or head_dim) if head_dim else None
 
 
-def make_prompt_cache(model, method: str | None = "affine", **kwargs: Any) -> list:
+def make_prompt_cache(model, method: str | None = "affine", *, max_kv_size: int | None = None,
+                      **kwargs: Any) -> list:
     """One kvq cache per attention layer of an mlx-lm model (drop-in for ``mlx_lm``'s function), on one process or
     on each rank of a model that mlx-lm sharded.
 
-    Layers whose model-made cache is not a plain ``KVCache`` (sliding-window ``RotatingKVCache``, SSM state) keep
-    it. A model whose attention cannot use kvq's caches (it handles keys and values itself:
-    :mod:`kvq.cache.servable`, probed once per model class) keeps mlx-lm's caches, with an
-    :class:`UnservableModelWarning` naming the error. Layer ``i`` of ``model.layers`` gets
+    A layer whose model-made cache is a plain ``KVCache`` gets a :class:`KVQCache`; one whose cache is mlx-lm's
+    ``RotatingKVCache(max_size, keep)`` (sliding-window layers) gets a :class:`RotatingKVQCache` with the same
+    ``max_size`` and ``keep`` (its ``keep`` tokens, not ``sinks``, stay uncompressed); other caches (SSM state) are
+    kept. With ``max_kv_size``, the plain layers get ``RotatingKVQCache(max_size=max_kv_size, keep=4)``, what
+    mlx-lm's ``make_prompt_cache`` gives a model without ``make_cache``. A model whose attention cannot use kvq's
+    caches (it handles keys and values itself: :mod:`kvq.cache.servable`, probed once per model class) keeps
+    mlx-lm's caches, with an :class:`UnservableModelWarning` naming the error. Layer ``i`` of ``model.layers`` gets
     ``config.for_layer(first + i)``, where ``first`` is the index of this
     rank's first layer in the whole model (:func:`~kvq.cache.sharding.first_layer`: 0 unless pipeline parallel),
     so parameters with per-layer state (:class:`kvq.contract.ForLayer`, VecInfer's codebooks) are bound to their
@@ -121,26 +127,33 @@ def make_prompt_cache(model, method: str | None = "affine", **kwargs: Any) -> li
     :param model: an mlx-lm model (``model.layers``; ``model.make_cache`` is used when present).
     :param method, kwargs: as :func:`make_config` (``bits=``, ``key_params=``, ``sinks=``, ``window=``,
         ``kernels=`` ...).
-    :raises ValueError: bad method/parameters, a head_dim the method does not support (named), parameters whose
-        ``check_ready()`` fails (:class:`kvq.contract.ChecksReady`: a missing VecInfer calibration names the
-        command to run), a tensor-parallel split that leaves a rank part of a KV head, or ``kernels="require"``
-        where no kernel serves this model's decode attention on this device.
+    :param max_kv_size: as mlx-lm's: at most this many tokens visible per layer (``None``: unbounded).
+    :raises ValueError: bad method/parameters, ``max_kv_size`` not an int above 4, a head_dim the method does not
+        support (named), parameters whose ``check_ready()`` fails (:class:`kvq.contract.ChecksReady`: a missing
+        VecInfer calibration names the command to run), a tensor-parallel split that leaves a rank part of a KV
+        head, or ``kernels="require"`` where no kernel serves this model's decode attention on this device.
     """
     heads = kv_head_range(model)  # a bad tensor-parallel split is named before anything else
+    if max_kv_size is not None and (not isinstance(max_kv_size, int) or max_kv_size <= 4):
+        raise ValueError(f"max_kv_size must be an int above 4 (mlx-lm keeps the first 4 tokens); got {max_kv_size!r}")
     config = make_config(method, **kwargs)
     _check_model(config, model)
     _patch.patch()
     first = first_layer(model)
 
-    def layer_cache(i: int) -> KVQCache:
+    def layer_cache(i: int, made) -> KVQCache:
         layer = config.for_layer(first + i)
-        return KVQCache(layer if heads is None else layer.for_heads(*heads))
+        layer = layer if heads is None else layer.for_heads(*heads)
+        if type(made) is mlx_cache.RotatingKVCache:
+            return RotatingKVQCache(layer, made.max_size, made.keep)
+        return KVQCache(layer) if max_kv_size is None else RotatingKVQCache(layer, max_kv_size, keep=4)
 
     def mlx_caches() -> list:  # a patched model's own caches, not the patch's (which calls this function)
         return _patch.mlx_lm_caches(model)
 
     def kvq_caches() -> list:
-        return [layer_cache(i) if type(c) is mlx_cache.KVCache else c for i, c in enumerate(mlx_caches())]
+        return [layer_cache(i, c) if type(c) in (mlx_cache.KVCache, mlx_cache.RotatingKVCache) else c
+                for i, c in enumerate(mlx_caches())]
 
     if heads is None and first == 0:  # (a sharded model's forward pass talks to other ranks: not probed)
         reason = unservable_reason(model, kvq_caches, mlx_caches)
@@ -181,7 +194,13 @@ def patch_model(model, method: str | None = "affine", **kwargs: Any):
     make_prompt_cache(model, method, **kwargs)  # fail now, not at the first request
     if not hasattr(model, "_kvq_original_make_cache"):
         model._kvq_original_make_cache = getattr(model, "make_cache", None)
-    model.make_cache = lambda: make_prompt_cache(model, method, **kwargs)
+
+    def make_cache(max_kv_size: int | None = None) -> list:
+        """This model's kvq caches (``max_kv_size``: mlx-lm's ``make_prompt_cache`` passes it through
+        :mod:`kvq.cache.patch`)."""
+        return make_prompt_cache(model, method, max_kv_size=max_kv_size, **kwargs)
+
+    model.make_cache = make_cache
     return model
 
 
@@ -197,5 +216,5 @@ def unpatch_model(model):
 
 
 __all__ = ["BatchKVQCache", "CacheConfig", "CompressedView", "KVQCache", "OutlierLayerWarning",
-           "UnservableModelWarning", "load_prompt_cache", "make_config", "make_prompt_cache", "patch_model",
-           "save_prompt_cache", "unpatch_model"]
+           "RotatingKVQCache", "UnservableModelWarning", "load_prompt_cache", "make_config", "make_prompt_cache",
+           "patch_model", "save_prompt_cache", "unpatch_model"]

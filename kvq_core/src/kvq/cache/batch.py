@@ -1,8 +1,9 @@
 """``BatchKVQCache``: kvq caches for mlx-lm's batched generation (``BatchGenerator``, ``mlx_lm.server``).
 
-Each sequence keeps its own :class:`KVQCache` row, so sequences of different lengths need no padding in the
-compressed store: right padding announced by ``prepare`` is simply not stored, and attention runs per row with
-that row's token positions. Rows are independent, so ``merge``/``extract``/``filter``/``extend`` move rows.
+Each sequence keeps its own :class:`KVQCache` (or :class:`RotatingKVQCache`) row, so sequences of different
+lengths need no padding in the compressed store: right padding announced by ``prepare`` is simply not stored, and
+attention runs per row with that row's token positions. Rows are independent, so ``merge``/``extract``/``filter``/
+``extend`` move rows.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ class BatchKVQCache:
         return mx.concatenate(outs, axis=0)
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
-        """Positions are handled per row inside attention; only sliding windows are refused."""
+        """Positions are handled per row inside attention; the rows' ``make_mask`` checks ``window_size``
+        (:meth:`KVQCache.make_mask` refuses one, :meth:`RotatingKVQCache.make_mask` takes its own ``max_size``)."""
         return self.rows[0].make_mask(N, return_array, window_size) if self.rows else None
 
     # -- batching -----------------------------------------------------------------------------------
@@ -102,7 +104,8 @@ class BatchKVQCache:
         return all(r.empty() for r in self.rows)
 
     def is_trimmable(self) -> bool:
-        return True
+        """Whether every row is (a rotating row stops being once tokens have left its window)."""
+        return all(r.is_trimmable() for r in self.rows)
 
     def trim(self, n: int) -> int:
         return max((r.trim(n) for r in self.rows), default=0)
@@ -160,6 +163,9 @@ class BatchKVQCache:
 
     @classmethod
     def from_state(cls, state: dict) -> "BatchKVQCache":
+        """Rebuild a batch from :attr:`state`: each row as a :class:`KVQCache`, or a :class:`RotatingKVQCache` where
+        its state has a ``max_size``."""
         from .layer import KVQCache
+        from .rotating import RotatingKVQCache
 
-        return cls([KVQCache.from_state(s) for s in state.get("rows", [])])
+        return cls([(RotatingKVQCache if "max_size" in s else KVQCache).from_state(s) for s in state.get("rows", [])])

@@ -135,7 +135,7 @@ def _restore(array: mx.array, kind: str):
 
 def _without_layer_checksum(class_name: str, state):
     """A kvq cache's state without its layers' own checksums (other caches' states unchanged)."""
-    if class_name == "KVQCache":
+    if class_name in ("KVQCache", "RotatingKVQCache"):
         return {k: v for k, v in state.items() if k != LAYER_CHECKSUM}
     if class_name == "BatchKVQCache":
         return {**state, "rows": [_without_layer_checksum("KVQCache", row) for row in state.get("rows", [])]}

@@ -799,10 +799,11 @@ class KVQCache:
         return BatchKVQCache.merge(caches)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        """mlx-lm's mask hook: kvq enforces causality from positions, so only sliding windows are refused."""
+        """mlx-lm's mask hook: kvq enforces causality from positions, so only sliding windows are refused (a
+        sliding-window layer gets a :class:`kvq.cache.RotatingKVQCache`)."""
         if window_size is not None:
-            raise ValueError("kvq caches do not support sliding-window attention layers (window_size); "
-                             "kvq.make_prompt_cache leaves those layers' own caches in place")
+            raise ValueError("a KVQCache serves full-attention layers, not a sliding window (window_size); "
+                             "kvq.make_prompt_cache gives sliding-window layers a RotatingKVQCache")
         return None if N == 1 else "causal"
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> "KVQCache":

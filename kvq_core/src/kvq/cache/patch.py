@@ -18,7 +18,6 @@ mlx-lm's ``make_prompt_cache`` is replaced the same way (in ``mlx_lm.models.cach
 from __future__ import annotations
 
 import sys
-import warnings
 
 from mlx_lm.models import base
 from mlx_lm.models import cache as mlx_cache
@@ -33,7 +32,8 @@ _PATCHED_MAKE: set[str] = set()
 
 
 class MaxKVSizeWarning(UserWarning):
-    """``max_kv_size`` was asked of a model whose caches kvq makes: mlx-lm's rotating cache is kept (uncompressed)."""
+    """Kept for code that filters it: kvq no longer warns about ``max_kv_size``, which now gives kvq's compressed
+    rotating caches (:class:`kvq.cache.RotatingKVQCache`)."""
 
 
 def mlx_lm_caches(model) -> list:
@@ -49,19 +49,16 @@ def make_prompt_cache(model, max_kv_size=None):
 
     mlx-lm returns ``model.make_cache()`` whenever the model has one, ignoring ``max_kv_size``; a model patched by
     :func:`kvq.patch_model` has one, so without this a bounded request got kvq's unbounded caches (604 tokens held
-    after a 600-token prompt with ``max_kv_size=64``). kvq has no compressed sliding-window cache yet (issue #25):
-    for such a model with ``max_kv_size`` this returns the model's own caches with every plain ``KVCache``
-    replaced by mlx-lm's ``RotatingKVCache(max_size=max_kv_size, keep=4)`` (what mlx-lm gives a model without
-    ``make_cache``; layers with their own kind of cache keep it) and says so with a :class:`MaxKVSizeWarning`.
-    Everything else goes to mlx-lm's function unchanged.
+    after a 600-token prompt with ``max_kv_size=64``). For such a model with ``max_kv_size`` this returns its kvq
+    caches with every plain layer bounded: ``RotatingKVQCache(max_size=max_kv_size, keep=4)``, compressed, what
+    mlx-lm gives a model without ``make_cache`` (:func:`kvq.make_prompt_cache`'s ``max_kv_size``). Everything else
+    goes to mlx-lm's function unchanged.
+
+    :raises ValueError: as :func:`kvq.make_prompt_cache` (``max_kv_size`` not an int above 4).
     """
     if max_kv_size is None or not hasattr(model, "_kvq_original_make_cache"):
         return _ORIGINAL_MAKE(model, max_kv_size)
-    warnings.warn(f"max_kv_size={max_kv_size}: kvq has no compressed sliding-window cache yet, so this model keeps "
-                  f"mlx-lm's caches (RotatingKVCache: uncompressed, at most {max_kv_size} tokens per layer); without "
-                  "max_kv_size it gets kvq's compressed caches", MaxKVSizeWarning, stacklevel=2)
-    return [mlx_cache.RotatingKVCache(max_size=max_kv_size, keep=4) if type(c) is mlx_cache.KVCache else c
-            for c in mlx_lm_caches(model)]
+    return model.make_cache(max_kv_size=max_kv_size)
 
 
 def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):

@@ -1,0 +1,317 @@
+"""``RotatingKVQCache``: a sliding-window layer's KV cache for mlx-lm, with its older tokens stored compressed.
+
+mlx-lm's ``RotatingKVCache(max_size, keep)`` (sliding-window layers of Gemma 3, gpt-oss, Mistral; every layer under
+``max_kv_size``) shows a query at position ``p``, in token-by-token decode, the first ``keep`` tokens and the newest
+``max_size - keep`` tokens up to ``p``. This cache shows each query the same tokens, laid out as: the ``keep`` tokens
+(uncompressed; the layer's sinks) | the older tokens of the window, compressed, in a :class:`~kvq.cache.ring.RingStore`
+of ``max_size - keep - window`` tokens | the residual window (the newest ``window`` to ``window + flush - 1``
+tokens, uncompressed). Memory is bounded by ``max_size`` and the compression ratio, never by the tokens generated.
+
+Tokens are compressed exactly as in :class:`~kvq.cache.KVQCache` (same methods, sinks aside, guard and fitted
+parameters); a token older than the window is overwritten in the ring. A prefill chunk gives each of its queries what
+the token-by-token run shows it (:meth:`KVQCache._visible`). mlx-lm's own chunk mask differs from its decode where
+``keep > 0``: it counts the ``keep`` tokens as the oldest positions of its window, so a chunk query past ``max_size``
+does not see them; kvq follows the token-by-token rule in both. With ``keep = 0`` (what mlx-lm's models build for
+their sliding layers) the two agree.
+"""
+
+from __future__ import annotations
+
+import attrs
+import mlx.core as mx
+import numpy as np
+
+from ..attention import dense_attend, empty_part, merge_parts, sink_logits_part
+from .layer import CacheConfig, KVQCache
+from .ring import RingStore, concat_encoded
+
+
+@attrs.frozen
+class _RingFresh:
+    """What :meth:`RotatingKVQCache.attend` needs from the chunk just stored (the fields :meth:`KVQCache._visible`
+    reads, and the tokens): ``start`` the position of the chunk's first token after the ``keep`` ones,
+    ``compressed`` and ``held`` the tokens that had left the residual window and those it held before the chunk,
+    ``new`` the chunk's tokens after the ``keep`` ones, ``dense`` the residual window before the chunk followed by
+    those tokens (keys, values), ``encoded`` the ring before the chunk (oldest first) followed by the tokens the
+    chunk compressed (keys, values :class:`kvq.Encoded`; ``None`` if neither has any) and ``encoded_first`` the
+    index of its first token among the tokens after the ``keep`` ones."""
+
+    start: int
+    compressed: int
+    held: int
+    new: int
+    dense: tuple
+    encoded: tuple | None
+    encoded_first: int
+
+
+def rows_mask(index: np.ndarray, lo: np.ndarray, hi: np.ndarray):
+    """Which tokens each query row sees, for tokens whose indices ``index`` ``[n]`` (int, any order) cover a
+    contiguous range: row ``r`` sees ``lo[r] <= i < hi[r]``.
+
+    :return: ``(any, mask)``: ``any`` False when no row sees any token; ``mask`` ``None`` when every row sees every
+        token, else bool ``[T_q, n]`` (True = visible).
+    """
+    low, high = int(index.min()), int(index.max())
+    if not np.any(np.maximum(lo, low) < np.minimum(hi, high + 1)):
+        return False, None
+    if lo.max() <= low and hi.min() > high:
+        return True, None
+    column = mx.array(index)[None]
+    return True, (column >= mx.array(lo)[:, None]) & (column < mx.array(hi)[:, None])
+
+
+class RotatingKVQCache(KVQCache):
+    """A drop-in replacement for mlx-lm's ``RotatingKVCache(max_size, keep)`` that stores the window's older tokens
+    compressed (see the module docstring). Build it with :func:`kvq.make_prompt_cache`, which gives one to every
+    layer whose mlx-lm cache is a ``RotatingKVCache`` (and to every layer under ``max_kv_size``).
+
+    Keys and values ``[B, H_kv, T, D]`` as :class:`KVQCache`; ``offset`` counts every token stored (RoPE),
+    :meth:`size` those still visible (at most ``max_size``). Resident: ``keep + window + flush - 1`` uncompressed
+    tokens and ``max_size - keep - window`` compressed ones (allocated in steps of ``config.step``). ``trim`` works
+    while ``offset < max_size`` (as mlx-lm's); prompt-cache files and batching (:class:`BatchKVQCache` rows, so
+    ``merge``/``extract``/``filter``/``extend``) work. :meth:`decoded` returns the compressed tokens in ring order.
+
+    :param config: :class:`CacheConfig`; its ``sinks`` is replaced by ``keep`` and its ``window`` is capped at
+        ``max_size - keep`` (a window that large leaves nothing to compress).
+    :param max_size: mlx-lm's ``max_size``: tokens visible to a query, ``keep`` included (>= 1).
+    :param keep: mlx-lm's ``keep``: first tokens visible to every query (0 <= keep < max_size).
+    :raises ValueError: ``max_size`` or ``keep`` out of range.
+    """
+
+    def __init__(self, config: CacheConfig, max_size: int, keep: int = 0) -> None:
+        if not isinstance(max_size, int) or isinstance(max_size, bool) or max_size < 1:
+            raise ValueError(f"max_size must be an int >= 1; got {max_size!r}")
+        if not isinstance(keep, int) or isinstance(keep, bool) or not 0 <= keep < max_size:
+            raise ValueError(f"keep must be an int with 0 <= keep < max_size ({max_size}); got {keep!r}")
+        self.max_size, self.keep = max_size, keep
+        super().__init__(attrs.evolve(config, sinks=keep, window=min(config.window, max_size - keep)))
+        limit = max_size - keep - self.config.window
+        self.compressed_keys, self.compressed_values = RingStore(config.step, limit), RingStore(config.step, limit)
+        self.left = 0  # tokens after the keep ones that have left the residual window (into the ring)
+
+    # -- storage ------------------------------------------------------------------------------------
+    def _store(self, keys, values) -> None:
+        self.offset += keys.shape[2]
+        keys, values = self._fill_sinks(keys, values)
+        if keys.shape[2] <= 1:  # one token (or none): its query sees the cache as it is after the update
+            self._fresh = None
+            if keys.shape[2]:
+                self._push(keys, values)
+            return
+        left, held = self.left, self.window.length
+        before = (self.compressed_keys.ordered(), self.compressed_values.ordered())
+        before_first = left - self.compressed_keys.length
+        dense, encoded = self._push(keys, values)
+        if encoded is not None:
+            encoded = tuple(concat_encoded(b, e) for b, e in zip(before, encoded))
+        elif before[0] is not None:
+            encoded = before
+        self._fresh = _RingFresh(self.offset - keys.shape[2], left, held, keys.shape[2], dense, encoded,
+                                 before_first)
+
+    def _push(self, keys, values):
+        """Append tokens after the ``keep`` ones to the residual window; those leaving it (:meth:`_leaving`) are
+        compressed into the ring (dropped where the ring holds nothing: they are out of every later query's
+        window). Returns the uncompressed window before the update followed by the new tokens (16-bit, as the window
+        stores them: float32 is stored as float16), and the ``(keys, values)`` Encoded of the tokens compressed now
+        (or ``None``)."""
+        overflow = self._leaving(self.window.length, keys.shape[2])
+        if not overflow:
+            self.window.append(keys, values)
+            return self.window.view(), None
+        # in 16 bits as the window stores them: tokens of a chunk are seen and compressed exactly as one by one
+        keys, values = (x.astype(mx.float16) if x.dtype == mx.float32 else x for x in (keys, values))
+        held_k, held_v = self.window.view()
+        if held_k is not None:
+            keys, values = mx.concatenate([held_k, keys], axis=2), mx.concatenate([held_v, values], axis=2)
+        encoded = None
+        if self.compressed_keys.limit:
+            self._fit_params(*(x[:, :, : self.config.window + self._flush] for x in (keys, values)))
+            encoded = self._encode(keys[:, :, :overflow], values[:, :, :overflow])
+            self.compressed_keys.append(encoded[0])
+            self.compressed_values.append(encoded[1])
+        self.left += overflow
+        self.window.replace(keys[:, :, overflow:], values[:, :, overflow:])
+        return (keys, values), encoded
+
+    # -- attention ----------------------------------------------------------------------------------
+    def attend(self, queries: mx.array, scale: float, mask=None, sink_logits: mx.array | None = None,
+               query_start: int | None = None) -> mx.array:
+        """Attention of ``queries [B, H_q, T_q, D]`` (the newest ``T_q`` tokens, or those from ``query_start``) over
+        the tokens each sees: the ``keep`` ones before it and the newest ``max_size - keep`` up to itself, as in
+        a token-by-token run of mlx-lm's ``RotatingKVCache`` (:class:`KVQCache.attend` for the rest).
+
+        :param mask: ``None`` or ``"causal"`` (what :meth:`make_mask` gives models); the window is enforced from
+            token positions.
+        :param sink_logits: learned attention-sink logits ``[H_q]`` (gpt-oss), or ``None``.
+        :return: ``[B, H_q, T_q, D_v]`` in the queries' dtype.
+        :raises ValueError: a mask array (padding is handled by :class:`BatchKVQCache`, which passes none).
+        """
+        Tq = queries.shape[2]
+        fresh, self._fresh = self._fresh, None
+        if mask is not None and not isinstance(mask, str):
+            raise ValueError("a RotatingKVQCache takes no mask array: it applies its window from token positions "
+                             "(batches go through BatchKVQCache, whose rows store no padding)")
+        start_q = self.offset - Tq if query_start is None else query_start
+        # rows past the stored tokens (a padded batch row) see what the last stored token sees
+        positions = np.minimum(np.arange(start_q, start_q + Tq), self.offset - 1)
+        lo = np.maximum(0, positions - self.max_size + 1)  # the first visible token after the keep ones
+        top = positions - self.keep + 1  # one past the last
+        if fresh is None and Tq == 1 and sink_logits is None and lo[0] <= self.left - self.compressed_keys.length:
+            fused = self._fused_attend(queries, scale)  # every held token is visible: KVQCache's fused decode
+            if fused is not None:
+                return fused
+        parts = [self._keep_part(queries, scale, positions)]
+        if fresh is None:
+            parts += self._held_parts(queries, scale, lo, top)
+        else:
+            parts += self._chunk_parts(queries, scale, lo, top, fresh, start_q)
+        parts = [p for p in parts if p is not None]
+        if sink_logits is not None:
+            parts.append(sink_logits_part(sink_logits, queries, parts[0][0].shape[-1]))
+        out, _ = merge_parts(parts)
+        return out.astype(queries.dtype)
+
+    def _keep_part(self, queries, scale, positions):
+        """The ``keep`` tokens (uncompressed), each seen by the queries at or after its position."""
+        n = self.sinks.length
+        if not n:
+            return None
+        keys, values = self.sinks.view()
+        mask = None
+        if positions[0] < n - 1:  # a query among the keep tokens: causal within them
+            mask = mx.array(positions)[:, None] >= mx.arange(n)[None]
+        return dense_attend(queries, keys, values, scale, mask)
+
+    def _held_parts(self, queries, scale, lo, top) -> list:
+        """Parts of queries that see the cache as it is (decode): the ring (its tokens indexed from its slot
+        ranks) and the residual window."""
+        ring = self.compressed_keys
+        parts = []
+        if ring.length:
+            index = self.left - ring.length + ring.ranks()
+            parts.append(self._compressed_part(queries, scale, (ring.view(), self.compressed_values.view()), index,
+                                               lo, np.minimum(top, self.left)))
+        window_k, window_v = self.window.view()
+        if window_k is not None:
+            parts.append(self._dense_part(queries, scale, window_k, window_v, self.left, lo, top))
+        return parts
+
+    def _chunk_parts(self, queries, scale, lo, top, fresh: _RingFresh, start_q: int) -> list:
+        """Parts of a chunk's queries, each seeing what it would in a token-by-token run: the tokens compressed by
+        its turn (the ring before the chunk and those the chunk compressed) and the rest uncompressed."""
+        compressed = np.array(self._visible(fresh, start_q, queries.shape[2]))  # per row: tokens left by then
+        parts = []
+        if fresh.encoded is not None:
+            keys, values = fresh.encoded
+            n = keys.num_tokens
+            a = min(n, max(0, int(lo[0]) - fresh.encoded_first))  # tokens before every row's window are skipped
+            if a < n:
+                keys, values = keys.tokens(a, n), values.tokens(a, n)
+                index = fresh.encoded_first + a + np.arange(n - a)
+                parts.append(self._compressed_part(queries, scale, (keys, values), index, lo,
+                                                   np.minimum(compressed, top)))
+        dense_k, dense_v = fresh.dense
+        parts.append(self._dense_part(queries, scale, dense_k, dense_v, fresh.compressed, np.maximum(lo, compressed),
+                                      top))
+        return parts
+
+    def _compressed_part(self, queries, scale, encoded: tuple, index, lo, hi):
+        """``(out, lse)`` over compressed tokens ``encoded`` (keys, values) whose indices are ``index``, row ``r``
+        seeing indices ``[lo[r], hi[r])``; ``None`` where no row sees any."""
+        visible, mask = rows_mask(index, lo, hi)
+        if not visible:
+            return None
+        keys, values = encoded
+        return self._uncentre(self._attend_fn(keys, queries)(queries, keys, values, scale, mask), queries, scale)
+
+    def _dense_part(self, queries, scale, keys, values, first: int, lo, hi):
+        """``(out, lse)`` over uncompressed ``keys``/``values`` ``[B, H, T, D]`` (indices ``first ...``), row ``r``
+        seeing indices ``[lo[r], hi[r])`` (both non-decreasing in ``r``), in slices of :attr:`CHUNK_ROWS` rows
+        that each read only the keys they may see; ``None`` where no row sees any."""
+        T, Tq = keys.shape[2], queries.shape[2]
+        lo, hi = np.clip(lo - first, 0, T), np.clip(hi - first, 0, T)
+        if not np.any(hi > lo):
+            return None
+        outs, lses = [], []
+        for r0 in range(0, Tq, self.CHUNK_ROWS):
+            r1 = min(Tq, r0 + self.CHUNK_ROWS)
+            rows, a, b = queries[:, :, r0:r1], int(lo[r0:r1].min()), int(hi[r0:r1].max())
+            visible, mask = rows_mask(np.arange(a, b), lo[r0:r1], hi[r0:r1]) if b > a else (False, None)
+            if visible:
+                out, lse = dense_attend(rows, keys[:, :, a:b], values[:, :, a:b], scale, mask)
+            else:
+                out, lse = empty_part(rows, values.shape[-1])
+            outs.append(out)
+            lses.append(lse)
+        return mx.concatenate(outs, axis=2), mx.concatenate(lses, axis=2)
+
+    # -- mlx-lm cache protocol ------------------------------------------------------------------------
+    def size(self) -> int:
+        """Tokens a query sees at most: ``min(offset, max_size)`` (as mlx-lm's ``RotatingKVCache.size``)."""
+        return min(self.offset, self.max_size)
+
+    def is_trimmable(self) -> bool:
+        """Whether :meth:`trim` can remove tokens: while ``offset < max_size`` (no token has left the window yet),
+        as mlx-lm's ``RotatingKVCache``."""
+        return self.offset < self.max_size
+
+    def trim(self, n: int) -> int:
+        """Forget the newest ``n`` tokens (the residual window's, then the ring's, then the ``keep`` ones); returns
+        how many were removed: 0 once the cache is not :meth:`is_trimmable` (tokens it would need again are gone).
+        Tokens left behind keep the form they had, as in :meth:`KVQCache.trim`."""
+        if not self.is_trimmable():
+            return 0
+        n = max(0, min(n, self.offset))
+        rest = n - self.window.trim(n)
+        if rest:
+            self.compressed_values.trim(rest)
+            taken = self.compressed_keys.trim(rest)
+            self.left -= taken
+            rest -= taken
+        self.sinks.trim(rest)
+        self.offset -= n
+        if self.offset == 0:
+            self.__init__(self.config, self.max_size, self.keep)  # a fresh cache accepts a new layout
+        return n
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        """mlx-lm's mask hook: the window and causality are applied from positions, so ``None`` for one token and
+        ``"causal"`` for more.
+
+        :raises ValueError: a ``window_size`` other than ``max_size`` (mlx-lm's models build their sliding caches
+            with ``max_size`` equal to the window they ask for).
+        """
+        if window_size is not None and window_size != self.max_size:
+            raise ValueError(f"this RotatingKVQCache shows each query its max_size={self.max_size} tokens; the model "
+                             f"asks for a window of {window_size}")
+        return None if N == 1 else "causal"
+
+    # -- prompt-cache files ---------------------------------------------------------------------------
+    @property
+    def state(self) -> dict:
+        """:attr:`KVQCache.state` (the ring's fields in slot order) plus ``max_size``, ``keep``, ``left`` (tokens
+        that have left the residual window) and ``ring_next`` (the ring's next slot)."""
+        return {**super().state, "max_size": self.max_size, "keep": self.keep, "left": self.left,
+                "ring_next": self.compressed_keys.next}
+
+    @classmethod
+    def _empty_for_state(cls, config: CacheConfig, state: dict) -> "RotatingKVQCache":
+        return cls(config, int(state["max_size"]), int(state["keep"]))
+
+    def _check_restored(self, state: dict) -> None:
+        """Restore ``left`` and the ring's next slot; :raises ValueError: counts that do not add up."""
+        self.left = int(state["left"])
+        saved = state.get("keys") or {}
+        held = next(iter(saved.values())).shape[2] if saved else 0
+        rings = (self.compressed_keys, self.compressed_values)
+        next_slot = int(state["ring_next"])
+        fits = next_slot == held % max(1, rings[0].limit) or (held == rings[0].limit and 0 <= next_slot < held)
+        stored = self.sinks.length + self.left + self.window.length
+        if stored != self.offset or any(r.length != held for r in rings) or held > self.left or not fits:
+            raise ValueError(f"prompt cache: a rotating layer of offset {self.offset} holding {self.sinks.length} "
+                             f"keep, {held} ring (of {self.left} compressed, next slot {next_slot}) and "
+                             f"{self.window.length} window tokens; the file is inconsistent")
+        for ring in rings:
+            ring.next = next_slot
