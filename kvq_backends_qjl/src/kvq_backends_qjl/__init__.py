@@ -73,7 +73,9 @@ class QJLMLX:
         :param values: :class:`kvq.Encoded` of any installed method (e.g. ``affine``).
         :param scale: float multiplying the estimated ``q · k``. :param mask: ``None`` or boolean,
             broadcastable to ``[B, H_q, T_q, T]`` (``True`` = may attend).
-        :return: ``(out [B, H_q, T_q, D_v], lse [B, H_q, T_q])``, float32.
+        :return: ``(out [B, H_q, T_q, D_v], lse [B, H_q, T_q])``, float32. Memory above the cache: one block at
+            a time (:func:`kvq.attention.attend_encoded`): the keys' working set
+            (:mod:`kvq_backends_qjl.attend`) plus the values' implementation's, and the block's scores.
         :raises ValueError: keys not ``qjl``-encoded, or no ``mlx`` implementation for the values' method.
         """
         if keys.method != "qjl":

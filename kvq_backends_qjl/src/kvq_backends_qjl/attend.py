@@ -14,6 +14,12 @@ Elsewhere a bounded chunk of tokens is unpacked to ±1 and multiplied in float32
 CUDA back end has no 1-bit quantized_matmul ("1-bit quantization is not supported"), and its batched
 float32 one failed at 2 bits too ("No implementation for problem shape"); Metal's is untested. Fused kernels
 belong to kvq_metal.
+
+Memory: :func:`kvq.attention.attend_encoded` runs one block at a time (at most
+:data:`kvq.attention.VECTOR_BUDGET_BYTES` of float32 keys and values, or 256 tokens), and :func:`scores` holds
+at most 4 float32 arrays as wide as the sketch (``m``) for the block's tokens (the unpacked bits and ±1 signs:
+8 float32 copies of the block's keys at the default ``m = 2 · head_dim``; on the CPU's 1-bit path, none), plus
+the outlier channels' estimates (``outlier_channels`` floats a token). Decode holds that above the cache.
 """
 
 from __future__ import annotations
@@ -72,16 +78,18 @@ def inlier_scores(prepared: PreparedQuery, keys: Encoded, start: int, stop: int)
     """``c/m · ‖k_in‖ · ⟨S q, sign(S k_in)⟩`` for tokens ``start:stop``: float32 ``[B, H, n_rep, T_q, stop-start]``."""
     sketched, d = prepared.sketched, keys.data
     B, H, R, Tq, m = sketched.shape
-    weight = main_sketch(keys.params, keys.head_dim).estimator_scale * d["norms"].astype(mx.float32)
+    # the block's norms only: scaling all T norms would be per block work (and memory) of the whole context
+    scale = main_sketch(keys.params, keys.head_dim).estimator_scale
+    weight = scale * d["norms"][:, :, start:stop].astype(mx.float32)
     if code_bits(m, R * Tq):
         words = d["signs"][:, :, start:stop].view(mx.uint32)  # little-endian bytes: 32 one-bit codes a word
-        w = mx.broadcast_to(weight[:, :, start:stop, None], (B, H, stop - start, m // BITS_GROUP))
+        w = mx.broadcast_to(weight[..., None], (B, H, stop - start, m // BITS_GROUP))
         return mx.quantized_matmul(sketched, words[:, :, None], (2 * w)[:, :, None], (-w)[:, :, None],
                                    transpose=True, group_size=BITS_GROUP, bits=1)
     parts = []
     for a, b in _chunks(start, stop, 4 * B * H * m):
         signs = unpack_signs(d["signs"][:, :, a:b])[:, :, None]  # [B, H, 1, t, m]
-        parts.append((sketched @ signs.swapaxes(-1, -2)) * weight[:, :, None, None, a:b])
+        parts.append((sketched @ signs.swapaxes(-1, -2)) * weight[:, :, None, None, a - start:b - start])
     return mx.concatenate(parts, axis=-1)
 
 
@@ -104,7 +112,9 @@ def outlier_scores(prepared: PreparedQuery, keys: Encoded, start: int, stop: int
 
 
 def scores(prepared: PreparedQuery, keys: Encoded, start: int, stop: int) -> mx.array:
-    """Block protocol: estimated ``q · k`` for tokens ``start:stop`` (float32 ``[B, H, n_rep, T_q, stop-start]``)."""
+    """Block protocol: estimated ``q · k`` for tokens ``start:stop`` (float32 ``[B, H, n_rep, T_q, stop-start]``).
+    Working set: at most 4 float32 ``[B, H, stop - start, m]`` arrays (the module docstring), nothing that grows
+    with the other tokens."""
     s = inlier_scores(prepared, keys, start, stop)
     if keys.params.outlier_channels:
         s = s + outlier_scores(prepared, keys, start, stop)

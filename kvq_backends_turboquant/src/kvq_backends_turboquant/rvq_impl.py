@@ -4,6 +4,11 @@ Attention follows kvq's block protocol (:func:`kvq.attention.attend_encoded`), a
 rotated once; each block of keys is scored against ``c1[idx1] + c2[idx2]`` in the rotated domain and scaled by the
 stored norms; values are decoded and weighted in the rotated domain one block at a time; the output is
 inverse-rotated once. No block is brought back to the original domain.
+
+Memory: :func:`kvq.attention.attend_encoded` runs one block at a time (at most
+:data:`kvq.attention.VECTOR_BUDGET_BYTES` of float32 keys and values, or 256 tokens); a block's working set is at
+most 10 float32 copies of its keys and 10 of its values at ``D_pad`` (two stages of unpacked codes and centroids:
+measured on the CPU, 4 at 2 + 2 bits, 9.5 at 3 + 3 bits, whose codes straddle words).
 """
 
 from __future__ import annotations
@@ -86,7 +91,8 @@ class TurboQuantRVQMLX:
         return mse.rotation_of(encoded.params, D).inverse(y)[..., :D].astype(dtype)
 
     def kvq_attend(self, queries, keys, values, scale, mask):
-        """Attention over ``turboquant_rvq`` keys and values; see the ``kvq_attend`` spec for shapes.
+        """Attention over ``turboquant_rvq`` keys and values; see the ``kvq_attend`` spec for shapes. Memory above
+        the cache: one block's working set at a time (the module docstring) plus its scores.
 
         :raises ValueError: keys or values of another method, or queries whose head_dim differs from the keys'.
         """
@@ -100,13 +106,15 @@ class TurboQuantRVQMLX:
 
     def scores(self, q, keys, start, stop):
         """``q · k̃`` for keys ``start:stop``: float32 ``[B, H_kv, n_rep, T_q, stop - start]``, from
-        ``c1[idx1] + c2[idx2]`` in the rotated domain times the stored norms."""
+        ``c1[idx1] + c2[idx2]`` in the rotated domain times the stored norms. Working set: at most 10 float32
+        copies of the block's keys at ``D_pad``."""
         block = keys.tokens(start, stop)
         y_hat = rvq.decode_rotated(block.data, block.params, keys.head_dim)[:, :, None]
         return (q @ y_hat.swapaxes(-1, -2)) * _tokens_axis(block.data["norms"])
 
     def weighted_values(self, p, values, start, stop):
-        """``p @ ṽ`` for values ``start:stop`` in the rotated domain: float32 ``[B, H_kv, n_rep, T_q, D_pad]``."""
+        """``p @ ṽ`` for values ``start:stop`` in the rotated domain: float32 ``[B, H_kv, n_rep, T_q, D_pad]``.
+        Working set: at most 10 float32 copies of the block's values at ``D_pad``."""
         block = values.tokens(start, stop)
         weights = p * _tokens_axis(block.data["norms"])
         return weights @ rvq.decode_rotated(block.data, block.params, values.head_dim)[:, :, None]

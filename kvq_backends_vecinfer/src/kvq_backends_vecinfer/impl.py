@@ -7,6 +7,11 @@ would be large (a long prefill chunk) the block's centroids are gathered instead
 numbers, fewer bytes). Values are decoded block by block in the rotated domain and weighted there; the output is
 inverse-transformed once (:meth:`VecInferMLX.finish_values`).
 
+Memory: blocks hold at most :data:`kvq.attention.VECTOR_BUDGET_BYTES` of float32 keys and values (or 256 tokens)
+and run one at a time (:func:`kvq.attention.attend_encoded`); a block's working set is its unpacked codes and at
+most 2 float32 copies of its values (gathered centroids), plus on the keys' side the gathered table entries
+(``M`` floats a token and query row: bounded with the scores). Decode holds that above the cache.
+
 Encoded fields, all ``[B, H_kv, T, ...]``: ``codes`` uint32 ``[B, H_kv, T, ceil(M * code_bits / 32)]``, nothing
 else. The codebook comes from the calibration that the parameters name (:mod:`kvq_backends_vecinfer.storage`).
 A vector stored with the reserved code pattern (it had a NaN or ±inf coordinate: :mod:`kvq_backends_vecinfer.vq`)
@@ -16,7 +21,7 @@ decodes to NaN, and its scores and its weight in the values are NaN, as in an fp
 from __future__ import annotations
 
 import mlx.core as mx
-from kvq.attention import attend_encoded, block_size_for
+from kvq.attention import attend_encoded, block_size_for, token_bytes_of
 from kvq.costmodel import estimate
 from kvq.encoded import Encoded
 from kvq.validate import float_array
@@ -90,6 +95,9 @@ class VecInferMLX:
     def kvq_attend(self, queries, keys, values, scale, mask):
         """Attention over vecinfer keys and values (see the ``kvq_attend`` spec for shapes).
 
+        Memory above the cache: one block's working set at a time (the module docstring); blocks are sized for
+        the gathered table entries (``M`` times the scores) and the decoded vectors.
+
         :raises ValueError: keys or values of another method or role, queries whose head_dim differs from the keys'.
         """
         for name, encoded in (("keys", keys), ("values", values)):
@@ -99,8 +107,9 @@ class VecInferMLX:
         if queries.shape[-1] != keys.head_dim:
             raise ValueError(f"queries: head_dim {queries.shape[-1]} does not match the keys' {keys.head_dim}")
         B, Hq, Tq, _ = queries.shape
-        # gathered table entries are M times the scores: size blocks for them
-        block = block_size_for(B, Hq, Tq * keys.params.sub_vectors(keys.head_dim), keys.num_tokens)
+        # gathered table entries are M times the scores: size blocks for them (and for the decoded values)
+        vector_bytes = token_bytes_of(B, keys.shape[1], keys.head_dim, values.head_dim)
+        block = block_size_for(B, Hq, Tq * keys.params.sub_vectors(keys.head_dim), keys.num_tokens, vector_bytes)
         return attend_encoded(queries, keys, values, scale, mask, self, self, block_size=block)
 
     # -- block protocol (kvq.attention.attend_encoded) -----------------------------------------------
@@ -121,7 +130,9 @@ class VecInferMLX:
 
     def scores(self, q, keys, start, stop):
         """``q · k̃`` for keys ``start:stop``: float32 ``[B, H_kv, n_rep, T_q, stop - start]``, as sums of table
-        entries gathered by the codes (or, for a ``q'`` from a long prefill, ``q' · ŷ`` over gathered centroids)."""
+        entries gathered by the codes (or, for a ``q'`` from a long prefill, ``q' · ŷ`` over gathered centroids).
+        Working set: the block's unpacked codes and gathered entries ``[..., T_q, stop - start, M]`` (or 2 float32
+        copies of the block's keys)."""
         codes = _codes(keys, start, stop)
         if q.ndim == 6:
             s = vq.table_scores(q, codes)
@@ -132,7 +143,8 @@ class VecInferMLX:
 
     def weighted_values(self, p, values, start, stop):
         """``p @ ŷ`` for values ``start:stop``, in the rotated domain: float32 ``[B, H_kv, n_rep, T_q, D]`` (NaN for
-        the queries that weigh a vector of the reserved pattern, whatever its weight, as ``0 · NaN`` in fp16)."""
+        the queries that weigh a vector of the reserved pattern, whatever its weight, as ``0 · NaN`` in fp16).
+        Working set: the block's unpacked codes and at most 2 float32 copies of its values."""
         y_hat = vq.decode_rotated(_codes(values, start, stop), _layer(values.params, values.shape[1]).codebook)
         p = mx.where(_non_finite(values, start, stop)[:, :, None, None], float("nan"), p)
         return p @ y_hat[:, :, None]

@@ -6,6 +6,13 @@ attended on its own, returning ``(out, lse)``; :func:`merge_parts` combines them
 compressed keys nor the full ``[T_q, T]`` score matrix of a long prefill chunk is ever materialised.
 GQA is handled by reshaping queries to ``[B, H_kv, n_rep, T_q, D]``; keys and values are never repeated.
 
+Memory: a block spans at most :data:`SCORE_BUDGET_BYTES` of float32 scores and, where the caller says how many
+bytes a token's float32 key and value take (``token_bytes``), at most :data:`VECTOR_BUDGET_BYTES` of them (at
+least 256 keys either way). Attention over stored tokens (:func:`attend_encoded`), and any attention over more
+than one block, starts its blocks on the device one at a time, each after the block started before it by any
+call (:func:`run_block`), so the peak above the inputs is one block's working set (its decoded data, scores and
+probabilities) plus the ``[B, H_q, T_q, D_v]`` accumulators, whatever the number of keys or layers.
+
 Source: Milakov & Gimelshein, "Online normalizer calculation for softmax" (2018); Dao et al.,
 FlashAttention (2022).
 """
@@ -21,10 +28,14 @@ from .contract import FinishesValues, PreparesQueries, ScoresKeys, WeightsValues
 
 #: Bytes of fp32 scores one block may hold; bounds prefill memory.
 SCORE_BUDGET_BYTES = 16 * 2**20
-#: Blocks with more score bytes than this are evaluated one at a time: MLX would otherwise schedule the
-#: independent score blocks of a long prefill together and hold all of them at once.
-EVAL_EACH_BLOCK_BYTES = 4 * 2**20
+#: Bytes of float32 keys and values one block may span (``4 · B · H_kv · (D_k + D_v)`` per token): the unit in
+#: which each implementation states its per-block working set (decoded vectors, unpacked codes), so this bounds
+#: decode memory, where the scores of one query row are small. At 32K tokens with 8 KV heads of head_dim 128
+#: (8 KiB a token), blocks of 4096 tokens.
+VECTOR_BUDGET_BYTES = 32 * 2**20
 NEG_INF = float("-inf")
+#: A marker of the block :func:`run_block` started last (done when that block is), or nothing.
+_LAST_BLOCK: list[mx.array] = []
 
 
 @attrs.frozen
@@ -43,11 +54,22 @@ class DenseTokens:
     window_values: mx.array
 
 
-def block_size_for(batch: int, num_q_heads: int, num_queries: int, num_keys: int) -> int:
-    """Keys per block so that one block of fp32 scores fits :data:`SCORE_BUDGET_BYTES` (at least 256)."""
+def block_size_for(batch: int, num_q_heads: int, num_queries: int, num_keys: int, token_bytes: int = 0) -> int:
+    """Keys per block: a power of two (at least 256, at most ``num_keys``) such that one block of fp32 scores fits
+    :data:`SCORE_BUDGET_BYTES` and, for ``token_bytes > 0`` (a token's float32 key and value over all batch rows
+    and KV heads: :func:`token_bytes_of`), one block's vectors fit :data:`VECTOR_BUDGET_BYTES`."""
     per_key = 4 * batch * num_q_heads * max(num_queries, 1)
-    size = max(256, SCORE_BUDGET_BYTES // per_key)
+    size = SCORE_BUDGET_BYTES // per_key
+    if token_bytes > 0:
+        size = min(size, VECTOR_BUDGET_BYTES // token_bytes)
+    size = max(256, size)
     return min(max(num_keys, 1), 1 << (size.bit_length() - 1))
+
+
+def token_bytes_of(batch: int, num_kv_heads: int, key_dim: int, value_dim: int) -> int:
+    """Bytes of one token's float32 key and value over all batch rows and KV heads: ``4 · B · H_kv · (D_k +
+    D_v)``, the ``token_bytes`` of :func:`block_size_for` and :func:`blockwise_attend`."""
+    return 4 * batch * num_kv_heads * (key_dim + value_dim)
 
 
 def split_heads(queries: mx.array, num_kv_heads: int) -> mx.array:
@@ -86,8 +108,15 @@ def blockwise_attend(
     block_size: int | None = None,
     prepare: Callable[[mx.array], mx.array] | None = None,
     finish: Callable[[mx.array], mx.array] | None = None,
+    token_bytes: int = 0,
+    one_at_a_time: bool = False,
 ) -> tuple[mx.array, mx.array]:
     """Online-softmax attention over ``num_keys`` keys served block by block.
+
+    Memory: blocks of ``block_size`` keys (default :func:`block_size_for`, with ``token_bytes``), started one at a
+    time (:func:`run_block`) where there is more than one or ``one_at_a_time`` is set; the peak above the inputs
+    is then what ``scores_fn`` and ``values_fn`` hold for one block (their working set) plus its float32 scores
+    and probabilities and the float32 ``[B, H_q, T_q, D_v]`` accumulators, independent of ``num_keys``.
 
     :param queries: ``[B, H_q, T_q, D]`` float.
     :param scores_fn: ``(q, start, stop) -> [B, H_kv, n_rep, T_q, stop - start]`` float32 scores, where ``q``
@@ -100,6 +129,10 @@ def blockwise_attend(
         then receives its result.
     :param finish: applied once to the normalised ``[B, H_kv, n_rep, T_q, D_v]`` output (e.g. the inverse
         rotation of values accumulated in a rotated domain).
+    :param token_bytes: bytes of one token's float32 key and value (:func:`token_bytes_of`); bounds the default
+        block size by :data:`VECTOR_BUDGET_BYTES` (0: scores alone bound it).
+    :param one_at_a_time: start even a single block through :func:`run_block` (attention over stored tokens,
+        whose blocks decode data: otherwise the device may hold every layer's block at once).
     :return: ``(out [B, H_q, T_q, D_v] float32, lse [B, H_q, T_q] float32)``; ``lse = -inf``, ``out = 0``
         for queries that see no key.
     """
@@ -112,9 +145,9 @@ def blockwise_attend(
     q = split_heads(queries.astype(mx.float32) * scale, num_kv_heads)
     q = prepare(q) if prepare is not None else q
     mask = split_mask(mask, num_kv_heads)
-    block_size = block_size or block_size_for(B, Hq, Tq, num_keys)
+    block_size = block_size or block_size_for(B, Hq, Tq, num_keys, token_bytes)
     m = l = acc = None
-    eval_each = 4 * B * Hq * Tq * block_size > EVAL_EACH_BLOCK_BYTES and num_keys > block_size
+    one_at_a_time = one_at_a_time or num_keys > block_size
     for start in range(0, num_keys, block_size):
         stop = min(start + block_size, num_keys)
         s = scores_fn(q, start, stop)
@@ -133,8 +166,8 @@ def blockwise_attend(
             l = l * correction + p.sum(axis=-1, keepdims=True)
             acc = acc * correction + pv
         m = m_new
-        if eval_each:
-            mx.eval(m, l, acc)
+        if one_at_a_time:
+            run_block((m, l, acc))
     if m is None:  # no keys at all
         return empty_part(queries, queries.shape[-1])
     seen = l > 0
@@ -143,6 +176,29 @@ def blockwise_attend(
     lse = mx.where(seen, m + mx.log(mx.where(seen, l, 1.0)), NEG_INF)
     Dv = out.shape[-1]
     return out.reshape(B, Hq, Tq, Dv), lse.reshape(B, Hq, Tq)
+
+
+def run_block(state: tuple[mx.array, ...]) -> None:
+    """Start one block's running state ``state`` (its ``m, l, acc`` arrays) on the device, after waiting for the
+    block started before it by any attention call (this call's previous block, or the previous layer's last).
+
+    Left lazy, blocks do not depend on one another's decoding (only their accumulation does), so MLX schedules
+    several together (on the CPU, turboquant over 16 blocks of 512 tokens held 4.7x one block's working set),
+    and a GPU, which frees buffers only once the work that used them has run, can hold the working data of every
+    block and layer it has been handed but not finished (on an H200 at 32K tokens, with the whole context in one
+    block, decode peaked at 12.8 GB above a 1.2 GB ``turboquant_prod`` cache: several layers' worth). Here the
+    device runs one block while Python builds the next, and no two blocks' working sets exist at once. The cost:
+    one wait per block. Not for use under ``mx.compile`` or a function transform (it evaluates).
+
+    :param state: the online-softmax state after the block: running max ``m`` and sum ``l`` (float32
+        ``[B, H_kv, n_rep, T_q, 1]``) and accumulator ``acc`` (float32 ``[B, H_kv, n_rep, T_q, D_v]``).
+    """
+    # one element of each: done when all of them are, and holding nothing of them once evaluated
+    marker = sum(a.reshape(-1)[:1] for a in state)
+    if _LAST_BLOCK:
+        mx.eval(_LAST_BLOCK.pop())  # started already: this only waits for it
+    mx.async_eval(*state, marker)
+    _LAST_BLOCK.append(marker)
 
 
 def empty_part(queries: mx.array, value_dim: int) -> tuple[mx.array, mx.array]:
@@ -158,13 +214,16 @@ def dense_attend(
     scale: float,
     mask: mx.array | None = None,
     block_size: int | None = None,
+    one_at_a_time: bool = False,
 ) -> tuple[mx.array, mx.array]:
     """:func:`blockwise_attend` over uncompressed keys ``[B, H_kv, T, D]`` and values ``[B, H_kv, T, D_v]``.
 
     Scores and accumulation are float32 whatever the input dtype (key norms of several hundred overflow
-    fp16 products).
+    fp16 products). Memory above the inputs: one block's float32 copies of its keys and values (at most 2 each,
+    of a block of :data:`VECTOR_BUDGET_BYTES`, or 256 tokens) plus its scores; ``one_at_a_time`` as
+    :func:`blockwise_attend` (a cache's window and sinks, a few tokens, leave it off).
     """
-    Hkv, T = keys.shape[1], keys.shape[2]
+    B, Hkv, T = keys.shape[:3]
 
     def scores_fn(q, start, stop):
         k = keys[:, :, None, start:stop].astype(mx.float32)
@@ -173,7 +232,9 @@ def dense_attend(
     def values_fn(p, start, stop):
         return p @ values[:, :, None, start:stop].astype(mx.float32)
 
-    return blockwise_attend(queries, T, Hkv, scores_fn, values_fn, scale, mask, block_size)
+    return blockwise_attend(queries, T, Hkv, scores_fn, values_fn, scale, mask, block_size,
+                            token_bytes=token_bytes_of(B, Hkv, keys.shape[-1], values.shape[-1]),
+                            one_at_a_time=one_at_a_time)
 
 
 def merge_parts(parts: Sequence[tuple[mx.array, mx.array]]) -> tuple[mx.array, mx.array]:
@@ -223,9 +284,21 @@ def attend_encoded(
     :mod:`kvq.contract` specifies each (:class:`~kvq.contract.PreparesQueries`, :class:`~kvq.contract.ScoresKeys`,
     :class:`~kvq.contract.WeightsValues`, :class:`~kvq.contract.FinishesValues`).
 
+    Memory: blocks of ``block_size`` tokens (default :func:`block_size_for` with :func:`token_bytes_of` the keys'
+    and values' head_dims, so one block spans at most :data:`VECTOR_BUDGET_BYTES` of float32 keys and values, or
+    256 tokens), started on the device one at a time, after any block an earlier call started (:func:`run_block`).
+    The peak above the inputs is one block's working set, which each implementation states as a multiple of that
+    block's float32 keys (``scores``) or values (``weighted_values``); ``kvq_dequantize``, used where a side has no
+    block protocol, holds at least that side's float32 block. Plus its float32 scores and probabilities and the
+    ``[B, H_q, T_q, D_v]`` accumulators; it grows with neither the number of tokens nor of layers.
+
+    :param queries: ``[B, H_q, T_q, D]`` float. :param keys, values: :class:`kvq.Encoded` ``[B, H_kv, T, ...]``.
+    :param mask: as :func:`blockwise_attend`. :param key_impl, value_impl: the implementation objects of the
+        keys' and values' methods. :param block_size: tokens per block (``None``: as above).
     :return: ``(out [B, H_q, T_q, D_v], lse [B, H_q, T_q])``, float32, as the ``kvq_attend`` spec says.
+    :raises ValueError: keys and values of different token counts.
     """
-    Hkv, T = keys.shape[1], keys.num_tokens
+    B, Hkv, T = keys.shape[:3]
     if values.num_tokens != T:
         raise ValueError(f"values: {values.num_tokens} tokens, but keys have {T}")
     prepare = optional_hook(key_impl, PreparesQueries)
@@ -248,4 +321,5 @@ def attend_encoded(
         queries, T, Hkv, scores_fn, values_fn, scale, mask, block_size,
         prepare=None if prepare is None else (lambda q: prepare(q, keys)),
         finish=None if finish is None else (lambda out: finish(out, values)),
+        token_bytes=token_bytes_of(B, Hkv, keys.head_dim, values.head_dim), one_at_a_time=True,
     )

@@ -174,7 +174,12 @@ class PreparesQueries(Protocol):
 @runtime_checkable
 class ScoresKeys(Protocol):
     """Optional, key side of the block protocol: scores on one block of keys without decoding the whole cache.
-    Without it, the keys are decoded one block at a time with ``kvq_dequantize``."""
+    Without it, the keys are decoded one block at a time with ``kvq_dequantize``.
+
+    Memory: everything it allocates must scale with the block (``stop - start`` tokens), never with the cache:
+    :func:`kvq.attention.attend_encoded` runs one block at a time, so this working set, which the implementation
+    states in its docstring as float32 copies of the block's keys, is what decode holds above the cache.
+    """
 
     def scores(self, q: Any, keys: Encoded, start: int, stop: int) -> mx.array:
         """:param q: :meth:`PreparesQueries.prepare_queries`'s result where defined, else the scaled float32
@@ -188,7 +193,11 @@ class ScoresKeys(Protocol):
 @runtime_checkable
 class WeightsValues(Protocol):
     """Optional, value side of the block protocol: probabilities times one block of values, without decoding the
-    whole cache. Without it, the values are decoded one block at a time with ``kvq_dequantize``."""
+    whole cache. Without it, the values are decoded one block at a time with ``kvq_dequantize``.
+
+    Memory: as :class:`ScoresKeys`, a working set that scales with the block (stated as float32 copies of the
+    block's values), never with the cache.
+    """
 
     def weighted_values(self, p: mx.array, values: Encoded, start: int, stop: int) -> mx.array:
         """:param p: unnormalised probabilities, float32 ``[B, H_kv, n_rep, T_q, stop - start]``.

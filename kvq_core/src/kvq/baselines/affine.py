@@ -4,7 +4,9 @@ Each group of ``group_size`` coordinates of a vector gets a scale and a bias (16
 ``32 / group_size`` bits per coordinate (group_size by default 64, mlx-lm's, where it divides head_dim, else 32:
 :func:`auto_group_size`; KIVI, Liu et al. 2024, quantizes keys per channel instead; mlx-lm and
 this baseline quantize per token). Attention runs on the packed codes with ``mx.quantized_matmul``, block by
-block, so no fp16 copy of the keys or values is made.
+block, so no fp16 copy of the keys or values is made (on the CPU and CUDA each block is decoded to float32
+instead: :meth:`AffineMLX.scores`); blocks run one at a time (:func:`kvq.attention.attend_encoded`), so decode
+holds one block's working set above the cache, at most 8 float32 copies of the block's keys and values.
 
 Non-finite input (kvq's policy, :class:`kvq.contract.Quantizes`): ``mx.quantize`` alone turns a group holding a
 NaN into finite values (its min and max skip the NaN); here the scale of every group holding a NaN or ±inf is
@@ -153,6 +155,10 @@ class AffineMLX:
         On the CPU and on CUDA one block is decoded to float32 and multiplied instead: MLX's CPU
         ``quantized_matmul`` is an order of magnitude slower, its CUDA one lacks many shapes, and the products are
         identical (fp32 scales).
+
+        :return: float32 ``[B, H_kv, n_rep, T_q, stop - start]``. Working set: at most 8 float32 copies of the
+            block's keys (``mx.dequantize``'s temporaries: 2 at 2, 4 and 8 bits, up to 7 at 3, 5 and 6 bits on
+            the CPU); none on Metal (the codes are read in place).
         """
         if not _packed_matmul_ok(q):
             return q @ self.kvq_dequantize(keys.tokens(start, stop), mx.float32)[:, :, None].swapaxes(-1, -2)
@@ -161,9 +167,10 @@ class AffineMLX:
         return mx.quantized_matmul(q, c, s, b, transpose=True, group_size=p.group_size, bits=p.bits)
 
     def weighted_values(self, p, values, start, stop):
-        """Block protocol: ``p @ V[start:stop]`` on packed codes.
+        """Block protocol: ``p @ V[start:stop]`` on packed codes, float32 ``[B, H_kv, n_rep, T_q, D]``.
 
-        The block is decoded instead on the CPU and on CUDA (see :func:`_packed_matmul_ok`).
+        The block is decoded instead on the CPU and on CUDA (see :func:`_packed_matmul_ok`). Working set: as
+        :meth:`scores`, at most 8 float32 copies of the block's values.
         """
         if not _packed_matmul_ok(p):
             return p @ self.kvq_dequantize(values.tokens(start, stop), mx.float32)[:, :, None]
@@ -172,6 +179,13 @@ class AffineMLX:
         return mx.quantized_matmul(p, c, s, b, transpose=False, group_size=vp.group_size, bits=vp.bits)
 
     def kvq_attend(self, queries, keys, values, scale, mask):
+        """Attention over affine keys and values (shapes: the ``kvq_attend`` spec), block by block through
+        :func:`kvq.attention.attend_encoded`. Memory above the cache: one block's working set (:meth:`scores`,
+        :meth:`weighted_values`), at most 8 float32 copies of a block of
+        :data:`kvq.attention.VECTOR_BUDGET_BYTES` of keys and values (at least 256 tokens), plus its scores.
+
+        :raises ValueError: values of another method.
+        """
         if values.method != "affine":
             raise ValueError(f"values: affine attend needs affine-encoded values; got {values.method!r}")
         return attend_encoded(queries, keys, values, scale, mask, self, self)

@@ -53,14 +53,21 @@ class Fp16MLX:
         return encoded.data["x"].astype(dtype)
 
     def scores(self, q, keys, start, stop):
-        """Block protocol (:func:`kvq.attention.attend_encoded`)."""
+        """Block protocol (:func:`kvq.attention.attend_encoded`): float32 ``[B, H_kv, n_rep, T_q, stop - start]``.
+        Working set: at most 2 float32 copies of the block's keys (the cast and its transposed layout)."""
         return q @ keys.data["x"][:, :, None, start:stop].astype(mx.float32).swapaxes(-1, -2)
 
     def weighted_values(self, p, values, start, stop):
-        """Block protocol."""
+        """Block protocol: ``p @ V[start:stop]``, float32. Working set: at most 2 float32 copies of the block."""
         return p @ values.data["x"][:, :, None, start:stop].astype(mx.float32)
 
     def kvq_attend(self, queries, keys, values, scale, mask):
+        """:func:`kvq.attention.dense_attend` over the stored 16-bit keys and values (shapes: the ``kvq_attend``
+        spec). Memory above the cache: one block's float32 copies (:data:`kvq.attention.VECTOR_BUDGET_BYTES` of
+        keys and values, at least 256 tokens) and its scores; blocks run one at a time.
+
+        :raises ValueError: values of another method.
+        """
         if values.method != "fp16":
             raise ValueError(f"values: fp16 attend needs fp16-encoded values; got {values.method!r}")
-        return dense_attend(queries, keys.data["x"], values.data["x"], scale, mask)
+        return dense_attend(queries, keys.data["x"], values.data["x"], scale, mask, one_at_a_time=True)
