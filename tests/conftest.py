@@ -133,3 +133,23 @@ def reference_attention(q, k, v, scale, mask=None):
     if mask is not None:
         s = mx.where(mask, s, -mx.inf)
     return mx.softmax(s, axis=-1) @ mx.repeat(v, rep, axis=1), mx.logsumexp(s, axis=-1)
+
+
+def batch_greedy(model, prompts, max_tokens: int, prefill_step_size: int = 16) -> list[list[int]]:
+    """Greedy tokens for ``prompts`` (lists of token ids) generated together through mlx-lm's ``BatchGenerator``
+    (the server's path: merge, extend, filter and extract of the model's caches), ``max_tokens`` each, in prompt
+    order. Bounded: stops after ``10 * max_tokens`` steps whatever the generator does."""
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, stop_tokens=[], prefill_step_size=prefill_step_size,
+                         sampler=lambda x: mx.argmax(x, -1))
+    uids = gen.insert(prompts, [max_tokens] * len(prompts))
+    got = {u: [] for u in uids}
+    for _ in range(10 * max_tokens):
+        responses = gen.next_generated()
+        if not responses:
+            break
+        for r in responses:
+            got[r.uid].append(int(r.token))
+    gen.close()
+    return [got[u] for u in uids]

@@ -165,27 +165,17 @@ def test_patch_is_idempotent_reversible_and_scoped(llama_model):
 
 
 def test_batch_generation_matches_single_sequences(llama_model):
-    from mlx_lm.generate import BatchGenerator
+    from conftest import batch_greedy
 
     prompts = [[(5 * i + 1) % 256 for i in range(n)] for n in (40, 23, 57)]
     singles = [greedy(llama_model, make_prompt_cache(llama_model, "affine", bits=8, window=8), mx.array(p), n=5,
                       prefill_step_size=16) for p in prompts]
     model = patch_model(llama_model, "affine", bits=8, window=8)
     try:
-        gen = BatchGenerator(model, stop_tokens=[], prefill_step_size=16,
-                             sampler=lambda x: mx.argmax(x, -1))
-        uids = gen.insert(prompts, [5] * 3)
-        got = {u: [] for u in uids}
-        for _ in range(50):  # bounded: 5 tokens each need far fewer steps
-            responses = gen.next_generated()
-            if not responses:
-                break
-            for r in responses:
-                got[r.uid].append(int(r.token))
-        gen.close()
+        got = batch_greedy(model, prompts, 5)
     finally:
         unpatch_model(llama_model)
-    assert [got[u] for u in uids] == singles
+    assert got == singles
 
 
 @pytest.mark.parametrize("keys, values, error, match", [

@@ -10,7 +10,7 @@ import importlib
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import BatchGenerator, generate_step
+from mlx_lm.generate import generate_step
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.base import scaled_dot_product_attention
 from test_architectures import CONFIGS
@@ -301,6 +301,8 @@ def test_a_corrupt_rotating_state_is_refused(sliding_model):
 def test_batch_generation_with_sliding_layers_matches_single_sequences():
     """mlx-lm's BatchGenerator (merge, extend, filter, extract) over rows of rotating caches, prompts longer and
     shorter than the 16-token window."""
+    from conftest import batch_greedy
+
     model = tiny("llama")
     prompts = [[(5 * i + 1) % 128 for i in range(n)] for n in (40, 11, 27)]
 
@@ -313,19 +315,10 @@ def test_batch_generation_with_sliding_layers_matches_single_sequences():
     singles = [single(p) for p in prompts]
     patch_model(model, "affine", bits=8, window=4)
     try:
-        gen = BatchGenerator(model, stop_tokens=[], prefill_step_size=16, sampler=lambda x: mx.argmax(x, -1))
-        uids = gen.insert(prompts, [6] * 3)
-        got = {u: [] for u in uids}
-        for _ in range(60):
-            responses = gen.next_generated()
-            if not responses:
-                break
-            for r in responses:
-                got[r.uid].append(int(r.token))
-        gen.close()
+        got = batch_greedy(model, prompts, 6)
     finally:
         unpatch_model(model)
-    assert [got[u] for u in uids] == singles
+    assert got == singles
 
 
 def test_batch_files_rebuild_rotating_rows(tmp_path):
