@@ -609,12 +609,22 @@ class KVQCache:
         n_sinks, n_compressed = self.sinks.length, self.compressed_keys.length
         dense_k, dense_v = fresh.dense
         first = n_sinks + fresh.compressed  # position of the first dense column
+        # a centred layer attends centred keys throughout (as the fused decode kernel does): every score lacks the
+        # same scale * q . mu, which the softmax does not see, and 16-bit centred keys keep the bits that 16-bit
+        # keys with offsets in the hundreds lose. Learned sink logits would see the shift: then the mean goes back.
+        centre = self.key_mean is not None and sink_logits is None
+        centred = self._centred_dense if centre else (lambda k: k)
+        dense_k = centred(dense_k)
         parts_k, parts_v = [], []
         if n_sinks:
             sk, sv = self.sinks.view()
-            parts_k.append(sk.astype(dtype))
+            parts_k.append(centred(sk).astype(dtype))
             parts_v.append(sv.astype(dtype))
-        compressed_k, compressed_v = self.decoded(dtype)
+        if centre:
+            compressed_k = self._dequantized(self.compressed_keys, self.config.key_params, dtype)
+            compressed_v = self._dequantized(self.compressed_values, self.config.value_params, dtype)
+        else:
+            compressed_k, compressed_v = self.decoded(dtype)
         parts_k.append(compressed_k)
         parts_v.append(compressed_v)
         parts_k.append(dense_k.astype(dtype))
