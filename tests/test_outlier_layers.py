@@ -184,7 +184,9 @@ def test_chunked_prefill_of_a_centred_layer_matches_token_by_token(device_path, 
 
 def test_a_centred_layer_with_learned_sink_logits_adds_the_mean_back(monkeypatch):
     """Learned sink logits (gpt-oss) are not shifted by ``scale * q . mu``, so the GPU chunk path decodes keys with
-    the mean added back there: its chunks agree with the token-by-token parts (which add the mean's logits)."""
+    the mean added back there: its chunks agree with the token-by-token parts (which add the mean's logits) within
+    2e-3 (float32: 0 on the CPU, 4.6e-4 through MLX's attention on an H200). Centred keys against unshifted sink
+    logits would move each query's sink weight by ``scale * q . mu``, about 20 logits here."""
     keys, values, q = centred_prompt()
     sinks = mx.array([0.5, -1.0, 2.0, 0.0])
 
@@ -198,7 +200,7 @@ def test_a_centred_layer_with_learned_sink_logits_adds_the_mean_back(monkeypatch
 
     reference = run(1)
     monkeypatch.setattr(KVQCache, "_prefill_on_device", lambda self, queries: bool(self.compressed_keys.length))
-    assert relative(run(T), reference) < 1e-4
+    assert relative(run(T), reference) < 2e-3
 
 
 def test_layers_in_a_prompt_cache_file(tmp_path):
