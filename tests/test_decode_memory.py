@@ -34,6 +34,11 @@ COPIES = {"fp16": 2, "affine": 8, "turboquant": 6, "turboquant_rvq": 10, "turboq
           "vecinfer": 2}
 #: Beyond the blocks: the query, its rotations or sketch, the accumulators and the outputs (a few KiB here).
 SLACK = 64 * 2**10
+#: On a GPU the bound is half the float32 context (4 MiB), not ``COPIES``: the per-block copies were counted from
+#: the CPU's allocations, and MLX's CUDA back end allocates more temporaries per block (measured on an H200:
+#: 1.56 MiB for fp16, 2.25 to 3.08 MiB for turboquant:3, turboquant_prod:4, turboquant_rvq 3+3 and
+#: affine:4+turboquant_prod:4, against CPU bounds of 0.58 to 2.58 MiB). Still a block, not the context (8 MiB),
+#: whose single block peaked at 8.3 to 72 MiB before.
 
 CASES = {  # id: (key method, key params, value method, value params)
     "fp16": ("fp16", {}, "fp16", {}),
@@ -151,6 +156,8 @@ def test_decode_peak_is_one_block_not_the_context(case, small_blocks, vecinfer_d
     print(f"{case}: peak {extra / 2**20:.2f} MiB above the inputs; bound {bound / 2**20:.2f} MiB; "
           f"compressed {compressed / 2**20:.2f} MiB; float32 context {context / 2**20:.0f} MiB")
     assert bound < context / 2
+    if mx.default_device() == mx.gpu:  # see GPU_BOUND
+        bound = context // 2
     assert extra <= bound, f"{case}: {extra / 2**20:.2f} MiB above the inputs, bound {bound / 2**20:.2f} MiB"
     # blocks change nothing beyond float32 rounding: the same attention in one block
     out, lse = fn()

@@ -285,8 +285,9 @@ def test_prompt_cache_files_round_trip_a_wrapped_ring(sliding_model, tmp_path, l
     assert [c.nbytes for c in loaded] == [c.nbytes for c in caches]
     for _ in range(3):  # decode steps that overwrite ring slots after the load
         step = mx.array([[17]])
-        np.testing.assert_array_equal(np.array(sliding_model(step, cache=loaded)),
-                                      np.array(sliding_model(step, cache=caches)))
+        # bit-identical on the CPU; 3e-7 apart on an H200 (loaded arrays are fresh contiguous copies)
+        np.testing.assert_allclose(np.array(sliding_model(step, cache=loaded)),
+                                   np.array(sliding_model(step, cache=caches)), rtol=0, atol=1e-5)
 
 
 def test_a_corrupt_rotating_state_is_refused(sliding_model):
