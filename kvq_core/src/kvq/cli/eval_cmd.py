@@ -114,6 +114,20 @@ def check(args) -> tuple[list, list[int], str, str, Path, dict]:
     return specs, contexts, text, source, path, config
 
 
+def _check_mlx_sinks(specs, model) -> None:
+    """:raises ValueError: an mlx-affine row on a model with learned attention-sink logits (gpt-oss), which
+        mlx-lm's quantized attention refuses ("Quantized SDPA does not support attention sinks"): named before
+        any work, instead of after the rows before it."""
+    import mlx.core as mx
+
+    if not any(isinstance(getattr(layer.self_attn, "sinks", None), mx.array) for layer in model.layers):
+        return
+    for spec in specs:
+        if spec.is_mlx or spec.value_method == spec_module.MLX_AFFINE:
+            raise ValueError(f"method {spec.label!r}: mlx-lm's quantized attention does not support learned "
+                             "attention sinks, which this model's attention has (gpt-oss); leave mlx-affine out")
+
+
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     specs, contexts, text, source, path, config = check(args)
@@ -124,6 +138,7 @@ def main(argv: list[str]) -> int:
     from ..textdata import encode_text
 
     model, tokenizer = load(path)
+    _check_mlx_sinks(specs, model)
     text_ids = encode_text(tokenizer, text)
     limit = config.get("max_position_embeddings")
     notes = [f"context {c} + {args.score_tokens} scored tokens exceed max_position_embeddings {limit}"

@@ -14,7 +14,7 @@ import attrs
 import mlx.core as mx
 from tqdm import tqdm
 
-from .attention_error import AttentionHook, LayerReference, dense_kv
+from .attention_error import AttentionHook, InputRecorder, LayerReference, sliding_windows
 from .needle import CODES, greedy_answer, is_match, needle_prompt
 from .perplexity import prefill, score, summarize, token_metrics, window_offsets
 from .spec import MethodSpec, bits_per_coordinate, make_cache
@@ -104,6 +104,8 @@ class Evaluation:
             bar.update(1)
         bar.set_postfix_str(f"{spec.label}: attention error")
         t = time.perf_counter()
+        if self.layers is None:  # the reference row
+            self._record_layers(spec, hook)
         errors = self.layers.errors(spec, hook, s.sinks, s.window)
         seconds["attention_error"] = time.perf_counter() - t
         bar.update(1)
@@ -127,14 +129,9 @@ class Evaluation:
         seconds["prefill"].append(time.perf_counter() - t)
         memory = {"kv_bytes": sum(c.nbytes for c in cache), "active_memory_growth": mx.get_active_memory() - before,
                   "peak_memory_growth": mx.get_peak_memory() - before, **layer_methods(cache, self.head_dim)}
-        record = self.layers is None and w == 0
-        hook.recording = {} if record else None
         t = time.perf_counter()
         logprobs = score(self.model, cache, ids[s.context : -1])
         seconds["score"].append(time.perf_counter() - t)
-        if record:
-            self._record_layers(hook.recording, cache)
-            hook.recording = None
         if len(self.reference_logprobs) <= w:  # the reference run
             self.reference_logprobs.append(logprobs)
         metrics = token_metrics(self.reference_logprobs[w], logprobs, ids[s.context + 1 :])
@@ -143,12 +140,25 @@ class Evaluation:
             self.reference_nll.append(metrics["nll"])
         return metrics, memory
 
-    def _record_layers(self, recording: dict, cache: list) -> None:
-        queries = [recording[id(c)] for c in cache]
-        kv = [dense_kv(c) for c in cache]
-        scales = [layer.self_attn.scale for layer in self.model.layers]
+    def _record_layers(self, spec: MethodSpec, hook: AttentionHook) -> None:
+        """Window 0 run once more with the reference cache, recording every layer's keys and values as given and
+        the scored tokens' queries (:class:`LayerReference`); a run of its own, so that the memory measured in
+        the windows holds no recording."""
+        s = self.settings
+        ids = self.windows[0]
+        cache = make_cache(self.model, spec, s.sinks, s.window)
+        recorder = InputRecorder(cache)
+        prefill(self.model, cache, ids[: s.context], s.chunk)
+        hook.recording = {}
+        try:
+            score(self.model, cache, ids[s.context : -1])
+            queries, scales, sinks = zip(*(hook.recording[id(c)] for c in cache))
+        finally:
+            hook.recording = None
+            recorder.detach()
+        kv = recorder.kv()
         mx.eval(queries, kv)
-        self.layers = LayerReference(kv, queries, scales, self.settings.context, self.settings.chunk)
+        self.layers = LayerReference(kv, queries, scales, s.context, s.chunk, sliding_windows(cache), sinks)
 
     def _needles(self, spec, bar) -> dict:
         s, trials = self.settings, []

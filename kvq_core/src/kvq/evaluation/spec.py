@@ -348,25 +348,40 @@ def _as_given(message: str, model: str | None, ids) -> str:
 
 
 def make_cache(model, spec: MethodSpec, sinks: int, window: int) -> list:
-    """One cache per layer of ``model`` for ``spec`` (kvq's, or mlx-lm's QuantizedKVCache for mlx-affine)."""
+    """One cache per layer of ``model`` for ``spec``: kvq's (:func:`kvq.make_prompt_cache`), or for mlx-affine
+    mlx-lm's ``QuantizedKVCache`` where the model's own cache is a plain ``KVCache``; mlx-lm cannot quantize its
+    other caches (``RotatingKVCache.to_quantized``: "RotatingKVCache Quantization NYI"), so a sliding-window layer
+    keeps mlx-lm's ``RotatingKVCache`` in the model's dtype, as ``generate --kv-bits`` would need it to."""
     if spec.is_mlx:
-        from mlx_lm.models.cache import QuantizedKVCache
+        from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+        from ..cache.patch import mlx_lm_caches
 
         bits, group_size = spec.mlx_settings()
-        return [QuantizedKVCache(group_size=group_size, bits=bits) for _ in model.layers]
+        return [QuantizedKVCache(group_size=group_size, bits=bits) if type(c) is KVCache else c
+                for c in mlx_lm_caches(model)]
     from ..cache import make_prompt_cache
 
     return make_prompt_cache(model, **spec.cache_kwargs(sinks, window))
 
 
-def make_layer_cache(spec: MethodSpec, sinks: int, window: int, layer: int = 0):
+def make_layer_cache(spec: MethodSpec, sinks: int, window: int, layer: int = 0,
+                     sliding: tuple[int, int] | None = None):
     """The cache of layer ``layer`` for ``spec`` (used to replay one layer's keys and values): parameters bound to
-    that layer as :func:`kvq.make_prompt_cache` binds them (VecInfer's per-layer codebooks)."""
-    if spec.is_mlx:
-        from mlx_lm.models.cache import QuantizedKVCache
+    that layer as :func:`kvq.make_prompt_cache` binds them (VecInfer's per-layer codebooks).
 
+    :param sliding: ``(max_size, keep)`` of a sliding-window layer: a :class:`~kvq.cache.RotatingKVQCache` of that
+        size (mlx-affine: mlx-lm's ``RotatingKVCache``, which mlx-lm cannot quantize), as :func:`make_cache` gives
+        that layer.
+    """
+    if spec.is_mlx:
+        from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
+
+        if sliding is not None:
+            return RotatingKVCache(*sliding)
         bits, group_size = spec.mlx_settings()
         return QuantizedKVCache(group_size=group_size, bits=bits)
-    from ..cache import KVQCache, make_config
+    from ..cache import KVQCache, RotatingKVQCache, make_config
 
-    return KVQCache(make_config(**spec.cache_kwargs(sinks, window)).for_layer(layer))
+    config = make_config(**spec.cache_kwargs(sinks, window)).for_layer(layer)
+    return KVQCache(config) if sliding is None else RotatingKVQCache(config, *sliding)
