@@ -1,4 +1,4 @@
-"""``kvq eval`` on models with sliding-window layers and learned attention sinks (issue #25): tiny random gemma3
+"""``kvq eval`` and ``kvq bench`` on models with sliding-window layers and learned attention sinks (issue #25): tiny random gemma3
 (five sliding layers of window 16 to one global, head_dim 256) and gpt_oss (a sliding layer, learned sink logits).
 
 Before, the attention-error step read the reference's keys from its caches: a sliding layer's cache holds only its
@@ -108,3 +108,28 @@ def test_mlx_affine_on_a_model_with_sink_logits_is_refused_before_any_work():
         eval_cmd._check_mlx_sinks(parse_methods("fp16,mlx-affine:4"), model)
     eval_cmd._check_mlx_sinks(parse_methods("fp16,affine:4"), model)  # kvq's caches serve sink logits
     eval_cmd._check_mlx_sinks(parse_methods("fp16,mlx-affine:4"), tiny("gemma3_text"))  # no sinks: allowed
+
+
+def test_bench_reference_caches_and_replay_on_a_sliding_model():
+    """``kvq bench``: the fp16 reference is what mlx-lm makes for the model (RotatingKVCache on the sliding layers,
+    not a KVCache that would let them see everything), mlx-affine quantizes only the plain layers, and a replay
+    fill records every token of every layer from a run in which sliding layers saw their window."""
+    from kvq.bench.e2e import E2ESettings
+    from kvq.bench.e2e import make_cache as bench_cache
+    from kvq.bench.fill import ReplayKV
+
+    model = tiny("gemma3_text")
+    settings = E2ESettings(contexts=(64,))
+    reference = bench_cache(model, parse_methods("fp16")[0], settings)
+    assert [type(c) for c in reference] == [mlx_cache.RotatingKVCache] * 5 + [mlx_cache.KVCache]
+    quantized = bench_cache(model, parse_methods("fp16,mlx-affine:4")[1], settings)
+    assert [type(c) for c in quantized] == [mlx_cache.RotatingKVCache] * 5 + [mlx_cache.QuantizedKVCache]
+    ids = mx.array([(7 * i + 3) % 128 for i in range(40)])
+    replay = ReplayKV(model, ids)
+    caches = model.make_cache()  # the same run by hand: mlx-lm's caches, 40 tokens in one chunk
+    model(ids[None], cache=caches)
+    for layer in (0, 5):
+        keys, values = replay(layer, 0, 40)
+        assert keys.shape == (1, 1, 40, 256)
+        assert mx.array_equal(keys, caches[layer].keys[:, :, :40]).item()  # a first chunk: the rotating cache keeps it whole
+        assert mx.array_equal(values, caches[layer].values[:, :, :40]).item()

@@ -109,14 +109,20 @@ def cache_kind(spec: MethodSpec) -> str:
 
 
 def make_cache(model, spec: MethodSpec, settings: E2ESettings) -> list:
-    """One cache per layer of ``model`` for ``spec`` (see :func:`cache_kind`)."""
+    """One cache per layer of ``model`` for ``spec`` (see :func:`cache_kind`). The reference gets the caches
+    mlx-lm makes for the model (``KVCache``; ``RotatingKVCache`` on sliding-window layers, which mlx-lm bounds);
+    mlx-affine a ``QuantizedKVCache`` where that is a ``KVCache`` and mlx-lm's own cache elsewhere (mlx-lm cannot
+    quantize a ``RotatingKVCache``)."""
     from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
+    from ..cache.patch import mlx_lm_caches
+
     if spec.label == REFERENCE:
-        return [KVCache() for _ in model.layers]
+        return mlx_lm_caches(model)
     if spec.is_mlx:
         bits, group_size = spec.mlx_settings()
-        return [QuantizedKVCache(group_size=group_size, bits=bits) for _ in model.layers]
+        return [QuantizedKVCache(group_size=group_size, bits=bits) if type(c) is KVCache else c
+                for c in mlx_lm_caches(model)]
     from ..cache import make_prompt_cache
 
     return make_prompt_cache(model, **spec.cache_kwargs(settings.sinks, settings.window), kernels=settings.kernels,

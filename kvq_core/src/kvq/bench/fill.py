@@ -33,14 +33,21 @@ class RandomKV:
 
 
 class ReplayKV:
-    """The keys and values of one real prefill of ``ids`` with mlx-lm's KVCache, served by token range."""
+    """The keys and values of one real prefill of ``ids`` with mlx-lm's caches for the model (sliding-window
+    layers see their window, as in a real run), every token of every layer recorded as given to the caches
+    (:class:`kvq.evaluation.attention_error.InputRecorder`: a rotating cache keeps only its window), served by token
+    range."""
 
     def __init__(self, model, ids: mx.array) -> None:
-        from mlx_lm.models.cache import KVCache
+        from ..cache.patch import mlx_lm_caches
+        from ..evaluation.attention_error import InputRecorder
 
-        caches = [KVCache() for _ in model.layers]
+        caches = mlx_lm_caches(model)
+        recorder = InputRecorder(caches)
         prefill(model, caches, ids)
-        self.layers = [(c.keys, c.values) for c in caches]
+        recorder.detach()
+        self.layers = recorder.given()
+        mx.eval(self.layers)
 
     def __call__(self, layer: int, start: int, stop: int) -> tuple[mx.array, mx.array]:
         keys, values = self.layers[layer]

@@ -106,11 +106,13 @@ class InputRecorder:
 
             cache.update_and_fetch = update
 
+    def given(self) -> list[tuple[mx.array, mx.array]]:
+        """Per layer, every key and value given so far, in token order, as given: ``[B, H_kv, T, D]``."""
+        return [tuple(mx.concatenate([c[i] for c in chunks], axis=2) for i in (0, 1)) for chunks in self.chunks]
+
     def kv(self) -> list[tuple[mx.array, mx.array]]:
-        """Per layer, every key and value given so far, in token order, as kvq's 16-bit buffers hold them
-        (:func:`as_stored`): float32 ``[B, H_kv, T, D]``."""
-        return [tuple(as_stored(mx.concatenate([c[i] for c in chunks], axis=2)) for i in (0, 1))
-                for chunks in self.chunks]
+        """:meth:`given` as kvq's 16-bit buffers hold it (:func:`as_stored`): float32 ``[B, H_kv, T, D]``."""
+        return [(as_stored(k), as_stored(v)) for k, v in self.given()]
 
     def detach(self) -> None:
         for cache in self.caches:
