@@ -1,5 +1,6 @@
-"""``kvq eval`` and ``kvq bench`` on models with sliding-window layers and learned attention sinks (issue #25): tiny random gemma3
-(five sliding layers of window 16 to one global, head_dim 256) and gpt_oss (a sliding layer, learned sink logits).
+"""``kvq eval`` and ``kvq bench`` on models with sliding-window layers and learned attention sinks (issue #25):
+tiny random gemma3 (five sliding layers of window 16 to one global, head_dim 256) and gpt_oss (a sliding layer,
+learned sink logits).
 
 Before, the attention-error step read the reference's keys from its caches: a sliding layer's cache holds only its
 window, so it crashed (mlx-lm's rotating cache) or compared against the wrong tokens (the fp16 reference itself
