@@ -132,5 +132,6 @@ def test_bench_reference_caches_and_replay_on_a_sliding_model():
     for layer in (0, 5):
         keys, values = replay(layer, 0, 40)
         assert keys.shape == (1, 1, 40, 256)
-        assert mx.array_equal(keys, caches[layer].keys[:, :, :40]).item()  # a first chunk: the rotating cache keeps it whole
+        # a first chunk: the rotating cache keeps it whole
+        assert mx.array_equal(keys, caches[layer].keys[:, :, :40]).item()
         assert mx.array_equal(values, caches[layer].values[:, :, :40]).item()
