@@ -512,7 +512,9 @@ class KVQCache:
         """
         Tq = queries.shape[2]
         fresh, self._fresh = self._fresh, None  # made by the update before this call; used once
-        if Tq == 1 and (mask is None or isinstance(mask, str)) and sink_logits is None and query_start is None:
+        # the newest token (a batch row in decode passes its own start, which is this one): the fused decode path
+        newest = query_start is None or query_start == self.offset - Tq
+        if Tq == 1 and (mask is None or isinstance(mask, str)) and sink_logits is None and newest:
             fused = self._fused_attend(queries, scale)
             if fused is not None:
                 return fused
