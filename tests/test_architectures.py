@@ -48,13 +48,19 @@ PROMPT = mx.array([[(7 * i + 3) % 128 for i in range(40)]])
 TOLERANCE = {"gemma3_text": 3e-2}
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
-def model(request):
-    module = importlib.import_module(f"mlx_lm.models.{request.param}")
+def tiny(name: str):
+    """A random-weight float32 model of mlx-lm's class ``name`` (:data:`CONFIGS`), the same on every call."""
+    module = importlib.import_module(f"mlx_lm.models.{name}")
     mx.random.seed(0)
-    model = module.Model(module.ModelArgs.from_dict(CONFIGS[request.param]))
+    model = module.Model(module.ModelArgs.from_dict(CONFIGS[name]))
     model.set_dtype(mx.float32)
     mx.eval(model.parameters())
+    return model
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def model(request):
+    model = tiny(request.param)
     model.name = request.param
     return model
 

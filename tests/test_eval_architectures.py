@@ -11,13 +11,11 @@ query, and the sink logits are part of both sides."""
 
 from __future__ import annotations
 
-import importlib
-
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models import cache as mlx_cache
-from test_architectures import CONFIGS
+from test_architectures import tiny
 
 import kvq
 from kvq.cli import eval_cmd
@@ -28,15 +26,6 @@ from kvq.evaluation.spec import make_cache, parse_methods
 #: Which layers slide (mlx-lm's RotatingKVCache(16, 0)) in the tiny models of tests/test_architectures.py.
 SLIDING = {"gemma3_text": [0, 1, 2, 3, 4], "gpt_oss": [0]}
 CONTEXT, SCORED = 96, 32
-
-
-def tiny(name: str):
-    module = importlib.import_module(f"mlx_lm.models.{name}")
-    mx.random.seed(0)
-    model = module.Model(module.ModelArgs.from_dict(CONFIGS[name]))
-    model.set_dtype(mx.float32)
-    mx.eval(model.parameters())
-    return model
 
 
 def evaluate(model, methods: str) -> dict[str, dict]:

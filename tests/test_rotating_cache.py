@@ -5,7 +5,6 @@ newest ``max_size - keep``), in a prefill chunk of any size too, and holds memor
 from __future__ import annotations
 
 import gc
-import importlib
 
 import mlx.core as mx
 import numpy as np
@@ -13,23 +12,13 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.base import scaled_dot_product_attention
-from test_architectures import CONFIGS
+from test_architectures import tiny
 
 import kvq
 from kvq.cache import BatchKVQCache, RotatingKVQCache, make_config, patch_model, unpatch_model
 
 SLIDING_MODELS = ["gemma3_text", "gpt_oss", "llama"]  # sliding window 16 in CONFIGS
 PROMPT = [(7 * i + 3) % 128 for i in range(50)]
-
-
-def tiny(name: str):
-    """A random-weight float32 model of mlx-lm's class ``name`` (``test_architectures.CONFIGS``)."""
-    module = importlib.import_module(f"mlx_lm.models.{name}")
-    mx.random.seed(0)
-    model = module.Model(module.ModelArgs.from_dict(CONFIGS[name]))
-    model.set_dtype(mx.float32)
-    mx.eval(model.parameters())
-    return model
 
 
 @pytest.fixture(scope="module", params=SLIDING_MODELS)
