@@ -31,15 +31,20 @@ from kvq.bench import e2e, random_model
 from kvq.bench.fill import RandomKV, decode, fill
 
 
-def build_seconds(model, caches, steps: int) -> list[float]:
-    """Seconds to build each of ``steps`` decode graphs (the step's logits evaluated after the timer)."""
+def build_seconds(model, caches, steps: int, evals: list | None = None) -> list[float]:
+    """Seconds to build each of ``steps`` decode graphs (the step's logits evaluated after the timer); with
+    ``evals``, the seconds from the built graph to its evaluated token (encoding and launching on the host plus
+    whatever of the device's work is not overlapped) are appended to it."""
     y, times = mx.array([[1]]), []
     for _ in range(steps):
         tic = time.perf_counter()
         logits = model(y, cache=caches)
-        times.append(time.perf_counter() - tic)
+        built = time.perf_counter()
+        times.append(built - tic)
         y = mx.argmax(logits[:, -1:, :], axis=-1)
         mx.eval(y)
+        if evals is not None:
+            evals.append(time.perf_counter() - built)
     return times
 
 
@@ -87,12 +92,14 @@ def main() -> None:
         caches = e2e.make_cache(model, spec, settings)
         fill(caches, RandomKV(kv_heads, head_dim, mx.bfloat16), args.context, settings.chunk)
         timed, _ = decode(model, caches, 1, args.steps, warmup)
-        host = build_seconds(model, caches, args.steps)
+        evals: list = []
+        host = build_seconds(model, caches, args.steps, evals)
         row = {"method": spec.label, "context": args.context, "layers": layers,
                "ms_per_token_median": 1e3 * float(np.median(timed)), "ms_per_token_mean": 1e3 * float(np.mean(timed)),
                "host_ms_per_step_median": 1e3 * float(np.median(host)),
                "host_ms_per_step_max": 1e3 * float(np.max(host)),
-               "host_us_per_layer": 1e6 * float(np.median(host)) / layers}
+               "host_us_per_layer": 1e6 * float(np.median(host)) / layers,
+               "eval_ms_per_step_median": 1e3 * float(np.median(evals))}
         if args.profile and spec.label != "fp16":
             prof = cProfile.Profile()
             prof.enable()
