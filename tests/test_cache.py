@@ -254,12 +254,14 @@ def test_decode_uses_one_fused_attend_call_over_all_parts(monkeypatch):
     from kvq.attention import dense_attend, merge_parts
     from kvq.plugins import registry
 
-    cache = KVQCache(make_config("affine", bits=4, group_size=32, sinks=4, window=16))
+    config = make_config("affine", bits=4, group_size=32, sinks=4, window=16)
+    reference, cache = KVQCache(config), KVQCache(config)
     k = mx.random.normal((1, 2, 60, 64), key=mx.random.key(0)).astype(mx.float16)
     v = mx.random.normal((1, 2, 60, 64), key=mx.random.key(1)).astype(mx.float16)
     q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(2)).astype(mx.float16)
+    reference.update_and_fetch(k, v)
     cache.update_and_fetch(k, v)
-    want = cache.attend(q, 0.125)
+    want = reference.attend(q, 0.125)
     impl = registry().implementations[("affine", "mlx")]
     calls = []
 
@@ -277,10 +279,73 @@ def test_decode_uses_one_fused_attend_call_over_all_parts(monkeypatch):
     (dense,) = calls
     assert mx.array_equal(dense.sink_keys, k[:, :, :4]) and mx.array_equal(dense.sink_values, v[:, :, :4])
     assert mx.array_equal(dense.window_keys, k[:, :, -16:]) and mx.array_equal(dense.window_values, v[:, :, -16:])
-    assert mx.allclose(got, want, atol=1e-3)
+    assert mx.allclose(got, want, atol=1e-3) and got.dtype == q.dtype
     assert mx.array_equal(cache.attend(q, 0.125), want) and len(calls) == 2  # None: the parts
     cache.attend(mx.concatenate([q, q], axis=2), 0.125, mask="causal")  # prefill rows: never fused
     assert len(calls) == 2
+
+
+class _BoundImpl:
+    """A stand-in for a kernel implementation with ``bind_dense``: records every binding and step."""
+
+    def __init__(self, impl):
+        self.impl, self.binds, self.steps = impl, [], 0
+
+    def bind_dense(self, queries, keys, values, scale, sink_keys, sink_values, window_keys, window_values):
+        from kvq.attention import dense_attend, merge_parts
+
+        self.binds.append(keys.num_tokens)
+
+        def step(q, wk, wv):
+            self.steps += 1
+            parts = [self.impl.kvq_attend(q, keys, values, scale, None), dense_attend(q, sink_keys, sink_values, scale),
+                     dense_attend(q, wk, wv, scale)]
+            return merge_parts(parts)[0].astype(q.dtype)
+
+        return step
+
+
+def test_decode_binds_once_per_compressed_state_and_replays(monkeypatch):
+    """The decode hot path is decided once per layer (issue #22): the first decode step binds (``bind_dense``),
+    the following steps only replay the bound step with the window as it is; a window flush, a trim into the
+    compressed tokens, a registry change or other queries bind again, and a copy binds its own. Every step's output
+    equals attending the parts (kernels off)."""
+    from kvq.plugins import registry
+
+    config = make_config("affine", bits=4, group_size=32, sinks=4, window=16, flush=4)
+    impl = registry().implementations[("affine", "mlx")]
+    bound = _BoundImpl(impl)
+    monkeypatch.setattr(impl, "bind_dense", bound.bind_dense, raising=False)
+    cache, reference = KVQCache(config), KVQCache(config)
+    k = mx.random.normal((1, 2, 80, 64), key=mx.random.key(5)).astype(mx.float16)
+    v = mx.random.normal((1, 2, 80, 64), key=mx.random.key(6)).astype(mx.float16)
+    q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(7)).astype(mx.float16)
+    for c in (cache, reference):
+        c.update_and_fetch(k[:, :, :40], v[:, :, :40])
+    monkeypatch.setattr(reference, "_bind", lambda *a: None)  # the reference attends its parts
+    compressed = []
+    for t in range(40, 52):
+        for c in (cache, reference):
+            c.update_and_fetch(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        assert mx.allclose(cache.attend(q, 0.125), reference.attend(q, 0.125), atol=2e-3)
+        compressed.append(cache.compressed_keys.length)
+    # one binding per compressed length (flushes of 4 tokens), one step per decode token
+    assert bound.binds == sorted(set(compressed)) == [20, 24, 28, 32] and bound.steps == 12
+    cache.trim(1)  # within the window: the binding stays
+    cache.attend(q, 0.125)
+    assert len(bound.binds) == 4
+    cache.trim(cache.window.length + 2)  # into the compressed tokens: bound again (at the next token)
+    cache.update_and_fetch(k[:, :, 60:61], v[:, :, 60:61])
+    cache.attend(q, 0.125)
+    assert bound.binds[-1] == compressed[-1] - 2 and len(bound.binds) == 5
+    cache.attend(q.astype(mx.float32), 0.125)  # other queries: bound again
+    copy_ = copy.deepcopy(cache)
+    assert copy_._bound is None and len(bound.binds) == 6
+    copy_.attend(q, 0.125)
+    assert len(bound.binds) == 7
+    registry().generation += 1  # a plugin registered or removed
+    cache.attend(q, 0.125)
+    assert len(bound.binds) == 8
 
 
 def test_flush_blocks_leave_the_window_together_and_attention_is_unchanged(tmp_path):

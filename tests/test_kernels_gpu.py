@@ -202,6 +202,59 @@ def test_attend_dense_matches_parts(case):
     assert float(mx.max(mx.abs(got[1] - ref_lse))) < 1e-3
 
 
+@pytest.mark.parametrize("case", range(len(DENSE_CASES)))
+def test_bound_decode_steps_equal_the_unbound_call(case):
+    """A bound decode step (``bind_dense``: one launch that attends the codes, sinks and window, writes the output in
+    the queries' dtype and zeroes the next step's split counters) equals ``attend_dense`` cast to that dtype, for
+    eight steps built into one graph (each step's counters come from the step before, nothing evaluated in between)
+    over a window that grows by a token each step."""
+    from kvq.attention import DenseTokens
+
+    if kvq_metal.gpu_backend() != "cuda":
+        pytest.skip("decode steps are bound for the tensor-core kernel (CUDA)")
+    method, params, D, n_rep, n_sinks, n_window, dtype, *transposed = DENSE_CASES[case]
+    kernel, pure = _impl(method)
+    p = kvq.make_params(method, **params)
+    Hkv = 2
+    ke, ve = (pure.kvq_quantize(_normal((1, Hkv, 2000, D), dtype, s), p) for s in (31, 32))
+    sk, sv = (_normal((1, Hkv, n_sinks, D), dtype, 33), _normal((1, Hkv, n_sinks, D), dtype, 34)) if n_sinks \
+        else (None, None)
+    wk, wv = _normal((1, Hkv, n_window + 8, D), dtype, 35, 2.0), _normal((1, Hkv, n_window + 8, D), dtype, 36)
+    qs = [_normal((1, Hkv * n_rep, 1, D), dtype, 40 + i) for i in range(8)]
+    step = kernel.bind_dense(qs[0], ke, ve, D ** -0.5, sk, sv, wk[:, :, :n_window], wv[:, :, :n_window])
+    assert step is not None
+    outs = [step(q, wk[:, :, :n_window + i], wv[:, :, :n_window + i]) for i, q in enumerate(qs)]
+    mx.eval(outs)
+    for i, (q, out) in enumerate(zip(qs, outs)):
+        want = kernel.attend_dense(q, ke, ve, D ** -0.5, DenseTokens(sk, sv, wk[:, :, :n_window + i],
+                                                                      wv[:, :, :n_window + i]))[0]
+        assert out.dtype == dtype and out.shape == want.shape
+        assert _rel(out, want.astype(dtype)) < 1e-6, i
+
+
+@pytest.mark.parametrize("method,params", [("turboquant", {"bits": 3}), ("turboquant", {"bits": 4}),
+                                           ("affine", {"bits": 4})])
+def test_cache_decode_through_the_bound_step_matches_kernels_off(method, params):
+    """A KVQCache decoding token by token on the GPU (the bound step, rebound at every window flush) gives the
+    attention of the same cache with kernels off (pure MLX, the parts merged) within 2e-3 relative, bfloat16."""
+    if kvq_metal.gpu_backend() != "cuda":
+        pytest.skip("decode steps are bound for the tensor-core kernel (CUDA)")
+    from kvq.cache import KVQCache, make_config
+
+    caches = [KVQCache(make_config(method, **params, window=32, flush=8, kernels=k)) for k in ("auto", "off")]
+    k, v = _normal((1, 8, 600, 128), mx.bfloat16, 51), _normal((1, 8, 600, 128), mx.bfloat16, 52)
+    for c in caches:
+        c.update_and_fetch(k[:, :, :500], v[:, :, :500])
+    binds = set()
+    for t in range(500, 540):
+        q = _normal((1, 32, 1, 128), mx.bfloat16, t)
+        got, want = [(c.update_and_fetch(k[:, :, t:t + 1], v[:, :, t:t + 1]), c.attend(q, 128 ** -0.5))[1]
+                     for c in caches]
+        assert got.dtype == mx.bfloat16 and _rel(got, want) < 2e-3, t
+        binds.add(id(caches[0]._bound[2]))
+    assert len(binds) == 5  # one binding per flush of 8 tokens (40 steps)
+
+
 # -- fused TurboQuant encode / decode ---------------------------------------------------------------------
 # head_dims below their power-of-two rotation size (120 and 240; 112 at 1 bit); 80, 96, 192 rotate unpadded, which
 # the fused kernels leave to pure MLX (tests/test_turboquant_dims.py)

@@ -160,6 +160,32 @@ class AttendsDense(Protocol):
 
 
 @runtime_checkable
+class BindsDense(Protocol):
+    """Optional, on an implementation of ``attend`` that has :class:`AttendsDense`: the same attention bound once
+    for a cache's decode steps, so that a step only appends its token and launches (issue #22: the decode hot path
+    decided once per layer).
+
+    :class:`kvq.cache.KVQCache` binds when it would call ``attend_dense`` and holds the binding while its
+    compressed tokens (their view object), the queries' shape and dtype, the scale and the installed plugins stay
+    the same; a window flush, a trim into the compressed tokens, a loaded file or a registered plugin make it bind
+    again.
+    """
+
+    def bind_dense(self, queries: mx.array, keys: Encoded, values: Encoded, scale: float,
+                   sink_keys: mx.array | None, sink_values: mx.array | None, window_keys: mx.array,
+                   window_values: mx.array) -> Callable[[mx.array, mx.array, mx.array], mx.array] | None:
+        """:param queries: ``[B, H_q, T_q, D]``, as every bound step passes them. :param keys, values: the compressed
+        tokens. :param scale: as ``kvq_attend``. :param sink_keys, sink_values: ``[B, H_kv, n, D]`` uncompressed
+        first tokens in the model's dtype, or ``None``. :param window_keys, window_values: the window as it is now
+        (its dtype is bound, not its length).
+
+        :return: ``step(queries, window_keys, window_values) -> out [B, H_q, T_q, D_v]`` in the queries' dtype, what
+            ``attend_dense`` returns (cast) for the window passed; steps run in order. ``None`` where it does not
+            serve (the cache then calls ``attend_dense``, or attends the parts: the same result).
+        """
+
+
+@runtime_checkable
 class PreparesQueries(Protocol):
     """Optional, key side of the block protocol (:func:`kvq.attention.attend_encoded`): transform the query once."""
 
@@ -344,7 +370,7 @@ class EncodesBlocks(Protocol):
 
 
 #: The optional single-member Protocols of implementation objects (entry-point modules: :class:`ReportsSources`).
-IMPLEMENTATION_OPTIONS = (Explains, AttendsDense, PreparesQueries, ScoresKeys, WeightsValues, FinishesValues,
+IMPLEMENTATION_OPTIONS = (Explains, AttendsDense, BindsDense, PreparesQueries, ScoresKeys, WeightsValues, FinishesValues,
                           ReportsSources)
 #: The optional single-member Protocols of parameter objects (:class:`SideDefaults` is read from the class).
 PARAMS_OPTIONS = (SideDefaults, ChecksReady, ForLayer, ForHeads, ForHeadDim, Fits, Unfits, EncodesBlocks)
@@ -370,7 +396,7 @@ def optional_hook(obj: object, protocol: type) -> Callable[..., Any] | None:
     return getattr(obj, _MEMBER[protocol], None)
 
 
-__all__ = ["AttendsDense", "Attends", "ChecksReady", "Dequantizes", "EntryPoint", "Explains", "FinishesValues",
+__all__ = ["AttendsDense", "Attends", "BindsDense", "ChecksReady", "Dequantizes", "EntryPoint", "Explains", "FinishesValues",
            "Fits", "ForHeadDim", "ForHeads", "ForLayer", "IMPLEMENTATION_OPTIONS", "Implementation", "OP_PROTOCOLS",
            "PARAMS_OPTIONS", "EncodesBlocks", "Packs", "Params", "PreparesQueries", "Quantizes", "ReportsSources",
            "ScoresKeys",

@@ -15,8 +15,10 @@ across a token's threads with SIMD shuffles, a per-row online softmax runs over 
 accumulates ``p * x`` for its coordinates of every query row (all ``n_rep`` query heads of a GQA group and all
 query tokens share the KV head's codes). The per-split ``(out, max, sum)`` are merged with log-sum-exp by a second
 kernel. On CUDA the tensor-core kernel (:mod:`kvq_metal.attend_tc`) serves most shapes and merges its splits
-itself. Kernel text: ``kvq_metal/kernels/decode_attend.kvq``, ``decode_merge.kvq``, ``zero_counters.kvq``,
-``decode_attend_tc.cu``; pure-MLX reference: :func:`kvq_metal.reference.decode_attend`.
+itself, and attends a cache's uncompressed sinks and window in the same launch. A cache's decode binds a
+:class:`DecodeStep` once per layer (:func:`bind_decode`): later steps are one launch each. Kernel text:
+``kvq_metal/kernels/decode_attend.kvq``, ``decode_merge.kvq``, ``zero_counters.kvq``, ``decode_attend_tc.cu``;
+pure-MLX reference: :func:`kvq_metal.reference.decode_attend`.
 """
 
 from __future__ import annotations
@@ -198,20 +200,31 @@ def serves_dense(backend: str, head_dim: int, keys: Side, values: Side, rows: in
     return uses_tensor_cores(backend, head_dim, keys, values, rows)
 
 
+@attrs.frozen
+class DenseCall:
+    """How a method's kernel implementation attends its codes with :func:`decode_attend` (or binds them with
+    :func:`bind_decode`): its two :class:`Side` descriptions, the rotation's ``signs`` (or ``None``) and ``out_dim``."""
+
+    keys: Side
+    values: Side
+    signs: mx.array | None = None
+    out_dim: int | None = None
+
+
 #: Inputs and outputs of the tensor-core kernel: the SIMT kernel's, the split counters the blocks count with
-#: (zeroed by the launch before) and the uncompressed splits to merge; its per-split partial outputs, the merged
-#: output and log-sum-exp (its last block per row merges), and the counters it zeroes for the next launch.
-TC_INPUTS = INPUTS + ("counter", "partd", "mld")
+#: (zeroed before the launch) and the uncompressed window (``wk``, ``wv``) and sinks (``sk``, ``sv``) it attends
+#: with ``ND = 2``; its per-block partial outputs, the merged output (in the dtype asked for) and log-sum-exp (the
+#: last block per row merges), and the zeroed counters for the next launch (:class:`DecodeStep` passes them on).
+TC_INPUTS = INPUTS + ("counter", "wk", "wv", "sk", "sv")
 TC_OUTPUTS = ("part", "ml", "fout", "lse", "cnt")
 
 
 def _tc_template(**flags) -> list:
     """The tensor-core kernel's template arguments, in their fixed order: ``flags`` (``D``, ``R``, ``KG``, ``VG``
-    and ``DV`` always) over the defaults of a launch without bits, biases, copies or merge."""
+    and ``DV`` always) over the defaults of a launch without bits, biases, copies or uncompressed tokens."""
     t = {"D": None, "R": None, "KB": 1, "VB": 1, "KG": None, "VG": None, "KBIAS": False, "VBIAS": False, "KB2": 0,
          "VB2": 0, "THREADS": THREADS, "ROT": False, "QSCALE": None, "NT": TUNING["nt"], "PF": False,
-         "PAIRTAB": True, "DENSE": False, "SINKS": False, "DDT": 0, "KREP": False, "VREP": False, "VSAME": False,
-         "MERGE": False, "ND": 0, "DV": None}
+         "PAIRTAB": True, "SINKS": False, "DDT": 0, "KREP": False, "VREP": False, "VSAME": False, "ND": 0, "DV": None}
     t.update(flags)
     return list(t.items())
 
@@ -221,51 +234,35 @@ def _tc_template(**flags) -> list:
 DENSE_DTYPES = {mx.float16: 0, mx.bfloat16: 1}
 
 
-def _tc_launch(common: tuple, nd: int, out_dim: int, layout: tuple, tuning: tuple) -> tuple[list, int]:
-    """The compressed launch's template (:func:`_tc_template`) and its tile (tokens per block step), for
-    :func:`_launch_plan` (which caches it): ``common`` the template arguments every decode-attention kernel
-    takes, ``layout`` :func:`table_layout`'s answer, ``tuning`` the items of :data:`TUNING`."""
+def _tc_launch(common: tuple, nd: int, out_dim: int, layout: tuple, tuning: tuple, sinks: bool,
+               ddt: int) -> tuple[list, int]:
+    """The tensor-core launch's template (:func:`_tc_template`) and its tile (compressed tokens per block step),
+    for :func:`_launch_plan` (which caches it): ``common`` the template arguments every decode-attention kernel
+    takes, ``nd`` the blocks of uncompressed tokens (0, or 2: sinks and window, ``sinks`` whether there are any,
+    ``ddt`` their :data:`DENSE_DTYPES` code), ``layout`` :func:`table_layout`'s answer, ``tuning`` the items of
+    :data:`TUNING`."""
     t = dict(tuning)
     D = dict(common)["D"]
     krep, vrep, same = layout
     pf = D <= 128 if t["pf"] is None else t["pf"]
     template = _tc_template(**dict(common), NT=t["nt"], PF=bool(pf), PAIRTAB=bool(t["pair"]), KREP=krep,
-                            VREP=vrep, VSAME=same, MERGE=True, ND=nd, DV=out_dim)
+                            VREP=vrep, VSAME=same, ND=nd, SINKS=sinks, DDT=ddt, DV=out_dim)
     return template, 16 * t["nt"] * THREADS // 32
-
-
-def _dense_parts(queries, dense: DenseTokens, template: list, R: int, D: int, backend: str):
-    """Partial outputs ``[B, H, 2, R, D]`` and ``(max, sum)`` of the sinks (split 0) and the window (split 1), and
-    zeroed split counters ``[B * H]`` int32 for the compressed launch that merges them. ``template``: the DENSE
-    launch's (:func:`_launch_plan`)."""
-    B, H = dense.window_keys.shape[:2]
-    sk, sv = dense.sink_keys, dense.sink_values
-    if sk is None:
-        sk, sv = dense.window_keys, dense.window_values
-    kern = attend_tc.DECODE_ATTEND_TC.kernel(backend, TC_INPUTS, TC_OUTPUTS, ensure_row_contiguous=False)
-    # the placeholders (scales, biases, tables, counter, dense parts) are never read by a DENSE launch
-    pad, wk, wv = _constant((0.0,), mx.float32), dense.window_keys, dense.window_values
-    inputs = [queries, pad, wk, sk, wk, wk, pad, wv, sv, wv, wv, pad, _constant((0,), mx.int32), pad, pad]
-    part, ml, _, _, cnt = kern(
-        inputs=inputs, template=template, grid=(THREADS * B * H, 2, 1), threadgroup=(THREADS, 1, 1),
-        output_shapes=[(B, H, 2, R, D), (B, H, 2, R, 2), (1,), (1,), (B * H,)],
-        output_dtypes=[mx.float32, mx.float32, mx.float32, mx.float32, mx.int32])
-    return part, ml, cnt
 
 
 @attrs.frozen
 class LaunchPlan:
     """What a decode-attention call does, fixed by its static signature (:func:`_launch_plan`): ``tc`` the
     tensor-core kernel (else the SIMT kernel and the merge), ``template`` the main launch's template arguments,
-    ``tile`` tokens per split step, ``limit`` the most splits the merging block takes (tensor cores),
-    ``dense_template`` the launch over uncompressed tokens (``None`` without them), ``merge_template`` the SIMT
-    path's merge."""
+    ``tile`` compressed tokens per split step, ``limit`` the most blocks per row the merging block takes (tensor
+    cores), ``nd`` the blocks of uncompressed tokens per row in the same launch (0 or 2), ``merge_template`` the
+    SIMT path's merge."""
 
     tc: bool
     template: list
     tile: int
     limit: int
-    dense_template: list | None = None
+    nd: int = 0
     merge_template: list | None = None
 
 
@@ -289,22 +286,18 @@ def _launch_plan(D: int, R: int, kb: int, vb: int, kg: int, vg: int, kbias: bool
               ("VBIAS", vbias), ("KB2", kb2), ("VB2", vb2), ("THREADS", THREADS), ("ROT", rot), ("QSCALE", qscale))
     if _tc_serves(backend, bool(t["tc"]), D, kb, vb, kg, vg, R, kb2, vb2):
         nd = 0 if dense is None else 2
+        sinks, ddt = (False, 0) if dense is None else dense
         layout = _table_layout(D, R, kb, kb2, vb, vb2, same_table, bool(t["pair"]), bool(t["rep"]))
-        template, tile = _tc_launch(common, nd, out_dim, layout, tuning)
-        dense_template = None
-        if dense is not None:
-            sinks, ddt = dense
-            dense_template = _tc_template(D=D, R=R, KG=D, VG=D, DV=D, DENSE=True, SINKS=sinks, QSCALE=qscale, NT=1,
-                                          DDT=ddt)
+        template, tile = _tc_launch(common, nd, out_dim, layout, tuning, sinks, ddt)
         # the merging block keeps R * (splits + nd) weights in the 4 * 8 * D words its warps' outputs used
-        return LaunchPlan(True, template, tile, min(MAX_SPLITS, 32 * D // R - nd), dense_template)
+        return LaunchPlan(True, template, tile, min(MAX_SPLITS, 32 * D // R - nd), nd)
     if dense is not None:
         raise ValueError("decode_attend takes dense= with the tensor-core kernel only (see serves_dense)")
     cpt = min(coords_per_thread(kb), coords_per_thread(vb))
     kt = t["kt_small"] if R <= 4 else t["kt_large"]
     template = [*common, ("CPT", cpt), ("KT", kt), ("PHASES", t["phases"])]
     merge = [("D", D), ("DV", out_dim), ("R", R), ("ROT", rot), ("MAX_SPLITS", MAX_SPLITS)]
-    return LaunchPlan(False, template, kt * THREADS * cpt // D, MAX_SPLITS, None, merge)
+    return LaunchPlan(False, template, kt * THREADS * cpt // D, MAX_SPLITS, 0, merge)
 
 
 def _zero_counters(n: int, backend: str) -> mx.array:
@@ -316,12 +309,68 @@ def _zero_counters(n: int, backend: str) -> mx.array:
                 threadgroup=(min(256, threads), 1, 1), output_shapes=[(n,)], output_dtypes=[mx.int32])[0]
 
 
+def _dense_key(sink_keys, sink_values, window_keys, window_values) -> tuple[bool, int]:
+    """``(sinks present, DENSE_DTYPES code)`` of a cache's uncompressed tokens, for :func:`_launch_plan`.
+
+    :raises ValueError: the sinks and the window do not share one dtype (the kernel reads both as one)."""
+    dtypes = {x.dtype for x in (sink_keys, sink_values, window_keys, window_values) if x is not None}
+    if len(dtypes) > 1:
+        raise ValueError(f"dense sinks and window must share one dtype (the kernel reads both as one); got "
+                         f"{sorted(map(str, dtypes))}")
+    return sink_keys is not None, DENSE_DTYPES.get(window_keys.dtype, 2)
+
+
+def _plan_for(queries_shape, scale: float, keys: Side, values: Side, backend: str, rot: bool, out_dim: int | None,
+              dense_key) -> tuple[LaunchPlan, int, int, int]:
+    """The :class:`LaunchPlan` of a call and ``(D, T, out_dim)``, after checking the shapes (errors as
+    :func:`decode_attend`)."""
+    B, Hq, Tq, Dq = queries_shape
+    _, H, T, words = keys.codes.shape
+    D = words * 32 // keys.bits
+    out_dim = out_dim or D
+    if values.codes.shape[2] != T or T < 1:
+        raise ValueError(f"keys have {T} tokens and values {values.codes.shape[2]}; need the same count >= 1")
+    if Hq % H or Dq > D or out_dim > D:
+        raise ValueError(f"queries {tuple(queries_shape)} do not fit codes of {H} heads and dimension {D}")
+    R = Hq // H * Tq
+    plan = _launch_plan(D, R, keys.bits, values.bits, keys.group, values.group, keys.biases is not None,
+                        values.biases is not None, keys.bits2, values.bits2, rot, float_bits(float(scale)), out_dim,
+                        keys.table is values.table, dense_key, backend, tuple(TUNING.items()))
+    return plan, D, T, out_dim
+
+
+def _code_inputs(keys: Side, values: Side, signs: mx.array) -> list:
+    """The inputs after the queries that every decode-attention kernel reads (:data:`INPUTS`); a side without a
+    second code stream or biases passes its codes or scales in their place (never read)."""
+    return [signs, keys.codes, keys.codes if keys.codes2 is None else keys.codes2,
+            keys.scales, keys.scales if keys.biases is None else keys.biases, keys.table,
+            values.codes, values.codes if values.codes2 is None else values.codes2,
+            values.scales, values.scales if values.biases is None else values.biases, values.table]
+
+
+def _tc_grid(plan: LaunchPlan, B: int, H: int, T: int, backend: str) -> tuple[int, int, int]:
+    """The tensor-core launch's grid (in threads): ``B * H`` rows of splits of the compressed tokens, plus the
+    plan's blocks of uncompressed tokens."""
+    splits = splits_for(B * H, T, backend, plan.tile, min(TUNING["tc_groups"], plan.limit * B * H))
+    return THREADS * B * H, splits + plan.nd, 1
+
+
+def _tc_outputs(plan: LaunchPlan, grid, B: int, H: int, Hq: int, Tq: int, R: int, D: int, out_dim: int,
+                out_dtype) -> tuple[list, list]:
+    """Output shapes and dtypes of a tensor-core launch (:data:`TC_OUTPUTS`): the output is written as
+    ``[B, H_q, T_q, out_dim]`` (the kernel's row order, bh * R + r, is that layout) in ``out_dtype``."""
+    blocks = grid[1]
+    return ([(B, H, blocks, R, D), (B, H, blocks, R, 2), (B, Hq, Tq, out_dim), (B, Hq, Tq), (B * H,)],
+            [mx.float32, mx.float32, out_dtype, mx.float32, mx.int32])
+
+
 def decode_attend(queries: mx.array, scale: float, keys: Side, values: Side, backend: str, *,
                   signs: mx.array | None = None, out_dim: int | None = None,
                   dense: DenseTokens | None = None) -> tuple[mx.array, mx.array]:
     """Attention of decode queries over compressed keys and values (no mask: every key precedes every query).
     Kernels ``decode_attend.kvq`` + ``decode_merge.kvq``, or ``decode_attend_tc.cu`` (+ ``zero_counters.kvq``) on
-    CUDA; pure-MLX reference :func:`kvq_metal.reference.decode_attend` (same arguments and result).
+    CUDA; pure-MLX reference :func:`kvq_metal.reference.decode_attend` (same arguments and result). A cache's
+    decode steps use :func:`bind_decode` instead (the same kernel, one launch per step).
 
     :param queries: ``[B, H_q, T_q, D_q]``, any float dtype and any strides (read in place), ``D_q <= D`` where
         ``D`` is the codes' dimension (``keys.codes`` holds ``D`` codes per token; queries are zero-padded).
@@ -333,54 +382,36 @@ def decode_attend(queries: mx.array, scale: float, keys: Side, values: Side, bac
         queries are already in the codes' domain and the output stays there.
     :param out_dim: output coordinates kept (the head_dim before padding; default ``D``).
     :param dense: uncompressed tokens attended in the same softmax (:class:`kvq.attention.DenseTokens`, a cache's
-        sinks and window; the tensor-core kernel only, see :func:`serves_dense`): one more launch of the kernel over
-        them (before the compressed one, which merges them into its output).
+        sinks and window; the tensor-core kernel only, see :func:`serves_dense`): two more blocks per row of the
+        same launch, merged into its output.
     :return: ``(out [B, H_q, T_q, out_dim] float32, lse [B, H_q, T_q] float32)``: normalised output and the
         natural-log log-sum-exp of the scaled scores.
     :raises ValueError: a shape :func:`supported` rejects, mismatched token counts, ``dense`` where
         :func:`serves_dense` is false, or ``dense`` sinks and window of different dtypes.
     """
-    B, Hq, Tq, Dq = queries.shape
-    _, H, T, words = keys.codes.shape
-    D = words * 32 // keys.bits
-    out_dim = out_dim or D
-    if values.codes.shape[2] != T or T < 1:
-        raise ValueError(f"keys have {T} tokens and values {values.codes.shape[2]}; need the same count >= 1")
-    if Hq % H or Dq > D or out_dim > D:
-        raise ValueError(f"queries {queries.shape} do not fit codes of {H} heads and dimension {D}")
-    R = Hq // H * Tq
-    dense_key = None
-    if dense is not None:
-        dtypes = {x.dtype for x in (dense.sink_keys, dense.sink_values, dense.window_keys, dense.window_values)
-                  if x is not None}
-        if len(dtypes) > 1:
-            raise ValueError(f"dense sinks and window must share one dtype (the kernel reads both as one); got "
-                             f"{sorted(map(str, dtypes))}")
-        dense_key = (dense.sink_keys is not None, DENSE_DTYPES.get(dense.window_keys.dtype, 2))
+    B, Hq, Tq, _ = queries.shape
+    H = keys.codes.shape[1]
+    dense_key = None if dense is None else _dense_key(dense.sink_keys, dense.sink_values, dense.window_keys,
+                                                      dense.window_values)
     rot = signs is not None
     signs = signs if rot else _constant((0.0,), mx.float32)
-    plan = _launch_plan(D, R, keys.bits, values.bits, keys.group, values.group, keys.biases is not None,
-                        values.biases is not None, keys.bits2, values.bits2, rot, float_bits(float(scale)), out_dim,
-                        keys.table is values.table, dense_key, backend, tuple(TUNING.items()))
-    args = [queries, signs, keys.codes, keys.codes if keys.codes2 is None else keys.codes2,
-            keys.scales, keys.scales if keys.biases is None else keys.biases, keys.table,
-            values.codes, values.codes if values.codes2 is None else values.codes2,
-            values.scales, values.scales if values.biases is None else values.biases, values.table]
+    plan, D, T, out_dim = _plan_for(queries.shape, scale, keys, values, backend, rot, out_dim, dense_key)
+    R = Hq // H * Tq
+    args = [queries, *_code_inputs(keys, values, signs)]
 
     if plan.tc:
-        splits = splits_for(B * H, T, backend, plan.tile, min(TUNING["tc_groups"], plan.limit * B * H))
-        kern = attend_tc.DECODE_ATTEND_TC.kernel(backend, TC_INPUTS, TC_OUTPUTS,
-                                                   ensure_row_contiguous=False)
-        if dense is None:
-            partd, mld, counter = signs, signs, _zero_counters(B * H, backend)  # placeholders: ND == 0
+        grid = _tc_grid(plan, B, H, T, backend)
+        kern = attend_tc.DECODE_ATTEND_TC.kernel(backend, TC_INPUTS, TC_OUTPUTS, ensure_row_contiguous=False)
+        if dense is None:  # placeholders of one dtype: the uncompressed blocks' code is compiled, never run
+            pad = _constant((0.0,), mx.float16)
+            wk = wv = sk = sv = pad
         else:
-            partd, mld, counter = _dense_parts(queries, dense, plan.dense_template, R, D, backend)
-        outs = kern(inputs=args + [counter, partd, mld], template=plan.template,
-                    grid=(THREADS * B * H, splits, 1), threadgroup=(THREADS, 1, 1),
-                    output_shapes=[(B, H, splits, R, D), (B, H, splits, R, 2), (B * H * R, out_dim), (B * H * R,),
-                                   (1,)],
-                    output_dtypes=[mx.float32, mx.float32, mx.float32, mx.float32, mx.int32])
-        return outs[2].reshape(B, Hq, Tq, out_dim), outs[3].reshape(B, Hq, Tq)
+            wk, wv = dense.window_keys, dense.window_values
+            sk, sv = (wk, wv) if dense.sink_keys is None else (dense.sink_keys, dense.sink_values)
+        shapes, dtypes = _tc_outputs(plan, grid, B, H, Hq, Tq, R, D, out_dim, mx.float32)
+        outs = kern(inputs=args + [_zero_counters(B * H, backend), wk, wv, sk, sv], template=plan.template,
+                    grid=grid, threadgroup=(THREADS, 1, 1), output_shapes=shapes, output_dtypes=dtypes)
+        return outs[2], outs[3]
     splits = splits_for(B * H, T, backend, plan.tile)
     kern = DECODE_ATTEND.kernel(backend, INPUTS, ("out", "ml"), ensure_row_contiguous=False)
     part, ml = kern(inputs=args, template=plan.template, grid=(THREADS * B * H, splits, 1),
@@ -391,3 +422,64 @@ def decode_attend(queries: mx.array, scale: float, keys: Side, values: Side, bac
                      grid=(D * B * H * R, 1, 1), threadgroup=(D, 1, 1),
                      output_shapes=[(B, H, R, out_dim), (B, H, R)], output_dtypes=[mx.float32, mx.float32])
     return out.reshape(B, Hq, Tq, out_dim), lse.reshape(B, Hq, Tq)
+
+
+class DecodeStep:
+    """One layer's decode attention, bound once (:func:`bind_decode`) and launched once per step: the compressed
+    tokens, the sinks and the window in one tensor-core launch that merges its own splits, writes the output in the
+    model's dtype, and zeroes the split counters of the next step's launch (so no launch zeroes them).
+
+    Everything but the queries and the window is fixed at binding: the compressed tokens (their codes, their
+    count, so the split count), the sinks, the softmax scale, the queries' shape and dtype, the window's dtype. A
+    cache binds again when any of them changes (a window flush, a trim into the compressed tokens, a loaded file);
+    the steps of one binding must run in order (each step's counters come from the step before).
+
+    Call it as ``step(queries, window_keys, window_values) -> out``: ``queries [B, H_q, T_q, D_q]`` of the bound
+    shape and dtype, the window ``[B, H_kv, n, D]`` (``n >= 1``, the bound dtype); ``out [B, H_q, T_q, out_dim]`` in
+    the queries' dtype, equal to :func:`decode_attend`'s output with ``dense=`` (cast).
+    """
+
+    __slots__ = ("_call", "_template", "_grid", "_codes", "_sinks", "_shapes", "_dtypes", "_counter")
+
+    def __init__(self, call, template: list, grid: tuple, codes: list, sinks: list, shapes: list, dtypes: list,
+                 counter: mx.array) -> None:
+        self._call, self._template, self._grid = call, template, grid
+        self._codes, self._sinks, self._shapes, self._dtypes = codes, sinks, shapes, dtypes
+        self._counter = counter
+
+    def __call__(self, queries: mx.array, window_keys: mx.array, window_values: mx.array) -> mx.array:
+        outs = self._call(inputs=[queries, *self._codes, self._counter, window_keys, window_values, *self._sinks],
+                          template=self._template, grid=self._grid, threadgroup=(THREADS, 1, 1),
+                          output_shapes=self._shapes, output_dtypes=self._dtypes)
+        self._counter = outs[4]
+        return outs[2]
+
+
+def bind_decode(queries: mx.array, scale: float, call: DenseCall, backend: str, *, sink_keys: mx.array | None,
+                sink_values: mx.array | None, window_keys: mx.array, window_values: mx.array) -> DecodeStep | None:
+    """A :class:`DecodeStep` for decode queries like ``queries`` over the compressed tokens ``call`` describes
+    (:class:`DenseCall`), a cache's sinks (``None`` when it holds none) and a window like ``window_keys``/
+    ``window_values`` (their dtype; sinks of the same dtype); ``None`` where the tensor-core kernel does not serve
+    the shape (the caller attends another way).
+
+    :raises ValueError: as :func:`decode_attend` (shapes, sinks and window of different dtypes).
+    """
+    keys, values = call.keys, call.values
+    B, Hq, Tq, _ = queries.shape
+    H = keys.codes.shape[1]
+    dense_key = _dense_key(sink_keys, sink_values, window_keys, window_values)
+    rot = call.signs is not None
+    signs = call.signs if rot else _constant((0.0,), mx.float32)
+    plan, D, T, out_dim = _plan_for(queries.shape, scale, keys, values, backend, rot, call.out_dim, dense_key)
+    if not plan.tc:
+        return None
+    R = Hq // H * Tq
+    codes = _code_inputs(keys, values, signs)
+    sinks = [window_keys, window_values] if sink_keys is None else [sink_keys, sink_values]
+    counter = _zero_counters(B * H, backend)
+    grid = _tc_grid(plan, B, H, T, backend)
+    shapes, dtypes = _tc_outputs(plan, grid, B, H, Hq, Tq, R, D, out_dim, queries.dtype)
+    kern = attend_tc.DECODE_ATTEND_TC.kernel(backend, TC_INPUTS, TC_OUTPUTS, ensure_row_contiguous=False)
+    inputs = [queries, *codes, counter, window_keys, window_values, *sinks]
+    raw, template = kern.bound(plan.template, tuple(a.dtype for a in inputs))
+    return DecodeStep(raw, template, grid, codes, sinks, shapes, dtypes, counter)

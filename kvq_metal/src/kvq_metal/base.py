@@ -15,6 +15,7 @@ from typing import Any, Callable
 from kvq.costmodel import estimate
 from kvq.plugins import registry
 
+from . import attend
 from .dialect import BACKENDS, gpu_backend
 
 
@@ -109,19 +110,51 @@ class KernelImpl:
             take uncompressed tokens for this call or its check failed (the caller then attends the parts
             separately and merges them: the same result).
         """
-        from .common import check_attend_dense, query_rows
-
-        rows = query_rows(queries, keys)
-        key = (_check_key(keys.params), _check_key(values.params), queries.shape[3], rows, dense.window_keys.dtype)
-        if not first_use_check(self.backend, f"decode_attend_dense[{self.method}]", key,
-                               lambda: check_attend_dense(self, keys.params, values.params, queries.shape[3], rows,
-                                                          dense.window_keys.dtype)):
+        if not self._dense_checked(queries, keys, values, dense.window_keys.dtype):
             return None
         return self._attend_dense(queries, keys, values, scale, dense)
 
+    def bind_dense(self, queries, keys, values, scale, sink_keys, sink_values, window_keys, window_values):
+        """:meth:`attend_dense` bound once for a cache's decode steps (:class:`kvq.contract.BindsDense`): a
+        :class:`kvq_metal.attend.DecodeStep` over these compressed ``keys``/``values`` and sinks, called as
+        ``step(queries, window_keys, window_values) -> out`` (the model's dtype) with one launch per step; the same
+        first-use check as :meth:`attend_dense`. ``None`` where :meth:`attend_dense` would not serve.
+
+        :param queries: ``[B, H_q, T_q, D]`` of the shape and dtype every step passes. :param sink_keys,
+            sink_values: ``[B, H_kv, n, D]`` or ``None``. :param window_keys, window_values: the window now (its
+            dtype is bound; its length is the step's).
+        """
+        if not self._dense_checked(queries, keys, values, window_keys.dtype):
+            return None
+        call = self._dense_call(queries, keys, values)
+        if call is None:
+            return None
+        return attend.bind_decode(queries, scale, call, self.backend, sink_keys=sink_keys, sink_values=sink_values,
+                                  window_keys=window_keys, window_values=window_values)
+
+    def _dense_checked(self, queries, keys, values, dtype) -> bool:
+        """The first-use check of the fused call with uncompressed tokens of ``dtype`` (see :meth:`attend_dense`)."""
+        from .common import check_attend_dense, query_rows
+
+        rows = query_rows(queries, keys)
+        key = (_check_key(keys.params), _check_key(values.params), queries.shape[3], rows, dtype)
+        return first_use_check(self.backend, f"decode_attend_dense[{self.method}]", key,
+                               lambda: check_attend_dense(self, keys.params, values.params, queries.shape[3], rows,
+                                                          dtype))
+
     def _attend_dense(self, queries, keys, values, scale, dense):
-        """The unchecked fused call of :meth:`attend_dense` (methods with a kernel that reads uncompressed tokens
-        define it); ``None``: not served."""
+        """The unchecked fused call of :meth:`attend_dense`: :func:`kvq_metal.attend.decode_attend` as
+        :meth:`_dense_call` describes it; ``None``: not served."""
+        call = self._dense_call(queries, keys, values)
+        if call is None:
+            return None
+        return attend.decode_attend(queries, scale, call.keys, call.values, self.backend, signs=call.signs,
+                                    out_dim=call.out_dim, dense=dense)
+
+    def _dense_call(self, queries, keys, values):
+        """How the tensor-core kernel reads these compressed tokens together with uncompressed ones
+        (:class:`kvq_metal.attend.DenseCall`), or ``None`` where it does not (methods with such a kernel define
+        it)."""
         return None
 
     def kernel_supports(self, problem) -> bool:  # pragma: no cover - overridden

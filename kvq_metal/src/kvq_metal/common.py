@@ -8,6 +8,7 @@ import mlx.core as mx
 from kvq.attention import split_heads
 from kvq.select import MAX_DECODE_QUERIES
 
+from . import attend
 from .attend import MAX_ROWS
 
 
@@ -59,23 +60,39 @@ def check_attend(impl, quantize, params_k, params_v, head_dim: int, rows: int, d
 def check_attend_dense(impl, params_k, params_v, head_dim: int, rows: int, dtype) -> tuple[bool, str]:
     """Compare ``impl._attend_dense`` (compressed tokens plus 4 sinks and a 40-token window in one call) with the
     pure-MLX attention of the three parts merged by log-sum-exp, on 300 compressed tokens of one KV head: relative
-    error below 1e-3 (a call the kernel does not take passes: the caller falls back to the parts anyway)."""
+    error below 1e-3 (a call the kernel does not take passes: the caller falls back to the parts anyway). Where the
+    implementation binds decode steps (``bind_dense``: :class:`kvq_metal.attend.DecodeStep`), two bound steps
+    (the second counts with the counters the first zeroed, over a window one token longer) must equal the unbound
+    call's output in the queries' dtype."""
     from kvq.attention import DenseTokens, dense_attend, merge_parts
 
     pure = impl.fallback()
     keys, values = pure.kvq_quantize(normal((1, 1, 300, head_dim), 2, dtype), params_k), \
         pure.kvq_quantize(normal((1, 1, 300, head_dim), 3, dtype), params_v)
-    sk, sv, wk, wv = (normal((1, 1, n, head_dim), seed, dtype) for n, seed in ((4, 4), (4, 5), (40, 6), (40, 7)))
+    sk, sv, wk, wv = (normal((1, 1, n, head_dim), seed, dtype) for n, seed in ((4, 4), (4, 5), (41, 6), (41, 7)))
     q = normal((1, rows, 1, head_dim), 8, dtype)
     scale = head_dim ** -0.5
-    got = impl._attend_dense(q, keys, values, scale, DenseTokens(sk, sv, wk, wv))
+    got = impl._attend_dense(q, keys, values, scale, DenseTokens(sk, sv, wk[:, :, :40], wv[:, :, :40]))
     if got is None:
         return True, "not served for this shape"
     want, want_lse = merge_parts([pure.kvq_attend(q, keys, values, scale, None), dense_attend(q, sk, sv, scale),
-                                  dense_attend(q, wk, wv, scale)])
+                                  dense_attend(q, wk[:, :, :40], wv[:, :, :40], scale)])
     err = relative_error(got[0], want)
     lse_err = mx.max(mx.abs(got[1] - want_lse)).item()
-    return err < 1e-3 and lse_err < 1e-3, f"relative error {err:.2e}, lse error {lse_err:.2e} vs the parts in pure MLX"
+    detail = f"relative error {err:.2e}, lse error {lse_err:.2e} vs the parts in pure MLX"
+    ok = err < 1e-3 and lse_err < 1e-3
+    call = impl._dense_call(q, keys, values)
+    step = None if call is None else attend.bind_decode(q, scale, call, impl.backend, sink_keys=sk, sink_values=sv,
+                                                         window_keys=wk, window_values=wv)
+    if step is not None:
+        bound_err = 0.0
+        for n in (40, 41):
+            unbound = impl._attend_dense(q, keys, values, scale, DenseTokens(sk, sv, wk[:, :, :n], wv[:, :, :n]))
+            out = step(q, wk[:, :, :n], wv[:, :, :n])
+            bound_err = max(bound_err, relative_error(out, unbound[0].astype(q.dtype)))
+        ok = ok and out.dtype == q.dtype and bound_err < 1e-6
+        detail += f"; bound decode steps {bound_err:.2e} vs the unbound call ({out.dtype})"
+    return ok, detail
 
 
 def relative_error(a, b) -> float:

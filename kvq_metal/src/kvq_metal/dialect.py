@@ -43,12 +43,15 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import re
 import struct
 from functools import lru_cache
+from pathlib import Path
 from typing import Sequence
 
 import mlx.core as mx
+import platformdirs
 
 BACKENDS = ("metal", "cuda")
 
@@ -158,6 +161,11 @@ class Kernel:
     (:func:`dtype_template`): MLX names a compiled kernel by its template values, and the generated signature
     types each input pointer by its dtype, so the dtypes must be part of the name or a kernel compiled for
     float16 inputs would serve bfloat16 ones.
+
+    On CUDA the text handed to MLX is two ``#include`` lines of files holding the translated header and body
+    (:func:`cuda_text`), where NVRTC reads such files here: MLX formats a custom kernel's whole text into a new
+    string on every launch and hashes it again when the launch is evaluated, so a 36 KB kernel costs the host
+    that much per launch (``benchmarks/launch_cost.py``).
     """
 
     def __init__(self, name: str, backend: str, input_names: Sequence[str], output_names: Sequence[str],
@@ -169,12 +177,88 @@ class Kernel:
         self.input_names = tuple(input_names)
         SOURCES[self.name] = head + body
         build = mx.fast.metal_kernel if backend == "metal" else mx.fast.cuda_kernel
+        if backend == "cuda":
+            head, body = cuda_text(self.name, head, body, self.input_names)
         self._kernel = build(name=self.name, input_names=list(input_names), output_names=list(output_names),
                              source=body, header=head, ensure_row_contiguous=ensure_row_contiguous)
 
     def __call__(self, *, inputs, template=(), **kwargs):
         types = dtype_template(tuple(a.dtype for a in inputs))
         return self._kernel(inputs=inputs, template=[*template, *types], **kwargs)
+
+    def bound(self, template, dtypes: tuple) -> tuple:
+        """``(call, full_template)`` for launches whose inputs always have these ``dtypes``: MLX's kernel object
+        and ``template`` with the dtype arguments appended (what :meth:`__call__` computes on every call), for a
+        hot path that launches the same signature many times (:class:`kvq_metal.attend.DecodeStep`). ``call``
+        takes the keyword arguments of :meth:`__call__` with ``template=full_template``.
+
+        :raises TypeError: a dtype without a code (:func:`dtype_template`)."""
+        return self._kernel, [*template, *dtype_template(tuple(dtypes))]
+
+
+def kernel_dir() -> Path:
+    """Where kernel texts are written for NVRTC to include: ``$KVQ_CACHE_DIR/kernels``, else platformdirs' user
+    cache dir for kvq (``kernels/``). Files are named by a hash of their text, so they never go stale."""
+    root = os.environ.get("KVQ_CACHE_DIR")
+    return (Path(root).expanduser() if root else Path(platformdirs.user_cache_dir("kvq"))) / "kernels"
+
+
+def _write_once(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` unless it is there already (atomically: a temporary file renamed into place)."""
+    if path.is_file() and path.read_text() == text:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def shape_uses(source: str, input_names: Sequence[str]) -> list[str]:
+    """The ``<input>_shape``, ``<input>_strides`` and ``<input>_ndim`` names ``source`` uses: MLX's CUDA kernel
+    builder passes an input's shape, strides or rank only where its body contains that name."""
+    return [f"{n}_{what}" for n in input_names for what in ("shape", "strides", "ndim") if f"{n}_{what}" in source]
+
+
+@lru_cache(maxsize=1)
+def includes_work() -> bool:
+    """Whether MLX's CUDA kernels here can ``#include`` a file by absolute path (NVRTC reads it from disk): a tiny
+    kernel that includes one is built and run once per process, on a machine whose default device is a CUDA GPU.
+    ``KVQ_KERNEL_INCLUDES=0`` turns the include form off (the kernel text is then handed to MLX whole)."""
+    if os.environ.get("KVQ_KERNEL_INCLUDES", "1") == "0" or gpu_backend() != "cuda":
+        return False
+    try:
+        text = "__device__ inline float kvq_probe_twice(float v) { return 2.0f * v; }\n"
+        path = kernel_dir() / f"kvq_probe_{hashlib.sha256(text.encode()).hexdigest()[:12]}.cuh"
+        _write_once(path, text)
+        probe = mx.fast.cuda_kernel(name="kvq_include_probe", input_names=["inp"], output_names=["out"],
+                                    source="    out[threadIdx.x] = kvq_probe_twice(inp[threadIdx.x]);\n",
+                                    header=f'#include "{path}"\n')
+        x = mx.array([1.0, 2.0])
+        y = probe(inputs=[x], grid=(2, 1, 1), threadgroup=(2, 1, 1), output_shapes=[(2,)],
+                  output_dtypes=[mx.float32])[0]
+        return y.tolist() == [2.0, 4.0]
+    except Exception:  # noqa: BLE001 - any failure (read-only cache dir, NVRTC without file access) means: inline
+        return False
+
+
+def cuda_text(name: str, head: str, body: str, input_names: Sequence[str]) -> tuple[str, str]:
+    """``(header, source)`` to hand ``mx.fast.cuda_kernel`` for a kernel named ``name``: ``#include`` lines of
+    files holding ``head`` and ``body`` (:func:`kernel_dir`), with a comment naming the shapes and strides the body
+    reads (MLX decides from the source which to pass, :func:`shape_uses`), where :func:`includes_work`; else
+    ``(head, body)`` themselves. Both compile to the same kernel."""
+    if not includes_work():
+        return head, body
+    folder = kernel_dir()
+    try:
+        _write_once(folder / f"{name}.cuh", head)
+        _write_once(folder / f"{name}.cu", body)
+    except OSError:
+        return head, body
+    uses = shape_uses(body, input_names)
+    source = f'#include "{folder / name}.cu"\n// reads {" ".join(uses)}\n'
+    if shape_uses(source, input_names) != uses:  # an input name inside another's: keep MLX's view of the body
+        return head, body
+    return f'#include "{folder / name}.cuh"\n', source
 
 
 #: A fixed code per dtype (never renumber: compiled kernels are named by these values).

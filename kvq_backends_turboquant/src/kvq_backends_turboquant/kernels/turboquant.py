@@ -56,33 +56,44 @@ def rotated_kernel_serves(queries, keys, values, mask, accepts) -> bool:
             and attend.supported(dim, keys.params.bits, values.params.bits, dim, dim, query_rows(queries, keys)))
 
 
-def rotated_attend(impl, queries, keys, values, scale, side, dense=None):
+def rotated_attend(impl, queries, keys, values, scale, side):
     """Decode attention over codes in the rotated domain (``turboquant``, ``turboquant_rvq``).
 
     With the randomized Hadamard rotation and the same seed on both sides, the kernels rotate the queries and
     inverse-rotate the output themselves; otherwise the pure-MLX implementation's ``prepare_queries`` and
     ``finish_values`` do it (one dense rotation each). :param side: Encoded -> :class:`~kvq_metal.attend.Side`.
-    :param dense: uncompressed tokens in the same softmax (:meth:`KernelImpl.attend_dense`); ``None`` is returned
-        where the kernel cannot take them (another rotation, or the SIMT kernel).
     """
-    kp, vp = keys.params, values.params
-    if kp.rotation == vp.rotation == "hadamard" and kp.seed == vp.seed:
-        dim = kp.rotated_dim(keys.head_dim)
-        signs = rotation.rotation("hadamard", dim, kp.seed).signs
-        ks, vs = side(keys), side(values)
-        if dense is not None:
-            if not attend.serves_dense(impl.backend, dim, ks, vs, query_rows(queries, keys)):
-                return None
-        return attend.decode_attend(queries, scale, ks, vs, impl.backend, signs=signs,
-                                    out_dim=values.head_dim, dense=dense)
-    if dense is not None:
-        return None
+    call = _rotated_call(keys, values, side)
+    if call is not None:
+        return attend.decode_attend(queries, scale, call.keys, call.values, impl.backend, signs=call.signs,
+                                    out_dim=call.out_dim)
     mlx_impl = impl.fallback()
     q = mlx_impl.prepare_queries(grouped_rows(queries, keys.shape[1], scale), keys)
     B, H, n_rep, Tq, dim = q.shape
     out, lse = attend.decode_attend(q.reshape(B, H * n_rep, Tq, dim), 1.0, side(keys), side(values), impl.backend)
     out = mlx_impl.finish_values(out.reshape(B, H, n_rep, Tq, dim), values)
     return out.reshape(queries.shape[:3] + (out.shape[-1],)), lse
+
+
+def _rotated_call(keys, values, side):
+    """The kernel call that rotates queries and output in the kernel (:class:`kvq_metal.attend.DenseCall`): both
+    sides with the randomized Hadamard rotation of one seed; ``None`` otherwise."""
+    kp, vp = keys.params, values.params
+    if not (kp.rotation == vp.rotation == "hadamard" and kp.seed == vp.seed):
+        return None
+    dim = kp.rotated_dim(keys.head_dim)
+    signs = rotation.rotation("hadamard", dim, kp.seed).signs
+    return attend.DenseCall(side(keys), side(values), signs, values.head_dim)
+
+
+def rotated_dense_call(impl, queries, keys, values, side):
+    """:meth:`KernelImpl._dense_call` for the rotated-domain methods: the in-kernel rotation and the tensor-core
+    kernel (which reads the uncompressed tokens), else ``None``."""
+    call = _rotated_call(keys, values, side)
+    if call is None or not attend.serves_dense(impl.backend, call.signs.shape[0], call.keys, call.values,
+                                               query_rows(queries, keys)):
+        return None
+    return call
 
 
 class TurboQuantKernels(KernelImpl):
@@ -168,11 +179,11 @@ class TurboQuantKernels(KernelImpl):
             return self.fallback().kvq_attend(queries, keys, values, scale, mask)
         return self.attend_kernel(queries, keys, values, scale)
 
-    def _attend_dense(self, queries, keys, values, scale, dense):
-        """:meth:`KernelImpl.attend_dense` (the randomized Hadamard rotation and the tensor-core kernel)."""
+    def _dense_call(self, queries, keys, values):
+        """:meth:`KernelImpl._dense_call` (the randomized Hadamard rotation and the tensor-core kernel)."""
         if not rotated_kernel_serves(queries, keys, values, None, _plain):
             return None
-        return rotated_attend(self, queries, keys, values, scale, _side, dense)
+        return rotated_dense_call(self, queries, keys, values, _side)
 
     # -- first-use check ----------------------------------------------------------------------------
     def _check_codec(self, params, head_dim: int, dtype) -> tuple[bool, str]:

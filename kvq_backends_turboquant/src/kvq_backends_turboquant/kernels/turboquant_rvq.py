@@ -20,7 +20,7 @@ from kvq_metal.common import check_attend, decode_shape_ok, rows_of
 
 from ..impl import head_dim_supported, padding_note
 from ..rvq import TurboQuantRVQParams
-from .turboquant import power_of_two, rotated_attend, rotated_kernel_serves
+from .turboquant import power_of_two, rotated_attend, rotated_dense_call, rotated_kernel_serves
 
 
 @lru_cache(maxsize=64)
@@ -82,8 +82,8 @@ class TurboQuantRVQKernels(KernelImpl):
             return self.fallback().kvq_attend(queries, keys, values, scale, mask)
         return self.attend_kernel(queries, keys, values, scale)
 
-    def _attend_dense(self, queries, keys, values, scale, dense):
-        """:meth:`KernelImpl.attend_dense` (the randomized Hadamard rotation and the tensor-core kernel)."""
+    def _dense_call(self, queries, keys, values):
+        """:meth:`KernelImpl._dense_call` (the randomized Hadamard rotation and the tensor-core kernel)."""
         if not rotated_kernel_serves(queries, keys, values, None, lambda p: p.method == self.method):
             return None
-        return rotated_attend(self, queries, keys, values, scale, _side, dense)
+        return rotated_dense_call(self, queries, keys, values, _side)

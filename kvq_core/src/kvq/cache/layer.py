@@ -20,8 +20,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..attention import DenseTokens, attend_encoded, dense_attend, merge_parts, sink_logits_part
-from ..contract import (AttendsDense, EncodesBlocks, Fits, ForHeads, ForLayer, ScoresKeys, WeightsValues, member_name,
-                        optional_hook)
+from ..contract import (AttendsDense, BindsDense, EncodesBlocks, Fits, ForHeads, ForLayer, ScoresKeys, WeightsValues,
+                        member_name, optional_hook)
 from ..plugins import implemented_ops, registry
 from ..select import MAX_DECODE_QUERIES, check_kernels, is_kernel, select
 from ..validate import float_array
@@ -169,6 +169,8 @@ class CompressedView:
     It carries the logical ``shape`` ``(B, H_kv, T, D)`` and ``dtype`` for code that inspects them.
     """
 
+    __slots__ = ("shape", "dtype", "ndim")
+
     def __init__(self, shape: tuple[int, ...], dtype) -> None:
         self.shape, self.dtype = shape, dtype
         self.ndim = len(shape)
@@ -208,11 +210,13 @@ class KVQCache:
         self.compressed_keys = EncodedStore(config.step)
         self.compressed_values = EncodedStore(config.step)
         self._layout = None  # (B, H, D_k, D_v, dtype), fixed by the first update
+        self._token_shapes = None  # ([B, H, 1, D_k], [B, H, 1, D_v], dtype) of a decode token, once checked
         self._fresh = None  # _Fresh of the last update, until attend uses it
         # float32 [B, H, 1, D_k] (values of the dense buffers' 16-bit dtype) subtracted from compressed keys
         # (kvq.cache.guard), or None
         self.key_mean = None
         self._key_mean_cast = None  # key_mean in the model's dtype, for the decode hot path
+        self._bound = None  # (compressed keys' view, signature, decode step): _fused_attend's binding
 
     @property
     def sink_keys(self):
@@ -320,6 +324,9 @@ class KVQCache:
             raise ValueError(f"keys/values of layout (B={layout[0]}, H={layout[1]}, D_k={layout[2]}, "
                              f"D_v={layout[3]}, {layout[4]}) do not match this cache's (B={B}, H={H}, "
                              f"D_k={Dk}, D_v={Dv}, {dt})")
+        if self._token_shapes is None:
+            B, H, Dk, Dv, dt = layout
+            self._token_shapes = ((B, H, 1, Dk), (B, H, 1, Dv), dt)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Store new tokens (``[B, H_kv, T, D]`` keys and values); returns stand-ins for attention.
@@ -334,6 +341,8 @@ class KVQCache:
 
         :raises ValueError/TypeError: mismatched shapes or dtypes, or a head_dim the methods do not support.
         """
+        if self._FAST_APPEND and self._append_one(keys, values):
+            return self._views()
         shape = getattr(keys, "shape", ())
         # a chunk (prefill): snapshot first, so a failure part-way leaves the cache as it was; a single token is
         # checked by _check before any change (decode steps, the hot path, make no snapshot)
@@ -347,6 +356,30 @@ class KVQCache:
                 self._restore(saved)  # a failed update leaves the cache as it was before the chunk
             raise
         return self._views()
+
+    #: Whether :meth:`update_and_fetch` takes :meth:`_append_one` (a subclass that stores tokens its own way: no).
+    _FAST_APPEND = True
+
+    def _append_one(self, keys, values) -> bool:
+        """The decode hot path of :meth:`update_and_fetch`: one token of this cache's checked layout and dtype
+        joins a window that keeps it (the sinks are full and no token leaves the window), with what
+        :meth:`_store` does then and nothing else (two slice assignments). ``False``, with nothing done, for
+        every other update, which takes the general path."""
+        shapes, window = self._token_shapes, self.window
+        if (shapes is None or type(keys) is not mx.array or type(values) is not mx.array or keys.shape != shapes[0]
+                or values.shape != shapes[1] or keys.dtype != shapes[2] or values.dtype != shapes[2]
+                or window.keys is None or not window.length < window.capacity or window.capacity < 2
+                or self.sinks.length < self.config.sinks):
+            return False
+        if keys.dtype != window.keys.dtype:  # float32 models: the window holds float16 (DenseBuffer)
+            keys, values = keys.astype(window.keys.dtype), values.astype(window.values.dtype)
+        n = window.length
+        window.keys[:, :, n:n + 1] = keys
+        window.values[:, :, n:n + 1] = values
+        window.length = n + 1
+        self.offset += 1
+        self._fresh = None  # one token: its query sees the cache as it is after the update
+        return True
 
     def _store(self, keys, values) -> None:
         first = self.offset
@@ -703,24 +736,55 @@ class KVQCache:
 
     def _fused_attend(self, queries, scale):
         """Decode of one token in one fused call over the compressed tokens, the sinks and the window, where the
-        chosen attend implementation offers ``attend_dense`` (:class:`kvq.contract.AttendsDense`; kvq_metal's
-        tensor-core kernel: two launches and a merge instead of an attention per part); ``None`` otherwise (the
-        parts are attended and merged)."""
-        if not self._own_attend() or not self.compressed_keys.length or not self.window.length:
+        chosen attend implementation offers it; ``None`` otherwise (the parts are attended and merged).
+
+        The hot path of decode: bound once (:meth:`_bind`) and replayed while the compressed tokens (the store's
+        view object), the queries' shape and dtype, the scale and the installed plugins stay the same, so a step
+        is one slice of the window and one launch (:class:`kvq.contract.BindsDense`; kvq_metal's
+        :class:`~kvq_metal.attend.DecodeStep`). Implementations with only ``attend_dense``
+        (:class:`kvq.contract.AttendsDense`) are called through it every step."""
+        keys = self.compressed_keys.view()
+        n = self.window.length
+        if keys is None or not n:
             return None
-        keys, values = self.compressed_keys.view(), self.compressed_values.view()
-        choice = self._attend_plan(keys, queries).choices.get("attend")
-        attend_dense = optional_hook(choice.implementation, AttendsDense) if choice else None
-        if attend_dense is None:
+        bound = self._bound
+        signature = (queries.shape, queries.dtype, scale, registry().generation)
+        if bound is None or bound[0] is not keys or bound[1] != signature:
+            bound = self._bound = (keys, signature, self._bind(queries, scale, keys))
+        step = bound[2]
+        if step is None:
             return None
-        sink_keys, sink_values = self.sinks.view()
-        window_keys, window_values = self.window.view()
+        window = self.window
         # a centred layer scores its sinks and window from centred keys too: every score then lacks the same
         # scale * q . mu, which the softmax does not see
-        result = attend_dense(queries, keys, values, scale,
-                              DenseTokens(self._centred_dense(sink_keys), sink_values, self._centred_dense(window_keys),
-                                          window_values))
-        return None if result is None else result[0].astype(queries.dtype)
+        return step(queries, self._centred_dense(window.keys[:, :, :n]), window.values[:, :, :n])
+
+    def _bind(self, queries, scale, keys):
+        """The decode step of :meth:`_fused_attend` for these compressed ``keys``: the implementation's bound step
+        (:class:`kvq.contract.BindsDense`), else a call of its ``attend_dense`` per step, else ``None``."""
+        if not self._own_attend():
+            return None
+        values = self.compressed_values.view()
+        choice = self._attend_plan(keys, queries).choices.get("attend")
+        if choice is None:
+            return None
+        sink_keys, sink_values = self.sinks.view()
+        sink_keys = self._centred_dense(sink_keys)
+        window_keys, window_values = self.window.view()
+        bind = optional_hook(choice.implementation, BindsDense)
+        if bind is not None:
+            step = bind(queries, keys, values, scale, sink_keys, sink_values, window_keys, window_values)
+            if step is not None:
+                return step
+        attend_dense = optional_hook(choice.implementation, AttendsDense)
+        if attend_dense is None:
+            return None
+
+        def step(q, wk, wv):
+            result = attend_dense(q, keys, values, scale, DenseTokens(sink_keys, sink_values, wk, wv))
+            return None if result is None else result[0].astype(q.dtype)
+
+        return step
 
     def _parts(self):
         return [(k, n) for k, n in (("sinks", self.sinks.length), ("compressed", self.compressed_keys.length),
@@ -771,7 +835,8 @@ class KVQCache:
             memo[id(self._layout[4])] = self._layout[4]
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
-        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        # the decode binding holds launch state (split counters of the next step): a copy binds its own
+        new.__dict__.update(copy.deepcopy({**self.__dict__, "_bound": None}, memo))
         return new
 
     def size(self) -> int:

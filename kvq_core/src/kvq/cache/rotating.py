@@ -79,6 +79,8 @@ class RotatingKVQCache(KVQCache):
     :raises ValueError: ``max_size`` or ``keep`` out of range.
     """
 
+    _FAST_APPEND = False  # tokens go to the ring in _store
+
     def __init__(self, config: CacheConfig, max_size: int, keep: int = 0) -> None:
         if not isinstance(max_size, int) or isinstance(max_size, bool) or max_size < 1:
             raise ValueError(f"max_size must be an int >= 1; got {max_size!r}")

@@ -76,11 +76,11 @@ class AffineKernels(KernelImpl):
             return self.fallback().kvq_attend(queries, keys, values, scale, mask)
         return self.attend_kernel(queries, keys, values, scale)
 
-    def _attend_dense(self, queries, keys, values, scale, dense):
-        """:meth:`KernelImpl.attend_dense`: the tensor-core kernel reads the uncompressed tokens too."""
+    def _dense_call(self, queries, keys, values):
+        """:meth:`KernelImpl._dense_call`: the tensor-core kernel reads the uncompressed tokens too."""
         if not self._serves(queries, keys, values, None):
             return None
         ks, vs = _side(keys), _side(values)
         if not attend.serves_dense(self.backend, queries.shape[3], ks, vs, query_rows(queries, keys)):
             return None
-        return attend.decode_attend(queries, scale, ks, vs, self.backend, dense=dense)
+        return attend.DenseCall(ks, vs)

@@ -1,13 +1,16 @@
 // decode_attend_tc: decode attention over compressed keys and values on tensor cores (CUDA, mma.sync m16n8k16,
-// sm_80 and later), with the split merge in the same launch; also the launch over uncompressed tokens (DENSE).
+// sm_80 and later), with the cache's uncompressed sinks and window (ND = 2) and the split merge in the same launch.
 // Same contract as decode_attend.kvq; the design and measurements: kvq_metal.attend_tc's docstring.
 // Reference: kvq_metal.reference.decode_attend
 // Launcher: kvq_metal.attend.decode_attend
-// Inputs kvq_metal.attend.TC_INPUTS; outputs part, ml (per split), fout [B * H * R, DV], lse [B * H * R], cnt.
+// Inputs kvq_metal.attend.TC_INPUTS; outputs part, ml (per block of a row), fout [B, H_q, T_q, DV] in its own dtype,
+// lse [B, H_q, T_q], cnt [B * H] (zeroed: the split counters of the next launch, kvq_metal.attend.DecodeStep).
 // Template: kvq_metal.attend._tc_template. Header: decode_attend_tc.cuh.
-// Threads: THREADS per (batch, KV head, split); each warp takes NT tiles of 16 tokens per step. Scores: keys are
-// the A operand (lane: 2 tokens g, g + 8, coordinates c * SK ...), the R <= 8 query rows the B operand. Values:
-// V^T is the A operand (lane: 4 tokens, coordinates g * SV ...), the probabilities the B operand.
+// Blocks: x = b * H + h; y < nsplit = gridDim.y - ND: split y of the compressed tokens; y = nsplit (ND = 2): the
+// sinks (wk/wv's dtype, sk/sv, none unless SINKS), y = nsplit + 1: the window (wk/wv), read as they are.
+// Threads: THREADS per block; each warp takes NT tiles of 16 tokens per step (1 for uncompressed tokens).
+// Scores: keys are the A operand (lane: 2 tokens g, g + 8, coordinates c * SK ...), the R <= 8 query rows the
+// B operand. Values: V^T is the A operand (lane: 4 tokens, coordinates g * SV ...), the probabilities the B operand.
 #include "hadamard_rows.kvq"
 
     constexpr int NWARP = THREADS / 32;
@@ -65,16 +68,40 @@
     KVQ_SHARED float mw_s[NWARP * 8];
     KVQ_SHARED float lw_s[NWARP * 8];
 
-#include "split_index.kvq"
-    // DENSE: uncompressed keys and values (a cache's sinks in split 0: kc2/vc2, none unless SINKS; its window in
-    // split 1: kc/vc), read as they are; otherwise codes, split over the sequence
-    const int t_begin = DENSE ? 0 : split * chunk;
-    const int t_end = DENSE ? (split == 0 ? (SINKS ? kc2_shape[2] : 0) : T) : min(T, t_begin + chunk);
+    KVQ_SHARED int last_s;
+    KVQ_SHARED float rtop_s[8];
+    KVQ_SHARED float rtot_s[8];
+
+    // the compressed tokens' splits are whole tiles of TILE tokens (kvq_metal.attend.split_chunk)
+    const int bh = KVQ_TG_X;
+    const int split = KVQ_TG_Y;
+    const int NS = KVQ_NTG_Y;
+    const int nsplit = NS - ND;
+    const int H = kc_shape[1];
+    const int T = kc_shape[2];
+    const int b = bh / H;
+    const int h = bh - b * H;
+    const int chunk = ((T + TILE - 1) / TILE + nsplit - 1) / nsplit * TILE;
     const int tid = KVQ_TID;
     const int lane = KVQ_LANE;
     const int warp = KVQ_WARP;
     const int g = lane >> 2;
     const int c = lane & 3;
+    constexpr bool ROT_CODES = ROT;
+    constexpr int NT_CODES = NT;
+    constexpr bool PF_CODES = PF;
+
+    // a block's work, for compressed tokens (DENSE false) or for the uncompressed sinks or window (true)
+    auto run = [&](auto role) {
+    constexpr bool DENSE = decltype(role)::value;
+    // uncompressed tokens are attended unrotated, one 16-token tile per warp step
+    constexpr bool ROT = ROT_CODES && !DENSE;
+    constexpr int NT = DENSE ? 1 : NT_CODES;
+    constexpr bool PF = PF_CODES && !DENSE;
+    constexpr int TILE = NWARP * 16 * NT;
+    const int dsplit = split - nsplit;  // DENSE: 0 the sinks, 1 the window
+    const int t_begin = DENSE ? 0 : split * chunk;
+    const int t_end = DENSE ? (dsplit == 0 ? (SINKS ? sk_shape[2] : 0) : wk_shape[2]) : min(T, t_begin + chunk);
 
     const int64_t kbase = b * kc_strides[0] + h * kc_strides[1];
     const int64_t kbase2 = b * kc2_strides[0] + h * kc2_strides[1];
@@ -109,15 +136,16 @@
         uint dk[DENSE ? NT : 1][2][DENSE ? SK / 2 : 1];
         uint dv[DENSE ? NT : 1][4][DENSE ? SV / 2 : 1];
     };
-    // DENSE: split 0 reads the sinks (kc2/vc2), split 1 the window (kc/vc); rows of the model's dtype (DDT 0:
-    // float16, 1: bfloat16, 2: other) read with 128/64-bit loads where a block's rows are contiguous, aligned and
-    // D long (dvec_k / dvec_v), else element by element (zero past the row's length)
-    const auto* dkp = split == 0 ? kc2 : kc;
-    const auto* dvp = split == 0 ? vc2 : vc;
-    const int64_t dks2 = split == 0 ? kc2_strides[2] : kc_strides[2], dks3 = split == 0 ? kc2_strides[3] : kc_strides[3];
-    const int64_t dvs2 = split == 0 ? vc2_strides[2] : vc_strides[2], dvs3 = split == 0 ? vc2_strides[3] : vc_strides[3];
-    const int dkl = split == 0 ? kc2_shape[3] : kc_shape[3], dvl = split == 0 ? vc2_shape[3] : vc_shape[3];
-    const int64_t dkb = split == 0 ? kbase2 : kbase, dvb = split == 0 ? vbase2 : vbase;
+    // DENSE: the sinks (sk/sv) or the window (wk/wv); rows of the model's dtype (DDT 0: float16, 1: bfloat16, 2:
+    // other) read with 128/64-bit loads where a block's rows are contiguous, aligned and D long (dvec_k / dvec_v),
+    // else element by element (zero past the row's length)
+    const auto* dkp = dsplit == 0 ? sk : wk;
+    const auto* dvp = dsplit == 0 ? sv : wv;
+    const int64_t dks2 = dsplit == 0 ? sk_strides[2] : wk_strides[2], dks3 = dsplit == 0 ? sk_strides[3] : wk_strides[3];
+    const int64_t dvs2 = dsplit == 0 ? sv_strides[2] : wv_strides[2], dvs3 = dsplit == 0 ? sv_strides[3] : wv_strides[3];
+    const int dkl = dsplit == 0 ? sk_shape[3] : wk_shape[3], dvl = dsplit == 0 ? sv_shape[3] : wv_shape[3];
+    const int64_t dkb = dsplit == 0 ? b * sk_strides[0] + h * sk_strides[1] : b * wk_strides[0] + h * wk_strides[1];
+    const int64_t dvb = dsplit == 0 ? b * sv_strides[0] + h * sv_strides[1] : b * wv_strides[0] + h * wv_strides[1];
     constexpr int DKW = SK / 2, DVW = SV / 2;  // half2 words per key / value slice
     constexpr int DKV = DKW % 4 == 0 ? 4 : (DKW % 2 == 0 ? 2 : 1);
     constexpr int DVV = DVW % 4 == 0 ? 4 : (DVW % 2 == 0 ? 2 : 1);
@@ -127,7 +155,7 @@
                         (reinterpret_cast<size_t>(dvp + dvb) & (4 * DVV - 1)) == 0;
     auto load = [&](Step& buf, const int t0) {
       if constexpr (DENSE) {
-        // tokens past the end read the last row (split 0 without sinks: row 0 of the window, never used)
+        // tokens past the end read the last row (the sinks' block without sinks: row 0 of the window, never used)
 #pragma unroll
         for (int st = 0; st < NT; ++st) {
 #pragma unroll
@@ -324,7 +352,7 @@
         red_s[(warp * 8 + 2 * c + 1) * D + j + 1] = acc[i][3] * f1;
     }
     KVQ_BARRIER();
-    const int64_t obase = ((int64_t)bh * nsplit + split) * R;
+    const int64_t obase = ((int64_t)bh * NS + split) * R;
     for (int o = tid; o < R * D; o += THREADS) {
         const int r = o / D;
         const int j = o - r * D;
@@ -346,43 +374,52 @@
         ml[obase * 2 + 2 * tid] = top == -KVQ_INF ? -KVQ_INF : top * LN2;
         ml[obase * 2 + 2 * tid + 1] = sum;
     }
-    // DENSE: the launch before the compressed one also zeroes the split counters that launch counts with
-    if (DENSE && split == 0 && tid == 0) cnt[bh] = 0;
+    };
+    if constexpr (ND > 0) {
+        if (split >= nsplit) {
+            run(kvq_role<true>{});
+        } else {
+            run(kvq_role<false>{});
+        }
+    } else {
+        run(kvq_role<false>{});
+    }
+    // the split counters of the next launch (kvq_metal.attend.DecodeStep passes them on), zeroed
+    if (split == 0 && tid == 0) cnt[bh] = 0;
 
-    // ---- MERGE: the block that finishes a (batch, KV head) last merges its splits (flash-decoding's log-sum-exp
-    // combine, in the same launch), undoes the rotation, adds the ND uncompressed splits and writes the output
-    if (MERGE) {
-        KVQ_SHARED int last_s;
-        KVQ_SHARED float rtop_s[8];
-        KVQ_SHARED float rtot_s[8];
+    // ---- merge: the block that finishes a (batch, KV head) last merges its splits (flash-decoding's log-sum-exp
+    // combine, in the same launch), undoes the rotation of the compressed splits, adds the ND uncompressed ones and
+    // writes the output
+    {
         __threadfence();
         KVQ_BARRIER();
-        if (tid == 0) last_s = atomicAdd(const_cast<int*>(counter) + bh, 1) == nsplit - 1;
+        if (tid == 0) last_s = atomicAdd(const_cast<int*>(counter) + bh, 1) == NS - 1;
         KVQ_BARRIER();
         if (last_s) {
             __threadfence();
-            const int WS = nsplit + ND;
+            const int WS = NS;
             float* w_s = red_s;  // [R][WS] split weights: the tables' memory is free again
             for (int r = warp; r < R; r += NWARP) {
                 float top = -KVQ_INF;
                 for (int s2 = lane; s2 < nsplit; s2 += 32)
-                    top = KVQ_FMAX(top, __ldcg(ml + (((int64_t)bh * nsplit + s2) * R + r) * 2));
-                if (ND > 0 && lane < ND) top = KVQ_FMAX(top, mld[((int64_t)(bh * ND + lane) * R + r) * 2]);
+                    top = KVQ_FMAX(top, __ldcg(ml + (((int64_t)bh * NS + s2) * R + r) * 2));
+                if (ND > 0 && lane < ND) top = KVQ_FMAX(top, __ldcg(ml + (((int64_t)bh * NS + nsplit + lane) * R + r) * 2));
 #pragma unroll
                 for (int off = 16; off > 0; off >>= 1) top = KVQ_FMAX(top, KVQ_SHFL_XOR(top, off));
                 float tot = 0.0f;
                 for (int s2 = lane; s2 < nsplit; s2 += 32) {
-                    const float* mls = ml + (((int64_t)bh * nsplit + s2) * R + r) * 2;
+                    const float* mls = ml + (((int64_t)bh * NS + s2) * R + r) * 2;
                     const float m = __ldcg(mls);
                     const float w = m == -KVQ_INF ? 0.0f : KVQ_EXP(m - top);
                     w_s[r * WS + s2] = w;
                     tot += w * __ldcg(mls + 1);
                 }
                 if (ND > 0 && lane < ND) {
-                    const float* mls = mld + ((int64_t)(bh * ND + lane) * R + r) * 2;
-                    const float w = mls[0] == -KVQ_INF ? 0.0f : KVQ_EXP(mls[0] - top);
+                    const float* mls = ml + (((int64_t)bh * NS + nsplit + lane) * R + r) * 2;
+                    const float m = __ldcg(mls);
+                    const float w = m == -KVQ_INF ? 0.0f : KVQ_EXP(m - top);
                     w_s[r * WS + nsplit + lane] = w;
-                    tot += w * mls[1];
+                    tot += w * __ldcg(mls + 1);
                 }
 #pragma unroll
                 for (int off = 16; off > 0; off >>= 1) tot += KVQ_SHFL_XOR(tot, off);
@@ -392,7 +429,7 @@
             // weighted sum of the splits' outputs (read from L2: other blocks wrote them), into q_s
             for (int o = tid; o < R * D; o += THREADS) {
                 const int r = o / D;
-                const float* ps = part + ((int64_t)bh * nsplit * R + r) * D + (o - r * D);
+                const float* ps = part + ((int64_t)bh * NS * R + r) * D + (o - r * D);
                 float a0 = 0.0f, a1 = 0.0f;
                 int s2 = 0;
 #pragma unroll 4
@@ -411,8 +448,8 @@
                 const int j = o - r * D;
                 float v = ROT ? q_s[o] * signs[j] * rs : q_s[o];
 #pragma unroll
-                for (int d = 0; d < ND; ++d) v += w_s[r * WS + nsplit + d] * partd[((int64_t)(bh * ND + d) * R + r) * D + j];
-                if (j < DV) fout[((int64_t)bh * R + r) * DV + j] = v / rtot_s[r];
+                for (int d = 0; d < ND; ++d) v += w_s[r * WS + nsplit + d] * __ldcg(part + (((int64_t)bh * NS + nsplit + d) * R + r) * D + j);
+                if (j < DV) kvq_store(fout + ((int64_t)bh * R + r) * DV + j, v / rtot_s[r]);
             }
             if (tid < R) lse[bh * R + tid] = rtop_s[tid] + KVQ_LOG(rtot_s[tid]);
         }

@@ -1,9 +1,19 @@
 // decode_attend_tc.cuh: the header decode_attend_tc.cu is built with: inline-PTX helpers (mma.sync, movmatrix,
 // conversions to half2, prmt, funnel shift, ex2), the row loader of uncompressed tokens, the bit-field and
 // table-lookup macros, and the macros that write each step of one side once for both (keys K, k and values V, v):
-// KVQ_FILL_TABLE, KVQ_LOAD_CODES, KVQ_SLICE_WORDS, KVQ_DECODE_PAIR.
+// KVQ_FILL_TABLE, KVQ_LOAD_CODES, KVQ_SLICE_WORDS, KVQ_DECODE_PAIR; the tag that picks a block's role (kvq_role)
+// and the store of the output in its dtype (kvq_store).
 // Used by: decode_attend_tc.cu (its header, loaded with it by kvq_metal.attend_tc)
 
+// a block's role, as a type: the kernel body is one generic lambda instantiated for compressed tokens
+// (kvq_role<false>) and for uncompressed ones (kvq_role<true>), so both share the block's static shared memory
+template <bool B>
+struct kvq_role {
+    static constexpr bool value = B;
+};
+// the output in its own dtype (float, __half or __nv_bfloat16: each converts from float)
+template <typename T>
+__device__ __forceinline__ void kvq_store(T* p, const float v) { *p = static_cast<T>(v); }
 __device__ __forceinline__ void kvq_mma(float (&d)[4], uint a0, uint a1, uint a2, uint a3, uint b0, uint b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                  "{%0,%1,%2,%3};\n"
