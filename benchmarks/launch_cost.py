@@ -30,7 +30,7 @@ import time
 import mlx.core as mx
 
 BODY = """
-    uint i = blockIdx.x * blockDim.x + threadIdx.x;
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < inp_shape[0]) out[i] = inp[i] + 1.0f;
 """
 
@@ -112,7 +112,7 @@ def main() -> None:
         path = os.path.join(tmp, "lc_inc.cuh")
         with open(path, "w") as f:
             f.write("__device__ inline float lc_twice(float v) { return 2.0f * v; }\n")
-        src = ("    uint i = blockIdx.x * blockDim.x + threadIdx.x;\n"
+        src = ("    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;\n"
                "    if (i < inp_shape[0]) out[i] = lc_twice(inp[i]);\n")
         try:
             kern = mx.fast.cuda_kernel(name="lc_include", input_names=["inp"], output_names=["out"], source=src,
