@@ -24,7 +24,8 @@ the Hadamard rotation and writes the output: no merge launch (flash-decoding's c
 
 Memory: each lane has its own copy of a code table where static shared memory allows (no bank conflicts;
 :func:`kvq_metal.attend.table_layout`), looked up by byte offset (one shift-add per lookup), and aligned rows of
-codes are read with 128/64-bit loads. The launch over a cache's uncompressed sinks and window (``DENSE``) reads
+codes are read with 128/64-bit loads. The blocks of the same launch that attend a cache's uncompressed sinks and
+window (``ND = 2``: the kernel body is instantiated once per role, sharing the block's shared memory) read
 float16/bfloat16 rows the same way. Measured with Nsight Compute on an H200:
 ``benchmarks/results/kernels/README.md``.
 
