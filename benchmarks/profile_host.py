@@ -6,7 +6,8 @@ shape: for each method string it fills every layer's cache to ``--context`` toke
 
 1. times ``--steps`` pipelined steps (ms/token, as ``kvq bench e2e``),
 2. times the graph building alone (``model(y, cache=...)`` with nothing evaluated inside the timer), and
-3. with ``--profile``, runs cProfile over the building of ``--steps`` steps and prints the top functions.
+3. with ``--profile``, runs cProfile over the building of ``--steps`` steps and prints the top functions,
+4. with ``--flush-steps N``, N steps evaluated one at a time, the window-flush steps timed apart from the others.
 
     python benchmarks/profile_host.py --model random:llama3-8b --context 4096 \
         --methods fp16,affine:4,turboquant:4 --out host.json [--profile]
@@ -48,6 +49,30 @@ def build_seconds(model, caches, steps: int, evals: list | None = None) -> list[
     return times
 
 
+def flush_report(model, caches, steps: int) -> dict:
+    """``steps`` decode steps evaluated one at a time: median build and evaluation milliseconds of the steps that
+    flush a kvq cache's window (the first layer's compressed token count changes) and of the others."""
+    first = caches[0]
+    y, rows = mx.array([[1]]), []
+    for _ in range(steps):
+        before = getattr(getattr(first, "compressed_keys", None), "length", None)
+        tic = time.perf_counter()
+        logits = model(y, cache=caches)
+        built = time.perf_counter()
+        y = mx.argmax(logits[:, -1:, :], axis=-1)
+        mx.eval(y)
+        done = time.perf_counter()
+        flushed = before is not None and first.compressed_keys.length != before
+        rows.append((flushed, built - tic, done - built))
+    out = {}
+    for kind, flag in (("flush", True), ("other", False)):
+        sel = [r for r in rows if r[0] == flag]
+        if sel:
+            out[kind] = {"steps": len(sel), "build_ms_median": 1e3 * float(np.median([r[1] for r in sel])),
+                         "eval_ms_median": 1e3 * float(np.median([r[2] for r in sel]))}
+    return out
+
+
 def captured_step(model, caches) -> bool:
     """One decode step between the CUDA driver's cuProfilerStart and cuProfilerStop (so ``ncu
     --profile-from-start off`` sees only its launches); False where the driver library is not found."""
@@ -78,6 +103,8 @@ def main() -> None:
     p.add_argument("--capture", action="store_true",
                    help="after the timings, run one more step between cuProfilerStart/Stop "
                         "(for ncu --profile-from-start off)")
+    p.add_argument("--flush-steps", type=int, default=0,
+                   help="then this many steps evaluated one at a time, flush steps timed apart (build, evaluation)")
     p.add_argument("--out", default="host.json")
     args = p.parse_args()
 
@@ -111,6 +138,8 @@ def main() -> None:
             stats.sort_stats("cumulative").print_stats(40)
             row["profile"] = text.getvalue()
             print(text.getvalue())
+        if args.flush_steps:
+            row["flush_report"] = flush_report(model, caches, args.flush_steps)
         if args.capture:
             row["captured"] = captured_step(model, caches)
         rows.append(row)
