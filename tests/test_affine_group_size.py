@@ -85,14 +85,14 @@ def test_a_cache_stores_the_group_size_it_used(head_dim, group_size, tmp_path):
     writes, hold the concrete group size, and a file saved with group_size 64 (every file before the automatic
     choice) loads and matches the default parameters."""
     model = tiny_llama(hidden=4 * head_dim, heads=4, kv_heads=2, head_dim=head_dim)
-    cache = kvq.make_prompt_cache(model, "affine", bits=4, sinks=2, window=8)
+    cache = kvq.make_prompt_cache(model, "affine", bits=4, sinks=2, window=8, flush=1)
     model(mx.arange(40)[None], cache=cache)
     assert cache[0].compressed_keys.length == 40 - 2 - 8
     assert cache[0].config.key_params == AffineParams(bits=4, group_size=group_size)
     assert json.loads(cache[0].state["config"])["key_params"] == {"bits": 4, "group_size": group_size}
     file = str(tmp_path / "cache.safetensors")
     mlx_cache.save_prompt_cache(file, cache)
-    loaded = kvq.load_prompt_cache(file, **({"expect": make_config("affine", bits=4, sinks=2, window=8)}
+    loaded = kvq.load_prompt_cache(file, **({"expect": make_config("affine", bits=4, sinks=2, window=8, flush=1)}
                                             if group_size == 64 else {}))
     assert loaded[0].config.key_params == AffineParams(bits=4, group_size=group_size)
     step = mx.array([[7]])

@@ -55,13 +55,13 @@ def test_affine_matches_mlx_lm_quantized_cache_numerics(llama_model):
     forced = mx.arange(32) * 5 % 256
     ref = logits_run(llama_model, [mlx_cache.QuantizedKVCache(64, 4) for _ in llama_model.layers], chunk=50,
                      forced=forced)
-    ours = logits_run(llama_model, make_prompt_cache(llama_model, "affine", bits=4, sinks=0, window=0), chunk=50,
+    ours = logits_run(llama_model, make_prompt_cache(llama_model, "affine", bits=4, sinks=0, window=0, flush=1), chunk=50,
                       forced=forced)
     assert mx.allclose(ours, ref, atol=5e-2, rtol=1e-2).item(), mx.abs(ours - ref).max()
 
 
 def test_layout_and_no_fp16_copy_of_compressed_tokens(llama_model):
-    cache = make_prompt_cache(llama_model, "affine", bits=4, sinks=4, window=32)
+    cache = make_prompt_cache(llama_model, "affine", bits=4, sinks=4, window=32, flush=1)
     logits_run(llama_model, cache, chunk=50, steps=3)
     layer = cache[0]
     assert layer.offset == 203 and layer.sink_keys.shape[2] == 4 and layer.window_keys.shape[2] == 32
@@ -233,7 +233,7 @@ def test_plugin_methods_through_the_cache(llama_model, kwargs):
     storage that is smaller than fp16, logits close to the fp16 cache's (teacher forced on the same tokens)."""
     forced = mx.arange(8) * 11 % 256
     ref = logits_run(llama_model, make_prompt_cache(llama_model, "fp16", window=8), chunk=64, steps=8, forced=forced)
-    cache = make_prompt_cache(llama_model, window=8, **kwargs)
+    cache = make_prompt_cache(llama_model, window=8, flush=1, **kwargs)
     ours = logits_run(llama_model, cache, chunk=64, steps=8, forced=forced)
     layer = cache[0]
     # tokens leave the window in blocks of flush_tokens (QJL: its 32-token outlier groups, so 192 of 196)
@@ -254,7 +254,7 @@ def test_decode_uses_one_fused_attend_call_over_all_parts(monkeypatch):
     from kvq.attention import dense_attend, merge_parts
     from kvq.plugins import registry
 
-    config = make_config("affine", bits=4, group_size=32, sinks=4, window=16)
+    config = make_config("affine", bits=4, group_size=32, sinks=4, window=16, flush=1)
     reference, cache = KVQCache(config), KVQCache(config)
     k = mx.random.normal((1, 2, 60, 64), key=mx.random.key(0)).astype(mx.float16)
     v = mx.random.normal((1, 2, 60, 64), key=mx.random.key(1)).astype(mx.float16)
@@ -397,7 +397,7 @@ def test_a_plugin_with_only_quantize_and_dequantize_serves_the_cache(llama_model
         example.kvq_register(registered)
     forced = mx.arange(8) * 11 % 256
     ref = logits_run(llama_model, make_prompt_cache(llama_model, "fp16", window=8), chunk=64, steps=8, forced=forced)
-    cache = make_prompt_cache(llama_model, "absmax8", sinks=0, window=0)
+    cache = make_prompt_cache(llama_model, "absmax8", sinks=0, window=0, flush=1)
     ours = logits_run(llama_model, cache, chunk=64, steps=8, forced=forced)
     assert cache[0].compressed_keys.length == PROMPT.size + 8 and "codes" in cache[0].compressed_keys.data
     rel = (mx.linalg.norm(ours - ref) / mx.linalg.norm(ref)).item()

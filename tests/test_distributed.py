@@ -346,10 +346,11 @@ def test_serve_answers_with_kvq_caches(tiny_folder, served_ids, ranks):
 # -- in one process: the keys attribute, the KV-head check, VecInfer's head slices ---------------------------------
 
 def filled_cache(sinks: int, window: int, tokens: int = 10):
-    """An affine 4-bit KVQCache holding ``tokens`` random tokens of ``[1, 2, T, 64]``."""
+    """An affine 4-bit KVQCache (tokens leave the window one at a time) holding ``tokens`` random tokens of
+    ``[1, 2, T, 64]``."""
     from kvq.cache import KVQCache, make_config
 
-    cache = KVQCache(make_config("affine", bits=4, sinks=sinks, window=window, step=8))
+    cache = KVQCache(make_config("affine", bits=4, sinks=sinks, window=window, step=8, flush=1))
     cache.update_and_fetch(mx.random.normal((1, 2, tokens, 64)), mx.random.normal((1, 2, tokens, 64)))
     return cache
 

@@ -27,7 +27,8 @@ from kvq.evaluation.spec import bits_per_coordinate, split_methods
      ("turboquant", {"bits": 3, "rotation": "qr"}), {}),
     ("qjl[sketch_dim=128,outlier_channels=0]+affine:4", ("qjl", {"sketch_dim": 128, "outlier_channels": 0}),
      ("affine", {"bits": 4}), {}),
-    ("affine:8[sinks=0,window=0]", ("affine", {"bits": 8}), ("affine", {"bits": 8}), {"sinks": 0, "window": 0}),
+    ("affine:8[sinks=0,window=0,flush=1]", ("affine", {"bits": 8}), ("affine", {"bits": 8}),
+     {"sinks": 0, "window": 0, "flush": 1}),
     ("mlx-affine:4[group_size=32]", ("mlx-affine", {"bits": 4, "group_size": 32}),
      ("mlx-affine", {"bits": 4, "group_size": 32}), {}),
 ])
@@ -189,7 +190,8 @@ def test_dequantized_attention_equals_mlx_lm_quantized_attention():
 
 @pytest.mark.slow
 def test_small_evaluation_on_the_default_model(tmp_path, capsys):
-    """512 tokens of context, 64 scored, 1 window: fp16, kvq affine 8-bit (no sinks/window), mlx-lm's own.
+    """512 tokens of context, 64 scored, 1 window: fp16, kvq affine 8-bit (no sinks/window, every token compressed
+    as it arrives: flush 1), mlx-lm's own.
 
     Why kvq affine:8 and mlx-affine:8 agree to 1e-2 here, not 1e-3: quantization is discontinuous, so float-order
     differences of ~1e-7 in the first layers' attention (kvq's blockwise softmax vs mx.fast) flip codes at rounding
@@ -199,13 +201,13 @@ def test_small_evaluation_on_the_default_model(tmp_path, capsys):
     codes differ from mlx-lm's); that changes the per-layer attention error by about 1.5%.
     """
     out = tmp_path / "eval.json"
-    args = ["eval", "--methods", "fp16,affine:8[sinks=0,window=0],mlx-affine:8", "--context", "512",
+    args = ["eval", "--methods", "fp16,affine:8[sinks=0,window=0,flush=1],mlx-affine:8", "--context", "512",
             "--score-tokens", "64", "--windows", "1", "--needle-depths", "none", "--no-progress",
             "--json", str(out), "--plot", str(tmp_path / "eval.png"), "--markdown", str(tmp_path / "eval.md")]
     assert main(args) == 0
     assert "| fp16 | 16 (16) |" in capsys.readouterr().out
     rows = {r["method"]: r for r in json.loads(out.read_text())["runs"][0]["rows"]}
-    fp16, kvq8, mlx8 = rows["fp16"], rows["affine:8[sinks=0,window=0]"], rows["mlx-affine:8"]
+    fp16, kvq8, mlx8 = rows["fp16"], rows["affine:8[sinks=0,window=0,flush=1]"], rows["mlx-affine:8"]
     assert fp16["ppl_change"] == 0.0 and fp16["kl"] == 0.0 and fp16["top1_agreement"] == 1.0
     assert 1 < fp16["ppl"] < 100
     assert kvq8["kl"] < 0.01 and mlx8["kl"] < 0.01

@@ -134,8 +134,8 @@ def test_ordinary_keys_short_blocks_and_8_bit_keys_are_left_alone():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert filled("turboquant", keys, values, bits=3).config.key_params.method == "turboquant"
-        # a first block shorter than MIN_TOKENS (window 0, flush 1) says nothing about offsets: not checked
-        short = filled("turboquant", swinging, values, bits=4, window=MIN_TOKENS - 2)
+        # a first block shorter than MIN_TOKENS (window + flush tokens) says nothing about offsets: not checked
+        short = filled("turboquant", swinging, values, bits=4, window=MIN_TOKENS - 2, flush=1)
         assert short.config.key_params.method == "turboquant" and short.key_mean is None
         eight = filled("affine", swinging, values, bits=8)
         assert eight.config.key_params.bits == 8 and eight.key_mean is None

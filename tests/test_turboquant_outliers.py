@@ -190,7 +190,7 @@ def test_fit_once_unfitted_for_heads_and_json_round_trip():
 
 # -- through the cache, on the tiny random llama --------------------------------------------------------------
 def test_through_the_cache_fitted_once_per_layer_saved_and_reproducible(llama_model, tmp_path):
-    kwargs = dict(bits=2, outlier_bits=3, outlier_channels=16, outlier_select="data", window=8)
+    kwargs = dict(bits=2, outlier_bits=3, outlier_channels=16, outlier_select="data", window=8, flush=1)
     forced = mx.arange(6) * 11 % 256
     fp16 = make_prompt_cache(llama_model, "fp16", window=8)
     ref = logits_run(llama_model, fp16, chunk=64, steps=6, forced=forced)

@@ -279,7 +279,8 @@ def test_through_the_cache_on_the_tiny_llama(llama_model, tmp_path):
     ref = logits_run(llama_model, make_prompt_cache(llama_model, "fp16", window=8), chunk=64, steps=8, forced=forced)
     errors = {}
     for bits, residual_bits in ((1, 1), (2, 2)):
-        cache = make_prompt_cache(llama_model, "turboquant_rvq", bits=bits, residual_bits=residual_bits, window=8)
+        cache = make_prompt_cache(llama_model, "turboquant_rvq", bits=bits, residual_bits=residual_bits, window=8,
+                                  flush=1)
         ours = logits_run(llama_model, cache, chunk=64, steps=8, forced=forced)
         layer = cache[0]
         assert layer.compressed_keys.length == PROMPT.size + 8 - 4 - 8

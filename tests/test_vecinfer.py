@@ -318,7 +318,7 @@ def test_cache_binds_layers_generates_and_round_trips(tmp_path):
     recording = record(model, rng.integers(0, 256, 2048).tolist(), seq_len=256, progress=False)
     settings = [VecInferParams(role=r, code_bits=6) for r in ("keys", "values")]
     calibrate(recording, "tiny", settings, FAST, progress=False)
-    cache = kvq.make_prompt_cache(model, "vecinfer", model_id="tiny", code_bits=6, sinks=2, window=16)
+    cache = kvq.make_prompt_cache(model, "vecinfer", model_id="tiny", code_bits=6, sinks=2, window=16, flush=1)
     assert [(c.config.key_params.layer, c.config.value_params.layer) for c in cache] == [(0, 0), (1, 1)]
     assert {c.config.value_params.role for c in cache} == {"values"}
     prompt = mx.array(rng.integers(0, 256, 100).tolist())[None]

@@ -47,7 +47,7 @@ def _params(method: str | None, overrides: dict | None, shared: dict, side: str)
 
 def make_config(method: str | None = "affine", *, key_method: str | None = None, value_method: str | None = None,
                 key_params: dict | None = None, value_params: dict | None = None, sinks: int = 4,
-                window: int = 128, step: int = 256, kernels: str = "auto", flush: int = 1,
+                window: int = 128, step: int = 256, kernels: str = "auto", flush: int = 32,
                 outlier_layers: str = "upgrade", **params: Any) -> CacheConfig:
     """A validated :class:`CacheConfig`.
 
@@ -55,7 +55,7 @@ def make_config(method: str | None = "affine", *, key_method: str | None = None,
     :param key_params: parameters for the keys only (merged over ``params``); ``value_params`` likewise.
     :param params: parameters shared by both sides (``bits=4``).
     :param kernels: ``"auto"``, ``"require"`` or ``"off"`` (see :class:`CacheConfig`).
-    :param flush: tokens leave the residual window in blocks of ``flush`` (see :class:`CacheConfig`).
+    :param flush: tokens leave the residual window in blocks of ``flush`` (default 32; see :class:`CacheConfig`).
     :param outlier_layers: ``"upgrade"`` (default), ``"warn"`` or ``"off"``: layers whose keys show outlier
         channels low-bit keys cannot hold (:mod:`kvq.cache.guard`) are stored at 8 bits with a warning, only
         warned about, or left alone.

@@ -41,10 +41,12 @@ class CacheConfig:
     :param sinks: first tokens kept uncompressed (>= 0; default 4).
     :param window: most recent tokens kept uncompressed (>= 0; default 128).
     :param step: tokens per allocation step of the compressed store.
-    :param flush: tokens leave the window for the compressed store in blocks of ``flush`` (>= 1; default 1):
-        the window then holds ``window`` to ``window + flush - 1`` tokens. 1 compresses one token per decode
-        step; a block (KIVI's residual, arXiv 2402.02750, flushes whole groups) quantizes once every ``flush``
-        steps, so a decode step is an append, which matters where every op has a launch cost (MLX on a GPU).
+    :param flush: tokens leave the window for the compressed store in blocks of ``flush`` (>= 1; default 32):
+        the window then holds ``window`` to ``window + flush - 1`` tokens. A block (KIVI's residual, arXiv
+        2402.02750, flushes whole groups) quantizes once every ``flush`` steps, so a decode step is an append and
+        one launch; a step that compresses costs several times more on the host (on an H200 at 32K: 14 ms of
+        graph building against 4, ``benchmarks/results/host/README.md``). 1 compresses one token every decode
+        step (the window then holds exactly ``window`` tokens).
     :param kernels: ``"auto"`` (default), ``"require"`` or ``"off"`` (:data:`kvq.select.KERNELS`): which
         implementations the cache's hot path may use. ``require``: attention must run in a kernel (checked by
         :func:`kvq.make_prompt_cache` at construction) and quantize runs in a kernel wherever the method has
@@ -65,7 +67,7 @@ class CacheConfig:
     window: int = attrs.field(default=128)
     step: int = attrs.field(default=256)
     kernels: str = attrs.field(default="auto", validator=lambda i, a, v: check_kernels(v))
-    flush: int = attrs.field(default=1)
+    flush: int = attrs.field(default=32)
     outlier_layers: str = attrs.field(default="upgrade", validator=lambda i, a, v: check_policy(v))
     layer: int | None = attrs.field(default=None, eq=False)
     outlier_layer: bool = attrs.field(default=False)

@@ -7,13 +7,14 @@ Grammar (``METHODS`` is what ``--methods`` takes; commas inside ``[...]`` do not
     SIDE    := NAME [ ":" BITS ] [ "[" OPTIONS "]" ]
     BITS    := INT | "k" INT "v" INT         affine:k8v4 = keys 8-bit, values 4-bit (one NAME only)
     OPTIONS := KEY "=" VALUE { "," KEY "=" VALUE }
-                                            method parameters (qjl[sketch_dim=64]); sinks= and window=
-                                            set the cache's uncompressed first/last tokens instead
+                                            method parameters (qjl[sketch_dim=64]); sinks=, window= and
+                                            flush= set the cache's uncompressed first/last tokens and
+                                            its flush block (kvq.cache.CacheConfig) instead
     NAME    := an installed method (fp16, affine, turboquant, ...) or mlx-affine: mlx-lm's own
                QuantizedKVCache (group_size 64 unless given), a baseline with no sinks and no window
 
 Examples: ``fp16``, ``affine:4``, ``affine:k8v4``, ``turboquant:3[rotation=qr]``, ``qjl[sketch_dim=128]+affine:4``,
-``affine:8[sinks=0,window=0]``, ``mlx-affine:4[group_size=32]``.
+``affine:8[sinks=0,window=0,flush=1]``, ``mlx-affine:4[group_size=32]``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import attrs
 MLX_AFFINE = "mlx-affine"
 MLX_BITS = (2, 3, 4, 5, 6, 8)
 MLX_GROUP_SIZES = (32, 64, 128)
-CACHE_OPTIONS = ("sinks", "window")
+CACHE_OPTIONS = ("sinks", "window", "flush")
 #: The parameter naming the calibrated model, in a method that declares a calibration (``kvq.Method(calibrate=)``):
 #: the name ``kvq calibrate --model-id`` and the calibration module's ``run(model_id=)`` give it too.
 MODEL_ID = "model_id"
@@ -45,7 +46,7 @@ class MethodSpec:
     :param value_method: method of the values.
     :param key_params: keyword parameters of the keys' method (``{"bits": 4}``).
     :param value_params: keyword parameters of the values' method.
-    :param cache_options: ``sinks``/``window`` overrides of the run's defaults (kvq caches only).
+    :param cache_options: ``sinks``/``window``/``flush`` overrides of the run's defaults (kvq caches only).
     """
 
     label: str
