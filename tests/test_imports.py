@@ -10,7 +10,7 @@ depends on) but not for the layers and cycles of modules, which are about what r
 Layers of ``kvq`` (:data:`LAYERS`), lowest first; a module may import its own layer and those below, never above:
 
 - contract: the contract's Protocols, hook specs, method declarations, Encoded, Problem and the device,
-  validation, packing, cost model, attention helpers, text data, install hints;
+  validation, packing, cost model, attention helpers, text data, install hints, the cache folder (kvq.paths);
 - registry: kvq.plugins (entry points), kvq.tuning (stored autotune crossovers), kvq.provenance;
 - selection: kvq.select;
 - runtime: the baselines and the mlx-lm cache;
@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS = {
     "contract": ("kvq.contract", "kvq.hookspecs", "kvq.methods", "kvq.encoded", "kvq.problem", "kvq.validate",
-                 "kvq.packing", "kvq.costmodel", "kvq.attention", "kvq.textdata", "kvq.install_hints"),
+                 "kvq.packing", "kvq.costmodel", "kvq.attention", "kvq.textdata", "kvq.install_hints", "kvq.paths"),
     "registry": ("kvq.plugins", "kvq.tuning", "kvq.provenance"),
     "selection": ("kvq.select",),
     "runtime": ("kvq.baselines", "kvq.cache"),

@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import platformdirs
 
 from .contract import ForHeadDim, optional_hook
+from .paths import cache_root
 from .problem import device_kind, device_name
 
 FORMAT = "kvq-autotune/1"
@@ -149,8 +149,7 @@ def problem_size(problem) -> int:
 
 def cache_dir() -> Path:
     """``$KVQ_CACHE_DIR/autotune``, else ``platformdirs.user_cache_dir("kvq")/autotune`` (not created here)."""
-    root = os.environ.get("KVQ_CACHE_DIR")
-    return (Path(root).expanduser() if root else Path(platformdirs.user_cache_dir("kvq"))) / "autotune"
+    return cache_root() / "autotune"
 
 
 def identity(device: Any = None) -> dict:

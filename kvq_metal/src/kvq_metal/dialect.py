@@ -51,7 +51,8 @@ from pathlib import Path
 from typing import Sequence
 
 import mlx.core as mx
-import platformdirs
+
+from kvq.paths import cache_root
 
 BACKENDS = ("metal", "cuda")
 
@@ -197,10 +198,9 @@ class Kernel:
 
 
 def kernel_dir() -> Path:
-    """Where kernel texts are written for NVRTC to include: ``$KVQ_CACHE_DIR/kernels``, else platformdirs' user
-    cache dir for kvq (``kernels/``). Files are named by a hash of their text, so they never go stale."""
-    root = os.environ.get("KVQ_CACHE_DIR")
-    return (Path(root).expanduser() if root else Path(platformdirs.user_cache_dir("kvq"))) / "kernels"
+    """Where kernel texts are written for NVRTC to include: ``kernels/`` under kvq's cache folder
+    (:func:`kvq.paths.cache_root`). Files are named by a hash of their text, so they never go stale."""
+    return cache_root() / "kernels"
 
 
 def _write_once(path: Path, text: str) -> None:

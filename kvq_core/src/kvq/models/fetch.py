@@ -20,8 +20,8 @@ import zipfile
 from pathlib import Path
 
 import attrs
-import platformdirs
 
+from ..paths import cache_root
 from . import ModelError
 
 
@@ -80,8 +80,7 @@ def cache_dir() -> Path:
     Returns:
         The folder (not created here).
     """
-    override = os.environ.get("KVQ_CACHE_DIR")
-    return Path(override).expanduser() if override else Path(platformdirs.user_cache_dir("kvq"))
+    return cache_root()
 
 
 def models_dir() -> Path:
