@@ -321,9 +321,9 @@ def _dense_key(sink_keys, sink_values, window_keys, window_values) -> tuple[bool
 
 
 def _plan_for(queries_shape, scale: float, keys: Side, values: Side, backend: str, rot: bool, out_dim: int | None,
-              dense_key) -> tuple[LaunchPlan, int, int, int]:
-    """The :class:`LaunchPlan` of a call and ``(D, T, out_dim)``, after checking the shapes (errors as
-    :func:`decode_attend`)."""
+              dense_key) -> tuple[LaunchPlan, int, int, int, int]:
+    """The :class:`LaunchPlan` of a call and ``(D, T, R, out_dim)`` (``R`` query rows per KV head), after checking
+    the shapes (errors as :func:`decode_attend`)."""
     B, Hq, Tq, Dq = queries_shape
     _, H, T, words = keys.codes.shape
     D = words * 32 // keys.bits
@@ -336,7 +336,7 @@ def _plan_for(queries_shape, scale: float, keys: Side, values: Side, backend: st
     plan = _launch_plan(D, R, keys.bits, values.bits, keys.group, values.group, keys.biases is not None,
                         values.biases is not None, keys.bits2, values.bits2, rot, float_bits(float(scale)), out_dim,
                         keys.table is values.table, dense_key, backend, tuple(TUNING.items()))
-    return plan, D, T, out_dim
+    return plan, D, T, R, out_dim
 
 
 def _code_inputs(keys: Side, values: Side, signs: mx.array) -> list:
@@ -348,20 +348,25 @@ def _code_inputs(keys: Side, values: Side, signs: mx.array) -> list:
             values.scales, values.scales if values.biases is None else values.biases, values.table]
 
 
-def _tc_grid(plan: LaunchPlan, B: int, H: int, T: int, backend: str) -> tuple[int, int, int]:
-    """The tensor-core launch's grid (in threads): ``B * H`` rows of splits of the compressed tokens, plus the
-    plan's blocks of uncompressed tokens."""
+def _tc_geometry(plan: LaunchPlan, queries_shape, H: int, T: int, D: int, R: int, out_dim: int, backend: str,
+                 out_dtype) -> tuple[tuple, list, list]:
+    """``(grid, output shapes, output dtypes)`` of a tensor-core launch (:data:`TC_OUTPUTS`): the grid (in threads)
+    holds ``B * H`` rows of splits of the compressed tokens plus the plan's blocks of uncompressed tokens; the
+    output is written as ``[B, H_q, T_q, out_dim]`` (the kernel's row order, bh * R + r, is that layout) in
+    ``out_dtype``."""
+    B, Hq, Tq, _ = queries_shape
     splits = splits_for(B * H, T, backend, plan.tile, min(TUNING["tc_groups"], plan.limit * B * H))
-    return THREADS * B * H, splits + plan.nd, 1
-
-
-def _tc_outputs(plan: LaunchPlan, grid, B: int, H: int, Hq: int, Tq: int, R: int, D: int, out_dim: int,
-                out_dtype) -> tuple[list, list]:
-    """Output shapes and dtypes of a tensor-core launch (:data:`TC_OUTPUTS`): the output is written as
-    ``[B, H_q, T_q, out_dim]`` (the kernel's row order, bh * R + r, is that layout) in ``out_dtype``."""
-    blocks = grid[1]
-    return ([(B, H, blocks, R, D), (B, H, blocks, R, 2), (B, Hq, Tq, out_dim), (B, Hq, Tq), (B * H,)],
+    blocks = splits + plan.nd
+    return ((THREADS * B * H, blocks, 1),
+            [(B, H, blocks, R, D), (B, H, blocks, R, 2), (B, Hq, Tq, out_dim), (B, Hq, Tq), (B * H,)],
             [mx.float32, mx.float32, out_dtype, mx.float32, mx.int32])
+
+
+def _dense_inputs(window_keys, window_values, sink_keys, sink_values) -> list:
+    """The tensor-core kernel's ``wk, wv, sk, sv`` inputs; without sinks the window's arrays stand in for them
+    (``SINKS`` is false: never read)."""
+    sinks = [window_keys, window_values] if sink_keys is None else [sink_keys, sink_values]
+    return [window_keys, window_values, *sinks]
 
 
 def decode_attend(queries: mx.array, scale: float, keys: Side, values: Side, backend: str, *,
@@ -395,21 +400,18 @@ def decode_attend(queries: mx.array, scale: float, keys: Side, values: Side, bac
                                                       dense.window_values)
     rot = signs is not None
     signs = signs if rot else _constant((0.0,), mx.float32)
-    plan, D, T, out_dim = _plan_for(queries.shape, scale, keys, values, backend, rot, out_dim, dense_key)
-    R = Hq // H * Tq
+    plan, D, T, R, out_dim = _plan_for(queries.shape, scale, keys, values, backend, rot, out_dim, dense_key)
     args = [queries, *_code_inputs(keys, values, signs)]
 
     if plan.tc:
-        grid = _tc_grid(plan, B, H, T, backend)
+        grid, shapes, dtypes = _tc_geometry(plan, queries.shape, H, T, D, R, out_dim, backend, mx.float32)
         kern = attend_tc.DECODE_ATTEND_TC.kernel(backend, TC_INPUTS, TC_OUTPUTS, ensure_row_contiguous=False)
         if dense is None:  # placeholders of one dtype: the uncompressed blocks' code is compiled, never run
             pad = _constant((0.0,), mx.float16)
-            wk = wv = sk = sv = pad
+            tokens = [pad, pad, pad, pad]
         else:
-            wk, wv = dense.window_keys, dense.window_values
-            sk, sv = (wk, wv) if dense.sink_keys is None else (dense.sink_keys, dense.sink_values)
-        shapes, dtypes = _tc_outputs(plan, grid, B, H, Hq, Tq, R, D, out_dim, mx.float32)
-        outs = kern(inputs=args + [_zero_counters(B * H, backend), wk, wv, sk, sv], template=plan.template,
+            tokens = _dense_inputs(dense.window_keys, dense.window_values, dense.sink_keys, dense.sink_values)
+        outs = kern(inputs=args + [_zero_counters(B * H, backend), *tokens], template=plan.template,
                     grid=grid, threadgroup=(THREADS, 1, 1), output_shapes=shapes, output_dtypes=dtypes)
         return outs[2], outs[3]
     splits = splits_for(B * H, T, backend, plan.tile)
@@ -465,21 +467,17 @@ def bind_decode(queries: mx.array, scale: float, call: DenseCall, backend: str, 
     :raises ValueError: as :func:`decode_attend` (shapes, sinks and window of different dtypes).
     """
     keys, values = call.keys, call.values
-    B, Hq, Tq, _ = queries.shape
     H = keys.codes.shape[1]
     dense_key = _dense_key(sink_keys, sink_values, window_keys, window_values)
     rot = call.signs is not None
     signs = call.signs if rot else _constant((0.0,), mx.float32)
-    plan, D, T, out_dim = _plan_for(queries.shape, scale, keys, values, backend, rot, call.out_dim, dense_key)
+    plan, D, T, R, out_dim = _plan_for(queries.shape, scale, keys, values, backend, rot, call.out_dim, dense_key)
     if not plan.tc:
         return None
-    R = Hq // H * Tq
     codes = _code_inputs(keys, values, signs)
-    sinks = [window_keys, window_values] if sink_keys is None else [sink_keys, sink_values]
-    counter = _zero_counters(B * H, backend)
-    grid = _tc_grid(plan, B, H, T, backend)
-    shapes, dtypes = _tc_outputs(plan, grid, B, H, Hq, Tq, R, D, out_dim, queries.dtype)
+    tokens = _dense_inputs(window_keys, window_values, sink_keys, sink_values)
+    counter = _zero_counters(queries.shape[0] * H, backend)
+    grid, shapes, dtypes = _tc_geometry(plan, queries.shape, H, T, D, R, out_dim, backend, queries.dtype)
     kern = attend_tc.DECODE_ATTEND_TC.kernel(backend, TC_INPUTS, TC_OUTPUTS, ensure_row_contiguous=False)
-    inputs = [queries, *codes, counter, window_keys, window_values, *sinks]
-    raw, template = kern.bound(plan.template, tuple(a.dtype for a in inputs))
-    return DecodeStep(raw, template, grid, codes, sinks, shapes, dtypes, counter)
+    raw, template = kern.bound(plan.template, tuple(a.dtype for a in [queries, *codes, counter, *tokens]))
+    return DecodeStep(raw, template, grid, codes, tokens[2:], shapes, dtypes, counter)
