@@ -6,8 +6,9 @@
 // Inputs kvq_metal.attend.TC_INPUTS; outputs part, ml (per block of a row), fout [B, H_q, T_q, DV] in its own dtype,
 // lse [B, H_q, T_q], cnt [B * H] (zeroed: the split counters of the next launch, kvq_metal.attend.DecodeStep).
 // Template: kvq_metal.attend._tc_template. Header: decode_attend_tc.cuh.
-// Blocks: x = b * H + h; y < nsplit = gridDim.y - ND: split y of the compressed tokens; y = nsplit (ND = 2): the
-// sinks (wk/wv's dtype, sk/sv, none unless SINKS), y = nsplit + 1: the window (wk/wv), read as they are.
+// Blocks: x = b * H + h; with ND = 2, y = 0: the sinks (wk/wv's dtype, sk/sv, none unless SINKS), y = 1: the window
+// (wk/wv), read as they are (slots nsplit, nsplit + 1 of the partial results); y >= ND: split y - ND of the
+// compressed tokens (slot y - ND), nsplit = gridDim.y - ND splits.
 // Threads: THREADS per block; each warp takes NT tiles of 16 tokens per step (1 for uncompressed tokens).
 // Scores: keys are the A operand (lane: 2 tokens g, g + 8, coordinates c * SK ...), the R <= 8 query rows the
 // B operand. Values: V^T is the A operand (lane: 4 tokens, coordinates g * SV ...), the probabilities the B operand.
@@ -74,9 +75,12 @@
 
     // the compressed tokens' splits are whole tiles of TILE tokens (kvq_metal.attend.split_chunk)
     const int bh = KVQ_TG_X;
-    const int split = KVQ_TG_Y;
     const int NS = KVQ_NTG_Y;
     const int nsplit = NS - ND;
+    // the block's slot among its row's NS partial results: slots < nsplit are the compressed tokens' splits, slot
+    // nsplit + d the uncompressed block d. Blocks start in order of blockIdx.y, so the uncompressed blocks (more
+    // bytes per token, fewer tokens) take y < ND and start first instead of trailing in a last wave.
+    const int split = ND > 0 ? (KVQ_TG_Y < ND ? nsplit + KVQ_TG_Y : KVQ_TG_Y - ND) : KVQ_TG_Y;
     const int H = kc_shape[1];
     const int T = kc_shape[2];
     const int b = bh / H;
