@@ -45,16 +45,16 @@ def parse_ncu_csv(text: str) -> list[dict]:
 
 def group_calls(labels: list[dict], launches: list[dict]) -> list[dict]:
     """Each labelled call (``profile_attend.py``'s lines, in order) with its launches and their summed GPU time:
-    fp16 SDPA is one launch; a kvq call runs up to its tensor-core attention kernel (after the counters' launch,
-    or, for a call labelled ``"dense"``, after the tensor-core launch over the uncompressed tokens) or, for the
-    SIMT kernel, up to its merge kernel. Warm-up calls are dropped.
+    fp16 SDPA is one launch; a kvq call runs up to its tensor-core attention kernel (after the counters' launch;
+    a call labelled ``"dense"`` attends the uncompressed tokens in the same launch) or, for the SIMT kernel, up to
+    its merge kernel. Warm-up calls are dropped.
 
     :raises ValueError: fewer launches than the labels need.
     """
     results, i = [], 0
     for label in labels:
         ours = label["method"] != "fp16_sdpa"
-        parts, attends = [], 2 if label.get("dense") else 1
+        parts, attends = [], 1
         while i < len(launches):
             parts.append(launches[i])
             i += 1

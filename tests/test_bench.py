@@ -38,6 +38,9 @@ def test_every_context_and_method_has_a_measured_row(run):
         assert r["latency_ms"]["p10"] <= r["latency_ms"]["median"] <= r["latency_ms"]["p90"]
         assert r["tokens_per_second"] == pytest.approx(1e3 / r["latency_ms"]["mean"])
         assert r["peak_memory_growth"] >= r["kv_bytes"] > 0
+        # each step's host time (building and queueing the next graph) is part of that step's interval
+        host = r["host_ms"]["all"]
+        assert len(host) == 2 and all(0 < h <= t + 1e-3 for h, t in zip(host, r["latency_ms"]["all"]))
     assert [r["cache"] for r in rows[:3]] == ["mlx-lm KVCache", "kvq KVQCache", "kvq KVQCache"]
     assert rows[1]["attend_implementation"] == "affine:mlx"
 
@@ -176,8 +179,8 @@ def test_report_redraws_a_result(run, tmp_path, capsys):
 def test_kernel_durations_groups_each_calls_launches():
     """``benchmarks/kernel_durations.py`` turns ncu's CSV (one row per launch and metric, ns with thousands
     separators) into GPU time per call: fp16 SDPA one launch; a kvq call its counters' launch plus the tensor-core
-    kernel, or the SIMT kernel plus its merge, or (with sinks and a window) two tensor-core launches; warm-up calls
-    dropped."""
+    kernel (also with sinks and a window: one launch attends them), or the SIMT kernel plus its merge; warm-up
+    calls dropped."""
     import importlib.util
     from pathlib import Path
 
@@ -189,7 +192,7 @@ def test_kernel_durations_groups_each_calls_launches():
     launches = [("cudnn_flash_sdpa_kernel", "140,960"), ("kvq_zero_counters_x", "1,568"),
                 ("kvq_decode_attend_tc_x(const __half *)", "123,936"), ("kvq_zero_counters_x", "1,600"),
                 ("kvq_decode_attend_tc_x(const __half *)", "120,000"), ("kvq_decode_attend_x", "256,896"),
-                ("kvq_decode_merge_x", "19,904"), ("kvq_decode_attend_tc_x(const __half *)", "9,000"),
+                ("kvq_decode_merge_x", "19,904"), ("kvq_zero_counters_x", "9,000"),
                 ("kvq_decode_attend_tc_x(const __half *)", "110,000")]
     rows = "".join(f'"{i}","7","{name}","gpu__time_duration.sum","ns","{ns}"\n'
                    f'"{i}","7","{name}","launch__grid_size","","1,024"\n' for i, (name, ns) in enumerate(launches))

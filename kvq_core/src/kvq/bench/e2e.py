@@ -30,7 +30,7 @@ import mlx.core as mx
 from tqdm import tqdm
 
 from ..evaluation.spec import MethodSpec, bits_per_coordinate, checked_with_reference, parse_method, split_methods
-from .fill import RandomKV, ReplayKV, decode, fill, latency_summary, prefill
+from .fill import RandomKV, ReplayKV, decode, fill, host_summary, latency_summary, prefill
 from .measure import error_text, release
 
 #: How caches are brought to the context length.
@@ -252,7 +252,8 @@ class E2EBench:
         bar.set_postfix_str(f"{context} tokens: {spec.label} decode")
         first = int(self.text[context]) if self.text is not None else 1
         mx.reset_peak_memory()
-        seconds, untimed = decode(self.model, caches, first, s.steps, s.warmup)
+        host = []
+        seconds, untimed = decode(self.model, caches, first, s.steps, s.warmup, host)
         peak = mx.get_peak_memory()
         stored = 2 * len(caches) * self.kv_heads * context * self.head_dim
         return {"fill_seconds": fill_seconds,
@@ -260,7 +261,8 @@ class E2EBench:
                 **memory, "resident_bits_per_coordinate": 8 * memory["kv_bytes"] / stored,
                 "peak_memory": peak, "peak_memory_growth": peak - before,
                 "attend_implementation": attend_implementation(caches[0], self.model, s),
-                **latency_summary(seconds), "warmup_ms": [round(t * 1e3, 4) for t in untimed], "error": None}
+                **latency_summary(seconds), "host_ms": host_summary(host),
+                "warmup_ms": [round(t * 1e3, 4) for t in untimed], "error": None}
 
     def _describe(self, spec: MethodSpec, context: int) -> dict:
         s = self.settings

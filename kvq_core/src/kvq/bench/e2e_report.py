@@ -8,19 +8,25 @@ from .output import cache_style, context_axis, header_lines, pyplot, tables_by_c
 
 MIB = 2**20
 COLUMNS = ("method", "cache", "bits/coord (eff.)", "KV MiB (x fp16)", "measured MiB (x fp16)", "decode peak MiB",
-           "ms/token mean, median [p10, p90]", "tokens/s (x fp16)", "attend")
+           "ms/token mean, median [p10, p90]", "host ms/token median", "tokens/s (x fp16)", "attend")
 NOTES = """Columns: bits/coord = stored bits per coordinate of compressed tokens (codes + norms + scales), keys and \
 values averaged; eff. = over the whole context with a kvq cache's sinks and window at 16 bits. KV MiB = the caches' \
 nbytes after the fill (allocated, preallocation included); measured = growth of mx.get_active_memory() from before \
 the caches were made to after the fill; decode peak = mx.get_peak_memory() during decode minus the memory before \
 the caches were made (caches + decode temporaries). ms/token: one greedy token per forward pass, mx.eval each, \
-after the warmup steps; tokens/s = 1 / mean (a kvq cache's window flush, once every flush steps, counts). \
+after the warmup steps; host ms/token = the time Python spent building and queueing a step's graph (a step \
+whose ms/token is about its host time was bound by the host, not the device); tokens/s = 1 / mean (a kvq cache's window flush, once every flush steps, counts). \
 fp16 = mlx-lm's KVCache in the model's dtype; mlx-affine:N = mlx-lm's QuantizedKVCache (kv_bits N, group 64); the \
 others are kvq caches."""
 
 
 def _ratio(value, ratio) -> str:
     return f"{value:.1f}" if ratio is None else f"{value:.1f} ({ratio:.2f})"
+
+
+def _host(r: dict) -> str:
+    host = (r.get("host_ms") or {}).get("median")  # absent from results written before it was measured
+    return "-" if host is None else f"{host:.3g}"
 
 
 def _cells(r: dict) -> list[str]:
@@ -32,7 +38,7 @@ def _cells(r: dict) -> list[str]:
     return head + [_ratio(r["kv_bytes"] / MIB, r["kv_bytes_ratio"]),
                    _ratio(r["active_memory_growth"] / MIB, r["memory_ratio"]),
                    f"{r['peak_memory_growth'] / MIB:.1f}",
-                   f"{lat['mean']:.3g}, {lat['median']:.3g} [{lat['p10']:.3g}, {lat['p90']:.3g}]", speed,
+                   f"{lat['mean']:.3g}, {lat['median']:.3g} [{lat['p10']:.3g}, {lat['p90']:.3g}]", _host(r), speed,
                    r["attend_implementation"] or "mlx-lm"]
 
 

@@ -75,12 +75,16 @@ def fill(caches: list, source: Callable, context: int, chunk: int) -> None:
             mx.eval(cache_arrays(cache))
 
 
-def decode(model, caches: list, token: int, steps: int, warmup: int = 1) -> list[float]:
+def decode(model, caches: list, token: int, steps: int, warmup: int = 1,
+           host: list | None = None) -> tuple[list[float], list[float]]:
     """Greedy decoding from ``token``, pipelined as mlx-lm's ``generate_step`` does it: the graph of the next step
     is built and queued (``mx.async_eval``) while the current one runs, so Python and graph building overlap the
     device's work, as in ``mlx_lm.generate`` and the server. One step more than ``warmup + steps`` runs (the one
     queued last; it is evaluated before returning, so the caches stay consistent).
 
+    :param host: if given, the seconds each timed step spent on the host building and queueing the next step's
+        graph (``model(...)`` + ``mx.async_eval``) are appended to it: a step whose interval is about its host
+        time was bound by the host (Python and graph building), not by the device.
     :return: ``(timed, warmup)``: the ``steps`` timed intervals between consecutive tokens becoming available,
         and the ``warmup`` untimed ones before them, in seconds.
     """
@@ -90,17 +94,20 @@ def decode(model, caches: list, token: int, steps: int, warmup: int = 1) -> list
 
     nxt = step(mx.array([[token]]))
     mx.async_eval(nxt)
-    times = []
+    times, built = [], []
     tic = time.perf_counter()
     for _ in range(warmup + steps):
         y, nxt = nxt, None
         nxt = step(y)
         mx.async_eval(nxt)
+        built.append(time.perf_counter() - tic)
         y.item()
         now = time.perf_counter()
         times.append(now - tic)
         tic = now
     mx.eval(nxt)
+    if host is not None:
+        host.extend(built[warmup:])
     return times[warmup:], times[:warmup]
 
 
@@ -115,3 +122,14 @@ def latency_summary(seconds: list[float]) -> dict:
                            "p90": float(np.percentile(ms, 90)), "mean": float(ms.mean()), "min": float(ms.min()),
                            "max": float(ms.max()), "all": [round(float(x), 4) for x in ms]},
             "tokens_per_second": 1e3 / float(ms.mean())}
+
+
+def host_summary(seconds: list[float]) -> dict:
+    """Host time per decode step (:func:`decode`'s ``host``) in milliseconds: median, p10, p90, mean and every
+    step's (``all``, in the order of ``latency_ms["all"]``); a step bound by the host has an interval close to
+    its host time."""
+    if not seconds:
+        return {"median": None, "p10": None, "p90": None, "mean": None, "all": []}
+    ms = np.array(seconds) * 1e3
+    return {"median": float(np.median(ms)), "p10": float(np.percentile(ms, 10)),
+            "p90": float(np.percentile(ms, 90)), "mean": float(ms.mean()), "all": [round(float(x), 4) for x in ms]}
