@@ -444,9 +444,11 @@ class KVQCache:
         if held_k is not None:
             keys = mx.concatenate([held_k, keys], axis=2)
             values = mx.concatenate([held_v, values], axis=2)
-        # fitted parameters see the tokens a token-by-token run holds at its first compression (no-op after it)
-        first = self.config.window + self._flush
-        self._fit_params(keys[:, :, :first], values[:, :, :first])
+        # fitted parameters see the tokens a token-by-token run holds at its first compression (only then: no
+        # slices are made for a later flush)
+        if not self.compressed_keys.length:
+            first = self.config.window + self._flush
+            self._fit_params(keys[:, :, :first], values[:, :, :first])
         self._compress(keys[:, :, :overflow], values[:, :, :overflow])
         self.window.replace(keys[:, :, overflow:], values[:, :, overflow:])
         return keys, values

@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..encoded import Encoded
-from .store import EncodedStore
+from .store import EncodedStore, write_fields
 
 
 def concat_encoded(first: Encoded | None, second: Encoded | None) -> Encoded | None:
@@ -90,10 +90,7 @@ class RingStore(EncodedStore):
 
     def _write(self, encoded: Encoded, slot: int) -> None:
         """Copy ``encoded``'s tokens into slots ``slot ...`` (in place: a slice assignment per field)."""
-        n = encoded.num_tokens
-        for name, array in encoded.data.items():
-            # mx.array(...) copies: a slice assignment covering a whole array would alias its source
-            self.data[name][:, :, slot : slot + n] = mx.array(array)
+        write_fields(self.data, encoded, slot)
         self._view = None
 
     def ordered(self) -> Encoded | None:

@@ -21,6 +21,19 @@ class _Trimmable:
         return n
 
 
+def write_fields(data: dict[str, mx.array], encoded: Encoded, slot: int) -> None:
+    """Write ``encoded``'s tokens into every field of ``data`` at slots ``slot ...`` along axis 2 (a slice
+    assignment per field). A block that covers a whole field is copied first: a slice assignment covering a whole
+    array would alias its source (and keep alive the larger array it may be a slice of); a partial one writes into
+    the field, so a window flush costs one operation per field, not two."""
+    n = encoded.num_tokens
+    for name, array in encoded.data.items():
+        field = data[name]
+        if n == field.shape[2]:
+            array = mx.array(array)
+        field[:, :, slot : slot + n] = array
+
+
 class EncodedStore(_Trimmable):
     """An append-only (and trimmable) store of encoded tokens along axis 2.
 
@@ -55,9 +68,7 @@ class EncodedStore(_Trimmable):
                              f"stored {sorted(self.data)} {self.params!r}")
         if self.length + n > self.capacity:
             self._grow(encoded, self.length + n)
-        for name, array in encoded.data.items():
-            # mx.array(...) copies: a slice assignment covering a whole array would alias its source
-            self.data[name][:, :, self.length : self.length + n] = mx.array(array)
+        write_fields(self.data, encoded, self.length)
         self.length += n
         self._view = None
 
