@@ -45,6 +45,23 @@ def test_every_context_and_method_has_a_measured_row(run):
     assert rows[1]["attend_implementation"] == "affine:mlx"
 
 
+def test_a_batch_decodes_every_sequence_in_each_step(run, tmp_path):
+    """``--batch 3``: every cache holds three sequences (three times the bytes of one), each step yields a token
+    per sequence (tokens/s counts all three), and a kvq cache decodes them in one batch (no error)."""
+    argv = ["bench", "e2e", "--model", "random:tiny", "--contexts", "64", "--methods", ",".join(METHODS), "--steps",
+            "2", "--dtype", "float16", "--sinks", "0", "--window", "0", "--out", str(tmp_path), "--name", "b3",
+            "--no-progress", "--no-plot", "--batch", "3"]
+    assert main(argv) == 0
+    doc = json.loads((tmp_path / "b3.json").read_text())
+    assert doc["settings"]["batch"] == 3
+    one = {r["method"]: r for r in run[1]["rows"] if r["context"] == 64}
+    for r in doc["rows"]:
+        assert r["error"] is None
+        assert r["kv_bytes"] == 3 * one[r["method"]]["kv_bytes"]
+        assert r["tokens_per_second"] == pytest.approx(3e3 / r["latency_ms"]["mean"])
+    assert "timed steps of 3 sequences at once" in (tmp_path / "b3.md").read_text()
+
+
 def test_kv_bytes_follow_the_bits_accounting(run):
     _, doc = run
     by = {(r["context"], r["method"]): r for r in doc["rows"]}
@@ -145,6 +162,8 @@ def test_llama3_8b_preset_shape():
     (["--model", "random:tiny", "--layers", "3"], "--layers must be in 1..2"),
     (["--model", "random:tiny", "--fill", "prefill"], "have no text to prefill"),
     (["--model", "random:tiny", "--steps", "0"], "--steps must be >= 1"),
+    (["--model", "random:tiny", "--batch", "0"], "--batch must be >= 1"),
+    (["--batch", "2"], "--batch 2 needs --fill random"),
     (["--contexts", "2048"], "longer than the model's max_position_embeddings (1024)"),
     (["--layers", "1"], "--layers applies to random:PRESET models only"),
 ])

@@ -59,6 +59,9 @@ class E2ESettings:
     :param flush: kvq caches' window flush block (:class:`kvq.cache.CacheConfig`; 32, as ``kvq generate``).
     :param seed: seed of the random keys and values.
     :param progress: show a tqdm bar on stderr.
+    :param batch: sequences decoded together (>= 1; above 1 only with the ``random`` fill): every cache holds
+        ``batch`` rows of ``context`` tokens (different random keys and values per row) and each step decodes one
+        token per row, so tokens/s counts ``batch`` tokens per step (the aggregate a server sees).
     """
 
     contexts: tuple[int, ...]
@@ -72,6 +75,14 @@ class E2ESettings:
     seed: int = 0
     progress: bool = True
     flush: int = 32
+    batch: int = 1
+
+    def __attrs_post_init__(self) -> None:
+        if self.batch < 1:
+            raise ValueError(f"--batch must be >= 1; got {self.batch}")
+        if self.batch > 1 and self.fill != "random":
+            raise ValueError(f"--batch {self.batch} needs --fill random (replay and prefill fill one sequence); "
+                             f"got --fill {self.fill}")
 
 
 def parse_methods(text: str | None, head_dim: int | None = None, sinks: int = 4, window: int = 128,
@@ -218,7 +229,7 @@ class E2EBench:
     def _source(self, context: int):
         s = self.settings
         if s.fill == "random":
-            return RandomKV(self.kv_heads, self.head_dim, self.dtype, s.seed), {}
+            return RandomKV(self.kv_heads, self.head_dim, self.dtype, s.seed, s.batch), {}
         if s.fill == "prefill":
             return None, {}
         tic = time.perf_counter()
@@ -253,15 +264,15 @@ class E2EBench:
         first = int(self.text[context]) if self.text is not None else 1
         mx.reset_peak_memory()
         host = []
-        seconds, untimed = decode(self.model, caches, first, s.steps, s.warmup, host)
+        seconds, untimed = decode(self.model, caches, first, s.steps, s.warmup, host, s.batch)
         peak = mx.get_peak_memory()
-        stored = 2 * len(caches) * self.kv_heads * context * self.head_dim
+        stored = 2 * len(caches) * s.batch * self.kv_heads * context * self.head_dim
         return {"fill_seconds": fill_seconds,
                 **({"prefill_tokens_per_second": context / fill_seconds} if source is None else {}),
                 **memory, "resident_bits_per_coordinate": 8 * memory["kv_bytes"] / stored,
                 "peak_memory": peak, "peak_memory_growth": peak - before,
                 "attend_implementation": attend_implementation(caches[0], self.model, s),
-                **latency_summary(seconds), "host_ms": host_summary(host),
+                **latency_summary(seconds, s.batch), "host_ms": host_summary(host),
                 "warmup_ms": [round(t * 1e3, 4) for t in untimed], "error": None}
 
     def _describe(self, spec: MethodSpec, context: int) -> dict:

@@ -24,6 +24,11 @@ def _ratio(value, ratio) -> str:
     return f"{value:.1f}" if ratio is None else f"{value:.1f} ({ratio:.2f})"
 
 
+def _batch(settings: dict) -> str:
+    batch = settings.get("batch", 1)  # absent from results written before batches were measured
+    return "" if batch == 1 else f" of {batch} sequences at once (tokens/s counts every sequence's token)"
+
+
 def _host(r: dict) -> str:
     host = (r.get("host_ms") or {}).get("median")  # absent from results written before it was measured
     return "-" if host is None else f"{host:.3g}"
@@ -51,7 +56,8 @@ def markdown_file(document: dict) -> str:
     """A results file: title, exact command, device, versions, model and settings, then :func:`markdown`."""
     s = document["settings"]
     lines = [*header_lines("kvq bench e2e", document),
-             f"Fill: {s['fill']} (chunks of {s['chunk']}); decode: {s['warmup']} warmup + {s['steps']} timed steps; "
+             f"Fill: {s['fill']} (chunks of {s['chunk']}); decode: {s['warmup']} warmup + {s['steps']} timed steps"
+             f"{_batch(s)}; "
              f"kvq caches: sinks {s['sinks']}, window {s['window']}, kernels {s['kernels']}.",
              *(f"Note: {n}" for n in document.get("notes", [])), "", markdown(document["rows"])]
     return "\n".join(lines) + "\n"

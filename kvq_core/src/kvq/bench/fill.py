@@ -19,16 +19,16 @@ def cache_arrays(cache) -> list[mx.array]:
 
 
 class RandomKV:
-    """Random normal keys and values ``[1, H_kv, stop - start, D]`` in ``dtype``, the same for every method
-    (one key per layer and chunk start)."""
+    """Random normal keys and values ``[batch, H_kv, stop - start, D]`` in ``dtype``, the same for every method
+    (one key per layer and chunk start; rows differ)."""
 
-    def __init__(self, kv_heads: int, head_dim: int, dtype: mx.Dtype, seed: int = 0) -> None:
-        self.kv_heads, self.head_dim, self.dtype, self.seed = kv_heads, head_dim, dtype, seed
+    def __init__(self, kv_heads: int, head_dim: int, dtype: mx.Dtype, seed: int = 0, batch: int = 1) -> None:
+        self.kv_heads, self.head_dim, self.dtype, self.seed, self.batch = kv_heads, head_dim, dtype, seed, batch
 
     def __call__(self, layer: int, start: int, stop: int) -> tuple[mx.array, mx.array]:
         key = mx.random.key(self.seed * 1_000_003 + layer * 65_537 + start)
         k_key, v_key = mx.random.split(key)
-        shape = (1, self.kv_heads, stop - start, self.head_dim)
+        shape = (self.batch, self.kv_heads, stop - start, self.head_dim)
         return mx.random.normal(shape, self.dtype, key=k_key), mx.random.normal(shape, self.dtype, key=v_key)
 
 
@@ -76,12 +76,14 @@ def fill(caches: list, source: Callable, context: int, chunk: int) -> None:
 
 
 def decode(model, caches: list, token: int, steps: int, warmup: int = 1,
-           host: list | None = None) -> tuple[list[float], list[float]]:
+           host: list | None = None, batch: int = 1) -> tuple[list[float], list[float]]:
     """Greedy decoding from ``token``, pipelined as mlx-lm's ``generate_step`` does it: the graph of the next step
     is built and queued (``mx.async_eval``) while the current one runs, so Python and graph building overlap the
     device's work, as in ``mlx_lm.generate`` and the server. One step more than ``warmup + steps`` runs (the one
     queued last; it is evaluated before returning, so the caches stay consistent).
 
+    :param batch: rows decoded together (the caches hold that many sequences): each step feeds every row ``token``
+        first, then its own argmax.
     :param host: if given, the seconds each timed step spent on the host building and queueing the next step's
         graph (``model(...)`` + ``mx.async_eval``) are appended to it: a step whose interval is about its host
         time was bound by the host (Python and graph building), not by the device.
@@ -92,7 +94,7 @@ def decode(model, caches: list, token: int, steps: int, warmup: int = 1,
         logits = model(y, cache=caches)
         return mx.argmax(logits[:, -1:, :], axis=-1)
 
-    nxt = step(mx.array([[token]]))
+    nxt = step(mx.full((batch, 1), token, dtype=mx.int32))
     mx.async_eval(nxt)
     times, built = [], []
     tic = time.perf_counter()
@@ -101,7 +103,7 @@ def decode(model, caches: list, token: int, steps: int, warmup: int = 1,
         nxt = step(y)
         mx.async_eval(nxt)
         built.append(time.perf_counter() - tic)
-        y.item()
+        y.tolist()  # the tokens reach Python, as mlx-lm's generate and BatchGenerator take them
         now = time.perf_counter()
         times.append(now - tic)
         tic = now
@@ -111,8 +113,9 @@ def decode(model, caches: list, token: int, steps: int, warmup: int = 1,
     return times[warmup:], times[:warmup]
 
 
-def latency_summary(seconds: list[float]) -> dict:
-    """Per-token latency in milliseconds (median, p10, p90, mean, min, max, all) and tokens/s (1 / mean).
+def latency_summary(seconds: list[float], batch: int = 1) -> dict:
+    """Per-step latency in milliseconds (median, p10, p90, mean, min, max, all) and tokens/s (``batch`` tokens
+    per step: ``batch`` / mean).
 
     tokens/s is the count over the total time, as ``mlx_lm.generate`` reports it: a kvq cache compresses its
     window once every ``flush`` steps, and that step's cost belongs in the rate (the median would hide it)."""
@@ -121,7 +124,7 @@ def latency_summary(seconds: list[float]) -> dict:
     return {"latency_ms": {"median": median, "p10": float(np.percentile(ms, 10)),
                            "p90": float(np.percentile(ms, 90)), "mean": float(ms.mean()), "min": float(ms.min()),
                            "max": float(ms.max()), "all": [round(float(x), 4) for x in ms]},
-            "tokens_per_second": 1e3 / float(ms.mean())}
+            "tokens_per_second": batch * 1e3 / float(ms.mean())}
 
 
 def host_summary(seconds: list[float]) -> dict:

@@ -87,6 +87,9 @@ def e2e_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated method strings (default: {','.join(e2e.DEFAULT_METHODS)}, if installed)")
     p.add_argument("--contexts", default=None, help="context lengths, comma-separated (see below)")
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per row (default 32)")
+    p.add_argument("--batch", type=int, default=1,
+                   help="sequences decoded together, each of --contexts tokens (random fill only; default 1): "
+                        "tokens/s then counts every row's token")
     p.add_argument("--warmup", type=int, default=None,
                    help="untimed decode steps first (default: --flush + 1 on a GPU, so the first window flush, "
                         "when quantize kernels compile, is untimed; 1 on the CPU)")
@@ -185,7 +188,7 @@ def e2e_check(args) -> dict:
              for s in specs]
     contexts = tuple(sorted(contexts, reverse=args.largest_first))
     settings = e2e.E2ESettings(contexts, args.steps, warmup, args.chunk, fill, args.sinks, args.window,
-                               args.kernels, args.seed, not args.no_progress, args.flush)
+                               args.kernels, args.seed, not args.no_progress, args.flush, args.batch)
     return {"name": name, "config": config, "path": path, "settings": settings, "specs": specs,
             "dtype": args.dtype or ("float32" if random and _on_cpu() else "bfloat16" if random else None)}
 
@@ -267,7 +270,8 @@ def e2e_main(argv: list[str]) -> int:
     document = {"benchmark": "kvq bench e2e",
                 "environment": measure.environment("kvq bench e2e " + shlex.join(argv)),
                 "settings": {**{k: getattr(settings, k) for k in ("contexts", "steps", "warmup", "chunk", "fill",
-                                                                   "sinks", "window", "kernels", "seed")},
+                                                                   "sinks", "window", "kernels", "seed", "flush",
+                                                                   "batch")},
                              "methods": [s.label for s in checked["specs"]]},
                 "model": info, "notes": notes, "rows": []}
 
