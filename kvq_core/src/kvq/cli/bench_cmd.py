@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "e2e": ("kvq.cli.bench_cmd:e2e_main", "decode tokens/s and memory against context length per cache"),
     "ops": ("kvq.cli.bench_ops_cmd:main", "each op per method, kernels vs pure MLX, time/memory/bandwidth vs size"),
     "prefill": ("kvq.cli.bench_prefill_cmd:main", "prefill tokens/s and peak memory against prompt length per cache"),
+    "batch": ("kvq.cli.bench_batch_cmd:main", "batched generation through mlx-lm's BatchGenerator, per cache"),
 }
 
 

@@ -1,0 +1,167 @@
+"""Batched generation through mlx-lm's ``BatchGenerator`` (the path of ``mlx_lm.server`` and ``kvq serve``), per
+cache: the measuring part of ``kvq bench batch`` (#22).
+
+Each row inserts ``batch`` prompts of ``prompt`` random tokens into one ``BatchGenerator`` (greedy, no stop token,
+``tokens`` new tokens each) and runs it to the end, as a server does under concurrent load: prefill of the prompts in
+chunks, then batched decode with the generator's cache merges, filters and extracts. fp16 is mlx-lm's own caches
+(the model unpatched); a kvq method patches the model (:func:`kvq.patch_model`), so the generator makes kvq caches
+and batches them as :class:`kvq.cache.BatchKVQCache`. Reported: the seconds until every sequence has its first token
+(prefill), the aggregate decode tokens/s after that (every sequence's tokens, over the time from the last first
+token to the end), the peak memory above the level before the generator was made, and the tokens (identical
+prompts give the same count for every method: the run is checked to have produced ``batch * tokens`` of them).
+Every repetition measures fp16 first, so each ratio compares rows of one repetition in one process.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import attrs
+import mlx.core as mx
+from tqdm import tqdm
+
+from ..evaluation.spec import MethodSpec
+from .e2e import REFERENCE
+from .measure import error_text, release
+
+#: Method strings measured when ``--methods`` is not given (those whose methods are installed).
+DEFAULT_METHODS = ("fp16", "affine:4", "turboquant:4", "turboquant:3")
+
+
+@attrs.frozen
+class BatchSettings:
+    """What one ``kvq bench batch`` run measures.
+
+    :param batches: sequences generated together (each >= 1), measured in this order.
+    :param prompt: tokens of each (random) prompt (>= 1).
+    :param tokens: new tokens per sequence (>= 2: one comes from the prefill, the rest are decoded).
+    :param reps: repetitions of every (batch, method) row (>= 1; the first includes compiling kernels).
+    :param chunk: the generator's ``prefill_step_size`` (mlx-lm's default 2048).
+    :param sinks, window, flush, kernels: kvq caches' settings (:class:`kvq.cache.CacheConfig`).
+    :param seed: seed of the random prompts.
+    :param progress: show a tqdm bar on stderr.
+    """
+
+    batches: tuple[int, ...]
+    prompt: int
+    tokens: int = 64
+    reps: int = 2
+    chunk: int = 2048
+    sinks: int = 4
+    window: int = 128
+    flush: int = 32
+    kernels: str = "auto"
+    seed: int = 0
+    progress: bool = True
+
+
+def prompts(batch: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """``batch`` lists of ``length`` random token ids (the same for every method of a run)."""
+    ids = mx.random.randint(0, vocab_size, (batch, length), key=mx.random.key(seed * 1_000_003 + batch))
+    return ids.tolist()
+
+
+def generate(model, prompts_: list[list[int]], tokens: int, chunk: int) -> dict:
+    """Run one ``BatchGenerator`` over ``prompts_`` to the end (greedy, ``tokens`` each) and time it.
+
+    :return: ``{"prefill_seconds", "decode_seconds", "tokens", "decode_tokens_per_second", "peak_memory_growth"}``:
+        prefill = from insertion until every sequence has its first token, decode = from then to the last token;
+        decode tokens/s = the tokens after each sequence's first, over the decode seconds.
+    :raises RuntimeError: the generator stopped before ``tokens`` tokens per sequence.
+    """
+    from mlx_lm.generate import BatchGenerator
+
+    mx.synchronize()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    gen = BatchGenerator(model, stop_tokens=[], sampler=lambda x: mx.argmax(x, -1), prefill_step_size=chunk,
+                         completion_batch_size=max(32, len(prompts_)))
+    tic = time.perf_counter()
+    uids = gen.insert(prompts_, [tokens] * len(prompts_))
+    counts = {u: 0 for u in uids}
+    first_all = None
+    try:
+        for _ in range(10 * tokens * len(prompts_) + 100):  # bounded, whatever the generator does
+            responses = gen.next_generated()
+            if not responses:
+                break
+            for r in responses:
+                counts[r.uid] += 1
+            if first_all is None and all(counts.values()):
+                first_all = time.perf_counter()
+    finally:
+        gen.close()
+    end = time.perf_counter()
+    total = sum(counts.values())
+    if total != tokens * len(prompts_) or first_all is None:
+        raise RuntimeError(f"BatchGenerator gave {total} tokens for {len(prompts_)} sequences of {tokens}")
+    decoded = total - len(prompts_)
+    decode_seconds = end - first_all
+    return {"prefill_seconds": first_all - tic, "decode_seconds": decode_seconds, "tokens": total,
+            "decode_tokens_per_second": decoded / decode_seconds if decode_seconds > 0 else None,
+            "peak_memory_growth": mx.get_peak_memory() - before}
+
+
+class BatchBench:
+    """Measures rows (one per batch size, repetition and method string) on one model.
+
+    :param model: an mlx-lm model (not patched by kvq: each kvq row patches it and unpatches it afterwards).
+    :param settings: :class:`BatchSettings`; :param vocab_size: for the random prompts.
+    """
+
+    def __init__(self, model, settings: BatchSettings, vocab_size: int) -> None:
+        self.model, self.settings, self.vocab_size = model, settings, vocab_size
+
+    def run(self, specs: list[MethodSpec], on_row: Callable[[dict], None] | None = None) -> list[dict]:
+        """Every batch size, then every repetition, then every spec (fp16 first); ``on_row(row)`` after each."""
+        s, rows = self.settings, []
+        bar = tqdm(total=len(s.batches) * s.reps * len(specs), desc="kvq bench batch", unit="row",
+                   disable=not s.progress, dynamic_ncols=True)
+        with bar:
+            for batch in s.batches:
+                ids = prompts(batch, s.prompt, self.vocab_size, s.seed)
+                for rep in range(s.reps):
+                    reference = None
+                    for spec in specs:
+                        bar.set_postfix_str(f"{batch} sequences, rep {rep + 1}: {spec.label}")
+                        row = self._measure(spec, batch, rep, ids, bar)
+                        reference = reference or (row if spec.label == REFERENCE and not row["error"] else None)
+                        add_ratios(row, reference)
+                        rows.append(row)
+                        if on_row is not None:
+                            on_row(row)
+                        bar.update(1)
+        return rows
+
+    def _measure(self, spec: MethodSpec, batch: int, rep: int, ids: list[list[int]], bar) -> dict:
+        from ..cache import patch_model, unpatch_model
+
+        s = self.settings
+        row = {"batch": batch, "rep": rep, "method": spec.label,
+               "cache": "mlx-lm KVCache" if spec.label == REFERENCE else "kvq BatchKVQCache", "error": None}
+        release()
+        patched = spec.label != REFERENCE
+        try:
+            if patched:
+                patch_model(self.model, **spec.cache_kwargs(s.sinks, s.window), kernels=s.kernels, flush=s.flush)
+            row.update(generate(self.model, ids, s.tokens, s.chunk))
+        except Exception as exc:  # noqa: BLE001 - one failing method must not end the run: the row says why
+            row["error"] = error_text(exc)
+            bar.write(f"kvq bench batch: {spec.label} with {batch} sequences failed: {row['error']}")
+        finally:
+            if patched:
+                unpatch_model(self.model)
+        release()
+        return row
+
+
+def add_ratios(row: dict, reference: dict | None) -> None:
+    """Add ``decode_vs_fp16``, ``prefill_vs_fp16`` (speed: fp16's seconds / this row's) and ``peak_vs_fp16``
+    (method / fp16 of the same batch and repetition; ``None`` when either row failed)."""
+    ok = reference is not None and not row["error"]
+    row["decode_vs_fp16"] = (row["decode_tokens_per_second"] / reference["decode_tokens_per_second"]
+                             if ok and row["decode_tokens_per_second"] and reference["decode_tokens_per_second"]
+                             else None)
+    row["prefill_vs_fp16"] = reference["prefill_seconds"] / row["prefill_seconds"] if ok else None
+    row["peak_vs_fp16"] = row["peak_memory_growth"] / max(reference["peak_memory_growth"], 1) if ok else None

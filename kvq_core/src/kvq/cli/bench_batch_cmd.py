@@ -1,0 +1,123 @@
+"""``kvq bench batch``: batched generation through mlx-lm's BatchGenerator (the server's path), per cache, fp16 in the
+same run: prefill time, aggregate decode tokens/s and peak memory against the number of sequences.
+
+Every row inserts the same random prompts into one BatchGenerator and runs it to the end; each repetition measures
+fp16 (mlx-lm's own caches) first, so every ratio compares rows of one repetition in one process. Writes
+OUT/NAME.json (after every row), OUT/NAME.md and OUT/NAME.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import shlex
+
+from .bench_cmd import _load, _model_config, _model_info, _result_paths, add_model_and_cache_options, write_reports
+
+EPILOG = """
+models: the default model (SmolLM2-135M-Instruct), any --model kvq eval takes, or random:PRESET, a random-weight
+llama of a real shape (random:llama3-8b, random:llama3-3b, random:llama3-1b, random:tiny; --layers cuts its layer
+count). Prompts are random token ids.
+
+methods: kvq eval's method strings for kvq caches; fp16 is mlx-lm's own caches (always measured first, the
+reference). mlx-lm's QuantizedKVCache (mlx-affine:N) is not measured: BatchGenerator cannot batch it.
+
+Defaults: --batches 1,8 and --prompt 2048 on a GPU, --batches 1,4 and --prompt 256 on the CPU.
+Without --name, NAME is batch-DATE-DEVICE-MODEL, with -2, -3 ... added where an earlier run's files have that name.
+The PNG needs matplotlib, kvq-core's plots extra (the error says how to install it here; or pass --no-plot).
+"""
+
+
+def parser() -> argparse.ArgumentParser:
+    """The argument parser of ``kvq bench batch``."""
+    from ..bench import batch
+
+    p = argparse.ArgumentParser(prog="kvq bench batch", description=__doc__.split("\n\n")[0].replace("``", ""),
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="model name, folder, .gguf, Hub id, or random:PRESET")
+    p.add_argument("--methods", default=None,
+                   help=f"comma-separated method strings (default: {','.join(batch.DEFAULT_METHODS)}, if installed)")
+    p.add_argument("--batches", default=None, help="sequences generated together, comma-separated (see below)")
+    p.add_argument("--prompt", type=int, default=None, help="tokens per prompt (see below)")
+    p.add_argument("--tokens", type=int, default=64, help="new tokens per sequence (default 64)")
+    p.add_argument("--chunk", type=int, default=2048,
+                   help="BatchGenerator's prefill_step_size (default 2048, mlx-lm's)")
+    p.add_argument("--reps", type=int, default=2, help="repetitions of every row (default 2; the first compiles)")
+    add_model_and_cache_options(p)
+    p.add_argument("--seed", type=int, default=0, help="seed of random weights and prompts (default 0)")
+    p.add_argument("--out", default="bench-batch", help="output folder (default ./bench-batch)")
+    p.add_argument("--name", default=None,
+                   help="file name stem (default batch-DATE-DEVICE-MODEL; -2, -3 ... added when taken)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-plot", action="store_true", help="write no PNG (matplotlib is not needed then)")
+    return p
+
+
+def check(args) -> dict:
+    """Every input check of ``kvq bench batch`` that needs no model weights.
+
+    :return: ``{"name", "config", "path", "settings", "specs", "dtype"}``.
+    :raises ValueError: the first bad input, naming the option and what it allows.
+    """
+    from ..bench import batch, e2e
+    from ..bench.ops import parse_sizes
+    from ..bench.random_model import is_random
+    from ..evaluation import spec as spec_module
+    from ..problem import device_kind
+
+    on_cpu = device_kind() == "cpu"
+    prompt = args.prompt if args.prompt is not None else 256 if on_cpu else 2048
+    for option, value, low in (("--prompt", prompt, 1), ("--tokens", args.tokens, 2), ("--chunk", args.chunk, 1),
+                               ("--reps", args.reps, 1), ("--sinks", args.sinks, 0), ("--window", args.window, 0),
+                               ("--flush", args.flush, 1)):
+        if value < low:
+            raise ValueError(f"{option} must be >= {low}; got {value}")
+    batches = parse_sizes(args.batches, "--batches") if args.batches else (1, 4) if on_cpu else (1, 8)
+    random = is_random(args.model)
+    name, config, path = _model_config(args)
+    limit = config.get("max_position_embeddings")
+    if limit is not None and prompt + args.tokens > limit:
+        raise ValueError(f"--prompt {prompt} + --tokens {args.tokens} exceed the model's max_position_embeddings "
+                         f"({limit})")
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    specs = e2e.parse_methods(args.methods, head_dim, args.sinks, args.window, defaults=batch.DEFAULT_METHODS)
+    mlx = [s.label for s in specs if s.is_mlx]
+    if mlx:
+        raise ValueError(f"--methods: {', '.join(mlx)}: mlx-lm's BatchGenerator cannot batch its QuantizedKVCache; "
+                         "choose fp16 and kvq methods")
+    specs = [spec_module.spec_for_model(s, args.model, head_dim, args.sinks, args.window, calibrated=not random)
+             for s in specs]
+    settings = batch.BatchSettings(batches, prompt, args.tokens, args.reps, args.chunk, args.sinks, args.window,
+                                   args.flush, args.kernels, args.seed, not args.no_progress)
+    return {"name": name, "config": config, "path": path, "settings": settings, "specs": specs,
+            "dtype": args.dtype or ("float32" if random and on_cpu else "bfloat16" if random else None)}
+
+
+def main(argv: list[str]) -> int:
+    """Run ``kvq bench batch``; every argument (and matplotlib, for the plot) is checked before any model is
+    loaded or built."""
+    args = parser().parse_args(argv)
+    checked = check(args)
+    from ..bench import batch, batch_report, measure, output
+    from ..problem import device_kind
+
+    if not args.no_plot:
+        output.pyplot()  # fail now, not after the measurements, when matplotlib is missing
+    stem = args.name or f"batch-{datetime.date.today().isoformat()}-{device_kind()}-{output.slug(checked['name'])}"
+    paths = _result_paths(args.out, stem, named=args.name is not None, command="kvq bench batch")
+    model, _ = _load(checked, args.seed)
+    settings = checked["settings"]
+    info = _model_info(checked["name"], model, checked["path"])
+    document = {"benchmark": "kvq bench batch",
+                "environment": measure.environment("kvq bench batch " + shlex.join(argv)),
+                "settings": {**{k: getattr(settings, k) for k in ("batches", "prompt", "tokens", "reps", "chunk",
+                                                                   "sinks", "window", "flush", "kernels", "seed")},
+                             "methods": [s.label for s in checked["specs"]]},
+                "model": info, "rows": []}
+
+    def save(row: dict) -> None:
+        document["rows"].append(row)
+        output.write_json(document, paths[".json"])
+
+    batch.BatchBench(model, settings, info["vocab_size"]).run(checked["specs"], on_row=save)
+    return write_reports(document, paths, batch_report, plot=not args.no_plot)
