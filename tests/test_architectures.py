@@ -3,7 +3,8 @@ norms), phi3 (head_dim 96), gemma3 (head_dim 256, five sliding layers to one glo
 alternating sliding layers, MoE), qwen3_moe and a llama with mistral-style sliding layers. Layers with a sliding
 window get kvq's RotatingKVQCache (tests/test_rotating_cache.py), the others kvq's KVQCache. kvq's fp16 cache gives
 mlx-lm's logits (16-bit storage of a float32 model's keys and values: within 3e-3), every method finite logits, and
-prompt-cache files round trip mixed layers exactly."""
+prompt-cache files round trip mixed layers exactly. Every token past the 4 sinks and the 8-token window is compressed
+(``flush=1``: at kvq's default flush of 32 these 43 tokens would all stay in the window)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ CONFIGS = {
 }
 #: Which layers have a sliding window (kvq's RotatingKVQCache).
 SLIDING = {"gemma3_text": [0, 1, 2, 3, 4], "gpt_oss": [0], "llama": [0]}
+#: Cache options of every kvq cache here: 4 sinks, an 8-token window, and each token compressed as it leaves it.
+OPTIONS = dict(window=8, flush=1)
 PROMPT = mx.array([[(7 * i + 3) % 128 for i in range(40)]])
 #: How far kvq's fp16 cache may move the logits from mlx-lm's float32 caches: 16-bit storage of the float32 models'
 #: keys and values (3e-3), except the random gemma3, whose six layers all store 16 bits now that its sliding layers
@@ -80,7 +83,7 @@ def mlx_caches(model) -> list:
 def test_fp16_cache_gives_mlx_lm_logits(model):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # served: no UnservableModelWarning
-        caches = kvq.make_prompt_cache(model, "fp16", window=8)
+        caches = kvq.make_prompt_cache(model, "fp16", **OPTIONS)
     sliding = [i for i, c in enumerate(caches) if isinstance(c, kvq.RotatingKVQCache)]
     assert sliding == SLIDING.get(model.name, [])
     assert all(type(c) is kvq.KVQCache for i, c in enumerate(caches) if i not in sliding)
@@ -91,12 +94,15 @@ def test_fp16_cache_gives_mlx_lm_logits(model):
 @pytest.mark.parametrize("method", ["affine:4", "turboquant:4", "turboquant:3"])
 def test_every_method_runs(model, method):
     name, bits = method.split(":")
-    logits = run(model, kvq.make_prompt_cache(model, name, bits=int(bits), window=8))
+    caches = kvq.make_prompt_cache(model, name, bits=int(bits), **OPTIONS)
+    logits = run(model, caches)
     assert np.isfinite(logits).all()
+    # full-attention layers hold 43 tokens: 4 sinks, 8 in the window, the rest compressed
+    assert all(c.compressed_keys.length == 31 for c in caches if type(c) is kvq.KVQCache)
 
 
 def test_prompt_cache_files_round_trip_mixed_layers(model, tmp_path):
-    caches = kvq.make_prompt_cache(model, "affine", bits=4, window=8)
+    caches = kvq.make_prompt_cache(model, "affine", bits=4, **OPTIONS)
     run(model, caches, steps=())
     path = str(tmp_path / "cache.safetensors")
     kvq.save_prompt_cache(path, caches)
