@@ -1,9 +1,13 @@
 """kvq's caches on mlx-lm's own model classes beyond llama and qwen2 (issue #25): tiny random-weight qwen3 (q/k
 norms), phi3 (head_dim 96), gemma3 (head_dim 256, five sliding layers to one global), gpt_oss (learned sinks,
-alternating sliding layers, MoE), qwen3_moe and a llama with mistral-style sliding layers. Layers with a sliding
-window get kvq's RotatingKVQCache (tests/test_rotating_cache.py), the others kvq's KVQCache. kvq's fp16 cache gives
-mlx-lm's logits (16-bit storage of a float32 model's keys and values: within 3e-3), every method finite logits, and
-prompt-cache files round trip mixed layers exactly."""
+alternating sliding layers, MoE), qwen3_moe, a llama with mistral-style sliding layers, and three models whose
+layers attend keys of another layer's cache: gemma4_text (its last layers share the KV of earlier ones and attend
+them naming no cache), afm7 (KV-reuse layers read the last cache's ``keys_and_values()``) and iquestloopcoder (its
+second loop attends the first loop's keys naming its own cache). Layers with a sliding window get kvq's
+RotatingKVQCache (tests/test_rotating_cache.py), the others kvq's KVQCache. kvq's fp16 cache gives mlx-lm's logits
+(16-bit storage of a float32 model's keys and values: within 3e-3), every method finite logits, and prompt-cache
+files round trip mixed layers exactly. Every token past the 4 sinks and the 8-token window is compressed
+(``flush=1``: at kvq's default flush of 32 these 43 tokens would all stay in the window)."""
 
 from __future__ import annotations
 
@@ -37,15 +41,30 @@ CONFIGS = {
     "llama": dict(model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=128,
                   num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=128, head_dim=32,
                   layer_types=["sliding_attention", "full_attention"], sliding_window=16, rope_theta=10000.0),
+    # six layers (sliding, sliding, full) twice, the last two sharing the KV of layers 3 and 2: four caches
+    "gemma4_text": dict(model_type="gemma4_text", hidden_size=64, num_hidden_layers=6, intermediate_size=64,
+                        num_attention_heads=2, head_dim=32, global_head_dim=64, num_key_value_heads=1,
+                        num_kv_shared_layers=2, vocab_size=128, vocab_size_per_layer_input=128,
+                        hidden_size_per_layer_input=16, sliding_window=16, sliding_window_pattern=3),
+    "afm7": dict(model_type="afm7", vocab_size=128, hidden_dim=128, num_layers=4, num_kv_reuse_layers=2, num_heads=4,
+                 num_kv_heads=2),
+    # two caches per layer: the first loop's, then the second loop's sliding window
+    "iquestloopcoder": dict(model_type="iquestloopcoder", hidden_size=128, num_hidden_layers=2, intermediate_size=128,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-5,
+                            vocab_size=128, loop_window_size=16, rope_theta=10000.0),
 }
 #: Which layers have a sliding window (kvq's RotatingKVQCache).
-SLIDING = {"gemma3_text": [0, 1, 2, 3, 4], "gpt_oss": [0], "llama": [0]}
+SLIDING = {"gemma3_text": [0, 1, 2, 3, 4], "gpt_oss": [0], "llama": [0], "gemma4_text": [0, 1, 3],
+           "iquestloopcoder": [2, 3]}
+#: Cache options of every kvq cache here: 4 sinks, an 8-token window, and each token compressed as it leaves it.
+OPTIONS = dict(window=8, flush=1)
 PROMPT = mx.array([[(7 * i + 3) % 128 for i in range(40)]])
 #: How far kvq's fp16 cache may move the logits from mlx-lm's float32 caches: 16-bit storage of the float32 models'
 #: keys and values (3e-3), except the random gemma3, whose six layers all store 16 bits now that its sliding layers
 #: are kvq's too (measured 0.018; against mlx-lm caches that store the same 16 bits, tests/test_rotating_cache.py,
-#: within 5e-3).
-TOLERANCE = {"gemma3_text": 3e-2}
+#: within 5e-3), and the random gemma4_text likewise (measured 0.0084; against mlx-lm caches that round keys and
+#: values to 16 bits, 1.4e-3).
+TOLERANCE = {"gemma3_text": 3e-2, "gemma4_text": 1.5e-2}
 
 
 def tiny(name: str):
@@ -80,7 +99,7 @@ def mlx_caches(model) -> list:
 def test_fp16_cache_gives_mlx_lm_logits(model):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # served: no UnservableModelWarning
-        caches = kvq.make_prompt_cache(model, "fp16", window=8)
+        caches = kvq.make_prompt_cache(model, "fp16", **OPTIONS)
     sliding = [i for i, c in enumerate(caches) if isinstance(c, kvq.RotatingKVQCache)]
     assert sliding == SLIDING.get(model.name, [])
     assert all(type(c) is kvq.KVQCache for i, c in enumerate(caches) if i not in sliding)
@@ -91,12 +110,15 @@ def test_fp16_cache_gives_mlx_lm_logits(model):
 @pytest.mark.parametrize("method", ["affine:4", "turboquant:4", "turboquant:3"])
 def test_every_method_runs(model, method):
     name, bits = method.split(":")
-    logits = run(model, kvq.make_prompt_cache(model, name, bits=int(bits), window=8))
+    caches = kvq.make_prompt_cache(model, name, bits=int(bits), **OPTIONS)
+    logits = run(model, caches)
     assert np.isfinite(logits).all()
+    # full-attention layers hold 43 tokens: 4 sinks, 8 in the window, the rest compressed
+    assert all(c.compressed_keys.length == 31 for c in caches if type(c) is kvq.KVQCache)
 
 
 def test_prompt_cache_files_round_trip_mixed_layers(model, tmp_path):
-    caches = kvq.make_prompt_cache(model, "affine", bits=4, window=8)
+    caches = kvq.make_prompt_cache(model, "affine", bits=4, **OPTIONS)
     run(model, caches, steps=())
     path = str(tmp_path / "cache.safetensors")
     kvq.save_prompt_cache(path, caches)

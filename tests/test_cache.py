@@ -164,6 +164,43 @@ def test_patch_is_idempotent_reversible_and_scoped(llama_model):
     patch.patch()
 
 
+def test_attention_follows_the_keys_not_the_cache_named():
+    """mlx-lm's attention with kvq's patch (issue #25): stand-ins are attended by the cache that made them, whatever
+    cache the call names (KV-sharing layers name none, or their own); arrays by mlx-lm's function, even when the
+    call names a kvq cache (before: that cache's tokens were attended and the arrays ignored)."""
+    mx.random.seed(1)
+    a, b = KVQCache(make_config("fp16", window=0)), KVQCache(make_config("fp16", window=0))
+    k, v = mx.random.normal((1, 2, 5, 64)), mx.random.normal((1, 2, 5, 64))
+    b.update_and_fetch(mx.random.normal((1, 2, 3, 64)), mx.random.normal((1, 2, 3, 64)))
+    views = a.update_and_fetch(k, v)
+    assert views[0].cache is a and a.keys_and_values()[0].cache is a and b.keys_and_values()[0].cache is b
+    q = mx.random.normal((1, 4, 1, 64))
+    want = mx.fast.scaled_dot_product_attention(q, k.astype(mx.float16).astype(mx.float32),
+                                                v.astype(mx.float16).astype(mx.float32), scale=0.125)
+    for named in (a, b, None):
+        got = patch.scaled_dot_product_attention(q, *a.keys_and_values(), cache=named, scale=0.125, mask=None)
+        assert mx.allclose(got, want, atol=1e-5).item()
+    arrays = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125)
+    got = patch.scaled_dot_product_attention(q, k, v, cache=b, scale=0.125, mask=None)
+    assert mx.array_equal(got, arrays).item()
+    assert KVQCache(make_config("fp16")).keys_and_values() == (None, None)
+
+
+def test_batch_stand_ins_are_the_batch_s():
+    """A batch's update returns stand-ins of the batch's shape whose attention is the batch's, every row over its
+    own tokens (before: the last row's, of one row)."""
+    from kvq.cache import BatchKVQCache
+
+    rows = [KVQCache(make_config("fp16", window=0)) for _ in range(2)]
+    batch = BatchKVQCache(rows)
+    keys, values = batch.update_and_fetch(mx.random.normal((2, 2, 3, 64)), mx.random.normal((2, 2, 3, 64)))
+    assert keys.cache is batch and keys.shape == (2, 2, 3, 64) and values.shape == (2, 2, 3, 64)
+    q = mx.random.normal((2, 4, 3, 64))
+    got = patch.scaled_dot_product_attention(q, keys, values, cache=None, scale=0.125, mask="causal")
+    for i, row in enumerate(rows):
+        assert mx.allclose(got[i : i + 1], row.attend(q[i : i + 1], 0.125, "causal"), atol=1e-5).item()
+
+
 def test_batch_generation_matches_single_sequences(llama_model):
     from conftest import batch_greedy
 

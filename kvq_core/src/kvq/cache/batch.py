@@ -12,6 +12,8 @@ import copy
 
 import mlx.core as mx
 
+from .layer import CompressedView
+
 
 class BatchKVQCache:
     """A batch of :class:`KVQCache` rows behind mlx-lm's batch-cache interface.
@@ -42,18 +44,30 @@ class BatchKVQCache:
         self._remaining = None
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        """Store ``[B, H, T, D]`` keys/values row by row (only each row's real tokens)."""
+        """Store ``[B, H, T, D]`` keys/values row by row (only each row's real tokens); returns stand-ins for the
+        batch (:meth:`keys_and_values`)."""
         if keys.shape[0] != len(self.rows):
             raise ValueError(f"keys: batch of {keys.shape[0]} for a cache of {len(self.rows)} rows")
-        T, views = keys.shape[2], None
+        T = keys.shape[2]
         for i, row in enumerate(self.rows):
             n = T if self._remaining is None else min(T, self._remaining[i])
             self._starts[i] = row.offset
             if n:
-                views = row.update_and_fetch(keys[i : i + 1, :, :n], values[i : i + 1, :, :n])
+                row.update_and_fetch(keys[i : i + 1, :, :n], values[i : i + 1, :, :n])
             if self._remaining is not None:
                 self._remaining[i] -= n
-        return views
+        return self.keys_and_values()
+
+    def keys_and_values(self):
+        """Stand-ins (:class:`kvq.cache.CompressedView`) ``[B, H, longest row, D]`` whose attention is this batch's
+        (:meth:`attend`, each row over its own tokens), or ``(None, None)`` while no row holds tokens."""
+        row = self._last_filled_row()
+        if row is None:
+            return None, None
+        k, v = row.keys_and_values()
+        B, T = len(self.rows), self.size()
+        return (CompressedView((B, k.shape[1], T, k.shape[3]), k.dtype, self),
+                CompressedView((B, v.shape[1], T, v.shape[3]), v.dtype, self))
 
     def release_chunk(self) -> None:
         """:meth:`KVQCache.release_chunk` for every row."""

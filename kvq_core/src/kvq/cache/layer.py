@@ -168,13 +168,16 @@ def block_implementation(method: str, side: str):
 class CompressedView:
     """Stand-in returned by ``update_and_fetch``: models pass it on to attention, which kvq intercepts.
 
-    It carries the logical ``shape`` ``(B, H_kv, T, D)`` and ``dtype`` for code that inspects them.
+    It carries the logical ``shape`` ``(B, H_kv, T, D)`` and ``dtype`` for code that inspects them, and the
+    ``cache`` that made it: attention over these keys is that cache's (:mod:`kvq.cache.patch`), whichever cache
+    the model names in the call (a KV-sharing layer of gemma4 attends an earlier layer's keys and names none;
+    iquestloopcoder's second loop attends its first loop's keys naming its own).
     """
 
-    __slots__ = ("shape", "dtype", "ndim")
+    __slots__ = ("shape", "dtype", "ndim", "cache")
 
-    def __init__(self, shape: tuple[int, ...], dtype) -> None:
-        self.shape, self.dtype = shape, dtype
+    def __init__(self, shape: tuple[int, ...], dtype, cache=None) -> None:
+        self.shape, self.dtype, self.cache = shape, dtype, cache
         self.ndim = len(shape)
 
 
@@ -531,7 +534,14 @@ class KVQCache:
 
     def _views(self):
         B, H, Dk, Dv, dtype = self._layout
-        return CompressedView((B, H, self.offset, Dk), dtype), CompressedView((B, H, self.offset, Dv), dtype)
+        return (CompressedView((B, H, self.offset, Dk), dtype, self),
+                CompressedView((B, H, self.offset, Dv), dtype, self))
+
+    def keys_and_values(self):
+        """mlx-lm's read of a layer's keys and values without an update (``KVCache.keys_and_values``), which
+        KV-sharing models use to let later layers attend this layer's tokens (afm7, gemma3n): the stand-ins
+        :meth:`update_and_fetch` returns, whose attention is this cache's; ``(None, None)`` while empty."""
+        return (None, None) if self._layout is None else self._views()
 
     # -- attention ----------------------------------------------------------------------------------
     def attend(self, queries: mx.array, scale: float, mask=None, sink_logits: mx.array | None = None,

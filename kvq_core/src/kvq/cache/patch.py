@@ -3,8 +3,8 @@ patch.
 
 mlx-lm's model modules import ``scaled_dot_product_attention`` from ``mlx_lm.models.base`` by name. kvq replaces
 that name in every loaded ``mlx_lm.models.*`` module with :func:`scaled_dot_product_attention`, which calls
-:meth:`KVQCache.attend` when the layer's cache is a kvq cache and otherwise calls mlx-lm's original function
-unchanged, so models with ordinary caches behave exactly as before.
+:meth:`KVQCache.attend` of the kvq cache whose stand-ins it is given as keys and otherwise calls mlx-lm's original
+function unchanged, so models with ordinary caches behave exactly as before.
 
 This is the one place where mlx-lm's keyword ``sinks`` (learned attention-sink logits, gpt-oss) meets kvq, whose
 ``sinks`` are the first tokens kept uncompressed: the patched function accepts mlx-lm's keyword and passes it on
@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import sys
 
+import mlx.core as mx
 from mlx_lm.models import base
 from mlx_lm.models import cache as mlx_cache
 
 from .batch import BatchKVQCache
-from .layer import KVQCache
+from .layer import CompressedView, KVQCache
 
 _ORIGINAL = base.scaled_dot_product_attention
 _ORIGINAL_MAKE = mlx_cache.make_prompt_cache
@@ -65,12 +66,22 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sink
     """mlx-lm's attention entry point, with kvq caches served by kvq (same signature as mlx-lm's
     ``mlx_lm.models.base.scaled_dot_product_attention``).
 
+    Attention follows the keys: stand-ins (:class:`~kvq.cache.CompressedView`) are attended by the kvq cache that
+    made them, whichever cache the call names (a KV-sharing layer attends an earlier layer's keys with ``cache=None``
+    or with its own cache); arrays, keys a kvq cache did not hand out, go to mlx-lm's function as they are, even
+    when the call names a kvq cache. Only a call naming a kvq cache with neither (no stand-ins: a batch none of
+    whose rows holds tokens yet) is that cache's.
+
     :param sinks: mlx-lm's name for learned attention-sink logits ``[H_q]`` (or ``None``); passed to
         :meth:`KVQCache.attend` as ``sink_logits``.
     """
-    if isinstance(cache, (KVQCache, BatchKVQCache)):
-        return cache.attend(queries, scale, mask, sink_logits=sinks)
-    return _ORIGINAL(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+    owner = keys.cache if isinstance(keys, CompressedView) else None
+    kvq_cache = isinstance(cache, (KVQCache, BatchKVQCache))
+    if owner is None and kvq_cache and not isinstance(keys, mx.array):
+        owner = cache
+    if owner is not None:
+        return owner.attend(queries, scale, mask, sink_logits=sinks)
+    return _ORIGINAL(queries, keys, values, cache=None if kvq_cache else cache, scale=scale, mask=mask, sinks=sinks)
 
 
 def patch() -> list[str]:
