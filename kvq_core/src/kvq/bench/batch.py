@@ -19,11 +19,10 @@ from typing import Callable
 
 import attrs
 import mlx.core as mx
-from tqdm import tqdm
 
 from ..evaluation.spec import MethodSpec
-from .e2e import REFERENCE
 from .measure import error_text, release
+from .rows import REFERENCE, repeated_rows
 
 #: Method strings measured when ``--methods`` is not given (those whose methods are installed).
 DEFAULT_METHODS = ("fp16", "affine:4", "turboquant:4", "turboquant:3")
@@ -115,24 +114,10 @@ class BatchBench:
 
     def run(self, specs: list[MethodSpec], on_row: Callable[[dict], None] | None = None) -> list[dict]:
         """Every batch size, then every repetition, then every spec (fp16 first); ``on_row(row)`` after each."""
-        s, rows = self.settings, []
-        bar = tqdm(total=len(s.batches) * s.reps * len(specs), desc="kvq bench batch", unit="row",
-                   disable=not s.progress, dynamic_ncols=True)
-        with bar:
-            for batch in s.batches:
-                ids = prompts(batch, s.prompt, self.vocab_size, s.seed)
-                for rep in range(s.reps):
-                    reference = None
-                    for spec in specs:
-                        bar.set_postfix_str(f"{batch} sequences, rep {rep + 1}: {spec.label}")
-                        row = self._measure(spec, batch, rep, ids, bar)
-                        reference = reference or (row if spec.label == REFERENCE and not row["error"] else None)
-                        add_ratios(row, reference)
-                        rows.append(row)
-                        if on_row is not None:
-                            on_row(row)
-                        bar.update(1)
-        return rows
+        s = self.settings
+        return repeated_rows(s.batches, s.reps, specs, lambda batch: prompts(batch, s.prompt, self.vocab_size, s.seed),
+                             self._measure, add_ratios, desc="kvq bench batch",
+                             what=lambda batch: f"{batch} sequences", progress=s.progress, on_row=on_row)
 
     def _measure(self, spec: MethodSpec, batch: int, rep: int, ids: list[list[int]], bar) -> dict:
         from ..cache import patch_model, unpatch_model

@@ -32,11 +32,12 @@ from tqdm import tqdm
 from ..evaluation.spec import MethodSpec, bits_per_coordinate, checked_with_reference, parse_method, split_methods
 from .fill import RandomKV, ReplayKV, decode, fill, host_summary, latency_summary, prefill
 from .measure import error_text, release
+from .rows import REFERENCE
 
 #: How caches are brought to the context length.
 FILLS = ("random", "replay", "prefill")
-#: The reference: mlx-lm's KVCache. ``kvq-fp16`` names kvq's fp16 method (KVQCache with 16-bit parts).
-REFERENCE, KVQ_FP16 = "fp16", "kvq-fp16"
+#: kvq's fp16 method (KVQCache with 16-bit parts); ``fp16`` (REFERENCE) is mlx-lm's KVCache, the reference.
+KVQ_FP16 = "kvq-fp16"
 #: Method strings measured when ``--methods`` is not given (those whose methods are installed).
 DEFAULT_METHODS = ("fp16", "mlx-affine:4", "mlx-affine:8", "affine:4", "turboquant:4", "turboquant:k4v3",
                    "turboquant:3", "turboquant_prod:4", "qjl+turboquant:4")

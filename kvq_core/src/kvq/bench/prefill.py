@@ -14,12 +14,12 @@ from typing import Callable
 
 import attrs
 import mlx.core as mx
-from tqdm import tqdm
 
 from ..evaluation.spec import MethodSpec
-from .e2e import REFERENCE, cache_kind, make_cache
+from .e2e import cache_kind, make_cache
 from .fill import cache_arrays
 from .measure import error_text, release
+from .rows import repeated_rows
 
 #: Method strings measured when ``--methods`` is not given (those whose methods are installed).
 DEFAULT_METHODS = ("fp16", "mlx-affine:4", "affine:4", "turboquant:4", "turboquant:3")
@@ -82,24 +82,11 @@ class PrefillBench:
 
     def run(self, specs: list[MethodSpec], on_row: Callable[[dict], None] | None = None) -> list[dict]:
         """Every context, then every repetition, then every spec (fp16 first); ``on_row(row)`` after each."""
-        s, rows = self.settings, []
-        bar = tqdm(total=len(s.contexts) * s.reps * len(specs), desc="kvq bench prefill", unit="row",
-                   disable=not s.progress, dynamic_ncols=True)
-        with bar:
-            for context in s.contexts:
-                ids = prompt(context, self.vocab_size, self.text_ids, s.seed)
-                for rep in range(s.reps):
-                    reference = None
-                    for spec in specs:
-                        bar.set_postfix_str(f"{context} tokens, rep {rep + 1}: {spec.label}")
-                        row = self._measure(spec, context, rep, ids, bar)
-                        reference = reference or (row if spec.label == REFERENCE and not row["error"] else None)
-                        add_ratios(row, reference)
-                        rows.append(row)
-                        if on_row is not None:
-                            on_row(row)
-                        bar.update(1)
-        return rows
+        s = self.settings
+        return repeated_rows(s.contexts, s.reps, specs,
+                             lambda context: prompt(context, self.vocab_size, self.text_ids, s.seed), self._measure,
+                             add_ratios, desc="kvq bench prefill", what=lambda context: f"{context} tokens",
+                             progress=s.progress, on_row=on_row)
 
     def _measure(self, spec: MethodSpec, context: int, rep: int, ids: mx.array, bar) -> dict:
         row = {"context": context, "rep": rep, "method": spec.label, "cache": cache_kind(spec), "error": None}

@@ -9,10 +9,8 @@ OUT/NAME.json (after every row), OUT/NAME.md and OUT/NAME.png.
 from __future__ import annotations
 
 import argparse
-import datetime
-import shlex
 
-from .bench_cmd import _load, _model_config, _model_info, _result_paths, add_model_and_cache_options, write_reports
+from .bench_cmd import _model_config, add_model_and_cache_options, bench_specs, default_dtype, run_bench
 
 EPILOG = """
 models: the default model (SmolLM2-135M-Instruct), any --model kvq eval takes, or random:PRESET, a random-weight
@@ -59,10 +57,9 @@ def check(args) -> dict:
     :return: ``{"name", "config", "path", "settings", "specs", "dtype"}``.
     :raises ValueError: the first bad input, naming the option and what it allows.
     """
-    from ..bench import batch, e2e
+    from ..bench import batch
     from ..bench.ops import parse_sizes
     from ..bench.random_model import is_random
-    from ..evaluation import spec as spec_module
     from ..problem import device_kind
 
     on_cpu = device_kind() == "cpu"
@@ -80,17 +77,15 @@ def check(args) -> dict:
         raise ValueError(f"--prompt {prompt} + --tokens {args.tokens} exceed the model's max_position_embeddings "
                          f"({limit})")
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    specs = e2e.parse_methods(args.methods, head_dim, args.sinks, args.window, defaults=batch.DEFAULT_METHODS)
+    specs = bench_specs(args, head_dim, random, batch.DEFAULT_METHODS)
     mlx = [s.label for s in specs if s.is_mlx]
     if mlx:
         raise ValueError(f"--methods: {', '.join(mlx)}: mlx-lm's BatchGenerator cannot batch its QuantizedKVCache; "
                          "choose fp16 and kvq methods")
-    specs = [spec_module.spec_for_model(s, args.model, head_dim, args.sinks, args.window, calibrated=not random)
-             for s in specs]
     settings = batch.BatchSettings(batches, prompt, args.tokens, args.reps, args.chunk, args.sinks, args.window,
                                    args.flush, args.kernels, args.seed, not args.no_progress)
     return {"name": name, "config": config, "path": path, "settings": settings, "specs": specs,
-            "dtype": args.dtype or ("float32" if random and on_cpu else "bfloat16" if random else None)}
+            "dtype": default_dtype(args, random)}
 
 
 def main(argv: list[str]) -> int:
@@ -98,26 +93,10 @@ def main(argv: list[str]) -> int:
     loaded or built."""
     args = parser().parse_args(argv)
     checked = check(args)
-    from ..bench import batch, batch_report, measure, output
-    from ..problem import device_kind
+    from ..bench import batch, batch_report
 
-    if not args.no_plot:
-        output.pyplot()  # fail now, not after the measurements, when matplotlib is missing
-    stem = args.name or f"batch-{datetime.date.today().isoformat()}-{device_kind()}-{output.slug(checked['name'])}"
-    paths = _result_paths(args.out, stem, named=args.name is not None, command="kvq bench batch")
-    model, _ = _load(checked, args.seed)
     settings = checked["settings"]
-    info = _model_info(checked["name"], model, checked["path"])
-    document = {"benchmark": "kvq bench batch",
-                "environment": measure.environment("kvq bench batch " + shlex.join(argv)),
-                "settings": {**{k: getattr(settings, k) for k in ("batches", "prompt", "tokens", "reps", "chunk",
-                                                                   "sinks", "window", "flush", "kernels", "seed")},
-                             "methods": [s.label for s in checked["specs"]]},
-                "model": info, "rows": []}
-
-    def save(row: dict) -> None:
-        document["rows"].append(row)
-        output.write_json(document, paths[".json"])
-
-    batch.BatchBench(model, settings, info["vocab_size"]).run(checked["specs"], on_row=save)
-    return write_reports(document, paths, batch_report, plot=not args.no_plot)
+    return run_bench("kvq bench batch", argv, args, checked, "batch-",
+                     ("batches", "prompt", "tokens", "reps", "chunk", "sinks", "window", "flush", "kernels", "seed"),
+                     lambda model, info, text_ids: batch.BatchBench(model, settings, info["vocab_size"]),
+                     batch_report)

@@ -166,7 +166,6 @@ def e2e_check(args) -> dict:
     """
     from ..bench import e2e
     from ..bench.random_model import is_random
-    from ..evaluation import spec as spec_module
 
     warmup = args.warmup if args.warmup is not None else 1 if _on_cpu() else args.flush + 1
     for option, value, low in (("--steps", args.steps, 1), ("--warmup", warmup, 0), ("--chunk", args.chunk, 1),
@@ -183,15 +182,31 @@ def e2e_check(args) -> dict:
     if limit is not None and max(contexts) > limit:
         raise ValueError(f"--contexts {max(contexts)} is longer than the model's max_position_embeddings ({limit})")
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    specs = e2e.parse_methods(args.methods, head_dim, args.sinks, args.window)
-    # a method calibrated per model (vecinfer) uses --model's calibration unless [model_id=...] names another
-    specs = [spec_module.spec_for_model(s, args.model, head_dim, args.sinks, args.window, calibrated=not random)
-             for s in specs]
+    specs = bench_specs(args, head_dim, random, e2e.DEFAULT_METHODS)
     contexts = tuple(sorted(contexts, reverse=args.largest_first))
     settings = e2e.E2ESettings(contexts, args.steps, warmup, args.chunk, fill, args.sinks, args.window,
                                args.kernels, args.seed, not args.no_progress, args.flush, args.batch)
     return {"name": name, "config": config, "path": path, "settings": settings, "specs": specs,
-            "dtype": args.dtype or ("float32" if random and _on_cpu() else "bfloat16" if random else None)}
+            "dtype": default_dtype(args, random)}
+
+
+def bench_specs(args, head_dim: int, random: bool, defaults: tuple[str, ...]) -> list:
+    """``--methods`` of a bench (``None``: the installed ``defaults``), validated, fp16 first; a method calibrated
+    per model (vecinfer) uses ``--model``'s calibration unless ``[model_id=...]`` names another.
+
+    :raises ValueError: an unknown method or bad parameters (the message names them)."""
+    from ..bench import e2e
+    from ..evaluation import spec as spec_module
+
+    specs = e2e.parse_methods(args.methods, head_dim, args.sinks, args.window, defaults=defaults)
+    return [spec_module.spec_for_model(s, args.model, head_dim, args.sinks, args.window, calibrated=not random)
+            for s in specs]
+
+
+def default_dtype(args, random: bool) -> str | None:
+    """``--dtype``, else random models' default: float32 on the CPU, bfloat16 on a GPU; real models as stored
+    (``None``)."""
+    return args.dtype or (("float32" if _on_cpu() else "bfloat16") if random else None)
 
 
 def _on_cpu() -> bool:
@@ -254,34 +269,59 @@ def e2e_main(argv: list[str]) -> int:
     if args.report:
         return e2e_report_only(args.report, plot=not args.no_plot)
     checked = e2e_check(args)
-    from ..bench import e2e, e2e_report, measure, output
+    from ..bench import e2e, e2e_report
+
+    settings = checked["settings"]
+
+    def notes(info: dict) -> list[str]:
+        limit, steps = info["max_position_embeddings"], settings.warmup + settings.steps
+        return [f"context {c} + {steps} decode steps exceed max_position_embeddings {limit}"
+                for c in settings.contexts if limit and c + steps > limit]
+
+    return run_bench("kvq bench e2e", argv, args, checked, "",
+                     ("contexts", "steps", "warmup", "chunk", "fill", "sinks", "window", "kernels", "seed", "flush",
+                      "batch"),
+                     lambda model, info, text_ids: e2e.E2EBench(model, settings, text_ids), e2e_report,
+                     notes=notes)
+
+
+def run_bench(title: str, argv: list[str], args, checked: dict, prefix: str, keys: tuple[str, ...], make_bench,
+              report, extra: dict | None = None, notes=None) -> int:
+    """The part every ``kvq bench`` subcommand with a model shares, after its input checks: matplotlib checked
+    (for the plot) before any model work, the result files chosen (``prefix`` DATE-DEVICE-MODEL without
+    ``--name``), the model loaded or built, then a JSON document written after every row and the reports at the
+    end (:func:`write_reports`).
+
+    :param title: ``"kvq bench NAME"`` (the document's ``benchmark``). :param args: the parsed arguments (``name``,
+        ``out``, ``seed``, ``no_plot``); :param checked: the subcommand's check result (``name``, ``config``,
+        ``path``, ``settings``, ``specs``, ``dtype``).
+    :param keys: the settings' attributes saved in the document; :param extra: more ``settings`` entries.
+    :param make_bench: ``make_bench(model, model_info, text_ids)`` -> an object whose ``run(specs, on_row=)``
+        measures the rows. :param report: the subcommand's report module (:func:`write_reports`).
+    :param notes: ``notes(model_info)`` -> lines saved as the document's ``notes``.
+    :return: the exit code (0).
+    """
+    from ..bench import measure, output
     from ..problem import device_kind
 
     if not args.no_plot:
         output.pyplot()  # fail now, not after the measurements, when matplotlib is missing
-
-    stem = args.name or f"{datetime.date.today().isoformat()}-{device_kind()}-{output.slug(checked['name'])}"
-    paths = _result_paths(args.out, stem, named=args.name is not None)
+    stem = args.name or f"{prefix}{datetime.date.today().isoformat()}-{device_kind()}-{output.slug(checked['name'])}"
+    paths = _result_paths(args.out, stem, named=args.name is not None, command=title)
     model, text_ids = _load(checked, args.seed)
     settings = checked["settings"]
     info = _model_info(checked["name"], model, checked["path"])
-    limit = info["max_position_embeddings"]
-    notes = [f"context {c} + {settings.warmup + settings.steps} decode steps exceed max_position_embeddings {limit}"
-             for c in settings.contexts if limit and c + settings.warmup + settings.steps > limit]
-    document = {"benchmark": "kvq bench e2e",
-                "environment": measure.environment("kvq bench e2e " + shlex.join(argv)),
-                "settings": {**{k: getattr(settings, k) for k in ("contexts", "steps", "warmup", "chunk", "fill",
-                                                                   "sinks", "window", "kernels", "seed", "flush",
-                                                                   "batch")},
+    document = {"benchmark": title, "environment": measure.environment(f"{title} {shlex.join(argv)}"),
+                "settings": {**{k: getattr(settings, k) for k in keys}, **(extra or {}),
                              "methods": [s.label for s in checked["specs"]]},
-                "model": info, "notes": notes, "rows": []}
+                "model": info, **({} if notes is None else {"notes": notes(info)}), "rows": []}
 
     def save(row: dict) -> None:
         document["rows"].append(row)
         output.write_json(document, paths[".json"])
 
-    e2e.E2EBench(model, settings, text_ids).run(checked["specs"], on_row=save)
-    return write_reports(document, paths, e2e_report, plot=not args.no_plot)
+    make_bench(model, info, text_ids).run(checked["specs"], on_row=save)
+    return write_reports(document, paths, report, plot=not args.no_plot)
 
 
 def write_reports(document: dict, paths: dict, report, plot: bool) -> int:

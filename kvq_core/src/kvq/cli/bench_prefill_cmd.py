@@ -8,10 +8,8 @@ rows of one repetition in one process. Writes OUT/NAME.json (after every row), O
 from __future__ import annotations
 
 import argparse
-import datetime
-import shlex
 
-from .bench_cmd import _load, _model_config, _model_info, _result_paths, add_model_and_cache_options, write_reports
+from .bench_cmd import _model_config, add_model_and_cache_options, bench_specs, default_dtype, run_bench
 
 EPILOG = """
 models: the default model (SmolLM2-135M-Instruct), any --model kvq eval takes, or random:PRESET, a random-weight
@@ -75,10 +73,8 @@ def check(args) -> dict:
     :return: ``{"name", "config", "path", "settings", "specs", "dtype"}``.
     :raises ValueError: the first bad input, naming the option and what it allows.
     """
-    from ..bench import e2e, prefill
+    from ..bench import prefill
     from ..bench.random_model import is_random
-    from ..evaluation import spec as spec_module
-    from ..problem import device_kind
 
     for option, value, low in (("--chunk", args.chunk, 1), ("--reps", args.reps, 1), ("--sinks", args.sinks, 0),
                                ("--window", args.window, 0), ("--flush", args.flush, 1)):
@@ -88,14 +84,11 @@ def check(args) -> dict:
     name, config, path = _model_config(args)
     contexts = _contexts(args.contexts, random, config.get("max_position_embeddings"))
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    specs = e2e.parse_methods(args.methods, head_dim, args.sinks, args.window, defaults=prefill.DEFAULT_METHODS)
-    specs = [spec_module.spec_for_model(s, args.model, head_dim, args.sinks, args.window, calibrated=not random)
-             for s in specs]
+    specs = bench_specs(args, head_dim, random, prefill.DEFAULT_METHODS)
     settings = prefill.PrefillSettings(contexts, args.chunk, args.reps, args.sinks, args.window, args.flush,
                                        args.kernels, args.seed, not args.no_progress)
-    on_cpu = device_kind() == "cpu"
     return {"name": name, "config": config, "path": path, "settings": settings, "specs": specs,
-            "dtype": args.dtype or ("float32" if random and on_cpu else "bfloat16" if random else None)}
+            "dtype": default_dtype(args, random)}
 
 
 def main(argv: list[str]) -> int:
@@ -103,28 +96,11 @@ def main(argv: list[str]) -> int:
     loaded or built."""
     args = parser().parse_args(argv)
     checked = check(args)
-    from ..bench import measure, output, prefill, prefill_report
-    from ..problem import device_kind
+    from ..bench import prefill, prefill_report
 
-    if not args.no_plot:
-        output.pyplot()  # fail now, not after the measurements, when matplotlib is missing
-    stem = args.name or f"prefill-{datetime.date.today().isoformat()}-{device_kind()}-{output.slug(checked['name'])}"
-    paths = _result_paths(args.out, stem, named=args.name is not None, command="kvq bench prefill")
-    model, text_ids = _load(checked, args.seed)
     settings = checked["settings"]
-    info = _model_info(checked["name"], model, checked["path"])
-    document = {"benchmark": "kvq bench prefill",
-                "environment": measure.environment("kvq bench prefill " + shlex.join(argv)),
-                "settings": {**{k: getattr(settings, k) for k in ("contexts", "chunk", "reps", "sinks", "window",
-                                                                   "flush", "kernels", "seed")},
-                             "prompt": "random token ids" if text_ids is None else "the Python language reference",
-                             "methods": [s.label for s in checked["specs"]]},
-                "model": info, "rows": []}
-
-    def save(row: dict) -> None:
-        document["rows"].append(row)
-        output.write_json(document, paths[".json"])
-
-    bench = prefill.PrefillBench(model, settings, info["vocab_size"], text_ids)
-    bench.run(checked["specs"], on_row=save)
-    return write_reports(document, paths, prefill_report, plot=not args.no_plot)
+    prompt = "random token ids" if checked["path"] is None else "the Python language reference"
+    return run_bench("kvq bench prefill", argv, args, checked, "prefill-",
+                     ("contexts", "chunk", "reps", "sinks", "window", "flush", "kernels", "seed"),
+                     lambda model, info, text_ids: prefill.PrefillBench(model, settings, info["vocab_size"], text_ids),
+                     prefill_report, extra={"prompt": prompt})
