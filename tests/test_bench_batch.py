@@ -50,6 +50,14 @@ def test_files_and_settings(run):
     text = (out / "run.md").read_text()
     assert "### 3 sequences at once" in text and "Prompts: 48 random tokens each, 6 new tokens" in text
     assert doc["settings"]["batches"] == [1, 3] and doc["settings"]["methods"] == list(METHODS)
+    assert doc["notes"] == []  # 48 + 6 tokens pass the 16-token window: decode compresses
+
+
+def test_a_run_that_compresses_nothing_says_so():
+    settings = batch.BatchSettings((1,), prompt=64, tokens=4)  # 4 sinks + 128-token window: nothing leaves it
+    (note,) = batch.notes(settings)
+    assert "nothing is compressed" in note and "--prompt" in note
+    assert batch.notes(batch.BatchSettings((1,), prompt=200, tokens=4)) == []
 
 
 def test_kvq_rows_patch_the_model_only_while_they_run():

@@ -289,6 +289,7 @@ def test_round_trip_properties(method, bits, outlier_bits, shape, outlier_share,
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"bits": 5}, ValueError, r"bits must be one of 1, 2, 3, 4; got 5"),
     ({"bits": 0}, ValueError, r"bits must be one of 1, 2, 3, 4; got 0"),
+    ({"bits": "4"}, ValueError, r"bits must be one of 1, 2, 3, 4; got '4'"),  # a string, as from a config file
     ({"rotation": "foo"}, ValueError, r"rotation must be one of hadamard, qr; got 'foo'"),
     ({"outlier_bits": 8}, ValueError, r"outlier_bits must be one of 1, 2, 3, 4; got 8"),
     ({"seed": -1}, ValueError, r"seed must be an int >= 0; got -1"),

@@ -30,7 +30,7 @@ import attrs
 
 import kvq
 from kvq.packing import packed_words
-from kvq.validate import attrs_one_of
+from kvq.validate import attrs_one_of, one_of
 
 from . import codebook as codebook_module
 from . import outliers
@@ -48,6 +48,7 @@ def _non_negative_int(instance, attribute, value):
 
 
 def _default_outlier_bits(self) -> int:
+    one_of("bits", self.bits, BITS)  # made before the validators run: a bad bits gets their message, not a TypeError
     return min(self.bits + 1, BITS[-1])
 
 

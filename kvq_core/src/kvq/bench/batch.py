@@ -55,6 +55,17 @@ class BatchSettings:
     progress: bool = True
 
 
+def notes(settings: BatchSettings) -> list[str]:
+    """What a reader of the results must know about ``settings``: a run whose sequences never grow past a kvq
+    cache's sinks and window compresses nothing (its kvq rows then measure 16-bit caches)."""
+    held = settings.sinks + settings.window + settings.flush - 1
+    if settings.prompt + settings.tokens <= held:
+        return [f"prompts of {settings.prompt} tokens + {settings.tokens} new ones stay within the kvq caches' "
+                f"{settings.sinks} sinks and {settings.window}-token window (+ {settings.flush - 1} before a flush): "
+                "nothing is compressed; use a longer --prompt or a smaller --window"]
+    return []
+
+
 def prompts(batch: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
     """``batch`` lists of ``length`` random token ids (the same for every method of a run)."""
     ids = mx.random.randint(0, vocab_size, (batch, length), key=mx.random.key(seed * 1_000_003 + batch))

@@ -6,11 +6,11 @@ from pathlib import Path
 
 from .output import cache_style, header_lines, markdown_table, pyplot
 
-GB = 1e9
-COLUMNS = ("method", "cache", "rep", "prefill s (x fp16 speed)", "decode tokens/s, all sequences (x fp16)",
-           "peak GB above (x fp16)")
+MIB = 2**20
+COLUMNS = ("method", "cache", "rep", "prefill s; speed x fp16", "decode tokens/s, all sequences (x fp16)",
+           "peak MiB above (x fp16)")
 NOTES = """Columns: prefill s = from inserting the prompts into mlx-lm's BatchGenerator until every sequence has its \
-first token; decode tokens/s = every sequence's tokens after its first, over the time from then to the last token \
+first token (speed x fp16 = fp16's seconds / these); decode tokens/s = every sequence's tokens after its first, over the time from then to the last token \
 (the aggregate a server under concurrent load gives); peak = mx.get_peak_memory() during the run minus the active \
 memory before the generator was made (caches, prefill and decode temporaries). Ratios compare with fp16 (mlx-lm's \
 own caches, the model unpatched) in the same repetition; the first repetition includes compiling. kvq rows patch \
@@ -26,16 +26,16 @@ def _cells(r: dict) -> list[str]:
     if r["error"]:
         return head + ["-", "-", f"error: {r['error'][:120]}"]
     speed = r["decode_tokens_per_second"]
-    return head + [_ratio(f"{r['prefill_seconds']:.3g}", r["prefill_vs_fp16"]),
-                   _ratio("-" if speed is None else f"{speed:,.1f}", r["decode_vs_fp16"]),
-                   _ratio(f"{r['peak_memory_growth'] / GB:.3g}", r["peak_vs_fp16"])]
+    prefill = f"{r['prefill_seconds']:.3g}" + ("" if r["prefill_vs_fp16"] is None else f"; {r['prefill_vs_fp16']:.2f}x")
+    return head + [prefill, _ratio("-" if speed is None else f"{speed:,.1f}", r["decode_vs_fp16"]),
+                   _ratio(f"{r['peak_memory_growth'] / MIB:.1f}", r["peak_vs_fp16"])]
 
 
 def markdown(rows: list[dict]) -> str:
     """One table per batch size (smallest first), then :data:`NOTES`."""
     parts = []
     for batch in sorted({r["batch"] for r in rows}):
-        parts.append(f"### {batch} sequences at once\n")
+        parts.append(f"### {batch} sequence{'' if batch == 1 else 's'} at once\n")
         parts.append(markdown_table(COLUMNS, [_cells(r) for r in rows if r["batch"] == batch]) + "\n")
     return "\n".join(parts + [NOTES])
 
@@ -46,7 +46,8 @@ def markdown_file(document: dict) -> str:
     lines = [*header_lines("kvq bench batch", document),
              f"Prompts: {s['prompt']} random tokens each, {s['tokens']} new tokens per sequence (greedy, no stop "
              f"token), prefill_step_size {s['chunk']}, {s['reps']} repetitions; kvq caches: sinks {s['sinks']}, "
-             f"window {s['window']}, flush {s['flush']}, kernels {s['kernels']}.", "", markdown(document["rows"])]
+             f"window {s['window']}, flush {s['flush']}, kernels {s['kernels']}.",
+             *(f"Note: {n}" for n in document.get("notes", [])), "", markdown(document["rows"])]
     return "\n".join(lines) + "\n"
 
 
@@ -62,14 +63,16 @@ def plot(document: dict, path: str | Path) -> None:
     rows = [r for r in rows if r["rep"] == last]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     panels = (("decode_tokens_per_second", 1, "decode tokens/s, all sequences"),
-              ("peak_memory_growth", GB, "peak GB above the model"))
+              ("peak_memory_growth", MIB, "peak MiB above the model"))
     for ax, (key, scale, label) in zip(axes, panels):
         for method in dict.fromkeys(r["method"] for r in rows):
             points = sorted((r["batch"], r[key] / scale) for r in rows if r["method"] == method)
             cache = next(r["cache"] for r in rows if r["method"] == method)
-            ax.plot([p[0] for p in points], [p[1] for p in points], label=method, **cache_style(cache))
+            name = f"{method} (mlx-lm's caches, {document['model']['dtype']})" if method == "fp16" else method
+            ax.plot([p[0] for p in points], [p[1] for p in points], label=name, **cache_style(cache))
         ax.set(ylabel=label, xlabel="sequences at once (BatchGenerator)")
         ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(lambda v, _: f"{v:g}")
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=8)
     env, m = document["environment"], document["model"]

@@ -284,7 +284,7 @@ class E2EBench:
         key_bits, value_bits = bits(spec, self.head_dim, self.dtype)
         mean = (key_bits + value_bits) / 2
         dense = min(sinks + window, context)
-        return {"context": context, "method": spec.label, "cache": cache_kind(spec),
+        return {"context": context, "batch": s.batch, "method": spec.label, "cache": cache_kind(spec),
                 "key_method": spec.key_method, "value_method": spec.value_method,
                 "key_params": spec.key_params, "value_params": spec.value_params, "sinks": sinks, "window": window,
                 "kv_dtype": str(self.dtype).removeprefix("mlx.core."), "bits_per_coordinate": mean,

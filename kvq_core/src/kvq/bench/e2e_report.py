@@ -8,14 +8,17 @@ from .output import cache_style, context_axis, header_lines, pyplot, tables_by_c
 
 MIB = 2**20
 COLUMNS = ("method", "cache", "bits/coord (eff.)", "KV MiB (x fp16)", "measured MiB (x fp16)", "decode peak MiB",
-           "ms/token mean, median [p10, p90]", "host ms/token median", "tokens/s (x fp16)", "attend")
+           "ms/step mean, median [p10, p90]", "host ms/step median", "tokens/s (x fp16)", "attend")
 NOTES = """Columns: bits/coord = stored bits per coordinate of compressed tokens (codes + norms + scales), keys and \
 values averaged; eff. = over the whole context with a kvq cache's sinks and window at 16 bits. KV MiB = the caches' \
 nbytes after the fill (allocated, preallocation included); measured = growth of mx.get_active_memory() from before \
 the caches were made to after the fill; decode peak = mx.get_peak_memory() during decode minus the memory before \
-the caches were made (caches + decode temporaries). ms/token: one greedy token per forward pass, mx.eval each, \
-after the warmup steps; host ms/token = the time Python spent building and queueing a step's graph (a step \
-whose ms/token is about its host time was bound by the host, not the device); tokens/s = 1 / mean (a kvq cache's window flush, once every flush steps, counts). \
+the caches were made (caches + decode temporaries). ms/step: one decode step (one greedy token for each \
+sequence: one, or the --batch count), the steps pipelined as mlx_lm.generate runs them, after the warmup steps; \
+host ms/step = the time Python spent building the next step's graph and MLX queueing it (mx.async_eval, which \
+on MLX's CUDA back end encodes it into CUDA graphs): where it is about the whole step, the host set the pace \
+(benchmarks/decode_host_split.py splits it; on the CPU the two come out equal); tokens/s = sequences / mean step \
+(a kvq cache's window flush, once every flush steps, counts). \
 fp16 = mlx-lm's KVCache in the model's dtype; mlx-affine:N = mlx-lm's QuantizedKVCache (kv_bits N, group 64); the \
 others are kvq caches."""
 
@@ -34,12 +37,16 @@ def _host(r: dict) -> str:
     return "-" if host is None else f"{host:.3g}"
 
 
+def _rate(value: float) -> str:
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
 def _cells(r: dict) -> list[str]:
     head = [r["method"], r["cache"], f"{r['bits_per_coordinate']:.3g} ({r['effective_bits_per_coordinate']:.3g})"]
     if r["error"]:
         return head + ["-"] * (len(COLUMNS) - 4) + [f"error: {r['error'][:120]}"]
     lat = r["latency_ms"]
-    speed = f"{r['tokens_per_second']:.3g}" + ("" if r["speed_vs_fp16"] is None else f" ({r['speed_vs_fp16']:.2f})")
+    speed = _rate(r["tokens_per_second"]) + ("" if r["speed_vs_fp16"] is None else f" ({r['speed_vs_fp16']:.2f})")
     return head + [_ratio(r["kv_bytes"] / MIB, r["kv_bytes_ratio"]),
                    _ratio(r["active_memory_growth"] / MIB, r["memory_ratio"]),
                    f"{r['peak_memory_growth'] / MIB:.1f}",
@@ -49,7 +56,9 @@ def _cells(r: dict) -> list[str]:
 
 def markdown(rows: list[dict]) -> str:
     """One table per context length (shortest first), then :data:`NOTES`."""
-    return "\n".join(tables_by_context(rows, COLUMNS, _cells, "tokens of context") + [NOTES])
+    batch = max((r.get("batch", 1) for r in rows), default=1)  # absent from results written before batches
+    heading = "tokens of context" + (f", {batch} sequences at once" if batch > 1 else "")
+    return "\n".join(tables_by_context(rows, COLUMNS, _cells, heading) + [NOTES])
 
 
 def markdown_file(document: dict) -> str:

@@ -99,4 +99,4 @@ def main(argv: list[str]) -> int:
     return run_bench("kvq bench batch", argv, args, checked, "batch-",
                      ("batches", "prompt", "tokens", "reps", "chunk", "sinks", "window", "flush", "kernels", "seed"),
                      lambda model, info, text_ids: batch.BatchBench(model, settings, info["vocab_size"]),
-                     batch_report)
+                     batch_report, notes=lambda info: batch.notes(settings))
