@@ -110,7 +110,7 @@ def tiny_gguf(tmp_path):
 
 def test_generate_on_a_tiny_gguf_model(tiny_gguf, cache, capsys):
     argv = ["generate", "--model", str(tiny_gguf), "--method", "turboquant", "--bits", "2", "--sinks", "0",
-            "--window", "0", "--prompt", "the the the the", "--max-tokens", "4", "--compare", "fp16"]
+            "--window", "0", "--flush", "1", "--prompt", "the the the the", "--max-tokens", "4", "--compare", "fp16"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "prompt tokens/s" in out and "KV bytes (measured)" in out and "top-1 agreement" in out
@@ -144,7 +144,16 @@ def test_generate_says_when_nothing_was_compressed(tiny_gguf, cache, capsys):
             "--max-tokens", "3", "--compare", "fp16"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "NOTE: nothing was compressed" in out and "sinks (4) and window (128)" in out
+    assert "NOTE: nothing was compressed" in out and "sinks (4) and window (128, growing to 159" in out
+
+
+def test_generate_counts_the_tokens_a_flush_waits_for(tiny_gguf, cache, capsys):
+    """No sinks and no window, but the default flush of 32: the few tokens of this run wait in the window for a
+    whole block, so nothing is compressed and the report says so (it used to count only sinks + window)."""
+    argv = ["generate", "--model", str(tiny_gguf), "--method", "turboquant:4", "--sinks", "0", "--window", "0",
+            "--prompt", "the the", "--max-tokens", "3", "--compare", "fp16"]
+    assert main(argv) == 0
+    assert "NOTE: nothing was compressed" in capsys.readouterr().out
 
 
 def test_teacher_forcing_replays_the_reference_and_leaves_the_cache_alone(tmp_path, cache):

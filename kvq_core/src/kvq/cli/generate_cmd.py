@@ -58,6 +58,8 @@ class Run:
     measured: int
     logprobs: list[np.ndarray] = field(default_factory=list)
     comparison: quality.Comparison | None = None
+    #: tokens the first layer's cache holds compressed (``None``: not a kvq cache)
+    compressed_tokens: int | None = None
 
 
 def cache_options(args: argparse.Namespace) -> dict:
@@ -238,7 +240,8 @@ def run_cache(model, tokenizer, ids: list[int], options: dict, max_tokens: int, 
     del response
     measured = quality.settle() - before
     return Run(label, options, tokens, "".join(pieces), len(ids), len(ids) / (prefill_seconds + first_token_seconds),
-               generation_tps, cache[0].size(), quality.cache_nbytes(cache), measured, logprobs, comparison)
+               generation_tps, cache[0].size(), quality.cache_nbytes(cache), measured, logprobs, comparison,
+               getattr(getattr(cache[0], "compressed_keys", None), "length", None))
 
 
 def fp16_bytes(model, run: Run, reference: Run | None) -> tuple[int, int, str]:
@@ -286,11 +289,14 @@ def summary_rows(model, run: Run, reference: Run | None) -> tuple[list[list[str]
                  ["identical prefix of the outputs", dash,
                   f"{quality.common_prefix(reference.tokens, run.tokens)}/{len(reference.tokens)} tokens"]]
     notes = [note] if note else []
-    uncompressed = run.options.get("sinks", 4) + run.options.get("window", 128)
-    if run.options.get("method") != "fp16" and run.cached_tokens <= uncompressed:
+    sinks, window, flush = (run.options.get(k, d) for k, d in (("sinks", 4), ("window", 128), ("flush", 32)))
+    held = sinks + window + flush - 1  # the window grows to window + flush - 1 tokens before a flush
+    nothing = run.compressed_tokens == 0 if run.compressed_tokens is not None else run.cached_tokens <= held
+    if run.options.get("method") != "fp16" and nothing:
         notes.append(f"NOTE: nothing was compressed: all {run.cached_tokens} tokens fit in the uncompressed sinks "
-                     f"({run.options.get('sinks', 4)}) and window ({run.options.get('window', 128)}); the bytes "
-                     f"differ only by allocation. Use a longer prompt, or --sinks 0 --window 0.")
+                     f"({sinks}) and window ({window}, growing to {window + flush - 1} before a flush of {flush}); "
+                     "the bytes differ only by allocation and storage. Use a longer prompt, or --sinks 0 --window 0 "
+                     "--flush 1.")
     notes.append("measured: growth of mx.get_active_memory from the empty cache to the filled one (it also counts "
                  "constants a method allocates once, such as rotations and codebooks)")
     return rows, notes
