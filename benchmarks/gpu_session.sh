@@ -3,7 +3,9 @@
 #   bash benchmarks/gpu_session.sh [steps...]
 # steps: smoke tests bench (default: these three), sweep, ops (kvq bench ops + kvq autotune from it),
 #        e2e (kvq bench e2e on a random-weight Llama-3-8B shape), dist (2 GPUs: NCCL tests + 64K decode benchmark),
-#        durations (GPU time per decode-attention call, read by Nsight Compute), profile (ncu --set full at 128K)
+#        durations (GPU time per decode-attention call, read by Nsight Compute), profile (ncu --set full at 128K),
+#        batch (kvq bench batch: BatchGenerator, 1 and 8 sequences of 2K prompts), e2e-batch (kvq bench e2e --batch:
+#        8 sequences at 8K, 32 at 4K), hostsplit (building vs mx.async_eval of a decode step at 4K)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -44,6 +46,19 @@ for name, fn in [("quantize", lambda: k.kvq_quantize(x, p).data["codes"]),
                python3 benchmarks/profile_attend.py > "$OUT/profile.log" 2>&1
              ncu -i "$OUT/attend.ncu-rep" --page details > "$OUT/attend_details.txt" 2>&1
              grep -E "Duration|Registers Per|Achieved Occ|DRAM Through|Issue Slots" "$OUT/attend_details.txt";;
+    batch) mkdir -p "$OUT/batch"
+           timeout ${BATCH_TIMEOUT:-500} python3 -m kvq.cli bench batch --model random:llama3-8b --dtype bfloat16 \
+             --methods fp16,turboquant:3,turboquant:4,affine:4 --batches ${BATCHES:-1,8} --prompt 2048 --tokens 64 \
+             --no-progress --out "$OUT/batch" --name "$(date +%F)-h200-batch" > "$OUT/batch.log" 2>&1
+           grep -E "^(###|\| (fp16|turbo|affine))" "$OUT/batch.log" || tail -c 2000 "$OUT/batch.log";;
+    e2e-batch) mkdir -p "$OUT/e2e"
+           for bc in 8:8K 32:4K; do
+             timeout ${E2E_TIMEOUT:-270} python3 -m kvq.cli bench e2e --model random:llama3-8b --dtype bfloat16 \
+               --methods fp16,turboquant:3,turboquant:4,affine:4 --batch ${bc%%:*} --contexts ${bc##*:} --steps 64 \
+               --no-progress --out "$OUT/e2e" --name "$(date +%F)-h200-batch${bc%%:*}" > "$OUT/e2e-batch${bc%%:*}.log" 2>&1
+             grep -E "^(###|\| (fp16|turbo|affine))" "$OUT/e2e-batch${bc%%:*}.log" | cut -c1-220
+           done;;
+    hostsplit) timeout 200 python3 benchmarks/decode_host_split.py > "$OUT/hostsplit.log" 2>&1; cat "$OUT/hostsplit.log";;
     dist) KVQ_TEST_DISTRIBUTED_BACKEND=nccl timeout 240 python3 -m pytest tests/test_distributed.py -q -x \
             -p no:cacheprovider > "$OUT/dist_tests.log" 2>&1; tail -c 1500 "$OUT/dist_tests.log"
           # mlx.launch is a console script: run its entry point with this interpreter
