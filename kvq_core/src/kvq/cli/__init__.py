@@ -18,6 +18,10 @@ COMMANDS = {
 }
 
 
+#: Commands that run a model (on a Linux CPU without an optimised BLAS they say how to get one first).
+MODEL_COMMANDS = ("eval", "generate", "demo", "calibrate", "bench", "serve")
+
+
 def _usage() -> str:
     lines = ["usage: kvq COMMAND [options]    (kvq --version: the installed kvq distributions)", "", "commands:"]
     lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
@@ -60,6 +64,12 @@ def _dispatch(argv: list[str]) -> int:
     if name not in COMMANDS:
         print(f"kvq: unknown command {name!r}; choose one of {', '.join(COMMANDS)}\n\n{_usage()}", file=sys.stderr)
         return 2
+    if name in MODEL_COMMANDS and not {"-h", "--help"} & set(rest):
+        from ..install_hints import blas_hint
+
+        hint = blas_hint()
+        if hint:
+            print(hint, file=sys.stderr)
     module = importlib.import_module(COMMANDS[name][0])
     try:
         return module.main(rest) or 0
