@@ -113,26 +113,28 @@ def decode(model, caches: list, token: int, steps: int, warmup: int = 1,
     return times[warmup:], times[:warmup]
 
 
+def _milliseconds(seconds: list[float]) -> dict:
+    """``seconds`` in milliseconds: median, p10, p90, mean, min, max and every value (``all``, in order)."""
+    ms = np.array(seconds) * 1e3
+    return {"median": float(np.median(ms)), "p10": float(np.percentile(ms, 10)), "p90": float(np.percentile(ms, 90)),
+            "mean": float(ms.mean()), "min": float(ms.min()), "max": float(ms.max()),
+            "all": [round(float(x), 4) for x in ms]}
+
+
 def latency_summary(seconds: list[float], batch: int = 1) -> dict:
     """Per-step latency in milliseconds (median, p10, p90, mean, min, max, all) and tokens/s (``batch`` tokens
     per step: ``batch`` / mean).
 
     tokens/s is the count over the total time, as ``mlx_lm.generate`` reports it: a kvq cache compresses its
     window once every ``flush`` steps, and that step's cost belongs in the rate (the median would hide it)."""
-    ms = np.array(seconds) * 1e3
-    median = float(np.median(ms))
-    return {"latency_ms": {"median": median, "p10": float(np.percentile(ms, 10)),
-                           "p90": float(np.percentile(ms, 90)), "mean": float(ms.mean()), "min": float(ms.min()),
-                           "max": float(ms.max()), "all": [round(float(x), 4) for x in ms]},
-            "tokens_per_second": batch * 1e3 / float(ms.mean())}
+    latency = _milliseconds(seconds)
+    return {"latency_ms": latency, "tokens_per_second": batch * 1e3 / latency["mean"]}
 
 
 def host_summary(seconds: list[float]) -> dict:
-    """Host time per decode step (:func:`decode`'s ``host``) in milliseconds: median, p10, p90, mean and every
-    step's (``all``, in the order of ``latency_ms["all"]``); a step bound by the host has an interval close to
-    its host time."""
+    """Host time per decode step (:func:`decode`'s ``host``) in milliseconds, as :func:`latency_summary` gives the
+    steps' (``all`` in the order of ``latency_ms["all"]``); a step bound by the host has an interval close to its
+    host time. Without any step, every value is ``None`` and ``all`` empty."""
     if not seconds:
-        return {"median": None, "p10": None, "p90": None, "mean": None, "all": []}
-    ms = np.array(seconds) * 1e3
-    return {"median": float(np.median(ms)), "p10": float(np.percentile(ms, 10)),
-            "p90": float(np.percentile(ms, 90)), "mean": float(ms.mean()), "all": [round(float(x), 4) for x in ms]}
+        return {"median": None, "p10": None, "p90": None, "mean": None, "min": None, "max": None, "all": []}
+    return _milliseconds(seconds)

@@ -447,11 +447,7 @@ class KVQCache:
         if held_k is not None:
             keys = mx.concatenate([held_k, keys], axis=2)
             values = mx.concatenate([held_v, values], axis=2)
-        # fitted parameters see the tokens a token-by-token run holds at its first compression (only then: no
-        # slices are made for a later flush)
-        if not self.compressed_keys.length:
-            first = self.config.window + self._flush
-            self._fit_params(keys[:, :, :first], values[:, :, :first])
+        self._fit_params(keys, values)
         self._compress(keys[:, :, :overflow], values[:, :, :overflow])
         self.window.replace(keys[:, :, overflow:], values[:, :, overflow:])
         return keys, values
@@ -475,11 +471,13 @@ class KVQCache:
         """Parameters with the optional ``fit(block)`` (:class:`kvq.contract.Fits`: shared state chosen from data,
         e.g. TurboQuant's data-chosen outlier channels) are fitted when this layer first compresses, on the first
         ``window + flush`` tokens after the sinks (what a token-by-token run holds then, so the fit does not
-        depend on how the prompt was chunked). The fitted parameters replace the configuration's: every block
-        uses them, and prompt-cache files save them. ``fit`` returns fitted parameters unchanged, so this runs
-        once per layer (a trim keeps the fitted state)."""
+        depend on how the prompt was chunked) of ``keys``/``values``, the window's tokens followed by the new ones.
+        The fitted parameters replace the configuration's: every block uses them, and prompt-cache files save them.
+        Later flushes return at once, before any slice is made (a trim keeps the fitted state)."""
         if self.compressed_keys.length:
             return
+        first = self.config.window + self._flush
+        keys, values = keys[:, :, :first], values[:, :, :first]
 
         def fit(params, block):
             hook = optional_hook(params, Fits)

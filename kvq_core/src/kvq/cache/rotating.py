@@ -129,8 +129,7 @@ class RotatingKVQCache(KVQCache):
             keys, values = mx.concatenate([held_k, keys], axis=2), mx.concatenate([held_v, values], axis=2)
         encoded = None
         if self.compressed_keys.limit:
-            if not self.compressed_keys.length:  # the first compression fits the parameters (_fit_params)
-                self._fit_params(*(x[:, :, : self.config.window + self._flush] for x in (keys, values)))
+            self._fit_params(keys, values)
             encoded = self._encode(keys[:, :, :overflow], values[:, :, :overflow])
             self.compressed_keys.append(encoded[0])
             self.compressed_values.append(encoded[1])
