@@ -58,6 +58,8 @@ import unittest
 import warnings
 from pathlib import Path
 
+from kvq.bench.output import slug
+
 #: The names of mlx-lm's cache classes a test may assert or build (``mlx_lm.models.cache``).
 MLX_CACHE_CLASSES = ("KVCache", "RotatingKVCache", "QuantizedKVCache", "ChunkedKVCache", "BatchKVCache",
                      "BatchRotatingKVCache", "ArraysCache", "MambaCache", "CacheList")
@@ -696,7 +698,7 @@ def summary(folder: Path) -> str:
              "mlx-lm caches / no cache | failed (diagnoses) | skipped | excluded | worst relative difference from "
              "mlx-lm, float32 / float16 | file |", "|---|---|---|---|---|---|---|---|---|---|"]
     for d in docs:
-        c, slug = d["counts"], slug_of(d["method"])
+        c, stem = d["counts"], slug(d["method"])
         diagnoses: dict[str, int] = {}
         for f in d["failures"]:
             diagnoses[f.get("diagnosis", UNEXPLAINED)] = diagnoses.get(f.get("diagnosis", UNEXPLAINED), 0) + 1
@@ -708,7 +710,7 @@ def summary(folder: Path) -> str:
                      f"{c['passed_without_a_model_cache']} | {c['failed']} ("
                      + "; ".join(f"{n}: {k}" for k, n in sorted(diagnoses.items())) + f") | {c['skipped']} | "
                      f"{c['excluded']} | " + " / ".join("-" if w is None else f"{w:.1e}" for w in worst)
-                     + f" | [{slug}.md]({slug}.md) |")
+                     + f" | [{stem}.md]({stem}.md) |")
     lines += ["", "The worst relative difference is over every call of a model kvq served, repeated with mlx-lm's own "
               "caches (largest absolute difference of the outputs over the largest magnitude of mlx-lm's): for "
               "`fp16` it measures 16-bit storage; for the 4-bit methods it is what random-weight tiny models with "
@@ -716,11 +718,6 @@ def summary(folder: Path) -> str:
               "Each method's file lists its failures with their diagnoses, the skipped and excluded tests, the "
               "model types kvq declined, and every test."]
     return "\n".join(lines) + "\n"
-
-
-def slug_of(method: str) -> str:
-    """A file name for a method string (``turboquant:4`` -> ``turboquant-4``)."""
-    return "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in method).strip("-")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -758,9 +755,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     doc["tests_file"]["ref"] = args.tests_ref
     doc["tests_file"]["path"] = args.tests.name
-    slug = slug_of(args.method)
-    (args.out / f"{slug}.json").write_text(json.dumps(doc, indent=1) + "\n")
-    (args.out / f"{slug}.md").write_text(markdown(doc))
+    stem = slug(args.method)  # kvq bench's file-name rule: turboquant:4 -> turboquant-4
+    (args.out / f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (args.out / f"{stem}.md").write_text(markdown(doc))
     (args.out / "README.md").write_text(summary(args.out))
     c = doc["counts"]
     print(f"{args.method}: {c['passed']} passed ({c['passed_on_kvq_caches']} on kvq caches), {c['failed']} failed, "
