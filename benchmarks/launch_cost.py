@@ -61,6 +61,54 @@ def measure(name, make, x, calls, reps, **kw):
     return {"name": name, "build_us": build, "eval_us": ev}
 
 
+def decode_step_rows(calls: int, reps: int) -> list[dict]:
+    """A turboquant:4 layer's bound decode step (4K compressed tokens, 4 sinks, a window of 100; 32 query / 8 KV
+    heads, head_dim 128, bfloat16) launched ``calls`` times: as bound now (template values in the kernel's text,
+    each array passed once: ``kvq_metal.dialect.Kernel.bound``) and as before (MLX's kernel object with the 26
+    template arguments and all 17 inputs)."""
+    from kvq.cache import KVQCache, make_config
+    from kvq_metal import attend, attend_tc, dialect
+
+    cache = KVQCache(make_config("turboquant", bits=4, flush=32))
+    k = mx.random.normal((1, 8, 4096 + 132, 128)).astype(mx.bfloat16)
+    cache.update_and_fetch(k, k)
+    q = mx.random.normal((1, 32, 1, 128)).astype(mx.bfloat16)
+    mx.eval(cache.attend(q, 0.088))
+    step = cache._bound[2]
+    if not isinstance(step, attend.DecodeStep):
+        return [{"name": "bound decode step", "error": f"not a tensor-core step here: {type(step).__name__}"}]
+    wk, wv = cache.window.keys[:, :, :100], cache.window.values[:, :, :100]
+    kern = attend_tc.DECODE_ATTEND_TC.kernel("cuda", attend.TC_INPUTS, attend.TC_OUTPUTS,
+                                            ensure_row_contiguous=False)
+    # the step as it was bound before: every input, the template passed on every launch
+    from kvq_backends_turboquant.kernels import turboquant as tqk
+    dense_call = tqk._rotated_call(cache.compressed_keys.view(), cache.compressed_values.view(), tqk._side)
+    codes = attend._code_inputs(dense_call.keys, dense_call.values, dense_call.signs)
+    sinks = list(cache.sinks.view())
+    old_inputs = [q, *codes, step._counter, wk, wv, *sinks]
+    full = [*step.template_args, *dialect.dtype_template(tuple(a.dtype for a in old_inputs))]
+    old = attend.DecodeStep(kern._kernel, full, step._grid, codes, sinks, step._shapes, step._dtypes, step._counter)
+    rows = []
+    for name, s in (("bound decode step, template in text, arrays once", step),
+                    ("bound decode step, 26 template args, 17 inputs", old)):
+        def run(n, s=s):
+            mx.synchronize()
+            tic = time.perf_counter()
+            outs = [s(q, wk, wv) for _ in range(n)]
+            built = time.perf_counter()
+            mx.eval(outs)
+            mx.synchronize()
+            return (built - tic) / n, (time.perf_counter() - built) / n
+
+        run(8)
+        runs = [run(calls) for _ in range(reps)]
+        row = {"name": name, "build_us": sorted(r[0] for r in runs)[reps // 2] * 1e6,
+               "eval_us": sorted(r[1] for r in runs)[reps // 2] * 1e6}
+        print(f"{row['name']:<44} build {row['build_us']:8.2f} us/call   eval {row['eval_us']:8.2f} us/call")
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--calls", type=int, default=512)
@@ -82,6 +130,12 @@ def main() -> None:
     template = [(f"T{i}", i) for i in range(25)]
     rows.append(measure("15 inputs, 25 template args, short", many, x, args.calls, args.reps,
                         extra_inputs=extra, template=template))
+    rows.append(measure("15 inputs, no template args, short", many, x, args.calls, args.reps, extra_inputs=extra))
+    few = lambda: mx.fast.cuda_kernel(name="lc_few", input_names=names[:9], output_names=["out"], source=BODY)
+    rows.append(measure("9 inputs, no template args, short", few, x, args.calls, args.reps,
+                        extra_inputs=extra[:8]))
+    rows.append(measure("1 input, 25 template args, short", short, x, args.calls, args.reps, template=template))
+    rows.extend(decode_step_rows(args.calls, args.reps))
 
     # SDPA on a decode shape: q [1, 32, 1, 128] over 4096 keys of 8 heads, chained through q
     k = mx.random.normal((1, 8, 4096, 128)).astype(mx.bfloat16)

@@ -350,3 +350,64 @@ def test_kernel_names_tell_input_dtypes_apart():
     assert dtype_template((mx.float16,) * 15)[0] == ("TDT0", sum(10 << (4 * i) for i in range(7)))
     with pytest.raises(TypeError, match="kernel inputs must have one of the dtypes"):
         dtype_template((mx.float16, "float8"))
+
+
+def test_baked_source_writes_the_constexpr_lines_mlx_writes_and_the_aliases():
+    """A bound CUDA launch carries its template in its text: MLX's own lines for bools and ints (so the kernel
+    compiles as with template arguments), a ``#define`` per alias with its shape/strides/ndim, and a comment naming
+    the shapes and strides the body reads through the aliases (MLX passes an input's shape where its name occurs)."""
+    text = dialect.baked_source((("D", 128), ("ROT", True), ("KBIAS", False)), "BODY", {"kc2": "kc"},
+                                ["kc_shape", "kc2_strides", "ks_strides"])
+    assert text.startswith("  constexpr int D = 128;\n  constexpr bool ROT = true;\n  constexpr bool KBIAS = false;\n")
+    for what in ("", "_shape", "_strides", "_ndim"):
+        assert f"#define kc2{what} kc{what}\n" in text
+    assert "// reads kc_shape kc_strides ks_strides\n" in text and text.endswith("\nBODY")
+    assert dialect.baked_source((), "BODY") == "\nBODY"
+    with pytest.raises(TypeError, match="SCALE is 0.5"):
+        dialect.baked_source((("SCALE", 0.5),), "BODY")
+
+
+def test_bound_cuda_kernel_drops_aliased_inputs_and_template_arguments(monkeypatch):
+    """:meth:`Kernel.bound` on CUDA: a kernel object per template, dtypes and aliases, named apart, built once;
+    its launches take no template arguments and only the kept inputs; bad aliases are refused."""
+    built = []
+
+    def fake_cuda_kernel(**kw):
+        built.append(kw)
+        return lambda **call: None
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", fake_cuda_kernel)
+    monkeypatch.setattr(dialect, "includes_work", lambda: False)
+    kern = dialect.Kernel("probe", "cuda", ("q", "kc", "kc2", "out_len"), ("out",),
+                          "out[0] = q[0] + kc[kc_shape[0]] + kc2[kc2_strides[0]];", "", True)
+    q, codes = mx.zeros((2,), mx.float16), mx.zeros((3,), mx.uint32)
+    call, template, kept = kern.bound([("D", 64)], [q, codes, codes, q], {"kc2": "kc"})
+    assert template == [] and kept == (0, 1, 3)
+    assert built[-1]["input_names"] == ["q", "kc", "out_len"] and built[-1]["name"].startswith(kern.name + "_b")
+    source = built[-1]["source"]
+    assert "constexpr int D = 64;" in source and "#define kc2 kc\n" in source and "kc_strides" in source
+    assert "constexpr int TDT0" in source  # the kept inputs' dtypes name the kernel
+    again, _, _ = kern.bound([("D", 64)], [q, codes, codes, q], {"kc2": "kc"})
+    assert again is call and len(built) == 2  # the kernel object of __init__, and one bound one
+    kern.bound([("D", 64)], [q.astype(mx.bfloat16), codes, codes, q], {"kc2": "kc"})
+    assert len(built) == 3 and built[-1]["name"] != built[-2]["name"]
+    for wrong in ({"kc3": "kc"}, {"kc2": "kc", "kc": "q"}):
+        with pytest.raises(ValueError, match="aliases must map inputs of"):
+            kern.bound([("D", 64)], [q, codes, codes, q], wrong)
+    metal = dialect.Kernel.__new__(dialect.Kernel)  # elsewhere: MLX's kernel object, every input, the template
+    metal.backend, metal.input_names, metal._kernel, metal.name = "metal", ("q", "kc"), object(), "m"
+    call, template, kept = metal.bound([("D", 64)], [q, codes], {})
+    assert call is metal._kernel and kept == (0, 1) and template[0] == ("D", 64) and template[1][0] == "TDT0"
+
+
+def test_decode_step_inputs_pass_each_array_once():
+    """The tensor-core decode step's aliases: repeated code inputs (a side without a second code stream or
+    biases passes its codes and scales twice) and, without sinks, the sink inputs."""
+    from kvq_metal.attend import TC_INPUTS, _input_aliases
+
+    a, b, c = mx.zeros((1,)), mx.zeros((1,)), mx.zeros((1,))
+    arrays = {n: mx.zeros((1,)) for n in TC_INPUTS}
+    arrays.update(kc=a, kc2=a, ks=b, kb=b, vc=c, vc2=c, vs=b, vb=b)
+    inputs = [arrays[n] for n in TC_INPUTS]
+    assert _input_aliases(inputs, sinks=True) == {"kc2": "kc", "kb": "ks", "vc2": "vc", "vs": "ks", "vb": "ks"}
+    assert _input_aliases(inputs, sinks=False)["sk"] == "wk"

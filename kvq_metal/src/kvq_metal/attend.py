@@ -445,13 +445,20 @@ class DecodeStep:
     Call it as ``step(queries, window_keys, window_values) -> out``: ``queries [B, H_q, T_q, D_q]`` of the bound
     shape and dtype, the window ``[B, H_kv, n, D]`` (``n >= 1``, the bound dtype); ``out [B, H_q, T_q, out_dim]`` in
     the queries' dtype, equal to :func:`decode_attend`'s output with ``dense=`` (cast).
+
+    On CUDA the launch carries no template arguments and passes each array once (:meth:`kvq_metal.dialect.Kernel.
+    bound`: the plan's values are in the kernel's text, repeated inputs and unused sinks are read through
+    aliases), the cheapest launch MLX's custom kernels offer the host.
     """
 
-    __slots__ = ("_call", "_template", "_grid", "_codes", "_sinks", "_shapes", "_dtypes", "_counter")
+    __slots__ = ("_call", "_template", "_grid", "_codes", "_sinks", "_shapes", "_dtypes", "_counter",
+                 "template_args")
 
     def __init__(self, call, template: list, grid: tuple, codes: list, sinks: list, shapes: list, dtypes: list,
-                 counter: mx.array) -> None:
+                 counter: mx.array, template_args: tuple = ()) -> None:
         self._call, self._template, self._grid = call, template, grid
+        #: the launch plan's template arguments (written into the kernel's text on CUDA, passed elsewhere)
+        self.template_args = tuple(template_args)
         self._codes, self._sinks, self._shapes, self._dtypes = codes, sinks, shapes, dtypes
         self._counter = counter
 
@@ -485,5 +492,23 @@ def bind_decode(queries: mx.array, scale: float, call: DenseCall, backend: str, 
     counter = _zero_counters(queries.shape[0] * H, backend)
     grid, shapes, dtypes = _tc_geometry(plan, queries.shape, H, T, D, R, out_dim, backend, queries.dtype)
     kern = attend_tc.DECODE_ATTEND_TC.kernel(backend, TC_INPUTS, TC_OUTPUTS, ensure_row_contiguous=False)
-    raw, template = kern.bound(plan.template, tuple(a.dtype for a in [queries, *codes, counter, *tokens]))
-    return DecodeStep(raw, template, grid, codes, tokens[2:], shapes, dtypes, counter)
+    inputs = [queries, *codes, counter, *tokens]
+    raw, template, kept = kern.bound(plan.template, inputs, _input_aliases(inputs, sink_keys is not None))
+    fixed = [inputs[i] for i in kept]
+    n_codes = sum(1 for i in kept if 0 < i <= len(codes))  # kept inputs: q, codes, counter, wk, wv, sinks
+    return DecodeStep(raw, template, grid, fixed[1:1 + n_codes], fixed[4 + n_codes:], shapes, dtypes, counter,
+                      plan.template)
+
+
+def _input_aliases(inputs: list, sinks: bool) -> dict[str, str]:
+    """The tensor-core inputs (:data:`TC_INPUTS`, ``inputs`` in that order) a bound launch need not pass: a code
+    input that is the same array as an earlier one (a side without a second code stream or biases passes its
+    codes or scales twice), and without sinks ``sk``/``sv`` (never read; the window stands in)."""
+    aliases = {}
+    for i in range(1, len(INPUTS)):
+        first = next(j for j in range(1, i + 1) if inputs[j] is inputs[i])
+        if first < i:
+            aliases[TC_INPUTS[i]] = TC_INPUTS[first]
+    if not sinks:
+        aliases.update(sk="wk", sv="wv")
+    return aliases

@@ -48,7 +48,7 @@ import re
 import struct
 from functools import lru_cache
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import mlx.core as mx
 
@@ -180,21 +180,87 @@ class Kernel:
         build = mx.fast.metal_kernel if backend == "metal" else mx.fast.cuda_kernel
         if backend == "cuda":
             head, body = cuda_text(self.name, head, body, self.input_names)
-        self._kernel = build(name=self.name, input_names=list(input_names), output_names=list(output_names),
-                             source=body, header=head, ensure_row_contiguous=ensure_row_contiguous)
+        self._build = dict(input_names=list(input_names), output_names=list(output_names), header=head,
+                           ensure_row_contiguous=ensure_row_contiguous)
+        self._body = body
+        self._uses = shape_uses(translate(source, backend), self.input_names)
+        self._kernel = build(name=self.name, source=body, **self._build)
+        self._baked: dict[tuple, object] = {}
 
     def __call__(self, *, inputs, template=(), **kwargs):
         types = dtype_template(tuple(a.dtype for a in inputs))
         return self._kernel(inputs=inputs, template=[*template, *types], **kwargs)
 
-    def bound(self, template, dtypes: tuple) -> tuple:
-        """``(call, full_template)`` for launches whose inputs always have these ``dtypes``: MLX's kernel object
-        and ``template`` with the dtype arguments appended (what :meth:`__call__` computes on every call), for a
-        hot path that launches the same signature many times (:class:`kvq_metal.attend.DecodeStep`). ``call``
-        takes the keyword arguments of :meth:`__call__` with ``template=full_template``.
+    def bound(self, template, inputs: Sequence[mx.array], aliases: Mapping[str, str] | None = None) -> tuple:
+        """``(call, full_template, kept)`` for a hot path that launches this kernel many times with inputs like
+        ``inputs`` (same dtypes; :class:`kvq_metal.attend.DecodeStep`): ``call`` takes the keyword arguments of
+        :meth:`__call__` with ``template=full_template`` and the inputs at the positions ``kept`` only.
 
-        :raises TypeError: a dtype without a code (:func:`dtype_template`)."""
-        return self._kernel, [*template, *dtype_template(tuple(dtypes))]
+        On CUDA ``call`` is a kernel object of its own with the template's values written into its text as the
+        ``constexpr`` lines MLX would write (:func:`baked_source`), and ``full_template`` is empty: MLX converts and
+        formats every template argument into a kernel's name and text on every launch, which the tensor-core
+        decode kernel's 26 arguments made the dearest part of its launch (``benchmarks/launch_cost.py``). Each
+        input named in ``aliases`` (input name -> the name of an earlier input that holds the same array) is left
+        out of that kernel's signature and read through the other (``#define`` lines), so a launch passes fewer
+        arrays. Both compile to the same arithmetic. Elsewhere (Metal, or a template value that is not a bool or
+        an int) ``call`` is MLX's kernel object, ``full_template`` ``template`` with the dtype arguments appended
+        (what :meth:`__call__` computes on every call) and every input is kept.
+
+        :raises TypeError: an input dtype without a code (:func:`dtype_template`).
+        :raises ValueError: ``aliases`` naming an input this kernel does not take, or an alias of an alias."""
+        aliases = dict(aliases or {})
+        names = self.input_names
+        unknown = [n for pair in aliases.items() for n in pair if n not in names]
+        if unknown or any(target in aliases for target in aliases.values()):
+            raise ValueError(f"aliases must map inputs of {self.name} ({', '.join(names)}) to kept inputs; got "
+                             f"{aliases!r}")
+        kept = tuple(i for i, n in enumerate(names) if n not in aliases)
+        if self.backend != "cuda" or not all(type(v) in (bool, int) for _, v in template):
+            return self._kernel, [*template, *dtype_template(tuple(a.dtype for a in inputs))], tuple(range(len(names)))
+        full = (*template, *dtype_template(tuple(inputs[i].dtype for i in kept)))
+        key = (full, tuple(sorted(aliases.items())))
+        call = self._baked.get(key)
+        if call is None:
+            digest = hashlib.sha256(repr(key).encode()).hexdigest()[:12]
+            source = baked_source(full, self._body, aliases, self._uses)
+            build = dict(self._build, input_names=[names[i] for i in kept])
+            call = self._baked[key] = mx.fast.cuda_kernel(name=f"{self.name}_b{digest}", source=source, **build)
+        return call, [], kept
+
+
+def baked_source(template, body: str, aliases: Mapping[str, str] | None = None,
+                 uses: Sequence[str] = ()) -> str:
+    """``body`` preceded by ``template``'s values as the ``constexpr`` lines MLX's CUDA kernel builder writes at
+    the top of a kernel's body for template arguments (``mlx/backend/cuda/custom_kernel.cpp``): ``constexpr int
+    NAME = value;`` and ``constexpr bool NAME = true|false;``, and by a ``#define`` of each alias (an input left
+    out of the signature, read through another: its pointer and its ``_shape``, ``_strides`` and ``_ndim``). A
+    kernel built from this text with no template arguments compiles to the kernel that ``body`` with
+    ``template`` compiles to. ``uses`` are the ``_shape``/``_strides``/``_ndim`` names the body reads
+    (:func:`shape_uses`): a comment naming them through the aliases tells MLX which the kept inputs must pass.
+
+    :raises TypeError: a value that is neither a bool nor an int."""
+    lines = []
+    for name, value in template:
+        if type(value) is bool:
+            lines.append(f"  constexpr bool {name} = {'true' if value else 'false'};\n")
+        elif type(value) is int:
+            lines.append(f"  constexpr int {name} = {value};\n")
+        else:
+            raise TypeError(f"template values must be bool or int to be written into a kernel's text; {name} is "
+                            f"{value!r}")
+    aliases = aliases or {}
+    for name, target in aliases.items():
+        lines.append(f"#define {name} {target}\n")
+        lines.extend(f"#define {name}_{what} {target}_{what}\n" for what in ("shape", "strides", "ndim"))
+    if aliases and uses:
+        mapped = []
+        for use in uses:
+            name, what = use.rsplit("_", 1)
+            use = f"{aliases.get(name, name)}_{what}"
+            if use not in mapped:
+                mapped.append(use)
+        lines.append(f"// reads {' '.join(mapped)}\n")
+    return "".join(lines) + "\n" + body
 
 
 def kernel_dir() -> Path:
