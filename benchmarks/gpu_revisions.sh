@@ -16,8 +16,9 @@ dest=$(cd "$dest" && pwd)
 for side in before after; do
   rev=${!side}
   work=$(mktemp -d)
+  scripts=$(git -C "$root" ls-tree --name-only "$rev" benchmarks/ | grep '\.py$')  # the revision's, not the tree's
   git -C "$root" archive "$rev" kvq_core kvq_metal kvq_backends_turboquant kvq_backends_qjl kvq_backends_vecinfer \
-    tests benchmarks/*.py | tar -x -C "$work"
+    tests $scripts | tar -x -C "$work"
   mkdir -p "$dest/$side"
   for pkg in kvq_core kvq_metal kvq_backends_turboquant kvq_backends_qjl kvq_backends_vecinfer; do
     uv build --quiet --wheel --out-dir "$dest/$side" "$work/$pkg"
