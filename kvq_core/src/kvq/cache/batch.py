@@ -15,6 +15,12 @@ import mlx.core as mx
 from .layer import CompressedView
 
 
+def _rows(x: mx.array) -> list:
+    """``x [B, ...]`` as ``B`` arrays ``[1, ...]``: one split (one graph operation, views of ``x``) rather than a
+    slice per row; ``[x]`` itself for one row."""
+    return [x] if x.shape[0] == 1 else mx.split(x, x.shape[0], axis=0)
+
+
 class BatchKVQCache:
     """A batch of :class:`KVQCache` rows behind mlx-lm's batch-cache interface.
 
@@ -49,11 +55,15 @@ class BatchKVQCache:
         if keys.shape[0] != len(self.rows):
             raise ValueError(f"keys: batch of {keys.shape[0]} for a cache of {len(self.rows)} rows")
         T = keys.shape[2]
+        # one split per side instead of a slice per row (decode on a GPU is bound by the host: every graph
+        # operation a row adds per layer and step counts)
+        row_keys, row_values = _rows(keys), _rows(values)
         for i, row in enumerate(self.rows):
             n = T if self._remaining is None else min(T, self._remaining[i])
             self._starts[i] = row.offset
             if n:
-                row.update_and_fetch(keys[i : i + 1, :, :n], values[i : i + 1, :, :n])
+                k, v = row_keys[i], row_values[i]
+                row.update_and_fetch(k if n == T else k[:, :, :n], v if n == T else v[:, :, :n])
             if self._remaining is not None:
                 self._remaining[i] -= n
         return self.keys_and_values()
@@ -77,9 +87,9 @@ class BatchKVQCache:
     def attend(self, queries: mx.array, scale: float, mask=None, sink_logits=None) -> mx.array:
         """:meth:`KVQCache.attend` per row, each with its own token positions (``mask`` is not needed: padding is
         never stored); ``[B, H_q, T_q, D_v]``."""
-        outs = [row.attend(queries[i : i + 1], scale, None, sink_logits, query_start=self._starts[i])
-                for i, row in enumerate(self.rows)]
-        return mx.concatenate(outs, axis=0)
+        outs = [row.attend(q, scale, None, sink_logits, query_start=self._starts[i])
+                for i, (row, q) in enumerate(zip(self.rows, _rows(queries)))]
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
         """Positions are handled per row inside attention; the rows' ``make_mask`` checks ``window_size``
