@@ -105,6 +105,18 @@ def test_codebook_disk_cache(tmp_path, monkeypatch):
     assert np.array_equal(load_or_compute(32, 3)[0], first[0])  # a corrupt file is recomputed
 
 
+def test_codebook_cache_is_under_kvqs_cache_folder(tmp_path, monkeypatch):
+    """Codebooks live where kvq keeps everything else (kvq.paths.cache_root): ``~`` in KVQ_CACHE_DIR expanded, and
+    the platformdirs folder when it is unset."""
+    from kvq.paths import cache_root
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("KVQ_CACHE_DIR", "~/kvq-cache")
+    assert codebook_module.cache_dir() == tmp_path / "kvq-cache" / "codebooks"
+    monkeypatch.delenv("KVQ_CACHE_DIR")
+    assert codebook_module.cache_dir() == cache_root() / "codebooks"
+
+
 # -- rotations ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["hadamard", "qr"])
 def test_rotation_is_orthogonal_and_seeded(kind):

@@ -7,8 +7,9 @@ scalar) quantizer of that exact density. We compute it with numpy only: substitu
 density into ``cos^(d-2) θ`` on ``[-π/2, π/2]`` (smooth for every ``d >= 2``), and each cell's mass and first moment
 are integrated by Gauss-Legendre quadrature in ``θ``, to machine precision.
 
-Codebooks are cached in memory and on disk as JSON under ``platformdirs.user_cache_dir("kvq")/codebooks``
-(``$KVQ_CACHE_DIR/codebooks`` when ``KVQ_CACHE_DIR`` is set); a corrupt or foreign file is recomputed.
+Codebooks are cached in memory and on disk as JSON under ``codebooks/`` in kvq's cache folder
+(:func:`kvq.paths.cache_root`: ``$KVQ_CACHE_DIR`` when set, ``~`` expanded, else
+``platformdirs.user_cache_dir("kvq")``); a corrupt or foreign file is recomputed.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 import attrs
 import mlx.core as mx
 import numpy as np
-import platformdirs
+from kvq.paths import cache_root
 
 #: Bump when the numerics change, so stale files on disk are ignored.
 FORMAT_VERSION = 1
@@ -31,9 +32,10 @@ _MAX_ITERATIONS = 20000
 
 
 def cache_dir() -> Path:
-    """Directory of the on-disk codebook cache: ``$KVQ_CACHE_DIR/codebooks`` or the platformdirs user cache."""
-    root = os.environ.get("KVQ_CACHE_DIR") or platformdirs.user_cache_dir("kvq")
-    return Path(root) / "codebooks"
+    """Directory of the on-disk codebook cache: ``codebooks/`` under kvq's cache folder
+    (:func:`kvq.paths.cache_root`: ``$KVQ_CACHE_DIR`` with ``~`` expanded, else the platformdirs user cache), where
+    kvq keeps its converted models, autotune tables and kernel texts too."""
+    return cache_root() / "codebooks"
 
 
 def _check(dim: int, bits: int) -> None:
