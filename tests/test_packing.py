@@ -53,3 +53,29 @@ def test_pack_is_selectable_for_every_method():
 def test_bad_bits(bits):
     with pytest.raises(ValueError, match="bits must be an int in 1..16"):
         packing.pack(mx.zeros((1, 32), mx.uint32), bits)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 10), st.sampled_from([32, 64, 96, 128, 256, 40, 7]), st.integers(1, 9), st.integers(0, 9))
+def test_lookup_equals_unpack_then_take(bits, count, rows, seed):
+    """packing.Lookup gives table[unpack(packed)] bit for bit: whole groups through several codes per gather
+    (widths 1, 2, 3, 4, 6, 8), anything else code by code; also on a slice of a larger store (strided rows)."""
+    rng = np.random.default_rng(seed)
+    table = rng.standard_normal(1 << bits).astype(np.float32)
+    lookup = packing.Lookup(table, bits)
+    codes = mx.array(rng.integers(0, 1 << bits, (1, 2, rows, count)).astype(np.uint32))
+    packed = packing.pack(codes, bits)
+    expected = mx.take(mx.array(table), codes)
+    assert mx.array_equal(lookup(packed, count), expected).item()
+    store = mx.concatenate([packed, packed], axis=2)[:, :, 1 : rows + 1]
+    assert mx.array_equal(lookup(store, count), mx.take(mx.array(table), packing.unpack(store, bits, count))).item()
+    assert (lookup.rows is not None) == (bits in packing.LOOKUP_INDEX_BITS)
+
+
+def test_lookup_rejects_bad_tables_and_short_codes():
+    with pytest.raises(ValueError, match="table must hold 2\\*\\*bits = 16 values for bits=4; got 8"):
+        packing.Lookup(np.zeros(8), 4)
+    with pytest.raises(ValueError, match="bits must be an int in 1..16"):
+        packing.Lookup(np.zeros(2), 0)
+    with pytest.raises(ValueError, match="packed has 1 words; 64 codes of 4 bits need 8"):
+        packing.Lookup(np.zeros(16), 4)(mx.zeros((2, 1), mx.uint32), 64)

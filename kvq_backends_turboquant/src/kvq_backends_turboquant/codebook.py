@@ -22,6 +22,7 @@ from pathlib import Path
 import attrs
 import mlx.core as mx
 import numpy as np
+from kvq import packing
 from kvq.paths import cache_root
 
 #: Bump when the numerics change, so stale files on disk are ignored.
@@ -161,9 +162,26 @@ class Codebook:
         """
         return mx.sum(y[..., None] > self.boundaries, axis=-1).astype(mx.uint32)
 
+    _lookups: dict = attrs.field(factory=dict, init=False, repr=False)
+
     def decode(self, codes: mx.array) -> mx.array:
         """Centroid values of ``codes`` (uint32, any shape): float32 of the same shape."""
         return mx.take(self.centroids, codes)
+
+    def decode_packed(self, packed: mx.array, count: int) -> mx.array:
+        """Centroid values of the first ``count`` codes packed in ``packed`` (uint32 ``[..., W]``,
+        :func:`kvq.packing.pack`'s layout at ``bits``): float32 ``[..., count]``, bit for bit
+        ``decode(unpack(packed, bits, count))``. On the CPU several codes are looked up per gather
+        (:class:`kvq.packing.Lookup`: 2.6x faster at 4 bits, 8x at 3, where MLX's CPU gather is slow); elsewhere the
+        codes are unpacked and gathered.
+
+        :raises ValueError: as :func:`kvq.packing.unpack`."""
+        if mx.default_device() != mx.cpu:
+            return self.decode(packing.unpack(packed, self.bits, count))
+        lookup = self._lookups.get("cpu")
+        if lookup is None:
+            lookup = self._lookups["cpu"] = packing.Lookup(np.asarray(self.centroids), self.bits)
+        return lookup(packed, count)
 
     @property
     def nbytes(self) -> int:

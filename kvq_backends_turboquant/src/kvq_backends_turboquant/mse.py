@@ -95,7 +95,7 @@ def decode_rotated(data, params, head_dim: int) -> mx.array:
     for name, count, bits in params.groups(head_dim):
         if count and bits:
             check_stored_width(data, name, params, head_dim)
-            parts.append(codebook(dim, bits).decode(packing.unpack(data[name], bits, count)))
+            parts.append(codebook(dim, bits).decode_packed(data[name], count))
         elif count:
             parts.append(mx.zeros(lead + (count,), mx.float32))
     return _join(parts)

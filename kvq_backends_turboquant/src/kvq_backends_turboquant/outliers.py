@@ -84,7 +84,7 @@ class Group:
 
     def decode_rotated(self, data) -> mx.array:
         """Unit-vector estimates in this group's rotated domain: float32 ``[B, H, T, dim]``."""
-        return self.codebook.decode(packing.unpack(data[self.field], self.bits, self.dim))
+        return self.codebook.decode_packed(data[self.field], self.dim)
 
     def norms(self, data) -> mx.array:
         """The stored norms as float32 ``[B, H, T]``."""
