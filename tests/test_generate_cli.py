@@ -250,3 +250,19 @@ def test_kl_divergence_and_agreement_helpers():
     assert comparison.mean_kl == pytest.approx(0.2) and comparison.agreement == 1 and len(comparison) == 2
     with pytest.raises(ValueError, match="cannot be compared"):
         quality.kl_divergence(p, q[:1])
+
+
+def test_filled_cache_bytes_measures_the_cache_not_the_chunk_it_was_filled_with():
+    """The stand-in fp16 cache `kvq generate --compare` sizes when the fp16 run stopped at another length: its
+    measured bytes are the cache's own (they counted the float32 chunk the update keeps for attention, 3x nbytes:
+    `kvq demo` reported an impossible 8.8x for a 3-bit cache)."""
+    import mlx.core as mx
+
+    from kvq import quality
+    from kvq.bench import random_model
+
+    model = random_model.build_random_model(random_model.random_config("tiny"), mx.float32)
+    nbytes, measured = quality.filled_cache_bytes(model, 700, "fp16", sinks=4, window=128)
+    assert nbytes > 0 and abs(measured - nbytes) <= 0.05 * nbytes
+    nbytes3, measured3 = quality.filled_cache_bytes(model, 700, "turboquant", bits=3, sinks=4, window=128)
+    assert nbytes3 < nbytes and abs(measured3 - nbytes3) <= 0.1 * nbytes3
