@@ -135,14 +135,23 @@ def test_blas_hint_on_a_linux_cpu_without_openblas(monkeypatch):
     assert blas_hint(plain) is None
 
 
-def test_model_commands_print_the_blas_hint_first(monkeypatch, capsys):
-    """``kvq generate`` and the other model-running commands put the note on stderr before their own work (here the
-    command fails on its input at once); ``kvq list`` does not."""
+def test_model_commands_print_the_blas_hint_before_model_work(monkeypatch, capsys, tmp_path):
+    """``kvq generate`` and the other model-running commands put the note on stderr once, where their model work
+    starts (a model loaded or built); a usage error prints none (a new user found it before a mistyped method),
+    nor does ``kvq list``, nor a library call."""
     from kvq import install_hints
+    from kvq.bench import random_model
     from kvq.cli import main
 
     monkeypatch.setattr(install_hints, "blas_hint", lambda: "kvq: note: the BLAS hint")
     assert main(["generate", "--prompt", "hi", "--method", "frobnicate"]) == 1
-    assert capsys.readouterr().err.startswith("kvq: note: the BLAS hint\n")
+    assert "BLAS hint" not in capsys.readouterr().err
+    assert main(["bench", "e2e", "--model", "random:tiny", "--contexts", "64", "--steps", "2", "--methods",
+                 "fp16", "--no-progress", "--out", str(tmp_path), "--name", "hint-probe"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("kvq: note: the BLAS hint") == 1
     main(["list"])
+    assert "BLAS hint" not in capsys.readouterr().err
+    install_hints.arm_blas_note(False)
+    random_model.build_random_model(random_model.random_config("tiny"))
     assert "BLAS hint" not in capsys.readouterr().err

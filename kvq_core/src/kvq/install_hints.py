@@ -147,3 +147,25 @@ def blas_hint(maps: str | None = None) -> str | None:
     return (f"kvq: note: MLX on this Linux CPU runs matrix products with its bundled reference BLAS; model runs are "
             f"about 25x faster with OpenBLAS: {install}export LD_PRELOAD={lib} (README, 'Two commands'; "
             "KVQ_NO_BLAS_HINT=1 hides this note)")
+
+
+#: Whether :func:`note_blas_before_model_work` prints :func:`blas_hint` (the CLI arms it for its model-running
+#: commands; library calls stay silent), and whether it has printed it in this process.
+_BLAS_NOTE = {"armed": False, "shown": False}
+
+
+def arm_blas_note(armed: bool = True) -> None:
+    """Have :func:`note_blas_before_model_work` print :func:`blas_hint` once (``kvq``'s model-running commands
+    call this before parsing their arguments, so a usage error prints no note)."""
+    _BLAS_NOTE.update(armed=armed, shown=False)
+
+
+def note_blas_before_model_work() -> None:
+    """Print :func:`blas_hint` on stderr, once, if :func:`arm_blas_note` armed it: called where model work starts
+    (:func:`kvq.models.load`, :func:`kvq.bench.random_model.build_random_model`)."""
+    if not _BLAS_NOTE["armed"] or _BLAS_NOTE["shown"]:
+        return
+    _BLAS_NOTE["shown"] = True
+    hint = blas_hint()
+    if hint:
+        print(hint, file=sys.stderr, flush=True)

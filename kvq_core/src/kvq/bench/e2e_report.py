@@ -98,8 +98,9 @@ def plot(document: dict, path: str | Path) -> None:
         ax.yaxis.set_minor_formatter(LogFormatter())
     axes[0].legend(fontsize=8)
     env, m = document["environment"], document["model"]
-    fig.suptitle(f"kvq bench e2e: {m['name']} ({m['dtype']}) on {env['device']}, MLX {env['mlx']} "
-                 f"(squares: mlx-lm's QuantizedKVCache)")
+    squares = any("QuantizedKVCache" in r["cache"] for r in rows)
+    fig.suptitle(f"kvq bench e2e: {m['name']} ({m['dtype']}) on {env['device']}, MLX {env['mlx']}"
+                 + (" (squares: mlx-lm's QuantizedKVCache)" if squares else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -75,6 +75,9 @@ def build_random_model(config: dict[str, Any], dtype: mx.Dtype = mx.bfloat16, se
     """
     from mlx_lm.models import llama
 
+    from ..install_hints import note_blas_before_model_work
+
+    note_blas_before_model_work()
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict(config))  # lazy: nothing is computed yet
     model.set_dtype(dtype)

@@ -64,12 +64,9 @@ def _dispatch(argv: list[str]) -> int:
     if name not in COMMANDS:
         print(f"kvq: unknown command {name!r}; choose one of {', '.join(COMMANDS)}\n\n{_usage()}", file=sys.stderr)
         return 2
-    if name in MODEL_COMMANDS and not {"-h", "--help"} & set(rest):
-        from ..install_hints import blas_hint
+    from ..install_hints import arm_blas_note
 
-        hint = blas_hint()
-        if hint:
-            print(hint, file=sys.stderr)
+    arm_blas_note(name in MODEL_COMMANDS)  # printed where model work starts: not before a usage error
     module = importlib.import_module(COMMANDS[name][0])
     try:
         return module.main(rest) or 0

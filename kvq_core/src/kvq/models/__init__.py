@@ -199,7 +199,10 @@ def load(name_or_path: str | os.PathLike | None = None, *, dtype: Any = None, pr
     """
     import mlx_lm
 
+    from ..install_hints import note_blas_before_model_work
+
     path = resolve_model(name_or_path, progress)
+    note_blas_before_model_work()
     try:
         model, tokenizer = mlx_lm.load(str(path))
     except (OSError, ValueError, KeyError) as error:
