@@ -143,6 +143,19 @@ def test_unknown_method_of_an_absent_first_party_plugin_names_the_install_comman
         reg.method("nope")
 
 
+def test_the_command_lines_method_spelling_in_python_says_how_to_write_it():
+    """``make_prompt_cache(model, "turboquant:3")``, the CLI's spelling, names the Python one (a new user tried)."""
+    from kvq.cache import make_config
+
+    with pytest.raises(ValueError, match=r"got 'turboquant:3' \('turboquant:3' is the command line's spelling; in "
+                                         r"Python pass the bits apart: method='turboquant', bits=3\)"):
+        make_config("turboquant:3")
+    with pytest.raises(ValueError, match=r"method='affine', \.\.\.\)"):
+        make_config("affine:k4v3")
+    with pytest.raises(ValueError, match=r"got 'nope:3'$"):
+        make_config("nope:3")
+
+
 def test_load_plugins_env_limits_discovery(tmp_path, monkeypatch):
     _fake_entry_points(tmp_path, monkeypatch, {"good_plugin": GOOD, "broken_import": BROKEN_IMPORT})
     monkeypatch.setenv("KVQ_LOAD_PLUGINS", "good_plugin")

@@ -175,6 +175,12 @@ class Registry:
         if name not in self.methods:
             known = ", ".join(sorted(self.methods)) or "(none installed)"
             hint = method_hint(name) if isinstance(name, str) else ""
+            base, colon, bits = name.partition(":") if isinstance(name, str) else ("", "", "")
+            if colon and base in self.methods and not hint:  # the CLI's spelling, "turboquant:3"
+                hint = (f"{name!r} is the command line's spelling; in Python pass the bits apart: "
+                        f"method={base!r}, bits={bits}" if bits.isdigit() else
+                        f"{name!r} is the command line's spelling; in Python pass the method and its parameters "
+                        f"apart (method={base!r}, ...)")
             raise ValueError(f"method must be one of {known}; got {name!r}" + (f" ({hint})" if hint else ""))
         return self.methods[name]
 
