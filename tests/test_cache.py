@@ -107,8 +107,11 @@ def test_loading_a_file_of_another_method_or_format_fails_cleanly(llama_model, t
     greedy(llama_model, cache, n=2)
     file = str(tmp_path / "c.safetensors")
     mlx_cache.save_prompt_cache(file, cache)
-    with pytest.raises(ValueError, match=r"holds keys AffineParams\(bits=4.*not the expected"):
+    with pytest.raises(ValueError, match=r"layer 0 does not hold what expect= asks: keys affine bits 4, expected 8; "
+                                         r"values affine bits 4, expected 8$"):
         load_prompt_cache(file, expect=make_config("affine", bits=8))
+    with pytest.raises(ValueError, match=r"keys method 'affine', expected 'turboquant'"):
+        load_prompt_cache(file, expect=make_config("turboquant", bits=4))
     arrays, meta = mx.load(file, return_metadata=True)
     config = cache[0].state["config"].replace('"format": 2', '"format": 99')
     bad = copy.copy(cache[0])

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 
+import attrs
 import mlx.core as mx
 import mlx_lm.models.cache as mlx_cache
 from mlx.utils import tree_flatten, tree_unflatten
@@ -149,9 +150,23 @@ def _check_expected(file_name: str, cache: list, expect: CacheConfig) -> None:
         if got is not None and got.outlier_layer and guarded(want.key_params) and _declared(got) == (safe, safe):
             continue  # an outlier layer the guard stored at 8 bits (kvq.cache.guard) where it expected fewer
         if got is not None and _declared(got) != _declared(want):
-            raise ValueError(f"{file_name}: layer {i} holds keys {got.key_params!r} / values "
-                             f"{got.value_params!r}, not the expected {want.key_params!r} / "
-                             f"{want.value_params!r}")
+            differences = [f"{side} {_difference(g, w)}" for side, g, w in
+                           zip(("keys", "values"), _declared(got), _declared(want)) if g != w]
+            raise ValueError(f"{file_name}: layer {i} does not hold what expect= asks: {'; '.join(differences)}")
+
+
+def _difference(got, want) -> str:
+    """What differs between two sides' parameters, briefly: ``"affine bits 4, expected 8"`` for one method,
+    ``"method 'turboquant', expected 'affine'"`` for two."""
+    method_got, method_want = getattr(got, "method", None), getattr(want, "method", None)
+    if type(got) is type(want) and attrs.has(type(got)):
+        a, b = attrs.asdict(got, recurse=False), attrs.asdict(want, recurse=False)
+        fields = [f"{k} {a[k]!r}, expected {b[k]!r}" for k in a if a[k] != b[k]]
+        if fields:
+            return f"{method_got} " + ", ".join(fields)
+    if method_got is not None and method_want is not None and method_got != method_want:
+        return f"method {method_got!r}, expected {method_want!r}"
+    return f"{got!r}, expected {want!r}"
 
 
 def _declared(config: CacheConfig) -> tuple:
