@@ -113,4 +113,4 @@ def test_kvq_bench_ops_is_a_bench_subcommand(capsys):
     from kvq.cli import main
 
     assert main(["bench", "ops", "--ops", "quantize,compress"]) == 1
-    assert "kvq bench: error: --ops must be a comma-separated subset of" in capsys.readouterr().err
+    assert "kvq bench ops: error: --ops must be a comma-separated subset of" in capsys.readouterr().err

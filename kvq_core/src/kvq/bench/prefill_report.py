@@ -6,8 +6,8 @@ from pathlib import Path
 
 from .output import cache_style, context_axis, header_lines, pyplot, tables_by_context
 
-GB = 1e9
-COLUMNS = ("method", "cache", "rep", "s", "tokens/s (x fp16)", "peak GB above (x fp16)", "KV GB (x fp16)")
+MIB = 2**20
+COLUMNS = ("method", "cache", "rep", "s", "tokens/s (x fp16)", "peak MiB above (x fp16)", "KV MiB (x fp16)")
 NOTES = """Columns: s = wall time of the whole prefill (chunks of the settings' size, each chunk's cache state \
 evaluated before the next, as mlx_lm.generate_step prefills; logits never computed); tokens/s = context / s; peak \
 = mx.get_peak_memory() during the prefill minus the active memory before the caches were made; KV = the caches' \
@@ -25,8 +25,8 @@ def _cells(r: dict) -> list[str]:
     if r["error"]:
         return head + ["-", "-", "-", f"error: {r['error'][:120]}"]
     return head + [f"{r['seconds']:.3g}", _ratio(f"{r['tokens_per_second']:,.0f}", r["speed_vs_fp16"]),
-                   _ratio(f"{r['peak_memory_growth'] / GB:.3g}", r["peak_vs_fp16"]),
-                   _ratio(f"{r['kv_bytes'] / GB:.3g}", r["kv_bytes_ratio"])]
+                   _ratio(f"{r['peak_memory_growth'] / MIB:.1f}", r["peak_vs_fp16"]),
+                   _ratio(f"{r['kv_bytes'] / MIB:.1f}", r["kv_bytes_ratio"])]
 
 
 def markdown(rows: list[dict]) -> str:
@@ -54,7 +54,7 @@ def plot(document: dict, path: str | Path) -> None:
     last = max((r["rep"] for r in rows), default=0)
     rows = [r for r in rows if r["rep"] == last]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    panels = (("tokens_per_second", 1, "prefill tokens/s"), ("peak_memory_growth", GB, "peak GB above the model"))
+    panels = (("tokens_per_second", 1, "prefill tokens/s"), ("peak_memory_growth", MIB, "peak MiB above the model"))
     for ax, (key, scale, label) in zip(axes, panels):
         for method in dict.fromkeys(r["method"] for r in rows):
             points = sorted((r["context"], r[key] / scale) for r in rows if r["method"] == method)

@@ -71,5 +71,7 @@ def _dispatch(argv: list[str]) -> int:
     try:
         return module.main(rest) or 0
     except (ValueError, TypeError) as exc:
-        print(f"kvq {name}: error: {exc}", file=sys.stderr)
+        # kvq bench's benches are commands of their own to a user: "kvq bench e2e: error: ..."
+        label = f"{name} {rest[0]}" if name == "bench" and rest and not rest[0].startswith("-") else name
+        print(f"kvq {label}: error: {exc}", file=sys.stderr)
         return 1
