@@ -4,8 +4,8 @@ Each group of ``group_size`` coordinates of a vector gets a scale and a bias (16
 ``32 / group_size`` bits per coordinate (group_size by default 64, mlx-lm's, where it divides head_dim, else 32:
 :func:`auto_group_size`; KIVI, Liu et al. 2024, quantizes keys per channel instead; mlx-lm and
 this baseline quantize per token). Attention runs on the packed codes with ``mx.quantized_matmul``, block by
-block, so no fp16 copy of the keys or values is made (on the CPU and CUDA each block is decoded to float32
-instead: :meth:`AffineMLX.scores`); blocks run one at a time (:func:`kvq.attention.attend_encoded`), so decode
+block, so no fp16 copy of the keys or values is made (on CUDA, and on the CPU for more than a few query rows,
+each block is decoded to float32 instead: :meth:`AffineMLX.scores`); blocks run one at a time (:func:`kvq.attention.attend_encoded`), so decode
 holds one block's working set above the cache, at most 8 float32 copies of the block's keys and values.
 
 Non-finite input (kvq's policy, :class:`kvq.contract.Quantizes`): ``mx.quantize`` alone turns a group holding a
@@ -152,15 +152,15 @@ class AffineMLX:
     def scores(self, q, keys, start, stop):
         """Block protocol (:func:`kvq.attention.attend_encoded`): ``q @ K[start:stop]^T`` on packed codes.
 
-        On the CPU and on CUDA one block is decoded to float32 and multiplied instead: MLX's CPU
-        ``quantized_matmul`` is an order of magnitude slower, its CUDA one lacks many shapes, and the products are
-        identical (fp32 scales).
+        On CUDA, and on the CPU beyond :data:`CPU_PACKED_SCORE_ROWS` query rows per KV head, one block is decoded
+        to float32 and multiplied instead: MLX's CPU ``quantized_matmul`` costs in proportion to the rows (16x
+        slower than decoding at 64 rows), its CUDA one lacks many shapes; the products agree to float32 rounding.
 
         :return: float32 ``[B, H_kv, n_rep, T_q, stop - start]``. Working set: at most 8 float32 copies of the
             block's keys (``mx.dequantize``'s temporaries: 2 at 2, 4 and 8 bits, up to 7 at 3, 5 and 6 bits on
             the CPU); none on Metal (the codes are read in place).
         """
-        if not _packed_matmul_ok(q):
+        if not _packed_matmul_ok(q, CPU_PACKED_SCORE_ROWS):
             return q @ self.kvq_dequantize(keys.tokens(start, stop), mx.float32)[:, :, None].swapaxes(-1, -2)
         c, s, b = _block(keys, start, stop)
         p = keys.params
@@ -169,10 +169,11 @@ class AffineMLX:
     def weighted_values(self, p, values, start, stop):
         """Block protocol: ``p @ V[start:stop]`` on packed codes, float32 ``[B, H_kv, n_rep, T_q, D]``.
 
-        The block is decoded instead on the CPU and on CUDA (see :func:`_packed_matmul_ok`). Working set: as
+        The block is decoded instead on CUDA and on the CPU beyond :data:`CPU_PACKED_VALUE_ROWS` rows
+        (:func:`_packed_matmul_ok`). Working set: as
         :meth:`scores`, at most 8 float32 copies of the block's values.
         """
-        if not _packed_matmul_ok(p):
+        if not _packed_matmul_ok(p, CPU_PACKED_VALUE_ROWS):
             return p @ self.kvq_dequantize(values.tokens(start, stop), mx.float32)[:, :, None]
         c, s, b = _block(values, start, stop)
         vp = values.params
@@ -202,10 +203,22 @@ def _on_cpu() -> bool:
     return mx.default_device() == mx.cpu
 
 
-def _packed_matmul_ok(q: mx.array) -> bool:
-    """Whether ``mx.quantized_matmul`` serves scores: on Metal. Not on the CPU (slow) nor on CUDA, where MLX
-    0.32 raises "No implementation for problem shape" for float32 activations at many block sizes."""
-    return not _on_cpu() and mx.metal.is_available()
+#: Query rows per KV head (GQA group times query tokens) up to which the CPU scores a block with
+#: ``mx.quantized_matmul`` on the codes rather than decoding it: its cost grows with the rows and decoding's
+#: does not (2-core x86-64, OpenBLAS, 8K tokens x 3 heads x 64 dims, 4 bits: 1.2 ms at 1 row, 3.3 at 3, 8.6 at 8,
+#: against 4.9-5.7 ms decoded; values 0.5, 1.3, 3.1 and 6.8 at 16 rows, against 4.5-6.0).
+CPU_PACKED_SCORE_ROWS = 4
+#: The same for weighted values.
+CPU_PACKED_VALUE_ROWS = 8
+
+
+def _packed_matmul_ok(q: mx.array, cpu_rows: int) -> bool:
+    """Whether ``mx.quantized_matmul`` serves a block (``q [B, H_kv, n_rep, T_q, ...]``): on Metal always; on the
+    CPU up to ``cpu_rows`` query rows per KV head (decode; beyond, decoding the block is faster: prefill); not on
+    CUDA, where MLX 0.32 raises "No implementation for problem shape" for float32 activations at many block sizes."""
+    if _on_cpu():
+        return q.shape[-2] * q.shape[-3] <= cpu_rows
+    return mx.metal.is_available()
 
 
 def _block(encoded, start, stop):
