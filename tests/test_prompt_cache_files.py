@@ -5,7 +5,6 @@ and never change it; files without checksums still load; ``import kvq`` alone le
 from __future__ import annotations
 
 import json
-import shutil
 import struct
 import subprocess
 import sys

@@ -10,7 +10,6 @@ import textwrap
 from importlib.metadata import EntryPoint
 from pathlib import Path
 
-import attrs
 import pluggy
 import pytest
 
