@@ -220,7 +220,7 @@ def test_layers_in_a_prompt_cache_file(tmp_path):
     # hold fp16 (which the guard never changes) does not
     checked = load_prompt_cache(path, expect=make_config("turboquant", bits=3))
     assert checked[0].config == loaded[0].config
-    with pytest.raises(ValueError, match="layer 0 holds keys AffineParams"):
+    with pytest.raises(ValueError, match="layer 0 does not hold what expect= asks: keys method .affine., expected .fp16."):
         load_prompt_cache(path, expect=make_config("fp16"))
     q = mx.random.normal((B, 2 * H, 1, D), key=mx.random.key(3))
     for got, saved in zip(loaded, (upgraded, centred)):

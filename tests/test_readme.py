@@ -18,8 +18,8 @@ def snippets(readme: Path = README) -> list[str]:
     return re.findall(r"```python\n(.*?)```", readme.read_text(), re.S)
 
 
-def run(code: str) -> str:
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+def run(code: str, cwd: Path | None = None) -> str:
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=cwd)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
@@ -40,9 +40,10 @@ def test_select_snippet_prints_plan_bytes_and_error():
 
 
 @pytest.mark.slow
-def test_cache_snippet_generates_and_reports_bytes():
+def test_cache_snippet_generates_and_reports_bytes(tmp_path):
     code = next(s for s in snippets() if "kvq.make_prompt_cache(model" in s)
-    out = run(code)
+    out = run(code, cwd=tmp_path)
+    assert (tmp_path / "chat.safetensors").stat().st_size > 0  # the prompt-cache file it saves and loads
     held = re.search(r"(\d+) tokens held in ([\d,]+) bytes", out)
     assert held, out
     assert len(out[: held.start()].strip()) > 0  # the answer's text came first
