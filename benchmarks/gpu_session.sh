@@ -5,7 +5,8 @@
 #        e2e (kvq bench e2e on a random-weight Llama-3-8B shape), dist (2 GPUs: NCCL tests + 64K decode benchmark),
 #        durations (GPU time per decode-attention call, read by Nsight Compute), profile (ncu --set full at 128K),
 #        batch (kvq bench batch: BatchGenerator, 1 and 8 sequences of 2K prompts), e2e-batch (kvq bench e2e --batch:
-#        8 sequences at 8K, 32 at 4K), hostsplit (building vs mx.async_eval of a decode step at 4K)
+#        8 sequences at 8K, 32 at 4K), hostsplit (building vs mx.async_eval of a decode step at 4K),
+#        capacity (kvq bench capacity: the most 32K-token sequences that fit per cache, and their tokens/s)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -58,6 +59,11 @@ for name, fn in [("quantize", lambda: k.kvq_quantize(x, p).data["codes"]),
                --no-progress --out "$OUT/e2e" --name "$(date +%F)-h200-batch${bc%%:*}" > "$OUT/e2e-batch${bc%%:*}.log" 2>&1
              grep -E "^(###|\| (fp16|turbo|affine))" "$OUT/e2e-batch${bc%%:*}.log" | cut -c1-220
            done;;
+    capacity) mkdir -p "$OUT/capacity"
+           timeout ${CAPACITY_TIMEOUT:-560} python3 -m kvq.cli bench capacity --model random:llama3-8b --dtype bfloat16 \
+             --methods fp16,turboquant:3,turboquant:4,affine:4 --context 32K --no-progress --out "$OUT/capacity" \
+             --name "$(date +%F)-h200-capacity" > "$OUT/capacity.log" 2>&1
+           grep -E "^\| (fp16|turbo|affine)" "$OUT/capacity.log" || tail -c 2000 "$OUT/capacity.log";;
     hostsplit) timeout 200 python3 benchmarks/decode_host_split.py > "$OUT/hostsplit.log" 2>&1; cat "$OUT/hostsplit.log";;
     dist) KVQ_TEST_DISTRIBUTED_BACKEND=nccl timeout 240 python3 -m pytest tests/test_distributed.py -q -x \
             -p no:cacheprovider > "$OUT/dist_tests.log" 2>&1; tail -c 1500 "$OUT/dist_tests.log"

@@ -20,6 +20,8 @@ SUBCOMMANDS = {
     "ops": ("kvq.cli.bench_ops_cmd:main", "each op per method, kernels vs pure MLX, time/memory/bandwidth vs size"),
     "prefill": ("kvq.cli.bench_prefill_cmd:main", "prefill tokens/s and peak memory against prompt length per cache"),
     "batch": ("kvq.cli.bench_batch_cmd:main", "batched generation through mlx-lm's BatchGenerator, per cache"),
+    "capacity": ("kvq.cli.bench_capacity_cmd:main",
+                 "the most sequences that fit in the device's memory per cache, and their decode tokens/s"),
 }
 
 

@@ -1,0 +1,150 @@
+"""``kvq bench capacity``: the largest batch of equal-length sequences that fits in one device's memory with each
+cache, and its aggregate decode tokens/s (issue #22's capacity benchmark: the number a server operator cares about).
+
+Per method (fp16, mlx-lm's KVCache, first): two probes of :class:`kvq.bench.e2e.E2EBench` rows at 1 and 2 sequences
+give the peak memory above the model as ``a + b * B`` (``b``: one more sequence's cache and decode temporaries);
+the largest ``B`` whose predicted peak stays within the budget, times a safety factor, is then measured like a
+``kvq bench e2e --batch B`` row (random keys and values in every row, one token per sequence per step, flushes
+included). A measured peak above the budget, or a failed row, steps ``B`` down by a tenth and measures again (at
+most :data:`MAX_TRIES` times). Every ratio compares with the fp16 row of the same run.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import attrs
+import mlx.core as mx
+from tqdm import tqdm
+
+from .e2e import REFERENCE, E2EBench, E2ESettings
+from .measure import release
+
+#: Batches measured per method after the probes, at most (each a tenth below the last that did not fit).
+MAX_TRIES = 3
+
+
+@attrs.frozen
+class CapacitySettings:
+    """What one ``kvq bench capacity`` run measures.
+
+    :param context: tokens held by every sequence (> 0).
+    :param budget: bytes the run may hold in all: the model, the caches and the decode temporaries (> 0; the
+        CLI's default is the device's memory, ``mx.device_info()``).
+    :param safety: fraction of the predicted headroom the chosen batch may use (0 < safety <= 1).
+    :param max_batch: the largest batch tried (>= 1).
+    :param steps, warmup, chunk, sinks, window, kernels, flush, seed: as :class:`kvq.bench.e2e.E2ESettings`.
+    :param progress: show a tqdm bar on stderr.
+    """
+
+    context: int
+    budget: int
+    safety: float = 0.9
+    max_batch: int = 1024
+    steps: int = 16
+    warmup: int = 1
+    chunk: int = 4096
+    sinks: int = 4
+    window: int = 128
+    kernels: str = "auto"
+    flush: int = 32
+    seed: int = 0
+    progress: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        for name, value, low in (("context", self.context, 1), ("budget", self.budget, 1),
+                                 ("max_batch", self.max_batch, 1), ("steps", self.steps, 1)):
+            if value < low:
+                raise ValueError(f"{name} must be >= {low}; got {value}")
+        if not 0 < self.safety <= 1:
+            raise ValueError(f"safety must be in (0, 1]; got {self.safety}")
+
+    def e2e(self, batch: int, steps: int) -> E2ESettings:
+        """The :class:`E2ESettings` of one measured row at ``batch`` sequences."""
+        return E2ESettings(contexts=(self.context,), steps=steps, warmup=self.warmup, chunk=self.chunk,
+                           sinks=self.sinks, window=self.window, kernels=self.kernels, seed=self.seed,
+                           progress=False, flush=self.flush, batch=batch)
+
+
+def predicted_batch(probes: dict[int, int], headroom: int, safety: float, max_batch: int) -> int:
+    """The largest batch whose peak, on the line through the probes' peaks (``{batch: peak bytes}`` at two batch
+    sizes), stays within ``safety * headroom`` bytes; at least 1, at most ``max_batch``.
+
+    :raises ValueError: fewer than two probes.
+    """
+    if len(probes) < 2:
+        raise ValueError(f"predicted_batch needs peaks at two batch sizes; got {sorted(probes)}")
+    (b1, p1), (b2, p2) = sorted(probes.items())[:2]
+    per_sequence = max((p2 - p1) / (b2 - b1), 1.0)
+    fixed = p1 - per_sequence * b1
+    return int(max(1, min(max_batch, (safety * headroom - fixed) // per_sequence)))
+
+
+class CapacityBench:
+    """Measures one row per method on one model (``run``), fp16 first.
+
+    :param model: an mlx-lm llama-family model (as :class:`kvq.bench.e2e.E2EBench`).
+    :param settings: :class:`CapacitySettings`.
+    """
+
+    def __init__(self, model, settings: CapacitySettings) -> None:
+        self.model, self.settings = model, settings
+
+    def run(self, specs: list, on_row: Callable[[dict], None] | None = None) -> list[dict]:
+        """A row per spec (in order; fp16 first): ``method``, ``max_batch``, ``per_sequence_bytes``, the measured
+        row at that batch (``tokens_per_second`` for all sequences, ``peak_memory``, ...) and ratios to fp16."""
+        rows, reference = [], None
+        for spec in tqdm(specs, desc="kvq bench capacity", unit="method", disable=not self.settings.progress):
+            row = self._measure(spec)
+            reference = reference or (row if spec.label == REFERENCE and not row["error"] else None)
+            add_ratios(row, reference)
+            rows.append(row)
+            if on_row is not None:
+                on_row(row)
+        return rows
+
+    def _row(self, spec, batch: int, steps: int) -> dict:
+        release()
+        (row,) = E2EBench(self.model, self.settings.e2e(batch, steps)).run([spec])
+        release()
+        return row
+
+    def _measure(self, spec) -> dict:
+        s = self.settings
+        release()
+        base = mx.get_active_memory()  # the model, and whatever else the process holds
+        headroom = s.budget - base
+        result = {"method": spec.label, "context": s.context, "budget": s.budget, "base_memory": base,
+                  "probes": {}, "tries": [], "error": None}
+        if headroom <= 0:
+            result["error"] = f"the model alone holds {base:,} bytes, more than the budget of {s.budget:,}"
+            return result
+        for batch in (1, 2):
+            probe = self._row(spec, batch, 2)
+            if probe["error"]:
+                result["error"] = f"probe at {batch} sequences: {probe['error']}"
+                return result
+            result["probes"][batch] = probe["peak_memory"] - base
+        peaks = result["probes"]
+        result["per_sequence_bytes"] = peaks[2] - peaks[1]
+        batch = predicted_batch(peaks, headroom, s.safety, s.max_batch)
+        for _ in range(MAX_TRIES):
+            row = self._row(spec, batch, s.steps)
+            fits = not row["error"] and row["peak_memory"] <= s.budget
+            result["tries"].append({"batch": batch, "peak_memory": row.get("peak_memory"), "error": row["error"]})
+            if fits:
+                result.update(max_batch=batch, row=row, tokens_per_second=row["tokens_per_second"],
+                              peak_memory=row["peak_memory"], kv_bytes=row["kv_bytes"])
+                return result
+            if batch == 1:
+                break
+            batch = max(1, int(batch * 0.9))
+        result["error"] = f"no batch from {result['tries'][0]['batch']} down fit the budget: {result['tries'][-1]}"
+        return result
+
+
+def add_ratios(row: dict, reference: dict | None) -> None:
+    """Add ``batch_vs_fp16`` and ``tokens_vs_fp16`` (method / fp16; ``None`` when either row failed)."""
+    ok = reference is not None and not row["error"]
+    row["batch_vs_fp16"] = row["max_batch"] / reference["max_batch"] if ok else None
+    row["tokens_vs_fp16"] = row["tokens_per_second"] / reference["tokens_per_second"] if ok else None

@@ -1,0 +1,52 @@
+"""kvq bench capacity (#22's capacity benchmark): the batch chosen from two probes, measured within the budget, kvq's
+caches fitting more sequences than fp16's; bad input refused before any model work."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from kvq.bench.capacity import CapacitySettings, predicted_batch
+from kvq.cli import main
+
+
+def test_predicted_batch_follows_the_line_through_the_probes():
+    # peaks 10 and 14 bytes at 1 and 2 sequences: 6 fixed + 4 per sequence; (100 - 6) // 4 = 23
+    assert predicted_batch({1: 10, 2: 14}, 100, 1.0, 1024) == 23
+    assert predicted_batch({1: 10, 2: 14}, 100, 0.5, 1024) == 11  # (50 - 6) // 4
+    assert predicted_batch({1: 10, 2: 14}, 100, 1.0, 8) == 8
+    assert predicted_batch({1: 10, 2: 14}, 5, 1.0, 8) == 1  # nothing fits: still one sequence tried
+    with pytest.raises(ValueError, match="needs peaks at two batch sizes"):
+        predicted_batch({1: 10}, 100, 1.0, 8)
+    with pytest.raises(ValueError, match=r"safety must be in \(0, 1\]; got 1.5"):
+        CapacitySettings(context=64, budget=1, safety=1.5)
+
+
+def test_kvq_caches_fit_more_sequences_within_the_budget(tmp_path, capsys):
+    assert main(["bench", "capacity", "--model", "random:tiny", "--context", "1K", "--budget", "48M", "--steps", "2",
+                 "--methods", "fp16,turboquant:3", "--window", "16", "--flush", "8", "--no-progress", "--no-plot",
+                 "--out", str(tmp_path), "--name", "cap"]) == 0
+    document = json.loads((tmp_path / "cap.json").read_text())
+    fp16, tq3 = document["rows"]
+    assert fp16["method"] == "fp16" and not fp16["error"] and not tq3["error"]
+    for row in (fp16, tq3):
+        assert row["peak_memory"] <= document["settings"]["budget"] and row["tokens_per_second"] > 0
+        assert row["row"]["batch"] == row["max_batch"] >= 1
+    # a 3.25-bit cache with a 16-token window holds a 1K-token sequence in far fewer bytes than fp16 does
+    assert tq3["per_sequence_bytes"] < 0.6 * fp16["per_sequence_bytes"]
+    assert tq3["max_batch"] > fp16["max_batch"] and tq3["batch_vs_fp16"] == tq3["max_batch"] / fp16["max_batch"]
+    assert "sequences that fit (x fp16)" in (tmp_path / "cap.md").read_text()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "random:tiny"], "--budget is required here: this device reports no memory size"),
+    (["--model", "random:tiny", "--budget", "1G", "--context", "1K,2K"], "--context takes one length"),
+    (["--model", "random:tiny", "--budget", "1G", "--safety", "0"], r"--safety must be in \(0, 1\]; got 0.0"),
+    (["--model", "random:tiny", "--budget", "lots"], "--budget must be positive integers"),
+])
+def test_bad_input_is_refused_before_model_work(argv, message, capsys, no_model_work):
+    assert main(["bench", "capacity", *argv, "--no-plot"]) == 1
+    err = capsys.readouterr().err
+    assert "kvq bench capacity: error:" in err and re.search(message, err), err
