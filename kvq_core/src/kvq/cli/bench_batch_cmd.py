@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from .bench_cmd import _model_config, add_model_and_cache_options, bench_specs, default_dtype, run_bench
+from .bench_cmd import _model_config, add_model_and_cache_options, at_least, bench_specs, checked_bench, run_bench
 
 EPILOG = """
 models: the default model (SmolLM2-135M-Instruct), any --model kvq eval takes, or random:PRESET, a random-weight
@@ -64,11 +64,9 @@ def check(args) -> dict:
 
     on_cpu = device_kind() == "cpu"
     prompt = args.prompt if args.prompt is not None else 256 if on_cpu else 2048
-    for option, value, low in (("--prompt", prompt, 1), ("--tokens", args.tokens, 2), ("--chunk", args.chunk, 1),
-                               ("--reps", args.reps, 1), ("--sinks", args.sinks, 0), ("--window", args.window, 0),
-                               ("--flush", args.flush, 1)):
-        if value < low:
-            raise ValueError(f"{option} must be >= {low}; got {value}")
+    at_least(("--prompt", prompt, 1), ("--tokens", args.tokens, 2), ("--chunk", args.chunk, 1),
+              ("--reps", args.reps, 1), ("--sinks", args.sinks, 0), ("--window", args.window, 0),
+              ("--flush", args.flush, 1))
     batches = parse_sizes(args.batches, "--batches") if args.batches else (1, 4) if on_cpu else (1, 8)
     random = is_random(args.model)
     name, config, path = _model_config(args)
@@ -76,16 +74,14 @@ def check(args) -> dict:
     if limit is not None and prompt + args.tokens > limit:
         raise ValueError(f"--prompt {prompt} + --tokens {args.tokens} exceed the model's max_position_embeddings "
                          f"({limit})")
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    specs = bench_specs(args, head_dim, random, batch.DEFAULT_METHODS)
+    specs = bench_specs(args, config, random, batch.DEFAULT_METHODS)
     mlx = [s.label for s in specs if s.is_mlx]
     if mlx:
         raise ValueError(f"--methods: {', '.join(mlx)}: mlx-lm's BatchGenerator cannot batch its QuantizedKVCache; "
                          "choose fp16 and kvq methods")
     settings = batch.BatchSettings(batches, prompt, args.tokens, args.reps, args.chunk, args.sinks, args.window,
                                    args.flush, args.kernels, args.seed, not args.no_progress)
-    return {"name": name, "config": config, "path": path, "settings": settings, "specs": specs,
-            "dtype": default_dtype(args, random)}
+    return checked_bench((name, config, path), settings, specs, args, random)
 
 
 def main(argv: list[str]) -> int:

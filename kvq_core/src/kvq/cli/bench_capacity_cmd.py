@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from .bench_cmd import _model_config, add_model_and_cache_options, bench_specs, default_dtype, run_bench
+from .bench_cmd import _model_config, add_model_and_cache_options, at_least, bench_specs, checked_bench, run_bench
 
 EPILOG = """
 models: as kvq bench e2e (random:PRESET random-weight llamas are the usual choice: random keys and values fill every
@@ -76,23 +76,19 @@ def check(args) -> dict:
             raise ValueError("--budget is required here: this device reports no memory size (e.g. --budget 2G)")
     else:
         (budget,) = parse_sizes(args.budget, "--budget")
-    for option, value, low in (("--max-batch", args.max_batch, 1), ("--steps", args.steps, 1),
-                               ("--chunk", args.chunk, 1), ("--sinks", args.sinks, 0), ("--window", args.window, 0),
-                               ("--flush", args.flush, 1)):
-        if value < low:
-            raise ValueError(f"{option} must be >= {low}; got {value}")
+    at_least(("--max-batch", args.max_batch, 1), ("--steps", args.steps, 1),
+              ("--chunk", args.chunk, 1), ("--sinks", args.sinks, 0), ("--window", args.window, 0),
+              ("--flush", args.flush, 1))
     if not 0 < args.safety <= 1:
         raise ValueError(f"--safety must be in (0, 1]; got {args.safety}")
     random = is_random(args.model)
     name, config, path = _model_config(args)
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    specs = bench_specs(args, head_dim, random, DEFAULT_METHODS)
+    specs = bench_specs(args, config, random, DEFAULT_METHODS)
     warmup = 1 if _on_cpu() else args.flush + 1
     settings = capacity.CapacitySettings(context[0], budget, args.safety, args.max_batch, args.steps, warmup,
                                          args.chunk, args.sinks, args.window, args.kernels, args.flush, args.seed,
                                          not args.no_progress)
-    return {"name": name, "config": config, "path": path, "settings": settings, "specs": specs,
-            "dtype": default_dtype(args, random)}
+    return checked_bench((name, config, path), settings, specs, args, random)
 
 
 def main(argv: list[str]) -> int:

@@ -170,10 +170,8 @@ def e2e_check(args) -> dict:
     from ..bench.random_model import is_random
 
     warmup = args.warmup if args.warmup is not None else 1 if _on_cpu() else args.flush + 1
-    for option, value, low in (("--steps", args.steps, 1), ("--warmup", warmup, 0), ("--chunk", args.chunk, 1),
-                               ("--sinks", args.sinks, 0), ("--window", args.window, 0), ("--flush", args.flush, 1)):
-        if value < low:
-            raise ValueError(f"{option} must be >= {low}; got {value}")
+    at_least(("--steps", args.steps, 1), ("--warmup", warmup, 0), ("--chunk", args.chunk, 1),
+              ("--sinks", args.sinks, 0), ("--window", args.window, 0), ("--flush", args.flush, 1))
     random = is_random(args.model)
     fill = args.fill or ("random" if random else "replay")
     if random and fill != "random":
@@ -183,26 +181,44 @@ def e2e_check(args) -> dict:
     contexts = _contexts(args.contexts, random, limit)
     if limit is not None and max(contexts) > limit:
         raise ValueError(f"--contexts {max(contexts)} is longer than the model's max_position_embeddings ({limit})")
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    specs = bench_specs(args, head_dim, random, e2e.DEFAULT_METHODS)
+    specs = bench_specs(args, config, random, e2e.DEFAULT_METHODS)
     contexts = tuple(sorted(contexts, reverse=args.largest_first))
     settings = e2e.E2ESettings(contexts, args.steps, warmup, args.chunk, fill, args.sinks, args.window,
                                args.kernels, args.seed, not args.no_progress, args.flush, args.batch)
-    return {"name": name, "config": config, "path": path, "settings": settings, "specs": specs,
-            "dtype": default_dtype(args, random)}
+    return checked_bench((name, config, path), settings, specs, args, random)
 
 
-def bench_specs(args, head_dim: int, random: bool, defaults: tuple[str, ...]) -> list:
-    """``--methods`` of a bench (``None``: the installed ``defaults``), validated, fp16 first; a method calibrated
-    per model (vecinfer) uses ``--model``'s calibration unless ``[model_id=...]`` names another.
+def bench_specs(args, config: dict, random: bool, defaults: tuple[str, ...]) -> list:
+    """``--methods`` of a bench (``None``: the installed ``defaults``), validated for the head_dim of ``config``
+    (the model's llama config, :func:`_model_config`), fp16 first; a method calibrated per model (vecinfer) uses
+    ``--model``'s calibration unless ``[model_id=...]`` names another.
 
     :raises ValueError: an unknown method or bad parameters (the message names them)."""
     from ..bench import e2e
     from ..evaluation import spec as spec_module
 
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
     specs = e2e.parse_methods(args.methods, head_dim, args.sinks, args.window, defaults=defaults)
     return [spec_module.spec_for_model(s, args.model, head_dim, args.sinks, args.window, calibrated=not random)
             for s in specs]
+
+
+def at_least(*checks: tuple[str, int, int]) -> None:
+    """Each ``(option, value, minimum)``: :raises ValueError: the first whose value is below its minimum, naming
+    the option (``--steps must be >= 1; got 0``)."""
+    for option, value, low in checks:
+        if value < low:
+            raise ValueError(f"{option} must be >= {low}; got {value}")
+
+
+def checked_bench(model: tuple, settings, specs: list, args, random: bool) -> dict:
+    """What a bench's input check returns (:func:`run_bench`'s ``checked``): ``{"name", "config", "path",
+    "settings", "specs", "dtype"}`` from ``model`` (:func:`_model_config`'s answer), the bench's settings, its specs
+    (:func:`bench_specs`) and :func:`default_dtype`."""
+    name, config, path = model
+    return {"name": name, "config": config, "path": path, "settings": settings, "specs": specs,
+            "dtype": default_dtype(args, random)}
 
 
 def default_dtype(args, random: bool) -> str | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from .bench_cmd import _model_config, add_model_and_cache_options, bench_specs, default_dtype, run_bench
+from .bench_cmd import _model_config, add_model_and_cache_options, at_least, bench_specs, checked_bench, run_bench
 
 EPILOG = """
 models: the default model (SmolLM2-135M-Instruct), any --model kvq eval takes, or random:PRESET, a random-weight
@@ -76,19 +76,15 @@ def check(args) -> dict:
     from ..bench import prefill
     from ..bench.random_model import is_random
 
-    for option, value, low in (("--chunk", args.chunk, 1), ("--reps", args.reps, 1), ("--sinks", args.sinks, 0),
-                               ("--window", args.window, 0), ("--flush", args.flush, 1)):
-        if value < low:
-            raise ValueError(f"{option} must be >= {low}; got {value}")
+    at_least(("--chunk", args.chunk, 1), ("--reps", args.reps, 1), ("--sinks", args.sinks, 0),
+              ("--window", args.window, 0), ("--flush", args.flush, 1))
     random = is_random(args.model)
     name, config, path = _model_config(args)
     contexts = _contexts(args.contexts, random, config.get("max_position_embeddings"))
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    specs = bench_specs(args, head_dim, random, prefill.DEFAULT_METHODS)
+    specs = bench_specs(args, config, random, prefill.DEFAULT_METHODS)
     settings = prefill.PrefillSettings(contexts, args.chunk, args.reps, args.sinks, args.window, args.flush,
                                        args.kernels, args.seed, not args.no_progress)
-    return {"name": name, "config": config, "path": path, "settings": settings, "specs": specs,
-            "dtype": default_dtype(args, random)}
+    return checked_bench((name, config, path), settings, specs, args, random)
 
 
 def main(argv: list[str]) -> int:
