@@ -69,6 +69,8 @@ def test_lookup_equals_unpack_then_take(bits, count, rows, seed):
     assert mx.array_equal(lookup(packed, count), expected).item()
     store = mx.concatenate([packed, packed], axis=2)[:, :, 1 : rows + 1]
     assert mx.array_equal(lookup(store, count), mx.take(mx.array(table), packing.unpack(store, bits, count))).item()
+    wide = mx.concatenate([packed, mx.full(packed.shape[:-1] + (3,), 12345, mx.uint32)], axis=-1)  # spare words
+    assert mx.array_equal(lookup(wide, count), expected).item()
     assert (lookup.rows is not None) == (bits in packing.LOOKUP_INDEX_BITS)
 
 
