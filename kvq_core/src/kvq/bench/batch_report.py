@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .output import cache_style, header_lines, markdown_table, pyplot
+from .output import cache_style, header_lines, markdown_table, pyplot, with_ratio
 
 MIB = 2**20
 COLUMNS = ("method", "cache", "rep", "prefill s; speed x fp16", "decode tokens/s, all sequences (x fp16)",
@@ -17,18 +17,14 @@ own caches, the model unpatched) in the same repetition; the first repetition in
 the model (kvq.patch_model), so the generator batches kvq caches (BatchKVQCache)."""
 
 
-def _ratio(text: str, ratio) -> str:
-    return text if ratio is None else f"{text} ({ratio:.2f})"
-
-
 def _cells(r: dict) -> list[str]:
     head = [r["method"], r["cache"], str(r["rep"] + 1)]
     if r["error"]:
         return head + ["-", "-", f"error: {r['error'][:120]}"]
     speed = r["decode_tokens_per_second"]
     prefill = f"{r['prefill_seconds']:.3g}" + ("" if r["prefill_vs_fp16"] is None else f"; {r['prefill_vs_fp16']:.2f}x")
-    return head + [prefill, _ratio("-" if speed is None else f"{speed:,.1f}", r["decode_vs_fp16"]),
-                   _ratio(f"{r['peak_memory_growth'] / MIB:.1f}", r["peak_vs_fp16"])]
+    return head + [prefill, with_ratio("-" if speed is None else f"{speed:,.1f}", r["decode_vs_fp16"]),
+                   with_ratio(f"{r['peak_memory_growth'] / MIB:.1f}", r["peak_vs_fp16"])]
 
 
 def markdown(rows: list[dict]) -> str:

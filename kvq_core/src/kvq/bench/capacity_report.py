@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .output import header_lines, markdown_table, pyplot
+from .output import header_lines, markdown_table, pyplot, with_ratio
 
 MIB = 2**20
 COLUMNS = ("method", "sequences that fit (x fp16)", "per sequence MiB", "peak MiB / budget",
@@ -16,17 +16,13 @@ as kvq bench e2e --batch. Every row holds random keys and values; ratios compare
 the same run."""
 
 
-def _ratio(text: str, ratio) -> str:
-    return text if ratio is None else f"{text} ({ratio:.2f})"
-
-
 def _cells(r: dict) -> list[str]:
     if r["error"]:
         return [r["method"], "-", "-", "-", f"error: {r['error'][:160]}", "-"]
     ms = r["row"]["latency_ms"]["mean"]
-    return [r["method"], _ratio(str(r["max_batch"]), r["batch_vs_fp16"]), f"{r['per_sequence_bytes'] / MIB:,.1f}",
-            f"{r['peak_memory'] / MIB:,.0f} / {r['budget'] / MIB:,.0f}",
-            _ratio(f"{r['tokens_per_second']:,.1f}", r["tokens_vs_fp16"]), f"{ms:.2f}"]
+    return [r["method"], with_ratio(str(r["max_batch"]), r["batch_vs_fp16"]),
+            f"{r['per_sequence_bytes'] / MIB:,.1f}", f"{r['peak_memory'] / MIB:,.0f} / {r['budget'] / MIB:,.0f}",
+            with_ratio(f"{r['tokens_per_second']:,.1f}", r["tokens_vs_fp16"]), f"{ms:.2f}"]
 
 
 def markdown(rows: list[dict]) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .output import cache_style, context_axis, header_lines, pyplot, tables_by_context
+from .output import cache_style, context_axis, header_lines, pyplot, tables_by_context, with_ratio
 
 MIB = 2**20
 COLUMNS = ("method", "cache", "bits/coord (eff.)", "KV MiB (x fp16)", "measured MiB (x fp16)", "decode peak MiB",
@@ -21,10 +21,6 @@ on MLX's CUDA back end encodes it into CUDA graphs): where it is about the whole
 (a kvq cache's window flush, once every flush steps, counts). \
 fp16 = mlx-lm's KVCache in the model's dtype; mlx-affine:N = mlx-lm's QuantizedKVCache (kv_bits N, group 64); the \
 others are kvq caches."""
-
-
-def _ratio(value, ratio) -> str:
-    return f"{value:.1f}" if ratio is None else f"{value:.1f} ({ratio:.2f})"
 
 
 def _batch(settings: dict) -> str:
@@ -46,9 +42,9 @@ def _cells(r: dict) -> list[str]:
     if r["error"]:
         return head + ["-"] * (len(COLUMNS) - 4) + [f"error: {r['error'][:120]}"]
     lat = r["latency_ms"]
-    speed = _rate(r["tokens_per_second"]) + ("" if r["speed_vs_fp16"] is None else f" ({r['speed_vs_fp16']:.2f})")
-    return head + [_ratio(r["kv_bytes"] / MIB, r["kv_bytes_ratio"]),
-                   _ratio(r["active_memory_growth"] / MIB, r["memory_ratio"]),
+    speed = with_ratio(_rate(r["tokens_per_second"]), r["speed_vs_fp16"])
+    return head + [with_ratio(f"{r['kv_bytes'] / MIB:.1f}", r["kv_bytes_ratio"]),
+                   with_ratio(f"{r['active_memory_growth'] / MIB:.1f}", r["memory_ratio"]),
                    f"{r['peak_memory_growth'] / MIB:.1f}",
                    f"{lat['mean']:.3g}, {lat['median']:.3g} [{lat['p10']:.3g}, {lat['p90']:.3g}]", _host(r), speed,
                    r["attend_implementation"] or "mlx-lm"]

@@ -54,6 +54,12 @@ def write_json(document: dict[str, Any], path: str | Path) -> None:
     tmp.replace(path)
 
 
+def with_ratio(text: str, ratio: float | None) -> str:
+    """A table cell: ``text``, followed by `` (ratio)`` to two decimals unless ``ratio`` is ``None`` (a row or its
+    fp16 reference failed)."""
+    return text if ratio is None else f"{text} ({ratio:.2f})"
+
+
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A GitHub markdown table; cells are formatted with ``str`` and ``|`` in them is escaped."""
     def line(cells):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .output import cache_style, context_axis, header_lines, pyplot, tables_by_context
+from .output import cache_style, context_axis, header_lines, pyplot, tables_by_context, with_ratio
 
 MIB = 2**20
 COLUMNS = ("method", "cache", "rep", "s", "tokens/s (x fp16)", "peak MiB above (x fp16)", "KV MiB (x fp16)")
@@ -16,17 +16,13 @@ dtype) in the same repetition; the first repetition includes compiling. mlx-affi
 (kv_bits N, group 64); the others are kvq caches."""
 
 
-def _ratio(text: str, ratio) -> str:
-    return text if ratio is None else f"{text} ({ratio:.2f})"
-
-
 def _cells(r: dict) -> list[str]:
     head = [r["method"], r["cache"], str(r["rep"] + 1)]
     if r["error"]:
         return head + ["-", "-", "-", f"error: {r['error'][:120]}"]
-    return head + [f"{r['seconds']:.3g}", _ratio(f"{r['tokens_per_second']:,.0f}", r["speed_vs_fp16"]),
-                   _ratio(f"{r['peak_memory_growth'] / MIB:.1f}", r["peak_vs_fp16"]),
-                   _ratio(f"{r['kv_bytes'] / MIB:.1f}", r["kv_bytes_ratio"])]
+    return head + [f"{r['seconds']:.3g}", with_ratio(f"{r['tokens_per_second']:,.0f}", r["speed_vs_fp16"]),
+                   with_ratio(f"{r['peak_memory_growth'] / MIB:.1f}", r["peak_vs_fp16"]),
+                   with_ratio(f"{r['kv_bytes'] / MIB:.1f}", r["kv_bytes_ratio"])]
 
 
 def markdown(rows: list[dict]) -> str:
