@@ -494,10 +494,9 @@ def bind_decode(queries: mx.array, scale: float, call: DenseCall, backend: str, 
     kern = attend_tc.DECODE_ATTEND_TC.kernel(backend, TC_INPUTS, TC_OUTPUTS, ensure_row_contiguous=False)
     inputs = [queries, *codes, counter, *tokens]
     raw, template, kept = kern.bound(plan.template, inputs, _input_aliases(inputs, sink_keys is not None))
-    fixed = [inputs[i] for i in kept]
-    n_codes = sum(1 for i in kept if 0 < i <= len(codes))  # kept inputs: q, codes, counter, wk, wv, sinks
-    return DecodeStep(raw, template, grid, fixed[1:1 + n_codes], fixed[4 + n_codes:], shapes, dtypes, counter,
-                      plan.template)
+    n = len(codes)  # inputs: q, codes (1..n), counter, wk, wv, sinks (after n + 3)
+    return DecodeStep(raw, template, grid, [inputs[i] for i in kept if 0 < i <= n],
+                      [inputs[i] for i in kept if i > n + 3], shapes, dtypes, counter, plan.template)
 
 
 def _input_aliases(inputs: list, sinks: bool) -> dict[str, str]:

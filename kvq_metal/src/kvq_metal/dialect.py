@@ -178,12 +178,12 @@ class Kernel:
         self.input_names = tuple(input_names)
         SOURCES[self.name] = head + body
         build = mx.fast.metal_kernel if backend == "metal" else mx.fast.cuda_kernel
+        self._uses = shape_uses(body, self.input_names)  # of the translated text, before it becomes include lines
         if backend == "cuda":
             head, body = cuda_text(self.name, head, body, self.input_names)
         self._build = dict(input_names=list(input_names), output_names=list(output_names), header=head,
                            ensure_row_contiguous=ensure_row_contiguous)
         self._body = body
-        self._uses = shape_uses(translate(source, backend), self.input_names)
         self._kernel = build(name=self.name, source=body, **self._build)
         self._baked: dict[tuple, object] = {}
 
