@@ -25,6 +25,12 @@ def packed_words(count: int, bits: int) -> int:
     return -(-count * bits // 32)
 
 
+def _check_words(words: int, count: int, bits: int) -> None:
+    """:raises ValueError: ``words`` uint32 words are too few for ``count`` codes of ``bits`` bits."""
+    if words < packed_words(count, bits):
+        raise ValueError(f"packed has {words} words; {count} codes of {bits} bits need {packed_words(count, bits)}")
+
+
 @lru_cache(maxsize=None)
 def _pack_tables(bits: int):
     offsets = np.arange(32) * bits  # bit offset of each code in its group
@@ -88,8 +94,7 @@ def unpack(packed: mx.array, bits: int, count: int) -> mx.array:
     """
     _check(bits)
     *lead, W = packed.shape
-    if W < packed_words(count, bits):
-        raise ValueError(f"packed has {W} words; {count} codes of {bits} bits need {packed_words(count, bits)}")
+    _check_words(W, count, bits)
     if count == 0 or 0 in lead:
         return mx.zeros((*lead, count), mx.uint32)
     if 32 % bits == 0:
@@ -156,8 +161,7 @@ class Lookup:
         """
         *lead, W = packed.shape
         bits = self.bits
-        if W < packed_words(count, bits):
-            raise ValueError(f"packed has {W} words; {count} codes of {bits} bits need {packed_words(count, bits)}")
+        _check_words(W, count, bits)
         if self.rows is None or count % 32 or count == 0 or 0 in lead:
             return mx.take(self.table, unpack(packed, bits, count))
         words = packed[..., : count * bits // 32]
