@@ -153,6 +153,8 @@ class Codebook:
     centroids: mx.array
     boundaries: mx.array
     mse: float
+    #: the CPU's :class:`kvq.packing.Lookup` of the centroids, made on first use (:meth:`decode_packed`)
+    _lookups: dict = attrs.field(factory=dict, init=False, repr=False)
 
     def encode(self, y: mx.array) -> mx.array:
         """Nearest-centroid codes of ``y`` (float32, any shape): uint32 of the same shape, below ``2**bits``.
@@ -161,8 +163,6 @@ class Codebook:
         ``2**bits - 1`` bytes per coordinate, several times faster on CPU than a binary search by gathers).
         """
         return mx.sum(y[..., None] > self.boundaries, axis=-1).astype(mx.uint32)
-
-    _lookups: dict = attrs.field(factory=dict, init=False, repr=False)
 
     def decode(self, codes: mx.array) -> mx.array:
         """Centroid values of ``codes`` (uint32, any shape): float32 of the same shape."""
