@@ -406,3 +406,100 @@ def test_cache_tokens_with_kernels_auto_equal_off(method, params):
 
     assert tokens("auto") == tokens("off")
     assert tokens("require") == tokens("off")
+
+
+# -- the streams kernel: qjl keys, turboquant_prod, vecinfer (issue #21) ------------------------------------
+STREAM_CASES = [
+    # key method, key params, value method, value params, head_dim, n_rep, T_q, T
+    ("qjl", {}, "affine", {"bits": 4}, 128, 4, 1, 5000),
+    ("qjl", {}, "affine", {"bits": 4}, 128, 4, 2, 300),
+    ("qjl", {"outlier_channels": 0}, "affine", {"bits": 2, "group_size": 32}, 64, 8, 1, 257),
+    ("qjl", {"outlier_channels": 8, "sketch_dim": 256}, "affine", {"bits": 8, "group_size": 64}, 256, 2, 1, 1000),
+    ("qjl", {"sketch_dim": 96}, "affine", {"bits": 4}, 64, 1, 2, 700),
+    ("turboquant_prod", {"bits": 4}, "turboquant_prod", {"bits": 4}, 128, 4, 1, 5000),
+    ("turboquant_prod", {"bits": 3}, "turboquant_prod", {"bits": 3}, 128, 4, 2, 300),
+    ("turboquant_prod", {"bits": 2}, "turboquant", {"bits": 2}, 64, 8, 1, 129),
+    ("turboquant_prod", {"bits": 4, "norm_dtype": "float32"}, "turboquant_prod", {"bits": 4}, 256, 2, 1, 1000),
+    ("turboquant_prod", {"bits": 3}, "turboquant_prod", {"bits": 3}, 96, 1, 2, 777),
+]
+
+
+@pytest.mark.parametrize("case", range(len(STREAM_CASES)))
+def test_streams_kernel_matches_pure_mlx(case):
+    """qjl keys with affine values, and turboquant_prod (with prod or mse values): the streams kernel within 1e-3
+    relative of pure MLX (head_dim 64/96/128/256, GQA, 1 and 2 query tokens), through a strided view too."""
+    from kvq_metal import streams
+
+    km, kp, vm, vp, D, n_rep, Tq, T = STREAM_CASES[case]
+    dtype = (mx.float16, mx.bfloat16, mx.float32)[case % 3]
+    kernel, pure = _impl(km)
+    reg = registry()
+    kparams, vparams = kvq.make_params(km, **kp), kvq.make_params(vm, **vp)
+    if vm == "affine":
+        vparams = vparams.for_head_dim(D)
+    Hkv = 2
+    k, v = _normal((1, Hkv, T + 40, D), dtype, 1), _normal((1, Hkv, T + 40, D), dtype, 2)
+    q = _normal((1, Hkv * n_rep, Tq, D), dtype, 3)
+    ke = reg.implementations[(km, "mlx")].kvq_quantize(k, kparams).tokens(0, T)
+    ve = reg.implementations[(vm, "mlx")].kvq_quantize(v, vparams).tokens(0, T)
+    assert kernel._serves(q, ke, ve, None), kvq_metal.base.CHECKS
+    out, lse = kernel.kvq_attend(q, ke, ve, D ** -0.5, None)
+    ref, ref_lse = pure.kvq_attend(q, ke, ve, D ** -0.5, None)
+    assert out.shape == ref.shape and lse.shape == ref_lse.shape
+    assert _rel(out, ref) < 1e-3, case
+    assert float(mx.max(mx.abs(lse - ref_lse))) < 1e-3
+    assert streams.supported  # the module the kernel lives in
+
+
+@pytest.mark.parametrize("per_head,code_bits,n_rep,Tq", [(False, 8, 4, 1), (True, 6, 2, 2), (False, 4, 8, 1)])
+def test_vecinfer_streams_kernel_matches_pure_mlx(per_head, code_bits, n_rep, Tq, tmp_path, monkeypatch):
+    """vecinfer: codebooks in shared memory (one per layer or per KV head), within 1e-3 relative of pure MLX; a
+    token stored with the reserved pattern (a NaN key) makes the output NaN in both."""
+    from kvq_backends_vecinfer import storage
+
+    from test_vecinfer import _calibrated
+
+    monkeypatch.setenv("KVQ_DATA_DIR", str(tmp_path))
+    storage.forget()
+    try:
+        _, kp, vp = _calibrated(per_head=per_head, code_bits=code_bits)
+        kp, vp = kp.for_layer(1), vp.for_layer(1)
+        kernel, pure = _impl("vecinfer")
+        k, v = _normal((1, 2, 1500, 64), mx.float16, 5), _normal((1, 2, 1500, 64), mx.float16, 6)
+        q = _normal((1, 2 * n_rep, Tq, 64), mx.float16, 7)
+        ke, ve = pure.kvq_quantize(k, kp), pure.kvq_quantize(v, vp)
+        assert kernel._serves(q, ke, ve, None), kvq_metal.base.CHECKS
+        out, lse = kernel.kvq_attend(q, ke, ve, 0.125, None)
+        ref, ref_lse = pure.kvq_attend(q, ke, ve, 0.125, None)
+        assert _rel(out, ref) < 1e-3 and float(mx.max(mx.abs(lse - ref_lse))) < 1e-3
+        bad = k.at[0, 1, 700].add(float("nan"))
+        out, _ = kernel.kvq_attend(q, pure.kvq_quantize(bad, kp), ve, 0.125, None)
+        ref, _ = pure.kvq_attend(q, pure.kvq_quantize(bad, kp), ve, 0.125, None)
+        out, ref = np.asarray(out.astype(mx.float32)), np.asarray(ref.astype(mx.float32))
+        assert np.isnan(out[:, n_rep:]).all() and np.isnan(ref[:, n_rep:]).all()
+        assert _rel(mx.array(out[:, :n_rep]), mx.array(ref[:, :n_rep])) < 1e-3
+    finally:
+        storage.forget()
+
+
+@pytest.mark.parametrize("method,params", [("qjl", {"value_method": "affine", "value_params": {"bits": 4}}),
+                                           ("turboquant_prod", {"bits": 4})])
+def test_streams_cache_tokens_with_kernels_auto_equal_off(method, params):
+    """The cache decodes qjl+affine and turboquant_prod through the streams kernel (selected on the GPU) with the
+    greedy tokens of kernels="off"."""
+    from mlx_lm.generate import generate_step
+
+    from conftest import tiny_llama
+
+    model = tiny_llama(hidden=512, layers=2, heads=8, kv_heads=2, vocab=512, dtype=mx.float16, seed=11)
+    prompt = mx.array(np.random.default_rng(0).integers(0, 512, 700))
+    shape = (1, 2, 700, 64)
+    plan = kvq.select(method, shape, op="attend", num_q_heads=8, kernels="require")
+    assert plan.choices["attend"].backend == kvq_metal.gpu_backend(), plan.explain()
+
+    def tokens(kernels):
+        cache = kvq.make_prompt_cache(model, method, window=32, sinks=4, kernels=kernels, **params)
+        return [int(t) for (t, _), _ in zip(generate_step(prompt, model, prompt_cache=cache, max_tokens=24),
+                                             range(24))]
+
+    assert tokens("auto") == tokens("off")

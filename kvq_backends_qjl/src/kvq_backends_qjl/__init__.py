@@ -6,7 +6,8 @@ scores it without bias as ``sqrt(π/2)/m · ‖k‖ · ⟨S q, sign(S k)⟩``. P
 are kept apart and sketched separately (:mod:`.params` lists what is stored, :mod:`.sketch` the sketches).
 
 Values are not this method's business: a cache pairs ``qjl`` keys with values of another method (typically
-``affine``), and :meth:`QJLMLX.kvq_attend` attends with the values' own implementation.
+``affine``), and :meth:`QJLMLX.kvq_attend` attends with the values' own implementation. On a GPU, decode with
+``affine`` values runs one fused kernel over the sign bits and the values' codes (:mod:`kvq_backends_qjl.kernels`).
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ class QJLMLX:
 
 
 def kvq_register(register):
-    """Entry point ``qjl``: the method declaration and its pure-MLX implementation."""
-    register(METHOD)
-    register(QJLMLX())
+    """Entry point ``qjl``: the method declaration, its pure-MLX implementation and its kernel implementations
+    (``metal`` and ``cuda``: :mod:`kvq_backends_qjl.kernels`)."""
+    from .kernels import implementations
+
+    for obj in (METHOD, QJLMLX(), *implementations()):
+        register(obj)

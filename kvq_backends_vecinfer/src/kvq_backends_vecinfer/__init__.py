@@ -12,7 +12,7 @@ the model id and the layer (:meth:`VecInferParams.for_layer`, which ``kvq.make_p
 (:func:`.storage.model_id_for`). Without a model id the parameters are not ready (``check_ready``): a cache
 refuses them and ``kvq.select`` says so in its plan. Modules: :mod:`.params`, :mod:`.impl` (quantize,
 dequantize, attend by lookup tables), :mod:`.vq`, :mod:`.hadamard`, :mod:`.kmeans`, :mod:`.storage` (files),
-:mod:`.collect` and :mod:`.calibrate` (calibration).
+:mod:`.collect` and :mod:`.calibrate` (calibration), :mod:`.kernels` (decode attention on the GPU).
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ __all__ = ["VECINFER", "CalibrationError", "VecInferMLX", "VecInferParams", "kvq
 
 
 def kvq_register(register):
-    """Entry point ``vecinfer``: the method and its pure-MLX implementation."""
-    for obj in (VECINFER, VecInferMLX()):
+    """Entry point ``vecinfer``: the method, its pure-MLX implementation and its kernel implementations (``metal``
+    and ``cuda``: :mod:`.kernels`, decode attention)."""
+    from .kernels import implementations
+
+    for obj in (VECINFER, VecInferMLX(), *implementations()):
         register(obj)

@@ -95,6 +95,16 @@ def check_attend_dense(impl, params_k, params_v, head_dim: int, rows: int, dtype
     return ok, detail
 
 
+def quantize_with_method(x: mx.array, params):
+    """``x`` quantized by the pure-MLX implementation of ``params``' method (the first-use checks of a kernel whose
+    keys and values may be of two methods: ``qjl`` keys with ``affine`` values).
+
+    :raises KeyError: no ``mlx`` implementation of that method is installed."""
+    from kvq.plugins import registry
+
+    return registry().implementations[(params.method, "mlx")].kvq_quantize(x, params)
+
+
 def relative_error(a, b) -> float:
     """``‖a - b‖ / ‖b‖`` in float32."""
     a, b = a.astype(mx.float32), b.astype(mx.float32)

@@ -51,3 +51,73 @@ def decode_attend(queries: mx.array, scale: float, keys: Side, values: Side, *, 
             parts.append(dense_attend(queries, dense.sink_keys, dense.sink_values, scale))
         parts.append(dense_attend(queries, dense.window_keys, dense.window_values, scale))
     return merge_parts(parts) if len(parts) > 1 else parts[0]
+
+
+def _stream_codes(stream) -> mx.array:
+    """uint32 ``[B, H, T, dim // vec]``: the codes of a :class:`kvq_metal.streams.Stream` (words or bytes)."""
+    count = stream.dim // stream.vec
+    if stream.codes.dtype != mx.uint8:
+        return packing.unpack(stream.codes, stream.bits, count)
+    *lead, nbytes = stream.codes.shape
+    bits = mx.right_shift(stream.codes.astype(mx.uint32)[..., None], mx.arange(8, dtype=mx.uint32)) & 1
+    bits = bits.reshape(*lead, nbytes * 8)[..., : count * stream.bits].reshape(*lead, count, stream.bits)
+    return mx.sum(mx.left_shift(bits, mx.arange(stream.bits, dtype=mx.uint32)), axis=-1)
+
+
+def decode_stream(stream) -> tuple[mx.array, mx.array]:
+    """``(x float32 [B, H, T, dim], reserved bool [B, H, T])``: a stream's coordinates as the streams kernel
+    decodes them (``table[head][code][j % vec] * scale_g + bias_g``), and which tokens hold the reserved pattern
+    (all false unless ``stream.reserved``)."""
+    codes = _stream_codes(stream)
+    B, H, T, n = codes.shape
+    table = stream.table.reshape(stream.table.shape[0], 1 << stream.bits, stream.vec)
+    if table.shape[0] > 1:
+        x = table[mx.arange(H).reshape(1, H, 1, 1), codes]
+    else:
+        x = table[0][codes]
+    g = stream.group_size
+    x = x.reshape(B, H, T, stream.dim // g, g)
+    if stream.scales:
+        x = x * stream.scales[0].astype(mx.float32).reshape(B, H, T, -1, 1)
+    if stream.biases is not None:
+        x = x + stream.biases.astype(mx.float32).reshape(B, H, T, -1, 1)
+    x = x.reshape(B, H, T, stream.dim)
+    if len(stream.scales) > 1:
+        x = x * stream.scales[1].astype(mx.float32)[..., None]
+    reserved = mx.all(codes == (1 << stream.bits) - 1, axis=-1) if stream.reserved else mx.zeros((B, H, T), mx.bool_)
+    return x, reserved
+
+
+def decode_attend_streams(queries: mx.array, call) -> tuple[mx.array, mx.array]:
+    """Reference of :func:`kvq_metal.streams.decode_attend_streams` (same arguments and result): decode every
+    stream to float32, score ``Σ q'[offset:offset + dim] · x`` plus the outlier estimate, softmax over the tokens
+    (NaN for reserved tokens), weigh the value streams side by side.
+
+    :return: ``(out [B, H_kv, R, DO] float32, lse [B, H_kv, R] float32)``.
+    """
+    q = queries.astype(mx.float32)
+    B, H, R, _ = q.shape
+    scores, dead = None, None
+    for s in call.keys:
+        x, reserved = decode_stream(s)
+        part = q[..., s.offset : s.offset + s.dim] @ x.swapaxes(-1, -2)
+        scores = part if scores is None else scores + part
+        dead = reserved if dead is None else dead | reserved
+    o = call.outliers
+    if o is not None:
+        T, k = o.indices.shape[2], o.indices.shape[3]
+        signs = mx.right_shift(o.signs.astype(mx.uint32)[..., None], mx.arange(8, dtype=mx.uint32)) & 1
+        signs = signs.reshape(B, H, T, -1).astype(mx.float32) * 2 - 1
+        estimate = (signs @ o.sketch) * o.norms.astype(mx.float32)[..., None]  # [B, H, T, k]
+        idx = (o.indices.astype(mx.int32) + o.offset).reshape(B, H, 1, T * k)
+        q_out = mx.take_along_axis(q, mx.broadcast_to(idx, (B, H, R, T * k)), axis=-1).reshape(B, H, R, T, k)
+        scores = scores + mx.sum(q_out * estimate[:, :, None], axis=-1)
+    scores = mx.where(dead[:, :, None], float("nan"), scores)
+    top = mx.max(scores, axis=-1, keepdims=True)
+    p = mx.exp(scores - top)
+    total = mx.sum(p, axis=-1, keepdims=True)
+    decoded = [decode_stream(s) for s in call.values]
+    x = mx.concatenate([d[0] for d in decoded], axis=-1)
+    p = mx.where(decoded[0][1][:, :, None], float("nan"), p)
+    out = (p / total) @ x
+    return out, (top + mx.log(total))[..., 0]

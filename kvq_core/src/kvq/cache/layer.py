@@ -825,9 +825,13 @@ class KVQCache:
                       num_q_heads=Hq, kernels=attend_kernels(self.config.kernels, Tq))
 
     def _own_attend(self) -> bool:
-        """Whether keys and values share a method that has an attention of its own (``kvq_attend``)."""
+        """Whether the keys' method attends the compressed tokens itself (``kvq_attend``): keys and values of one
+        method, or keys of a keys-only method (``qjl``), whose attention takes values of any method (its fused
+        kernel reads some of them: ``qjl`` keys with ``affine`` values)."""
         kp, vp = self.config.key_params, self.config.value_params
-        return kp.method == vp.method and has_attend(kp.method)
+        if not has_attend(kp.method):
+            return False
+        return kp.method == vp.method or registry().method(kp.method).keys_only
 
     def _attend_fn(self, keys, queries):
         """The attention over the compressed tokens: the method's own ``kvq_attend`` chosen by :func:`kvq.select`;

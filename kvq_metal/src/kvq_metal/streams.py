@@ -1,0 +1,323 @@
+"""Fused decode attention over *code streams*: the kernel of the methods whose keys are not one table lookup per
+coordinate (QJL, TurboQuant-Prod, VecInfer).
+
+:mod:`kvq_metal.attend` serves codes that decode as ``x_j = table[code_j] * scale + bias`` in the queries' own
+domain. The methods here need more: QJL scores a key from ``m`` sign bits against the *sketched* query ``S q``
+(``m`` ≠ head_dim) and adds an outlier-channel estimate; TurboQuant-Prod scores the sum of an MSE stage (rotated
+query) and a sign sketch of its residual (sketched rotated query), and accumulates values in both domains;
+VecInfer's codes index sub-vector centroids. One description covers them all:
+
+* the method *prepares* the queries once per call (pure MLX, a few small ops: :func:`attend_streams` takes the
+  function): float32 ``[B, H_kv, n_rep, T_q, DQ]``, every domain a key stream reads side by side;
+* a key's score is ``Σ_streams scale_t · Σ_j q'[offset + j] · table[code_tj]`` (one or two :class:`Stream`),
+  plus optionally QJL's outlier term (:class:`Outliers`);
+* a value is one or two value streams written side by side (``DO`` coordinates), and the method *finishes* the
+  normalised output once (inverse rotation, ``Sᵀ`` of a sketch-domain sum).
+
+No key or value is ever decoded to memory: every code is read once from the cache's packed words (uint32) or
+bytes (uint8: QJL's signs), in place. Layout: as the SIMT kernel of :mod:`kvq_metal.attend` (flash-decoding,
+Dao et al. 2023): one thread group of 128 threads per (batch, KV head, split of the sequence), ``NCG`` threads per
+token, per tile an online softmax, the splits merged by log-sum-exp (``decode_merge.kvq``). Kernel text:
+``kvq_metal/kernels/decode_attend_streams.kvq``; pure-MLX reference :func:`kvq_metal.reference.decode_attend_streams`.
+
+Memory: nothing above the cache but the prepared queries, the per-split partial outputs (``splits · R · DO``
+floats per KV head, at most :data:`~kvq_metal.attend.MAX_SPLITS` splits) and the output.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Callable
+
+import attrs
+import mlx.core as mx
+
+from . import attend
+from .attend import MAX_ROWS, MAX_SPLITS, THREADS, _constant, splits_for
+from .kernel_files import KERNELS, load
+
+DECODE_ATTEND_STREAMS = load(KERNELS / "decode_attend_streams.kvq")
+
+INPUTS = ("q", "kc", "ka_s1", "ka_s2", "ka_t", "kb_c", "kb_s1", "kb_s2", "kb_t", "o_i", "o_c", "o_s", "o_m",
+          "vc", "va_s1", "va_s2", "va_b", "va_t", "vb_c", "vb_s1", "vb_s2", "vb_t")
+#: Most float32 entries of one stream's code table held in shared memory (VecInfer: 2**code_bits * sub_dim).
+MAX_TABLE = 2048
+#: Static shared memory a thread group may use (bytes; CUDA's static limit is 48 KB).
+SHARED_BYTES = 46 * 1024
+#: Most outlier channels and outlier sketch bits (QJL).
+MAX_OUTLIER_CHANNELS, MAX_OUTLIER_BITS = 16, 256
+#: Registers a thread may give to query coordinates and accumulators (R rows times coordinates per thread); the
+#: launch takes more threads per token (fewer coordinates each) above it.
+REGISTER_BUDGET = 96
+#: Tokens each thread loads per tile (loads in flight).
+TOKENS_PER_THREAD = 4
+
+
+@attrs.frozen(eq=False)
+class Stream:
+    """One stream of codes, as the kernel reads it: coordinate ``j`` of a token is
+    ``table[head][code_{j // vec}][j % vec] * scale_{j // group} + bias_{j // group}``.
+
+    :param codes: uint32 words or uint8 bytes ``[B, H_kv, T, W]``: ``dim / vec`` codes of ``bits`` bits packed
+        densely, little-endian, per token (a strided view of a cache's buffer: read in place). The last axis must
+        be contiguous.
+    :param dim: coordinates per token. :param bits: 1..12 bits per code. :param vec: coordinates a code decodes to
+        (1: a scalar table; VecInfer's ``sub_dim``).
+    :param table: float32 ``[G, 2**bits * vec]`` (``G`` = 1, or one table per KV head), at most :data:`MAX_TABLE`
+        entries per head.
+    :param scales: up to two per-token factors multiplied together: float arrays ``[B, H_kv, T]``; the first may
+        instead be ``[B, H_kv, T, dim // group]`` (one per group, values only).
+    :param biases: like a grouped first scale, or ``None`` (values only).
+    :param group: coordinates per scale and bias (``dim``: one per token).
+    :param offset: keys: where this stream's coordinates start in the prepared query row.
+    :param reserved: the token whose codes are all ``2**bits - 1`` is non-finite (VecInfer's reserved pattern):
+        its score is NaN, and its value weighs NaN into every output, as a NaN token does in an fp16 cache.
+    """
+
+    codes: mx.array
+    dim: int
+    bits: int
+    table: mx.array
+    vec: int = 1
+    scales: tuple = ()
+    biases: mx.array | None = None
+    group: int | None = None
+    offset: int = 0
+    reserved: bool = False
+
+    @property
+    def group_size(self) -> int:
+        return self.group or self.dim
+
+    @property
+    def code_bytes(self) -> int:
+        return 1 if self.codes.dtype == mx.uint8 else 4
+
+
+@attrs.frozen(eq=False)
+class Outliers:
+    """QJL's outlier channels (Zandieh, Daliri, Han, arXiv 2406.03482): each token adds
+    ``Σ_i q[offset + idx_i] · ‖k_out‖ · (sketch ᵀ sign)_i`` to its score.
+
+    :param indices: uint8 ``[B, H_kv, T, k]``: the token's outlier channels (head_dim <= 256).
+    :param signs: uint8 ``[B, H_kv, T, m_o / 8]``: the sign bits of ``S_o k_out``, 8 per byte little-endian.
+    :param norms: ``[B, H_kv, T]`` float: ``‖k_out‖``.
+    :param sketch: float32 ``[m_o, k]``: ``S_o`` times its estimator constant ``c_o / m_o``.
+    :param offset: where the unsketched query starts in the prepared query row.
+    """
+
+    indices: mx.array
+    signs: mx.array
+    norms: mx.array
+    sketch: mx.array
+    offset: int = 0
+
+
+@attrs.frozen(eq=False)
+class StreamCall:
+    """A method's decode attention as :func:`decode_attend_streams` reads it: one or two key streams (their scores
+    add), optional :class:`Outliers`, one or two value streams (written side by side: the output has
+    ``sum(v.dim for v in values)`` coordinates), and ``query_dim``, the width of the prepared query row."""
+
+    keys: tuple
+    values: tuple
+    query_dim: int
+    outliers: Outliers | None = None
+
+    @property
+    def out_dim(self) -> int:
+        return sum(v.dim for v in self.values)
+
+
+def _stream_key(s: Stream, side: str) -> tuple:
+    scaled = len(s.scales)
+    return (s.dim, s.bits, s.vec, scaled, s.code_bytes, s.table.shape[0] > 1, s.reserved, s.offset,
+            s.group_size if side == "values" else s.dim, s.biases is not None)
+
+
+def _signature(call: StreamCall, rows: int) -> tuple:
+    o = call.outliers
+    outliers = None if o is None else (o.indices.shape[-1], o.signs.shape[-1] * 8, o.offset)
+    return (rows, call.query_dim, tuple(_stream_key(s, "keys") for s in call.keys),
+            tuple(_stream_key(s, "values") for s in call.values), outliers)
+
+
+def supported(call: StreamCall, rows: int) -> bool:
+    """Whether :func:`decode_attend_streams` serves ``call`` with ``rows = n_rep * T_q`` query rows per KV head
+    (:func:`_plan` says why not)."""
+    return _plan(_signature(call, rows))[0] is not None
+
+
+def explain(call: StreamCall, rows: int) -> str:
+    """Why :func:`decode_attend_streams` does not serve ``call`` (empty when it does)."""
+    return _plan(_signature(call, rows))[1]
+
+
+@lru_cache(maxsize=1024)
+def _plan(signature: tuple) -> tuple[list | None, str]:
+    """``(template, "")`` of the launch for a static signature, or ``(None, why)``: the threads per token (the
+    fewest that give every stream whole codes, at most 32 bits of codes per thread and per stream, and queries
+    and accumulators within :data:`REGISTER_BUDGET`), the shared memory, the tables."""
+    rows, dq, keys, values, outliers = signature
+    if not 1 <= rows <= MAX_ROWS:
+        return None, f"{rows} query rows per KV head (the kernel takes 1..{MAX_ROWS})"
+    if not 1 <= len(keys) <= 2 or not 1 <= len(values) <= 2:
+        return None, "one or two key streams and one or two value streams"
+    extra = (keys[1:], values[1:])
+    for k in extra[0] + extra[1]:
+        if k[2] != 1 or k[5] or k[6] or k[9] or k[8] != k[0]:
+            return None, "a second stream must be scalar codes with one shared table and per-token scales"
+    for s in keys + values:
+        dim, bits, vec, scaled, cb, _, _, _, group, _ = s
+        if not 1 <= bits <= 12 or (1 << bits) * vec > MAX_TABLE or scaled > 2:
+            return None, f"a stream of {bits}-bit codes of {vec} coordinates (tables of at most {MAX_TABLE} entries)"
+    if outliers is not None and not (1 <= outliers[0] <= MAX_OUTLIER_CHANNELS and outliers[1] <= MAX_OUTLIER_BITS):
+        return None, f"{outliers[0]} outlier channels of {outliers[1]} sketch bits"
+    out_dim = sum(v[0] for v in values)
+    if out_dim % 32 or out_dim > 1024:
+        return None, f"{out_dim} output coordinates (a multiple of 32, at most 1024: the merge's thread group)"
+    for ncg in (4, 8, 16, 32):
+        why = _fits(ncg, rows, keys, values)
+        if not why:
+            break
+    else:
+        return None, why
+    shared = 4 * (rows * dq + TOKENS_PER_THREAD * THREADS // ncg * rows + 4 * rows + rows * out_dim
+                  + sum((1 << s[1]) * s[2] for s in keys + values) + (0 if outliers is None else
+                                                                        outliers[0] * outliers[1]))
+    if shared > SHARED_BYTES:
+        return None, f"{shared} bytes of shared memory (at most {SHARED_BYTES})"
+    ka, va = keys[0], values[0]
+    kb = keys[1] if len(keys) > 1 else None
+    vb = values[1] if len(values) > 1 else None
+    ok, om, o_off = outliers or (0, 0, 0)
+    t = [("DQ", dq), ("R", rows), ("NCG", ncg), ("KT", TOKENS_PER_THREAD), ("THREADS", THREADS),
+         ("KA_OFF", ka[7]), ("KA_DIM", ka[0]), ("KA_BITS", ka[1]), ("KA_VEC", ka[2]), ("KA_NS", ka[3]),
+         ("KA_CB", ka[4]), ("KA_TH", ka[5]), ("KA_RES", ka[6]),
+         ("KB_ON", kb is not None), ("KB_OFF", kb[7] if kb else 0), ("KB_DIM", kb[0] if kb else ncg),
+         ("KB_BITS", kb[1] if kb else 1), ("KB_NS", kb[3] if kb else 0), ("KB_CB", kb[4] if kb else 4),
+         ("OK", ok), ("OM", om), ("O_OFF", o_off),
+         ("VA_DIM", va[0]), ("VA_BITS", va[1]), ("VA_VEC", va[2]), ("VA_G", va[8]), ("VA_NS", va[3]),
+         ("VA_BIAS", va[9]), ("VA_CB", va[4]), ("VA_TH", va[5]), ("VA_RES", va[6]),
+         ("VB_ON", vb is not None), ("VB_DIM", vb[0] if vb else ncg), ("VB_BITS", vb[1] if vb else 1),
+         ("VB_NS", vb[3] if vb else 0), ("VB_CB", vb[4] if vb else 4), ("DO", out_dim)]
+    return t, ""
+
+
+def _fits(ncg: int, rows: int, keys: tuple, values: tuple) -> str:
+    """Why ``ncg`` threads per token do not serve these streams (empty when they do)."""
+    coords = 0
+    for side, streams in (("key", keys), ("value", values)):
+        for s in streams:
+            dim, bits, vec, _, _, _, _, _, group, _ = s
+            per = dim // ncg
+            if dim % (ncg * vec) or per == 0:
+                return f"{side} stream of {dim} coordinates in codes of {vec} does not split over {ncg} threads"
+            if per // vec * bits > 32:
+                return f"{side} stream: {per // vec * bits} bits of codes per thread (at most 32)"
+            if side == "value" and group < dim and group % per:
+                return f"value stream: groups of {group} do not hold whole runs of {per} coordinates"
+            coords += per
+    if rows * coords > REGISTER_BUDGET:
+        return f"{rows} rows of {coords} coordinates per thread exceed {REGISTER_BUDGET} registers"
+    return ""
+
+
+def _arrays(call: StreamCall) -> list:
+    """The kernel's inputs after the queries (:data:`INPUTS`); an absent input passes an array of the same rank
+    that the kernel never reads."""
+    ka, va = call.keys[0], call.values[0]
+    kb = call.keys[1] if len(call.keys) > 1 else ka
+    vb = call.values[1] if len(call.values) > 1 else va
+
+    def scale(s: Stream, i: int, fallback: mx.array) -> mx.array:
+        return s.scales[i] if len(s.scales) > i else fallback
+
+    tokens = ka.codes[..., 0]  # [B, H, T]: stands in for absent per-token arrays (never read)
+    o = call.outliers
+    outlier = [ka.codes, ka.codes, tokens, _constant((0.0,), mx.float32)] if o is None else \
+        [o.indices, o.signs, o.norms, o.sketch]
+    return [ka.codes, scale(ka, 0, tokens), scale(ka, 1, tokens), ka.table,
+            kb.codes, scale(kb, 0, tokens), scale(kb, 1, tokens), kb.table,
+            *outlier,
+            va.codes, scale(va, 0, tokens), scale(va, 1, tokens), va.biases if va.biases is not None else tokens,
+            va.table, vb.codes, scale(vb, 0, tokens), scale(vb, 1, tokens), vb.table]
+
+
+def _aliases(inputs: list) -> dict[str, str]:
+    """Inputs (:data:`INPUTS`) that are the same array as an earlier one (the stand-ins :func:`_arrays` passes for
+    absent streams), by name -> that earlier input's name."""
+    aliases = {}
+    for i in range(1, len(inputs)):
+        first = next(j for j in range(i + 1) if inputs[j] is inputs[i])
+        if first < i:
+            aliases[INPUTS[i]] = INPUTS[first]
+    return aliases
+
+
+def decode_attend_streams(queries: mx.array, call: StreamCall, backend: str) -> tuple[mx.array, mx.array]:
+    """Attention of prepared decode queries over the streams ``call`` describes (no mask: every key precedes every
+    query). Kernels ``decode_attend_streams.kvq`` + ``decode_merge.kvq``; reference
+    :func:`kvq_metal.reference.decode_attend_streams` (same arguments and result).
+
+    :param queries: float32 ``[B, H_kv, R, DQ]``: the prepared, scaled query rows of each KV head (``R = n_rep ·
+        T_q``, GQA heads major), ``DQ = call.query_dim``.
+    :param call: :class:`StreamCall` with ``T >= 1`` tokens in every stream.
+    :param backend: ``"metal"`` or ``"cuda"``.
+    :return: ``(out [B, H_kv, R, DO] float32, lse [B, H_kv, R] float32)``: the normalised output in the value
+        streams' domain (``DO = call.out_dim``) and the natural-log log-sum-exp of the scores.
+    :raises ValueError: a call :func:`supported` rejects (the message says why), or queries of another shape.
+    """
+    B, H, R, DQ = queries.shape
+    codes = call.keys[0].codes
+    if codes.shape[:2] != (B, H) or DQ != call.query_dim or codes.shape[2] < 1:
+        raise ValueError(f"queries {tuple(queries.shape)} do not fit codes {tuple(codes.shape)} of query width "
+                         f"{call.query_dim} (need [B, H_kv, R, DQ] and at least one token)")
+    template, why = _plan(_signature(call, R))
+    if template is None:
+        raise ValueError(f"decode_attend_streams does not serve this call: {why}")
+    T = codes.shape[2]
+    DO = call.out_dim
+    ncg = dict(template)["NCG"]
+    tile = TOKENS_PER_THREAD * THREADS // ncg
+    splits = splits_for(B * H, T, backend, tile)
+    kern = DECODE_ATTEND_STREAMS.kernel(backend, INPUTS, ("out", "ml"), ensure_row_contiguous=False)
+    inputs = [queries.reshape(B * H, R, DQ), *_arrays(call)]
+    # the template's values written into the kernel's text on CUDA (a short name, no per-launch formatting of 37
+    # arguments), and an input that is the same array as an earlier one read through it
+    launch, template, kept = kern.bound(template, inputs, _aliases(inputs))
+    part, ml = launch(inputs=[inputs[i] for i in kept], template=template,
+                      grid=(THREADS * B * H, splits, 1), threadgroup=(THREADS, 1, 1),
+                      output_shapes=[(B, H, splits, R, DO), (B, H, splits, R, 2)],
+                      output_dtypes=[mx.float32, mx.float32])
+    merge = attend.DECODE_MERGE.kernel(backend, attend.MERGE_INPUTS, ("out", "lse"))
+    out, lse = merge(inputs=[part, ml, _constant((0.0,), mx.float32)],
+                     template=[("D", DO), ("DV", DO), ("R", R), ("ROT", False), ("MAX_SPLITS", MAX_SPLITS)],
+                     grid=(DO * B * H * R, 1, 1), threadgroup=(DO, 1, 1),
+                     output_shapes=[(B, H, R, DO), (B, H, R)], output_dtypes=[mx.float32, mx.float32])
+    return out, lse
+
+
+def attend_streams(queries: mx.array, scale: float, num_kv_heads: int, call: StreamCall,
+                   prepare: Callable[[mx.array], mx.array], finish: Callable[[mx.array], mx.array], backend: str,
+                   attend_fn=decode_attend_streams) -> tuple[mx.array, mx.array]:
+    """A method's decode attention through the streams kernel, in the shapes of the ``kvq_attend`` spec.
+
+    :param queries: ``[B, H_q, T_q, D]`` any float dtype. :param scale: the softmax scale.
+    :param prepare: scaled float32 ``[B, H_kv, n_rep, T_q, D]`` -> ``[..., call.query_dim]`` (the method's own
+        query preparation, pure MLX). :param finish: normalised ``[B, H_kv, n_rep, T_q, call.out_dim]`` ->
+        ``[..., D_v]`` (its inverse transforms).
+    :param attend_fn: :func:`decode_attend_streams`, or the reference (tests).
+    :return: ``(out [B, H_q, T_q, D_v] float32, lse [B, H_q, T_q] float32)``.
+    """
+    from .common import grouped_rows
+
+    B, Hq, Tq, _ = queries.shape
+    q = prepare(grouped_rows(queries, num_kv_heads, scale))
+    n_rep = Hq // num_kv_heads
+    if attend_fn is decode_attend_streams:
+        out, lse = attend_fn(q.reshape(B, num_kv_heads, n_rep * Tq, q.shape[-1]), call, backend)
+    else:
+        out, lse = attend_fn(q.reshape(B, num_kv_heads, n_rep * Tq, q.shape[-1]), call)
+    out = finish(out.reshape(B, num_kv_heads, n_rep, Tq, call.out_dim))
+    return out.reshape(B, Hq, Tq, out.shape[-1]), lse.reshape(B, Hq, Tq)

@@ -1,0 +1,135 @@
+"""kvq_metal's streams kernel description (issue #21), on the CPU: for qjl keys with affine values,
+turboquant_prod and vecinfer, the pure-MLX reference of the kernel (:func:`kvq_metal.reference.decode_attend_streams`)
+over each method's :class:`~kvq_metal.streams.StreamCall` equals the method's own pure-MLX attention; so on a GPU
+(tests/test_kernels_gpu.py) only the kernel against the reference remains to check. Also what the launch plan
+refuses, and that the cache now asks qjl's own attention for qjl keys (the same numbers as before)."""
+
+from __future__ import annotations
+
+import attrs
+import mlx.core as mx
+import pytest
+
+import kvq
+from kvq.plugins import registry
+from kvq_metal import reference, streams
+from kvq_metal.common import normal, relative_error
+
+from test_vecinfer import _calibrated  # noqa: F401  (its data_dir fixture is not needed: ours below)
+
+
+def _quantize(x, params):
+    return registry().implementations[(params.method, "mlx")].kvq_quantize(x, params)
+
+
+def _check(queries, keys, values, call, prepare, finish, scale, rows):
+    pure = registry().implementations[(keys.method, "mlx")]
+    want, want_lse = pure.kvq_attend(queries, keys, values, scale, None)
+    got, lse = streams.attend_streams(queries, scale, keys.shape[1], call, prepare, finish, "cuda",
+                                      attend_fn=reference.decode_attend_streams)
+    assert got.shape == want.shape and lse.shape == want_lse.shape
+    assert relative_error(got, want) < 1e-5
+    assert mx.max(mx.abs(lse - want_lse)).item() < 1e-5
+    assert streams.supported(call, rows), streams.explain(call, rows)
+
+
+@pytest.mark.parametrize("D,kp,vbits,n_rep,Tq,T", [(128, {}, 4, 4, 1, 300), (64, {"outlier_channels": 0}, 2, 1, 2, 100),
+                                                   (128, {"outlier_channels": 2}, 8, 8, 1, 77),
+                                                   (64, {"sketch_dim": 96}, 4, 2, 1, 50)])
+def test_qjl_affine_description_equals_pure_mlx(D, kp, vbits, n_rep, Tq, T):
+    from kvq_backends_qjl import kernels as qjl_kernels
+
+    kparams = kvq.make_params("qjl", **kp)
+    vparams = kvq.make_params("affine", bits=vbits).for_head_dim(D)
+    x = normal((2, 2, T, D), 0, mx.float16)
+    keys, values = _quantize(x[:1], kparams), _quantize(x[1:], vparams)
+    q = normal((1, 2 * n_rep, Tq, D), 1, mx.float16)
+    call = qjl_kernels.key_stream_call(keys, values)
+    _check(q, keys, values, call, qjl_kernels.prepare(keys), qjl_kernels._same, D ** -0.5, n_rep * Tq)
+
+
+@pytest.mark.parametrize("D,bits,value_method,n_rep,Tq", [(128, 4, "turboquant_prod", 4, 1),
+                                                         (64, 3, "turboquant", 1, 2), (96, 2, "turboquant_prod", 8, 1),
+                                                         (256, 4, "turboquant_prod", 2, 1)])
+def test_turboquant_prod_description_equals_pure_mlx(D, bits, value_method, n_rep, Tq):
+    from kvq_backends_turboquant.kernels import turboquant_prod
+
+    kparams = kvq.make_params("turboquant_prod", bits=bits)
+    vparams = kvq.make_params(value_method, bits=bits)
+    x = normal((2, 2, 200, D), 0, mx.float16)
+    keys, values = _quantize(x[:1], kparams), _quantize(x[1:], vparams)
+    q = normal((1, 2 * n_rep, Tq, D), 1, mx.float16)
+    pure = registry().implementations[("turboquant_prod", "mlx")]
+    call = turboquant_prod.stream_call(keys, values)
+    _check(q, keys, values, call, lambda r: pure.prepare_queries(r, keys), lambda o: pure.finish_values(o, values),
+           D ** -0.5, n_rep * Tq)
+
+
+@pytest.mark.parametrize("per_head,code_bits,sub_dim,n_rep", [(False, 6, 4, 4), (True, 8, 4, 1), (False, 5, 2, 2)])
+def test_vecinfer_description_equals_pure_mlx(per_head, code_bits, sub_dim, n_rep, tmp_path, monkeypatch):
+    from kvq_backends_vecinfer import storage, vq
+    from kvq_backends_vecinfer.impl import _layer
+    from kvq_backends_vecinfer.kernels import stream_call
+
+    monkeypatch.setenv("KVQ_DATA_DIR", str(tmp_path))
+    storage.forget()
+    try:
+        _, kp, vp = _calibrated(per_head=per_head, code_bits=code_bits, sub_dim=sub_dim)
+        kp, vp = kp.for_layer(0), vp.for_layer(0)
+        x = normal((2, 2, 300, 64), 0, mx.float16)
+        x = x.at[0, 1, 17].add(float("nan"))  # a key stored with the reserved pattern: NaN for that head in both
+        keys, values = _quantize(x[:1], kp), _quantize(x[1:], vp)
+        q = normal((1, 2 * n_rep, 1, 64), 1, mx.float16)
+        smoothing = _layer(kp, 2).smoothing
+        pure = registry().implementations[("vecinfer", "mlx")]
+        want, _ = pure.kvq_attend(q, keys, values, 0.125, None)
+        got, _ = streams.attend_streams(q, 0.125, 2, stream_call(keys, values),
+                                        lambda r: vq.transform_queries(r, smoothing),
+                                        lambda o: vq.inverse_transform(o, None), "cuda",
+                                        attend_fn=reference.decode_attend_streams)
+        assert mx.all(mx.isnan(got[:, n_rep:])).item() and mx.all(mx.isnan(want[:, n_rep:])).item()
+        assert relative_error(got[:, :n_rep], want[:, :n_rep]) < 1e-5
+    finally:
+        storage.forget()
+
+
+def test_plan_says_what_it_refuses():
+    from kvq_backends_qjl import kernels as qjl_kernels
+
+    x = normal((2, 1, 40, 64), 0, mx.float16)
+    keys = _quantize(x[:1], kvq.make_params("qjl"))
+    values = _quantize(x[1:], kvq.make_params("affine", bits=4).for_head_dim(64))
+    call = qjl_kernels.key_stream_call(keys, values)
+    assert streams.supported(call, 8) and not streams.supported(call, 9)
+    assert "9 query rows" in streams.explain(call, 9)
+    with pytest.raises(ValueError, match="9 query rows"):
+        streams.decode_attend_streams(mx.zeros((1, 1, 9, call.query_dim)), call, "cuda")
+    with pytest.raises(ValueError, match="query width"):
+        streams.decode_attend_streams(mx.zeros((1, 1, 4, 7)), call, "cuda")
+    wide = attrs.evolve(call.keys[0], bits=12, vec=1)
+    assert "tables of at most" in streams.explain(attrs.evolve(call, keys=(wide,)), 4)
+    # values of another method than affine: no call (pure MLX attends them)
+    turbo = _quantize(x[1:], kvq.make_params("turboquant", bits=4))
+    assert qjl_kernels.key_stream_call(keys, turbo) is None
+
+
+def test_cache_attends_qjl_keys_with_qjl_attention_same_numbers():
+    """The cache now hands qjl keys (with affine values) to qjl's own kvq_attend (which a GPU's kernel can serve);
+    on the CPU that is the same blockwise computation as the per-side block protocol it used before."""
+    from kvq.attention import attend_encoded, merge_parts
+    from kvq.cache import KVQCache, make_config
+    from kvq.cache.layer import block_implementation
+
+    cache = KVQCache(make_config("qjl", value_method="affine", value_params={"bits": 4}, window=16, flush=8, sinks=2))
+    k, v = normal((1, 2, 120, 64), 3, mx.float16), normal((1, 2, 120, 64), 4, mx.float16)
+    cache.update_and_fetch(k, v)
+    assert cache._own_attend()
+    q = normal((1, 4, 1, 64), 5, mx.float16)
+    keys, values = cache.compressed_keys.view(), cache.compressed_values.view()
+    got = cache._attend_part("compressed", q, 0.125, None)
+    want = attend_encoded(q, keys, values, 0.125, None, block_implementation("qjl", "keys"),
+                          block_implementation("affine", "values"))
+    assert mx.array_equal(got[0], want[0]).item() and mx.array_equal(got[1], want[1]).item()
+    out = cache.attend(q, 0.125)
+    parts = [cache._attend_part(kind, q, 0.125, None) for kind, _ in cache._parts()]
+    assert relative_error(out, merge_parts(parts)[0].astype(out.dtype)) < 1e-3
