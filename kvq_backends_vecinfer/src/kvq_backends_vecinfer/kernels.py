@@ -82,7 +82,7 @@ class VecInferKernels(KernelImpl):
         quantize = self.fallback().kvq_quantize
         return base.first_use_check(self.backend, "decode_attend_streams[vecinfer]", key,
                                lambda: check_attend(self, quantize, keys.params, values.params, keys.head_dim,
-                                                    rows, queries.dtype))
+                                                    rows, queries.dtype, heads=keys.shape[1]))
 
     def kvq_attend(self, queries, keys, values, scale, mask):
         """``kvq_attend`` spec; pure MLX serves masks, large codebooks and shapes beyond the kernel."""

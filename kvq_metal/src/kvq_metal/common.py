@@ -42,13 +42,15 @@ def normal(shape: tuple, seed: int, dtype=mx.float32, scale: float = 1.0) -> mx.
     return (mx.random.normal(shape, key=mx.random.key(seed)) * scale).astype(dtype)
 
 
-def check_attend(impl, quantize, params_k, params_v, head_dim: int, rows: int, dtype) -> tuple[bool, str]:
+def check_attend(impl, quantize, params_k, params_v, head_dim: int, rows: int, dtype,
+                 heads: int = 1) -> tuple[bool, str]:
     """Compare ``impl.kvq_attend`` with its pure-MLX fallback on a small problem (300 keys: two tiles and a
-    partial one, GQA with ``rows`` query rows, one KV head): relative error must be below 1e-3."""
+    partial one, GQA with ``rows`` query rows, ``heads`` KV heads: 1, or the count a calibration was recorded
+    with): relative error must be below 1e-3."""
     T, Tq = 300, 1
-    x = normal((2, 1, T, head_dim), 0, dtype)
+    x = normal((2, heads, T, head_dim), 0, dtype)
     keys, values = quantize(x[:1], params_k), quantize(x[1:], params_v)
-    q = normal((1, rows, Tq, head_dim), 1, dtype)
+    q = normal((1, rows * heads, Tq, head_dim), 1, dtype)
     scale = head_dim ** -0.5
     got, lse = impl.attend_kernel(q, keys, values, scale)
     want, want_lse = impl.fallback().kvq_attend(q, keys, values, scale, None)

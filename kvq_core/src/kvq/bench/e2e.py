@@ -161,8 +161,10 @@ def attend_implementation(cache, model, settings: E2ESettings) -> str | None:
     if config is None:
         return None
     kp, vp = config.key_params, config.value_params
-    if kp.method != vp.method:
+    own = getattr(cache, "_own_attend", None)
+    if own is None or not own():
         return f"{kp.method}+{vp.method}:mlx (block protocol)"
+    label = kp.method if kp.method == vp.method else f"{kp.method}+{vp.method}"
     from ..cache.layer import attend_kernels
     from ..select import select
 
@@ -175,7 +177,7 @@ def attend_implementation(cache, model, settings: E2ESettings) -> str | None:
     except ValueError as exc:  # the row is still measured; only this label is unknown
         return f"unknown ({exc})"
     choice = plan.choices.get("attend")
-    return None if choice is None else f"{kp.method}:{choice.backend}"
+    return None if choice is None else f"{label}:{choice.backend}"
 
 
 def model_dtype(model) -> mx.Dtype:
