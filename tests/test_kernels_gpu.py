@@ -503,3 +503,38 @@ def test_streams_cache_tokens_with_kernels_auto_equal_off(method, params):
                                              range(24))]
 
     assert tokens("auto") == tokens("off")
+
+
+@pytest.mark.parametrize("km,kp,vm,vp", [("qjl", {}, "affine", {"bits": 4}),
+                                         ("turboquant_prod", {"bits": 4}, "turboquant_prod", {"bits": 4}),
+                                         ("turboquant_prod", {"bits": 3}, "turboquant_prod", {"bits": 3})])
+@pytest.mark.parametrize("sinks", [True, False])
+def test_streams_bound_step_matches_parts(km, kp, vm, vp, sinks):
+    """The bound decode step of the streams kernel (compressed tokens, sinks and window in one launch, the
+    method's finish in the merge) equals the three parts attended in pure MLX and merged, within 2e-3 relative in
+    bfloat16, for 2 batch rows; its output has the queries' dtype."""
+    from kvq.attention import dense_attend, merge_parts
+
+    reg = registry()
+    kernel = reg.implementations[(km, kvq_metal.gpu_backend())]
+    kparams, vparams = kvq.make_params(km, **kp), kvq.make_params(vm, **vp)
+    if vm == "affine":
+        vparams = vparams.for_head_dim(128)
+    dt = mx.bfloat16
+    k, v = _normal((2, 8, 3000, 128), dt, 41), _normal((2, 8, 3000, 128), dt, 42)
+    ke = reg.implementations[(km, "mlx")].kvq_quantize(k, kparams)
+    ve = reg.implementations[(vm, "mlx")].kvq_quantize(v, vparams)
+    sk, sv = (_normal((2, 8, 4, 128), dt, 43), _normal((2, 8, 4, 128), dt, 44)) if sinks else (None, None)
+    wk, wv = _normal((2, 8, 150, 128), dt, 45), _normal((2, 8, 150, 128), dt, 46)
+    step = kernel.bind_dense(_normal((2, 32, 1, 128), dt, 47), ke, ve, 128 ** -0.5, sk, sv, wk, wv)
+    assert step is not None, kvq_metal.base.CHECKS
+    for n in (130, 131):
+        q = _normal((2, 32, 1, 128), dt, n)
+        out = step(q, wk[:, :, :n], wv[:, :, :n])
+        parts = [reg.implementations[(km, "mlx")].kvq_attend(q, ke, ve, 128 ** -0.5, None),
+                 dense_attend(q, wk[:, :, :n], wv[:, :, :n], 128 ** -0.5)]
+        if sinks:
+            parts.append(dense_attend(q, sk, sv, 128 ** -0.5))
+        want, _ = merge_parts(parts)
+        assert out.dtype == dt and out.shape == want.shape
+        assert _rel(out, want) < 2e-3, n

@@ -45,7 +45,7 @@ def test_qjl_affine_description_equals_pure_mlx(D, kp, vbits, n_rep, Tq, T):
     keys, values = _quantize(x[:1], kparams), _quantize(x[1:], vparams)
     q = normal((1, 2 * n_rep, Tq, D), 1, mx.float16)
     call = qjl_kernels.key_stream_call(keys, values)
-    _check(q, keys, values, call, qjl_kernels.prepare(keys), qjl_kernels._same, D ** -0.5, n_rep * Tq)
+    _check(q, keys, values, call, qjl_kernels.prepare(keys), lambda o: o, D ** -0.5, n_rep * Tq)
 
 
 @pytest.mark.parametrize("D,bits,value_method,n_rep,Tq", [(128, 4, "turboquant_prod", 4, 1),
@@ -133,3 +133,36 @@ def test_cache_attends_qjl_keys_with_qjl_attention_same_numbers():
     out = cache.attend(q, 0.125)
     parts = [cache._attend_part(kind, q, 0.125, None) for kind, _ in cache._parts()]
     assert relative_error(out, merge_parts(parts)[0].astype(out.dtype)) < 1e-3
+
+
+def test_bound_step_matrices_equal_the_methods_transforms(tmp_path, monkeypatch):
+    """The bound step runs each method's query preparation and value finish as matrices
+    (:func:`kvq_metal.streams.linear_matrix`): for qjl, turboquant_prod and vecinfer they equal the functions."""
+    from kvq_backends_qjl.kernels import QJLKernels
+    from kvq_backends_turboquant.kernels import TurboQuantProdKernels
+    from kvq_backends_vecinfer import storage
+    from kvq_backends_vecinfer.kernels import VecInferKernels
+
+    monkeypatch.setenv("KVQ_DATA_DIR", str(tmp_path))
+    storage.forget()
+    try:
+        _, vkp, vvp = _calibrated(code_bits=6)
+        x = normal((2, 2, 64, 64), 0, mx.float16)
+        cases = [(QJLKernels("cuda"), kvq.make_params("qjl"), kvq.make_params("affine", bits=4).for_head_dim(64)),
+                 (TurboQuantProdKernels("cuda"), kvq.make_params("turboquant_prod", bits=3),
+                  kvq.make_params("turboquant_prod", bits=3)),
+                 (VecInferKernels("cuda"), vkp.for_layer(0), vvp.for_layer(0))]
+        q = normal((1, 2, 3, 5, 64), 1)
+        for impl, kp, vp in cases:
+            keys, values = _quantize(x[:1], kp), _quantize(x[1:], vp)
+            prepare, finish = impl._matrices(keys, values)
+            want = impl.prepare(keys)(q)
+            assert relative_error(q @ prepare[:, None], want) < 1e-6, impl
+            fn = impl.finish(values)
+            if fn is None:
+                assert finish is None
+                continue
+            out = normal((1, 2, 3, 5, finish.shape[0]), 2)
+            assert relative_error(out @ finish, fn(out)) < 1e-6, impl
+    finally:
+        storage.forget()

@@ -17,9 +17,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 from kvq_metal import BACKENDS, streams
-from kvq_metal import base
-from kvq_metal.base import KernelImpl, _check_key
-from kvq_metal.common import check_attend, decode_shape_ok, query_rows, quantize_with_method
+from kvq_metal.common import decode_shape_ok
 
 from .params import QJLParams
 from .quantize import main_sketch, outlier_sketch
@@ -73,12 +71,9 @@ def prepare(keys):
     return run
 
 
-def _same(out):
-    return out
-
-
-class QJLKernels(KernelImpl):
-    """Kernel implementation of ``qjl`` (attend only; see the module docstring)."""
+class QJLKernels(streams.StreamsKernelImpl):
+    """Kernel implementation of ``qjl`` (decode attention; see the module docstring and
+    :class:`kvq_metal.streams.StreamsKernelImpl`)."""
 
     method = "qjl"
 
@@ -97,40 +92,15 @@ class QJLKernels(KernelImpl):
         B, H, T, D = problem.shape
         p = problem.params or QJLParams()
         stored = p.accounting(D).bits_per_token * B * H * T / 8
-        return self.estimate(problem, launches=4, bytes_moved=2 * stored)
+        return self.estimate(problem, launches=3, bytes_moved=2 * stored)
 
-    def attend_kernel(self, queries, keys, values, scale):
-        """The kernel path of :meth:`kvq_attend` (no checks)."""
-        call = key_stream_call(keys, values)
-        return streams.attend_streams(queries, scale, keys.shape[1], call, prepare(keys), _same, self.backend)
+    def stream_call(self, keys, values):
+        """:func:`key_stream_call`."""
+        return key_stream_call(keys, values)
 
-    def _serves(self, queries, keys, values, mask) -> bool:
-        if mask is not None or keys.num_tokens == 0 or queries.shape[-1] != keys.head_dim:
-            return False
-        if queries.shape[1] % keys.shape[1] or values.head_dim != keys.head_dim:
-            return False
-        call = key_stream_call(keys, values)
-        rows = query_rows(queries, keys)
-        if call is None or not streams.supported(call, rows):
-            return False
-        key = (_check_key(keys.params), _check_key(values.params), keys.head_dim, rows, queries.dtype)
-        return base.first_use_check(self.backend, "decode_attend_streams[qjl]", key,
-                               lambda: check_attend(self, quantize_with_method, keys.params, values.params, keys.head_dim,
-                                                    rows, queries.dtype))
-
-    def kvq_attend(self, queries, keys, values, scale, mask):
-        """``kvq_attend`` spec; pure MLX serves masks, values of other methods and shapes beyond the kernel."""
-        if not self._serves(queries, keys, values, mask):
-            return self.fallback().kvq_attend(queries, keys, values, scale, mask)
-        return self.attend_kernel(queries, keys, values, scale)
-
-    def attend_dense(self, queries, keys, values, scale, dense):
-        """Not offered: the streams kernel reads no uncompressed tokens (the cache attends them apart)."""
-        return None
-
-    def bind_dense(self, queries, keys, values, scale, sink_keys, sink_values, window_keys, window_values):
-        """Not offered (see :meth:`attend_dense`)."""
-        return None
+    def prepare(self, keys):
+        """:func:`prepare`."""
+        return prepare(keys)
 
 
 def implementations() -> list:

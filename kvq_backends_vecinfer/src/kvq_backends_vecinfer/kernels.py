@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 from kvq_metal import BACKENDS, streams
-from kvq_metal import base
-from kvq_metal.base import KernelImpl, _check_key
-from kvq_metal.common import check_attend, decode_shape_ok, query_rows
+from kvq_metal.common import decode_shape_ok
 
 from . import vq
 from .impl import _layer
@@ -42,61 +40,44 @@ def stream_call(keys, values) -> streams.StreamCall | None:
     return streams.StreamCall((_stream(keys),), (_stream(values),), keys.head_dim)
 
 
-class VecInferKernels(KernelImpl):
-    """Kernel implementation of ``vecinfer`` (attend only; see the module docstring)."""
+class VecInferKernels(streams.StreamsKernelImpl):
+    """Kernel implementation of ``vecinfer`` (decode attention; see the module docstring and
+    :class:`kvq_metal.streams.StreamsKernelImpl`)."""
 
     method = "vecinfer"
+    prepare_per_head = True  # the keys' smoothing factors are per KV head
 
     def kernel_supports(self, problem) -> bool:
         """Decode attention with codebooks the kernel holds in shared memory; the first-use check runs per call
-        signature in :meth:`kvq_attend`."""
+        signature."""
         if problem.op != "attend" or not decode_shape_ok(problem):
             return False
         p = problem.params or VecInferParams()
         return (1 << p.code_bits) * p.sub_dim <= streams.MAX_TABLE and problem.head_dim % p.sub_dim == 0
 
     def cost(self, problem) -> float:
-        """One query transform, one kernel over the codes of K and V, the merge and the output's inverse rotation."""
+        """One query transform, one kernel over the codes of K and V, the merge with the inverse rotation."""
         p = problem.params or VecInferParams()
         B, H, T, D = problem.shape
-        return self.estimate(problem, launches=6, bytes_moved=2 * B * H * T * D * p.code_bits / p.sub_dim / 8)
+        return self.estimate(problem, launches=3, bytes_moved=2 * B * H * T * D * p.code_bits / p.sub_dim / 8)
 
-    def attend_kernel(self, queries, keys, values, scale):
-        """The kernel path of :meth:`kvq_attend` (no checks)."""
+    def stream_call(self, keys, values):
+        """:func:`stream_call`."""
+        return stream_call(keys, values)
+
+    def prepare(self, keys):
+        """``q' = H (s ⊙ q)`` (:func:`kvq_backends_vecinfer.vq.transform_queries`)."""
         smoothing = _layer(keys.params, keys.shape[1]).smoothing
-        inverse = _layer(values.params, values.shape[1]).smoothing
-        return streams.attend_streams(queries, scale, keys.shape[1], stream_call(keys, values),
-                                      lambda q: vq.transform_queries(q, smoothing),
-                                      lambda out: vq.inverse_transform(out, inverse), self.backend)
+        return lambda q: vq.transform_queries(q, smoothing)
 
-    def _serves(self, queries, keys, values, mask) -> bool:
-        if mask is not None or keys.num_tokens == 0 or queries.shape[-1] != keys.head_dim:
-            return False
-        if queries.shape[1] % keys.shape[1] or values.head_dim != keys.head_dim:
-            return False
-        call = stream_call(keys, values)
-        rows = query_rows(queries, keys)
-        if call is None or not streams.supported(call, rows):
-            return False
-        key = (_check_key(keys.params), _check_key(values.params), keys.head_dim, rows, queries.dtype)
-        quantize = self.fallback().kvq_quantize
-        return base.first_use_check(self.backend, "decode_attend_streams[vecinfer]", key,
-                               lambda: check_attend(self, quantize, keys.params, values.params, keys.head_dim,
-                                                    rows, queries.dtype, heads=keys.shape[1]))
+    def finish(self, values):
+        """``Hᵀ`` (:func:`kvq_backends_vecinfer.vq.inverse_transform`; values carry no smoothing)."""
+        smoothing = _layer(values.params, values.shape[1]).smoothing
+        return lambda out: vq.inverse_transform(out, smoothing)
 
-    def kvq_attend(self, queries, keys, values, scale, mask):
-        """``kvq_attend`` spec; pure MLX serves masks, large codebooks and shapes beyond the kernel."""
-        if not self._serves(queries, keys, values, mask):
-            return self.fallback().kvq_attend(queries, keys, values, scale, mask)
-        return self.attend_kernel(queries, keys, values, scale)
-
-    def attend_dense(self, queries, keys, values, scale, dense):
-        """Not offered: the streams kernel reads no uncompressed tokens (the cache attends them apart)."""
-        return None
-
-    def bind_dense(self, queries, keys, values, scale, sink_keys, sink_values, window_keys, window_values):
-        """Not offered (see :meth:`attend_dense`)."""
-        return None
+    def check_heads(self, keys) -> int:
+        """The calibration's KV heads: its codebooks and smoothing factors are per head."""
+        return keys.shape[1]
 
 
 def implementations() -> list:

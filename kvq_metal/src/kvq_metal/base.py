@@ -126,11 +126,21 @@ class KernelImpl:
         """
         if not self._dense_checked(queries, keys, values, window_keys.dtype):
             return None
+        return self._bind_unchecked(queries, keys, values, scale, sink_keys, sink_values, window_keys, window_values)
+
+    def _bind_unchecked(self, queries, keys, values, scale, sink_keys, sink_values, window_keys, window_values):
+        """:meth:`bind_dense` without its first-use check: the tensor-core kernel's
+        :class:`kvq_metal.attend.DecodeStep` as :meth:`_dense_call` describes it (``None``: not served)."""
         call = self._dense_call(queries, keys, values)
         if call is None:
             return None
         return attend.bind_decode(queries, scale, call, self.backend, sink_keys=sink_keys, sink_values=sink_values,
                                   window_keys=window_keys, window_values=window_values)
+
+    def check_heads(self, keys) -> int:
+        """KV heads of the first-use checks' problems: 1 (a method whose parameters fix the head count, a
+        calibrated one, returns that count)."""
+        return 1
 
     def _dense_checked(self, queries, keys, values, dtype) -> bool:
         """The first-use check of the fused call with uncompressed tokens of ``dtype`` (see :meth:`attend_dense`)."""
@@ -140,7 +150,7 @@ class KernelImpl:
         key = (_check_key(keys.params), _check_key(values.params), queries.shape[3], rows, dtype)
         return first_use_check(self.backend, f"decode_attend_dense[{self.method}]", key,
                                lambda: check_attend_dense(self, keys.params, values.params, queries.shape[3], rows,
-                                                          dtype))
+                                                          dtype, heads=self.check_heads(keys)))
 
     def _attend_dense(self, queries, keys, values, scale, dense):
         """The unchecked fused call of :meth:`attend_dense`: :func:`kvq_metal.attend.decode_attend` as

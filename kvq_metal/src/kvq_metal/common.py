@@ -59,20 +59,22 @@ def check_attend(impl, quantize, params_k, params_v, head_dim: int, rows: int, d
     return err < 1e-3 and lse_err < 1e-3, f"relative error {err:.2e}, lse error {lse_err:.2e} vs pure MLX"
 
 
-def check_attend_dense(impl, params_k, params_v, head_dim: int, rows: int, dtype) -> tuple[bool, str]:
+def check_attend_dense(impl, params_k, params_v, head_dim: int, rows: int, dtype,
+                       heads: int = 1) -> tuple[bool, str]:
     """Compare ``impl._attend_dense`` (compressed tokens plus 4 sinks and a 40-token window in one call) with the
     pure-MLX attention of the three parts merged by log-sum-exp, on 300 compressed tokens of one KV head: relative
     error below 1e-3 (a call the kernel does not take passes: the caller falls back to the parts anyway). Where the
-    implementation binds decode steps (``bind_dense``: :class:`kvq_metal.attend.DecodeStep`), two bound steps
+    implementation binds decode steps (``bind_dense``: :class:`kvq_metal.attend.DecodeStep`,
+    :class:`kvq_metal.streams.StreamStep`), two bound steps
     (the second counts with the counters the first zeroed, over a window one token longer) must equal the unbound
     call's output in the queries' dtype."""
     from kvq.attention import DenseTokens, dense_attend, merge_parts
 
     pure = impl.fallback()
-    keys, values = pure.kvq_quantize(normal((1, 1, 300, head_dim), 2, dtype), params_k), \
-        pure.kvq_quantize(normal((1, 1, 300, head_dim), 3, dtype), params_v)
-    sk, sv, wk, wv = (normal((1, 1, n, head_dim), seed, dtype) for n, seed in ((4, 4), (4, 5), (41, 6), (41, 7)))
-    q = normal((1, rows, 1, head_dim), 8, dtype)
+    keys = quantize_with_method(normal((1, heads, 300, head_dim), 2, dtype), params_k)
+    values = quantize_with_method(normal((1, heads, 300, head_dim), 3, dtype), params_v)
+    sk, sv, wk, wv = (normal((1, heads, n, head_dim), seed, dtype) for n, seed in ((4, 4), (4, 5), (41, 6), (41, 7)))
+    q = normal((1, rows * heads, 1, head_dim), 8, dtype)
     scale = head_dim ** -0.5
     got = impl._attend_dense(q, keys, values, scale, DenseTokens(sk, sv, wk[:, :, :40], wv[:, :, :40]))
     if got is None:
@@ -83,9 +85,7 @@ def check_attend_dense(impl, params_k, params_v, head_dim: int, rows: int, dtype
     lse_err = mx.max(mx.abs(got[1] - want_lse)).item()
     detail = f"relative error {err:.2e}, lse error {lse_err:.2e} vs the parts in pure MLX"
     ok = err < 1e-3 and lse_err < 1e-3
-    call = impl._dense_call(q, keys, values)
-    step = None if call is None else attend.bind_decode(q, scale, call, impl.backend, sink_keys=sk, sink_values=sv,
-                                                         window_keys=wk, window_values=wv)
+    step = impl._bind_unchecked(q, keys, values, scale, sk, sv, wk, wv)
     if step is not None:
         bound_err = 0.0
         for n in (40, 41):

@@ -32,14 +32,29 @@ from typing import Callable
 import attrs
 import mlx.core as mx
 
-from . import attend
-from .attend import MAX_ROWS, MAX_SPLITS, THREADS, _constant, splits_for
+import json
+import os
+
+from kvq.attention import DenseTokens
+
+from . import base
+from .attend import MAX_ROWS, MAX_SPLITS, THREADS, _constant, _dense_key, splits_for
+from .base import KernelImpl, _check_key
+from .common import check_attend, grouped_rows, quantize_with_method, query_rows
+from .dialect import float_bits
 from .kernel_files import KERNELS, load
 
 DECODE_ATTEND_STREAMS = load(KERNELS / "decode_attend_streams.kvq")
+DECODE_MERGE_STREAMS = load(KERNELS / "decode_merge_streams.kvq")
 
 INPUTS = ("q", "kc", "ka_s1", "ka_s2", "ka_t", "kb_c", "kb_s1", "kb_s2", "kb_t", "o_i", "o_c", "o_s", "o_m",
-          "vc", "va_s1", "va_s2", "va_b", "va_t", "vb_c", "vb_s1", "vb_s2", "vb_t")
+          "vc", "va_s1", "va_s2", "va_b", "va_t", "vb_c", "vb_s1", "vb_s2", "vb_t", "qr", "wk", "wv", "sk", "sv")
+MERGE_INPUTS = ("part", "ml", "fin")
+#: Launch knobs (benchmarks sweep them; ``KVQ_STREAMS_TUNING='{"kt": 8}'``): ``kt`` tokens each thread loads per
+#: tile (loads in flight), ``groups`` thread groups to aim for across the splits (``None``: the back end's
+#: :data:`kvq_metal.attend.TARGET_GROUPS`).
+TUNING = {"kt": 4, "groups": None}
+TUNING.update(json.loads(os.environ.get("KVQ_STREAMS_TUNING", "{}")))
 #: Most float32 entries of one stream's code table held in shared memory (VecInfer: 2**code_bits * sub_dim).
 MAX_TABLE = 2048
 #: Static shared memory a thread group may use (bytes; CUDA's static limit is 48 KB).
@@ -49,8 +64,6 @@ MAX_OUTLIER_CHANNELS, MAX_OUTLIER_BITS = 16, 256
 #: Registers a thread may give to query coordinates and accumulators (R rows times coordinates per thread); the
 #: launch takes more threads per token (fewer coordinates each) above it.
 REGISTER_BUDGET = 96
-#: Tokens each thread loads per tile (loads in flight).
-TOKENS_PER_THREAD = 4
 
 
 @attrs.frozen(eq=False)
@@ -135,22 +148,28 @@ def _stream_key(s: Stream, side: str) -> tuple:
             s.group_size if side == "values" else s.dim, s.biases is not None)
 
 
-def _signature(call: StreamCall, rows: int) -> tuple:
+def _signature(call: StreamCall, rows: int, dense: tuple = (0, False, 0, 0)) -> tuple:
+    """The static signature of a launch: rows, query width, each stream's widths and flags, the outliers' sizes,
+    ``dense`` = (ND, sinks present, raw head_dim, softmax scale's float bits) and the tuning knobs."""
     o = call.outliers
     outliers = None if o is None else (o.indices.shape[-1], o.signs.shape[-1] * 8, o.offset)
     return (rows, call.query_dim, tuple(_stream_key(s, "keys") for s in call.keys),
-            tuple(_stream_key(s, "values") for s in call.values), outliers)
+            tuple(_stream_key(s, "values") for s in call.values), outliers, dense, TUNING["kt"])
 
 
-def supported(call: StreamCall, rows: int) -> bool:
+def supported(call: StreamCall, rows: int, head_dim: int | None = None) -> bool:
     """Whether :func:`decode_attend_streams` serves ``call`` with ``rows = n_rep * T_q`` query rows per KV head
-    (:func:`_plan` says why not)."""
-    return _plan(_signature(call, rows))[0] is not None
+    (:func:`_plan` says why not); with ``head_dim``, also with a cache's uncompressed tokens of that head_dim in the
+    same launch."""
+    dense = (0, False, 0, 0) if head_dim is None else (2, True, head_dim, 0)
+    return _plan(_signature(call, rows, dense))[0] is not None
 
 
-def explain(call: StreamCall, rows: int) -> str:
-    """Why :func:`decode_attend_streams` does not serve ``call`` (empty when it does)."""
-    return _plan(_signature(call, rows))[1]
+def explain(call: StreamCall, rows: int, head_dim: int | None = None) -> str:
+    """Why :func:`decode_attend_streams` does not serve ``call`` (empty when it does; ``head_dim`` as
+    :func:`supported`)."""
+    dense = (0, False, 0, 0) if head_dim is None else (2, True, head_dim, 0)
+    return _plan(_signature(call, rows, dense))[1]
 
 
 @lru_cache(maxsize=1024)
@@ -158,7 +177,7 @@ def _plan(signature: tuple) -> tuple[list | None, str]:
     """``(template, "")`` of the launch for a static signature, or ``(None, why)``: the threads per token (the
     fewest that give every stream whole codes, at most 32 bits of codes per thread and per stream, and queries
     and accumulators within :data:`REGISTER_BUDGET`), the shared memory, the tables."""
-    rows, dq, keys, values, outliers = signature
+    rows, dq, keys, values, outliers, (nd, sinks, head_dim, qscale), kt = signature
     if not 1 <= rows <= MAX_ROWS:
         return None, f"{rows} query rows per KV head (the kernel takes 1..{MAX_ROWS})"
     if not 1 <= len(keys) <= 2 or not 1 <= len(values) <= 2:
@@ -182,7 +201,10 @@ def _plan(signature: tuple) -> tuple[list | None, str]:
             break
     else:
         return None, why
-    shared = 4 * (rows * dq + TOKENS_PER_THREAD * THREADS // ncg * rows + 4 * rows + rows * out_dim
+    if nd and (values[0][0] != head_dim or values[0][2] != 1 or head_dim % ncg):
+        return None, (f"uncompressed tokens of head_dim {head_dim} with a first value stream of {values[0][0]} "
+                      "coordinates (they must match)")
+    shared = 4 * (rows * dq + kt * THREADS // ncg * rows + 4 * rows + rows * out_dim + rows * head_dim
                   + sum((1 << s[1]) * s[2] for s in keys + values) + (0 if outliers is None else
                                                                         outliers[0] * outliers[1]))
     if shared > SHARED_BYTES:
@@ -191,7 +213,7 @@ def _plan(signature: tuple) -> tuple[list | None, str]:
     kb = keys[1] if len(keys) > 1 else None
     vb = values[1] if len(values) > 1 else None
     ok, om, o_off = outliers or (0, 0, 0)
-    t = [("DQ", dq), ("R", rows), ("NCG", ncg), ("KT", TOKENS_PER_THREAD), ("THREADS", THREADS),
+    t = [("DQ", dq), ("R", rows), ("NCG", ncg), ("KT", kt), ("THREADS", THREADS),
          ("KA_OFF", ka[7]), ("KA_DIM", ka[0]), ("KA_BITS", ka[1]), ("KA_VEC", ka[2]), ("KA_NS", ka[3]),
          ("KA_CB", ka[4]), ("KA_TH", ka[5]), ("KA_RES", ka[6]),
          ("KB_ON", kb is not None), ("KB_OFF", kb[7] if kb else 0), ("KB_DIM", kb[0] if kb else ncg),
@@ -200,7 +222,8 @@ def _plan(signature: tuple) -> tuple[list | None, str]:
          ("VA_DIM", va[0]), ("VA_BITS", va[1]), ("VA_VEC", va[2]), ("VA_G", va[8]), ("VA_NS", va[3]),
          ("VA_BIAS", va[9]), ("VA_CB", va[4]), ("VA_TH", va[5]), ("VA_RES", va[6]),
          ("VB_ON", vb is not None), ("VB_DIM", vb[0] if vb else ncg), ("VB_BITS", vb[1] if vb else 1),
-         ("VB_NS", vb[3] if vb else 0), ("VB_CB", vb[4] if vb else 4), ("DO", out_dim)]
+         ("VB_NS", vb[3] if vb else 0), ("VB_CB", vb[4] if vb else 4), ("DO", out_dim),
+         ("ND", nd), ("SINKS", bool(sinks)), ("D", max(head_dim, 1)), ("QSCALE", qscale)]
     return t, ""
 
 
@@ -224,8 +247,8 @@ def _fits(ncg: int, rows: int, keys: tuple, values: tuple) -> str:
 
 
 def _arrays(call: StreamCall) -> list:
-    """The kernel's inputs after the queries (:data:`INPUTS`); an absent input passes an array of the same rank
-    that the kernel never reads."""
+    """The kernel's code inputs after the queries (:data:`INPUTS` up to ``vb_t``); an absent input passes an array
+    of the same rank that the kernel never reads."""
     ka, va = call.keys[0], call.values[0]
     kb = call.keys[1] if len(call.keys) > 1 else ka
     vb = call.values[1] if len(call.values) > 1 else va
@@ -255,47 +278,132 @@ def _aliases(inputs: list) -> dict[str, str]:
     return aliases
 
 
-def decode_attend_streams(queries: mx.array, call: StreamCall, backend: str) -> tuple[mx.array, mx.array]:
+class _Launch:
+    """One static launch of the streams kernel and its merge, planned once (:func:`_launch`): the bound kernel
+    (template values written into its text on CUDA), which inputs it takes, the grid and the merge."""
+
+    def __init__(self, call: StreamCall, rows: int, batch: int, num_tokens: int, dense: tuple, inputs: list,
+                 backend: str, out_dim: int, finish: bool) -> None:
+        template, why = _plan(_signature(call, rows, dense))
+        if template is None:
+            raise ValueError(f"decode_attend_streams does not serve this call: {why}")
+        H = call.keys[0].codes.shape[1]
+        ncg = dict(template)["NCG"]
+        nd = dense[0]
+        tile = TUNING["kt"] * THREADS // ncg
+        splits = splits_for(batch * H, num_tokens, backend, tile, TUNING["groups"])
+        kern = DECODE_ATTEND_STREAMS.kernel(backend, INPUTS, ("out", "ml"), ensure_row_contiguous=False)
+        # on CUDA the template's values written into the kernel's text (a short name, no per-launch formatting of
+        # 41 arguments); an input that is the same array as an earlier one read through it
+        self.call, self.template, self.kept = kern.bound(template, inputs, _aliases(inputs))
+        self.grid = (THREADS * batch * H, splits + nd, 1)
+        DO = call.out_dim
+        self.shapes = [(batch, H, splits + nd, rows, DO), (batch, H, splits + nd, rows, 2)]
+        merge = DECODE_MERGE_STREAMS.kernel(backend, MERGE_INPUTS, ("out", "lse"))
+        merge_template = [("DO", DO), ("DV", out_dim), ("R", rows), ("ND", nd), ("FIN", finish),
+                          ("MAX_SPLITS", MAX_SPLITS)]
+        pad = _constant((0.0,), mx.float32)
+        self.merge, self.merge_template, _ = merge.bound(merge_template, [pad, pad, pad])
+        self.merge_grid = (DO * batch * H * rows, 1, 1)
+        self.merge_group = (DO, 1, 1)
+        self.out_shapes = [(batch, H, rows, out_dim), (batch, H, rows)]
+
+    def __call__(self, inputs: list, fin: mx.array, out_dtype) -> tuple[mx.array, mx.array]:
+        part, ml = self.call(inputs=[inputs[i] for i in self.kept], template=self.template, grid=self.grid,
+                             threadgroup=(THREADS, 1, 1), output_shapes=self.shapes,
+                             output_dtypes=[mx.float32, mx.float32])
+        return self.merge(inputs=[part, ml, fin], template=self.merge_template, grid=self.merge_grid,
+                          threadgroup=self.merge_group, output_shapes=self.out_shapes,
+                          output_dtypes=[out_dtype, mx.float32])
+
+
+def _dense_inputs(raw_queries, dense: DenseTokens | None, pad) -> list:
+    """``qr, wk, wv, sk, sv``: the raw queries and the cache's window and sinks (the window stands in for absent
+    sinks, ``pad`` for everything without dense tokens)."""
+    if dense is None:
+        return [pad, pad, pad, pad, pad]
+    sinks = dense.sink_keys is not None
+    return [raw_queries, dense.window_keys, dense.window_values,
+            dense.sink_keys if sinks else dense.window_keys, dense.sink_values if sinks else dense.window_values]
+
+
+def decode_attend_streams(queries: mx.array, call: StreamCall, backend: str, *, dense: DenseTokens | None = None,
+                          raw_queries: mx.array | None = None, scale: float = 1.0, finish: mx.array | None = None,
+                          out_dtype=mx.float32) -> tuple[mx.array, mx.array]:
     """Attention of prepared decode queries over the streams ``call`` describes (no mask: every key precedes every
-    query). Kernels ``decode_attend_streams.kvq`` + ``decode_merge.kvq``; reference
+    query), and optionally a cache's uncompressed sinks and window in the same softmax. Kernels
+    ``decode_attend_streams.kvq`` + ``decode_merge_streams.kvq``; reference
     :func:`kvq_metal.reference.decode_attend_streams` (same arguments and result).
 
     :param queries: float32 ``[B, H_kv, R, DQ]``: the prepared, scaled query rows of each KV head (``R = n_rep ·
         T_q``, GQA heads major), ``DQ = call.query_dim``.
     :param call: :class:`StreamCall` with ``T >= 1`` tokens in every stream.
     :param backend: ``"metal"`` or ``"cuda"``.
-    :return: ``(out [B, H_kv, R, DO] float32, lse [B, H_kv, R] float32)``: the normalised output in the value
-        streams' domain (``DO = call.out_dim``) and the natural-log log-sum-exp of the scores.
-    :raises ValueError: a call :func:`supported` rejects (the message says why), or queries of another shape.
+    :param dense: uncompressed tokens (:class:`kvq.attention.DenseTokens`, ``[B, H_kv, n, D]``, sinks and window
+        of one dtype) attended from ``raw_queries`` ``[B, H_q, T_q, D]`` times ``scale``; their values are in the
+        output's domain.
+    :param finish: float32 ``[DO, DV]``: the linear map taking the value streams' domain to the output's (a
+        method's inverse rotation, ``Sᵀ`` of a sketch-domain sum), applied to the compressed part before the
+        uncompressed part is added; ``None``: the identity (``DV = DO``).
+    :param out_dtype: the output's dtype.
+    :return: ``(out [B, H_kv, R, DV] out_dtype, lse [B, H_kv, R] float32)``: the normalised output and the
+        natural-log log-sum-exp of the scores.
+    :raises ValueError: a call :func:`supported` rejects (the message says why), queries of another shape, or
+        sinks and window of different dtypes.
     """
     B, H, R, DQ = queries.shape
     codes = call.keys[0].codes
     if codes.shape[:2] != (B, H) or DQ != call.query_dim or codes.shape[2] < 1:
         raise ValueError(f"queries {tuple(queries.shape)} do not fit codes {tuple(codes.shape)} of query width "
                          f"{call.query_dim} (need [B, H_kv, R, DQ] and at least one token)")
-    template, why = _plan(_signature(call, R))
-    if template is None:
-        raise ValueError(f"decode_attend_streams does not serve this call: {why}")
-    T = codes.shape[2]
-    DO = call.out_dim
-    ncg = dict(template)["NCG"]
-    tile = TOKENS_PER_THREAD * THREADS // ncg
-    splits = splits_for(B * H, T, backend, tile)
-    kern = DECODE_ATTEND_STREAMS.kernel(backend, INPUTS, ("out", "ml"), ensure_row_contiguous=False)
-    inputs = [queries.reshape(B * H, R, DQ), *_arrays(call)]
-    # the template's values written into the kernel's text on CUDA (a short name, no per-launch formatting of 37
-    # arguments), and an input that is the same array as an earlier one read through it
-    launch, template, kept = kern.bound(template, inputs, _aliases(inputs))
-    part, ml = launch(inputs=[inputs[i] for i in kept], template=template,
-                      grid=(THREADS * B * H, splits, 1), threadgroup=(THREADS, 1, 1),
-                      output_shapes=[(B, H, splits, R, DO), (B, H, splits, R, 2)],
-                      output_dtypes=[mx.float32, mx.float32])
-    merge = attend.DECODE_MERGE.kernel(backend, attend.MERGE_INPUTS, ("out", "lse"))
-    out, lse = merge(inputs=[part, ml, _constant((0.0,), mx.float32)],
-                     template=[("D", DO), ("DV", DO), ("R", R), ("ROT", False), ("MAX_SPLITS", MAX_SPLITS)],
-                     grid=(DO * B * H * R, 1, 1), threadgroup=(DO, 1, 1),
-                     output_shapes=[(B, H, R, DO), (B, H, R)], output_dtypes=[mx.float32, mx.float32])
-    return out, lse
+    pad = _constant((0.0,), mx.float32)
+    key = (0, False, 0, 0)
+    if dense is not None:
+        _dense_key(dense.sink_keys, dense.sink_values, dense.window_keys, dense.window_values)
+        key = (2, dense.sink_keys is not None, raw_queries.shape[-1], float_bits(float(scale)))
+    inputs = [queries.reshape(B * H, R, DQ), *_arrays(call), *_dense_inputs(raw_queries, dense, pad)]
+    out_dim = call.out_dim if finish is None else finish.shape[1]
+    launch = _Launch(call, R, B, codes.shape[2], key, inputs, backend, out_dim, finish is not None)
+    return launch(inputs, pad if finish is None else finish, out_dtype)
+
+
+class StreamStep:
+    """One layer's decode attention through the streams kernel, bound once (:meth:`StreamsKernelImpl.bind_dense`)
+    and called once per step as ``step(queries, window_keys, window_values) -> out`` (the queries' dtype): the
+    queries prepared by one matmul with the method's (linear) preparation, then one launch over the compressed
+    tokens, the sinks and the window, and one merge that applies the method's (linear) finish.
+
+    :param prepare: float32 ``[G, D, DQ]`` (``G`` = 1 or ``H_kv``): scaled queries ``[B, H_kv, R, D] @ prepare``
+        are the prepared rows. :param finish: float32 ``[DO, DV]`` or ``None``.
+    """
+
+    def __init__(self, call: StreamCall, queries: mx.array, scale: float, prepare: mx.array,
+                 finish: mx.array | None, backend: str, sink_keys, sink_values, window_keys, window_values) -> None:
+        B, Hq, Tq, D = queries.shape
+        H = call.keys[0].codes.shape[1]
+        self._rows = (B, H, Hq // H * Tq, D)
+        self._shape = queries.shape
+        self._prepare = prepare * scale
+        self._pad = _constant((0.0,), mx.float32)
+        self._fin = self._pad if finish is None else finish
+        dense = DenseTokens(sink_keys, sink_values, window_keys, window_values)
+        self._codes = _arrays(call)
+        self._sinks = None if sink_keys is None else (sink_keys, sink_values)
+        q = mx.zeros((B * H, self._rows[2], call.query_dim), mx.float32)
+        inputs = [q, *self._codes, *_dense_inputs(queries, dense, self._pad)]
+        key = (2, sink_keys is not None, D, float_bits(float(scale)))
+        out_dim = call.out_dim if finish is None else finish.shape[1]
+        self._launch = _Launch(call, self._rows[2], B, call.keys[0].codes.shape[2], key, inputs, backend, out_dim,
+                               finish is not None)
+        self._out_dim = out_dim
+
+    def __call__(self, queries: mx.array, window_keys: mx.array, window_values: mx.array) -> mx.array:
+        B, H, R, D = self._rows
+        q = queries.reshape(B, H, R, D) @ self._prepare
+        sk, sv = self._sinks or (window_keys, window_values)
+        inputs = [q.reshape(B * H, R, q.shape[-1]), *self._codes, queries, window_keys, window_values, sk, sv]
+        out, _ = self._launch(inputs, self._fin, queries.dtype)
+        return out.reshape(*self._shape[:3], self._out_dim)
 
 
 def attend_streams(queries: mx.array, scale: float, num_kv_heads: int, call: StreamCall,
@@ -310,14 +418,108 @@ def attend_streams(queries: mx.array, scale: float, num_kv_heads: int, call: Str
     :param attend_fn: :func:`decode_attend_streams`, or the reference (tests).
     :return: ``(out [B, H_q, T_q, D_v] float32, lse [B, H_q, T_q] float32)``.
     """
-    from .common import grouped_rows
-
     B, Hq, Tq, _ = queries.shape
     q = prepare(grouped_rows(queries, num_kv_heads, scale))
     n_rep = Hq // num_kv_heads
+    rows = q.reshape(B, num_kv_heads, n_rep * Tq, q.shape[-1])
     if attend_fn is decode_attend_streams:
-        out, lse = attend_fn(q.reshape(B, num_kv_heads, n_rep * Tq, q.shape[-1]), call, backend)
+        out, lse = attend_fn(rows, call, backend)
     else:
-        out, lse = attend_fn(q.reshape(B, num_kv_heads, n_rep * Tq, q.shape[-1]), call)
+        out, lse = attend_fn(rows, call)
     out = finish(out.reshape(B, num_kv_heads, n_rep, Tq, call.out_dim))
     return out.reshape(B, Hq, Tq, out.shape[-1]), lse.reshape(B, Hq, Tq)
+
+
+def linear_matrix(fn: Callable[[mx.array], mx.array], dim: int, heads: int = 1) -> mx.array:
+    """The matrix of a linear map on grouped rows (a method's query preparation or value finish): ``fn`` applied
+    to the identity, ``[heads, dim, out]`` float32 (``heads`` > 1 where the map differs per KV head)."""
+    eye = mx.broadcast_to(mx.eye(dim, dtype=mx.float32)[None, None], (1, heads, 1, dim, dim))
+    return mx.contiguous(fn(eye)[0, :, 0].astype(mx.float32))
+
+
+class StreamsKernelImpl(KernelImpl):
+    """Base of the kernel implementations on the streams kernel (``qjl``, ``turboquant_prod``, ``vecinfer``):
+    decode attention only (``kvq_attend``, ``attend_dense``, ``bind_dense``), each call checked against the
+    method's pure-MLX implementation before its first use (keyed by both sides' parameters, head_dim, query rows
+    and dtype: a problem names the keys' parameters only). Pure MLX serves masks, empty caches and what the
+    kernel does not take, with the same result.
+
+    Subclasses define :meth:`stream_call` and :meth:`prepare` (and :meth:`finish` where the value streams are not
+    in the output's domain); both must be linear maps on the rows (the bound step runs them as matrices)."""
+
+    #: Whether :meth:`prepare` differs per KV head (its matrix is then one per head).
+    prepare_per_head = False
+
+    def stream_call(self, keys, values) -> StreamCall | None:  # pragma: no cover - overridden
+        """The :class:`StreamCall` of these encodings, or ``None`` where the kernel does not read them."""
+        raise NotImplementedError
+
+    def prepare(self, keys) -> Callable[[mx.array], mx.array]:  # pragma: no cover - overridden
+        """Scaled float32 grouped queries ``[B, H_kv, n_rep, T_q, D]`` -> prepared rows ``[..., query_dim]``."""
+        raise NotImplementedError
+
+    def finish(self, values) -> Callable[[mx.array], mx.array] | None:
+        """Normalised ``[B, H_kv, n_rep, T_q, out_dim]`` -> ``[..., D_v]``; ``None``: already there."""
+        return None
+
+    def check_heads(self, keys) -> int:
+        """KV heads of the first-use check's problem (1; a calibrated method: the calibration's count)."""
+        return 1
+
+    def attend_kernel(self, queries, keys, values, scale):
+        """The kernel path of :meth:`kvq_attend` (no checks)."""
+        finish = self.finish(values) or (lambda out: out)
+        return attend_streams(queries, scale, keys.shape[1], self.stream_call(keys, values), self.prepare(keys),
+                              finish, self.backend)
+
+    def _serves(self, queries, keys, values, mask, dense: bool = False) -> bool:
+        """Whether the kernel serves this call (``dense``: with a cache's uncompressed tokens too), after the
+        first-use check of its signature."""
+        if mask is not None or keys.num_tokens == 0 or queries.shape[-1] != keys.head_dim:
+            return False
+        if queries.shape[1] % keys.shape[1] or values.head_dim != keys.head_dim:
+            return False
+        call = self.stream_call(keys, values)
+        rows = query_rows(queries, keys)
+        if call is None or not supported(call, rows, keys.head_dim if dense else None):
+            return False
+        key = (_check_key(keys.params), _check_key(values.params), keys.head_dim, rows, queries.dtype)
+        return base.first_use_check(self.backend, f"decode_attend_streams[{self.method}]", key,
+                                    lambda: check_attend(self, quantize_with_method, keys.params, values.params,
+                                                         keys.head_dim, rows, queries.dtype,
+                                                         heads=self.check_heads(keys)))
+
+    def kvq_attend(self, queries, keys, values, scale, mask):
+        """``kvq_attend`` spec; pure MLX serves masks and calls beyond the kernel."""
+        if not self._serves(queries, keys, values, mask):
+            return self.fallback().kvq_attend(queries, keys, values, scale, mask)
+        return self.attend_kernel(queries, keys, values, scale)
+
+    def _matrices(self, keys, values) -> tuple[mx.array, mx.array | None]:
+        heads = keys.shape[1] if self.prepare_per_head else 1
+        prepare = linear_matrix(self.prepare(keys), keys.head_dim, heads)
+        finish = self.finish(values)
+        return prepare, None if finish is None else linear_matrix(finish, self.stream_call(keys, values).out_dim)[0]
+
+    def _attend_dense(self, queries, keys, values, scale, dense):
+        """The unchecked fused call of :meth:`attend_dense`: the compressed tokens, sinks and window in one launch,
+        computed exactly as a bound :class:`StreamStep` computes it (``None`` where the kernel does not take it)."""
+        if not self._serves(queries, keys, values, None, dense=True):
+            return None
+        call = self.stream_call(keys, values)
+        prepare, finish = self._matrices(keys, values)
+        B, Hq, Tq, D = queries.shape
+        H = keys.shape[1]
+        prepared = queries.reshape(B, H, Hq // H * Tq, D) @ (prepare * scale)
+        out, lse = decode_attend_streams(prepared, call, self.backend, dense=dense, raw_queries=queries,
+                                         scale=scale, finish=finish)
+        return out.reshape(B, Hq, Tq, out.shape[-1]), lse.reshape(B, Hq, Tq)
+
+    def _bind_unchecked(self, queries, keys, values, scale, sink_keys, sink_values, window_keys, window_values):
+        """A :class:`StreamStep` for a cache's decode steps, unchecked (``None`` where not served)."""
+        if not self._serves(queries, keys, values, None, dense=True):
+            return None
+        prepare, finish = self._matrices(keys, values)
+        return StreamStep(self.stream_call(keys, values), queries, scale, prepare, finish, self.backend,
+                          sink_keys, sink_values, window_keys, window_values)
+

@@ -20,9 +20,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 from kvq_metal import streams
-from kvq_metal import base
-from kvq_metal.base import KernelImpl, _check_key
-from kvq_metal.common import check_attend, decode_shape_ok, query_rows, quantize_with_method
+from kvq_metal.common import decode_shape_ok
 
 from .. import codebook
 from ..impl import FAMILY, _is_prod, _is_split
@@ -71,15 +69,15 @@ def stream_call(keys, values) -> streams.StreamCall | None:
     return streams.StreamCall(tuple(side_streams(keys, 0)), tuple(side_streams(values, 0)), 2 * dim)
 
 
-class TurboQuantProdKernels(KernelImpl):
-    """Kernel implementation of ``turboquant_prod`` (attend only; see the module docstring)."""
+class TurboQuantProdKernels(streams.StreamsKernelImpl):
+    """Kernel implementation of ``turboquant_prod`` (decode attention; see the module docstring and
+    :class:`kvq_metal.streams.StreamsKernelImpl`)."""
 
     method = "turboquant_prod"
 
     def kernel_supports(self, problem) -> bool:
         """Decode attention over plain ``turboquant_prod`` keys (no outlier channels, MSE stage >= 1 bit); the
-        first-use check runs per call signature in :meth:`kvq_attend` (the values' parameters are not part of a
-        problem)."""
+        first-use check runs per call signature (the values' parameters are not part of a problem)."""
         if problem.op != "attend" or not decode_shape_ok(problem):
             return False
         p = problem.params or TurboQuantProdParams()
@@ -92,40 +90,18 @@ class TurboQuantProdKernels(KernelImpl):
         B, H, T, D = problem.shape
         dim = p.rotated_dim(D)
         packed = B * H * T * (dim * p.bits / 8 + 2 * p.norm_bits / 8)
-        return self.estimate(problem, launches=8, bytes_moved=2 * packed)
+        return self.estimate(problem, launches=3, bytes_moved=2 * packed)
 
-    def attend_kernel(self, queries, keys, values, scale):
-        """The kernel path of :meth:`kvq_attend` (no checks)."""
+    def stream_call(self, keys, values):
+        """:func:`stream_call`."""
+        return stream_call(keys, values)
+
+    def prepare(self, keys):
+        """The pure-MLX implementation's ``prepare_queries``: ``[Π q | S Π q]``."""
         mlx_impl = self.fallback()
-        call = stream_call(keys, values)
-        return streams.attend_streams(queries, scale, keys.shape[1], call,
-                                      lambda q: mlx_impl.prepare_queries(q, keys),
-                                      lambda out: mlx_impl.finish_values(out, values), self.backend)
+        return lambda q: mlx_impl.prepare_queries(q, keys)
 
-    def _serves(self, queries, keys, values, mask) -> bool:
-        if mask is not None or keys.num_tokens == 0 or queries.shape[-1] != keys.head_dim:
-            return False
-        if queries.shape[1] % keys.shape[1] or values.head_dim != keys.head_dim:
-            return False
-        call = stream_call(keys, values)
-        rows = query_rows(queries, keys)
-        if call is None or not streams.supported(call, rows):
-            return False
-        key = (_check_key(keys.params), _check_key(values.params), keys.head_dim, rows, queries.dtype)
-        return base.first_use_check(self.backend, "decode_attend_streams[turboquant_prod]", key,
-                               lambda: check_attend(self, quantize_with_method, keys.params, values.params, keys.head_dim, rows,
-                                                    queries.dtype))
-
-    def kvq_attend(self, queries, keys, values, scale, mask):
-        """``kvq_attend`` spec; pure MLX serves masks, outlier channels and shapes beyond the kernel."""
-        if not self._serves(queries, keys, values, mask):
-            return self.fallback().kvq_attend(queries, keys, values, scale, mask)
-        return self.attend_kernel(queries, keys, values, scale)
-
-    def attend_dense(self, queries, keys, values, scale, dense):
-        """Not offered: the streams kernel reads no uncompressed tokens (the cache attends them apart)."""
-        return None
-
-    def bind_dense(self, queries, keys, values, scale, sink_keys, sink_values, window_keys, window_values):
-        """Not offered (see :meth:`attend_dense`)."""
-        return None
+    def finish(self, values):
+        """The pure-MLX implementation's ``finish_values``: ``Πᵀ (y + (Σ p γ sign) S)`` for prod values."""
+        mlx_impl = self.fallback()
+        return lambda out: mlx_impl.finish_values(out, values)
