@@ -44,7 +44,7 @@ def test_hint_adds_the_folders_of_missing_kvq_dependencies_and_pip_where_pip_imp
     assert install_command("kvq-backends-turboquant") == (f"{UV_HERE} {folders}  "
                                                           f"(or: {sys.executable} -m pip install {folders})")
     monkeypatch.setattr(install_hints, "_has_pip", lambda: False)  # a uv venv has no pip: no pip form
-    assert install_command("kvq-backends-qjl") == f"{UV_HERE} {ROOT / 'kvq_backends_qjl'}"
+    assert install_command("kvq-backends-qjl") == f"{UV_HERE} {ROOT / 'kvq_backends_qjl'} {ROOT / 'kvq_metal'}"
 
 
 def test_without_a_clone_the_hint_says_how_to_get_one_and_never_names_pypi(monkeypatch):
@@ -92,7 +92,7 @@ IMPORTED = ("import json, sys, kvq, {module}; from importlib import metadata; as
                                                 ("pip", "kvq-backends-turboquant", "turboquant")])
 def test_printed_command_installs_the_plugin_in_a_fresh_environment(form, dist, method, tmp_path):
     """kvq-core alone (a copy from this clone, as README says), then the hint's command run as printed: ``uv``'s
-    form in a ``uv venv`` (no pip), pip's form in one seeded with pip (turboquant: its kvq-metal folder too)."""
+    form in a ``uv venv`` (no pip), pip's form in one seeded with pip (both plugins: their kvq-metal folder too)."""
     from test_install_alone import CORE_EXTRA, _uv_install
 
     venv = tmp_path / "venv"
@@ -103,7 +103,7 @@ def test_printed_command_installs_the_plugin_in_a_fresh_environment(form, dist, 
     hint = _run([python, "-c", HINT.format(dist)], env=env, cwd=tmp_path).strip()
     uv_form, _, pip_form = hint.partition("  (or: ")
     assert uv_form.startswith(f"uv pip install --python {python} --no-sources {ROOT / dist.replace('-', '_')}")
-    assert (str(ROOT / "kvq_metal") in hint) == (dist == "kvq-backends-turboquant") and "-e " not in hint
+    assert str(ROOT / "kvq_metal") in hint and "-e " not in hint
     assert bool(pip_form) == (form == "pip")
     _run(uv_form if form == "uv" else pip_form.removesuffix(")"), shell=True, env=env, cwd=tmp_path)
     module = dist.replace("-", "_")

@@ -29,8 +29,8 @@ DISTRIBUTIONS = {
     "kvq-core": ("kvq_core", (), ()),
     "kvq-backends-turboquant": ("kvq_backends_turboquant", ("turboquant", "turboquant_prod", "turboquant_rvq"),
                                 ("kvq-core", "kvq-metal")),
-    "kvq-backends-qjl": ("kvq_backends_qjl", ("qjl",), ("kvq-core",)),
-    "kvq-backends-vecinfer": ("kvq_backends_vecinfer", ("vecinfer",), ("kvq-core",)),
+    "kvq-backends-qjl": ("kvq_backends_qjl", ("qjl",), ("kvq-core", "kvq-metal")),
+    "kvq-backends-vecinfer": ("kvq_backends_vecinfer", ("vecinfer",), ("kvq-core", "kvq-metal")),
     "kvq-metal": ("kvq_metal", (), ("kvq-core",)),
 }
 

@@ -52,8 +52,10 @@ INPUTS = ("q", "kc", "ka_s1", "ka_s2", "ka_t", "kb_c", "kb_s1", "kb_s2", "kb_t",
 MERGE_INPUTS = ("part", "ml", "fin")
 #: Launch knobs (benchmarks sweep them; ``KVQ_STREAMS_TUNING='{"kt": 8}'``): ``kt`` tokens each thread loads per
 #: tile (loads in flight), ``groups`` thread groups to aim for across the splits (``None``: the back end's
-#: :data:`kvq_metal.attend.TARGET_GROUPS`).
-TUNING = {"kt": 4, "groups": None}
+#: :data:`kvq_metal.attend.TARGET_GROUPS`), ``registers`` the registers a thread may give to query coordinates
+#: and accumulators (R rows times coordinates per thread): the launch takes more threads per token (fewer
+#: coordinates each) above it, and twice it at 32 threads per token (8 query rows).
+TUNING = {"kt": 4, "groups": None, "registers": 96}
 TUNING.update(json.loads(os.environ.get("KVQ_STREAMS_TUNING", "{}")))
 #: Most float32 entries of one stream's code table held in shared memory (VecInfer: 2**code_bits * sub_dim).
 MAX_TABLE = 2048
@@ -61,9 +63,6 @@ MAX_TABLE = 2048
 SHARED_BYTES = 46 * 1024
 #: Most outlier channels and outlier sketch bits (QJL).
 MAX_OUTLIER_CHANNELS, MAX_OUTLIER_BITS = 16, 256
-#: Registers a thread may give to query coordinates and accumulators (R rows times coordinates per thread); the
-#: launch takes more threads per token (fewer coordinates each) above it.
-REGISTER_BUDGET = 96
 
 
 @attrs.frozen(eq=False)
@@ -154,7 +153,8 @@ def _signature(call: StreamCall, rows: int, dense: tuple = (0, False, 0, 0)) -> 
     o = call.outliers
     outliers = None if o is None else (o.indices.shape[-1], o.signs.shape[-1] * 8, o.offset)
     return (rows, call.query_dim, tuple(_stream_key(s, "keys") for s in call.keys),
-            tuple(_stream_key(s, "values") for s in call.values), outliers, dense, TUNING["kt"])
+            tuple(_stream_key(s, "values") for s in call.values), outliers, dense, TUNING["kt"],
+            TUNING["registers"])
 
 
 def supported(call: StreamCall, rows: int, head_dim: int | None = None) -> bool:
@@ -176,8 +176,8 @@ def explain(call: StreamCall, rows: int, head_dim: int | None = None) -> str:
 def _plan(signature: tuple) -> tuple[list | None, str]:
     """``(template, "")`` of the launch for a static signature, or ``(None, why)``: the threads per token (the
     fewest that give every stream whole codes, at most 32 bits of codes per thread and per stream, and queries
-    and accumulators within :data:`REGISTER_BUDGET`), the shared memory, the tables."""
-    rows, dq, keys, values, outliers, (nd, sinks, head_dim, qscale), kt = signature
+    and accumulators within ``TUNING["registers"]``), the shared memory, the tables."""
+    rows, dq, keys, values, outliers, (nd, sinks, head_dim, qscale), kt, _ = signature
     if not 1 <= rows <= MAX_ROWS:
         return None, f"{rows} query rows per KV head (the kernel takes 1..{MAX_ROWS})"
     if not 1 <= len(keys) <= 2 or not 1 <= len(values) <= 2:
@@ -195,8 +195,10 @@ def _plan(signature: tuple) -> tuple[list | None, str]:
     out_dim = sum(v[0] for v in values)
     if out_dim % 32 or out_dim > 1024:
         return None, f"{out_dim} output coordinates (a multiple of 32, at most 1024: the merge's thread group)"
-    for ncg in (4, 8, 16, 32):
-        why = _fits(ncg, rows, keys, values)
+    # the fewest threads per token within the register budget, else (many query rows) within twice it
+    budget = TUNING["registers"]
+    for ncg, budget in [(n, budget) for n in (4, 8, 16, 32)] + [(32, 2 * budget)]:
+        why = _fits(ncg, rows, keys, values, budget)
         if not why:
             break
     else:
@@ -204,7 +206,7 @@ def _plan(signature: tuple) -> tuple[list | None, str]:
     if nd and (values[0][0] != head_dim or values[0][2] != 1 or head_dim % ncg):
         return None, (f"uncompressed tokens of head_dim {head_dim} with a first value stream of {values[0][0]} "
                       "coordinates (they must match)")
-    shared = 4 * (rows * dq + kt * THREADS // ncg * rows + 4 * rows + rows * out_dim + rows * head_dim
+    shared = 4 * (rows * dq + kt * THREADS // ncg * rows + 8 * rows + rows * out_dim + rows * head_dim
                   + sum((1 << s[1]) * s[2] for s in keys + values) + (0 if outliers is None else
                                                                         outliers[0] * outliers[1]))
     if shared > SHARED_BYTES:
@@ -227,7 +229,7 @@ def _plan(signature: tuple) -> tuple[list | None, str]:
     return t, ""
 
 
-def _fits(ncg: int, rows: int, keys: tuple, values: tuple) -> str:
+def _fits(ncg: int, rows: int, keys: tuple, values: tuple, budget: int) -> str:
     """Why ``ncg`` threads per token do not serve these streams (empty when they do)."""
     coords = 0
     for side, streams in (("key", keys), ("value", values)):
@@ -241,8 +243,8 @@ def _fits(ncg: int, rows: int, keys: tuple, values: tuple) -> str:
             if side == "value" and group < dim and group % per:
                 return f"value stream: groups of {group} do not hold whole runs of {per} coordinates"
             coords += per
-    if rows * coords > REGISTER_BUDGET:
-        return f"{rows} rows of {coords} coordinates per thread exceed {REGISTER_BUDGET} registers"
+    if rows * coords > budget:
+        return f"{rows} rows of {coords} coordinates per thread exceed {budget} registers"
     return ""
 
 
