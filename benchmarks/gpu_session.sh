@@ -6,7 +6,8 @@
 #        durations (GPU time per decode-attention call, read by Nsight Compute), profile (ncu --set full at 128K),
 #        batch (kvq bench batch: BatchGenerator, 1 and 8 sequences of 2K prompts), e2e-batch (kvq bench e2e --batch:
 #        8 sequences at 8K, 32 at 4K), hostsplit (building vs mx.async_eval of a decode step at 4K),
-#        capacity (kvq bench capacity: the most 32K-token sequences that fit per cache, and their tokens/s)
+#        capacity (kvq bench capacity: the most 32K-token sequences that fit per cache, and their tokens/s),
+#        streams (the streams kernel's GPU tests, then kvq bench e2e for qjl+affine:4 and turboquant_prod:4)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -64,6 +65,13 @@ for name, fn in [("quantize", lambda: k.kvq_quantize(x, p).data["codes"]),
              --methods fp16,turboquant:3,turboquant:4,affine:4 --context 32K --no-progress --out "$OUT/capacity" \
              --name "$(date +%F)-h200-capacity" > "$OUT/capacity.log" 2>&1
            grep -E "^\| (fp16|turbo|affine)" "$OUT/capacity.log" || tail -c 2000 "$OUT/capacity.log";;
+    streams) MLX_ENABLE_TF32=0 timeout 200 python3 -m pytest tests/test_kernels_gpu.py -m gpu -q -k streams --tb=short \
+               -p no:cacheprovider > "$OUT/gpu_streams.log" 2>&1; tail -c 1500 "$OUT/gpu_streams.log"
+             mkdir -p "$OUT/streams"
+             timeout ${E2E_TIMEOUT:-300} python3 -m kvq.cli bench e2e --model random:llama3-8b --dtype bfloat16 \
+               --methods fp16,qjl+affine:4,turboquant_prod:4 --contexts ${E2E_CONTEXTS:-32K,128K} --steps 64 \
+               --largest-first --no-progress --out "$OUT/streams" --name "$(date +%F)-h200-streams" > "$OUT/streams.log" 2>&1
+             grep -E "^\| (fp16|qjl|turbo)" "$OUT/streams.log" | cut -c1-300 || tail -c 2000 "$OUT/streams.log";;
     hostsplit) timeout 200 python3 benchmarks/decode_host_split.py > "$OUT/hostsplit.log" 2>&1; cat "$OUT/hostsplit.log";;
     dist) KVQ_TEST_DISTRIBUTED_BACKEND=nccl timeout 240 python3 -m pytest tests/test_distributed.py -q -x \
             -p no:cacheprovider > "$OUT/dist_tests.log" 2>&1; tail -c 1500 "$OUT/dist_tests.log"

@@ -29,7 +29,7 @@ def test_cpu_selection_picks_pure_mlx(method):
 
 def test_kernels_are_registered_for_both_back_ends_but_offer_nothing_here():
     impls = kvq.plugins.registry().implementations
-    for method in ("affine", "turboquant", "turboquant_rvq"):
+    for method in ("affine", "turboquant", "turboquant_rvq", "turboquant_prod", "qjl", "vecinfer"):
         for backend in ("metal", "cuda"):
             assert not impls[(method, backend)].live()
     assert kvq_metal.gpu_backend() is None
