@@ -7,7 +7,8 @@
 #        batch (kvq bench batch: BatchGenerator, 1 and 8 sequences of 2K prompts), e2e-batch (kvq bench e2e --batch:
 #        8 sequences at 8K, 32 at 4K), hostsplit (building vs mx.async_eval of a decode step at 4K),
 #        capacity (kvq bench capacity: the most 32K-token sequences that fit per cache, and their tokens/s),
-#        streams (the streams kernel's GPU tests, then kvq bench e2e for qjl+affine:4 and turboquant_prod:4)
+#        streams (the streams kernel's GPU tests, then kvq bench e2e for qjl+affine:4 and turboquant_prod:4),
+#        profile-streams (ncu --set full of the streams kernel at 128K: occupancy, stall reasons, DRAM throughput)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -72,6 +73,10 @@ for name, fn in [("quantize", lambda: k.kvq_quantize(x, p).data["codes"]),
                --methods fp16,qjl+affine:4,turboquant_prod:4 --contexts ${E2E_CONTEXTS:-32K,128K} --steps 64 \
                --largest-first --no-progress --out "$OUT/streams" --name "$(date +%F)-h200-streams" > "$OUT/streams.log" 2>&1
              grep -E "^\| (fp16|qjl|turbo)" "$OUT/streams.log" | cut -c1-300 || tail -c 2000 "$OUT/streams.log";;
+    profile-streams) timeout 300 ncu --clock-control none --set full -k regex:"decode_attend_streams" -c 4 \
+               -o "$OUT/streams" python3 benchmarks/profile_streams.py > "$OUT/profile_streams.log" 2>&1
+             ncu -i "$OUT/streams.ncu-rep" --page details > "$OUT/streams_details.txt" 2>&1
+             grep -E "Duration|Registers Per|Achieved Occ|DRAM Through|Stall|Warp Cycles" "$OUT/streams_details.txt" | head -60;;
     hostsplit) timeout 200 python3 benchmarks/decode_host_split.py > "$OUT/hostsplit.log" 2>&1; cat "$OUT/hostsplit.log";;
     dist) KVQ_TEST_DISTRIBUTED_BACKEND=nccl timeout 240 python3 -m pytest tests/test_distributed.py -q -x \
             -p no:cacheprovider > "$OUT/dist_tests.log" 2>&1; tail -c 1500 "$OUT/dist_tests.log"

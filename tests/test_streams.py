@@ -166,3 +166,31 @@ def test_bound_step_matrices_equal_the_methods_transforms(tmp_path, monkeypatch)
             assert relative_error(out @ finish, fn(out)) < 1e-6, impl
     finally:
         storage.forget()
+
+
+def test_bound_step_matrices_are_kept_per_parameters_and_calibration(tmp_path, monkeypatch):
+    """A cache binds at every window flush: the matrices are made once per parameters (qjl) and, for vecinfer,
+    again after the calibration is read anew (a recalibration in the same process)."""
+    from kvq_backends_qjl.kernels import QJLKernels
+    from kvq_backends_vecinfer import storage
+    from kvq_backends_vecinfer.kernels import VecInferKernels
+
+    x = normal((2, 2, 64, 64), 0, mx.float16)
+    impl = QJLKernels("cuda")
+    keys = _quantize(x[:1], kvq.make_params("qjl"))
+    values = _quantize(x[1:], kvq.make_params("affine", bits=4).for_head_dim(64))
+    assert impl._matrices(keys, values)[0] is impl._matrices(keys, values)[0]
+    monkeypatch.setenv("KVQ_DATA_DIR", str(tmp_path))
+    storage.forget()
+    try:
+        _, kp, vp = _calibrated(code_bits=6)
+        kp, vp = kp.for_layer(0), vp.for_layer(0)
+        vi = VecInferKernels("cuda")
+        keys, values = _quantize(x[:1], kp), _quantize(x[1:], vp)
+        first = vi._matrices(keys, values)[0]
+        assert vi._matrices(keys, values)[0] is first
+        storage.forget()  # read again: new arrays, new matrices (equal here: the same file)
+        again = vi._matrices(keys, values)[0]
+        assert again is not first and relative_error(again, first) == 0.0
+    finally:
+        storage.forget()

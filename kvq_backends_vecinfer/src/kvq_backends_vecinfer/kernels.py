@@ -14,7 +14,6 @@ of 4), and shapes :func:`kvq_metal.streams.supported` takes; pure MLX serves the
 
 from __future__ import annotations
 
-import mlx.core as mx
 from kvq_metal import BACKENDS, streams
 from kvq_metal.common import decode_shape_ok
 
@@ -78,6 +77,12 @@ class VecInferKernels(streams.StreamsKernelImpl):
     def check_heads(self, keys) -> int:
         """The calibration's KV heads: its codebooks and smoothing factors are per head."""
         return keys.shape[1]
+
+    def matrix_sources(self, keys, values) -> tuple:
+        """The loaded smoothing factors and codebooks of both sides (``kvq calibrate`` in the same process loads new
+        ones)."""
+        k, v = _layer(keys.params, keys.shape[1]), _layer(values.params, values.shape[1])
+        return tuple(a for a in (k.smoothing, k.codebook, v.smoothing, v.codebook) if a is not None)
 
 
 def implementations() -> list:

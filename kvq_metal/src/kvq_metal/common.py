@@ -8,7 +8,6 @@ import mlx.core as mx
 from kvq.attention import split_heads
 from kvq.select import MAX_DECODE_QUERIES
 
-from . import attend
 from .attend import MAX_ROWS
 
 

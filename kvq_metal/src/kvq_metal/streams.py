@@ -99,10 +99,12 @@ class Stream:
 
     @property
     def group_size(self) -> int:
+        """Coordinates per scale and bias (``group``, or ``dim``: one per token)."""
         return self.group or self.dim
 
     @property
     def code_bytes(self) -> int:
+        """Bytes of one element of ``codes``: 1 (uint8 bytes) or 4 (uint32 words)."""
         return 1 if self.codes.dtype == mx.uint8 else 4
 
 
@@ -138,6 +140,7 @@ class StreamCall:
 
     @property
     def out_dim(self) -> int:
+        """``DO``: the value streams' coordinates side by side (the kernel's output row before the finish)."""
         return sum(v.dim for v in self.values)
 
 
@@ -400,6 +403,9 @@ class StreamStep:
         self._out_dim = out_dim
 
     def __call__(self, queries: mx.array, window_keys: mx.array, window_values: mx.array) -> mx.array:
+        """One decode step: ``queries [B, H_q, T_q, D]`` of the bound shape and dtype over the bound compressed
+        tokens and sinks and this step's window ``[B, H_kv, n, D]``; returns ``[B, H_q, T_q, D_v]`` in the queries'
+        dtype."""
         B, H, R, D = self._rows
         q = queries.reshape(B, H, R, D) @ self._prepare
         sk, sv = self._sinks or (window_keys, window_values)
@@ -439,6 +445,10 @@ def linear_matrix(fn: Callable[[mx.array], mx.array], dim: int, heads: int = 1) 
     return mx.contiguous(fn(eye)[0, :, 0].astype(mx.float32))
 
 
+#: :meth:`StreamsKernelImpl._matrices` by (class, key parameters, value parameters, head_dim, KV heads).
+_MATRICES: dict = {}
+
+
 class StreamsKernelImpl(KernelImpl):
     """Base of the kernel implementations on the streams kernel (``qjl``, ``turboquant_prod``, ``vecinfer``):
     decode attention only (``kvq_attend``, ``attend_dense``, ``bind_dense``), each call checked against the
@@ -467,6 +477,12 @@ class StreamsKernelImpl(KernelImpl):
     def check_heads(self, keys) -> int:
         """KV heads of the first-use check's problem (1; a calibrated method: the calibration's count)."""
         return 1
+
+    def matrix_sources(self, keys, values) -> tuple:
+        """The arrays :meth:`prepare` and :meth:`finish` read besides the parameters (their identity is part of the
+        key under which the matrices are kept): none here; a calibrated method returns its loaded calibration's
+        arrays, so a recalibration in the same process makes new matrices."""
+        return ()
 
     def attend_kernel(self, queries, keys, values, scale):
         """The kernel path of :meth:`kvq_attend` (no checks)."""
@@ -498,10 +514,23 @@ class StreamsKernelImpl(KernelImpl):
         return self.attend_kernel(queries, keys, values, scale)
 
     def _matrices(self, keys, values) -> tuple[mx.array, mx.array | None]:
-        heads = keys.shape[1] if self.prepare_per_head else 1
-        prepare = linear_matrix(self.prepare(keys), keys.head_dim, heads)
-        finish = self.finish(values)
-        return prepare, None if finish is None else linear_matrix(finish, self.stream_call(keys, values).out_dim)[0]
+        """``(prepare [G, D, DQ], finish [DO, DV] or None)``: :meth:`prepare` and :meth:`finish` as matrices
+        (:func:`linear_matrix`), made once per (implementation class, both sides' parameters, head_dim, KV heads,
+        :meth:`matrix_sources`): a cache binds a new step at every window flush of every layer."""
+        sources = self.matrix_sources(keys, values)
+        key = (type(self), _check_key(keys.params), _check_key(values.params), keys.head_dim, keys.shape[1],
+               tuple(id(a) for a in sources))  # the entry holds the sources: their ids stay theirs
+        found = _MATRICES.get(key)
+        if found is None:
+            heads = keys.shape[1] if self.prepare_per_head else 1
+            prepare = linear_matrix(self.prepare(keys), keys.head_dim, heads)
+            finish = self.finish(values)
+            if finish is not None:
+                finish = linear_matrix(finish, self.stream_call(keys, values).out_dim)[0]
+            if len(_MATRICES) > 256:
+                _MATRICES.clear()
+            found = _MATRICES[key] = (prepare, finish, sources)
+        return found[0], found[1]
 
     def _attend_dense(self, queries, keys, values, scale, dense):
         """The unchecked fused call of :meth:`attend_dense`: the compressed tokens, sinks and window in one launch,

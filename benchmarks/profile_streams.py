@@ -1,0 +1,71 @@
+"""The streams kernel's launches for a profiler (issue #21): B 1, H_q 32, H_kv 8, D 128, one query.
+
+For each context length, one fp16 ``mx.fast.scaled_dot_product_attention`` call, then per method (qjl keys with
+affine-4 values, turboquant_prod-4) one call of ``kvq_metal.streams.decode_attend_streams`` over the compressed
+tokens and one with 4 sinks and a 128-token window in the same launch (as a cache's bound step runs it), each
+evaluated on its own, so a profiler's kernel filter sees one call's launches together. Prints one label per call.
+
+    ncu --clock-control none --set full -k regex:"decode_attend_streams|decode_merge_streams" -c 4 -o streams \\
+        python benchmarks/profile_streams.py --contexts 131072
+
+``--tuning '{"kt": 8}'`` overrides :data:`kvq_metal.streams.TUNING`. What to read in the report: achieved
+occupancy, the warp stall reasons (long scoreboard: waiting on global loads; barrier; short scoreboard: shared
+memory) and DRAM throughput, against the tensor-core kernel's report (``benchmarks/profile_attend.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import mlx.core as mx
+
+B, HQ, HKV, D = 1, 32, 8, 128
+METHODS = (("qjl", {}, "affine", {"bits": 4}), ("turboquant_prod", {"bits": 4}, "turboquant_prod", {"bits": 4}))
+
+
+def main() -> None:
+    import kvq
+    import kvq_metal
+    from kvq.attention import DenseTokens
+    from kvq.plugins import registry
+    from kvq_metal import streams
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--contexts", default="131072", help="comma-separated token counts")
+    ap.add_argument("--tuning", default="{}", help="JSON overrides of kvq_metal.streams.TUNING")
+    args = ap.parse_args()
+    streams.TUNING.update(json.loads(args.tuning))
+    backend = kvq_metal.gpu_backend()
+    reg = registry()
+    for T in (int(t) for t in args.contexts.split(",")):
+        q = mx.random.normal((B, HQ, 1, D)).astype(mx.bfloat16)
+        k = mx.random.normal((B, HKV, T, D)).astype(mx.bfloat16)
+        v = mx.random.normal((B, HKV, T, D)).astype(mx.bfloat16)
+        window = mx.random.normal((B, HKV, 4 + 128, D)).astype(mx.bfloat16)
+        mx.eval(q, k, v, window)
+        print(json.dumps({"T": T, "method": "fp16_sdpa"}), flush=True)
+        mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5))
+        for km, kp, vm, vp in METHODS:
+            kparams, vparams = kvq.make_params(km, **kp), kvq.make_params(vm, **vp)
+            if vm == "affine":
+                vparams = vparams.for_head_dim(D)
+            keys = reg.implementations[(km, "mlx")].kvq_quantize(k, kparams)
+            values = reg.implementations[(vm, "mlx")].kvq_quantize(v, vparams)
+            mx.eval(keys.data, values.data)
+            impl = reg.implementations[(km, backend)]
+            call = impl.stream_call(keys, values)
+            prepared = mx.random.normal((B, HKV, HQ // HKV, call.query_dim))
+            mx.eval(prepared)
+            dense = DenseTokens(window[:, :, :4], window[:, :, :4], window[:, :, 4:], window[:, :, 4:])
+            _, finish = impl._matrices(keys, values)
+            for label, kwargs in (("codes", {}), ("codes+dense", dict(dense=dense, raw_queries=q,
+                                                                         scale=D ** -0.5, finish=finish))):
+                for warm in (True, False):
+                    print(json.dumps({"T": T, "method": f"{km}+{vm}", "call": label,
+                                      **({"warmup": True} if warm else {})}), flush=True)
+                    mx.eval(streams.decode_attend_streams(prepared, call, backend, **kwargs))
+
+
+if __name__ == "__main__":
+    main()
