@@ -7,7 +7,8 @@
 #        batch (kvq bench batch: BatchGenerator, 1 and 8 sequences of 2K prompts), e2e-batch (kvq bench e2e --batch:
 #        8 sequences at 8K, 32 at 4K), hostsplit (building vs mx.async_eval of a decode step at 4K),
 #        capacity (kvq bench capacity: the most 32K-token sequences that fit per cache, and their tokens/s),
-#        streams (the streams kernel's GPU tests, then kvq bench e2e for qjl+affine:4 and turboquant_prod:4),
+#        streams (the streams kernel's GPU tests, a vecinfer calibration of random:llama3-8b, then kvq bench e2e for
+#        qjl+affine:4, turboquant_prod:4 and vecinfer),
 #        profile-streams (ncu --set full of the streams kernel at 128K: occupancy, stall reasons, DRAM throughput)
 set -u
 OUT=${OUT:-/tmp/out}
@@ -69,8 +70,11 @@ for name, fn in [("quantize", lambda: k.kvq_quantize(x, p).data["codes"]),
     streams) MLX_ENABLE_TF32=0 timeout 200 python3 -m pytest tests/test_kernels_gpu.py -m gpu -q -k streams --tb=short \
                -p no:cacheprovider > "$OUT/gpu_streams.log" 2>&1; tail -c 1500 "$OUT/gpu_streams.log"
              mkdir -p "$OUT/streams"
+             # vecinfer on the random-weight shape: a calibration of that model (its keys are random too)
+             timeout 240 python3 -m kvq.cli calibrate --model random:llama3-8b --sub-dim 4 --code-bits 8 --quiet \
+               > "$OUT/calibrate.log" 2>&1 || tail -c 1500 "$OUT/calibrate.log"
              timeout ${E2E_TIMEOUT:-300} python3 -m kvq.cli bench e2e --model random:llama3-8b --dtype bfloat16 \
-               --methods fp16,qjl+affine:4,turboquant_prod:4 --contexts ${E2E_CONTEXTS:-32K,128K} --steps 64 \
+               --methods fp16,qjl+affine:4,turboquant_prod:4,vecinfer --contexts ${E2E_CONTEXTS:-32K,128K} --steps 64 \
                --largest-first --no-progress --out "$OUT/streams" --name "$(date +%F)-h200-streams" > "$OUT/streams.log" 2>&1
              grep -E "^\| (fp16|qjl|turbo)" "$OUT/streams.log" | cut -c1-300 || tail -c 2000 "$OUT/streams.log";;
     profile-streams) timeout 300 ncu --clock-control none --set full -k regex:"decode_attend_streams" -c 4 \
