@@ -17,6 +17,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 from kvq_metal import BACKENDS, streams
+from kvq_metal.baselines import affine
 from kvq_metal.common import decode_shape_ok
 
 from .params import QJLParams
@@ -34,11 +35,6 @@ def _tables(params: QJLParams, head_dim: int) -> tuple[mx.array, mx.array | None
     return table, o.matrix * o.estimator_scale
 
 
-@lru_cache(maxsize=16)
-def _levels(bits: int) -> mx.array:
-    return mx.arange(1 << bits, dtype=mx.float32).reshape(1, -1)
-
-
 def key_stream_call(keys, values) -> streams.StreamCall | None:
     """The :class:`kvq_metal.streams.StreamCall` of ``qjl`` keys and ``affine`` values; ``None`` for other values
     or head_dims above 256 (uint16 outlier indices)."""
@@ -52,11 +48,7 @@ def key_stream_call(keys, values) -> streams.StreamCall | None:
     outliers = None
     if p.outlier_channels:
         outliers = streams.Outliers(d["outlier_indices"], d["outlier_signs"], d["outlier_norms"], sketch, 0)
-    vd, vp = values.data, values.params
-    group = values.head_dim // vd["scales"].shape[-1]
-    value = streams.Stream(vd["codes"], values.head_dim, vp.bits, _levels(vp.bits), scales=(vd["scales"],),
-                           biases=vd["biases"], group=group)
-    return streams.StreamCall((key,), (value,), offset + m, outliers)
+    return streams.StreamCall((key,), (affine.value_stream(values),), offset + m, outliers)
 
 
 def prepare(keys):

@@ -15,7 +15,7 @@ import mlx.core as mx
 
 from kvq.baselines.affine import AffineParams
 
-from .. import attend
+from .. import attend, streams
 from ..base import KernelImpl, first_use_check
 from ..common import check_attend, decode_shape_ok, query_rows, rows_of
 
@@ -31,6 +31,21 @@ def _side(encoded) -> attend.Side:
     # the table 0 .. 2^bits - 1: one cached array per width, so keys and values share it (attend.table_layout)
     table = attend._constant(_levels(p.bits), mx.float32)
     return attend.Side(d["codes"], d["scales"], d["biases"], table, p.bits, p.group_size)
+
+
+@lru_cache(maxsize=None)
+def _level_table(bits: int) -> mx.array:
+    return mx.array([_levels(bits)], mx.float32)
+
+
+def value_stream(encoded) -> streams.Stream:
+    """``affine`` values as a value stream of the streams kernel (:class:`kvq_metal.streams.Stream`): the same
+    numbers as :func:`_side` (``code * scale_g + bias_g``, one scale and bias per group), the levels as a table
+    ``[1, 2**bits]``. Other methods' kernels pair their keys with it (``qjl`` keys with ``affine`` values)."""
+    d, bits = encoded.data, encoded.params.bits
+    group = encoded.head_dim // d["scales"].shape[-1]
+    return streams.Stream(d["codes"], encoded.head_dim, bits, _level_table(bits), scales=(d["scales"],),
+                          biases=d["biases"], group=group)
 
 
 class AffineKernels(KernelImpl):
