@@ -58,7 +58,7 @@ def main() -> None:
             prepared = mx.random.normal((B, HKV, HQ // HKV, call.query_dim))
             mx.eval(prepared)
             dense = DenseTokens(window[:, :, :4], window[:, :, :4], window[:, :, 4:], window[:, :, 4:])
-            _, finish = impl._matrices(keys, values)
+            _, finish = impl._matrices(keys, values, call)
             for label, kwargs in (("codes", {}), ("codes+dense", dict(dense=dense, raw_queries=q,
                                                                          scale=D ** -0.5, finish=finish))):
                 for warm in (True, False):

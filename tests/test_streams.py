@@ -155,7 +155,7 @@ def test_bound_step_matrices_equal_the_methods_transforms(tmp_path, monkeypatch)
         q = normal((1, 2, 3, 5, 64), 1)
         for impl, kp, vp in cases:
             keys, values = _quantize(x[:1], kp), _quantize(x[1:], vp)
-            prepare, finish = impl._matrices(keys, values)
+            prepare, finish = impl._matrices(keys, values, impl.stream_call(keys, values))
             want = impl.prepare(keys)(q)
             assert relative_error(q @ prepare[:, None], want) < 1e-6, impl
             fn = impl.finish(values)
@@ -179,7 +179,8 @@ def test_bound_step_matrices_are_kept_per_parameters_and_calibration(tmp_path, m
     impl = QJLKernels("cuda")
     keys = _quantize(x[:1], kvq.make_params("qjl"))
     values = _quantize(x[1:], kvq.make_params("affine", bits=4).for_head_dim(64))
-    assert impl._matrices(keys, values)[0] is impl._matrices(keys, values)[0]
+    call = impl.stream_call(keys, values)
+    assert impl._matrices(keys, values, call)[0] is impl._matrices(keys, values, call)[0]
     monkeypatch.setenv("KVQ_DATA_DIR", str(tmp_path))
     storage.forget()
     try:
@@ -187,10 +188,11 @@ def test_bound_step_matrices_are_kept_per_parameters_and_calibration(tmp_path, m
         kp, vp = kp.for_layer(0), vp.for_layer(0)
         vi = VecInferKernels("cuda")
         keys, values = _quantize(x[:1], kp), _quantize(x[1:], vp)
-        first = vi._matrices(keys, values)[0]
-        assert vi._matrices(keys, values)[0] is first
+        call = vi.stream_call(keys, values)
+        first = vi._matrices(keys, values, call)[0]
+        assert vi._matrices(keys, values, call)[0] is first
         storage.forget()  # read again: new arrays, new matrices (equal here: the same file)
-        again = vi._matrices(keys, values)[0]
+        again = vi._matrices(keys, values, call)[0]
         assert again is not first and relative_error(again, first) == 0.0
     finally:
         storage.forget()

@@ -61,7 +61,8 @@ def check_attend(impl, quantize, params_k, params_v, head_dim: int, rows: int, d
 def check_attend_dense(impl, params_k, params_v, head_dim: int, rows: int, dtype,
                        heads: int = 1) -> tuple[bool, str]:
     """Compare ``impl._attend_dense`` (compressed tokens plus 4 sinks and a 40-token window in one call) with the
-    pure-MLX attention of the three parts merged by log-sum-exp, on 300 compressed tokens of one KV head: relative
+    pure-MLX attention of the three parts merged by log-sum-exp, on 300 compressed tokens of ``heads`` KV heads
+    (each side quantized by its own method's pure-MLX implementation): relative
     error below 1e-3 (a call the kernel does not take passes: the caller falls back to the parts anyway). Where the
     implementation binds decode steps (``bind_dense``: :class:`kvq_metal.attend.DecodeStep`,
     :class:`kvq_metal.streams.StreamStep`), two bound steps

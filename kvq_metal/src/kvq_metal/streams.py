@@ -17,7 +17,8 @@ VecInfer's codes index sub-vector centroids. One description covers them all:
 No key or value is ever decoded to memory: every code is read once from the cache's packed words (uint32) or
 bytes (uint8: QJL's signs), in place. Layout: as the SIMT kernel of :mod:`kvq_metal.attend` (flash-decoding,
 Dao et al. 2023): one thread group of 128 threads per (batch, KV head, split of the sequence), ``NCG`` threads per
-token, per tile an online softmax, the splits merged by log-sum-exp (``decode_merge.kvq``). Kernel text:
+token, per tile an online softmax, the splits merged by log-sum-exp (``decode_merge_streams.kvq``, which applies
+the method's linear finish before the sinks' and window's blocks are added). Kernel text:
 ``kvq_metal/kernels/decode_attend_streams.kvq``; pure-MLX reference :func:`kvq_metal.reference.decode_attend_streams`.
 
 Memory: nothing above the cache but the prepared queries, the per-split partial outputs (``splits · R · DO``
@@ -26,15 +27,13 @@ floats per KV head, at most :data:`~kvq_metal.attend.MAX_SPLITS` splits) and the
 
 from __future__ import annotations
 
+import json
+import os
 from functools import lru_cache
 from typing import Callable
 
 import attrs
 import mlx.core as mx
-
-import json
-import os
-
 from kvq.attention import DenseTokens
 
 from . import base
@@ -199,8 +198,8 @@ def _plan(signature: tuple) -> tuple[list | None, str]:
     if out_dim % 32 or out_dim > 1024:
         return None, f"{out_dim} output coordinates (a multiple of 32, at most 1024: the merge's thread group)"
     # the fewest threads per token within the register budget, else (many query rows) within twice it
-    budget = TUNING["registers"]
-    for ncg, budget in [(n, budget) for n in (4, 8, 16, 32)] + [(32, 2 * budget)]:
+    registers = TUNING["registers"]
+    for ncg, budget in [(n, registers) for n in (4, 8, 16, 32)] + [(32, 2 * registers)]:
         why = _fits(ncg, rows, keys, values, budget)
         if not why:
             break
@@ -284,8 +283,9 @@ def _aliases(inputs: list) -> dict[str, str]:
 
 
 class _Launch:
-    """One static launch of the streams kernel and its merge, planned once (:func:`_launch`): the bound kernel
-    (template values written into its text on CUDA), which inputs it takes, the grid and the merge."""
+    """One static launch of the streams kernel and its merge, planned from the call's signature (:func:`_plan`):
+    the bound kernel (template values written into its text on CUDA), which inputs it takes, the grid and the
+    merge."""
 
     def __init__(self, call: StreamCall, rows: int, batch: int, num_tokens: int, dense: tuple, inputs: list,
                  backend: str, out_dim: int, finish: bool) -> None:
@@ -416,22 +416,23 @@ class StreamStep:
 
 def attend_streams(queries: mx.array, scale: float, num_kv_heads: int, call: StreamCall,
                    prepare: Callable[[mx.array], mx.array], finish: Callable[[mx.array], mx.array], backend: str,
-                   attend_fn=decode_attend_streams) -> tuple[mx.array, mx.array]:
+                   attend_fn=None) -> tuple[mx.array, mx.array]:
     """A method's decode attention through the streams kernel, in the shapes of the ``kvq_attend`` spec.
 
     :param queries: ``[B, H_q, T_q, D]`` any float dtype. :param scale: the softmax scale.
     :param prepare: scaled float32 ``[B, H_kv, n_rep, T_q, D]`` -> ``[..., call.query_dim]`` (the method's own
         query preparation, pure MLX). :param finish: normalised ``[B, H_kv, n_rep, T_q, call.out_dim]`` ->
         ``[..., D_v]`` (its inverse transforms).
-    :param attend_fn: :func:`decode_attend_streams`, or the reference (tests).
+    :param attend_fn: ``(rows, call) -> (out, lse)``: ``None`` for :func:`decode_attend_streams` on ``backend``,
+        or the reference :func:`kvq_metal.reference.decode_attend_streams` (tests).
     :return: ``(out [B, H_q, T_q, D_v] float32, lse [B, H_q, T_q] float32)``.
     """
     B, Hq, Tq, _ = queries.shape
     q = prepare(grouped_rows(queries, num_kv_heads, scale))
     n_rep = Hq // num_kv_heads
     rows = q.reshape(B, num_kv_heads, n_rep * Tq, q.shape[-1])
-    if attend_fn is decode_attend_streams:
-        out, lse = attend_fn(rows, call, backend)
+    if attend_fn is None:
+        out, lse = decode_attend_streams(rows, call, backend)
     else:
         out, lse = attend_fn(rows, call)
     out = finish(out.reshape(B, num_kv_heads, n_rep, Tq, call.out_dim))
@@ -474,46 +475,45 @@ class StreamsKernelImpl(KernelImpl):
         """Normalised ``[B, H_kv, n_rep, T_q, out_dim]`` -> ``[..., D_v]``; ``None``: already there."""
         return None
 
-    def check_heads(self, keys) -> int:
-        """KV heads of the first-use check's problem (1; a calibrated method: the calibration's count)."""
-        return 1
-
     def matrix_sources(self, keys, values) -> tuple:
         """The arrays :meth:`prepare` and :meth:`finish` read besides the parameters (their identity is part of the
         key under which the matrices are kept): none here; a calibrated method returns its loaded calibration's
         arrays, so a recalibration in the same process makes new matrices."""
         return ()
 
-    def attend_kernel(self, queries, keys, values, scale):
-        """The kernel path of :meth:`kvq_attend` (no checks)."""
+    def attend_kernel(self, queries, keys, values, scale, call: StreamCall | None = None):
+        """The kernel path of :meth:`kvq_attend` (no checks; ``call``: the keys' and values' :class:`StreamCall`
+        when the caller has it)."""
         finish = self.finish(values) or (lambda out: out)
-        return attend_streams(queries, scale, keys.shape[1], self.stream_call(keys, values), self.prepare(keys),
-                              finish, self.backend)
+        call = call or self.stream_call(keys, values)
+        return attend_streams(queries, scale, keys.shape[1], call, self.prepare(keys), finish, self.backend)
 
-    def _serves(self, queries, keys, values, mask, dense: bool = False) -> bool:
-        """Whether the kernel serves this call (``dense``: with a cache's uncompressed tokens too), after the
-        first-use check of its signature."""
+    def _served_call(self, queries, keys, values, mask, dense: bool = False) -> StreamCall | None:
+        """The :class:`StreamCall` of this call where the kernel serves it (``dense``: with a cache's uncompressed
+        tokens too) and its signature passed the first-use check; ``None`` otherwise."""
         if mask is not None or keys.num_tokens == 0 or queries.shape[-1] != keys.head_dim:
-            return False
+            return None
         if queries.shape[1] % keys.shape[1] or values.head_dim != keys.head_dim:
-            return False
+            return None
         call = self.stream_call(keys, values)
         rows = query_rows(queries, keys)
         if call is None or not supported(call, rows, keys.head_dim if dense else None):
-            return False
+            return None
         key = (_check_key(keys.params), _check_key(values.params), keys.head_dim, rows, queries.dtype)
-        return base.first_use_check(self.backend, f"decode_attend_streams[{self.method}]", key,
-                                    lambda: check_attend(self, quantize_with_method, keys.params, values.params,
-                                                         keys.head_dim, rows, queries.dtype,
-                                                         heads=self.check_heads(keys)))
+        passed = base.first_use_check(self.backend, f"decode_attend_streams[{self.method}]", key,
+                                      lambda: check_attend(self, quantize_with_method, keys.params, values.params,
+                                                           keys.head_dim, rows, queries.dtype,
+                                                           heads=self.check_heads(keys)))
+        return call if passed else None
 
     def kvq_attend(self, queries, keys, values, scale, mask):
         """``kvq_attend`` spec; pure MLX serves masks and calls beyond the kernel."""
-        if not self._serves(queries, keys, values, mask):
+        call = self._served_call(queries, keys, values, mask)
+        if call is None:
             return self.fallback().kvq_attend(queries, keys, values, scale, mask)
-        return self.attend_kernel(queries, keys, values, scale)
+        return self.attend_kernel(queries, keys, values, scale, call)
 
-    def _matrices(self, keys, values) -> tuple[mx.array, mx.array | None]:
+    def _matrices(self, keys, values, call: StreamCall) -> tuple[mx.array, mx.array | None]:
         """``(prepare [G, D, DQ], finish [DO, DV] or None)``: :meth:`prepare` and :meth:`finish` as matrices
         (:func:`linear_matrix`), made once per (implementation class, both sides' parameters, head_dim, KV heads,
         :meth:`matrix_sources`): a cache binds a new step at every window flush of every layer."""
@@ -526,7 +526,7 @@ class StreamsKernelImpl(KernelImpl):
             prepare = linear_matrix(self.prepare(keys), keys.head_dim, heads)
             finish = self.finish(values)
             if finish is not None:
-                finish = linear_matrix(finish, self.stream_call(keys, values).out_dim)[0]
+                finish = linear_matrix(finish, call.out_dim)[0]
             if len(_MATRICES) > 256:
                 _MATRICES.clear()
             found = _MATRICES[key] = (prepare, finish, sources)
@@ -535,10 +535,10 @@ class StreamsKernelImpl(KernelImpl):
     def _attend_dense(self, queries, keys, values, scale, dense):
         """The unchecked fused call of :meth:`attend_dense`: the compressed tokens, sinks and window in one launch,
         computed exactly as a bound :class:`StreamStep` computes it (``None`` where the kernel does not take it)."""
-        if not self._serves(queries, keys, values, None, dense=True):
+        call = self._served_call(queries, keys, values, None, dense=True)
+        if call is None:
             return None
-        call = self.stream_call(keys, values)
-        prepare, finish = self._matrices(keys, values)
+        prepare, finish = self._matrices(keys, values, call)
         B, Hq, Tq, D = queries.shape
         H = keys.shape[1]
         prepared = queries.reshape(B, H, Hq // H * Tq, D) @ (prepare * scale)
@@ -548,9 +548,10 @@ class StreamsKernelImpl(KernelImpl):
 
     def _bind_unchecked(self, queries, keys, values, scale, sink_keys, sink_values, window_keys, window_values):
         """A :class:`StreamStep` for a cache's decode steps, unchecked (``None`` where not served)."""
-        if not self._serves(queries, keys, values, None, dense=True):
+        call = self._served_call(queries, keys, values, None, dense=True)
+        if call is None:
             return None
-        prepare, finish = self._matrices(keys, values)
-        return StreamStep(self.stream_call(keys, values), queries, scale, prepare, finish, self.backend,
-                          sink_keys, sink_values, window_keys, window_values)
+        prepare, finish = self._matrices(keys, values, call)
+        return StreamStep(call, queries, scale, prepare, finish, self.backend, sink_keys, sink_values, window_keys,
+                          window_values)
 
