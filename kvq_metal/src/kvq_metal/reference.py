@@ -53,14 +53,19 @@ def decode_attend(queries: mx.array, scale: float, keys: Side, values: Side, *, 
     return merge_parts(parts) if len(parts) > 1 else parts[0]
 
 
+def _bits_of_bytes(packed: mx.array) -> mx.array:
+    """uint8 ``[..., n]`` -> uint32 bits ``[..., 8 n]``, little-endian within each byte."""
+    bits = mx.right_shift(packed.astype(mx.uint32)[..., None], mx.arange(8, dtype=mx.uint32)) & 1
+    return bits.reshape(*packed.shape[:-1], 8 * packed.shape[-1])
+
+
 def _stream_codes(stream) -> mx.array:
     """uint32 ``[B, H, T, dim // vec]``: the codes of a :class:`kvq_metal.streams.Stream` (words or bytes)."""
     count = stream.dim // stream.vec
     if stream.codes.dtype != mx.uint8:
         return packing.unpack(stream.codes, stream.bits, count)
-    *lead, nbytes = stream.codes.shape
-    bits = mx.right_shift(stream.codes.astype(mx.uint32)[..., None], mx.arange(8, dtype=mx.uint32)) & 1
-    bits = bits.reshape(*lead, nbytes * 8)[..., : count * stream.bits].reshape(*lead, count, stream.bits)
+    lead = stream.codes.shape[:-1]
+    bits = _bits_of_bytes(stream.codes)[..., : count * stream.bits].reshape(*lead, count, stream.bits)
     return mx.sum(mx.left_shift(bits, mx.arange(stream.bits, dtype=mx.uint32)), axis=-1)
 
 
@@ -106,8 +111,7 @@ def decode_attend_streams(queries: mx.array, call) -> tuple[mx.array, mx.array]:
     o = call.outliers
     if o is not None:
         T, k = o.indices.shape[2], o.indices.shape[3]
-        signs = mx.right_shift(o.signs.astype(mx.uint32)[..., None], mx.arange(8, dtype=mx.uint32)) & 1
-        signs = signs.reshape(B, H, T, -1).astype(mx.float32) * 2 - 1
+        signs = _bits_of_bytes(o.signs).astype(mx.float32) * 2 - 1
         estimate = (signs @ o.sketch) * o.norms.astype(mx.float32)[..., None]  # [B, H, T, k]
         idx = (o.indices.astype(mx.int32) + o.offset).reshape(B, H, 1, T * k)
         q_out = mx.take_along_axis(q, mx.broadcast_to(idx, (B, H, R, T * k)), axis=-1).reshape(B, H, R, T, k)
