@@ -424,8 +424,22 @@ STREAM_CASES = [
 ]
 
 
+@pytest.fixture(params=[True, False], ids=["tensor_cores", "simt"])
+def streams_kernel_kind(request):
+    """Both streams kernels: on CUDA the tensor-core one serves the calls it takes by default
+    (:func:`kvq_metal.streams._tc_plan`), ``simt`` forces the SIMT one (the Metal design)."""
+    from kvq_metal import streams
+
+    if not request.param and kvq_metal.gpu_backend() != "cuda":
+        pytest.skip("the tensor-core kernel exists on CUDA only")
+    saved = streams.TUNING["tc"]
+    streams.TUNING["tc"] = request.param
+    yield request.param
+    streams.TUNING["tc"] = saved
+
+
 @pytest.mark.parametrize("case", range(len(STREAM_CASES)))
-def test_streams_kernel_matches_pure_mlx(case):
+def test_streams_kernel_matches_pure_mlx(case, streams_kernel_kind):
     """qjl keys with affine values, and turboquant_prod (with prod or mse values): the streams kernel within 1e-3
     relative of pure MLX (head_dim 64/96/128/256, GQA, 1 and 2 query tokens), through a strided view too."""
     km, kp, vm, vp, D, n_rep, Tq, T = STREAM_CASES[case]
@@ -506,7 +520,7 @@ def test_streams_cache_tokens_with_kernels_auto_equal_off(method, params):
                                          ("turboquant_prod", {"bits": 4}, "turboquant_prod", {"bits": 4}),
                                          ("turboquant_prod", {"bits": 3}, "turboquant_prod", {"bits": 3})])
 @pytest.mark.parametrize("sinks", [True, False])
-def test_streams_bound_step_matches_parts(km, kp, vm, vp, sinks):
+def test_streams_bound_step_matches_parts(km, kp, vm, vp, sinks, streams_kernel_kind):
     """The bound decode step of the streams kernel (compressed tokens, sinks and window in one launch, the
     method's finish in the merge) equals the three parts attended in pure MLX and merged, within 2e-3 relative in
     bfloat16, for 2 batch rows; its output has the queries' dtype."""
@@ -525,6 +539,7 @@ def test_streams_bound_step_matches_parts(km, kp, vm, vp, sinks):
     wk, wv = _normal((2, 8, 150, 128), dt, 45), _normal((2, 8, 150, 128), dt, 46)
     step = kernel.bind_dense(_normal((2, 32, 1, 128), dt, 47), ke, ve, 128 ** -0.5, sk, sv, wk, wv)
     assert step is not None, kvq_metal.base.CHECKS
+    assert step._launch.tc == (streams_kernel_kind and kvq_metal.gpu_backend() == "cuda")
     for n in (130, 131):
         q = _normal((2, 32, 1, 128), dt, n)
         out = step(q, wk[:, :, :n], wv[:, :, :n])

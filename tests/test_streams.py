@@ -113,6 +113,42 @@ def test_plan_says_what_it_refuses():
     assert qjl_kernels.key_stream_call(keys, turbo) is None
 
 
+@pytest.mark.parametrize("rows", [1, 4, 8])
+def test_tensor_core_plan_takes_qjl_and_prod_within_shared_memory(rows):
+    """CUDA's tensor-core streams kernel (``decode_attend_streams_tc.cu``) takes qjl keys with affine values and
+    turboquant_prod (head_dim 64 to 256, 1 to 8 rows, with the sinks and window), each within 48 KB of static
+    shared memory; it refuses 9 rows and VecInfer's vector codes, saying why (the SIMT kernel serves those)."""
+    from kvq_backends_qjl import kernels as qjl_kernels
+    from kvq_backends_turboquant.kernels import turboquant_prod
+
+    calls = []
+    for D, kp in ((128, {}), (64, {"sketch_dim": 96}), (256, {"outlier_channels": 8, "sketch_dim": 256})):
+        x = normal((2, 1, 40, D), 0, mx.float16)
+        keys = _quantize(x[:1], kvq.make_params("qjl", **kp))
+        values = _quantize(x[1:], kvq.make_params("affine", bits=4).for_head_dim(D))
+        calls.append((qjl_kernels.key_stream_call(keys, values), D))
+    for D, bits, vm in ((128, 4, "turboquant_prod"), (128, 3, "turboquant_prod"), (256, 4, "turboquant_prod"),
+                        (64, 2, "turboquant")):
+        x = normal((2, 1, 40, D), 0, mx.float16)
+        keys = _quantize(x[:1], kvq.make_params("turboquant_prod", bits=bits))
+        values = _quantize(x[1:], kvq.make_params(vm, bits=bits))
+        calls.append((turboquant_prod.stream_call(keys, values), D))
+    for call, D in calls:
+        for dense in ((0, False, 0, 0), (2, True, D, 0)):
+            template, why = streams._tc_plan(streams._signature(call, rows, dense), 1, 2)
+            assert template is not None, why
+            t = dict(template)
+            assert t["R"] == rows and t["DQ"] == call.query_dim and t["DO"] == call.out_dim and t["ND"] == dense[0]
+            tables = sum(((1 << (2 * t[f"{s}_BITS"])) if t[f"{s}_PAIR"] else (1 << t[f"{s}_BITS"]))
+                         * (32 if t[f"{s}_REP"] else 1) for s in ("KA", "KB", "VA", "VB")
+                         if s in ("KA", "VA") or t[f"{s}_ON"])
+            assert max(tables, rows * t["DO"]) + rows * max(t["DQ"], t["D"]) <= streams.TC_SHARED_WORDS
+    call, D = calls[0]
+    assert "9 query rows" in streams._tc_plan(streams._signature(call, 9), 1, 2)[1]
+    vector = attrs.evolve(call.keys[0], vec=4, dim=256)
+    assert "vector codes" in streams._tc_plan(streams._signature(attrs.evolve(call, keys=(vector,)), 4), 1, 2)[1]
+
+
 def test_cache_attends_qjl_keys_with_qjl_attention_same_numbers():
     """The cache now hands qjl keys (with affine values) to qjl's own kvq_attend (which a GPU's kernel can serve);
     on the CPU that is the same blockwise computation as the per-side block protocol it used before."""

@@ -37,7 +37,7 @@ import mlx.core as mx
 from kvq.attention import DenseTokens
 
 from . import base
-from .attend import MAX_ROWS, MAX_SPLITS, THREADS, _constant, _dense_key, splits_for
+from .attend import DENSE_DTYPES, MAX_ROWS, MAX_SPLITS, THREADS, _constant, _dense_key, splits_for
 from .base import KernelImpl, _check_key
 from .common import check_attend, grouped_rows, quantize_with_method, query_rows
 from .dialect import float_bits
@@ -45,6 +45,9 @@ from .kernel_files import KERNELS, load
 
 DECODE_ATTEND_STREAMS = load(KERNELS / "decode_attend_streams.kvq")
 DECODE_MERGE_STREAMS = load(KERNELS / "decode_merge_streams.kvq")
+#: The tensor-core version (CUDA only): :func:`_tc_plan` says which calls it takes.
+DECODE_ATTEND_STREAMS_TC = load(KERNELS / "decode_attend_streams_tc.cu",
+                                header=KERNELS / "decode_attend_streams_tc.cuh")
 
 INPUTS = ("q", "kc", "ka_s1", "ka_s2", "ka_t", "kb_c", "kb_s1", "kb_s2", "kb_t", "o_i", "o_c", "o_s", "o_m",
           "vc", "va_s1", "va_s2", "va_b", "va_t", "vb_c", "vb_s1", "vb_s2", "vb_t", "qr", "wk", "wv", "sk", "sv")
@@ -53,8 +56,9 @@ MERGE_INPUTS = ("part", "ml", "fin")
 #: tile (loads in flight), ``groups`` thread groups to aim for across the splits (``None``: the back end's
 #: :data:`kvq_metal.attend.TARGET_GROUPS`), ``registers`` the registers a thread may give to query coordinates
 #: and accumulators (R rows times coordinates per thread): the launch takes more threads per token (fewer
-#: coordinates each) above it, and twice it at 32 threads per token (8 query rows).
-TUNING = {"kt": 4, "groups": None, "registers": 96}
+#: coordinates each) above it, and twice it at 32 threads per token (8 query rows); ``tc`` whether CUDA takes the
+#: tensor-core kernel where :func:`_tc_plan` serves the call, ``nt`` its tiles of 16 tokens per warp step.
+TUNING = {"kt": 4, "groups": None, "registers": 96, "tc": True, "nt": 2}
 TUNING.update(json.loads(os.environ.get("KVQ_STREAMS_TUNING", "{}")))
 #: Most float32 entries of one stream's code table held in shared memory (VecInfer: 2**code_bits * sub_dim).
 MAX_TABLE = 2048
@@ -231,6 +235,82 @@ def _plan(signature: tuple) -> tuple[list | None, str]:
     return t, ""
 
 
+#: 32-bit words of static shared memory the tensor-core kernel may declare (48 KB less a margin).
+TC_SHARED_WORDS = 12288 - 256
+
+
+@lru_cache(maxsize=1024)
+def _tc_plan(signature: tuple, ddt: int, nt: int) -> tuple[list | None, str]:
+    """``(template, "")`` of the tensor-core launch (``decode_attend_streams_tc.cu``) for a static signature
+    (:func:`_signature`), ``ddt`` the uncompressed tokens' dtype code (0 float16, 1 bfloat16, 2 other) and ``nt``
+    tiles of 16 tokens per warp step; ``(None, why)`` where it does not serve the call (the SIMT kernel then does).
+
+    It takes: at most 8 query rows (one mma N tile); scalar codes of 1..8 bits per stream read from one shared
+    table (no per-head tables, no reserved pattern: VecInfer stays on the SIMT kernel); every stream's
+    coordinates a multiple of 16 up to 256; per-token key scales; value stream A with per-token scales or
+    grouped scales and biases (groups whole slices of ``dim / 8`` coordinates or even divisors of one), stream B
+    with per-token scales; uint8 codes whose rows are whole 32-bit words; at most 16 outlier channels of at most
+    1024 sketch entries; uncompressed tokens of head_dim = value stream A's coordinates. Tables are pair tables
+    (one lookup per two coordinates) up to 4 bits, each with one copy per lane while static shared memory
+    allows (the largest loses its copies first)."""
+    rows, dq, keys, values, outliers, (nd, sinks, head_dim, qscale), _, _ = signature
+    if not 1 <= rows <= 8:
+        return None, f"{rows} query rows (the tensor-core kernel takes 1..8)"
+    for side, streams in (("key", keys), ("value", values)):
+        for i, (dim, bits, vec, scaled, cb, per_head, reserved, _, group, biases) in enumerate(streams):
+            if vec != 1 or per_head or reserved:
+                return None, f"{side} stream {i}: vector codes, per-head tables or a reserved pattern"
+            if not (1 <= bits <= 8 and dim % 16 == 0 and 16 <= dim <= 256):
+                return None, f"{side} stream {i}: {dim} coordinates of {bits}-bit codes"
+            if cb == 1 and (dim * bits) % 32:
+                return None, f"{side} stream {i}: uint8 rows of {dim * bits} bits (whole 32-bit words only)"
+            grouped = group < dim or biases
+            if (side == "key" or i > 0) and grouped:
+                return None, f"{side} stream {i}: grouped scales or biases"
+            if grouped:
+                per = dim // 8
+                if scaled != 1 or dim % group or not (group % per == 0 or (per % group == 0 and group % 2 == 0)):
+                    return None, f"value stream 0: groups of {group} over slices of {per} coordinates"
+    ok, om, o_off = outliers or (0, 0, 0)
+    if ok and (ok > 16 or om * ok > 1024 or om % 8):
+        return None, f"{ok} outlier channels of {om} sketch bits"
+    if nd and (values[0][0] != head_dim or head_dim % 16 or not 16 <= head_dim <= 256):
+        return None, f"uncompressed tokens of head_dim {head_dim} and {values[0][0]} value coordinates"
+    ka, va = keys[0], values[0]
+    kb = keys[1] if len(keys) > 1 else None
+    vb = values[1] if len(values) > 1 else None
+    out_dim = sum(v[0] for v in values)
+    tables = [s[1] if s is not None else 0 for s in (ka, kb, va, vb)]
+    pair = [0 < b <= 4 for b in tables]
+    entries = [0 if b == 0 else (1 << (2 * b) if p else 1 << b) for b, p in zip(tables, pair)]
+    rep = [0 < e <= 256 for e in entries]
+    warps = THREADS // 32
+    fixed = rows * max(dq, head_dim) + om * ok + warps * nt * 16 * rows + 2 * warps * 8 + 64
+
+    def words() -> int:
+        tab = sum(e * (32 if r else 1) for e, r in zip(entries, rep))
+        return fixed + max(tab, rows * out_dim)
+
+    while words() > TC_SHARED_WORDS and any(rep):
+        rep[max((i for i in range(4) if rep[i]), key=lambda i: entries[i])] = False
+    if words() > TC_SHARED_WORDS:
+        return None, f"{4 * words()} bytes of shared memory (at most {4 * TC_SHARED_WORDS})"
+    va_grouped = va[8] < va[0] or va[9]
+    t = [("R", rows), ("DQ", dq), ("THREADS", THREADS), ("NT", nt), ("D", max(head_dim, 16)), ("DDT", ddt),
+         ("ND", nd), ("SINKS", bool(sinks)), ("QSCALE", qscale), ("DO", out_dim),
+         ("KA_OFF", ka[7]), ("KA_DIM", ka[0]), ("KA_BITS", ka[1]), ("KA_NS", ka[3]), ("KA_CB", ka[4]),
+         ("KA_PAIR", pair[0]), ("KA_REP", rep[0]),
+         ("KB_ON", kb is not None), ("KB_OFF", kb[7] if kb else 0), ("KB_DIM", kb[0] if kb else 16),
+         ("KB_BITS", kb[1] if kb else 1), ("KB_NS", kb[3] if kb else 0), ("KB_CB", kb[4] if kb else 4),
+         ("KB_PAIR", pair[1]), ("KB_REP", rep[1]),
+         ("OK", ok), ("OM", om), ("O_OFF", o_off),
+         ("VA_DIM", va[0]), ("VA_BITS", va[1]), ("VA_NS", va[3]), ("VA_G", va[8]), ("VA_GRP", bool(va_grouped)),
+         ("VA_BIAS", bool(va[9])), ("VA_CB", va[4]), ("VA_PAIR", pair[2]), ("VA_REP", rep[2]),
+         ("VB_ON", vb is not None), ("VB_DIM", vb[0] if vb else 16), ("VB_BITS", vb[1] if vb else 1),
+         ("VB_NS", vb[3] if vb else 0), ("VB_CB", vb[4] if vb else 4), ("VB_PAIR", pair[3]), ("VB_REP", rep[3])]
+    return t, ""
+
+
 def _fits(ncg: int, rows: int, keys: tuple, values: tuple, budget: int) -> str:
     """Why ``ncg`` threads per token do not serve these streams (empty when they do)."""
     coords = 0
@@ -293,11 +373,21 @@ class _Launch:
         if template is None:
             raise ValueError(f"decode_attend_streams does not serve this call: {why}")
         H = call.keys[0].codes.shape[1]
-        ncg = dict(template)["NCG"]
         nd = dense[0]
-        tile = TUNING["kt"] * THREADS // ncg
+        tc = None
+        if backend == "cuda" and TUNING["tc"]:
+            ddt = DENSE_DTYPES.get(inputs[INPUTS.index("wk")].dtype, 2) if nd else 0
+            tc, _ = _tc_plan(_signature(call, rows, dense), ddt, TUNING["nt"])
+        #: whether this launch runs the tensor-core kernel
+        self.tc = tc is not None
+        if self.tc:
+            template = tc
+            tile = 16 * TUNING["nt"] * THREADS // 32
+            kern = DECODE_ATTEND_STREAMS_TC.kernel(backend, INPUTS, ("out", "ml"), ensure_row_contiguous=False)
+        else:
+            tile = TUNING["kt"] * THREADS // dict(template)["NCG"]
+            kern = DECODE_ATTEND_STREAMS.kernel(backend, INPUTS, ("out", "ml"), ensure_row_contiguous=False)
         splits = splits_for(batch * H, num_tokens, backend, tile, TUNING["groups"])
-        kern = DECODE_ATTEND_STREAMS.kernel(backend, INPUTS, ("out", "ml"), ensure_row_contiguous=False)
         # on CUDA the template's values written into the kernel's text (a short name, no per-launch formatting of
         # 41 arguments); an input that is the same array as an earlier one read through it
         self.call, self.template, self.kept = kern.bound(template, inputs, _aliases(inputs))
@@ -499,7 +589,9 @@ class StreamsKernelImpl(KernelImpl):
         rows = query_rows(queries, keys)
         if call is None or not supported(call, rows, keys.head_dim if dense else None):
             return None
-        key = (_check_key(keys.params), _check_key(values.params), keys.head_dim, rows, queries.dtype)
+        # the kernel that will run is part of the key: a check of one says nothing of the other
+        tc = self.backend == "cuda" and bool(TUNING["tc"])
+        key = (_check_key(keys.params), _check_key(values.params), keys.head_dim, rows, queries.dtype, tc)
         passed = base.first_use_check(self.backend, f"decode_attend_streams[{self.method}]", key,
                                       lambda: check_attend(self, quantize_with_method, keys.params, values.params,
                                                            keys.head_dim, rows, queries.dtype,

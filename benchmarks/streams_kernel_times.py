@@ -1,0 +1,92 @@
+"""Time per call of the streams kernels (tensor cores and SIMT) against fp16 SDPA, same process (issue #21).
+
+B 1, H_q 32, H_kv 8, D 128, one query token; per method the call a cache's bound decode step makes (the
+compressed tokens, 4 sinks and a 128-token window in one launch, the method's finish in the merge). Two figures
+per call, in microseconds: ``batched`` = wall time of ``--calls`` independent calls evaluated together, divided by
+their number (close to GPU time when the GPU is the bottleneck), ``single`` = one call built and evaluated at a
+time (adds graph building and synchronisation). Each figure is the median of ``--reps`` repetitions.
+
+    python benchmarks/streams_kernel_times.py --out times.json [--contexts 32768,131072] [--calls 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import mlx.core as mx
+
+B, HQ, HKV, D = 1, 32, 8, 128
+METHODS = (("qjl", {}, "affine", {"bits": 4}), ("turboquant_prod", {"bits": 4}, "turboquant_prod", {"bits": 4}),
+           ("turboquant_prod", {"bits": 3}, "turboquant_prod", {"bits": 3}))
+
+
+def _time(fn, calls: int, reps: int) -> dict:
+    mx.eval(fn())
+    batched, single = [], []
+    for _ in range(reps):
+        t = time.perf_counter()
+        mx.eval([fn() for _ in range(calls)])
+        batched.append((time.perf_counter() - t) / calls * 1e6)
+        t = time.perf_counter()
+        for _ in range(calls):
+            mx.eval(fn())
+        single.append((time.perf_counter() - t) / calls * 1e6)
+    return {"batched_us": round(statistics.median(batched), 1), "single_us": round(statistics.median(single), 1)}
+
+
+def main() -> None:
+    import kvq
+    import kvq_metal
+    from kvq.attention import DenseTokens
+    from kvq.plugins import registry
+    from kvq_metal import streams
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--contexts", default="32768,131072")
+    ap.add_argument("--calls", type=int, default=40)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    backend = kvq_metal.gpu_backend()
+    reg = registry()
+    results = {"sources": kvq_metal.sources_hash(), "device": str(mx.default_device()), "calls": []}
+    for T in (int(t) for t in args.contexts.split(",")):
+        q = mx.random.normal((B, HQ, 1, D)).astype(mx.bfloat16)
+        k = mx.random.normal((B, HKV, T, D)).astype(mx.bfloat16)
+        v = mx.random.normal((B, HKV, T, D)).astype(mx.bfloat16)
+        window = mx.random.normal((B, HKV, 4 + 128, D)).astype(mx.bfloat16)
+        mx.eval(q, k, v, window)
+        row = {"T": T, "method": "fp16_sdpa", **_time(lambda: mx.fast.scaled_dot_product_attention(
+            q, k, v, scale=D ** -0.5), args.calls, args.reps)}
+        print(json.dumps(row), flush=True)
+        results["calls"].append(row)
+        for km, kp, vm, vp in METHODS:
+            kparams, vparams = kvq.make_params(km, **kp), kvq.make_params(vm, **vp)
+            if vm == "affine":
+                vparams = vparams.for_head_dim(D)
+            keys = reg.implementations[(km, "mlx")].kvq_quantize(k, kparams)
+            values = reg.implementations[(vm, "mlx")].kvq_quantize(v, vparams)
+            mx.eval(keys.data, values.data)
+            impl = reg.implementations[(km, backend)]
+            call = impl.stream_call(keys, values)
+            prepare, finish = impl._matrices(keys, values, call)
+            dense = DenseTokens(window[:, :, :4], window[:, :, :4], window[:, :, 4:], window[:, :, 4:])
+            for tc in (True, False):
+                streams.TUNING["tc"] = tc
+                step = streams.StreamStep(call, q, D ** -0.5, prepare, finish, backend, window[:, :, :4],
+                                          window[:, :, :4], window[:, :, 4:], window[:, :, 4:])
+                label = f"{km}:{kp.get('bits', '')}+{vm}:{vp.get('bits', '')}"
+                row = {"T": T, "method": label, "kernel": "tc" if step._launch.tc else "simt",
+                       **_time(lambda: step(q, dense.window_keys, dense.window_values), args.calls, args.reps)}
+                print(json.dumps(row), flush=True)
+                results["calls"].append(row)
+            streams.TUNING["tc"] = True
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,545 @@
+// decode_attend_streams_tc: decode attention over code streams (kvq_metal.streams) on tensor cores (CUDA,
+// mma.sync m16n8k16, sm_80 and later): the contract of decode_attend_streams.kvq (same inputs, same outputs, merged
+// by decode_merge_streams.kvq), the warp layout of decode_attend_tc.cu.
+// Reference: kvq_metal.reference.decode_attend_streams
+// Launcher: kvq_metal.streams.decode_attend_streams
+// Inputs kvq_metal.streams.INPUTS; outputs out [B, H, NS, R, DO] (unnormalised), ml [B, H, NS, R, 2] (max in
+// natural-log units, sum). Template: kvq_metal.streams._tc_template. Header: decode_attend_streams_tc.cuh.
+// Blocks: x = b * H + h; with ND = 2, y = 0: the sinks (slot NS - 2), y = 1: the window (slot NS - 1), attended
+// from the raw queries qr times QSCALE's float bits, their values written where value stream A's go; y >= ND: split
+// y - ND of the compressed tokens (slot y - ND).
+// Scores: per key stream X (A, B) S_X^T [16 tokens, 8 rows] = K_X [16, DIM_X] . Q_X^T on tensor cores, the keys the
+// A operand (lane (g, c): tokens g, g + 8, a slice of DIM_X / 4 coordinates c * DIM_X / 4 ..., two per table lookup),
+// the prepared query rows at the stream's offset the B operand; each stream's fp32 result times its per-token scales,
+// summed, plus QJL's outlier-channel estimate (SIMT: lane l takes token l % 16 of a tile, half of the channels).
+// Values: per value stream O_X^T [DIM_X, 8] += V_X^T [DIM_X, 16] . P_X^T [16, 8] (lane: 4 tokens, coordinates
+// g * DIM_X / 8 ...), P_X the probabilities times the stream's per-token scales (grouped scales and biases are
+// applied while decoding, one fma.f16x2 per pair). Stream B's output follows stream A's (DO = VA_DIM + VB_DIM).
+
+    constexpr int NWARP = THREADS / 32;
+    constexpr float LOG2E = 1.4426950408889634f;
+    constexpr float LN2 = 0.6931471805599453f;
+    // key streams: slices of S* coordinates of 2 tokens per lane, KS* k-steps; value streams: slices of SV* of 4
+    // tokens, MT* m-tiles
+    constexpr int SKA = KA_DIM / 4, KSA = KA_DIM / 16;
+    constexpr int SKB = KB_DIM / 4, KSB = KB_ON ? KB_DIM / 16 : 0;
+    constexpr int SVA = VA_DIM / 8, MTA = VA_DIM / 16;
+    constexpr int SVB = VB_DIM / 8, MTB = VB_ON ? VB_DIM / 16 : 0;
+    // a slice starts on a word for every lane when its bit length is a multiple of 32; else one more word is read
+    constexpr bool KAAL = (SKA * KA_BITS) % 32 == 0, KBAL = (SKB * KB_BITS) % 32 == 0;
+    constexpr bool VAAL = (SVA * VA_BITS) % 32 == 0, VBAL = (SVB * VB_BITS) % 32 == 0;
+    constexpr int KANW = (SKA * KA_BITS + 31) / 32 + (KAAL ? 0 : 1);
+    constexpr int KBNW = (SKB * KB_BITS + 31) / 32 + (KBAL ? 0 : 1);
+    constexpr int VANW = (SVA * VA_BITS + 31) / 32 + (VAAL ? 0 : 1);
+    constexpr int VBNW = (SVB * VB_BITS + 31) / 32 + (VBAL ? 0 : 1);
+    constexpr int KAVEC = !KAAL ? 1 : (KANW % 4 == 0 ? 4 : (KANW % 2 == 0 ? 2 : 1));
+    constexpr int KBVEC = !KBAL ? 1 : (KBNW % 4 == 0 ? 4 : (KBNW % 2 == 0 ? 2 : 1));
+    constexpr int VAVEC = !VAAL ? 1 : (VANW % 4 == 0 ? 4 : (VANW % 2 == 0 ? 2 : 1));
+    constexpr int VBVEC = !VBAL ? 1 : (VBNW % 4 == 0 ? 4 : (VBNW % 2 == 0 ? 2 : 1));
+    // value stream A's scale groups per slice (VA_GRP: grouped scales and biases, applied while decoding)
+    constexpr int VANG = VA_GRP && SVA >= VA_G ? SVA / VA_G : 1;
+    // the code tables (entries as half2; 32 copies where REP), then the warps' partial outputs after the loop
+    constexpr int TKA = (KA_PAIR ? 1 << (2 * KA_BITS) : 1 << KA_BITS) * (KA_REP ? 32 : 1);
+    constexpr int TKB = KB_ON ? (KB_PAIR ? 1 << (2 * KB_BITS) : 1 << KB_BITS) * (KB_REP ? 32 : 1) : 0;
+    constexpr int TVA = (VA_PAIR ? 1 << (2 * VA_BITS) : 1 << VA_BITS) * (VA_REP ? 32 : 1);
+    constexpr int TVB = VB_ON ? (VB_PAIR ? 1 << (2 * VB_BITS) : 1 << VB_BITS) * (VB_REP ? 32 : 1) : 0;
+    constexpr int TABW = TKA + TKB + TVA + TVB;
+    constexpr int RED = R * DO;
+    constexpr int SMW = TABW > RED ? TABW : RED;
+    constexpr int QW = R * (DQ > D ? DQ : D);
+    KVQ_SHARED __align__(16) uint smem_s[SMW];
+    KVQ_SHARED float q_s[QW];
+    KVQ_SHARED float osk_s[OK > 0 ? OM * OK : 1];
+    KVQ_SHARED float ol_s[OK > 0 ? NWARP * NT * 16 * R : 1];
+    KVQ_SHARED float mw_s[NWARP * 8];
+    KVQ_SHARED float lw_s[NWARP * 8];
+    uint* katab_s = smem_s;
+    uint* kbtab_s = smem_s + TKA;
+    uint* vatab_s = smem_s + TKA + TKB;
+    uint* vbtab_s = smem_s + TKA + TKB + TVA;
+    float* red_s = reinterpret_cast<float*>(smem_s);
+
+    const int bh = KVQ_TG_X;
+    const int NS = KVQ_NTG_Y;
+    const int nsplit = NS - ND;
+    // uncompressed blocks take y < ND (more bytes per token: they start first) and the last ND slots
+    const int split = ND > 0 ? (KVQ_TG_Y < ND ? nsplit + KVQ_TG_Y : KVQ_TG_Y - ND) : KVQ_TG_Y;
+    const int H = kc_shape[1];
+    const int T = kc_shape[2];
+    const int b = bh / H;
+    const int h = bh - b * H;
+    const int tid = KVQ_TID;
+    const int lane = KVQ_LANE;
+    const int warp = KVQ_WARP;
+    const int g = lane >> 2;
+    const int c = lane & 3;
+    constexpr int NT_CODES = NT;
+
+    auto run = [&](auto role) {
+    constexpr bool DENSE = decltype(role)::value;
+    constexpr int NT = DENSE ? 1 : NT_CODES;
+    constexpr int TILE = NWARP * 16 * NT;
+    // the key side as this role reads it: the raw rows (D coordinates) or stream A
+    constexpr int SK1 = DENSE ? D / 4 : SKA;
+    constexpr int KS1 = DENSE ? D / 16 : KSA;
+    constexpr int SV1 = DENSE ? D / 8 : SVA;
+    constexpr int MT1 = DENSE ? D / 16 : MTA;
+    constexpr int QSTR = DENSE ? D : DQ;
+    constexpr int QOFF = DENSE ? 0 : KA_OFF;
+    constexpr bool KBX = KB_ON && !DENSE;
+    constexpr bool VBX = VB_ON && !DENSE;
+    constexpr bool OUTL = OK > 0 && !DENSE;
+    const int dsplit = split - nsplit;  // DENSE: 0 the sinks, 1 the window
+    const int chunk = ((T + TILE - 1) / TILE + nsplit - 1) / nsplit * TILE;
+    const int t_begin = DENSE ? 0 : split * chunk;
+    const int t_end = DENSE ? (dsplit == 0 ? (SINKS ? sk_shape[2] : 0) : wk_shape[2]) : min(T, t_begin + chunk);
+
+    // row offsets, token strides, word counts and vector-load checks of every stream (one check per block)
+    const int64_t kab = b * kc_strides[0] + h * kc_strides[1], ka_ts = kc_strides[2], ka_es = kc_strides[3];
+    const int64_t kbb = b * kb_c_strides[0] + h * kb_c_strides[1], kb_ts = kb_c_strides[2], kb_es = kb_c_strides[3];
+    const int64_t vab = b * vc_strides[0] + h * vc_strides[1], va_ts = vc_strides[2], va_es = vc_strides[3];
+    const int64_t vbb = b * vb_c_strides[0] + h * vb_c_strides[1], vb_ts = vb_c_strides[2], vb_es = vb_c_strides[3];
+    const int ka_rw = kc_shape[3] * KA_CB / 4, kb_rw = kb_c_shape[3] * KB_CB / 4;
+    const int va_rw = vc_shape[3] * VA_CB / 4, vb_rw = vb_c_shape[3] * VB_CB / 4;
+    auto vec_ok = [&](const auto* arr, const int64_t base, const int64_t ts, const int64_t es, const int cb,
+                      const int words) -> bool {
+        return es == 1 && (ts * cb) % (4 * words) == 0 &&
+               (reinterpret_cast<size_t>(arr + base) & (size_t)(4 * words - 1)) == 0;
+    };
+    const bool kavec = vec_ok(kc, kab, ka_ts, ka_es, KA_CB, KAVEC);
+    const bool kbvec = vec_ok(kb_c, kbb, kb_ts, kb_es, KB_CB, KBVEC);
+    const bool vavec = vec_ok(vc, vab, va_ts, va_es, VA_CB, VAVEC);
+    const bool vbvec = vec_ok(vb_c, vbb, vb_ts, vb_es, VB_CB, VBVEC);
+    const int ka_bit = c * SKA * KA_BITS, kb_bit = c * SKB * KB_BITS;
+    const int va_bit = g * SVA * VA_BITS, vb_bit = g * SVB * VB_BITS;
+    const int va_g0 = (g * SVA) / VA_G;
+    const int64_t ka1 = b * ka_s1_strides[0] + h * ka_s1_strides[1], ka1_ts = ka_s1_strides[2];
+    const int64_t ka2 = b * ka_s2_strides[0] + h * ka_s2_strides[1], ka2_ts = ka_s2_strides[2];
+    const int64_t kb1 = b * kb_s1_strides[0] + h * kb_s1_strides[1], kb1_ts = kb_s1_strides[2];
+    const int64_t kb2 = b * kb_s2_strides[0] + h * kb_s2_strides[1], kb2_ts = kb_s2_strides[2];
+    const int64_t va1 = b * va_s1_strides[0] + h * va_s1_strides[1], va1_ts = va_s1_strides[2];
+    const int64_t va2 = b * va_s2_strides[0] + h * va_s2_strides[1], va2_ts = va_s2_strides[2];
+    const int64_t vag = VA_GRP ? va_s1_strides[3] : 0;
+    const int64_t vabb = b * va_b_strides[0] + h * va_b_strides[1], vab_ts = va_b_strides[2];
+    const int64_t vabg = VA_GRP && VA_BIAS ? va_b_strides[3] : 0;
+    const int64_t vb1 = b * vb_s1_strides[0] + h * vb_s1_strides[1], vb1_ts = vb_s1_strides[2];
+    const int64_t vb2 = b * vb_s2_strides[0] + h * vb_s2_strides[1], vb2_ts = vb_s2_strides[2];
+
+    // DENSE: the sinks (sk/sv) or the window (wk/wv), rows of the model's dtype (DDT 0: float16, 1: bfloat16)
+    const auto* dkp = dsplit == 0 ? sk : wk;
+    const auto* dvp = dsplit == 0 ? sv : wv;
+    const int64_t dks2 = dsplit == 0 ? sk_strides[2] : wk_strides[2], dks3 = dsplit == 0 ? sk_strides[3] : wk_strides[3];
+    const int64_t dvs2 = dsplit == 0 ? sv_strides[2] : wv_strides[2], dvs3 = dsplit == 0 ? sv_strides[3] : wv_strides[3];
+    const int dkl = dsplit == 0 ? sk_shape[3] : wk_shape[3], dvl = dsplit == 0 ? sv_shape[3] : wv_shape[3];
+    const int64_t dkb = dsplit == 0 ? b * sk_strides[0] + h * sk_strides[1] : b * wk_strides[0] + h * wk_strides[1];
+    const int64_t dvb = dsplit == 0 ? b * sv_strides[0] + h * sv_strides[1] : b * wv_strides[0] + h * wv_strides[1];
+    constexpr int DKW = D / 8, DVW = D / 16;  // half2 words per key / value slice of a raw row
+    constexpr int DKV = DKW % 4 == 0 ? 4 : (DKW % 2 == 0 ? 2 : 1);
+    constexpr int DVV = DVW % 4 == 0 ? 4 : (DVW % 2 == 0 ? 2 : 1);
+    const bool dvec_k = DENSE && DDT < 2 && dks3 == 1 && dkl == D && dks2 % (2 * DKV) == 0 &&
+                        (reinterpret_cast<size_t>(dkp + dkb) & (4 * DKV - 1)) == 0;
+    const bool dvec_v = DENSE && DDT < 2 && dvs3 == 1 && dvl == D && dvs2 % (2 * DVV) == 0 &&
+                        (reinterpret_cast<size_t>(dvp + dvb) & (4 * DVV - 1)) == 0;
+
+    // one warp step: NT tiles of 16 tokens; key words of tokens g, g + 8 and value words of tokens 2c, 2c + 1,
+    // 2c + 8, 2c + 9; per-token scales of keys and of values (those folded into the probabilities) for tokens
+    // g, g + 8; value stream A's group scales and biases
+    struct Step {
+        uint ka[NT][2][DENSE ? DKW : KANW];
+        uint kb[NT][2][KBX ? KBNW : 1];
+        uint va[NT][4][DENSE ? DVW : VANW];
+        uint vb[NT][4][VBX ? VBNW : 1];
+        float ksa[NT][2], ksb[NT][2], vwa[NT][2], vwb[NT][2];
+        float vsc[NT][4][VANG], vbi[NT][4][VANG];
+    };
+    auto load = [&](Step& buf, const int t0) {
+      if constexpr (DENSE) {
+#pragma unroll
+        for (int st = 0; st < NT; ++st) {
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+                const int t = max(min(t0 + st * 16 + g + 8 * u, t_end - 1), 0);
+                kvq_dense_row<DKV, DDT>(buf.ka[st][u], dkp + dkb + (int64_t)t * dks2, c * SK1, dvec_k, dks3, dkl);
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const int t = max(min(t0 + st * 16 + 2 * c + (u & 1) + 8 * (u >> 1), t_end - 1), 0);
+                kvq_dense_row<DVV, DDT>(buf.va[st][u], dvp + dvb + (int64_t)t * dvs2, g * SV1, dvec_v, dvs3, dvl);
+            }
+        }
+      } else {
+        // past the end a token index is clamped (its score is masked to -inf): no load needs a branch
+#pragma unroll
+        for (int st = 0; st < NT; ++st) {
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+                const int t = min(t0 + st * 16 + g + 8 * u, T - 1);
+                const auto* ra = kc + kab + (int64_t)t * ka_ts;
+                KVQ_ROW_WORDS(buf.ka[st][u], ra, KANW, KA_CB, KAVEC, kavec, ka_bit >> 5, ka_rw, ka_es, !KAAL)
+                float s = 1.0f;
+                if (KA_NS > 0) s = KVQ_F32(ka_s1[ka1 + (int64_t)t * ka1_ts]);
+                if (KA_NS > 1) s *= KVQ_F32(ka_s2[ka2 + (int64_t)t * ka2_ts]);
+                buf.ksa[st][u] = s;
+                if constexpr (KBX) {
+                    const auto* rb = kb_c + kbb + (int64_t)t * kb_ts;
+                    KVQ_ROW_WORDS(buf.kb[st][u], rb, KBNW, KB_CB, KBVEC, kbvec, kb_bit >> 5, kb_rw, kb_es, !KBAL)
+                    float sb = 1.0f;
+                    if (KB_NS > 0) sb = KVQ_F32(kb_s1[kb1 + (int64_t)t * kb1_ts]);
+                    if (KB_NS > 1) sb *= KVQ_F32(kb_s2[kb2 + (int64_t)t * kb2_ts]);
+                    buf.ksb[st][u] = sb;
+                }
+                float w = 1.0f;
+                if (!VA_GRP && VA_NS > 0) w = KVQ_F32(va_s1[va1 + (int64_t)t * va1_ts]);
+                if (!VA_GRP && VA_NS > 1) w *= KVQ_F32(va_s2[va2 + (int64_t)t * va2_ts]);
+                buf.vwa[st][u] = w;
+                float wb = 1.0f;
+                if (VBX && VB_NS > 0) wb = KVQ_F32(vb_s1[vb1 + (int64_t)t * vb1_ts]);
+                if (VBX && VB_NS > 1) wb *= KVQ_F32(vb_s2[vb2 + (int64_t)t * vb2_ts]);
+                buf.vwb[st][u] = wb;
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const int t = min(t0 + st * 16 + 2 * c + (u & 1) + 8 * (u >> 1), T - 1);
+                const auto* ra = vc + vab + (int64_t)t * va_ts;
+                KVQ_ROW_WORDS(buf.va[st][u], ra, VANW, VA_CB, VAVEC, vavec, va_bit >> 5, va_rw, va_es, !VAAL)
+                if constexpr (VBX) {
+                    const auto* rb = vb_c + vbb + (int64_t)t * vb_ts;
+                    KVQ_ROW_WORDS(buf.vb[st][u], rb, VBNW, VB_CB, VBVEC, vbvec, vb_bit >> 5, vb_rw, vb_es, !VBAL)
+                }
+#pragma unroll
+                for (int k = 0; k < VANG; ++k) {
+                    buf.vsc[st][u][k] = VA_GRP ? KVQ_F32(va_s1[va1 + (int64_t)t * va1_ts + (va_g0 + k) * vag]) : 0.0f;
+                    buf.vbi[st][u][k] = VA_GRP && VA_BIAS ? KVQ_F32(va_b[vabb + (int64_t)t * vab_ts + (va_g0 + k) * vabg]) : 0.0f;
+                }
+            }
+        }
+      }
+    };
+    Step buf;
+    load(buf, t_begin + warp * 16 * NT);
+
+    // the code tables, the outlier sketch and the query rows (prepared, or raw and scaled for uncompressed tokens)
+    if (!DENSE) {
+        KVQ_STREAM_TABLE(katab_s, ka_t, KA_BITS, KA_PAIR, KA_REP)
+        if (KB_ON) KVQ_STREAM_TABLE(kbtab_s, kb_t, KB_BITS, KB_PAIR, KB_REP)
+        KVQ_STREAM_TABLE(vatab_s, va_t, VA_BITS, VA_PAIR, VA_REP)
+        if (VB_ON) KVQ_STREAM_TABLE(vbtab_s, vb_t, VB_BITS, VB_PAIR, VB_REP)
+        for (int i = tid; i < (OK > 0 ? OM * OK : 0); i += THREADS) osk_s[i] = o_m[i];
+        for (int e = tid; e < R * DQ; e += THREADS) {
+            const int r = e / DQ;
+            q_s[e] = q[bh * q_strides[0] + r * q_strides[1] + (e - r * DQ) * q_strides[2]];
+        }
+    } else {
+        const int Tq = qr_shape[2];
+        const int n_rep = R / Tq;
+        const float qscale = KVQ_AS_FLOAT(QSCALE);
+        for (int e = tid; e < R * D; e += THREADS) {
+            const int r = e / D;
+            const int j = e - r * D;
+            const int hq = h * n_rep + r / Tq;
+            q_s[e] = KVQ_F32(qr[b * qr_strides[0] + hq * qr_strides[1] + (r % Tq) * qr_strides[2] + j * qr_strides[3]]) * qscale;
+        }
+    }
+    KVQ_BARRIER();
+    const uint* katab_l = katab_s + (KA_REP ? lane : 0);
+    const uint* kbtab_l = kbtab_s + (KB_REP ? lane : 0);
+    const uint* vatab_l = vatab_s + (VA_REP ? lane : 0);
+    const uint* vbtab_l = vbtab_s + (VB_REP ? lane : 0);
+    constexpr int KASH = KA_REP ? 7 : 2, KBSH = KB_REP ? 7 : 2, VASH = VA_REP ? 7 : 2, VBSH = VB_REP ? 7 : 2;
+
+    // query B fragments: k-step s of a key stream holds its coordinates c * S + 4 s + {0, 1} (b0), {2, 3} (b1)
+    uint qfa[KS1][2];
+    uint qfb[KBX ? KSB : 1][2];
+#pragma unroll
+    for (int s = 0; s < KS1; ++s) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int j = QOFF + c * SK1 + 4 * s + 2 * e;
+            qfa[s][e] = g < R ? kvq_h2(q_s[g * QSTR + j], q_s[g * QSTR + j + 1]) : 0u;
+        }
+    }
+#pragma unroll
+    for (int s = 0; s < (KBX ? KSB : 0); ++s) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int j = KB_OFF + c * SKB + 4 * s + 2 * e;
+            qfb[s][e] = g < R ? kvq_h2(q_s[g * DQ + j], q_s[g * DQ + j + 1]) : 0u;
+        }
+    }
+
+    float acca[MT1][4];
+    float accb[VBX ? MTB : 1][4];
+#pragma unroll
+    for (int i = 0; i < MT1; ++i) { acca[i][0] = 0.0f; acca[i][1] = 0.0f; acca[i][2] = 0.0f; acca[i][3] = 0.0f; }
+#pragma unroll
+    for (int i = 0; i < (VBX ? MTB : 1); ++i) { accb[i][0] = 0.0f; accb[i][1] = 0.0f; accb[i][2] = 0.0f; accb[i][3] = 0.0f; }
+    float m0 = -KVQ_INF, m1 = -KVQ_INF, l0 = 0.0f, l1 = 0.0f;
+    float* ol_w = ol_s + warp * NT * 16 * R;
+
+    for (int t0 = t_begin + warp * 16 * NT; t0 < t_end; t0 += TILE) {
+        // ---- QJL's outlier channels (SIMT): lane l takes token l % 16 of each tile and channels i = l / 16,
+        // l / 16 + 2, ...: est_i = sum_l' S_o[l', i] sign_l' (S_o times c_o / m_o), then sum_i q[idx_i] |k_out| est_i
+        if (OUTL) {
+            __syncwarp();
+#pragma unroll
+            for (int st = 0; st < NT; ++st) {
+                const int tok = lane & 15;
+                const int half = lane >> 4;
+                const int t = t0 + st * 16 + tok;
+                float part[R];
+#pragma unroll
+                for (int r = 0; r < R; ++r) part[r] = 0.0f;
+                if (t < t_end) {
+                    const int64_t ob = b * o_c_strides[0] + h * o_c_strides[1] + (int64_t)t * o_c_strides[2];
+                    const int64_t ib = b * o_i_strides[0] + h * o_i_strides[1] + (int64_t)t * o_i_strides[2];
+                    const float on = KVQ_F32(o_s[b * o_s_strides[0] + h * o_s_strides[1] + (int64_t)t * o_s_strides[2]]);
+                    float est[OK > 0 ? (OK + 1) / 2 : 1];
+#pragma unroll
+                    for (int i = 0; i < (OK + 1) / 2; ++i) est[i] = 0.0f;
+                    for (int l8 = 0; l8 < OM / 8; ++l8) {
+                        const uint byte = (uint)o_c[ob + l8 * o_c_strides[3]];
+#pragma unroll
+                        for (int bit = 0; bit < 8; ++bit) {
+                            const float sgn = (byte >> bit) & 1u ? 1.0f : -1.0f;
+                            const int l = l8 * 8 + bit;
+#pragma unroll
+                            for (int i = 0; i < (OK + 1) / 2; ++i) {
+                                const int ch = half + 2 * i;
+                                if (ch < OK) est[i] += osk_s[l * OK + ch] * sgn;
+                            }
+                        }
+                    }
+#pragma unroll
+                    for (int i = 0; i < (OK + 1) / 2; ++i) {
+                        const int ch = half + 2 * i;
+                        if (ch < OK) {
+                            const int idx = (int)o_i[ib + ch * o_i_strides[3]];
+                            const float e = est[i] * on;
+#pragma unroll
+                            for (int r = 0; r < R; ++r) part[r] += q_s[r * DQ + O_OFF + idx] * e;
+                        }
+                    }
+                }
+#pragma unroll
+                for (int r = 0; r < R; ++r) part[r] += KVQ_SHFL_XOR(part[r], 16);
+                if (half == 0) {
+#pragma unroll
+                    for (int r = 0; r < R; ++r) ol_w[(st * 16 + tok) * R + r] = part[r];
+                }
+            }
+            __syncwarp();
+        }
+        // ---- scores on tensor cores, one accumulator per key stream
+        float sc[NT][4];
+#pragma unroll
+        for (int st = 0; st < NT; ++st) {
+            uint kua[2][DENSE ? 1 : KANW], kub[2][KBX ? KBNW : 1];
+#pragma unroll
+            for (int u = 0; u < 2 && !DENSE; ++u) {
+#pragma unroll
+                for (int k = 0; k < KANW; ++k)
+                    kua[u][k] = KAAL ? buf.ka[st][u][k] : kvq_funnel(buf.ka[st][u][k], k + 1 < KANW ? buf.ka[st][u][k + 1] : 0u, ka_bit & 31);
+#pragma unroll
+                for (int k = 0; k < (KBX ? KBNW : 0); ++k)
+                    kub[u][k] = KBAL ? buf.kb[st][u][k] : kvq_funnel(buf.kb[st][u][k], k + 1 < KBNW ? buf.kb[st][u][k + 1] : 0u, kb_bit & 31);
+            }
+            float da[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            float db[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int s = 0; s < KS1; ++s) {
+                uint a[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int u = e & 1;            // a0/a2: token g, a1/a3: token g + 8
+                    const int p = 2 * s + (e >> 1); // pair of the slice
+                    if constexpr (DENSE) {
+                        a[e] = buf.ka[st][u][p];
+                    } else {
+                        a[e] = KVQ_STREAM_PAIR(kua[u], p, KA_BITS, KA_PAIR, katab_l, KASH);
+                    }
+                }
+                kvq_mma(da, a[0], a[1], a[2], a[3], qfa[s][0], qfa[s][1]);
+            }
+#pragma unroll
+            for (int s = 0; s < (KBX ? KSB : 0); ++s) {
+                uint a[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int u = e & 1;
+                    const int p = 2 * s + (e >> 1);
+                    a[e] = KVQ_STREAM_PAIR(kub[u], p, KB_BITS, KB_PAIR, kbtab_l, KBSH);
+                }
+                kvq_mma(db, a[0], a[1], a[2], a[3], qfb[s][0], qfb[s][1]);
+            }
+            // d: (token g, rows 2c, 2c + 1), (token g + 8, rows 2c, 2c + 1)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int u = e >> 1;
+                const int row = 2 * c + (e & 1);
+                const bool ok = t0 + st * 16 + g + 8 * u < t_end;
+                float v = DENSE ? da[e] : da[e] * buf.ksa[st][u];
+                if (KBX) v += db[e] * buf.ksb[st][u];
+                if (OUTL && row < R) v += ol_w[(st * 16 + g + 8 * u) * R + row];
+                sc[st][e] = ok ? v * LOG2E : -KVQ_INF;
+            }
+        }
+        // ---- online softmax of rows 2c, 2c + 1 (a row's scores live in the 8 lanes of equal c)
+        float x0 = -KVQ_INF, x1 = -KVQ_INF;
+#pragma unroll
+        for (int st = 0; st < NT; ++st) {
+            x0 = KVQ_FMAX(x0, KVQ_FMAX(sc[st][0], sc[st][2]));
+            x1 = KVQ_FMAX(x1, KVQ_FMAX(sc[st][1], sc[st][3]));
+        }
+#pragma unroll
+        for (int off = 4; off < 32; off <<= 1) {
+            x0 = KVQ_FMAX(x0, KVQ_SHFL_XOR(x0, off));
+            x1 = KVQ_FMAX(x1, KVQ_SHFL_XOR(x1, off));
+        }
+        const float n0 = KVQ_FMAX(m0, x0), n1 = KVQ_FMAX(m1, x1);
+        const float z0 = n0 == -KVQ_INF ? 0.0f : n0, z1 = n1 == -KVQ_INF ? 0.0f : n1;
+        const float al0 = kvq_exp2(m0 - z0), al1 = kvq_exp2(m1 - z1);
+        m0 = n0; m1 = n1;
+        l0 *= al0; l1 *= al1;
+#pragma unroll
+        for (int i = 0; i < MT1; ++i) { acca[i][0] *= al0; acca[i][1] *= al1; acca[i][2] *= al0; acca[i][3] *= al1; }
+#pragma unroll
+        for (int i = 0; i < (VBX ? MTB : 0); ++i) { accb[i][0] *= al0; accb[i][1] *= al1; accb[i][2] *= al0; accb[i][3] *= al1; }
+        // ---- values on tensor cores, one accumulator per value stream
+#pragma unroll
+        for (int st = 0; st < NT; ++st) {
+            const float p0 = kvq_exp2(sc[st][0] - z0), p1_ = kvq_exp2(sc[st][1] - z1);
+            const float p2_ = kvq_exp2(sc[st][2] - z0), p3 = kvq_exp2(sc[st][3] - z1);
+            l0 += p0 + p2_; l1 += p1_ + p3;
+            const float wa0 = DENSE ? 1.0f : buf.vwa[st][0], wa1 = DENSE ? 1.0f : buf.vwa[st][1];
+            const uint pa0 = kvq_trans(kvq_h2(p0 * wa0, p1_ * wa0));
+            const uint pa1 = kvq_trans(kvq_h2(p2_ * wa1, p3 * wa1));
+            uint vua[4][DENSE ? 1 : VANW], vub[4][VBX ? VBNW : 1];
+            uint vh[4][VANG], vbh[4][VANG];
+#pragma unroll
+            for (int u = 0; u < 4 && !DENSE; ++u) {
+#pragma unroll
+                for (int k = 0; k < VANW; ++k)
+                    vua[u][k] = VAAL ? buf.va[st][u][k] : kvq_funnel(buf.va[st][u][k], k + 1 < VANW ? buf.va[st][u][k + 1] : 0u, va_bit & 31);
+#pragma unroll
+                for (int k = 0; k < (VBX ? VBNW : 0); ++k)
+                    vub[u][k] = VBAL ? buf.vb[st][u][k] : kvq_funnel(buf.vb[st][u][k], k + 1 < VBNW ? buf.vb[st][u][k + 1] : 0u, vb_bit & 31);
+#pragma unroll
+                for (int k = 0; k < VANG; ++k) {
+                    vh[u][k] = kvq_h2(buf.vsc[st][u][k], buf.vsc[st][u][k]);
+                    vbh[u][k] = kvq_h2(buf.vbi[st][u][k], buf.vbi[st][u][k]);
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < MT1; ++i) {
+                uint xv[4];
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    if constexpr (DENSE) {
+                        xv[u] = buf.va[st][u][i];
+                    } else {
+                        uint x = KVQ_STREAM_PAIR(vua[u], i, VA_BITS, VA_PAIR, vatab_l, VASH);
+                        if (VA_GRP) {
+                            const int gi = SVA >= VA_G ? (2 * i) / VA_G : 0;
+                            x = kvq_hfma2(x, vh[u][gi], vbh[u][gi]);
+                        }
+                        xv[u] = x;
+                    }
+                }
+                // A = V^T: rows (coordinates g SV + 2i, g SV + 2i + 1), columns (tokens 2c, 2c + 1 | 2c + 8, 2c + 9)
+                kvq_mma(acca[i], kvq_prmt(xv[0], xv[1], 0x5410u), kvq_prmt(xv[0], xv[1], 0x7632u),
+                        kvq_prmt(xv[2], xv[3], 0x5410u), kvq_prmt(xv[2], xv[3], 0x7632u), pa0, pa1);
+            }
+            if constexpr (VBX) {
+                const float wb0 = buf.vwb[st][0], wb1 = buf.vwb[st][1];
+                const uint pb0 = kvq_trans(kvq_h2(p0 * wb0, p1_ * wb0));
+                const uint pb1 = kvq_trans(kvq_h2(p2_ * wb1, p3 * wb1));
+#pragma unroll
+                for (int i = 0; i < MTB; ++i) {
+                    uint xv[4];
+#pragma unroll
+                    for (int u = 0; u < 4; ++u) xv[u] = KVQ_STREAM_PAIR(vub[u], i, VB_BITS, VB_PAIR, vbtab_l, VBSH);
+                    kvq_mma(accb[i], kvq_prmt(xv[0], xv[1], 0x5410u), kvq_prmt(xv[0], xv[1], 0x7632u),
+                            kvq_prmt(xv[2], xv[3], 0x5410u), kvq_prmt(xv[2], xv[3], 0x7632u), pb0, pb1);
+                }
+            }
+        }
+        load(buf, t0 + TILE);
+    }
+
+    // ---- merge the block's warps: (max, sum) per row, then the rescaled outputs
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) {
+        l0 += KVQ_SHFL_XOR(l0, off);
+        l1 += KVQ_SHFL_XOR(l1, off);
+    }
+    if (g == 0) {
+        mw_s[warp * 8 + 2 * c] = m0; mw_s[warp * 8 + 2 * c + 1] = m1;
+        lw_s[warp * 8 + 2 * c] = l0; lw_s[warp * 8 + 2 * c + 1] = l1;
+    }
+    KVQ_BARRIER();
+    float top0 = -KVQ_INF, top1 = -KVQ_INF;
+#pragma unroll
+    for (int w = 0; w < NWARP; ++w) {
+        top0 = KVQ_FMAX(top0, mw_s[w * 8 + 2 * c]);
+        top1 = KVQ_FMAX(top1, mw_s[w * 8 + 2 * c + 1]);
+    }
+    const float f0 = m0 == -KVQ_INF ? 0.0f : kvq_exp2(m0 - top0);
+    const float f1 = m1 == -KVQ_INF ? 0.0f : kvq_exp2(m1 - top1);
+    const int r0 = 2 * c, r1 = 2 * c + 1;
+    // the warps add their outputs into red_s [R, DO] in turn (one row's worth of shared memory per query row)
+    for (int w = 0; w < NWARP; ++w) {
+        if (warp == w) {
+            auto put = [&](const int r, const int j, const float x) {
+                if (r < R) red_s[r * DO + j] = (w == 0 ? 0.0f : red_s[r * DO + j]) + x;
+            };
+#pragma unroll
+            for (int i = 0; i < MT1; ++i) {
+                const int j = g * SV1 + 2 * i;
+                put(r0, j, acca[i][0] * f0);
+                put(r0, j + 1, acca[i][2] * f0);
+                put(r1, j, acca[i][1] * f1);
+                put(r1, j + 1, acca[i][3] * f1);
+            }
+#pragma unroll
+            for (int i = 0; i < (VBX ? MTB : 0); ++i) {
+                const int j = VA_DIM + g * SVB + 2 * i;
+                put(r0, j, accb[i][0] * f0);
+                put(r0, j + 1, accb[i][2] * f0);
+                put(r1, j, accb[i][1] * f1);
+                put(r1, j + 1, accb[i][3] * f1);
+            }
+            // uncompressed blocks leave the coordinates past value stream A's at 0
+            if (DENSE && DO > D && w == 0) {
+                for (int o = lane; o < R * (DO - D); o += 32) {
+                    const int r = o / (DO - D);
+                    red_s[r * DO + D + (o - r * (DO - D))] = 0.0f;
+                }
+            }
+        }
+        KVQ_BARRIER();
+    }
+    const int64_t obase = ((int64_t)bh * NS + split) * R;
+    for (int o = tid; o < R * DO; o += THREADS) out[obase * DO + o] = red_s[o];
+    if (tid < R) {
+        float top = -KVQ_INF;
+#pragma unroll
+        for (int w = 0; w < NWARP; ++w) top = KVQ_FMAX(top, mw_s[w * 8 + tid]);
+        float sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < NWARP; ++w) {
+            const float mw = mw_s[w * 8 + tid];
+            sum += mw == -KVQ_INF ? 0.0f : lw_s[w * 8 + tid] * kvq_exp2(mw - top);
+        }
+        ml[obase * 2 + 2 * tid] = top == -KVQ_INF ? -KVQ_INF : top * LN2;
+        ml[obase * 2 + 2 * tid + 1] = sum;
+    }
+    };
+    if constexpr (ND > 0) {
+        if (split >= nsplit) {
+            run(kvq_role<true>{});
+        } else {
+            run(kvq_role<false>{});
+        }
+    } else {
+        run(kvq_role<false>{});
+    }

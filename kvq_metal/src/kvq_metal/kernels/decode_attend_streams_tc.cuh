@@ -1,0 +1,64 @@
+// decode_attend_streams_tc.cuh: the header decode_attend_streams_tc.cu is built with: the tensor-core kernel's
+// helpers (decode_attend_tc.cuh: mma.sync, movmatrix, half2 conversions, prmt, funnel shift, ex2, the row loader of
+// uncompressed tokens, KVQ_TAB, KVQ_BITS) and the word loader and pair decoder of one code stream.
+// Used by: decode_attend_streams_tc.cu (its header, loaded with it by kvq_metal.streams)
+#include "decode_attend_tc.cuh"
+
+// NW 32-bit words w0 .. w0 + NW - 1 of a token's row of codes (p: the row's first element; CB bytes per element,
+// 4: uint32 words, 1: uint8 bytes; es: the element stride) into dst. VEC-word vector loads when vec (contiguous,
+// aligned rows; VEC a compile-time 1, 2 or 4; uint8 rows read as words), else word by word, uint8 rows byte by byte.
+// CHECK: words at or past rw (the row's word count) read as 0 (a slice that does not end on a word reads one more)
+#define KVQ_ROW_WORDS(dst, p, NW, CB, VEC, vec, w0, rw, es, CHECK)                                        \
+    if ((vec) && (VEC) == 4) {                                                                          \
+        _Pragma("unroll") for (int k_ = 0; k_ < (NW) / 4; ++k_) {                                       \
+            const uint4 v_ = reinterpret_cast<const uint4*>(p)[((w0) >> 2) + k_];                       \
+            dst[4 * k_] = v_.x; dst[4 * k_ + 1] = v_.y; dst[4 * k_ + 2] = v_.z; dst[4 * k_ + 3] = v_.w; \
+        }                                                                                               \
+    } else if ((vec) && (VEC) == 2) {                                                                   \
+        _Pragma("unroll") for (int k_ = 0; k_ < (NW) / 2; ++k_) {                                       \
+            const uint2 v_ = reinterpret_cast<const uint2*>(p)[((w0) >> 1) + k_];                       \
+            dst[2 * k_] = v_.x; dst[2 * k_ + 1] = v_.y;                                                 \
+        }                                                                                               \
+    } else {                                                                                            \
+        _Pragma("unroll") for (int k_ = 0; k_ < (NW); ++k_) {                                           \
+            const int w_ = (w0) + k_;                                                                   \
+            uint x_ = 0u;                                                                               \
+            if (!(CHECK) || w_ < (rw)) {                                                                \
+                if ((CB) == 4) {                                                                        \
+                    x_ = (uint)(p)[(int64_t)w_ * (es)];                                                 \
+                } else if (vec) {                                                                       \
+                    x_ = reinterpret_cast<const uint*>(p)[w_];                                          \
+                } else {                                                                                \
+                    _Pragma("unroll") for (int b_ = 0; b_ < 4; ++b_)                                    \
+                        x_ |= ((uint)(p)[((int64_t)w_ * 4 + b_) * (es)]) << (8 * b_);                   \
+                }                                                                                       \
+            }                                                                                           \
+            dst[k_] = x_;                                                                               \
+        }                                                                                               \
+    }
+// the half2 of coordinate pair j (coordinates 2j, 2j + 1, the first in the low half) of a slice of B-bit codes
+// whose words u start at bit 0: one lookup of a pair table (PAIR: entry (a | b << B) = (table[a], table[b])) or
+// two of a single table (entry c = (table[c], table[c])) joined by one prmt; tab is the lane's view of the table,
+// entries 1 << SH bytes apart
+#define KVQ_STREAM_PAIR(u, j, B, PAIR, tab, SH)                                                             \
+    ((PAIR) ? KVQ_TAB(tab, KVQ_BITS(u, (j) * 2 * (B), 2 * (B)), SH)                                          \
+            : kvq_prmt(KVQ_TAB(tab, KVQ_BITS(u, (j) * 2 * (B), (B)), SH),                                    \
+                       KVQ_TAB(tab, KVQ_BITS(u, (j) * 2 * (B) + (B), (B)), SH), 0x7610u))
+// a stream's code table into shared memory from its float32 values t (2**B of them): pair entries when PAIR,
+// single ones otherwise; REP: 32 copies, word e * 32 + lane (every lookup free of bank conflicts), written four
+// copies per 128-bit store
+#define KVQ_STREAM_TABLE(tab_s, t, B, PAIR, REP)                                                            \
+    {                                                                                                       \
+        auto entry_ = [&](const uint e) -> uint {                                                           \
+            return (PAIR) ? kvq_h2(t[e & ((1u << (B)) - 1u)], t[e >> (B)]) : kvq_h2(t[e], t[e]);            \
+        };                                                                                                  \
+        constexpr int NE_ = (PAIR) ? (1 << (2 * (B))) : (1 << (B));                                         \
+        if (REP) {                                                                                          \
+            for (int i_ = tid; i_ < NE_ * 8; i_ += THREADS) {                                               \
+                const uint x_ = entry_((uint)i_ >> 3);                                                      \
+                reinterpret_cast<uint4*>(tab_s)[i_] = make_uint4(x_, x_, x_, x_);                           \
+            }                                                                                               \
+        } else {                                                                                            \
+            for (int i_ = tid; i_ < NE_; i_ += THREADS) tab_s[i_] = entry_((uint)i_);                       \
+        }                                                                                                   \
+    }
