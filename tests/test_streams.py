@@ -139,7 +139,8 @@ def test_tensor_core_plan_takes_qjl_and_prod_within_shared_memory(rows):
             assert template is not None, why
             t = dict(template)
             assert t["R"] == rows and t["DQ"] == call.query_dim and t["DO"] == call.out_dim and t["ND"] == dense[0]
-            tables = sum(((1 << (2 * t[f"{s}_BITS"])) if t[f"{s}_PAIR"] else (1 << t[f"{s}_BITS"]))
+            tables = sum((32 if t[f"{s}_BITS"] == 1 else (1 << (2 * t[f"{s}_BITS"])) if t[f"{s}_PAIR"]
+                          else (1 << t[f"{s}_BITS"]))
                          * (32 if t[f"{s}_REP"] else 1) for s in ("KA", "KB", "VA", "VB")
                          if s in ("KA", "VA") or t[f"{s}_ON"])
             assert max(tables, rows * t["DO"]) + rows * max(t["DQ"], t["D"]) <= streams.TC_SHARED_WORDS

@@ -252,7 +252,8 @@ def _tc_plan(signature: tuple, ddt: int, nt: int) -> tuple[list | None, str]:
     with per-token scales; uint8 codes whose rows are whole 32-bit words; at most 16 outlier channels of at most
     1024 sketch entries; uncompressed tokens of head_dim = value stream A's coordinates. Tables are pair tables
     (one lookup per two coordinates) up to 4 bits, each with one copy per lane while static shared memory
-    allows (the largest loses its copies first)."""
+    allows (the largest loses its copies first); 1-bit streams decode four coordinates per lookup of a nibble
+    table."""
     rows, dq, keys, values, outliers, (nd, sinks, head_dim, qscale), _, _ = signature
     if not 1 <= rows <= 8:
         return None, f"{rows} query rows (the tensor-core kernel takes 1..8)"
@@ -282,7 +283,8 @@ def _tc_plan(signature: tuple, ddt: int, nt: int) -> tuple[list | None, str]:
     out_dim = sum(v[0] for v in values)
     tables = [s[1] if s is not None else 0 for s in (ka, kb, va, vb)]
     pair = [0 < b <= 4 for b in tables]
-    entries = [0 if b == 0 else (1 << (2 * b) if p else 1 << b) for b, p in zip(tables, pair)]
+    # words of one copy: 1-bit streams use nibble tables (16 entries of two half2 words)
+    entries = [0 if b == 0 else 32 if b == 1 else (1 << (2 * b) if p else 1 << b) for b, p in zip(tables, pair)]
     rep = [0 < e <= 256 for e in entries]
     warps = THREADS // 32
     fixed = rows * max(dq, head_dim) + om * ok + warps * nt * 16 * rows + 2 * warps * 8 + 64

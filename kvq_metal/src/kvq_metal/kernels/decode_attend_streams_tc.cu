@@ -38,18 +38,21 @@
     constexpr int VBVEC = !VBAL ? 1 : (VBNW % 4 == 0 ? 4 : (VBNW % 2 == 0 ? 2 : 1));
     // value stream A's scale groups per slice (VA_GRP: grouped scales and biases, applied while decoding)
     constexpr int VANG = VA_GRP && SVA >= VA_G ? SVA / VA_G : 1;
-    // the code tables (entries as half2; 32 copies where REP), then the warps' partial outputs after the loop
-    constexpr int TKA = (KA_PAIR ? 1 << (2 * KA_BITS) : 1 << KA_BITS) * (KA_REP ? 32 : 1);
-    constexpr int TKB = KB_ON ? (KB_PAIR ? 1 << (2 * KB_BITS) : 1 << KB_BITS) * (KB_REP ? 32 : 1) : 0;
-    constexpr int TVA = (VA_PAIR ? 1 << (2 * VA_BITS) : 1 << VA_BITS) * (VA_REP ? 32 : 1);
-    constexpr int TVB = VB_ON ? (VB_PAIR ? 1 << (2 * VB_BITS) : 1 << VB_BITS) * (VB_REP ? 32 : 1) : 0;
+    // 1-bit streams decode four coordinates per lookup of a nibble table (values: two m-tiles at a time)
+    constexpr bool KAQ = KA_BITS == 1, KBQ = KB_ON && KB_BITS == 1;
+    constexpr bool VAQ = VA_BITS == 1 && !VA_GRP && MTA % 2 == 0, VBQ = VB_ON && VB_BITS == 1 && MTB % 2 == 0;
+    // the code tables (entries as half2, nibble entries as two; 32 copies where REP), then the block's output
+    constexpr int TKA = (KAQ ? 32 : (KA_PAIR ? 1 << (2 * KA_BITS) : 1 << KA_BITS)) * (KA_REP ? 32 : 1);
+    constexpr int TKB = KB_ON ? (KBQ ? 32 : (KB_PAIR ? 1 << (2 * KB_BITS) : 1 << KB_BITS)) * (KB_REP ? 32 : 1) : 0;
+    constexpr int TVA = (VAQ ? 32 : (VA_PAIR ? 1 << (2 * VA_BITS) : 1 << VA_BITS)) * (VA_REP ? 32 : 1);
+    constexpr int TVB = VB_ON ? (VBQ ? 32 : (VB_PAIR ? 1 << (2 * VB_BITS) : 1 << VB_BITS)) * (VB_REP ? 32 : 1) : 0;
     constexpr int TABW = TKA + TKB + TVA + TVB;
     constexpr int RED = R * DO;
     constexpr int SMW = TABW > RED ? TABW : RED;
     constexpr int QW = R * (DQ > D ? DQ : D);
     KVQ_SHARED __align__(16) uint smem_s[SMW];
     KVQ_SHARED float q_s[QW];
-    KVQ_SHARED float osk_s[OK > 0 ? OM * OK : 1];
+    KVQ_SHARED __align__(16) float osk_s[OK > 0 ? OM * OK : 1];
     KVQ_SHARED float ol_s[OK > 0 ? NWARP * NT * 16 * R : 1];
     KVQ_SHARED float mw_s[NWARP * 8];
     KVQ_SHARED float lw_s[NWARP * 8];
@@ -220,10 +223,10 @@
 
     // the code tables, the outlier sketch and the query rows (prepared, or raw and scaled for uncompressed tokens)
     if (!DENSE) {
-        KVQ_STREAM_TABLE(katab_s, ka_t, KA_BITS, KA_PAIR, KA_REP)
-        if (KB_ON) KVQ_STREAM_TABLE(kbtab_s, kb_t, KB_BITS, KB_PAIR, KB_REP)
-        KVQ_STREAM_TABLE(vatab_s, va_t, VA_BITS, VA_PAIR, VA_REP)
-        if (VB_ON) KVQ_STREAM_TABLE(vbtab_s, vb_t, VB_BITS, VB_PAIR, VB_REP)
+        if (KAQ) KVQ_QUAD_TABLE(katab_s, ka_t, KA_REP) else KVQ_STREAM_TABLE(katab_s, ka_t, KA_BITS, KA_PAIR, KA_REP)
+        if (KBQ) KVQ_QUAD_TABLE(kbtab_s, kb_t, KB_REP) else if (KB_ON) KVQ_STREAM_TABLE(kbtab_s, kb_t, KB_BITS, KB_PAIR, KB_REP)
+        if (VAQ) KVQ_QUAD_TABLE(vatab_s, va_t, VA_REP) else KVQ_STREAM_TABLE(vatab_s, va_t, VA_BITS, VA_PAIR, VA_REP)
+        if (VBQ) KVQ_QUAD_TABLE(vbtab_s, vb_t, VB_REP) else if (VB_ON) KVQ_STREAM_TABLE(vbtab_s, vb_t, VB_BITS, VB_PAIR, VB_REP)
         for (int i = tid; i < (OK > 0 ? OM * OK : 0); i += THREADS) osk_s[i] = o_m[i];
         for (int e = tid; e < R * DQ; e += THREADS) {
             const int r = e / DQ;
@@ -241,11 +244,13 @@
         }
     }
     KVQ_BARRIER();
-    const uint* katab_l = katab_s + (KA_REP ? lane : 0);
-    const uint* kbtab_l = kbtab_s + (KB_REP ? lane : 0);
-    const uint* vatab_l = vatab_s + (VA_REP ? lane : 0);
-    const uint* vbtab_l = vbtab_s + (VB_REP ? lane : 0);
-    constexpr int KASH = KA_REP ? 7 : 2, KBSH = KB_REP ? 7 : 2, VASH = VA_REP ? 7 : 2, VBSH = VB_REP ? 7 : 2;
+    // the lane's views of the tables: entry e at byte e << SH (a copy per lane: entries 32 slots apart)
+    const uint* katab_l = katab_s + (KA_REP ? lane * (KAQ ? 2 : 1) : 0);
+    const uint* kbtab_l = kbtab_s + (KB_REP ? lane * (KBQ ? 2 : 1) : 0);
+    const uint* vatab_l = vatab_s + (VA_REP ? lane * (VAQ ? 2 : 1) : 0);
+    const uint* vbtab_l = vbtab_s + (VB_REP ? lane * (VBQ ? 2 : 1) : 0);
+    constexpr int KASH = (KA_REP ? 7 : 2) + (KAQ ? 1 : 0), KBSH = (KB_REP ? 7 : 2) + (KBQ ? 1 : 0);
+    constexpr int VASH = (VA_REP ? 7 : 2) + (VAQ ? 1 : 0), VBSH = (VB_REP ? 7 : 2) + (VBQ ? 1 : 0);
 
     // query B fragments: k-step s of a key stream holds its coordinates c * S + 4 s + {0, 1} (b0), {2, 3} (b1)
     uint qfa[KS1][2];
@@ -277,8 +282,9 @@
     float* ol_w = ol_s + warp * NT * 16 * R;
 
     for (int t0 = t_begin + warp * 16 * NT; t0 < t_end; t0 += TILE) {
-        // ---- QJL's outlier channels (SIMT): lane l takes token l % 16 of each tile and channels i = l / 16,
-        // l / 16 + 2, ...: est_i = sum_l' S_o[l', i] sign_l' (S_o times c_o / m_o), then sum_i q[idx_i] |k_out| est_i
+        // ---- QJL's outlier channels (SIMT): lane l takes token l % 16 of each tile; est_i = sum_l' S_o[l', i]
+        // sign_l' (S_o times c_o / m_o) over the sketch rows of its half of the sign bytes (l / 16), the halves
+        // summed, then sum_i q[idx_i] |k_out| est_i over its half of the channels, the halves summed
         if (OUTL) {
             __syncwarp();
 #pragma unroll
@@ -286,34 +292,46 @@
                 const int tok = lane & 15;
                 const int half = lane >> 4;
                 const int t = t0 + st * 16 + tok;
+                const bool live = t < t_end;
+                const int tt = min(t, T - 1);
+                float est[OK > 0 ? OK : 1];
+#pragma unroll
+                for (int i = 0; i < OK; ++i) est[i] = 0.0f;
+                const int64_t ob = b * o_c_strides[0] + h * o_c_strides[1] + (int64_t)tt * o_c_strides[2];
+                constexpr int NB = OM / 8;
+                const int b0 = half ? NB / 2 : 0, b1 = half ? NB : NB / 2;
+                for (int l8 = b0; l8 < b1; ++l8) {
+                    const uint byte = (uint)o_c[ob + l8 * o_c_strides[3]];
+#pragma unroll
+                    for (int bit = 0; bit < 8; ++bit) {
+                        const float sgn = (byte >> bit) & 1u ? 1.0f : -1.0f;
+                        const float* row = osk_s + (l8 * 8 + bit) * OK;
+                        if (OK % 4 == 0) {
+#pragma unroll
+                            for (int i4 = 0; i4 < OK / 4; ++i4) {
+                                const float4 s4 = reinterpret_cast<const float4*>(row)[i4];
+                                est[4 * i4] += s4.x * sgn; est[4 * i4 + 1] += s4.y * sgn;
+                                est[4 * i4 + 2] += s4.z * sgn; est[4 * i4 + 3] += s4.w * sgn;
+                            }
+                        } else {
+#pragma unroll
+                            for (int i = 0; i < OK; ++i) est[i] += row[i] * sgn;
+                        }
+                    }
+                }
+#pragma unroll
+                for (int i = 0; i < OK; ++i) est[i] += KVQ_SHFL_XOR(est[i], 16);
                 float part[R];
 #pragma unroll
                 for (int r = 0; r < R; ++r) part[r] = 0.0f;
-                if (t < t_end) {
-                    const int64_t ob = b * o_c_strides[0] + h * o_c_strides[1] + (int64_t)t * o_c_strides[2];
+                if (live) {
                     const int64_t ib = b * o_i_strides[0] + h * o_i_strides[1] + (int64_t)t * o_i_strides[2];
                     const float on = KVQ_F32(o_s[b * o_s_strides[0] + h * o_s_strides[1] + (int64_t)t * o_s_strides[2]]);
-                    float est[OK > 0 ? (OK + 1) / 2 : 1];
+                    constexpr int OH = (OK + 1) / 2;
 #pragma unroll
-                    for (int i = 0; i < (OK + 1) / 2; ++i) est[i] = 0.0f;
-                    for (int l8 = 0; l8 < OM / 8; ++l8) {
-                        const uint byte = (uint)o_c[ob + l8 * o_c_strides[3]];
-#pragma unroll
-                        for (int bit = 0; bit < 8; ++bit) {
-                            const float sgn = (byte >> bit) & 1u ? 1.0f : -1.0f;
-                            const int l = l8 * 8 + bit;
-#pragma unroll
-                            for (int i = 0; i < (OK + 1) / 2; ++i) {
-                                const int ch = half + 2 * i;
-                                if (ch < OK) est[i] += osk_s[l * OK + ch] * sgn;
-                            }
-                        }
-                    }
-#pragma unroll
-                    for (int i = 0; i < (OK + 1) / 2; ++i) {
-                        const int ch = half + 2 * i;
-                        if (ch < OK) {
-                            const int idx = (int)o_i[ib + ch * o_i_strides[3]];
+                    for (int i = 0; i < OK; ++i) {
+                        if ((i < OH) == (half == 0)) {
+                            const int idx = (int)o_i[ib + i * o_i_strides[3]];
                             const float e = est[i] * on;
 #pragma unroll
                             for (int r = 0; r < R; ++r) part[r] += q_s[r * DQ + O_OFF + idx] * e;
@@ -348,6 +366,14 @@
 #pragma unroll
             for (int s = 0; s < KS1; ++s) {
                 uint a[4];
+                if constexpr (KAQ && !DENSE) {
+                    // nibble s of token u: pairs 2s (a[u]) and 2s + 1 (a[2 + u])
+#pragma unroll
+                    for (int u = 0; u < 2; ++u) {
+                        const uint2 x = KVQ_STREAM_QUAD(kua[u], s, katab_l, KASH);
+                        a[u] = x.x; a[2 + u] = x.y;
+                    }
+                } else {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int u = e & 1;            // a0/a2: token g, a1/a3: token g + 8
@@ -358,16 +384,25 @@
                         a[e] = KVQ_STREAM_PAIR(kua[u], p, KA_BITS, KA_PAIR, katab_l, KASH);
                     }
                 }
+                }
                 kvq_mma(da, a[0], a[1], a[2], a[3], qfa[s][0], qfa[s][1]);
             }
 #pragma unroll
             for (int s = 0; s < (KBX ? KSB : 0); ++s) {
                 uint a[4];
+                if constexpr (KBQ) {
+#pragma unroll
+                    for (int u = 0; u < 2; ++u) {
+                        const uint2 x = KVQ_STREAM_QUAD(kub[u], s, kbtab_l, KBSH);
+                        a[u] = x.x; a[2 + u] = x.y;
+                    }
+                } else {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int u = e & 1;
                     const int p = 2 * s + (e >> 1);
                     a[e] = KVQ_STREAM_PAIR(kub[u], p, KB_BITS, KB_PAIR, kbtab_l, KBSH);
+                }
                 }
                 kvq_mma(db, a[0], a[1], a[2], a[3], qfb[s][0], qfb[s][1]);
             }
@@ -429,6 +464,22 @@
                     vbh[u][k] = kvq_h2(buf.vbi[st][u][k], buf.vbi[st][u][k]);
                 }
             }
+            if constexpr (VAQ && !DENSE) {
+                // nibble i / 2 of a slice: pairs i and i + 1, m-tiles i and i + 1
+#pragma unroll
+                for (int i = 0; i < MT1; i += 2) {
+                    uint xv[4], xw[4];
+#pragma unroll
+                    for (int u = 0; u < 4; ++u) {
+                        const uint2 x = KVQ_STREAM_QUAD(vua[u], i / 2, vatab_l, VASH);
+                        xv[u] = x.x; xw[u] = x.y;
+                    }
+                    kvq_mma(acca[i], kvq_prmt(xv[0], xv[1], 0x5410u), kvq_prmt(xv[0], xv[1], 0x7632u),
+                            kvq_prmt(xv[2], xv[3], 0x5410u), kvq_prmt(xv[2], xv[3], 0x7632u), pa0, pa1);
+                    kvq_mma(acca[i + 1], kvq_prmt(xw[0], xw[1], 0x5410u), kvq_prmt(xw[0], xw[1], 0x7632u),
+                            kvq_prmt(xw[2], xw[3], 0x5410u), kvq_prmt(xw[2], xw[3], 0x7632u), pa0, pa1);
+                }
+            } else {
 #pragma unroll
             for (int i = 0; i < MT1; ++i) {
                 uint xv[4];
@@ -449,10 +500,26 @@
                 kvq_mma(acca[i], kvq_prmt(xv[0], xv[1], 0x5410u), kvq_prmt(xv[0], xv[1], 0x7632u),
                         kvq_prmt(xv[2], xv[3], 0x5410u), kvq_prmt(xv[2], xv[3], 0x7632u), pa0, pa1);
             }
+            }
             if constexpr (VBX) {
                 const float wb0 = buf.vwb[st][0], wb1 = buf.vwb[st][1];
                 const uint pb0 = kvq_trans(kvq_h2(p0 * wb0, p1_ * wb0));
                 const uint pb1 = kvq_trans(kvq_h2(p2_ * wb1, p3 * wb1));
+                if constexpr (VBQ) {
+#pragma unroll
+                    for (int i = 0; i < MTB; i += 2) {
+                        uint xv[4], xw[4];
+#pragma unroll
+                        for (int u = 0; u < 4; ++u) {
+                            const uint2 x = KVQ_STREAM_QUAD(vub[u], i / 2, vbtab_l, VBSH);
+                            xv[u] = x.x; xw[u] = x.y;
+                        }
+                        kvq_mma(accb[i], kvq_prmt(xv[0], xv[1], 0x5410u), kvq_prmt(xv[0], xv[1], 0x7632u),
+                                kvq_prmt(xv[2], xv[3], 0x5410u), kvq_prmt(xv[2], xv[3], 0x7632u), pb0, pb1);
+                        kvq_mma(accb[i + 1], kvq_prmt(xw[0], xw[1], 0x5410u), kvq_prmt(xw[0], xw[1], 0x7632u),
+                                kvq_prmt(xw[2], xw[3], 0x5410u), kvq_prmt(xw[2], xw[3], 0x7632u), pb0, pb1);
+                    }
+                } else {
 #pragma unroll
                 for (int i = 0; i < MTB; ++i) {
                     uint xv[4];
@@ -460,6 +527,7 @@
                     for (int u = 0; u < 4; ++u) xv[u] = KVQ_STREAM_PAIR(vub[u], i, VB_BITS, VB_PAIR, vbtab_l, VBSH);
                     kvq_mma(accb[i], kvq_prmt(xv[0], xv[1], 0x5410u), kvq_prmt(xv[0], xv[1], 0x7632u),
                             kvq_prmt(xv[2], xv[3], 0x5410u), kvq_prmt(xv[2], xv[3], 0x7632u), pb0, pb1);
+                }
                 }
             }
         }

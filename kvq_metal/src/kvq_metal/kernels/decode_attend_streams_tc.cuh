@@ -62,3 +62,19 @@
             for (int i_ = tid; i_ < NE_; i_ += THREADS) tab_s[i_] = entry_((uint)i_);                       \
         }                                                                                                   \
     }
+// a 1-bit stream's nibble table: entry n (4 codes, the first in the low bit) = (half2 of codes 0, 1; half2 of codes
+// 2, 3) from the stream's two float32 values t: one 64-bit lookup decodes four coordinates; REP: 32 copies, entry
+// n of lane l at uint2 slot n * 32 + l
+#define KVQ_QUAD_TABLE(tab_s, t, REP)                                                                       \
+    {                                                                                                       \
+        const float lo_ = t[0], hi_ = t[1];                                                                 \
+        auto h2_ = [&](const uint c2) { return kvq_h2(c2 & 1u ? hi_ : lo_, c2 & 2u ? hi_ : lo_); };         \
+        for (int i_ = tid; i_ < 16 * ((REP) ? 32 : 1); i_ += THREADS) {                                     \
+            const uint n_ = (uint)i_ >> ((REP) ? 5 : 0);                                                    \
+            reinterpret_cast<uint2*>(tab_s)[i_] = make_uint2(h2_(n_ & 3u), h2_(n_ >> 2));                   \
+        }                                                                                                   \
+    }
+// the two half2 words of nibble n (coordinates 4n .. 4n + 3) of a slice of 1-bit codes whose words u start at bit
+// 0, from the lane's view tab of a nibble table whose entries lie 1 << SH bytes apart
+#define KVQ_STREAM_QUAD(u, n, tab, SH) \
+    (*reinterpret_cast<const uint2*>(reinterpret_cast<const char*>(tab) + ((uint)KVQ_BITS(u, 4 * (n), 4) << (SH))))
