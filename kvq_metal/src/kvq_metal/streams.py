@@ -57,8 +57,10 @@ MERGE_INPUTS = ("part", "ml", "fin")
 #: :data:`kvq_metal.attend.TARGET_GROUPS`), ``registers`` the registers a thread may give to query coordinates
 #: and accumulators (R rows times coordinates per thread): the launch takes more threads per token (fewer
 #: coordinates each) above it, and twice it at 32 threads per token (8 query rows); ``tc`` whether CUDA takes the
-#: tensor-core kernel where :func:`_tc_plan` serves the call, ``nt`` its tiles of 16 tokens per warp step.
-TUNING = {"kt": 4, "groups": None, "registers": 96, "tc": True, "nt": 2}
+#: tensor-core kernel where :func:`_tc_plan` serves the call, ``nt`` its tiles of 16 tokens per warp step, ``pf``
+#: whether it issues the next step's loads before this step's math (``None``: where one key and one value stream
+#: leave the registers for it).
+TUNING = {"kt": 4, "groups": None, "registers": 96, "tc": True, "nt": 2, "pf": None}
 TUNING.update(json.loads(os.environ.get("KVQ_STREAMS_TUNING", "{}")))
 #: Most float32 entries of one stream's code table held in shared memory (VecInfer: 2**code_bits * sub_dim).
 MAX_TABLE = 2048
@@ -298,7 +300,9 @@ def _tc_plan(signature: tuple, ddt: int, nt: int) -> tuple[list | None, str]:
     if words() > TC_SHARED_WORDS:
         return None, f"{4 * words()} bytes of shared memory (at most {4 * TC_SHARED_WORDS})"
     va_grouped = va[8] < va[0] or va[9]
-    t = [("R", rows), ("DQ", dq), ("THREADS", THREADS), ("NT", nt), ("D", max(head_dim, 16)), ("DDT", ddt),
+    # the next step's loads issued before this step's math where registers allow: one key and one value stream
+    pf = (kb is None and vb is None) if TUNING["pf"] is None else bool(TUNING["pf"])
+    t = [("R", rows), ("DQ", dq), ("THREADS", THREADS), ("NT", nt), ("PF", pf), ("D", max(head_dim, 16)), ("DDT", ddt),
          ("ND", nd), ("SINKS", bool(sinks)), ("QSCALE", qscale), ("DO", out_dim),
          ("KA_OFF", ka[7]), ("KA_DIM", ka[0]), ("KA_BITS", ka[1]), ("KA_NS", ka[3]), ("KA_CB", ka[4]),
          ("KA_PAIR", pair[0]), ("KA_REP", rep[0]),

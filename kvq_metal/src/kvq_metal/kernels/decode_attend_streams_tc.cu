@@ -92,6 +92,8 @@
     constexpr bool KBX = KB_ON && !DENSE;
     constexpr bool VBX = VB_ON && !DENSE;
     constexpr bool OUTL = OK > 0 && !DENSE;
+    constexpr int NB = OM / 8;             // outlier sign bytes per token: half-warp 0 reads NB / 2, 1 the rest
+    constexpr int OSB = (NB + 1) / 2;
     const int dsplit = split - nsplit;  // DENSE: 0 the sinks, 1 the window
     const int chunk = ((T + TILE - 1) / TILE + nsplit - 1) / nsplit * TILE;
     const int t_begin = DENSE ? 0 : split * chunk;
@@ -154,6 +156,10 @@
         uint vb[NT][4][VBX ? VBNW : 1];
         float ksa[NT][2], ksb[NT][2], vwa[NT][2], vwb[NT][2];
         float vsc[NT][4][VANG], vbi[NT][4][VANG];
+        // QJL's outliers of token lane % 16 of each tile: this half-warp's sign bytes, the channels, the norm
+        uint osg[NT][OUTL ? OSB : 1];
+        uint oid[NT][OUTL ? OK : 1];
+        float onr[NT];
     };
     auto load = [&](Step& buf, const int t0) {
       if constexpr (DENSE) {
@@ -215,10 +221,23 @@
                     buf.vbi[st][u][k] = VA_GRP && VA_BIAS ? KVQ_F32(va_b[vabb + (int64_t)t * vab_ts + (va_g0 + k) * vabg]) : 0.0f;
                 }
             }
+            if constexpr (OUTL) {
+                const int half = lane >> 4;
+                const int t = min(t0 + st * 16 + (lane & 15), T - 1);
+                const int64_t ob = b * o_c_strides[0] + h * o_c_strides[1] + (int64_t)t * o_c_strides[2];
+                const int64_t ib = b * o_i_strides[0] + h * o_i_strides[1] + (int64_t)t * o_i_strides[2];
+                const int b0 = half ? NB / 2 : 0, b1 = half ? NB : NB / 2;
+#pragma unroll
+                for (int j = 0; j < OSB; ++j) buf.osg[st][j] = b0 + j < b1 ? (uint)o_c[ob + (b0 + j) * o_c_strides[3]] : 0u;
+#pragma unroll
+                for (int i = 0; i < OK; ++i) buf.oid[st][i] = (uint)o_i[ib + i * o_i_strides[3]];
+                buf.onr[st] = KVQ_F32(o_s[b * o_s_strides[0] + h * o_s_strides[1] + (int64_t)t * o_s_strides[2]]);
+            }
         }
       }
     };
     Step buf;
+    Step nxt;  // PF: the next step's loads, issued before this step's math
     load(buf, t_begin + warp * 16 * NT);
 
     // the code tables, the outlier sketch and the query rows (prepared, or raw and scaled for uncompressed tokens)
@@ -282,6 +301,7 @@
     float* ol_w = ol_s + warp * NT * 16 * R;
 
     for (int t0 = t_begin + warp * 16 * NT; t0 < t_end; t0 += TILE) {
+        if constexpr (PF && !DENSE) load(nxt, t0 + TILE);
         // ---- QJL's outlier channels (SIMT): lane l takes token l % 16 of each tile; est_i = sum_l' S_o[l', i]
         // sign_l' (S_o times c_o / m_o) over the sketch rows of its half of the sign bytes (l / 16), the halves
         // summed, then sum_i q[idx_i] |k_out| est_i over its half of the channels, the halves summed
@@ -293,15 +313,15 @@
                 const int half = lane >> 4;
                 const int t = t0 + st * 16 + tok;
                 const bool live = t < t_end;
-                const int tt = min(t, T - 1);
                 float est[OK > 0 ? OK : 1];
 #pragma unroll
                 for (int i = 0; i < OK; ++i) est[i] = 0.0f;
-                const int64_t ob = b * o_c_strides[0] + h * o_c_strides[1] + (int64_t)tt * o_c_strides[2];
-                constexpr int NB = OM / 8;
                 const int b0 = half ? NB / 2 : 0, b1 = half ? NB : NB / 2;
-                for (int l8 = b0; l8 < b1; ++l8) {
-                    const uint byte = (uint)o_c[ob + l8 * o_c_strides[3]];
+#pragma unroll
+                for (int j = 0; j < OSB; ++j) {
+                    const int l8 = b0 + j;
+                    if (l8 >= b1) break;
+                    const uint byte = buf.osg[st][j];
 #pragma unroll
                     for (int bit = 0; bit < 8; ++bit) {
                         const float sgn = (byte >> bit) & 1u ? 1.0f : -1.0f;
@@ -325,13 +345,12 @@
 #pragma unroll
                 for (int r = 0; r < R; ++r) part[r] = 0.0f;
                 if (live) {
-                    const int64_t ib = b * o_i_strides[0] + h * o_i_strides[1] + (int64_t)t * o_i_strides[2];
-                    const float on = KVQ_F32(o_s[b * o_s_strides[0] + h * o_s_strides[1] + (int64_t)t * o_s_strides[2]]);
+                    const float on = buf.onr[st];
                     constexpr int OH = (OK + 1) / 2;
 #pragma unroll
                     for (int i = 0; i < OK; ++i) {
                         if ((i < OH) == (half == 0)) {
-                            const int idx = (int)o_i[ib + i * o_i_strides[3]];
+                            const int idx = (int)buf.oid[st][i];
                             const float e = est[i] * on;
 #pragma unroll
                             for (int r = 0; r < R; ++r) part[r] += q_s[r * DQ + O_OFF + idx] * e;
@@ -531,7 +550,11 @@
                 }
             }
         }
-        load(buf, t0 + TILE);
+        if constexpr (PF && !DENSE) {
+            buf = nxt;
+        } else {
+            load(buf, t0 + TILE);
+        }
     }
 
     // ---- merge the block's warps: (max, sum) per row, then the rescaled outputs
