@@ -21,6 +21,13 @@ token, per tile an online softmax, the splits merged by log-sum-exp (``decode_me
 the method's linear finish before the sinks' and window's blocks are added). Kernel text:
 ``kvq_metal/kernels/decode_attend_streams.kvq``; pure-MLX reference :func:`kvq_metal.reference.decode_attend_streams`.
 
+On CUDA the calls :func:`_tc_plan` takes (qjl keys with affine values, turboquant_prod: scalar codes of 1-8 bits)
+run the same contract on tensor cores instead (``decode_attend_streams_tc.cu``, the layout of
+:mod:`kvq_metal.attend_tc`: per key stream ``K_X · Q_Xᵀ`` with the keys as the A operand and the stream's per-token
+scales applied to its fp32 result, per value stream ``V_Xᵀ · P_Xᵀ``; 1-bit streams decoded four coordinates per
+lookup of a nibble table; QJL's outlier estimate in SIMT beside it), merged by the same merge kernel. Measured on
+an H200 at 128K tokens: 2.2-2.5x faster than the SIMT version (``benchmarks/results/streams/README.md``).
+
 Memory: nothing above the cache but the prepared queries, the per-split partial outputs (``splits · R · DO``
 floats per KV head, at most :data:`~kvq_metal.attend.MAX_SPLITS` splits) and the output.
 """
