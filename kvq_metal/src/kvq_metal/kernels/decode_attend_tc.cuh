@@ -3,7 +3,8 @@
 // table-lookup macros, and the macros that write each step of one side once for both (keys K, k and values V, v):
 // KVQ_FILL_TABLE, KVQ_LOAD_CODES, KVQ_SLICE_WORDS, KVQ_DECODE_PAIR; the tag that picks a block's role (kvq_role)
 // and the store of the output in its dtype (kvq_store).
-// Used by: decode_attend_tc.cu (its header, loaded with it by kvq_metal.attend_tc)
+// Used by: decode_attend_tc.cu (its header, loaded with it by kvq_metal.attend_tc; also included by
+// decode_attend_streams_tc.cuh, the header of the tensor-core streams kernel)
 
 // a block's role, as a type: the kernel body is one generic lambda instantiated for compressed tokens
 // (kvq_role<false>) and for uncompressed ones (kvq_role<true>), so both share the block's static shared memory
