@@ -60,18 +60,23 @@ ATTEND_CASES = [
 ]
 
 
+def _tensor_cores(request, tuning: dict):
+    """Set ``tuning["tc"]`` to the fixture's parameter for one test (``simt`` on CUDA only), and back after it."""
+    if not request.param and kvq_metal.gpu_backend() != "cuda":
+        pytest.skip("the tensor-core kernel exists on CUDA only")
+    saved = tuning["tc"]
+    tuning["tc"] = request.param
+    yield request.param
+    tuning["tc"] = saved
+
+
 @pytest.fixture(params=[True, False], ids=["tensor_cores", "simt"])
 def attend_kernel_kind(request):
     """Both decode-attention kernels: on CUDA the tensor-core kernel serves the shapes it supports by default and
     the SIMT kernel (the Metal design) the rest; ``simt`` forces the SIMT kernel everywhere."""
     from kvq_metal import attend
 
-    if not request.param and kvq_metal.gpu_backend() != "cuda":
-        pytest.skip("the tensor-core kernel exists on CUDA only")
-    saved = attend.TUNING["tc"]
-    attend.TUNING["tc"] = request.param
-    yield request.param
-    attend.TUNING["tc"] = saved
+    yield from _tensor_cores(request, attend.TUNING)
 
 
 @pytest.mark.parametrize("case", range(len(ATTEND_CASES)))
@@ -430,12 +435,7 @@ def streams_kernel_kind(request):
     (:func:`kvq_metal.streams._tc_plan`), ``simt`` forces the SIMT one (the Metal design)."""
     from kvq_metal import streams
 
-    if not request.param and kvq_metal.gpu_backend() != "cuda":
-        pytest.skip("the tensor-core kernel exists on CUDA only")
-    saved = streams.TUNING["tc"]
-    streams.TUNING["tc"] = request.param
-    yield request.param
-    streams.TUNING["tc"] = saved
+    yield from _tensor_cores(request, streams.TUNING)
 
 
 @pytest.mark.parametrize("case", range(len(STREAM_CASES)))
