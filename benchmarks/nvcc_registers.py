@@ -1,0 +1,105 @@
+"""Compile the streams kernels' CUDA launches with ``nvcc`` on a machine without a GPU, and print their registers,
+spills and static shared memory (what limits occupancy; issue #21).
+
+MLX's ``mx.fast.cuda_kernel`` is replaced by a recorder: each launch of
+:func:`kvq_metal.streams.decode_attend_streams` (qjl+affine:4, turboquant_prod:4 and :3 at head_dim 128, 4 query
+rows, with and without the sinks and window) records its kernel text, inputs and outputs; the signature MLX would
+write is rebuilt around the body (every input with its ``_shape``, ``_strides`` and ``_ndim``), and ``nvcc -arch
+sm_90 -cubin -Xptxas -v`` compiles it. No kernel runs; the outputs are zeros.
+
+    KVQ_STREAMS_TUNING='{"nt": 1}' python benchmarks/nvcc_registers.py [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+
+RECORDED: list[dict] = []
+TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.uint8: "uint8_t",
+         mx.uint16: "uint16_t", mx.uint32: "uint32_t", mx.int32: "int32_t"}
+
+
+class _Recorder:
+    """Stands in for a kernel object of ``mx.fast.cuda_kernel``: records each call, returns zeros."""
+
+    def __init__(self, **build) -> None:
+        self.build = build
+
+    def __call__(self, *, inputs, template, output_shapes, output_dtypes, **_):
+        RECORDED.append(dict(self.build, inputs=inputs, template=template, output_dtypes=output_dtypes))
+        return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+
+
+def cuda_text(kw: dict) -> str:
+    """The translation unit MLX would compile for one recorded launch."""
+    args = []
+    for name, a in zip(kw["input_names"], kw["inputs"]):
+        args += [f"const {TYPES[a.dtype]}* {name}", f"const int32_t* {name}_shape", f"const int64_t* {name}_strides",
+                 f"int {name}_ndim"]
+    args += [f"{TYPES[d]}* {n}" for n, d in zip(kw["output_names"], kw["output_dtypes"])]
+    consts = "".join(f"  constexpr {'bool' if type(v) is bool else 'int'} {k} = "
+                     f"{str(v).lower() if type(v) is bool else v};\n"
+                     for k, v in kw["template"] if type(v) in (bool, int))
+    return ("#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n" + kw["header"] +
+            f"\nextern \"C\" __global__ void k({', '.join(args)}) {{\n{consts}{kw['source']}\n}}\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--keep", default=None, help="write the .cu files here")
+    args = ap.parse_args()
+    if shutil.which("nvcc") is None:
+        raise SystemExit("nvcc not found")
+    mx.fast.cuda_kernel = lambda **kw: _Recorder(**kw)
+    import kvq
+    from kvq.attention import DenseTokens
+    from kvq.plugins import registry
+    from kvq_metal import streams
+
+    B, HQ, HKV, D, T = 1, 32, 8, 128, 300
+    reg = registry()
+    for km, kp, vm, vp in (("qjl", {}, "affine", {"bits": 4}),
+                           ("turboquant_prod", {"bits": 4}, "turboquant_prod", {"bits": 4}),
+                           ("turboquant_prod", {"bits": 3}, "turboquant_prod", {"bits": 3})):
+        k, v = mx.random.normal((B, HKV, T, D)), mx.random.normal((B, HKV, T, D))
+        q = mx.random.normal((B, HQ, 1, D)).astype(mx.bfloat16)
+        w = mx.random.normal((B, HKV, 4 + 128, D)).astype(mx.bfloat16)
+        kparams, vparams = kvq.make_params(km, **kp), kvq.make_params(vm, **vp)
+        if vm == "affine":
+            vparams = vparams.for_head_dim(D)
+        keys = reg.implementations[(km, "mlx")].kvq_quantize(k.astype(mx.bfloat16), kparams)
+        values = reg.implementations[(vm, "mlx")].kvq_quantize(v.astype(mx.bfloat16), vparams)
+        impl = reg.implementations[(km, "cuda")]
+        call = impl.stream_call(keys, values)
+        _, finish = impl._matrices(keys, values, call)
+        prepared = mx.random.normal((B, HKV, HQ // HKV, call.query_dim))
+        dense = DenseTokens(w[:, :, :4], w[:, :, :4], w[:, :, 4:], w[:, :, 4:])
+        for label, kwargs in (("codes", {}), ("codes+dense", dict(dense=dense, raw_queries=q, scale=D ** -0.5,
+                                                                    finish=finish))):
+            RECORDED.clear()
+            streams.decode_attend_streams(prepared, call, "cuda", **kwargs)
+            kw = RECORDED[0]  # the attention launch (the merge follows)
+            with tempfile.TemporaryDirectory() as tmp:
+                path = Path(args.keep or tmp) / f"{km}_{kp.get('bits', '')}_{label}.cu"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(cuda_text(kw))
+                r = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-cubin", "-o", str(path) + ".cubin",
+                                    "-Xptxas", "-v", str(path)], capture_output=True, text=True)
+            if r.returncode:
+                print(r.stderr[-4000:])
+            regs = re.findall(r"Used (\d+) registers", r.stderr)
+            spills = re.findall(r"(\d+) bytes spill stores", r.stderr)
+            smem = re.findall(r"(\d+) bytes smem", r.stderr)
+            print(f"{km}+{vm} {label}: kernel {kw['name']} rc {r.returncode} registers {regs} spill stores {spills} "
+                  f"static shared {smem} bytes")
+
+
+if __name__ == "__main__":
+    main()
