@@ -16,10 +16,14 @@ import argparse
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from profile_streams import encode  # noqa: E402  (the encoding the streams benchmarks share)
 
 RECORDED: list[dict] = []
 TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.uint8: "uint8_t",
@@ -58,26 +62,17 @@ def main() -> None:
     if shutil.which("nvcc") is None:
         raise SystemExit("nvcc not found")
     mx.fast.cuda_kernel = lambda **kw: _Recorder(**kw)
-    import kvq
     from kvq.attention import DenseTokens
-    from kvq.plugins import registry
     from kvq_metal import streams
 
     B, HQ, HKV, D, T = 1, 32, 8, 128, 300
-    reg = registry()
     for km, kp, vm, vp in (("qjl", {}, "affine", {"bits": 4}),
                            ("turboquant_prod", {"bits": 4}, "turboquant_prod", {"bits": 4}),
                            ("turboquant_prod", {"bits": 3}, "turboquant_prod", {"bits": 3})):
         k, v = mx.random.normal((B, HKV, T, D)), mx.random.normal((B, HKV, T, D))
         q = mx.random.normal((B, HQ, 1, D)).astype(mx.bfloat16)
         w = mx.random.normal((B, HKV, 4 + 128, D)).astype(mx.bfloat16)
-        kparams, vparams = kvq.make_params(km, **kp), kvq.make_params(vm, **vp)
-        if vm == "affine":
-            vparams = vparams.for_head_dim(D)
-        keys = reg.implementations[(km, "mlx")].kvq_quantize(k.astype(mx.bfloat16), kparams)
-        values = reg.implementations[(vm, "mlx")].kvq_quantize(v.astype(mx.bfloat16), vparams)
-        impl = reg.implementations[(km, "cuda")]
-        call = impl.stream_call(keys, values)
+        impl, keys, values, call = encode(km, kp, vm, vp, k.astype(mx.bfloat16), v.astype(mx.bfloat16), "cuda")
         _, finish = impl._matrices(keys, values, call)
         prepared = mx.random.normal((B, HKV, HQ // HKV, call.query_dim))
         dense = DenseTokens(w[:, :, :4], w[:, :, :4], w[:, :, 4:], w[:, :, 4:])

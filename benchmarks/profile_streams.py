@@ -24,11 +24,27 @@ B, HQ, HKV, D = 1, 32, 8, 128
 METHODS = (("qjl", {}, "affine", {"bits": 4}), ("turboquant_prod", {"bits": 4}, "turboquant_prod", {"bits": 4}))
 
 
-def main() -> None:
+def encode(km: str, kp: dict, vm: str, vp: dict, k: mx.array, v: mx.array, backend: str) -> tuple:
+    """``(impl, keys, values, call)``: ``k`` and ``v`` ``[B, H_kv, T, D]`` encoded by pure MLX with the key and value
+    methods and parameters (affine's groups fitted to ``D``), the key method's kernel implementation on
+    ``backend`` and its :class:`kvq_metal.streams.StreamCall` of them (the setup the streams benchmarks share)."""
     import kvq
+    from kvq.plugins import registry
+
+    reg = registry()
+    kparams, vparams = kvq.make_params(km, **kp), kvq.make_params(vm, **vp)
+    if vm == "affine":
+        vparams = vparams.for_head_dim(k.shape[-1])
+    keys = reg.implementations[(km, "mlx")].kvq_quantize(k, kparams)
+    values = reg.implementations[(vm, "mlx")].kvq_quantize(v, vparams)
+    mx.eval(keys.data, values.data)
+    impl = reg.implementations[(km, backend)]
+    return impl, keys, values, impl.stream_call(keys, values)
+
+
+def main() -> None:
     import kvq_metal
     from kvq.attention import DenseTokens
-    from kvq.plugins import registry
     from kvq_metal import streams
 
     ap = argparse.ArgumentParser()
@@ -37,7 +53,6 @@ def main() -> None:
     args = ap.parse_args()
     streams.TUNING.update(json.loads(args.tuning))
     backend = kvq_metal.gpu_backend()
-    reg = registry()
     for T in (int(t) for t in args.contexts.split(",")):
         q = mx.random.normal((B, HQ, 1, D)).astype(mx.bfloat16)
         k = mx.random.normal((B, HKV, T, D)).astype(mx.bfloat16)
@@ -47,14 +62,7 @@ def main() -> None:
         print(json.dumps({"T": T, "method": "fp16_sdpa"}), flush=True)
         mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5))
         for km, kp, vm, vp in METHODS:
-            kparams, vparams = kvq.make_params(km, **kp), kvq.make_params(vm, **vp)
-            if vm == "affine":
-                vparams = vparams.for_head_dim(D)
-            keys = reg.implementations[(km, "mlx")].kvq_quantize(k, kparams)
-            values = reg.implementations[(vm, "mlx")].kvq_quantize(v, vparams)
-            mx.eval(keys.data, values.data)
-            impl = reg.implementations[(km, backend)]
-            call = impl.stream_call(keys, values)
+            impl, keys, values, call = encode(km, kp, vm, vp, k, v, backend)
             prepared = mx.random.normal((B, HKV, HQ // HKV, call.query_dim))
             mx.eval(prepared)
             dense = DenseTokens(window[:, :, :4], window[:, :, :4], window[:, :, 4:], window[:, :, 4:])

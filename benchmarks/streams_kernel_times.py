@@ -14,9 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from profile_streams import encode  # noqa: E402  (the encoding the streams benchmarks share)
 
 B, HQ, HKV, D = 1, 32, 8, 128
 METHODS = (("qjl", {}, "affine", {"bits": 4}), ("turboquant_prod", {"bits": 4}, "turboquant_prod", {"bits": 4}),
@@ -38,10 +43,8 @@ def _time(fn, calls: int, reps: int) -> dict:
 
 
 def main() -> None:
-    import kvq
     import kvq_metal
     from kvq.attention import DenseTokens
-    from kvq.plugins import registry
     from kvq_metal import streams
 
     ap = argparse.ArgumentParser()
@@ -51,7 +54,6 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     backend = kvq_metal.gpu_backend()
-    reg = registry()
     results = {"sources": kvq_metal.sources_hash(), "device": str(mx.default_device()), "calls": []}
     for T in (int(t) for t in args.contexts.split(",")):
         q = mx.random.normal((B, HQ, 1, D)).astype(mx.bfloat16)
@@ -64,14 +66,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         results["calls"].append(row)
         for km, kp, vm, vp in METHODS:
-            kparams, vparams = kvq.make_params(km, **kp), kvq.make_params(vm, **vp)
-            if vm == "affine":
-                vparams = vparams.for_head_dim(D)
-            keys = reg.implementations[(km, "mlx")].kvq_quantize(k, kparams)
-            values = reg.implementations[(vm, "mlx")].kvq_quantize(v, vparams)
-            mx.eval(keys.data, values.data)
-            impl = reg.implementations[(km, backend)]
-            call = impl.stream_call(keys, values)
+            impl, keys, values, call = encode(km, kp, vm, vp, k, v, backend)
             prepare, finish = impl._matrices(keys, values, call)
             dense = DenseTokens(window[:, :, :4], window[:, :, :4], window[:, :, 4:], window[:, :, 4:])
             for tc in (True, False):

@@ -376,13 +376,14 @@ def _aliases(inputs: list) -> dict[str, str]:
 
 
 class _Launch:
-    """One static launch of the streams kernel and its merge, planned from the call's signature (:func:`_plan`):
-    the bound kernel (template values written into its text on CUDA), which inputs it takes, the grid and the
-    merge."""
+    """One static launch of the streams kernel and its merge, planned from the call's signature (:func:`_plan`; on
+    CUDA the tensor-core kernel where :func:`_tc_plan` serves it): the bound kernel (template values written into
+    its text on CUDA), which inputs it takes, the grid and the merge."""
 
     def __init__(self, call: StreamCall, rows: int, batch: int, num_tokens: int, dense: tuple, inputs: list,
                  backend: str, out_dim: int, finish: bool) -> None:
-        template, why = _plan(_signature(call, rows, dense))
+        signature = _signature(call, rows, dense)
+        template, why = _plan(signature)
         if template is None:
             raise ValueError(f"decode_attend_streams does not serve this call: {why}")
         H = call.keys[0].codes.shape[1]
@@ -390,7 +391,7 @@ class _Launch:
         tc = None
         if backend == "cuda" and TUNING["tc"]:
             ddt = DENSE_DTYPES.get(inputs[INPUTS.index("wk")].dtype, 2) if nd else 0
-            tc, _ = _tc_plan(_signature(call, rows, dense), ddt, TUNING["nt"])
+            tc, _ = _tc_plan(signature, ddt, TUNING["nt"])
         #: whether this launch runs the tensor-core kernel
         self.tc = tc is not None
         if self.tc:
