@@ -51,6 +51,7 @@ def cuda_text(kw: dict) -> str:
     consts = "".join(f"  constexpr {'bool' if type(v) is bool else 'int'} {k} = "
                      f"{str(v).lower() if type(v) is bool else v};\n"
                      for k, v in kw["template"] if type(v) in (bool, int))
+    consts += "".join(f"  using {k} = {TYPES[v]};\n" for k, v in kw["template"] if isinstance(v, mx.Dtype))
     return ("#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n" + kw["header"] +
             f"\nextern \"C\" __global__ void k({', '.join(args)}) {{\n{consts}{kw['source']}\n}}\n")
 

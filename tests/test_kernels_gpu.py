@@ -286,6 +286,83 @@ def test_turboquant_codec_matches_pure_mlx(D, bits, dtype):
     assert _rel(kernel.kvq_dequantize(want, dtype), pure.kvq_dequantize(want, dtype)) < 1e-3
 
 
+# -- fused encoders of qjl and turboquant_prod (issue #21: a window flush quantizes in one launch per side) ------
+def _differ_bits(a, b, bits, count):
+    return float(mx.mean(packing.unpack(a, bits, count) != packing.unpack(b, bits, count)))
+
+
+QJL_ENCODER_CASES = [(64, {}, mx.float16), (128, {}, mx.bfloat16), (128, {"outlier_channels": 0}, mx.float32),
+                     (256, {"sketch_dim": 96, "outlier_channels": 8}, mx.bfloat16),
+                     (96, {"group_size": 16, "outlier_channels": 2}, mx.float16)]
+
+
+@pytest.mark.parametrize("D,overrides,dtype", QJL_ENCODER_CASES)
+def test_qjl_fused_encoder_matches_pure_mlx(D, overrides, dtype):
+    from kvq_backends_qjl.signs import unpack_bits
+
+    kernel, pure = _impl("qjl")
+    p = kvq.make_params("qjl", **overrides)
+    boost = np.where(np.arange(D) % 29 == 3, 8.0, 1.0).astype(np.float32)  # a few channels of large energy
+    x = (_normal((2, 3, 77, D), mx.float32, seed=D) * mx.array(boost)).astype(dtype)  # 77: two groups and a part
+    got, want = kernel.kvq_quantize(x, p), pure.kvq_quantize(x, p)
+    assert set(got.data) == set(want.data)
+    for name, a in got.data.items():
+        b = want.data[name]
+        assert (a.shape, a.dtype) == (b.shape, b.dtype), name
+        if name == "outlier_indices":
+            assert mx.array_equal(a, b)
+        elif name.endswith("signs"):
+            assert float(mx.mean(unpack_bits(a) != unpack_bits(b))) <= 1e-3, name
+        else:
+            assert _rel(a, b) < 1e-3, name
+    assert _rel(pure.kvq_dequantize(got), pure.kvq_dequantize(want)) < 1e-2  # the key estimates
+
+
+def test_qjl_fused_encoder_non_finite_key_gets_nan_norms():
+    kernel, pure = _impl("qjl")
+    p = kvq.make_params("qjl")
+    x = np.asarray(_normal((1, 2, 40, 128), mx.float32, seed=3))
+    x[0, 1, 5, 17] = np.nan
+    x[0, 0, 33, 2] = np.inf
+    x = mx.array(x)
+    got, want = kernel.kvq_quantize(x, p), pure.kvq_quantize(x, p)
+    for name in ("norms", "outlier_norms"):
+        g, w = np.asarray(got.data[name].astype(mx.float32)), np.asarray(want.data[name].astype(mx.float32))
+        assert np.array_equal(np.isnan(g), np.isnan(w)) and np.isnan(g).sum() == 2, name
+        assert np.allclose(g[~np.isnan(g)], w[~np.isnan(w)], rtol=1e-3), name
+    assert mx.array_equal(got.data["outlier_indices"], want.data["outlier_indices"])  # bad coordinates count as 0
+
+
+PROD_ENCODER_CASES = [(64, 2, mx.float16), (128, 3, mx.bfloat16), (128, 4, mx.float32), (256, 4, mx.bfloat16),
+                      (32, 2, mx.float16), (120, 3, mx.float16)]  # 120 rotates zero-padded to 128
+
+
+@pytest.mark.parametrize("D,bits,dtype", PROD_ENCODER_CASES)
+def test_turboquant_prod_fused_encoder_matches_pure_mlx(D, bits, dtype):
+    kernel, pure = _impl("turboquant_prod")
+    p = kvq.make_params("turboquant_prod", bits=bits)
+    x = _normal((2, 3, 257, D), dtype, seed=D + bits, scale=2.0)
+    got, want = kernel.kvq_quantize(x, p), pure.kvq_quantize(x, p)
+    assert set(got.data) == set(want.data) == {"codes", "norms", "signs", "residual_norms"}
+    for name, a in got.data.items():
+        assert (a.shape, a.dtype) == (want.data[name].shape, want.data[name].dtype), name
+    dim = p.rotated_dim(D)
+    assert _differ_bits(got.data["codes"], want.data["codes"], bits - 1, dim) <= 1e-3
+    assert _differ_bits(got.data["signs"], want.data["signs"], 1, dim) <= 1e-3
+    assert _rel(got.data["norms"], want.data["norms"]) < 1e-3
+    assert _rel(got.data["residual_norms"], want.data["residual_norms"]) < 1e-3
+    assert _rel(pure.kvq_dequantize(got, mx.float32), pure.kvq_dequantize(want, mx.float32)) < 1e-2
+
+
+def test_selection_takes_the_fused_encoders_for_a_flush():
+    backend = kvq_metal.gpu_backend()
+    for method, params in (("qjl", {}), ("turboquant_prod", {"bits": 4})):
+        plan = kvq.select(method, (1, 8, 32, 128), dtype=mx.bfloat16, op="quantize",
+                          params=kvq.make_params(method, **params))
+        assert plan.choices["quantize"].backend == backend, plan.explain()
+    assert all(passed for passed, _ in kvq_metal.base.CHECKS.values()), kvq_metal.base.CHECKS
+
+
 def test_turboquant_large_norms_saturate_like_pure_mlx():
     kernel, pure = _impl("turboquant")
     p = kvq.make_params("turboquant", bits=4)

@@ -24,7 +24,8 @@ token              Metal                                  CUDA
 and the prelude of each back end defines the rest as macros: ``KVQ_SHFL_XOR(x, m)`` and ``KVQ_SHFL(x, lane)``
 (a 32-wide SIMD group / warp), ``KVQ_EXP``, ``KVQ_LOG``, ``KVQ_SQRT``, ``KVQ_FMAX``, ``KVQ_FMIN``, ``KVQ_INF``,
 ``KVQ_F32(x)`` (any float type to float), ``KVQ_AS_FLOAT(i)`` (the float whose IEEE-754 bits are the int ``i``:
-float scalars travel as template arguments, see :func:`float_bits`), and the 64-bit unsigned type ``kvq_u64``;
+float scalars travel as template arguments, see :func:`float_bits`), ``KVQ_NOT_FINITE(f)`` (a float32 NaN or
+±inf, tested on its exponent bits, which fast-math builds cannot assume away), and the 64-bit unsigned type ``kvq_u64``;
 CUDA also gets ``uint``.
 
 No kernel reads a per-call scalar from an array made on the host: on MLX's CUDA back end every array is managed
@@ -98,6 +99,7 @@ PRELUDES = {
 #define KVQ_INF INFINITY
 #define KVQ_F32(x) static_cast<float>(x)
 #define KVQ_AS_FLOAT(i) as_type<float>((int)(i))
+#define KVQ_NOT_FINITE(f) ((as_type<uint>(f) & 0x7f800000u) == 0x7f800000u)
 typedef ulong kvq_u64;
 """,
     "cuda": """
@@ -113,6 +115,7 @@ typedef unsigned long long kvq_u64;
 #define KVQ_INF __int_as_float(0x7f800000)
 #define KVQ_F32(x) static_cast<float>(x)
 #define KVQ_AS_FLOAT(i) __int_as_float((int)(i))
+#define KVQ_NOT_FINITE(f) ((__float_as_uint(f) & 0x7f800000u) == 0x7f800000u)
 """,
 }
 

@@ -1,5 +1,6 @@
-"""Fused normalise + randomized Hadamard + Lloyd-Max quantize + dense pack (TurboQuant-mse encode), and its
-inverse (unpack + centroids + inverse Hadamard + norm).
+"""Fused normalise + randomized Hadamard + Lloyd-Max quantize + dense pack (TurboQuant-mse encode), its inverse
+(unpack + centroids + inverse Hadamard + norm), and TurboQuant-prod's encode (the same, then the residual's QJL
+signs and norm: :func:`quantize_prod`).
 
 TurboQuant (Zandieh et al., arXiv 2504.19874), algorithm 1, with the randomized Hadamard rotation
 ``y = H diag(s) x / ‖x‖ / sqrt(D_pad)``. One SIMD group (32 lanes) encodes one vector: each lane holds
@@ -27,6 +28,7 @@ FLOAT16_MAX = 65504.0
 
 #: The kernels (kernel files beside this module; :mod:`kvq_metal.kernel_files`).
 QUANTIZE = load(Path(__file__).with_name("tq_quantize.kvq"))
+QUANTIZE_PROD = load(Path(__file__).with_name("tq_prod_quantize.kvq"))
 DEQUANTIZE = load(Path(__file__).with_name("tq_dequantize.kvq"))
 
 
@@ -72,6 +74,37 @@ def quantize(x: mx.array, signs: mx.array, boundaries: mx.array, bits: int, norm
         grid=(32 * VECTORS_PER_GROUP * groups, 1, 1), threadgroup=(32 * VECTORS_PER_GROUP, 1, 1),
         output_shapes=[(n, dim * bits // 32), (n,)], output_dtypes=[mx.uint32, norm_dtype])
     return codes.reshape(*lead, dim * bits // 32), norms.reshape(lead)
+
+
+def quantize_prod(x: mx.array, signs: mx.array, boundaries: mx.array, centroids: mx.array, sketch: mx.array,
+                  bits: int, norm_dtype, backend: str):
+    """TurboQuant-prod's encode of ``x`` ``[..., D]`` in one launch (kernel ``tq_prod_quantize.kvq``; pure-MLX
+    reference :meth:`kvq_backends_turboquant.impl.TurboQuantMLX.kvq_quantize` with prod parameters): the MSE stage
+    as :func:`quantize` at ``bits`` (the prod parameters' ``bits - 1``), then the residual of the rotated unit
+    vector, its norm and the signs of ``S r`` (TurboQuant, arXiv 2504.19874, algorithm 2).
+
+    :param centroids: float32 ``[2**bits]`` of the stage's codebook. :param sketch: ``S`` float32 ``[D_pad, D_pad]``.
+    :return: ``(codes uint32 [..., D_pad * bits / 32], norms [...], residual signs uint32 [..., D_pad / 32],
+        residual norms [...])``, norms of ``norm_dtype``. Sign bits come from the kernel's own float32 sums: a
+        projection within rounding of 0 may take the other sign than pure MLX's matmul.
+    :raises ValueError: a shape or width :func:`supported` rejects.
+    """
+    D, dim = x.shape[-1], signs.shape[0]
+    if not supported(D, dim, bits):
+        raise ValueError(f"fused quantize serves head_dim rotated at a power of two in 32..256 and bits 1..4; got "
+                         f"{D} at {dim}, {bits}")
+    lead, n, groups = _rows(x.shape)
+    kern = QUANTIZE_PROD.kernel(backend, ("x", "signs", "bounds", "cents", "sk"),
+                                ("codes", "norms", "rsigns", "rnorms"))
+    codes, norms, rsigns, rnorms = kern(
+        inputs=[x.reshape(n, D), signs, boundaries, centroids, sketch],
+        template=[("D", D), ("DP", dim), ("BITS", bits), ("VPG", VECTORS_PER_GROUP),
+                  ("NORM_F16", norm_dtype == mx.float16), ("OUT_T", norm_dtype)],
+        grid=(32 * VECTORS_PER_GROUP * groups, 1, 1), threadgroup=(32 * VECTORS_PER_GROUP, 1, 1),
+        output_shapes=[(n, dim * bits // 32), (n,), (n, dim // 32), (n,)],
+        output_dtypes=[mx.uint32, norm_dtype, mx.uint32, norm_dtype])
+    return (codes.reshape(*lead, dim * bits // 32), norms.reshape(lead), rsigns.reshape(*lead, dim // 32),
+            rnorms.reshape(lead))
 
 
 def dequantize(codes: mx.array, norms: mx.array, signs: mx.array, centroids: mx.array, bits: int, head_dim: int,

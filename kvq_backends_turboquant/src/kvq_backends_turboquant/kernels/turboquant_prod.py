@@ -10,8 +10,10 @@ pure-MLX implementation too (``prepare_queries``), so both share one formula.
 
 Served: decode (at most :data:`kvq_metal.attend.MAX_ROWS` query rows per KV head), no mask, keys
 ``turboquant_prod`` and values of ``turboquant`` or ``turboquant_prod``, without outlier channels, MSE stage of
-at least 1 bit; shapes :func:`kvq_metal.streams.supported` takes. Quantize stays pure MLX. Pure MLX serves the
-rest with the same result.
+at least 1 bit; shapes :func:`kvq_metal.streams.supported` takes. Quantize (a cache's window flush) is one
+fused launch (``tq_prod_quantize.kvq``: :func:`kvq_backends_turboquant.kernels.quantize.quantize_prod`) with the
+randomized Hadamard rotation at a power of two in 32..256 and an MSE stage of 1-4 bits. Pure MLX serves the rest
+with the same result.
 """
 
 from __future__ import annotations
@@ -19,13 +21,17 @@ from __future__ import annotations
 from functools import lru_cache
 
 import mlx.core as mx
+from kvq import packing
+from kvq.encoded import Encoded
 from kvq_metal import streams
-from kvq_metal.common import decode_shape_ok
+from kvq_metal.base import first_use_check
+from kvq_metal.common import decode_shape_ok, normal, relative_error
 
-from .. import codebook
-from ..impl import FAMILY, _is_prod, _is_split
+from .. import codebook, rotation
+from ..impl import FAMILY, _is_prod, _is_split, head_dim_supported
 from ..params import TurboQuantProdParams
-from ..prod import qjl_scale
+from ..prod import qjl_scale, sketch_of
+from . import quantize as fused
 
 
 def _mse_bits(params) -> int:
@@ -77,19 +83,72 @@ class TurboQuantProdKernels(streams.StreamsKernelImpl):
 
     def kernel_supports(self, problem) -> bool:
         """Decode attention over plain ``turboquant_prod`` keys (no outlier channels, MSE stage >= 1 bit); the
-        first-use check runs per call signature (the values' parameters are not part of a problem)."""
+        first-use check runs per call signature (the values' parameters are not part of a problem). Quantize where
+        :meth:`encoder_serves`, after its first-use check (:meth:`_check_codec`) per (parameters, head_dim,
+        dtype)."""
+        p = problem.params or TurboQuantProdParams()
+        if problem.op == "quantize":
+            if not self.encoder_serves(p, problem.head_dim):
+                return False
+            return first_use_check(self.backend, "tq_prod_codec", (p, problem.head_dim, str(problem.dtype)),
+                                   lambda: self._check_codec(p, problem.head_dim, problem.dtype))
         if problem.op != "attend" or not decode_shape_ok(problem):
             return False
-        p = problem.params or TurboQuantProdParams()
         return not _is_split(p) and _mse_bits(p) >= 1
 
+    @staticmethod
+    def encoder_serves(params, head_dim: int) -> bool:
+        """Whether the fused encoder takes ``turboquant_prod`` ``params`` at ``head_dim``: no outlier channels, the
+        randomized Hadamard rotation at a power of two in 32..256 (:func:`~.quantize.supported`), an MSE stage of
+        1-4 bits (prod ``bits`` 2-5; a 0-bit stage is left to pure MLX)."""
+        if not (isinstance(params, TurboQuantProdParams) and params.outlier_channels == 0 and not _is_split(params)
+                and params.rotation == "hadamard" and head_dim_supported(params, head_dim)):
+            return False
+        dim = params.rotated_dim(head_dim)
+        return dim & (dim - 1) == 0 and fused.supported(head_dim, dim, _mse_bits(params))
+
+    def kvq_quantize(self, x, params):
+        """``kvq_quantize`` spec: the fields of the pure-MLX encoder (``codes``, ``norms``, ``signs``,
+        ``residual_norms``) from one launch where :meth:`encoder_serves`, else the pure-MLX encoder (its errors)."""
+        if not (isinstance(x, mx.array) and x.ndim == 4 and x.size and
+                x.dtype in (mx.float16, mx.bfloat16, mx.float32) and self.encoder_serves(params, x.shape[-1])):
+            return self.fallback().kvq_quantize(x, params)
+        D = x.shape[-1]
+        dim, bits = params.rotated_dim(D), _mse_bits(params)
+        book = codebook.codebook(dim, bits)
+        norm_dtype = mx.float16 if params.norm_dtype == "float16" else mx.float32
+        codes, norms, signs, rnorms = fused.quantize_prod(
+            x, rotation.rotation("hadamard", dim, params.seed).signs, book.boundaries, book.centroids,
+            sketch_of(params, D), bits, norm_dtype, self.backend)
+        return Encoded(params, {"codes": codes, "norms": norms, "signs": signs, "residual_norms": rnorms}, D)
+
+    def _check_codec(self, params, head_dim: int, dtype) -> tuple[bool, str]:
+        """Encode 512 random vectors with both implementations: at most 0.1% of codes and of residual sign bits may
+        differ (a coordinate within float rounding of a cell boundary, a projection within rounding of 0), and
+        both norms agree within 1e-3 relative."""
+        x = normal((1, 2, 256, head_dim), 9, dtype, scale=3.0)
+        got, want = self.kvq_quantize(x, params), self.fallback().kvq_quantize(x, params)
+        dim, bits = params.rotated_dim(head_dim), _mse_bits(params)
+        differ = mx.mean(packing.unpack(got.data["codes"], bits, dim)
+                         != packing.unpack(want.data["codes"], bits, dim)).item()
+        signs = mx.mean(packing.unpack(got.data["signs"], 1, dim) != packing.unpack(want.data["signs"], 1, dim)).item()
+        norm_err = relative_error(got.data["norms"], want.data["norms"])
+        rnorm_err = relative_error(got.data["residual_norms"], want.data["residual_norms"])
+        ok = differ <= 1e-3 and signs <= 1e-3 and norm_err < 1e-3 and rnorm_err < 1e-3
+        return ok, (f"{differ:.2e} of codes and {signs:.2e} of signs differ, norm errors {norm_err:.2e}, "
+                    f"{rnorm_err:.2e}")
+
     def cost(self, problem) -> float:
-        """One query rotation and sketch, one kernel over the codes, signs and norms of K and V, the split merge
-        and the output's inverse transforms."""
+        """Attend: one query rotation and sketch, one kernel over the codes, signs and norms of K and V, the split
+        merge and the output's inverse transforms. Quantize: one kernel reading each vector once (plus the sketch's
+        ``D_pad^2`` multiply-adds)."""
         p = problem.params or TurboQuantProdParams()
         B, H, T, D = problem.shape
         dim = p.rotated_dim(D)
         packed = B * H * T * (dim * p.bits / 8 + 2 * p.norm_bits / 8)
+        if problem.op == "quantize":
+            return self.estimate(problem, launches=1, bytes_moved=packed + B * H * T * D * problem.dtype.size,
+                                 flops=2 * B * H * T * dim * dim)
         return self.estimate(problem, launches=3, bytes_moved=2 * packed)
 
     def stream_call(self, keys, values):
