@@ -33,7 +33,7 @@ from .signs import unpack_bits
 
 #: The fused encoder (kernel file beside this module; :mod:`kvq_metal.kernel_files`).
 QUANTIZE = load(Path(__file__).with_name("qjl_quantize.kvq"))
-#: SIMD groups per thread group of the fused encoder (each encodes every fourth token of a group).
+#: SIMD groups per thread group of the fused encoder (one token each).
 ENCODER_WARPS = 4
 #: Largest sketch dimensions the fused encoder takes (its threadgroup memory holds one bit per row and SIMD group).
 MAX_ENCODER_SKETCH, MAX_ENCODER_OUTLIER_SKETCH, MAX_ENCODER_OUTLIERS = 1024, 256, 32
@@ -49,14 +49,20 @@ def encoder_supports(params: QJLParams, head_dim: int, dtype) -> bool:
             and params.resolved_outlier_sketch_dim <= MAX_ENCODER_OUTLIER_SKETCH)
 
 
-@lru_cache(maxsize=1)
-def _placeholder() -> mx.array:
-    return mx.zeros((1,), mx.float32)
+@lru_cache(maxsize=64)
+def _transposed_sketches(params: QJLParams, head_dim: int) -> tuple[mx.array, mx.array]:
+    """``(Sᵀ [D, m], S_oᵀ [k, m_o])`` float32, contiguous, made once per parameters (the fused encoder reads a
+    sketch row as a column, across lanes); a 1-element placeholder for ``S_oᵀ`` without outlier channels."""
+    main = mx.contiguous(main_sketch(params, head_dim).matrix.T)
+    if not params.outlier_channels:
+        return main, mx.zeros((1,), mx.float32)
+    return main, mx.contiguous(outlier_sketch(params).matrix.T)
 
 
 def fused_quantize(x: mx.array, params: QJLParams, backend: str) -> Encoded:
     """Encode keys ``x`` ``[B, H_kv, T, D]`` as :func:`kvq_backends_qjl.quantize.quantize` does, in one launch of
-    ``qjl_quantize.kvq`` (thread group per row and group of ``params.group_size`` tokens; see the kernel file).
+    ``qjl_quantize.kvq`` (thread groups per row, group of ``params.group_size`` tokens and :data:`ENCODER_WARPS`
+    tokens of it; see the kernel file).
 
     The same fields, dtypes and shapes: ``signs`` uint8 ``[B, H, T, m/8]``, ``norms`` float16 ``[B, H, T]``, and with
     outlier channels ``outlier_indices`` uint8 ``[B, H, T, k]``, ``outlier_signs`` uint8 ``[B, H, T, m_o/8]``,
@@ -72,13 +78,14 @@ def fused_quantize(x: mx.array, params: QJLParams, backend: str) -> Encoded:
     B, H, T, D = x.shape
     k, m, mo = params.outlier_channels, params.sketch_dim_for(D), params.resolved_outlier_sketch_dim
     n, groups = B * H, -(-T // params.group_size)
-    so = outlier_sketch(params).matrix if k else _placeholder()
-    kern = QUANTIZE.kernel(backend, ("x", "s", "so"), ("signs", "norms", "idx", "osigns", "onorms"))
+    parts = -(-min(T, params.group_size) // ENCODER_WARPS)  # thread groups per group of tokens
+    st, sot = _transposed_sketches(params, D)
+    kern = QUANTIZE.kernel(backend, ("x", "st", "sot"), ("signs", "norms", "idx", "osigns", "onorms"))
     signs, norms, idx, osigns, onorms = kern(
-        inputs=[x.reshape(n, T, D), main_sketch(params, D).matrix, so],
+        inputs=[x.reshape(n, T, D), st, sot],
         template=[("D", D), ("M", m), ("MO", mo if k else 8), ("K", k), ("G", params.group_size),
                   ("NW", ENCODER_WARPS), ("NORM_T", mx.float16)],
-        grid=(32 * ENCODER_WARPS * n * groups, 1, 1), threadgroup=(32 * ENCODER_WARPS, 1, 1),
+        grid=(32 * ENCODER_WARPS * n * groups, parts, 1), threadgroup=(32 * ENCODER_WARPS, 1, 1),
         output_shapes=[(n, T, m // 8), (n, T), (n, T, k) if k else (1,), (n, T, mo // 8) if k else (1,),
                        (n, T) if k else (1,)],
         output_dtypes=[mx.uint8, mx.float16, mx.uint8, mx.uint8, mx.float16])
