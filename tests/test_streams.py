@@ -114,11 +114,15 @@ def test_plan_says_what_it_refuses():
 
 
 @pytest.mark.parametrize("rows", [1, 4, 8])
-def test_tensor_core_plan_takes_qjl_and_prod_within_shared_memory(rows):
+@pytest.mark.parametrize("tuning", [{}, {"qsh": True}, {"qsh": True, "rep": False}], ids=["default", "qsh", "single"])
+def test_tensor_core_plan_takes_qjl_and_prod_within_shared_memory(rows, tuning):
     """CUDA's tensor-core streams kernel (``decode_attend_streams_tc.cu``) takes qjl keys with affine values and
     turboquant_prod (head_dim 64 to 256, 1 to 8 rows, with the sinks and window), each within 48 KB of static
-    shared memory; it refuses 9 rows and VecInfer's vector codes, saying why (the SIMT kernel serves those)."""
+    shared memory, also with its query fragments in shared memory (``qsh``) and single code tables (``rep``
+    False); it refuses 9 rows and VecInfer's vector codes, saying why (the SIMT kernel serves those)."""
     from kvq_backends_qjl import kernels as qjl_kernels
+
+    knobs = (None, tuning.get("qsh", False), tuning.get("rep"))  # pf, qsh, rep (streams.TUNING's)
     from kvq_backends_turboquant.kernels import turboquant_prod
 
     calls = []
@@ -135,7 +139,7 @@ def test_tensor_core_plan_takes_qjl_and_prod_within_shared_memory(rows):
         calls.append((turboquant_prod.stream_call(keys, values), D))
     for call, D in calls:
         for dense in ((0, False, 0, 0), (2, True, D, 0)):
-            template, why = streams._tc_plan(streams._signature(call, rows, dense), 1, 2)
+            template, why = streams._tc_plan(streams._signature(call, rows, dense), 1, 2, *knobs)
             assert template is not None, why
             t = dict(template)
             assert t["R"] == rows and t["DQ"] == call.query_dim and t["DO"] == call.out_dim and t["ND"] == dense[0]
@@ -143,7 +147,13 @@ def test_tensor_core_plan_takes_qjl_and_prod_within_shared_memory(rows):
                           else (1 << t[f"{s}_BITS"]))
                          * (32 if t[f"{s}_REP"] else 1) for s in ("KA", "KB", "VA", "VB")
                          if s in ("KA", "VA") or t[f"{s}_ON"])
-            assert max(tables, rows * t["DO"]) + rows * max(t["DQ"], t["D"]) <= streams.TC_SHARED_WORDS
+            assert t["QSH"] is bool(tuning.get("qsh"))
+            if tuning.get("rep") is False:
+                assert not any(t[f"{s}_REP"] for s in ("KA", "KB", "VA", "VB"))
+            k_steps = max((t["KA_DIM"] + (t["KB_DIM"] if t["KB_ON"] else 0)) // 16, t["D"] // 16)
+            fragments = 64 * k_steps if t["QSH"] else 0
+            assert (max(tables, rows * t["DO"]) + rows * max(t["DQ"], t["D"]) + fragments
+                    <= streams.TC_SHARED_WORDS)
     call, D = calls[0]
     assert "9 query rows" in streams._tc_plan(streams._signature(call, 9), 1, 2)[1]
     vector = attrs.evolve(call.keys[0], vec=4, dim=256)

@@ -66,8 +66,9 @@ MERGE_INPUTS = ("part", "ml", "fin")
 #: coordinates each) above it, and twice it at 32 threads per token (8 query rows); ``tc`` whether CUDA takes the
 #: tensor-core kernel where :func:`_tc_plan` serves the call, ``nt`` its tiles of 16 tokens per warp step, ``pf``
 #: whether it issues the next step's loads before this step's math (``None``: where one key and one value stream
-#: leave the registers for it).
-TUNING = {"kt": 4, "groups": None, "registers": 96, "tc": True, "nt": 2, "pf": None}
+#: leave the registers for it), ``qsh`` whether it reads the query fragments from shared memory, ``rep`` ``False``
+#: for single code tables (no per-lane copies; ``None``: copies while shared memory allows). See :func:`_tc_plan`.
+TUNING = {"kt": 4, "groups": None, "registers": 96, "tc": True, "nt": 2, "pf": None, "qsh": False, "rep": None}
 TUNING.update(json.loads(os.environ.get("KVQ_STREAMS_TUNING", "{}")))
 #: Most float32 entries of one stream's code table held in shared memory (VecInfer: 2**code_bits * sub_dim).
 MAX_TABLE = 2048
@@ -249,10 +250,12 @@ TC_SHARED_WORDS = 12288 - 256
 
 
 @lru_cache(maxsize=1024)
-def _tc_plan(signature: tuple, ddt: int, nt: int) -> tuple[list | None, str]:
+def _tc_plan(signature: tuple, ddt: int, nt: int, pf: bool | None = None, qsh: bool = False,
+             rep: bool | None = None) -> tuple[list | None, str]:
     """``(template, "")`` of the tensor-core launch (``decode_attend_streams_tc.cu``) for a static signature
-    (:func:`_signature`), ``ddt`` the uncompressed tokens' dtype code (0 float16, 1 bfloat16, 2 other) and ``nt``
-    tiles of 16 tokens per warp step; ``(None, why)`` where it does not serve the call (the SIMT kernel then does).
+    (:func:`_signature`), ``ddt`` the uncompressed tokens' dtype code (0 float16, 1 bfloat16, 2 other), ``nt``
+    tiles of 16 tokens per warp step and the knobs ``pf``, ``qsh``, ``rep`` of :data:`TUNING` (arguments, so the
+    cached plan follows them); ``(None, why)`` where it does not serve the call (the SIMT kernel then does).
 
     It takes: at most 8 query rows (one mma N tile); scalar codes of 1..8 bits per stream read from one shared
     table (no per-head tables, no reserved pattern: VecInfer stays on the SIMT kernel); every stream's
@@ -261,8 +264,11 @@ def _tc_plan(signature: tuple, ddt: int, nt: int) -> tuple[list | None, str]:
     with per-token scales; uint8 codes whose rows are whole 32-bit words; at most 16 outlier channels of at most
     1024 sketch entries; uncompressed tokens of head_dim = value stream A's coordinates. Tables are pair tables
     (one lookup per two coordinates) up to 4 bits, each with one copy per lane while static shared memory
-    allows (the largest loses its copies first); 1-bit streams decode four coordinates per lookup of a nibble
-    table."""
+    allows (the largest loses its copies first; none with ``rep`` False); 1-bit streams decode four coordinates
+    per lookup of a nibble table. ``pf``: the next step's loads issued before this step's math (``None``: where
+    one key and one value stream leave the registers for it). ``qsh``: the query fragments are read from shared memory
+    (one 64-bit load per k-step) instead of held in registers: about 32 registers fewer per thread, which bound the
+    kernel's occupancy (compiled with nvcc, not yet run on a GPU: off by default)."""
     rows, dq, keys, values, outliers, (nd, sinks, head_dim, qscale), _, _ = signature
     if not 1 <= rows <= 8:
         return None, f"{rows} query rows (the tensor-core kernel takes 1..8)"
@@ -294,9 +300,12 @@ def _tc_plan(signature: tuple, ddt: int, nt: int) -> tuple[list | None, str]:
     pair = [0 < b <= 4 for b in tables]
     # words of one copy: 1-bit streams use nibble tables (16 entries of two half2 words)
     entries = [0 if b == 0 else 32 if b == 1 else (1 << (2 * b) if p else 1 << b) for b, p in zip(tables, pair)]
-    rep = [0 < e <= 256 for e in entries]
+    rep = [0 < e <= 256 and rep is not False for e in entries]
     warps = THREADS // 32
-    fixed = rows * max(dq, head_dim) + om * ok + warps * nt * 16 * rows + 2 * warps * 8 + 64
+    qsh = bool(qsh)
+    k_steps = max(ka[0] // 16 + (kb[0] // 16 if kb else 0), max(head_dim, 16) // 16)
+    fixed = (rows * max(dq, head_dim) + om * ok + warps * nt * 16 * rows + 2 * warps * 8 + 64
+             + (64 * k_steps if qsh else 2))
 
     def words() -> int:
         tab = sum(e * (32 if r else 1) for e, r in zip(entries, rep))
@@ -308,8 +317,9 @@ def _tc_plan(signature: tuple, ddt: int, nt: int) -> tuple[list | None, str]:
         return None, f"{4 * words()} bytes of shared memory (at most {4 * TC_SHARED_WORDS})"
     va_grouped = va[8] < va[0] or va[9]
     # the next step's loads issued before this step's math where registers allow: one key and one value stream
-    pf = (kb is None and vb is None) if TUNING["pf"] is None else bool(TUNING["pf"])
-    t = [("R", rows), ("DQ", dq), ("THREADS", THREADS), ("NT", nt), ("PF", pf), ("D", max(head_dim, 16)), ("DDT", ddt),
+    pf = (kb is None and vb is None) if pf is None else bool(pf)
+    t = [("R", rows), ("DQ", dq), ("THREADS", THREADS), ("NT", nt), ("PF", pf), ("QSH", qsh), ("D", max(head_dim, 16)),
+         ("DDT", ddt),
          ("ND", nd), ("SINKS", bool(sinks)), ("QSCALE", qscale), ("DO", out_dim),
          ("KA_OFF", ka[7]), ("KA_DIM", ka[0]), ("KA_BITS", ka[1]), ("KA_NS", ka[3]), ("KA_CB", ka[4]),
          ("KA_PAIR", pair[0]), ("KA_REP", rep[0]),
@@ -391,7 +401,7 @@ class _Launch:
         tc = None
         if backend == "cuda" and TUNING["tc"]:
             ddt = DENSE_DTYPES.get(inputs[INPUTS.index("wk")].dtype, 2) if nd else 0
-            tc, _ = _tc_plan(signature, ddt, TUNING["nt"])
+            tc, _ = _tc_plan(signature, ddt, TUNING["nt"], TUNING["pf"], TUNING["qsh"], TUNING["rep"])
         #: whether this launch runs the tensor-core kernel
         self.tc = tc is not None
         if self.tc:

@@ -56,6 +56,10 @@
     KVQ_SHARED float ol_s[OK > 0 ? NWARP * NT * 16 * R : 1];
     KVQ_SHARED float mw_s[NWARP * 8];
     KVQ_SHARED float lw_s[NWARP * 8];
+    // QSH: the query B fragments in shared memory, pre-packed (k-step s of lane l: words 2 (32 s + l), + 1; key
+    // stream B's k-steps after stream A's), read with one 64-bit load per k-step instead of held in registers
+    constexpr int QKS = (KSA + KSB) > D / 16 ? (KSA + KSB) : D / 16;
+    KVQ_SHARED __align__(8) uint qh_s[QSH ? 64 * QKS : 2];
     uint* katab_s = smem_s;
     uint* kbtab_s = smem_s + TKA;
     uint* vatab_s = smem_s + TKA + TKB;
@@ -272,24 +276,37 @@
     constexpr int VASH = (VA_REP ? 7 : 2) + (VAQ ? 1 : 0), VBSH = (VB_REP ? 7 : 2) + (VBQ ? 1 : 0);
 
     // query B fragments: k-step s of a key stream holds its coordinates c * S + 4 s + {0, 1} (b0), {2, 3} (b1)
-    uint qfa[KS1][2];
-    uint qfb[KBX ? KSB : 1][2];
+    uint qfa[QSH ? 1 : KS1][2];
+    uint qfb[QSH || !KBX ? 1 : KSB][2];
+    // the fragment of k-step s (key stream A: s < KS1; B: KS1 + s) for lane (gq, cq)
+    auto qfrag = [&](const int s, const int e, const int gq, const int cq) -> uint {
+        if (gq >= R) return 0u;
+        if (s < KS1) {
+            const int j = QOFF + cq * SK1 + 4 * s + 2 * e;
+            return kvq_h2(q_s[gq * QSTR + j], q_s[gq * QSTR + j + 1]);
+        }
+        const int j = KB_OFF + cq * SKB + 4 * (s - KS1) + 2 * e;
+        return kvq_h2(q_s[gq * DQ + j], q_s[gq * DQ + j + 1]);
+    };
+    if constexpr (QSH) {
+        for (int i = tid; i < 64 * (KS1 + (KBX ? KSB : 0)); i += THREADS) {
+            const int ln = (i >> 1) & 31;
+            qh_s[i] = qfrag(i >> 6, i & 1, ln >> 2, ln & 3);
+        }
+        KVQ_BARRIER();
+    } else {
 #pragma unroll
-    for (int s = 0; s < KS1; ++s) {
+        for (int s = 0; s < KS1; ++s) {
+            qfa[s][0] = qfrag(s, 0, g, c);
+            qfa[s][1] = qfrag(s, 1, g, c);
+        }
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int j = QOFF + c * SK1 + 4 * s + 2 * e;
-            qfa[s][e] = g < R ? kvq_h2(q_s[g * QSTR + j], q_s[g * QSTR + j + 1]) : 0u;
+        for (int s = 0; s < (KBX ? KSB : 0); ++s) {
+            qfb[s][0] = qfrag(KS1 + s, 0, g, c);
+            qfb[s][1] = qfrag(KS1 + s, 1, g, c);
         }
     }
-#pragma unroll
-    for (int s = 0; s < (KBX ? KSB : 0); ++s) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int j = KB_OFF + c * SKB + 4 * s + 2 * e;
-            qfb[s][e] = g < R ? kvq_h2(q_s[g * DQ + j], q_s[g * DQ + j + 1]) : 0u;
-        }
-    }
+    const uint2* qh_l = reinterpret_cast<const uint2*>(qh_s) + lane;  // the lane's fragments, 32 uint2 apart
 
     float acca[MT1][4];
     float accb[VBX ? MTB : 1][4];
@@ -404,7 +421,12 @@
                     }
                 }
                 }
-                kvq_mma(da, a[0], a[1], a[2], a[3], qfa[s][0], qfa[s][1]);
+                if constexpr (QSH) {
+                    const uint2 qf = qh_l[32 * s];
+                    kvq_mma(da, a[0], a[1], a[2], a[3], qf.x, qf.y);
+                } else {
+                    kvq_mma(da, a[0], a[1], a[2], a[3], qfa[s][0], qfa[s][1]);
+                }
             }
 #pragma unroll
             for (int s = 0; s < (KBX ? KSB : 0); ++s) {
@@ -423,7 +445,12 @@
                     a[e] = KVQ_STREAM_PAIR(kub[u], p, KB_BITS, KB_PAIR, kbtab_l, KBSH);
                 }
                 }
-                kvq_mma(db, a[0], a[1], a[2], a[3], qfb[s][0], qfb[s][1]);
+                if constexpr (QSH) {
+                    const uint2 qf = qh_l[32 * (KS1 + s)];
+                    kvq_mma(db, a[0], a[1], a[2], a[3], qf.x, qf.y);
+                } else {
+                    kvq_mma(db, a[0], a[1], a[2], a[3], qfb[s][0], qfb[s][1]);
+                }
             }
             // d: (token g, rows 2c, 2c + 1), (token g + 8, rows 2c, 2c + 1)
 #pragma unroll
