@@ -9,7 +9,9 @@
 #        capacity (kvq bench capacity: the most 32K-token sequences that fit per cache, and their tokens/s),
 #        streams (the streams kernel's GPU tests, a vecinfer calibration of random:llama3-8b, then kvq bench e2e for
 #        qjl+affine:4, turboquant_prod:4 and vecinfer),
-#        profile-streams (ncu --set full of the streams kernel at 128K: occupancy, stall reasons, DRAM throughput)
+#        profile-streams (ncu --set full of the streams kernel at 128K: occupancy, stall reasons, DRAM throughput),
+#        streams-tuning (the streams and encoder GPU tests, every tensor-core variant included, then the kernel's
+#        time per call with the register-saving launch knobs beside the default, and a window flush's parts)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -81,6 +83,14 @@ for name, fn in [("quantize", lambda: k.kvq_quantize(x, p).data["codes"]),
                -o "$OUT/streams" python3 benchmarks/profile_streams.py > "$OUT/profile_streams.log" 2>&1
              ncu -i "$OUT/streams.ncu-rep" --page details > "$OUT/streams_details.txt" 2>&1
              grep -E "Duration|Registers Per|Achieved Occ|DRAM Through|Stall|Warp Cycles" "$OUT/streams_details.txt" | head -60;;
+    streams-tuning) MLX_ENABLE_TF32=0 timeout 500 python3 -m pytest tests/test_kernels_gpu.py -m gpu -q --tb=short \
+               -p no:cacheprovider -k "streams or encoder or selection" > "$OUT/gpu_tests_streams.log" 2>&1
+             tail -c 2000 "$OUT/gpu_tests_streams.log"
+             timeout 200 python3 benchmarks/streams_kernel_times.py --out "$OUT/streams_kernel_times.json" --variants \
+               '{"qsh": {"qsh": true, "pf": false, "nt": 1}, "qsh_pf": {"qsh": true}, "single": {"qsh": true, "pf": false, "nt": 1, "rep": false}}' \
+               > "$OUT/streams_kernel_times.log" 2>&1; tail -c 3000 "$OUT/streams_kernel_times.log"
+             timeout 300 python3 benchmarks/flush_parts.py --out "$OUT/flush_parts.json" \
+               --methods qjl+affine:4,turboquant_prod:4,turboquant:4 > "$OUT/flush_parts.log" 2>&1; tail -c 1500 "$OUT/flush_parts.log";;
     hostsplit) timeout 200 python3 benchmarks/decode_host_split.py > "$OUT/hostsplit.log" 2>&1; cat "$OUT/hostsplit.log";;
     dist) KVQ_TEST_DISTRIBUTED_BACKEND=nccl timeout 240 python3 -m pytest tests/test_distributed.py -q -x \
             -p no:cacheprovider > "$OUT/dist_tests.log" 2>&1; tail -c 1500 "$OUT/dist_tests.log"

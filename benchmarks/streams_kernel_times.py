@@ -6,7 +6,12 @@ per call, in microseconds: ``batched`` = wall time of ``--calls`` independent ca
 their number (close to GPU time when the GPU is the bottleneck), ``single`` = one call built and evaluated at a
 time (adds graph building and synchronisation). Each figure is the median of ``--reps`` repetitions.
 
-    python benchmarks/streams_kernel_times.py --out times.json [--contexts 32768,131072] [--calls 40]
+``--variants`` (JSON: label -> :data:`kvq_metal.streams.TUNING` overrides) times the tensor-core kernel with other
+launch knobs in the same process, each beside the default, and reports each output's largest relative difference
+from the default variant's (``rel_to_default``: a variant that computes something else shows at once).
+
+    python benchmarks/streams_kernel_times.py --out times.json [--contexts 32768,131072] [--calls 40] \
+        [--variants '{"qsh": {"qsh": true, "pf": false, "nt": 1}}']
 """
 
 from __future__ import annotations
@@ -52,7 +57,10 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=40)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--variants", default="{}", help="JSON: label -> TUNING overrides of the tensor-core kernel")
     args = ap.parse_args()
+    variants = {"tc": {"tc": True}, "simt": {"tc": False},
+                **{label: {"tc": True, **knobs} for label, knobs in json.loads(args.variants).items()}}
     backend = kvq_metal.gpu_backend()
     results = {"sources": kvq_metal.sources_hash(), "device": str(mx.default_device()), "calls": []}
     for T in (int(t) for t in args.contexts.split(",")):
@@ -69,16 +77,23 @@ def main() -> None:
             impl, keys, values, call = encode(km, kp, vm, vp, k, v, backend)
             prepare, finish = impl._matrices(keys, values, call)
             dense = DenseTokens(window[:, :, :4], window[:, :, :4], window[:, :, 4:], window[:, :, 4:])
-            for tc in (True, False):
-                streams.TUNING["tc"] = tc
+            default = dict(streams.TUNING)
+            reference = None
+            for name, knobs in variants.items():
+                streams.TUNING.update(knobs)
                 step = streams.StreamStep(call, q, D ** -0.5, prepare, finish, backend, window[:, :, :4],
                                           window[:, :, :4], window[:, :, 4:], window[:, :, 4:])
                 label = f"{km}:{kp.get('bits', '')}+{vm}:{vp.get('bits', '')}"
-                row = {"T": T, "method": label, "kernel": "tc" if step._launch.tc else "simt",
+                out = step(q, dense.window_keys, dense.window_values).astype(mx.float32)
+                reference = out if reference is None else reference
+                rel = mx.max(mx.abs(out - reference)) / mx.maximum(mx.max(mx.abs(reference)), 1e-30)
+                row = {"T": T, "method": label, "variant": name, "kernel": "tc" if step._launch.tc else "simt",
+                       "rel_to_default": float(rel),
                        **_time(lambda: step(q, dense.window_keys, dense.window_values), args.calls, args.reps)}
                 print(json.dumps(row), flush=True)
                 results["calls"].append(row)
-            streams.TUNING["tc"] = True
+                streams.TUNING.clear()
+                streams.TUNING.update(default)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
 

@@ -60,13 +60,14 @@ ATTEND_CASES = [
 ]
 
 
-def _tensor_cores(request, tuning: dict):
-    """Set ``tuning["tc"]`` to the fixture's parameter for one test (``simt`` on CUDA only), and back after it."""
-    if not request.param and kvq_metal.gpu_backend() != "cuda":
+def _tensor_cores(tc: bool, tuning: dict):
+    """Set ``tuning["tc"]`` to ``tc`` (a fixture's parameter) for one test (``simt`` on CUDA only), and back after
+    it."""
+    if not tc and kvq_metal.gpu_backend() != "cuda":
         pytest.skip("the tensor-core kernel exists on CUDA only")
     saved = tuning["tc"]
-    tuning["tc"] = request.param
-    yield request.param
+    tuning["tc"] = tc
+    yield tc
     tuning["tc"] = saved
 
 
@@ -76,7 +77,7 @@ def attend_kernel_kind(request):
     the SIMT kernel (the Metal design) the rest; ``simt`` forces the SIMT kernel everywhere."""
     from kvq_metal import attend
 
-    yield from _tensor_cores(request, attend.TUNING)
+    yield from _tensor_cores(request.param, attend.TUNING)
 
 
 @pytest.mark.parametrize("case", range(len(ATTEND_CASES)))
@@ -506,13 +507,27 @@ STREAM_CASES = [
 ]
 
 
-@pytest.fixture(params=[True, False], ids=["tensor_cores", "simt"])
+STREAMS_TC_VARIANTS = {"tc_qsh": {"qsh": True, "pf": False, "nt": 1}, "tc_single": {"qsh": True, "rep": False}}
+
+
+@pytest.fixture(params=[True, False, "tc_qsh", "tc_single"], ids=["tensor_cores", "simt", "tc_qsh", "tc_single"])
 def streams_kernel_kind(request):
     """Both streams kernels: on CUDA the tensor-core one serves the calls it takes by default
-    (:func:`kvq_metal.streams._tc_plan`), ``simt`` forces the SIMT one (the Metal design)."""
+    (:func:`kvq_metal.streams._tc_plan`), ``simt`` forces the SIMT one (the Metal design); ``tc_qsh`` and
+    ``tc_single`` are the tensor-core kernel with the launch knobs that free registers (query fragments in shared
+    memory, no prefetch, one tile per warp step; single code tables), CUDA only."""
     from kvq_metal import streams
 
-    yield from _tensor_cores(request, streams.TUNING)
+    knobs = STREAMS_TC_VARIANTS.get(request.param, {})
+    if knobs and kvq_metal.gpu_backend() != "cuda":
+        pytest.skip("the tensor-core kernel exists on CUDA only")
+    saved = dict(streams.TUNING)
+    streams.TUNING.update(knobs)
+    try:
+        yield from _tensor_cores(True if knobs else request.param, streams.TUNING)
+    finally:
+        streams.TUNING.clear()
+        streams.TUNING.update(saved)
 
 
 @pytest.mark.parametrize("case", range(len(STREAM_CASES)))

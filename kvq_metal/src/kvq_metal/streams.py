@@ -613,9 +613,11 @@ class StreamsKernelImpl(KernelImpl):
         rows = query_rows(queries, keys)
         if call is None or not supported(call, rows, keys.head_dim if dense else None):
             return None
-        # the kernel that will run is part of the key: a check of one says nothing of the other
+        # the kernel that will run (and the tensor-core kernel's knobs) is part of the key: a check of one variant
+        # says nothing of another
         tc = self.backend == "cuda" and bool(TUNING["tc"])
-        key = (_check_key(keys.params), _check_key(values.params), keys.head_dim, rows, queries.dtype, tc)
+        knobs = tuple(TUNING[k] for k in ("nt", "pf", "qsh", "rep")) if tc else ()
+        key = (_check_key(keys.params), _check_key(values.params), keys.head_dim, rows, queries.dtype, tc, knobs)
         passed = base.first_use_check(self.backend, f"decode_attend_streams[{self.method}]", key,
                                       lambda: check_attend(self, quantize_with_method, keys.params, values.params,
                                                            keys.head_dim, rows, queries.dtype,
