@@ -243,3 +243,47 @@ def test_bound_step_matrices_are_kept_per_parameters_and_calibration(tmp_path, m
         assert again is not first and relative_error(again, first) == 0.0
     finally:
         storage.forget()
+
+
+def test_streams_launch_plan_is_made_once_per_signature(monkeypatch):
+    """A window flush binds every layer's decode step again (:class:`kvq_metal.streams.StreamStep`): its launch
+    plan (the bound kernel and merge, on CUDA) is made once per signature and kept for other token counts, which
+    change only the grid; other launch knobs make another plan."""
+    from kvq_backends_qjl import kernels as qjl_kernels
+    from kvq_metal import dialect
+    from kvq_metal.attend import splits_for
+
+    built = []
+
+    def fake_cuda_kernel(**kw):
+        built.append(kw["name"])
+        return lambda **call: [mx.zeros(s, d) for s, d in zip(call["output_shapes"], call["output_dtypes"])]
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", fake_cuda_kernel)
+    monkeypatch.setattr(dialect, "includes_work", lambda: False)
+    monkeypatch.setattr(streams, "_PLANS", {})
+    impl = kvq.registry().implementations[("qjl", "cuda")]
+    x = normal((2, 2, 3000, 128), 0, mx.bfloat16)
+    keys = _quantize(x[:1], kvq.make_params("qjl"))
+    values = _quantize(x[1:], kvq.make_params("affine", bits=4).for_head_dim(128))
+    q, w = normal((1, 8, 1, 128), 1, mx.bfloat16), normal((1, 2, 132, 128), 2, mx.bfloat16)
+
+    def step(T):
+        k, v = keys.tokens(0, T), values.tokens(0, T)
+        call = qjl_kernels.key_stream_call(k, v)
+        prepare, finish = impl._matrices(k, v, call)
+        return streams.StreamStep(call, q, 128 ** -0.5, prepare, finish, "cuda", w[:, :, :4], w[:, :, :4],
+                                  w[:, :, 4:], w[:, :, 4:])
+
+    first = step(300)
+    made = len(built)
+    for T in (1000, 3000):
+        later = step(T)
+        assert len(built) == made  # no kernel object made again
+        assert later._launch.call is first._launch.call and later._launch.merge is first._launch.merge
+        tile = 16 * streams.TUNING["nt"] * streams.THREADS // 32
+        assert later._launch.grid[1] == splits_for(2, T, "cuda", tile, streams.TUNING["groups"]) + 2
+    out = later(q, w[:, :, 4:], w[:, :, 4:])
+    assert out.shape == (1, 8, 1, 128) and out.dtype == mx.bfloat16
+    monkeypatch.setitem(streams.TUNING, "qsh", True)
+    assert step(300)._launch.call is not first._launch.call and len(built) == made + 1

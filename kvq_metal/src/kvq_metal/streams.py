@@ -377,52 +377,93 @@ def _arrays(call: StreamCall) -> list:
 def _aliases(inputs: list) -> dict[str, str]:
     """Inputs (:data:`INPUTS`) that are the same array as an earlier one (the stand-ins :func:`_arrays` passes for
     absent streams), by name -> that earlier input's name."""
+    first: dict[int, int] = {}
     aliases = {}
-    for i in range(1, len(inputs)):
-        first = next(j for j in range(i + 1) if inputs[j] is inputs[i])
-        if first < i:
-            aliases[INPUTS[i]] = INPUTS[first]
+    for i, array in enumerate(inputs):
+        j = first.setdefault(id(array), i)
+        if j < i:
+            aliases[INPUTS[i]] = INPUTS[j]
     return aliases
 
 
+@attrs.frozen(eq=False)
+class _Plan:
+    """What a launch of the streams kernel and its merge keeps whatever the token count (:func:`_launch_plan`)."""
+
+    tc: bool
+    tile: int
+    call: object
+    template: list
+    kept: tuple
+    merge: object
+    merge_template: list
+
+
+#: :func:`_launch_plan`'s plans by signature, back end, output, input dtypes, aliases and :data:`TUNING`.
+_PLANS: dict = {}
+
+
+def _launch_plan(call: StreamCall, rows: int, dense: tuple, inputs: list, backend: str, out_dim: int,
+                 finish: bool) -> _Plan:
+    """The plan of a launch (:class:`_Launch`) for the call's signature (:func:`_signature`; on CUDA the tensor-core
+    kernel where :func:`_tc_plan` serves it): the bound kernel (template values written into its text on CUDA, an
+    input that is the same array as an earlier one read through it), the inputs it takes, tokens per tile and the
+    bound merge. Made once per signature, back end, output width, finish, input dtypes, aliases and
+    :data:`TUNING`: a cache binds a new decode step at every window flush of every layer, and planning and
+    binding cost the host more than the launch.
+
+    :raises ValueError: a call the kernel does not serve (the message says why)."""
+    aliases = _aliases(inputs)
+    signature = _signature(call, rows, dense)
+    key = (signature, backend, out_dim, finish, tuple(a.dtype for a in inputs), tuple(sorted(aliases.items())),
+           tuple(sorted(TUNING.items())))
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return plan
+    template, why = _plan(signature)
+    if template is None:
+        raise ValueError(f"decode_attend_streams does not serve this call: {why}")
+    nd = dense[0]
+    tc = None
+    if backend == "cuda" and TUNING["tc"]:
+        ddt = DENSE_DTYPES.get(inputs[INPUTS.index("wk")].dtype, 2) if nd else 0
+        tc, _ = _tc_plan(signature, ddt, TUNING["nt"], TUNING["pf"], TUNING["qsh"], TUNING["rep"])
+    if tc is not None:
+        template = tc
+        tile = 16 * TUNING["nt"] * THREADS // 32
+        kern = DECODE_ATTEND_STREAMS_TC.kernel(backend, INPUTS, ("out", "ml"), ensure_row_contiguous=False)
+    else:
+        tile = TUNING["kt"] * THREADS // dict(template)["NCG"]
+        kern = DECODE_ATTEND_STREAMS.kernel(backend, INPUTS, ("out", "ml"), ensure_row_contiguous=False)
+    bound, full_template, kept = kern.bound(template, inputs, aliases)
+    merge = DECODE_MERGE_STREAMS.kernel(backend, MERGE_INPUTS, ("out", "lse"))
+    merge_template = [("DO", call.out_dim), ("DV", out_dim), ("R", rows), ("ND", nd), ("FIN", finish),
+                      ("MAX_SPLITS", MAX_SPLITS)]
+    pad = _constant((0.0,), mx.float32)
+    merge_call, merge_full, _ = merge.bound(merge_template, [pad, pad, pad])
+    if len(_PLANS) > 512:
+        _PLANS.clear()
+    plan = _PLANS[key] = _Plan(tc is not None, tile, bound, full_template, kept, merge_call, merge_full)
+    return plan
+
+
 class _Launch:
-    """One static launch of the streams kernel and its merge, planned from the call's signature (:func:`_plan`; on
-    CUDA the tensor-core kernel where :func:`_tc_plan` serves it): the bound kernel (template values written into
-    its text on CUDA), which inputs it takes, the grid and the merge."""
+    """One static launch of the streams kernel and its merge: the call's plan (:func:`_launch_plan`, kept across
+    token counts) and the grid of this token count's splits."""
 
     def __init__(self, call: StreamCall, rows: int, batch: int, num_tokens: int, dense: tuple, inputs: list,
                  backend: str, out_dim: int, finish: bool) -> None:
-        signature = _signature(call, rows, dense)
-        template, why = _plan(signature)
-        if template is None:
-            raise ValueError(f"decode_attend_streams does not serve this call: {why}")
+        plan = _launch_plan(call, rows, dense, inputs, backend, out_dim, finish)
         H = call.keys[0].codes.shape[1]
         nd = dense[0]
-        tc = None
-        if backend == "cuda" and TUNING["tc"]:
-            ddt = DENSE_DTYPES.get(inputs[INPUTS.index("wk")].dtype, 2) if nd else 0
-            tc, _ = _tc_plan(signature, ddt, TUNING["nt"], TUNING["pf"], TUNING["qsh"], TUNING["rep"])
         #: whether this launch runs the tensor-core kernel
-        self.tc = tc is not None
-        if self.tc:
-            template = tc
-            tile = 16 * TUNING["nt"] * THREADS // 32
-            kern = DECODE_ATTEND_STREAMS_TC.kernel(backend, INPUTS, ("out", "ml"), ensure_row_contiguous=False)
-        else:
-            tile = TUNING["kt"] * THREADS // dict(template)["NCG"]
-            kern = DECODE_ATTEND_STREAMS.kernel(backend, INPUTS, ("out", "ml"), ensure_row_contiguous=False)
-        splits = splits_for(batch * H, num_tokens, backend, tile, TUNING["groups"])
-        # on CUDA the template's values written into the kernel's text (a short name, no per-launch formatting of
-        # 41 arguments); an input that is the same array as an earlier one read through it
-        self.call, self.template, self.kept = kern.bound(template, inputs, _aliases(inputs))
+        self.tc = plan.tc
+        splits = splits_for(batch * H, num_tokens, backend, plan.tile, TUNING["groups"])
+        self.call, self.template, self.kept = plan.call, plan.template, plan.kept
         self.grid = (THREADS * batch * H, splits + nd, 1)
         DO = call.out_dim
         self.shapes = [(batch, H, splits + nd, rows, DO), (batch, H, splits + nd, rows, 2)]
-        merge = DECODE_MERGE_STREAMS.kernel(backend, MERGE_INPUTS, ("out", "lse"))
-        merge_template = [("DO", DO), ("DV", out_dim), ("R", rows), ("ND", nd), ("FIN", finish),
-                          ("MAX_SPLITS", MAX_SPLITS)]
-        pad = _constant((0.0,), mx.float32)
-        self.merge, self.merge_template, _ = merge.bound(merge_template, [pad, pad, pad])
+        self.merge, self.merge_template = plan.merge, plan.merge_template
         self.merge_grid = (DO * batch * H * rows, 1, 1)
         self.merge_group = (DO, 1, 1)
         self.out_shapes = [(batch, H, rows, out_dim), (batch, H, rows)]
