@@ -61,19 +61,9 @@ def quantize(x: mx.array, signs: mx.array, boundaries: mx.array, bits: int, norm
         stores it.
     :raises ValueError: a shape or width :func:`supported` rejects.
     """
-    D, dim = x.shape[-1], signs.shape[0]
-    if not supported(D, dim, bits):
-        raise ValueError(f"fused quantize serves head_dim rotated at a power of two in 32..256 and bits 1..4; got "
-                         f"{D} at {dim}, {bits}")
-    lead, n, groups = _rows(x.shape)
-    kern = QUANTIZE.kernel(backend, ("x", "signs", "bounds"), ("codes", "norms"))
-    codes, norms = kern(
-        inputs=[x.reshape(n, D), signs, boundaries],
-        template=[("D", D), ("DP", dim), ("BITS", bits), ("VPG", VECTORS_PER_GROUP),
-                  ("NORM_F16", norm_dtype == mx.float16), ("OUT_T", norm_dtype)],
-        grid=(32 * VECTORS_PER_GROUP * groups, 1, 1), threadgroup=(32 * VECTORS_PER_GROUP, 1, 1),
-        output_shapes=[(n, dim * bits // 32), (n,)], output_dtypes=[mx.uint32, norm_dtype])
-    return codes.reshape(*lead, dim * bits // 32), norms.reshape(lead)
+    codes, norms = _encode(QUANTIZE, ("x", "signs", "bounds"), ("codes", "norms"), x, [signs, boundaries], bits,
+                           norm_dtype, backend, ())
+    return codes, norms
 
 
 def quantize_prod(x: mx.array, signs: mx.array, boundaries: mx.array, centroids: mx.array, sketch: mx.array,
@@ -89,22 +79,34 @@ def quantize_prod(x: mx.array, signs: mx.array, boundaries: mx.array, centroids:
         projection within rounding of 0 may take the other sign than pure MLX's matmul.
     :raises ValueError: a shape or width :func:`supported` rejects.
     """
-    D, dim = x.shape[-1], signs.shape[0]
+    dim = signs.shape[0]
+    return _encode(QUANTIZE_PROD, ("x", "signs", "bounds", "cents", "sk"), ("codes", "norms", "rsigns", "rnorms"),
+                   x, [signs, boundaries, centroids, sketch], bits, norm_dtype, backend,
+                   ((dim // 32, mx.uint32), (None, norm_dtype)))
+
+
+def _encode(source, input_names: tuple, output_names: tuple, x: mx.array, inputs: list, bits: int, norm_dtype,
+            backend: str, extra: tuple) -> tuple:
+    """Launch an encoder of this module (``tq_quantize.kvq`` or ``tq_prod_quantize.kvq``) over the vectors of ``x``
+    ``[..., D]``: inputs ``x`` and ``inputs`` (the rotation's signs first, whose length is the rotation size),
+    outputs the codes and norms, then ``extra`` ones (``(words per vector or None for one value, dtype)``), each
+    shaped like ``x``'s leading axes.
+
+    :raises ValueError: a shape or width :func:`supported` rejects."""
+    D, dim = x.shape[-1], inputs[0].shape[0]
     if not supported(D, dim, bits):
         raise ValueError(f"fused quantize serves head_dim rotated at a power of two in 32..256 and bits 1..4; got "
                          f"{D} at {dim}, {bits}")
     lead, n, groups = _rows(x.shape)
-    kern = QUANTIZE_PROD.kernel(backend, ("x", "signs", "bounds", "cents", "sk"),
-                                ("codes", "norms", "rsigns", "rnorms"))
-    codes, norms, rsigns, rnorms = kern(
-        inputs=[x.reshape(n, D), signs, boundaries, centroids, sketch],
-        template=[("D", D), ("DP", dim), ("BITS", bits), ("VPG", VECTORS_PER_GROUP),
-                  ("NORM_F16", norm_dtype == mx.float16), ("OUT_T", norm_dtype)],
-        grid=(32 * VECTORS_PER_GROUP * groups, 1, 1), threadgroup=(32 * VECTORS_PER_GROUP, 1, 1),
-        output_shapes=[(n, dim * bits // 32), (n,), (n, dim // 32), (n,)],
-        output_dtypes=[mx.uint32, norm_dtype, mx.uint32, norm_dtype])
-    return (codes.reshape(*lead, dim * bits // 32), norms.reshape(lead), rsigns.reshape(*lead, dim // 32),
-            rnorms.reshape(lead))
+    widths = ((dim * bits // 32, mx.uint32), (None, norm_dtype), *extra)
+    kern = source.kernel(backend, input_names, output_names)
+    outs = kern(inputs=[x.reshape(n, D), *inputs],
+                template=[("D", D), ("DP", dim), ("BITS", bits), ("VPG", VECTORS_PER_GROUP),
+                          ("NORM_F16", norm_dtype == mx.float16), ("OUT_T", norm_dtype)],
+                grid=(32 * VECTORS_PER_GROUP * groups, 1, 1), threadgroup=(32 * VECTORS_PER_GROUP, 1, 1),
+                output_shapes=[(n,) if w is None else (n, w) for w, _ in widths],
+                output_dtypes=[d for _, d in widths])
+    return tuple(o.reshape(lead) if w is None else o.reshape(*lead, w) for o, (w, _) in zip(outs, widths))
 
 
 def dequantize(codes: mx.array, norms: mx.array, signs: mx.array, centroids: mx.array, bits: int, head_dim: int,
