@@ -78,16 +78,20 @@ __device__ __forceinline__ void kvq_dense_row(uint (&dst)[NW], const T* row, con
             for (int k = 0; k < NW; ++k) dst[k] = kvq_h2(__uint_as_float(dst[k] << 16), __uint_as_float(dst[k] & 0xffff0000u));
         }
     } else {
-        // one word at a time (a running pointer, a compiler barrier per word): rows a cache never passes (strided,
-        // unaligned, other dtypes) take this path, and hoisting its loads would cost the common path registers
+        // one word at a time into a local array, in a loop that is not unrolled, then copied: rows a cache never
+        // passes (strided, unaligned, other dtypes) take this path, and unrolled, the scheduler hoisted all its
+        // loads and held them in registers, which bound the occupancy of the common path (nvcc: the streams
+        // kernel's uncompressed role took 189 registers, 152 without this path)
+        uint tmp[NW];
         const T* e = row + j0 * s3;
-#pragma unroll
+#pragma unroll 1
         for (int k = 0; k < NW; ++k) {
             const int j = j0 + 2 * k;
-            dst[k] = kvq_h2(j < len ? static_cast<float>(e[0]) : 0.0f, j + 1 < len ? static_cast<float>(e[s3]) : 0.0f);
+            tmp[k] = kvq_h2(j < len ? static_cast<float>(e[0]) : 0.0f, j + 1 < len ? static_cast<float>(e[s3]) : 0.0f);
             e += 2 * s3;
-            asm volatile("" ::: "memory");
         }
+#pragma unroll
+        for (int k = 0; k < NW; ++k) dst[k] = tmp[k];
     }
 }
 // entry e of a lane's view of a code table whose entries lie 1 << SH bytes apart: a byte offset, so the address
