@@ -5,9 +5,11 @@ MLX's ``mx.fast.cuda_kernel`` is replaced by a recorder: each launch of
 :func:`kvq_metal.streams.decode_attend_streams` (qjl+affine:4, turboquant_prod:4 and :3 at head_dim 128, 4 query
 rows, with and without the sinks and window) records its kernel text, inputs and outputs; the signature MLX would
 write is rebuilt around the body (every input with its ``_shape``, ``_strides`` and ``_ndim``), and ``nvcc -arch
-sm_90 -cubin -Xptxas -v`` compiles it. No kernel runs; the outputs are zeros.
+sm_90 -cubin -Xptxas -v`` compiles it. No kernel runs; the outputs are zeros. ``--turboquant``: the tensor-core
+decode kernel of turboquant instead (``decode_attend_tc.cu``, a bound decode step with sinks and window: bits 4 and 3
+at head_dim 128, bits 4 at 256).
 
-    KVQ_STREAMS_TUNING='{"nt": 1}' python benchmarks/nvcc_registers.py [--keep DIR]
+    KVQ_STREAMS_TUNING='{"nt": 1}' python benchmarks/nvcc_registers.py [--keep DIR] [--turboquant]
 """
 
 from __future__ import annotations
@@ -56,13 +58,59 @@ def cuda_text(kw: dict) -> str:
             f"\nextern \"C\" __global__ void k({', '.join(args)}) {{\n{consts}{kw['source']}\n}}\n")
 
 
+def compile_recorded(kw: dict, path: Path) -> str:
+    """Write the translation unit of a recorded launch to ``path``, compile it with nvcc (sm_90) and return a line:
+    registers, spills, stack frame and static shared memory."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(cuda_text(kw))
+    r = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-cubin", "-o", str(path) + ".cubin", "-Xptxas", "-v",
+                        str(path)], capture_output=True, text=True)
+    if r.returncode:
+        return f"rc {r.returncode}: {r.stderr[-4000:]}"
+    entry = r.stderr[r.stderr.index("Compiling entry function"):]
+    regs = re.findall(r"Used (\d+) registers", entry)[:1]
+    spills = re.findall(r"(\d+) bytes spill stores", entry)[:1]
+    stack = re.findall(r"(\d+) bytes stack frame", entry)[:1]
+    smem = re.findall(r"(\d+) bytes smem", entry)[:1]
+    return f"registers {regs} spill stores {spills} stack frame {stack} static shared {smem} bytes"
+
+
+def turboquant(keep: str | None) -> None:
+    """The tensor-core decode kernel of turboquant (a bound decode step, sinks and window included)."""
+    import kvq
+    from kvq.plugins import registry
+    from kvq_backends_turboquant.kernels import turboquant as tq
+    from kvq_metal import attend
+
+    impl, pure = registry().implementations[("turboquant", "cuda")], registry().implementations[("turboquant", "mlx")]
+    for bits, D in ((4, 128), (3, 128), (4, 256)):
+        p = kvq.make_params("turboquant", bits=bits)
+        x = mx.random.normal((2, 1, 8, 300, D)).astype(mx.bfloat16)
+        keys, values = pure.kvq_quantize(x[0], p), pure.kvq_quantize(x[1], p)
+        q = mx.random.normal((1, 32, 1, D)).astype(mx.bfloat16)
+        w = mx.random.normal((1, 8, 132, D)).astype(mx.bfloat16)
+        RECORDED.clear()
+        step = attend.bind_decode(q, D ** -0.5, tq.rotated_dense_call(impl, q, keys, values, tq._side), "cuda",
+                                  sink_keys=w[:, :, :4], sink_values=w[:, :, :4], window_keys=w[:, :, 4:],
+                                  window_values=w[:, :, 4:])
+        step(q, w[:, :, 4:], w[:, :, 4:])
+        kw = next(k for k in RECORDED if "attend_tc" in k["name"])
+        with tempfile.TemporaryDirectory() as tmp:
+            line = compile_recorded(kw, Path(keep or tmp) / f"turboquant_{bits}_{D}.cu")
+        print(f"turboquant:{bits} head_dim {D}: {line}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--keep", default=None, help="write the .cu files here")
+    ap.add_argument("--turboquant", action="store_true", help="turboquant's tensor-core decode kernel instead")
     args = ap.parse_args()
     if shutil.which("nvcc") is None:
         raise SystemExit("nvcc not found")
     mx.fast.cuda_kernel = lambda **kw: _Recorder(**kw)
+    if args.turboquant:
+        turboquant(args.keep)
+        return
     from kvq.attention import DenseTokens
     from kvq_metal import streams
 
@@ -83,19 +131,8 @@ def main() -> None:
             streams.decode_attend_streams(prepared, call, "cuda", **kwargs)
             kw = RECORDED[0]  # the attention launch (the merge follows)
             with tempfile.TemporaryDirectory() as tmp:
-                path = Path(args.keep or tmp) / f"{km}_{kp.get('bits', '')}_{label}.cu"
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(cuda_text(kw))
-                r = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-cubin", "-o", str(path) + ".cubin",
-                                    "-Xptxas", "-v", str(path)], capture_output=True, text=True)
-            if r.returncode:
-                print(r.stderr[-4000:])
-            regs = re.findall(r"Used (\d+) registers", r.stderr)
-            spills = re.findall(r"(\d+) bytes spill stores", r.stderr)
-            smem = re.findall(r"(\d+) bytes smem", r.stderr)
-            print(f"{km}+{vm} {label}: kernel {kw['name']} rc {r.returncode} registers {regs} spill stores {spills} "
-                  f"static shared {smem} bytes")
-
+                line = compile_recorded(kw, Path(args.keep or tmp) / f"{km}_{kp.get('bits', '')}_{label}.cu")
+            print(f"{km}+{vm} {label}: kernel {kw['name']} {line}")
 
 if __name__ == "__main__":
     main()
