@@ -33,7 +33,7 @@ for name, fn in [("quantize", lambda: k.kvq_quantize(x, p).data["codes"]),
     except Exception as e:
         print("FAIL", name, str(e)[:6000])
 ' > "$OUT/smoke.log" 2>&1; tail -c 4000 "$OUT/smoke.log";;
-    tests) MLX_ENABLE_TF32=0 timeout 400 python3 -m pytest tests/test_kernels_gpu.py -m gpu -q -x --tb=short -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1; tail -c 3000 "$OUT/gpu_tests.log";;
+    tests) MLX_ENABLE_TF32=0 timeout 600 python3 -m pytest tests/test_kernels_gpu.py -m gpu -q -x --tb=short -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1; tail -c 3000 "$OUT/gpu_tests.log";;
     bench) timeout 300 python3 benchmarks/kernels.py "$OUT/kernels_h200.json" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1; tail -c 3000 "$OUT/bench.log";;
     sweep) timeout 200 python3 benchmarks/kernels.py "$OUT/sweep.json" --sweep-only > "$OUT/sweep.log" 2>&1; tail -c 3000 "$OUT/sweep.log";;
     ops) mkdir -p "$OUT/ops"

@@ -71,13 +71,41 @@ def _tensor_cores(tc: bool, tuning: dict):
     tuning["tc"] = saved
 
 
-@pytest.fixture(params=[True, False], ids=["tensor_cores", "simt"])
+def _knobs(tuning: dict, knobs: dict):
+    """Set ``knobs`` in ``tuning`` (a module's launch knobs) for one test, and back after it (CUDA only)."""
+    if knobs and kvq_metal.gpu_backend() != "cuda":
+        pytest.skip("the tensor-core kernel exists on CUDA only")
+    saved = dict(tuning)
+    tuning.update(knobs)
+    try:
+        yield knobs
+    finally:
+        tuning.clear()
+        tuning.update(saved)
+
+
+#: The tensor-core decode kernel with the knobs that free registers: query fragments in shared memory, one tile of
+#: 16 tokens per warp step (``kvq_metal.attend.TUNING``).
+ATTEND_TC_VARIANT = {"qsh": True, "nt": 1}
+
+
+@pytest.fixture(params=[True, False, "tc_qsh"], ids=["tensor_cores", "simt", "tc_qsh"])
 def attend_kernel_kind(request):
     """Both decode-attention kernels: on CUDA the tensor-core kernel serves the shapes it supports by default and
-    the SIMT kernel (the Metal design) the rest; ``simt`` forces the SIMT kernel everywhere."""
+    the SIMT kernel (the Metal design) the rest; ``simt`` forces the SIMT kernel everywhere; ``tc_qsh`` is the
+    tensor-core kernel with :data:`ATTEND_TC_VARIANT`."""
     from kvq_metal import attend
 
-    yield from _tensor_cores(request.param, attend.TUNING)
+    for _ in _knobs(attend.TUNING, ATTEND_TC_VARIANT if request.param == "tc_qsh" else {}):
+        yield from _tensor_cores(request.param is not False, attend.TUNING)
+
+
+@pytest.fixture(params=[False, True], ids=["default", "tc_qsh"])
+def attend_tc_knobs(request):
+    """The tensor-core decode kernel as it is by default, and with :data:`ATTEND_TC_VARIANT`."""
+    from kvq_metal import attend
+
+    yield from _knobs(attend.TUNING, ATTEND_TC_VARIANT if request.param else {})
 
 
 @pytest.mark.parametrize("case", range(len(ATTEND_CASES)))
@@ -174,7 +202,7 @@ DENSE_CASES = [
 
 
 @pytest.mark.parametrize("case", range(len(DENSE_CASES)))
-def test_attend_dense_matches_parts(case):
+def test_attend_dense_matches_parts(case, attend_tc_knobs):
     """The tensor-core kernel's one-call attention over compressed tokens plus a cache's sinks and window
     (``attend_dense``) equals attending the three parts separately and merging them (pure MLX): float16 and
     bfloat16 rows read with vector loads, rows shorter than the codes' dimension, float32 rows and a strided
@@ -209,7 +237,7 @@ def test_attend_dense_matches_parts(case):
 
 
 @pytest.mark.parametrize("case", range(len(DENSE_CASES)))
-def test_bound_decode_steps_equal_the_unbound_call(case):
+def test_bound_decode_steps_equal_the_unbound_call(case, attend_tc_knobs):
     """A bound decode step (``bind_dense``: one launch that attends the codes, sinks and window, writes the output in
     the queries' dtype and zeroes the next step's split counters) equals ``attend_dense`` cast to that dtype, for
     eight steps built into one graph (each step's counters come from the step before, nothing evaluated in between)
@@ -519,15 +547,8 @@ def streams_kernel_kind(request):
     from kvq_metal import streams
 
     knobs = STREAMS_TC_VARIANTS.get(request.param, {})
-    if knobs and kvq_metal.gpu_backend() != "cuda":
-        pytest.skip("the tensor-core kernel exists on CUDA only")
-    saved = dict(streams.TUNING)
-    streams.TUNING.update(knobs)
-    try:
+    for _ in _knobs(streams.TUNING, knobs):
         yield from _tensor_cores(True if knobs else request.param, streams.TUNING)
-    finally:
-        streams.TUNING.clear()
-        streams.TUNING.update(saved)
 
 
 @pytest.mark.parametrize("case", range(len(STREAM_CASES)))

@@ -51,9 +51,11 @@ MAX_SPLITS = 2048
 #: 16-token tiles per warp step, ``pf`` loads of the next step issued before this step's math (off: it costs
 #: registers and measured no faster on the H200), ``pair`` pair tables (two codes per lookup) and ``tc_groups``
 #: thread groups to aim for (it keeps a block's warps busy longer: fewer, longer splits), ``rep`` one copy of each
-#: code table per lane where shared memory allows (lookups without bank conflicts; see :func:`table_layout`).
+#: code table per lane where shared memory allows (lookups without bank conflicts; see :func:`table_layout`),
+#: ``qsh`` the query fragments read from shared memory instead of held in registers (16 to 32 registers fewer per
+#: thread, which bound the kernel's occupancy; compiled with nvcc, not yet run on a GPU: off).
 TUNING = {"kt_small": 8, "kt_large": 8, "cpt": None, "phases": 3, "tc": True, "nt": 2, "pf": False, "pair": True,
-          "tc_groups": 264, "rep": True}
+          "tc_groups": 264, "rep": True, "qsh": False}
 # benchmarks may override the knobs without code changes: KVQ_ATTEND_TUNING='{"nt": 1}'
 TUNING.update(json.loads(os.environ.get("KVQ_ATTEND_TUNING", "{}")))
 
@@ -169,21 +171,23 @@ def table_layout(head_dim: int, rows: int, keys: Side, values: Side) -> tuple[bo
     Measured on an H200 at 128K tokens (``benchmarks/kernel_durations.py``): 4-bit codes with per-vector norms
     124 us with copies, 139 without; 4-bit codes with group scales and biases 141 and 147."""
     return _table_layout(head_dim, rows, keys.bits, keys.bits2, values.bits, values.bits2,
-                         keys.table is values.table, bool(TUNING["pair"]), bool(TUNING["rep"]))
+                         keys.table is values.table, bool(TUNING["pair"]), bool(TUNING["rep"]), bool(TUNING["qsh"]))
 
 
 @lru_cache(maxsize=1024)
 def _table_layout(head_dim: int, rows: int, kb: int, kb2: int, vb: int, vb2: int, same_table: bool, pair: bool,
-                  rep: bool) -> tuple[bool, bool, bool]:
-    """:func:`table_layout` from the code widths (``bits``, ``bits2`` per side) and whether both sides hold the
-    same table object."""
+                  rep: bool, qsh: bool = False) -> tuple[bool, bool, bool]:
+    """:func:`table_layout` from the code widths (``bits``, ``bits2`` per side), whether both sides hold the
+    same table object, and the knobs ``pair``, ``rep`` and ``qsh`` of :data:`TUNING`."""
     same = same_table and (kb, kb2) == (vb, vb2)
     key_code_bits, value_code_bits = kb + kb2, vb + vb2
     def entries(cb: int) -> int:
         return 1 << (2 * cb) if pair and 2 * cb <= 8 else 1 << cb
 
-    # left after the queries, the warps' (max, sum), the staged tables and a margin
-    free = SHARED_WORDS - rows * head_dim - 2 * 4 * 8 - (1 << key_code_bits) - (1 << value_code_bits) - 64
+    # left after the queries (and their fragments with qsh), the warps' (max, sum), the staged tables
+    # and a margin
+    free = (SHARED_WORDS - rows * head_dim - 2 * 4 * 8 - (1 << key_code_bits) - (1 << value_code_bits) - 64
+            - (4 * head_dim if qsh else 0))
     ke, ve = entries(key_code_bits), 0 if same else entries(value_code_bits)
     for krep, vrep in ((True, True), (True, False), (False, True), (False, False)):
         if not rep and (krep or vrep):
@@ -223,7 +227,7 @@ def _tc_template(**flags) -> list:
     """The tensor-core kernel's template arguments, in their fixed order: ``flags`` (``D``, ``R``, ``KG``, ``VG``
     and ``DV`` always) over the defaults of a launch without bits, biases, copies or uncompressed tokens."""
     t = {"D": None, "R": None, "KB": 1, "VB": 1, "KG": None, "VG": None, "KBIAS": False, "VBIAS": False, "KB2": 0,
-         "VB2": 0, "THREADS": THREADS, "ROT": False, "QSCALE": None, "NT": TUNING["nt"], "PF": False,
+         "VB2": 0, "THREADS": THREADS, "ROT": False, "QSCALE": None, "NT": TUNING["nt"], "PF": False, "QSH": False,
          "PAIRTAB": True, "SINKS": False, "DDT": 0, "KREP": False, "VREP": False, "VSAME": False, "ND": 0, "DV": None}
     t.update(flags)
     return list(t.items())
@@ -245,8 +249,8 @@ def _tc_launch(common: tuple, nd: int, out_dim: int, layout: tuple, tuning: tupl
     D = dict(common)["D"]
     krep, vrep, same = layout
     pf = D <= 128 if t["pf"] is None else t["pf"]
-    template = _tc_template(**dict(common), NT=t["nt"], PF=bool(pf), PAIRTAB=bool(t["pair"]), KREP=krep,
-                            VREP=vrep, VSAME=same, ND=nd, SINKS=sinks, DDT=ddt, DV=out_dim)
+    template = _tc_template(**dict(common), NT=t["nt"], PF=bool(pf), QSH=bool(t["qsh"]), PAIRTAB=bool(t["pair"]),
+                            KREP=krep, VREP=vrep, VSAME=same, ND=nd, SINKS=sinks, DDT=ddt, DV=out_dim)
     return template, 16 * t["nt"] * THREADS // 32
 
 
@@ -287,7 +291,7 @@ def _launch_plan(D: int, R: int, kb: int, vb: int, kg: int, vg: int, kbias: bool
     if _tc_serves(backend, bool(t["tc"]), D, kb, vb, kg, vg, R, kb2, vb2):
         nd = 0 if dense is None else 2
         sinks, ddt = (False, 0) if dense is None else dense
-        layout = _table_layout(D, R, kb, kb2, vb, vb2, same_table, bool(t["pair"]), bool(t["rep"]))
+        layout = _table_layout(D, R, kb, kb2, vb, vb2, same_table, bool(t["pair"]), bool(t["rep"]), bool(t["qsh"]))
         template, tile = _tc_launch(common, nd, out_dim, layout, tuning, sinks, ddt)
         # the merging block keeps R * (splits + nd) weights in the 4 * 8 * D words its warps' outputs used
         return LaunchPlan(True, template, tile, min(MAX_SPLITS, 32 * D // R - nd), nd)

@@ -72,6 +72,9 @@
     KVQ_SHARED int last_s;
     KVQ_SHARED float rtop_s[8];
     KVQ_SHARED float rtot_s[8];
+    // QSH: the query B fragments in shared memory, pre-packed (k-step s of lane l: words 2 (32 s + l), + 1), read
+    // with one 64-bit load per k-step instead of held in registers
+    KVQ_SHARED __align__(8) uint qh_s[QSH ? 64 * KS : 2];
 
     // the compressed tokens' splits are whole tiles of TILE tokens (kvq_metal.attend.split_chunk)
     const int bh = KVQ_TG_X;
@@ -223,15 +226,26 @@
     KVQ_BARRIER();
     // query B fragments: k-step s holds coordinates c * SK + 4 s + {0, 1} (b0) and {2, 3} (b1) of row g
     const float qmul = ROT ? 1.0f / KVQ_SQRT((float)D) : 1.0f;
-    uint qf[KS][2];
+    uint qf[QSH ? 1 : KS][2];
+    // the fragment of k-step s, half e, for lane (gq, cq)
+    auto qfrag = [&](const int s, const int e, const int gq, const int cq) -> uint {
+        const int j = cq * SK + 4 * s + 2 * e;
+        return gq < R ? kvq_h2(q_s[gq * D + j] * qmul, q_s[gq * D + j + 1] * qmul) : 0u;
+    };
+    if constexpr (QSH) {
+        for (int i = tid; i < 64 * KS; i += THREADS) {
+            const int ln = (i >> 1) & 31;
+            qh_s[i] = qfrag(i >> 6, i & 1, ln >> 2, ln & 3);
+        }
+        KVQ_BARRIER();
+    } else {
 #pragma unroll
-    for (int s = 0; s < KS; ++s) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int j = c * SK + 4 * s + 2 * e;
-            qf[s][e] = g < R ? kvq_h2(q_s[g * D + j] * qmul, q_s[g * D + j + 1] * qmul) : 0u;
+        for (int s = 0; s < KS; ++s) {
+            qf[s][0] = qfrag(s, 0, g, c);
+            qf[s][1] = qfrag(s, 1, g, c);
         }
     }
+    const uint2* qh_l = reinterpret_cast<const uint2*>(qh_s) + lane;  // the lane's fragments, 32 uint2 apart
 
     float acc[KS][4];
 #pragma unroll
@@ -262,7 +276,12 @@
                     KVQ_DECODE_PAIR(K, k, p)
                     a[e] = x;
                 }
-                kvq_mma(d4, a[0], a[1], a[2], a[3], qf[s][0], qf[s][1]);
+                if constexpr (QSH) {
+                    const uint2 qv = qh_l[32 * s];
+                    kvq_mma(d4, a[0], a[1], a[2], a[3], qv.x, qv.y);
+                } else {
+                    kvq_mma(d4, a[0], a[1], a[2], a[3], qf[s][0], qf[s][1]);
+                }
             }
             // d4: (token g, rows 2c, 2c + 1), (token g + 8, rows 2c, 2c + 1)
 #pragma unroll
