@@ -606,6 +606,37 @@ def test_vecinfer_streams_kernel_matches_pure_mlx(per_head, code_bits, n_rep, Tq
         storage.forget()
 
 
+@pytest.mark.parametrize("per_head,sub_dim,code_bits,dtype", [(False, 4, 8, mx.float16), (True, 4, 6, mx.bfloat16),
+                                                               (False, 2, 10, mx.float32), (True, 8, 8, mx.float16)])
+def test_vecinfer_fused_encoder_matches_pure_mlx(per_head, sub_dim, code_bits, dtype, tmp_path, monkeypatch):
+    """vecinfer's fused encoder (``vq_encode.kvq``, issue #21): the codes of keys (smoothed) and values within
+    0.5% of pure MLX's (sub-vectors within float rounding of two centroids), the reserved pattern for a token with
+    a NaN coordinate, and selection takes it for a 32-token flush."""
+    from kvq_backends_vecinfer import storage, vq
+
+    from test_vecinfer import _calibrated
+
+    monkeypatch.setenv("KVQ_DATA_DIR", str(tmp_path))
+    storage.forget()
+    try:
+        _, kp, vp = _calibrated(sub_dim=sub_dim, code_bits=code_bits, per_head=per_head)
+        kernel, pure = _impl("vecinfer")
+        for params, seed in ((kp.for_layer(1), 51), (vp.for_layer(1), 52)):
+            x = _normal((1, 2, 77, 64), dtype, seed).at[0, 1, 9, 5].add(float("nan"))
+            got, want = kernel.kvq_quantize(x, params), pure.kvq_quantize(x, params)
+            assert got.data["codes"].shape == want.data["codes"].shape
+            M = params.sub_vectors(64)
+            a, b = (vq.unpack_codes(e.data["codes"], code_bits, M) for e in (got, want))
+            assert float(mx.mean(a != b)) <= 5e-3
+            assert mx.array_equal(vq.reserved(got.data["codes"], M, code_bits),
+                                  vq.reserved(want.data["codes"], M, code_bits))
+            assert bool(vq.reserved(got.data["codes"], M, code_bits)[0, 1, 9])
+            plan = kvq.select("vecinfer", (1, 2, 32, 64), dtype=dtype, op="quantize", params=params)
+            assert plan.choices["quantize"].backend == kvq_metal.gpu_backend(), plan.explain()
+    finally:
+        storage.forget()
+
+
 @pytest.mark.parametrize("method,params", [("qjl", {"value_method": "affine", "value_params": {"bits": 4}}),
                                            ("turboquant_prod", {"bits": 4})])
 def test_streams_cache_tokens_with_kernels_auto_equal_off(method, params):
