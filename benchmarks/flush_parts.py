@@ -1,6 +1,6 @@
-"""What a window flush costs, by part: the host's build, the device's work, and inside them the encoder, the store's
-append and the rebinding of the decode step (issue #21: qjl and turboquant_prod flush steps cost 44 and 98 ms
-against 16 for turboquant:4).
+"""What a window flush costs, by part: the host's build, the device's wait, one layer's encode and append.
+
+Issue #21: qjl and turboquant_prod flush steps cost 44 and 98 ms against 16 for turboquant:4.
 
 A random-weight model (``--model random:PRESET`` cut to ``--layers``), caches filled to ``--context`` random
 tokens, then ``--steps`` greedy steps, each built and evaluated apart (build = ``model(...)`` + ``mx.async_eval``,
@@ -111,15 +111,16 @@ def run(args) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--model", default="random:llama3-8b")
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--context", type=int, default=32768)
-    ap.add_argument("--methods", default="fp16,qjl+affine:4,turboquant_prod:4,turboquant:4")
-    ap.add_argument("--steps", type=int, default=97)
-    ap.add_argument("--warmup", type=int, default=8)
-    ap.add_argument("--flush", type=int, default=32)
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--out", required=True, help="JSON file to write")
+    ap.add_argument("--model", default="random:llama3-8b", help="random:PRESET")
+    ap.add_argument("--layers", type=int, default=32, help="layers of the model kept")
+    ap.add_argument("--context", type=int, default=32768, help="tokens filled")
+    ap.add_argument("--methods", default="fp16,qjl+affine:4,turboquant_prod:4,turboquant:4",
+                    help="kvq bench e2e method strings")
+    ap.add_argument("--steps", type=int, default=97, help="decode steps measured")
+    ap.add_argument("--warmup", type=int, default=8, help="steps before")
+    ap.add_argument("--flush", type=int, default=32, help="the caches' flush")
+    ap.add_argument("--reps", type=int, default=10, help="repetitions of the encode and append")
     ap.add_argument("--profile", type=int, default=0, help="print this many host functions of flush builds")
     args = ap.parse_args()
     rows = run(args)

@@ -9,7 +9,8 @@ sm_90 -cubin -Xptxas -v`` compiles it. No kernel runs; the outputs are zeros. ``
 decode kernel of turboquant instead (``decode_attend_tc.cu``, a bound decode step with sinks and window: bits 4 and 3
 at head_dim 128, bits 4 at 256).
 
-    KVQ_STREAMS_TUNING='{"nt": 1}' python benchmarks/nvcc_registers.py [--keep DIR] [--turboquant]
+    KVQ_STREAMS_TUNING='{"nt": 1}' python benchmarks/nvcc_registers.py [--keep DIR]
+    KVQ_ATTEND_TUNING='{"qsh": true}' python benchmarks/nvcc_registers.py --turboquant [--keep DIR]
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def turboquant(keep: str | None) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--keep", default=None, help="write the .cu files here")
     ap.add_argument("--turboquant", action="store_true", help="turboquant's tensor-core decode kernel instead")
     args = ap.parse_args()
@@ -132,7 +133,7 @@ def main() -> None:
             kw = RECORDED[0]  # the attention launch (the merge follows)
             with tempfile.TemporaryDirectory() as tmp:
                 line = compile_recorded(kw, Path(args.keep or tmp) / f"{km}_{kp.get('bits', '')}_{label}.cu")
-            print(f"{km}+{vm} {label}: kernel {kw['name']} {line}")
+            print(f"{km}:{kp.get('bits', '')}+{vm}:{vp.get('bits', '')} {label}: kernel {kw['name']} {line}")
 
 if __name__ == "__main__":
     main()

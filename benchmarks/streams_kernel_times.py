@@ -52,11 +52,11 @@ def main() -> None:
     from kvq.attention import DenseTokens
     from kvq_metal import streams
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--contexts", default="32768,131072")
-    ap.add_argument("--calls", type=int, default=40)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--out", required=True)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", default="32768,131072", help="compressed tokens, comma-separated")
+    ap.add_argument("--calls", type=int, default=40, help="calls evaluated together (the batched figure)")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions (each figure is their median)")
+    ap.add_argument("--out", required=True, help="JSON file to write")
     ap.add_argument("--variants", default="{}", help="JSON: label -> TUNING overrides of the tensor-core kernel")
     args = ap.parse_args()
     variants = {"tc": {"tc": True}, "simt": {"tc": False},

@@ -35,7 +35,8 @@ from .signs import unpack_bits
 QUANTIZE = load(Path(__file__).with_name("qjl_quantize.kvq"))
 #: SIMD groups per thread group of the fused encoder (one token each).
 ENCODER_WARPS = 4
-#: Largest sketch dimensions the fused encoder takes (its threadgroup memory holds one bit per row and SIMD group).
+#: Largest sketch dimensions the fused encoder takes (its threadgroup memory holds a 32-bit flag per sketch row and
+#: SIMD group) and most outlier channels.
 MAX_ENCODER_SKETCH, MAX_ENCODER_OUTLIER_SKETCH, MAX_ENCODER_OUTLIERS = 1024, 256, 32
 
 
@@ -61,13 +62,14 @@ def _transposed_sketches(params: QJLParams, head_dim: int) -> tuple[mx.array, mx
 
 def fused_quantize(x: mx.array, params: QJLParams, backend: str) -> Encoded:
     """Encode keys ``x`` ``[B, H_kv, T, D]`` as :func:`kvq_backends_qjl.quantize.quantize` does, in one launch of
-    ``qjl_quantize.kvq`` (thread groups per row, group of ``params.group_size`` tokens and :data:`ENCODER_WARPS`
-    tokens of it; see the kernel file).
+    ``qjl_quantize.kvq``: one thread group per (KV row, group of ``params.group_size`` tokens, block of
+    :data:`ENCODER_WARPS` tokens of that group); see the kernel file.
 
     The same fields, dtypes and shapes: ``signs`` uint8 ``[B, H, T, m/8]``, ``norms`` float16 ``[B, H, T]``, and with
     outlier channels ``outlier_indices`` uint8 ``[B, H, T, k]``, ``outlier_signs`` uint8 ``[B, H, T, m_o/8]``,
-    ``outlier_norms`` float16. Sign bits are computed in float32 by the kernel's own sums, so a projection within
-    rounding of 0 may take the other sign than pure MLX's matmul (the first-use check bounds how often).
+    ``outlier_norms`` float16 ``[B, H, T]``. Sign bits are computed in float32 by the kernel's own sums, so a
+    projection within rounding of 0 may take the other sign than pure MLX's matmul (the first-use check bounds how
+    often).
 
     :raises ValueError: a shape or dtype :func:`encoder_supports` rejects, or ``x`` not rank 4.
     """
@@ -97,9 +99,10 @@ def fused_quantize(x: mx.array, params: QJLParams, backend: str) -> Encoded:
 
 
 def check_encoder(impl, params: QJLParams, head_dim: int, dtype) -> tuple[bool, str]:
-    """Encode 2 heads x 80 random keys (two groups of 32 and a partial one, three channels made outliers) with
-    ``impl.kvq_quantize`` and pure MLX: the outlier indices must be identical, at most 0.1% of sign bits may
-    differ (projections within float rounding of 0), and the norms agree within 1e-3 relative."""
+    """Encode 2 heads x 80 random keys (with the default ``group_size`` of 32: two groups and a partial one;
+    channels ``j % 37 == 5`` scaled 6x, so they carry the most energy) with ``impl.kvq_quantize`` and pure MLX: the
+    outlier indices must be identical, at most 0.1% of sign bits may differ (projections within float rounding of
+    0), and the norms agree within 1e-3 relative."""
     x = normal((1, 2, 80, head_dim), 11, mx.float32, scale=1.0)
     boost = mx.where(mx.arange(head_dim) % 37 == 5, 6.0, 1.0)  # channels 5, 42, 79 ...: outliers
     x = (x * boost).astype(dtype)

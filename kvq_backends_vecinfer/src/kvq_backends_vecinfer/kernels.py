@@ -82,7 +82,7 @@ def check_encoder(impl, params: VecInferParams, num_kv_heads: int, head_dim: int
     M = params.sub_vectors(head_dim)
     a, b = (vq.unpack_codes(e.data["codes"], params.code_bits, M) for e in (got, want))
     differ = mx.mean(a != b).item()
-    reserved = bool(vq.reserved(got.data["codes"], M, params.code_bits)[0, 0, 7].item())
+    reserved = all(bool(vq.reserved(e.data["codes"], M, params.code_bits)[0, 0, 7].item()) for e in (got, want))
     kept = "kept" if reserved else "lost"
     return differ <= 5e-3 and reserved, f"{differ:.2e} of codes differ, reserved pattern {kept}"
 

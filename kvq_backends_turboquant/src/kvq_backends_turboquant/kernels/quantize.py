@@ -73,10 +73,13 @@ def quantize_prod(x: mx.array, signs: mx.array, boundaries: mx.array, centroids:
     as :func:`quantize` at ``bits`` (the prod parameters' ``bits - 1``), then the residual of the rotated unit
     vector, its norm and the signs of ``S r`` (TurboQuant, arXiv 2504.19874, algorithm 2).
 
-    :param centroids: float32 ``[2**bits]`` of the stage's codebook. :param sketch: ``S`` float32 ``[D_pad, D_pad]``.
-    :return: ``(codes uint32 [..., D_pad * bits / 32], norms [...], residual signs uint32 [..., D_pad / 32],
-        residual norms [...])``, norms of ``norm_dtype``. Sign bits come from the kernel's own float32 sums: a
-        projection within rounding of 0 may take the other sign than pure MLX's matmul.
+    :param signs: the rotation's float32 ``[D_pad]`` ±1, as :func:`quantize` takes them (not the residual's sign
+        bits). :param boundaries: float32 ``[2**bits - 1]`` of the stage's codebook, ``centroids`` its float32
+        ``[2**bits]``. :param sketch: ``S`` float32 ``[D_pad, D_pad]``. :param norm_dtype: as :func:`quantize`.
+    :return: ``(codes uint32 [..., D_pad * bits / 32], norms [...], residual sign bits uint32 [..., D_pad / 32] (the
+        field ``signs`` of a turboquant_prod Encoded), residual norms [...])``, norms of ``norm_dtype``. Sign bits
+        come from the kernel's own float32 sums: a projection within rounding of 0 may take the other sign than pure
+        MLX's matmul.
     :raises ValueError: a shape or width :func:`supported` rejects.
     """
     dim = signs.shape[0]
