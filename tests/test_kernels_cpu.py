@@ -411,3 +411,76 @@ def test_decode_step_inputs_pass_each_array_once():
     inputs = [arrays[n] for n in TC_INPUTS]
     assert _input_aliases(inputs, sinks=True) == {"kc2": "kc", "kb": "ks", "vc2": "vc", "vs": "ks", "vb": "ks"}
     assert _input_aliases(inputs, sinks=False)["sk"] == "wk"
+
+
+@pytest.fixture
+def cuda_launches(monkeypatch):
+    """MLX's CUDA kernel builder stood in with one that records each launch and returns zeros of the asked shapes
+    (what a launcher builds can be checked on a machine without a GPU); kernel objects built before or during the
+    test are forgotten, so none records into another test's list."""
+    launches = []
+
+    def fake_cuda_kernel(**build):
+        def launch(**call):
+            launches.append(dict(build, **call))
+            return [mx.zeros(s, d) for s, d in zip(call["output_shapes"], call["output_dtypes"])]
+        return launch
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", fake_cuda_kernel)
+    monkeypatch.setattr(dialect, "includes_work", lambda: False)
+    dialect.kernel.cache_clear()
+    yield launches
+    dialect.kernel.cache_clear()
+
+
+@pytest.mark.parametrize("method,overrides,D", [("qjl", {}, 128), ("qjl", {"outlier_channels": 0}, 64),
+                                               ("qjl", {"sketch_dim": 96, "outlier_channels": 8}, 256),
+                                               ("turboquant_prod", {"bits": 4}, 128),
+                                               ("turboquant_prod", {"bits": 2}, 120)])
+def test_fused_encoders_launch_one_kernel_with_the_pure_mlx_fields(method, overrides, D, cuda_launches):
+    """The fused encoders of qjl and turboquant_prod (issue #21) launch one kernel and return an Encoded with the
+    fields, shapes and dtypes of the pure-MLX encoder, for 77 tokens (two groups of 32 and a part), so a cache's
+    store takes their blocks after pure MLX's."""
+    launches = cuda_launches
+    impl = kvq.registry().implementations[(method, "cuda")]
+    pure = kvq.registry().implementations[(method, "mlx")]
+    params = kvq.make_params(method, **overrides)
+    x = mx.random.normal((2, 3, 77, D)).astype(mx.bfloat16)
+    got, want = impl.kvq_quantize(x, params), pure.kvq_quantize(x, params)
+    assert len(launches) == 1
+    assert {k: (v.shape, v.dtype) for k, v in got.data.items()} == {k: (v.shape, v.dtype) for k, v in want.data.items()}
+    assert got.head_dim == want.head_dim and got.params == want.params
+    grid, group = launches[0]["grid"], launches[0]["threadgroup"]
+    if method == "qjl":  # a thread group per (row, group of 32 tokens, 4 tokens of it)
+        assert (grid[0] // group[0], grid[1]) == (2 * 3 * 3, 8)
+    else:  # a SIMD group per vector, 4 per thread group
+        assert grid[0] // group[0] == -(-2 * 3 * 77 // 4)
+
+
+def test_vecinfer_fused_encoder_launches_one_kernel_with_the_pure_mlx_codes_field(tmp_path, monkeypatch,
+                                                                                  cuda_launches):
+    """vecinfer's fused encoder (the transform in MLX, then one kernel) returns the pure-MLX encoder's field, shape
+    and dtype; without a calibration it leaves quantize to pure MLX, whose error names the command to run."""
+    from kvq_backends_vecinfer import kernels as vk, storage
+
+    from test_vecinfer import _calibrated
+
+    monkeypatch.setenv("KVQ_DATA_DIR", str(tmp_path))
+    storage.forget()
+    try:
+        _, kp, _ = _calibrated(sub_dim=4, code_bits=6)
+        launches = cuda_launches
+        impl = kvq.registry().implementations[("vecinfer", "cuda")]
+        pure = kvq.registry().implementations[("vecinfer", "mlx")]
+        params = kp.for_layer(1)
+        x = mx.random.normal((1, 2, 50, 64)).astype(mx.float16)
+        got, want = impl.kvq_quantize(x, params), pure.kvq_quantize(x, params)
+        assert [k["name"] for k in launches] == [launches[0]["name"]] and "vq_encode" in launches[0]["name"]
+        assert (got.data["codes"].shape, got.data["codes"].dtype) == (want.data["codes"].shape, mx.uint32)
+        assert launches[0]["grid"][0] // launches[0]["threadgroup"][0] == 2 * -(-50 // vk.ENCODER_WARPS)
+        missing = kvq.make_params("vecinfer", model_id="not-calibrated", layer=0)
+        assert not vk.encoder_supports(params.__class__(sub_dim=4, code_bits=12), 64, mx.float16)
+        with pytest.raises(storage.CalibrationError, match="kvq calibrate"):
+            impl.kvq_quantize(x, missing)
+    finally:
+        storage.forget()
