@@ -465,35 +465,17 @@
             }
         }
         // ---- online softmax of rows 2c, 2c + 1 (a row's scores live in the 8 lanes of equal c)
-        float x0 = -KVQ_INF, x1 = -KVQ_INF;
-#pragma unroll
-        for (int st = 0; st < NT; ++st) {
-            x0 = KVQ_FMAX(x0, KVQ_FMAX(sc[st][0], sc[st][2]));
-            x1 = KVQ_FMAX(x1, KVQ_FMAX(sc[st][1], sc[st][3]));
-        }
-#pragma unroll
-        for (int off = 4; off < 32; off <<= 1) {
-            x0 = KVQ_FMAX(x0, KVQ_SHFL_XOR(x0, off));
-            x1 = KVQ_FMAX(x1, KVQ_SHFL_XOR(x1, off));
-        }
-        const float n0 = KVQ_FMAX(m0, x0), n1 = KVQ_FMAX(m1, x1);
-        const float z0 = n0 == -KVQ_INF ? 0.0f : n0, z1 = n1 == -KVQ_INF ? 0.0f : n1;
-        const float al0 = kvq_exp2(m0 - z0), al1 = kvq_exp2(m1 - z1);
-        m0 = n0; m1 = n1;
-        l0 *= al0; l1 *= al1;
-#pragma unroll
-        for (int i = 0; i < MT1; ++i) { acca[i][0] *= al0; acca[i][1] *= al1; acca[i][2] *= al0; acca[i][3] *= al1; }
-#pragma unroll
-        for (int i = 0; i < (VBX ? MTB : 0); ++i) { accb[i][0] *= al0; accb[i][1] *= al1; accb[i][2] *= al0; accb[i][3] *= al1; }
+        float z0, z1, al0, al1;
+        kvq_softmax_step(sc, m0, m1, l0, l1, z0, z1, al0, al1);
+        kvq_rescale<MT1>(acca, al0, al1);
+        kvq_rescale<VBX ? MTB : 0>(accb, al0, al1);
         // ---- values on tensor cores, one accumulator per value stream
 #pragma unroll
         for (int st = 0; st < NT; ++st) {
-            const float p0 = kvq_exp2(sc[st][0] - z0), p1_ = kvq_exp2(sc[st][1] - z1);
-            const float p2_ = kvq_exp2(sc[st][2] - z0), p3 = kvq_exp2(sc[st][3] - z1);
-            l0 += p0 + p2_; l1 += p1_ + p3;
-            const float wa0 = DENSE ? 1.0f : buf.vwa[st][0], wa1 = DENSE ? 1.0f : buf.vwa[st][1];
-            const uint pa0 = kvq_trans(kvq_h2(p0 * wa0, p1_ * wa0));
-            const uint pa1 = kvq_trans(kvq_h2(p2_ * wa1, p3 * wa1));
+            float p[4];
+            kvq_probs(sc[st], z0, z1, l0, l1, p);
+            uint pa0, pa1;
+            kvq_pfrag(p, DENSE ? 1.0f : buf.vwa[st][0], DENSE ? 1.0f : buf.vwa[st][1], pa0, pa1);
             uint vua[4][DENSE ? 1 : VANW], vub[4][VBX ? VBNW : 1];
             uint vh[4][VANG], vbh[4][VANG];
 #pragma unroll
@@ -520,10 +502,8 @@
                         const uint2 x = KVQ_STREAM_QUAD(vua[u], i / 2, vatab_l, VASH);
                         xv[u] = x.x; xw[u] = x.y;
                     }
-                    kvq_mma(acca[i], kvq_prmt(xv[0], xv[1], 0x5410u), kvq_prmt(xv[0], xv[1], 0x7632u),
-                            kvq_prmt(xv[2], xv[3], 0x5410u), kvq_prmt(xv[2], xv[3], 0x7632u), pa0, pa1);
-                    kvq_mma(acca[i + 1], kvq_prmt(xw[0], xw[1], 0x5410u), kvq_prmt(xw[0], xw[1], 0x7632u),
-                            kvq_prmt(xw[2], xw[3], 0x5410u), kvq_prmt(xw[2], xw[3], 0x7632u), pa0, pa1);
+                    kvq_mma_vt(acca[i], xv, pa0, pa1);
+                    kvq_mma_vt(acca[i + 1], xw, pa0, pa1);
                 }
             } else {
 #pragma unroll
@@ -543,14 +523,12 @@
                     }
                 }
                 // A = V^T: rows (coordinates g SV + 2i, g SV + 2i + 1), columns (tokens 2c, 2c + 1 | 2c + 8, 2c + 9)
-                kvq_mma(acca[i], kvq_prmt(xv[0], xv[1], 0x5410u), kvq_prmt(xv[0], xv[1], 0x7632u),
-                        kvq_prmt(xv[2], xv[3], 0x5410u), kvq_prmt(xv[2], xv[3], 0x7632u), pa0, pa1);
+                kvq_mma_vt(acca[i], xv, pa0, pa1);
             }
             }
             if constexpr (VBX) {
-                const float wb0 = buf.vwb[st][0], wb1 = buf.vwb[st][1];
-                const uint pb0 = kvq_trans(kvq_h2(p0 * wb0, p1_ * wb0));
-                const uint pb1 = kvq_trans(kvq_h2(p2_ * wb1, p3 * wb1));
+                uint pb0, pb1;
+                kvq_pfrag(p, buf.vwb[st][0], buf.vwb[st][1], pb0, pb1);
                 if constexpr (VBQ) {
 #pragma unroll
                     for (int i = 0; i < MTB; i += 2) {
@@ -560,10 +538,8 @@
                             const uint2 x = KVQ_STREAM_QUAD(vub[u], i / 2, vbtab_l, VBSH);
                             xv[u] = x.x; xw[u] = x.y;
                         }
-                        kvq_mma(accb[i], kvq_prmt(xv[0], xv[1], 0x5410u), kvq_prmt(xv[0], xv[1], 0x7632u),
-                                kvq_prmt(xv[2], xv[3], 0x5410u), kvq_prmt(xv[2], xv[3], 0x7632u), pb0, pb1);
-                        kvq_mma(accb[i + 1], kvq_prmt(xw[0], xw[1], 0x5410u), kvq_prmt(xw[0], xw[1], 0x7632u),
-                                kvq_prmt(xw[2], xw[3], 0x5410u), kvq_prmt(xw[2], xw[3], 0x7632u), pb0, pb1);
+                        kvq_mma_vt(accb[i], xv, pb0, pb1);
+                        kvq_mma_vt(accb[i + 1], xw, pb0, pb1);
                     }
                 } else {
 #pragma unroll
@@ -571,8 +547,7 @@
                     uint xv[4];
 #pragma unroll
                     for (int u = 0; u < 4; ++u) xv[u] = KVQ_STREAM_PAIR(vub[u], i, VB_BITS, VB_PAIR, vbtab_l, VBSH);
-                    kvq_mma(accb[i], kvq_prmt(xv[0], xv[1], 0x5410u), kvq_prmt(xv[0], xv[1], 0x7632u),
-                            kvq_prmt(xv[2], xv[3], 0x5410u), kvq_prmt(xv[2], xv[3], 0x7632u), pb0, pb1);
+                    kvq_mma_vt(accb[i], xv, pb0, pb1);
                 }
                 }
             }
@@ -585,24 +560,8 @@
     }
 
     // ---- merge the block's warps: (max, sum) per row, then the rescaled outputs
-#pragma unroll
-    for (int off = 4; off < 32; off <<= 1) {
-        l0 += KVQ_SHFL_XOR(l0, off);
-        l1 += KVQ_SHFL_XOR(l1, off);
-    }
-    if (g == 0) {
-        mw_s[warp * 8 + 2 * c] = m0; mw_s[warp * 8 + 2 * c + 1] = m1;
-        lw_s[warp * 8 + 2 * c] = l0; lw_s[warp * 8 + 2 * c + 1] = l1;
-    }
-    KVQ_BARRIER();
-    float top0 = -KVQ_INF, top1 = -KVQ_INF;
-#pragma unroll
-    for (int w = 0; w < NWARP; ++w) {
-        top0 = KVQ_FMAX(top0, mw_s[w * 8 + 2 * c]);
-        top1 = KVQ_FMAX(top1, mw_s[w * 8 + 2 * c + 1]);
-    }
-    const float f0 = m0 == -KVQ_INF ? 0.0f : kvq_exp2(m0 - top0);
-    const float f1 = m1 == -KVQ_INF ? 0.0f : kvq_exp2(m1 - top1);
+    float f0, f1;
+    kvq_warp_merge<NWARP>(mw_s, lw_s, warp, g, c, m0, m1, l0, l1, f0, f1);
     const int r0 = 2 * c, r1 = 2 * c + 1;
     // the warps add their outputs into red_s [R, DO] in turn (one row's worth of shared memory per query row)
     for (int w = 0; w < NWARP; ++w) {

@@ -293,33 +293,17 @@
             }
         }
         // ---- online softmax of rows 2c, 2c + 1 (a row's 16 NT scores live in the 8 lanes of equal c)
-        float x0 = -KVQ_INF, x1 = -KVQ_INF;
-#pragma unroll
-        for (int st = 0; st < NT; ++st) {
-            x0 = KVQ_FMAX(x0, KVQ_FMAX(sc[st][0], sc[st][2]));
-            x1 = KVQ_FMAX(x1, KVQ_FMAX(sc[st][1], sc[st][3]));
-        }
-#pragma unroll
-        for (int off = 4; off < 32; off <<= 1) {
-            x0 = KVQ_FMAX(x0, KVQ_SHFL_XOR(x0, off));
-            x1 = KVQ_FMAX(x1, KVQ_SHFL_XOR(x1, off));
-        }
-        const float n0 = KVQ_FMAX(m0, x0), n1 = KVQ_FMAX(m1, x1);
-        const float z0 = n0 == -KVQ_INF ? 0.0f : n0, z1 = n1 == -KVQ_INF ? 0.0f : n1;
-        const float al0 = kvq_exp2(m0 - z0), al1 = kvq_exp2(m1 - z1);
-        m0 = n0; m1 = n1;
-        l0 *= al0; l1 *= al1;
-#pragma unroll
-        for (int i = 0; i < KS; ++i) { acc[i][0] *= al0; acc[i][1] *= al1; acc[i][2] *= al0; acc[i][3] *= al1; }
+        float z0, z1, al0, al1;
+        kvq_softmax_step(sc, m0, m1, l0, l1, z0, z1, al0, al1);
+        kvq_rescale<KS>(acc, al0, al1);
         // ---- values on tensor cores
 #pragma unroll
         for (int st = 0; st < NT; ++st) {
-            const float p0 = kvq_exp2(sc[st][0] - z0), p1_ = kvq_exp2(sc[st][1] - z1);
-            const float p2_ = kvq_exp2(sc[st][2] - z0), p3 = kvq_exp2(sc[st][3] - z1);
-            l0 += p0 + p2_; l1 += p1_ + p3;
+            float p[4];
+            kvq_probs(sc[st], z0, z1, l0, l1, p);
             const float w0 = VONE && !DENSE ? buf.vn[st][0] : 1.0f, w1 = VONE && !DENSE ? buf.vn[st][1] : 1.0f;
-            const uint pb0 = kvq_trans(kvq_h2(p0 * w0, p1_ * w0));
-            const uint pb1 = kvq_trans(kvq_h2(p2_ * w1, p3 * w1));
+            uint pb0, pb1;
+            kvq_pfrag(p, w0, w1, pb0, pb1);
             uint vu[4][VNW], vu2[4][VNW2];
             uint vh[4][VNG], vbh[4][VNG];
 #pragma unroll
@@ -336,8 +320,7 @@
                     xv[u] = x;
                 }
                 // A = V^T: rows (coordinates g SV + 2i, g SV + 2i + 1), columns (tokens 2c, 2c + 1 | 2c + 8, 2c + 9)
-                kvq_mma(acc[i], kvq_prmt(xv[0], xv[1], 0x5410u), kvq_prmt(xv[0], xv[1], 0x7632u),
-                        kvq_prmt(xv[2], xv[3], 0x5410u), kvq_prmt(xv[2], xv[3], 0x7632u), pb0, pb1);
+                kvq_mma_vt(acc[i], xv, pb0, pb1);
             }
         }
         if (PF) {
@@ -348,24 +331,8 @@
     }
 
     // ---- merge the block's warps: (max, sum) per row, then the rescaled outputs
-#pragma unroll
-    for (int off = 4; off < 32; off <<= 1) {
-        l0 += KVQ_SHFL_XOR(l0, off);
-        l1 += KVQ_SHFL_XOR(l1, off);
-    }
-    if (g == 0) {
-        mw_s[warp * 8 + 2 * c] = m0; mw_s[warp * 8 + 2 * c + 1] = m1;
-        lw_s[warp * 8 + 2 * c] = l0; lw_s[warp * 8 + 2 * c + 1] = l1;
-    }
-    KVQ_BARRIER();
-    float top0 = -KVQ_INF, top1 = -KVQ_INF;
-#pragma unroll
-    for (int w = 0; w < NWARP; ++w) {
-        top0 = KVQ_FMAX(top0, mw_s[w * 8 + 2 * c]);
-        top1 = KVQ_FMAX(top1, mw_s[w * 8 + 2 * c + 1]);
-    }
-    const float f0 = m0 == -KVQ_INF ? 0.0f : kvq_exp2(m0 - top0);
-    const float f1 = m1 == -KVQ_INF ? 0.0f : kvq_exp2(m1 - top1);
+    float f0, f1;
+    kvq_warp_merge<NWARP>(mw_s, lw_s, warp, g, c, m0, m1, l0, l1, f0, f1);
 #pragma unroll
     for (int i = 0; i < KS; ++i) {
         const int j = g * SV + 2 * i;

@@ -53,6 +53,86 @@ __device__ __forceinline__ float kvq_exp2(float x) {
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
 }
+
+// The steps of the tensor-core decode kernels' online softmax and warp merge (decode_attend_tc.cu and
+// decode_attend_streams_tc.cu): the lane (g = lane / 4, c = lane % 4) holds scores of query rows 2c, 2c + 1
+// (entries 0, 2 and 1, 3 of a tile's accumulator), in log2 units.
+
+// one step over a warp's NT tiles of scores sc: the rows' running max m and sum l; z the new max (0 while still
+// -inf, so exp2 stays finite) and al the factor that rescales what was accumulated before
+template <int NT>
+__device__ __forceinline__ void kvq_softmax_step(const float (&sc)[NT][4], float& m0, float& m1, float& l0, float& l1,
+                                                 float& z0, float& z1, float& al0, float& al1) {
+    float x0 = -KVQ_INF, x1 = -KVQ_INF;
+#pragma unroll
+    for (int st = 0; st < NT; ++st) {
+        x0 = KVQ_FMAX(x0, KVQ_FMAX(sc[st][0], sc[st][2]));
+        x1 = KVQ_FMAX(x1, KVQ_FMAX(sc[st][1], sc[st][3]));
+    }
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) {
+        x0 = KVQ_FMAX(x0, KVQ_SHFL_XOR(x0, off));
+        x1 = KVQ_FMAX(x1, KVQ_SHFL_XOR(x1, off));
+    }
+    const float n0 = KVQ_FMAX(m0, x0), n1 = KVQ_FMAX(m1, x1);
+    z0 = n0 == -KVQ_INF ? 0.0f : n0;
+    z1 = n1 == -KVQ_INF ? 0.0f : n1;
+    al0 = kvq_exp2(m0 - z0);
+    al1 = kvq_exp2(m1 - z1);
+    m0 = n0; m1 = n1;
+    l0 *= al0; l1 *= al1;
+}
+// the first N m-tiles of accumulators acc times the rows' factors f0, f1
+template <int N, int M>
+__device__ __forceinline__ void kvq_rescale(float (&acc)[M][4], const float f0, const float f1) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) { acc[i][0] *= f0; acc[i][1] *= f1; acc[i][2] *= f0; acc[i][3] *= f1; }
+}
+// the probabilities p = exp2(s - z) of one tile's scores s, added to the rows' sums l
+__device__ __forceinline__ void kvq_probs(const float (&s)[4], const float z0, const float z1, float& l0, float& l1,
+                                          float (&p)[4]) {
+    p[0] = kvq_exp2(s[0] - z0); p[1] = kvq_exp2(s[1] - z1);
+    p[2] = kvq_exp2(s[2] - z0); p[3] = kvq_exp2(s[3] - z1);
+    l0 += p[0] + p[2]; l1 += p[1] + p[3];
+}
+// the B operand (P^T) of the values' mma from a tile's probabilities p, times the per-token weights w0 (token g)
+// and w1 (token g + 8)
+__device__ __forceinline__ void kvq_pfrag(const float (&p)[4], const float w0, const float w1, uint& b0, uint& b1) {
+    b0 = kvq_trans(kvq_h2(p[0] * w0, p[1] * w0));
+    b1 = kvq_trans(kvq_h2(p[2] * w1, p[3] * w1));
+}
+// d += V^T P^T for one m-tile: x[u] the half2 pair of the lane's four tokens (2c, 2c + 1, 2c + 8, 2c + 9) at its
+// two coordinates, the A operand's rows (coordinates) and columns (tokens)
+__device__ __forceinline__ void kvq_mma_vt(float (&d)[4], const uint (&x)[4], const uint b0, const uint b1) {
+    kvq_mma(d, kvq_prmt(x[0], x[1], 0x5410u), kvq_prmt(x[0], x[1], 0x7632u), kvq_prmt(x[2], x[3], 0x5410u),
+            kvq_prmt(x[2], x[3], 0x7632u), b0, b1);
+}
+// the first half of merging the block's NWARP warps: the rows' sums reduced over the warp, each warp's (max, sum)
+// of its 8 rows into mw_s, lw_s, then (after a barrier) f = exp2(m - the block's max), the factor that takes this
+// warp's outputs to the block's max (0 for a row that saw no token)
+template <int NWARP>
+__device__ __forceinline__ void kvq_warp_merge(float* mw_s, float* lw_s, const int warp, const int g, const int c,
+                                               const float m0, const float m1, float& l0, float& l1, float& f0,
+                                               float& f1) {
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) {
+        l0 += KVQ_SHFL_XOR(l0, off);
+        l1 += KVQ_SHFL_XOR(l1, off);
+    }
+    if (g == 0) {
+        mw_s[warp * 8 + 2 * c] = m0; mw_s[warp * 8 + 2 * c + 1] = m1;
+        lw_s[warp * 8 + 2 * c] = l0; lw_s[warp * 8 + 2 * c + 1] = l1;
+    }
+    KVQ_BARRIER();
+    float top0 = -KVQ_INF, top1 = -KVQ_INF;
+#pragma unroll
+    for (int w = 0; w < NWARP; ++w) {
+        top0 = KVQ_FMAX(top0, mw_s[w * 8 + 2 * c]);
+        top1 = KVQ_FMAX(top1, mw_s[w * 8 + 2 * c + 1]);
+    }
+    f0 = m0 == -KVQ_INF ? 0.0f : kvq_exp2(m0 - top0);
+    f1 = m1 == -KVQ_INF ? 0.0f : kvq_exp2(m1 - top1);
+}
 // NW half2 words (coordinates j0 + 2k, j0 + 2k + 1) of a row of uncompressed keys or values into dst: V-word
 // vector loads when vec (16-bit dtype, contiguous, aligned, D long: DT 0 float16 as is, 1 bfloat16 converted),
 // else element by element through float, zero past the row's length len
