@@ -26,7 +26,8 @@ from pathlib import Path
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from profile_streams import encode  # noqa: E402  (the encoding the streams benchmarks share)
+from profile_streams import B, D, HKV, HQ, dense_tokens, encode, random_inputs  # noqa: E402  (their shared setup)
+from streams_kernel_times import METHODS  # noqa: E402
 
 RECORDED: list[dict] = []
 TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.uint8: "uint8_t",
@@ -84,21 +85,21 @@ def turboquant(keep: str | None) -> None:
     from kvq_metal import attend
 
     impl, pure = registry().implementations[("turboquant", "cuda")], registry().implementations[("turboquant", "mlx")]
-    for bits, D in ((4, 128), (3, 128), (4, 256)):
+    for bits, dim in ((4, 128), (3, 128), (4, 256)):
         p = kvq.make_params("turboquant", bits=bits)
-        x = mx.random.normal((2, 1, 8, 300, D)).astype(mx.bfloat16)
+        x = mx.random.normal((2, 1, 8, 300, dim)).astype(mx.bfloat16)
         keys, values = pure.kvq_quantize(x[0], p), pure.kvq_quantize(x[1], p)
-        q = mx.random.normal((1, 32, 1, D)).astype(mx.bfloat16)
-        w = mx.random.normal((1, 8, 132, D)).astype(mx.bfloat16)
+        q = mx.random.normal((1, 32, 1, dim)).astype(mx.bfloat16)
+        w = mx.random.normal((1, 8, 132, dim)).astype(mx.bfloat16)
         RECORDED.clear()
-        step = attend.bind_decode(q, D ** -0.5, tq.rotated_dense_call(impl, q, keys, values, tq._side), "cuda",
+        step = attend.bind_decode(q, dim ** -0.5, tq.rotated_dense_call(impl, q, keys, values, tq._side), "cuda",
                                   sink_keys=w[:, :, :4], sink_values=w[:, :, :4], window_keys=w[:, :, 4:],
                                   window_values=w[:, :, 4:])
         step(q, w[:, :, 4:], w[:, :, 4:])
         kw = next(k for k in RECORDED if "attend_tc" in k["name"])
         with tempfile.TemporaryDirectory() as tmp:
-            line = compile_recorded(kw, Path(keep or tmp) / f"turboquant_{bits}_{D}.cu")
-        print(f"turboquant:{bits} head_dim {D}: {line}")
+            line = compile_recorded(kw, Path(keep or tmp) / f"turboquant_{bits}_{dim}.cu")
+        print(f"turboquant:{bits} head_dim {dim}: {line}")
 
 
 def main() -> None:
@@ -112,20 +113,14 @@ def main() -> None:
     if args.turboquant:
         turboquant(args.keep)
         return
-    from kvq.attention import DenseTokens
     from kvq_metal import streams
 
-    B, HQ, HKV, D, T = 1, 32, 8, 128, 300
-    for km, kp, vm, vp in (("qjl", {}, "affine", {"bits": 4}),
-                           ("turboquant_prod", {"bits": 4}, "turboquant_prod", {"bits": 4}),
-                           ("turboquant_prod", {"bits": 3}, "turboquant_prod", {"bits": 3})):
-        k, v = mx.random.normal((B, HKV, T, D)), mx.random.normal((B, HKV, T, D))
-        q = mx.random.normal((B, HQ, 1, D)).astype(mx.bfloat16)
-        w = mx.random.normal((B, HKV, 4 + 128, D)).astype(mx.bfloat16)
-        impl, keys, values, call = encode(km, kp, vm, vp, k.astype(mx.bfloat16), v.astype(mx.bfloat16), "cuda")
+    for km, kp, vm, vp in METHODS:
+        q, k, v, window = random_inputs(300)
+        impl, keys, values, call = encode(km, kp, vm, vp, k, v, "cuda")
         _, finish = impl._matrices(keys, values, call)
         prepared = mx.random.normal((B, HKV, HQ // HKV, call.query_dim))
-        dense = DenseTokens(w[:, :, :4], w[:, :, :4], w[:, :, 4:], w[:, :, 4:])
+        dense = dense_tokens(window)
         for label, kwargs in (("codes", {}), ("codes+dense", dict(dense=dense, raw_queries=q, scale=D ** -0.5,
                                                                     finish=finish))):
             RECORDED.clear()

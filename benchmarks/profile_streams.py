@@ -24,6 +24,25 @@ B, HQ, HKV, D = 1, 32, 8, 128
 METHODS = (("qjl", {}, "affine", {"bits": 4}), ("turboquant_prod", {"bits": 4}, "turboquant_prod", {"bits": 4}))
 
 
+def random_inputs(T: int) -> tuple:
+    """``(q, k, v, window)`` bfloat16, evaluated: one query ``[B, H_q, 1, D]``, keys and values ``[B, H_kv, T, D]``,
+    and ``window`` ``[B, H_kv, 4 + 128, D]``, whose first 4 tokens the streams benchmarks use as sinks and the rest
+    as the residual window (:func:`dense_tokens`)."""
+    q = mx.random.normal((B, HQ, 1, D)).astype(mx.bfloat16)
+    k = mx.random.normal((B, HKV, T, D)).astype(mx.bfloat16)
+    v = mx.random.normal((B, HKV, T, D)).astype(mx.bfloat16)
+    window = mx.random.normal((B, HKV, 4 + 128, D)).astype(mx.bfloat16)
+    mx.eval(q, k, v, window)
+    return q, k, v, window
+
+
+def dense_tokens(window: mx.array):
+    """:class:`kvq.attention.DenseTokens` of :func:`random_inputs`' ``window``: 4 sinks, then the window."""
+    from kvq.attention import DenseTokens
+
+    return DenseTokens(window[:, :, :4], window[:, :, :4], window[:, :, 4:], window[:, :, 4:])
+
+
 def encode(km: str, kp: dict, vm: str, vp: dict, k: mx.array, v: mx.array, backend: str) -> tuple:
     """``(impl, keys, values, call)``: ``k`` and ``v`` ``[B, H_kv, T, D]`` encoded by pure MLX with the key and value
     methods and parameters (affine's groups fitted to ``D``), the key method's kernel implementation on
@@ -44,7 +63,6 @@ def encode(km: str, kp: dict, vm: str, vp: dict, k: mx.array, v: mx.array, backe
 
 def main() -> None:
     import kvq_metal
-    from kvq.attention import DenseTokens
     from kvq_metal import streams
 
     ap = argparse.ArgumentParser()
@@ -54,18 +72,14 @@ def main() -> None:
     streams.TUNING.update(json.loads(args.tuning))
     backend = kvq_metal.gpu_backend()
     for T in (int(t) for t in args.contexts.split(",")):
-        q = mx.random.normal((B, HQ, 1, D)).astype(mx.bfloat16)
-        k = mx.random.normal((B, HKV, T, D)).astype(mx.bfloat16)
-        v = mx.random.normal((B, HKV, T, D)).astype(mx.bfloat16)
-        window = mx.random.normal((B, HKV, 4 + 128, D)).astype(mx.bfloat16)
-        mx.eval(q, k, v, window)
+        q, k, v, window = random_inputs(T)
         print(json.dumps({"T": T, "method": "fp16_sdpa"}), flush=True)
         mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5))
         for km, kp, vm, vp in METHODS:
             impl, keys, values, call = encode(km, kp, vm, vp, k, v, backend)
             prepared = mx.random.normal((B, HKV, HQ // HKV, call.query_dim))
             mx.eval(prepared)
-            dense = DenseTokens(window[:, :, :4], window[:, :, :4], window[:, :, 4:], window[:, :, 4:])
+            dense = dense_tokens(window)
             _, finish = impl._matrices(keys, values, call)
             for label, kwargs in (("codes", {}), ("codes+dense", dict(dense=dense, raw_queries=q,
                                                                          scale=D ** -0.5, finish=finish))):

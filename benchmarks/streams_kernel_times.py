@@ -26,9 +26,8 @@ from pathlib import Path
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from profile_streams import encode  # noqa: E402  (the encoding the streams benchmarks share)
+from profile_streams import D, dense_tokens, encode, random_inputs  # noqa: E402  (the streams benchmarks' setup)
 
-B, HQ, HKV, D = 1, 32, 8, 128
 METHODS = (("qjl", {}, "affine", {"bits": 4}), ("turboquant_prod", {"bits": 4}, "turboquant_prod", {"bits": 4}),
            ("turboquant_prod", {"bits": 3}, "turboquant_prod", {"bits": 3}))
 
@@ -49,7 +48,6 @@ def _time(fn, calls: int, reps: int) -> dict:
 
 def main() -> None:
     import kvq_metal
-    from kvq.attention import DenseTokens
     from kvq_metal import streams
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -64,11 +62,7 @@ def main() -> None:
     backend = kvq_metal.gpu_backend()
     results = {"sources": kvq_metal.sources_hash(), "device": str(mx.default_device()), "calls": []}
     for T in (int(t) for t in args.contexts.split(",")):
-        q = mx.random.normal((B, HQ, 1, D)).astype(mx.bfloat16)
-        k = mx.random.normal((B, HKV, T, D)).astype(mx.bfloat16)
-        v = mx.random.normal((B, HKV, T, D)).astype(mx.bfloat16)
-        window = mx.random.normal((B, HKV, 4 + 128, D)).astype(mx.bfloat16)
-        mx.eval(q, k, v, window)
+        q, k, v, window = random_inputs(T)
         row = {"T": T, "method": "fp16_sdpa", **_time(lambda: mx.fast.scaled_dot_product_attention(
             q, k, v, scale=D ** -0.5), args.calls, args.reps)}
         print(json.dumps(row), flush=True)
@@ -76,13 +70,13 @@ def main() -> None:
         for km, kp, vm, vp in METHODS:
             impl, keys, values, call = encode(km, kp, vm, vp, k, v, backend)
             prepare, finish = impl._matrices(keys, values, call)
-            dense = DenseTokens(window[:, :, :4], window[:, :, :4], window[:, :, 4:], window[:, :, 4:])
+            dense = dense_tokens(window)
             default = dict(streams.TUNING)
             reference = None
             for name, knobs in variants.items():
                 streams.TUNING.update(knobs)
-                step = streams.StreamStep(call, q, D ** -0.5, prepare, finish, backend, window[:, :, :4],
-                                          window[:, :, :4], window[:, :, 4:], window[:, :, 4:])
+                step = streams.StreamStep(call, q, D ** -0.5, prepare, finish, backend, dense.sink_keys,
+                                          dense.sink_values, dense.window_keys, dense.window_values)
                 label = f"{km}:{kp.get('bits', '')}+{vm}:{vp.get('bits', '')}"
                 out = step(q, dense.window_keys, dense.window_values).astype(mx.float32)
                 reference = out if reference is None else reference

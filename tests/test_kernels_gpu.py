@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 import kvq
-from kvq import packing
 from kvq.plugins import registry
 
 pytestmark = pytest.mark.gpu
 
 kvq_metal = pytest.importorskip("kvq_metal")
+from kvq_metal.common import code_mismatch  # noqa: E402
 
 
 def _impl(method):
@@ -306,8 +306,7 @@ def test_turboquant_codec_matches_pure_mlx(D, bits, dtype):
     assert got.data["codes"].shape == want.data["codes"].shape
     assert got.data["norms"].dtype == want.data["norms"].dtype
     dim = got.data["codes"].shape[-1] * 32 // bits
-    differ = mx.mean(packing.unpack(got.data["codes"], bits, dim) != packing.unpack(want.data["codes"], bits, dim))
-    assert float(differ) <= 1e-3
+    assert code_mismatch(got.data["codes"], want.data["codes"], bits, dim) <= 1e-3
     assert _rel(got.data["norms"], want.data["norms"]) < 1e-3
     err_k = float(mx.mean((pure.kvq_dequantize(got, mx.float32) - x.astype(mx.float32)) ** 2))
     err_p = float(mx.mean((pure.kvq_dequantize(want, mx.float32) - x.astype(mx.float32)) ** 2))
@@ -316,10 +315,6 @@ def test_turboquant_codec_matches_pure_mlx(D, bits, dtype):
 
 
 # -- fused encoders of qjl and turboquant_prod (issue #21: a window flush quantizes in one launch per side) ------
-def _differ_bits(a, b, bits, count):
-    return float(mx.mean(packing.unpack(a, bits, count) != packing.unpack(b, bits, count)))
-
-
 QJL_ENCODER_CASES = [(64, {}, mx.float16), (128, {}, mx.bfloat16), (128, {"outlier_channels": 0}, mx.float32),
                      (256, {"sketch_dim": 96, "outlier_channels": 8}, mx.bfloat16),
                      (96, {"group_size": 16, "outlier_channels": 2}, mx.float16)]
@@ -376,8 +371,8 @@ def test_turboquant_prod_fused_encoder_matches_pure_mlx(D, bits, dtype):
     for name, a in got.data.items():
         assert (a.shape, a.dtype) == (want.data[name].shape, want.data[name].dtype), name
     dim = p.rotated_dim(D)
-    assert _differ_bits(got.data["codes"], want.data["codes"], bits - 1, dim) <= 1e-3
-    assert _differ_bits(got.data["signs"], want.data["signs"], 1, dim) <= 1e-3
+    assert code_mismatch(got.data["codes"], want.data["codes"], bits - 1, dim) <= 1e-3
+    assert code_mismatch(got.data["signs"], want.data["signs"], 1, dim) <= 1e-3
     assert _rel(got.data["norms"], want.data["norms"]) < 1e-3
     assert _rel(got.data["residual_norms"], want.data["residual_norms"]) < 1e-3
     assert _rel(pure.kvq_dequantize(got, mx.float32), pure.kvq_dequantize(want, mx.float32)) < 1e-2

@@ -107,6 +107,14 @@ def quantize_with_method(x: mx.array, params):
     return registry().implementations[(params.method, "mlx")].kvq_quantize(x, params)
 
 
+def code_mismatch(a: mx.array, b: mx.array, bits: int, count: int) -> float:
+    """The fraction of ``bits``-bit codes that differ between two packed arrays uint32 ``[..., W]`` of ``count``
+    codes each (:func:`kvq.packing.unpack`): how a first-use check compares a fused encoder's codes with pure MLX's."""
+    from kvq import packing
+
+    return mx.mean(packing.unpack(a, bits, count) != packing.unpack(b, bits, count)).item()
+
+
 def relative_error(a, b) -> float:
     """``‖a - b‖ / ‖b‖`` in float32."""
     a, b = a.astype(mx.float32), b.astype(mx.float32)

@@ -17,7 +17,8 @@ import mlx.core as mx
 from kvq.encoded import Encoded
 from kvq_metal import attend
 from kvq_metal.base import KernelImpl, first_use_check
-from kvq_metal.common import check_attend, decode_shape_ok, grouped_rows, normal, query_rows, relative_error, rows_of
+from kvq_metal.common import (check_attend, code_mismatch, decode_shape_ok, grouped_rows, normal, query_rows,
+                              relative_error, rows_of)
 
 from .. import codebook, mse, rotation
 from ..impl import head_dim_supported, padding_note
@@ -192,11 +193,8 @@ class TurboQuantKernels(KernelImpl):
         decode equals the pure-MLX decode of the same codes within 1e-4 relative."""
         x = normal((1, 2, 256, head_dim), 9, dtype, scale=3.0)
         got, want = self.kvq_quantize(x, params), self.fallback().kvq_quantize(x, params)
-        from kvq import packing
-
         dim = got.data["codes"].shape[-1] * 32 // params.bits
-        differ = mx.mean(packing.unpack(got.data["codes"], params.bits, dim)
-                         != packing.unpack(want.data["codes"], params.bits, dim)).item()
+        differ = code_mismatch(got.data["codes"], want.data["codes"], params.bits, dim)
         norm_err = relative_error(got.data["norms"], want.data["norms"])
         dec_err = relative_error(self.kvq_dequantize(want, mx.float32),
                                  self.fallback().kvq_dequantize(want, mx.float32))

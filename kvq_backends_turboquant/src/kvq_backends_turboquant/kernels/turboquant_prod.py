@@ -21,11 +21,10 @@ from __future__ import annotations
 from functools import lru_cache
 
 import mlx.core as mx
-from kvq import packing
 from kvq.encoded import Encoded
 from kvq_metal import streams
 from kvq_metal.base import first_use_check
-from kvq_metal.common import decode_shape_ok, normal, relative_error
+from kvq_metal.common import code_mismatch, decode_shape_ok, normal, relative_error
 
 from .. import codebook, rotation
 from ..impl import FAMILY, _is_prod, _is_split, head_dim_supported
@@ -129,9 +128,8 @@ class TurboQuantProdKernels(streams.StreamsKernelImpl):
         x = normal((1, 2, 256, head_dim), 9, dtype, scale=3.0)
         got, want = self.kvq_quantize(x, params), self.fallback().kvq_quantize(x, params)
         dim, bits = params.rotated_dim(head_dim), _mse_bits(params)
-        differ = mx.mean(packing.unpack(got.data["codes"], bits, dim)
-                         != packing.unpack(want.data["codes"], bits, dim)).item()
-        signs = mx.mean(packing.unpack(got.data["signs"], 1, dim) != packing.unpack(want.data["signs"], 1, dim)).item()
+        differ = code_mismatch(got.data["codes"], want.data["codes"], bits, dim)
+        signs = code_mismatch(got.data["signs"], want.data["signs"], 1, dim)
         norm_err = relative_error(got.data["norms"], want.data["norms"])
         rnorm_err = relative_error(got.data["residual_norms"], want.data["residual_norms"])
         ok = differ <= 1e-3 and signs <= 1e-3 and norm_err < 1e-3 and rnorm_err < 1e-3
