@@ -300,7 +300,8 @@ def _tc_plan(signature: tuple, ddt: int, nt: int, pf: bool | None = None, qsh: b
     pair = [0 < b <= 4 for b in tables]
     # words of one copy: 1-bit streams use nibble tables (16 entries of two half2 words)
     entries = [0 if b == 0 else 32 if b == 1 else (1 << (2 * b) if p else 1 << b) for b, p in zip(tables, pair)]
-    rep = [0 < e <= 256 and rep is not False for e in entries]
+    copies = rep is not False  # the knob; the list below says which tables get per-lane copies
+    rep = [0 < e <= 256 and copies for e in entries]
     warps = THREADS // 32
     qsh = bool(qsh)
     k_steps = max(ka[0] // 16 + (kb[0] // 16 if kb else 0), max(head_dim, 16) // 16)
