@@ -84,23 +84,23 @@ def _knobs(tuning: dict, knobs: dict):
         tuning.update(saved)
 
 
-#: The tensor-core decode kernel with the knobs that free registers: query fragments in shared memory, one tile of
-#: 16 tokens per warp step (``kvq_metal.attend.TUNING``).
-ATTEND_TC_VARIANT = {"qsh": True, "nt": 1}
+#: The tensor-core decode kernel with the knobs the default does not take: query fragments held in registers
+#: (the default reads them from shared memory), one tile of 16 tokens per warp step (``kvq_metal.attend.TUNING``).
+ATTEND_TC_VARIANT = {"qsh": False, "nt": 1}
 
 
-@pytest.fixture(params=[True, False, "tc_qsh"], ids=["tensor_cores", "simt", "tc_qsh"])
+@pytest.fixture(params=[True, False, "tc_regs"], ids=["tensor_cores", "simt", "tc_regs"])
 def attend_kernel_kind(request):
     """Both decode-attention kernels: on CUDA the tensor-core kernel serves the shapes it supports by default and
-    the SIMT kernel (the Metal design) the rest; ``simt`` forces the SIMT kernel everywhere; ``tc_qsh`` is the
+    the SIMT kernel (the Metal design) the rest; ``simt`` forces the SIMT kernel everywhere; ``tc_regs`` is the
     tensor-core kernel with :data:`ATTEND_TC_VARIANT`."""
     from kvq_metal import attend
 
-    for _ in _knobs(attend.TUNING, ATTEND_TC_VARIANT if request.param == "tc_qsh" else {}):
+    for _ in _knobs(attend.TUNING, ATTEND_TC_VARIANT if request.param == "tc_regs" else {}):
         yield from _tensor_cores(request.param is not False, attend.TUNING)
 
 
-@pytest.fixture(params=[False, True], ids=["default", "tc_qsh"])
+@pytest.fixture(params=[False, True], ids=["default", "tc_regs"])
 def attend_tc_knobs(request):
     """The tensor-core decode kernel as it is by default, and with :data:`ATTEND_TC_VARIANT`."""
     from kvq_metal import attend
@@ -530,15 +530,17 @@ STREAM_CASES = [
 ]
 
 
-STREAMS_TC_VARIANTS = {"tc_qsh": {"qsh": True, "pf": False, "nt": 1}, "tc_single": {"qsh": True, "rep": False}}
+#: The tensor-core streams kernel's launch knobs apart from the default (query fragments in shared memory, no
+#: prefetch, one tile per warp step): ``tc_regs`` the fragments in registers, prefetch where it fits, two tiles;
+#: ``tc_single`` single code tables (``kvq_metal.streams.TUNING``).
+STREAMS_TC_VARIANTS = {"tc_regs": {"qsh": False, "pf": None, "nt": 2}, "tc_single": {"rep": False}}
 
 
-@pytest.fixture(params=[True, False, "tc_qsh", "tc_single"], ids=["tensor_cores", "simt", "tc_qsh", "tc_single"])
+@pytest.fixture(params=[True, False, "tc_regs", "tc_single"], ids=["tensor_cores", "simt", "tc_regs", "tc_single"])
 def streams_kernel_kind(request):
     """Both streams kernels: on CUDA the tensor-core one serves the calls it takes by default
-    (:func:`kvq_metal.streams._tc_plan`), ``simt`` forces the SIMT one (the Metal design); ``tc_qsh`` and
-    ``tc_single`` are the tensor-core kernel with the launch knobs that free registers (query fragments in shared
-    memory, no prefetch, one tile per warp step; single code tables), CUDA only."""
+    (:func:`kvq_metal.streams._tc_plan`), ``simt`` forces the SIMT one (the Metal design); ``tc_regs`` and
+    ``tc_single`` are the tensor-core kernel with :data:`STREAMS_TC_VARIANTS`, CUDA only."""
     from kvq_metal import streams
 
     knobs = STREAMS_TC_VARIANTS.get(request.param, {})

@@ -114,7 +114,7 @@ def test_plan_says_what_it_refuses():
 
 
 @pytest.mark.parametrize("rows", [1, 4, 8])
-@pytest.mark.parametrize("tuning", [{}, {"qsh": True}, {"qsh": True, "rep": False}], ids=["default", "qsh", "single"])
+@pytest.mark.parametrize("tuning", [{}, {"qsh": True}, {"qsh": True, "rep": False}], ids=["registers", "qsh", "single"])
 def test_tensor_core_plan_takes_qjl_and_prod_within_shared_memory(rows, tuning):
     """CUDA's tensor-core streams kernel (``decode_attend_streams_tc.cu``) takes qjl keys with affine values and
     turboquant_prod (head_dim 64 to 256, 1 to 8 rows, with the sinks and window), each within 48 KB of static
@@ -285,5 +285,5 @@ def test_streams_launch_plan_is_made_once_per_signature(monkeypatch):
         assert later._launch.grid[1] == splits_for(2, T, "cuda", tile, streams.TUNING["groups"]) + 2
     out = later(q, w[:, :, 4:], w[:, :, 4:])
     assert out.shape == (1, 8, 1, 128) and out.dtype == mx.bfloat16
-    monkeypatch.setitem(streams.TUNING, "qsh", True)
+    monkeypatch.setitem(streams.TUNING, "qsh", not streams.TUNING["qsh"])
     assert step(300)._launch.call is not first._launch.call and len(built) == made + 1

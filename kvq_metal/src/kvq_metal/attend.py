@@ -53,9 +53,10 @@ MAX_SPLITS = 2048
 #: thread groups to aim for (it keeps a block's warps busy longer: fewer, longer splits), ``rep`` one copy of each
 #: code table per lane where shared memory allows (lookups without bank conflicts; see :func:`table_layout`),
 #: ``qsh`` the query fragments read from shared memory instead of held in registers (16 to 32 registers fewer per
-#: thread, which bound the kernel's occupancy; compiled with nvcc, not yet run on a GPU: off).
+#: thread, which bound the kernel's occupancy; on: 4-9% less GPU time per call at 4K-128K on the H200,
+#: benchmarks/results/kernels/2026-12-02-h200-durations-qsh.json).
 TUNING = {"kt_small": 8, "kt_large": 8, "cpt": None, "phases": 3, "tc": True, "nt": 2, "pf": False, "pair": True,
-          "tc_groups": 264, "rep": True, "qsh": False}
+          "tc_groups": 264, "rep": True, "qsh": True}
 # benchmarks may override the knobs without code changes: KVQ_ATTEND_TUNING='{"nt": 1}'
 TUNING.update(json.loads(os.environ.get("KVQ_ATTEND_TUNING", "{}")))
 
