@@ -68,9 +68,10 @@ MERGE_INPUTS = ("part", "ml", "fin")
 #: whether it issues the next step's loads before this step's math (``None``: where one key and one value stream
 #: leave the registers for it), ``qsh`` whether it reads the query fragments from shared memory, ``rep`` ``False``
 #: for single code tables (no per-lane copies; ``None``: copies while shared memory allows). See :func:`_tc_plan`.
-#: Defaults: query fragments from shared memory, one tile, no prefetch (on the H200 at 32K 0.84x, 1.02x and 0.80x
-#: the GPU time of two tiles with prefetch for qjl+affine:4, turboquant_prod:4 and :3, at 128K 1.02x, 1.02x,
-#: 0.88x: benchmarks/results/streams/2026-12-02-h200-streams-tc-variants-kernel-times.json).
+#: Defaults: query fragments from shared memory, one tile, no prefetch. On the H200 they take 0.84x, 1.02x and
+#: 0.80x the GPU time of the former default (two tiles, prefetch where it fits) at 32K for qjl+affine:4,
+#: turboquant_prod:4 and :3, and 1.02x, 1.02x, 0.88x at 128K
+#: (benchmarks/results/streams/2026-12-02-h200-streams-tc-variants-kernel-times.json).
 TUNING = {"kt": 4, "groups": None, "registers": 96, "tc": True, "nt": 1, "pf": False, "qsh": True, "rep": None}
 TUNING.update(json.loads(os.environ.get("KVQ_STREAMS_TUNING", "{}")))
 #: Most float32 entries of one stream's code table held in shared memory (VecInfer: 2**code_bits * sub_dim).
