@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import json
 
+import attrs
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
@@ -105,6 +106,65 @@ def test_a_failing_method_is_recorded_and_the_run_goes_on(monkeypatch):
     assert rows[2]["error"] is None and rows[2]["tokens_per_second"] > 0
 
 
+def test_rounds_interleave_the_caches_and_keep_every_step(monkeypatch):
+    """``rounds=3``: every cache is filled before any decodes, then the caches take turns in the methods' order and
+    its reverse; each row keeps all its rounds' timed steps (3 x steps), its first round's warmup plus one untimed
+    step per later round, and the memory of its own cache (as in one-after-the-other rows)."""
+    model = random_model.build_random_model(random_model.random_config("tiny"), mx.float32)
+    events, original_fill, original_decode = [], e2e.fill, e2e.decode
+
+    def logged_fill(caches, source, context, chunk):
+        events.append(("fill", type(caches[0]).__name__))
+        return original_fill(caches, source, context, chunk)
+
+    def logged_decode(model, caches, token, steps, warmup, host, batch):
+        events.append(("decode", type(caches[0]).__name__, warmup))
+        return original_decode(model, caches, token, steps, warmup, host, batch)
+
+    monkeypatch.setattr(e2e, "fill", logged_fill)
+    monkeypatch.setattr(e2e, "decode", logged_decode)
+    settings = e2e.E2ESettings((64,), steps=2, warmup=2, progress=False, sinks=0, window=0, rounds=3)
+    rows = e2e.E2EBench(model, settings).run(e2e.parse_methods("affine:4", 64))
+    kv, kvq = "KVCache", "KVQCache"
+    assert events == [("fill", kv), ("fill", kvq), ("decode", kv, 2), ("decode", kvq, 2), ("decode", kvq, 1),
+                      ("decode", kv, 1), ("decode", kv, 1), ("decode", kvq, 1)]
+    one = {r["method"]: r for r in e2e.E2EBench(model, attrs.evolve(settings, rounds=1)).run(
+        e2e.parse_methods("affine:4", 64))}
+    for r in rows:
+        assert r["error"] is None and len(r["latency_ms"]["all"]) == 6 and len(r["host_ms"]["all"]) == 6
+        assert len(r["warmup_ms"]) == 2 + 1 + 1
+        assert r["kv_bytes"] == one[r["method"]]["kv_bytes"]
+        # its own decode peak, not the other cache's bytes that were resident beside it
+        assert r["kv_bytes"] <= r["peak_memory_growth"] < r["kv_bytes"] + 4 * one[r["method"]]["peak_memory_growth"]
+    assert rows[1]["speed_vs_fp16"] == pytest.approx(rows[1]["tokens_per_second"] / rows[0]["tokens_per_second"])
+
+
+def test_a_method_failing_in_a_round_is_recorded_and_the_others_go_on(monkeypatch):
+    model = random_model.build_random_model(random_model.random_config("tiny"), mx.float32)
+    original, calls = e2e.decode, []
+
+    def decode(model, caches, *args):
+        calls.append(type(caches[0]).__name__)
+        if type(caches[0]).__name__ == "KVQCache" and calls.count("KVQCache") == 2:
+            raise RuntimeError("out of memory")
+        return original(model, caches, *args)
+
+    monkeypatch.setattr(e2e, "decode", decode)
+    settings = e2e.E2ESettings((32,), steps=1, warmup=0, progress=False, rounds=3)
+    rows = e2e.E2EBench(model, settings).run(e2e.parse_methods("affine:4", 64))
+    assert calls == ["KVCache", "KVQCache", "KVQCache", "KVCache", "KVCache"]  # no third round for the failed one
+    assert rows[1]["error"] == "RuntimeError: out of memory" and rows[1]["speed_vs_fp16"] is None
+    assert rows[0]["error"] is None and len(rows[0]["latency_ms"]["all"]) == 3
+
+
+def test_a_method_string_sets_its_own_flush():
+    """``affine:4[flush=64]`` next to the run's ``flush`` (32): each cache flushes in its own blocks."""
+    model = random_model.build_random_model(random_model.random_config("tiny"), mx.float32)
+    settings = e2e.E2ESettings((32,), steps=1, warmup=0, progress=False)
+    specs = e2e.parse_methods("affine:4,affine:4[flush=64]", 64)
+    assert [e2e.make_cache(model, spec, settings)[0].config.flush for spec in specs[1:]] == [32, 64]
+
+
 def test_fills_store_exactly_the_source():
     source = fill.RandomKV(kv_heads=2, head_dim=64, dtype=mx.float16, seed=3)
     caches = [KVCache(), KVCache()]
@@ -163,6 +223,7 @@ def test_llama3_8b_preset_shape():
     (["--model", "random:tiny", "--fill", "prefill"], "have no text to prefill"),
     (["--model", "random:tiny", "--steps", "0"], "--steps must be >= 1"),
     (["--model", "random:tiny", "--batch", "0"], "--batch must be >= 1"),
+    (["--model", "random:tiny", "--rounds", "0"], "--rounds must be >= 1"),
     (["--batch", "2"], "--batch 2 needs --fill random"),
     (["--contexts", "2048"], "longer than the model's max_position_embeddings (1024)"),
     (["--layers", "1"], "--layers applies to random:PRESET models only"),

@@ -140,7 +140,7 @@ class BatchBench:
         patched = spec.label != REFERENCE
         try:
             if patched:
-                patch_model(self.model, **spec.cache_kwargs(s.sinks, s.window), kernels=s.kernels, flush=s.flush)
+                patch_model(self.model, **spec.cache_kwargs(s.sinks, s.window, s.flush), kernels=s.kernels)
             row.update(generate(self.model, ids, s.tokens, s.chunk))
         except Exception as exc:  # noqa: BLE001 - one failing method must not end the run: the row says why
             row["error"] = error_text(exc)

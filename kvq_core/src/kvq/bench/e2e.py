@@ -16,6 +16,13 @@ For each context length and each method string (:mod:`kvq.evaluation.spec`; ``fp
    ``mx.get_peak_memory()`` over the
    decode.
 
+With ``rounds`` > 1 (``--rounds``) the caches of one context take turns instead: every cache is filled first
+and all are held at once, then each decodes ``steps`` timed steps per round, in the order of the methods in odd
+rounds and the reverse order in even ones, for ``rounds`` rounds; a row's latencies are all its rounds' steps. On a
+shared GPU machine the host's and the device's speed drift over minutes (fp16's own median at 32K came out 5.35
+and 6.11 ms in two runs of one H200 sitting), so one-after-the-other rows compare a method with fp16 measured
+minutes apart; interleaved rounds give every cache the same slow and fast periods.
+
 A row whose method fails (an MLX back end without an implementation for a shape, out of memory) records the
 error and the run goes on.
 """
@@ -63,6 +70,11 @@ class E2ESettings:
     :param batch: sequences decoded together (>= 1; above 1 only with the ``random`` fill): every cache holds
         ``batch`` rows of ``context`` tokens (different random keys and values per row) and each step decodes one
         token per row, so tokens/s counts ``batch`` tokens per step (the aggregate a server sees).
+    :param rounds: 1 (default): each cache is filled, decoded and freed before the next; above 1: the caches of a
+        context are held at once and decode ``steps`` timed steps each per round, taking turns (see the module's
+        docstring); the first round of a cache has ``warmup`` untimed steps, later rounds 1 (the step that starts
+        the pipeline again). ``steps`` should then be a multiple of every kvq cache's flush, so each round times
+        the same number of flushes.
     """
 
     contexts: tuple[int, ...]
@@ -77,10 +89,13 @@ class E2ESettings:
     progress: bool = True
     flush: int = 32
     batch: int = 1
+    rounds: int = 1
 
     def __attrs_post_init__(self) -> None:
         if self.batch < 1:
             raise ValueError(f"--batch must be >= 1; got {self.batch}")
+        if self.rounds < 1:
+            raise ValueError(f"--rounds must be >= 1; got {self.rounds}")
         if self.batch > 1 and self.fill != "random":
             raise ValueError(f"--batch {self.batch} needs --fill random (replay and prefill fill one sequence); "
                              f"got --fill {self.fill}")
@@ -137,8 +152,8 @@ def make_cache(model, spec: MethodSpec, settings: E2ESettings) -> list:
                 for c in mlx_lm_caches(model)]
     from ..cache import make_prompt_cache
 
-    return make_prompt_cache(model, **spec.cache_kwargs(settings.sinks, settings.window), kernels=settings.kernels,
-                             flush=settings.flush)
+    return make_prompt_cache(model, **spec.cache_kwargs(settings.sinks, settings.window, settings.flush),
+                             kernels=settings.kernels)
 
 
 def bits(spec: MethodSpec, head_dim: int, dtype: mx.Dtype) -> tuple[float, float]:
@@ -207,7 +222,8 @@ class E2EBench:
         self.text = None if text_ids is None else mx.array(text_ids)
 
     def run(self, specs: list[MethodSpec], on_row: Callable[[dict], None] | None = None) -> list[dict]:
-        """Every context (in settings order) times every spec (fp16 first); ``on_row(row)`` after each row."""
+        """Every context (in settings order) times every spec (fp16 first); ``on_row(row)`` after each row (with
+        ``rounds`` > 1, after the last round of the context)."""
         s, rows = self.settings, []
         bar = tqdm(total=len(s.contexts) * len(specs), desc="kvq bench e2e", unit="row",
                    disable=not s.progress, dynamic_ncols=True)
@@ -215,10 +231,11 @@ class E2EBench:
             for context in s.contexts:
                 bar.set_postfix_str(f"{context} tokens: {s.fill} source")
                 source, info = self._source(context)
+                measured = (self._measure_interleaved(specs, context, source, bar) if s.rounds > 1 else
+                            (self._measure(spec, context, source, bar) for spec in specs))
                 reference = None
-                for spec in specs:
-                    bar.set_postfix_str(f"{context} tokens: {spec.label}")
-                    row = {**self._measure(spec, context, source, bar), **info}
+                for spec, row in zip(specs, measured):
+                    row.update(info)
                     reference = reference or (row if spec.label == REFERENCE and not row["error"] else None)
                     add_ratios(row, reference)
                     rows.append(row)
@@ -240,16 +257,78 @@ class E2EBench:
         return source, {"replay_prefill_seconds": time.perf_counter() - tic}
 
     def _measure(self, spec: MethodSpec, context: int, source, bar) -> dict:
+        bar.set_postfix_str(f"{context} tokens: {spec.label}")
         row = self._describe(spec, context)
         try:
-            row.update(self._measure_caches(spec, context, source, bar))
+            caches, filled, before = self._fill(spec, context, source)
+            row.update(filled)
+            bar.set_postfix_str(f"{context} tokens: {spec.label} decode")
+            mx.reset_peak_memory()
+            host, s = [], self.settings
+            seconds, untimed = decode(self.model, caches, self._first(context), s.steps, s.warmup, host, s.batch)
+            peak = mx.get_peak_memory()
+            row.update(self._decoded(caches, seconds, untimed, host, peak, peak - before))
         except Exception as exc:  # noqa: BLE001 - one failing method must not end the run: the row says why
             row["error"] = error_text(exc)
             bar.write(f"kvq bench e2e: {spec.label} at {context} tokens failed: {row['error']}")
         release()
         return row
 
-    def _measure_caches(self, spec, context, source, bar) -> dict:
+    def _measure_interleaved(self, specs, context: int, source, bar) -> list[dict]:
+        """Every spec's row at ``context`` with ``rounds`` > 1: all caches filled and held, then decoded in turns
+        (the module's docstring). A cache's decode peak is its rounds' highest ``mx.get_peak_memory()`` less what
+        else was resident at the start of that round (the model and the other caches: the active memory then, less
+        this cache's growth at its fill), so it reads as in one-after-the-other rows."""
+        s = self.settings
+        rows, live = [], []
+        for spec in specs:
+            bar.set_postfix_str(f"{context} tokens: {spec.label} fill")
+            row = self._describe(spec, context)
+            try:
+                caches, filled, _ = self._fill(spec, context, source)
+                row.update(filled)
+                live.append((row, caches, {"seconds": [], "untimed": [], "host": [], "peak": 0, "growth": 0}))
+            except Exception as exc:  # noqa: BLE001 - the row says why; the others are measured
+                row["error"] = error_text(exc)
+                bar.write(f"kvq bench e2e: {spec.label} at {context} tokens failed: {row['error']}")
+                release()
+            rows.append(row)
+        for turn in range(s.rounds):
+            for row, caches, acc in (live if turn % 2 == 0 else live[::-1]):
+                if row["error"]:
+                    continue
+                bar.set_postfix_str(f"{context} tokens: {row['method']} round {turn + 1}/{s.rounds}")
+                try:
+                    others = mx.get_active_memory() - row["active_memory_growth"]
+                    mx.reset_peak_memory()
+                    seconds, untimed = decode(self.model, caches, self._first(context), s.steps,
+                                              s.warmup if turn == 0 else 1, acc["host"], s.batch)
+                    peak = mx.get_peak_memory()
+                    acc["seconds"] += seconds
+                    acc["untimed"] += untimed
+                    if peak - others > acc["growth"]:
+                        acc["peak"], acc["growth"] = peak, peak - others
+                except Exception as exc:  # noqa: BLE001 - as in one-after-the-other rows
+                    row["error"] = error_text(exc)
+                    caches.clear()  # its memory goes; the other caches go on
+                    bar.write(f"kvq bench e2e: {row['method']} at {context} tokens failed: {row['error']}")
+                    release()
+        for row, caches, acc in live:
+            if not row["error"]:
+                row.update(self._decoded(caches, acc["seconds"], acc["untimed"], acc["host"], acc["peak"],
+                                         acc["growth"]))
+            caches.clear()
+        del live
+        release()
+        return rows
+
+    def _first(self, context: int) -> int:
+        """The token the decode starts from: the text's next token, or 1 for random fills."""
+        return int(self.text[context]) if self.text is not None else 1
+
+    def _fill(self, spec, context, source) -> tuple[list, dict, int]:
+        """``(caches, fields, before)``: ``spec``'s caches brought to ``context`` tokens, the row's fill and memory
+        fields, and the active memory (bytes) before the caches were made."""
         s = self.settings
         release()
         before = mx.get_active_memory()
@@ -263,17 +342,15 @@ class E2EBench:
         fill_seconds = time.perf_counter() - tic
         memory = {"kv_bytes": sum(c.nbytes for c in caches), "active_memory_growth": mx.get_active_memory() - before,
                   "fill_peak_memory_growth": mx.get_peak_memory() - before}
-        bar.set_postfix_str(f"{context} tokens: {spec.label} decode")
-        first = int(self.text[context]) if self.text is not None else 1
-        mx.reset_peak_memory()
-        host = []
-        seconds, untimed = decode(self.model, caches, first, s.steps, s.warmup, host, s.batch)
-        peak = mx.get_peak_memory()
         stored = 2 * len(caches) * s.batch * self.kv_heads * context * self.head_dim
-        return {"fill_seconds": fill_seconds,
-                **({"prefill_tokens_per_second": context / fill_seconds} if source is None else {}),
-                **memory, "resident_bits_per_coordinate": 8 * memory["kv_bytes"] / stored,
-                "peak_memory": peak, "peak_memory_growth": peak - before,
+        return caches, {"fill_seconds": fill_seconds,
+                        **({"prefill_tokens_per_second": context / fill_seconds} if source is None else {}),
+                        **memory, "resident_bits_per_coordinate": 8 * memory["kv_bytes"] / stored}, before
+
+    def _decoded(self, caches, seconds, untimed, host, peak, growth) -> dict:
+        """A row's decode fields from its timed steps ``seconds``, untimed ones, host times and decode peak."""
+        s = self.settings
+        return {"peak_memory": peak, "peak_memory_growth": growth,
                 "attend_implementation": attend_implementation(caches[0], self.model, s),
                 **latency_summary(seconds, s.batch), "host_ms": host_summary(host),
                 "warmup_ms": [round(t * 1e3, 4) for t in untimed], "error": None}

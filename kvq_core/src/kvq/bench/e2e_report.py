@@ -28,6 +28,12 @@ def _batch(settings: dict) -> str:
     return "" if batch == 1 else f" of {batch} sequences at once (tokens/s counts every sequence's token)"
 
 
+def _rounds(settings: dict) -> str:
+    rounds = settings.get("rounds", 1)  # absent from results written before rounds were measured
+    return "" if rounds == 1 else (f" per round, {rounds} rounds with the caches held at once and taking turns "
+                                   f"(order reversed every round; later rounds 1 warmup step)")
+
+
 def _host(r: dict) -> str:
     host = (r.get("host_ms") or {}).get("median")  # absent from results written before it was measured
     return "-" if host is None else f"{host:.3g}"
@@ -62,7 +68,7 @@ def markdown_file(document: dict) -> str:
     s = document["settings"]
     lines = [*header_lines("kvq bench e2e", document),
              f"Fill: {s['fill']} (chunks of {s['chunk']}); decode: {s['warmup']} warmup + {s['steps']} timed steps"
-             f"{_batch(s)}; "
+             f"{_batch(s)}{_rounds(s)}; "
              f"kvq caches: sinks {s['sinks']}, window {s['window']}, kernels {s['kernels']}.",
              *(f"Note: {n}" for n in document.get("notes", [])), "", markdown(document["rows"])]
     return "\n".join(lines) + "\n"

@@ -93,6 +93,10 @@ def e2e_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1,
                    help="sequences decoded together, each of --contexts tokens (random fill only; default 1): "
                         "tokens/s then counts every row's token")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="above 1: hold every cache of a context at once and decode --steps steps per cache per "
+                        "round, the caches taking turns (order reversed every round), so a shared machine's slow "
+                        "and fast periods fall on every cache alike (default 1: one cache after the other)")
     p.add_argument("--warmup", type=int, default=None,
                    help="untimed decode steps first (default: --flush + 1 on a GPU, so the first window flush, "
                         "when quantize kernels compile, is untimed; 1 on the CPU)")
@@ -171,7 +175,8 @@ def e2e_check(args) -> dict:
 
     warmup = args.warmup if args.warmup is not None else 1 if _on_cpu() else args.flush + 1
     at_least(("--steps", args.steps, 1), ("--warmup", warmup, 0), ("--chunk", args.chunk, 1),
-              ("--sinks", args.sinks, 0), ("--window", args.window, 0), ("--flush", args.flush, 1))
+              ("--sinks", args.sinks, 0), ("--window", args.window, 0), ("--flush", args.flush, 1),
+              ("--rounds", args.rounds, 1))
     random = is_random(args.model)
     fill = args.fill or ("random" if random else "replay")
     if random and fill != "random":
@@ -184,7 +189,7 @@ def e2e_check(args) -> dict:
     specs = bench_specs(args, config, random, e2e.DEFAULT_METHODS)
     contexts = tuple(sorted(contexts, reverse=args.largest_first))
     settings = e2e.E2ESettings(contexts, args.steps, warmup, args.chunk, fill, args.sinks, args.window,
-                               args.kernels, args.seed, not args.no_progress, args.flush, args.batch)
+                               args.kernels, args.seed, not args.no_progress, args.flush, args.batch, args.rounds)
     return checked_bench((name, config, path), settings, specs, args, random)
 
 
@@ -292,13 +297,13 @@ def e2e_main(argv: list[str]) -> int:
     settings = checked["settings"]
 
     def notes(info: dict) -> list[str]:
-        limit, steps = info["max_position_embeddings"], settings.warmup + settings.steps
+        limit, steps = info["max_position_embeddings"], settings.warmup + settings.rounds * (settings.steps + 2)
         return [f"context {c} + {steps} decode steps exceed max_position_embeddings {limit}"
                 for c in settings.contexts if limit and c + steps > limit]
 
     return run_bench("kvq bench e2e", argv, args, checked, "",
                      ("contexts", "steps", "warmup", "chunk", "fill", "sinks", "window", "kernels", "seed", "flush",
-                      "batch"),
+                      "batch", "rounds"),
                      lambda model, info, text_ids: e2e.E2EBench(model, settings, text_ids), e2e_report,
                      notes=notes)
 

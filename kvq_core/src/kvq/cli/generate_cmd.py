@@ -88,8 +88,9 @@ def cache_options(args: argparse.Namespace) -> dict:
         if spec.is_mlx:
             raise ValueError(f"--method {args.method!r}: mlx-affine (mlx-lm's own cache) is for kvq eval and "
                              f"kvq bench; use --method affine for kvq's")
-        return for_model({**spec.cache_kwargs(args.sinks, args.window), "kernels": getattr(args, "kernels", "auto"),
-                          "flush": getattr(args, "flush", 1)}, args.model)
+        # a method string's own sinks/window/flush ("affine:4[flush=128]") win over the options' defaults
+        return for_model({**spec.cache_kwargs(args.sinks, args.window, getattr(args, "flush", 1)),
+                          "kernels": getattr(args, "kernels", "auto")}, args.model)
     shared = dict(parse_param(p) for p in args.param)
     if args.bits is not None:
         shared["bits"] = args.bits

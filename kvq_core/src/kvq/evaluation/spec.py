@@ -65,9 +65,12 @@ class MethodSpec:
         """``(bits, group_size)`` of an ``mlx-affine`` spec (mlx-lm's defaults: 8 bits, group 64)."""
         return self.key_params.get("bits", 8), self.key_params.get("group_size", 64)
 
-    def cache_kwargs(self, sinks: int, window: int) -> dict:
-        """Keyword arguments of :func:`kvq.make_prompt_cache` / :func:`kvq.cache.make_config` (kvq specs)."""
-        options = {"sinks": sinks, "window": window, **self.cache_options}
+    def cache_kwargs(self, sinks: int, window: int, flush: int | None = None) -> dict:
+        """Keyword arguments of :func:`kvq.make_prompt_cache` / :func:`kvq.cache.make_config` (kvq specs): the
+        run's ``sinks``, ``window`` and ``flush`` (``None``: the cache's default) where the method string does not
+        override them (``affine:4[flush=128]``)."""
+        options = {"sinks": sinks, "window": window, **({} if flush is None else {"flush": flush}),
+                   **self.cache_options}
         return dict(method=None, key_method=self.key_method, value_method=self.value_method,
                     key_params=dict(self.key_params), value_params=dict(self.value_params), **options)
 
