@@ -23,6 +23,8 @@ HERE = Path(__file__).parent
 FILTER = "regex:decode_attend|decode_merge|zero_counters|sdpa|fmha|flash"
 
 
+#: Achieved occupancy: active warps per SM as a percentage of the most an SM holds (64 on an H200).
+OCCUPANCY = "sm__warps_active.avg.pct_of_peak_sustained_active"
 #: Multipliers to microseconds of the time units ncu prints.
 UNITS = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
 
@@ -68,7 +70,9 @@ def group_calls(labels: list[dict], launches: list[dict]) -> list[dict]:
                         "launches": [{"kernel": p["kernel"].split("(")[0][-90:],
                                       "us": p["gpu__time_duration.sum"],
                                       "registers": p.get("launch__registers_per_thread"),
-                                      "blocks": p.get("launch__grid_size")} for p in parts]})
+                                      "blocks": p.get("launch__grid_size"),
+                                      "occupancy_limit_registers": p.get("launch__occupancy_limit_registers"),
+                                      "achieved_occupancy_pct": p.get(OCCUPANCY)} for p in parts]})
     return [r for r in results if not r.get("warmup")]
 
 
@@ -84,7 +88,8 @@ def main() -> None:
         cmd += ["--variants", args.variants]
     log = Path(args.out).with_suffix(".ncu.csv")
     run = subprocess.run([args.ncu, "--clock-control", "none", "-k", FILTER, "--metrics",
-                          "gpu__time_duration.sum,launch__registers_per_thread,launch__grid_size", "--csv",
+                          "gpu__time_duration.sum,launch__registers_per_thread,launch__grid_size,"
+                          f"launch__occupancy_limit_registers,{OCCUPANCY}", "--csv",
                           "--log-file", str(log), *cmd], capture_output=True, text=True)
     labels = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     if run.returncode or not labels:
