@@ -7,7 +7,7 @@ second loop attends the first loop's keys naming its own cache). Layers with a s
 RotatingKVQCache (tests/test_rotating_cache.py), the others kvq's KVQCache. kvq's fp16 cache gives mlx-lm's logits
 (16-bit storage of a float32 model's keys and values: within 3e-3), every method finite logits, and prompt-cache
 files round trip mixed layers exactly. Every token past the 4 sinks and the 8-token window is compressed
-(``flush=1``: at kvq's default flush of 32 these 43 tokens would all stay in the window)."""
+(``flush=1``: at kvq's default flush of 128 these 43 tokens would all stay in the window)."""
 
 from __future__ import annotations
 

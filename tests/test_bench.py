@@ -19,10 +19,11 @@ METHODS = ("fp16", "affine:4", "turboquant:4")
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """One CLI run: random:tiny in float16, contexts 64 and 128, no sinks or window (every token compressed)."""
+    """One CLI run: random:tiny in float16, contexts 64 and 128, no sinks or window and a flush of 32 (every token
+    of both contexts compressed)."""
     out = tmp_path_factory.mktemp("e2e")
     argv = ["bench", "e2e", "--model", "random:tiny", "--contexts", "64,128", "--methods", ",".join(METHODS),
-            "--steps", "2", "--dtype", "float16", "--sinks", "0", "--window", "0", "--out", str(out),
+            "--steps", "2", "--dtype", "float16", "--sinks", "0", "--window", "0", "--flush", "32", "--out", str(out),
             "--name", "run", "--no-progress"]
     assert main(argv) == 0
     return out, json.loads((out / "run.json").read_text())
@@ -50,8 +51,8 @@ def test_a_batch_decodes_every_sequence_in_each_step(run, tmp_path):
     """``--batch 3``: every cache holds three sequences (three times the bytes of one), each step yields a token
     per sequence (tokens/s counts all three), and a kvq cache decodes them in one batch (no error)."""
     argv = ["bench", "e2e", "--model", "random:tiny", "--contexts", "64", "--methods", ",".join(METHODS), "--steps",
-            "2", "--dtype", "float16", "--sinks", "0", "--window", "0", "--out", str(tmp_path), "--name", "b3",
-            "--no-progress", "--no-plot", "--batch", "3"]
+            "2", "--dtype", "float16", "--sinks", "0", "--window", "0", "--flush", "32", "--out", str(tmp_path),
+            "--name", "b3", "--no-progress", "--no-plot", "--batch", "3"]
     assert main(argv) == 0
     doc = json.loads((tmp_path / "b3.json").read_text())
     assert doc["settings"]["batch"] == 3
@@ -158,11 +159,12 @@ def test_a_method_failing_in_a_round_is_recorded_and_the_others_go_on(monkeypatc
 
 
 def test_a_method_string_sets_its_own_flush():
-    """``affine:4[flush=64]`` next to the run's ``flush`` (32): each cache flushes in its own blocks."""
+    """``affine:4[flush=64]`` next to the run's ``flush`` (the default, 128): each cache flushes in its own
+    blocks."""
     model = random_model.build_random_model(random_model.random_config("tiny"), mx.float32)
     settings = e2e.E2ESettings((32,), steps=1, warmup=0, progress=False)
     specs = e2e.parse_methods("affine:4,affine:4[flush=64]", 64)
-    assert [e2e.make_cache(model, spec, settings)[0].config.flush for spec in specs[1:]] == [32, 64]
+    assert [e2e.make_cache(model, spec, settings)[0].config.flush for spec in specs[1:]] == [128, 64]
 
 
 def test_fills_store_exactly_the_source():
@@ -290,7 +292,7 @@ def test_kernel_durations_groups_each_calls_launches():
 
 
 @pytest.mark.parametrize("on_cpu, argv, warmup", [
-    (True, [], 1), (False, [], 33), (False, ["--flush", "8"], 9), (False, ["--warmup", "0"], 0)])
+    (True, [], 1), (False, [], 129), (False, ["--flush", "8"], 9), (False, ["--warmup", "0"], 0)])
 def test_default_warmup_leaves_the_first_flush_untimed_on_a_gpu(monkeypatch, on_cpu, argv, warmup):
     """On a GPU the first window flush compiles the quantize kernels for the block shape: the default warmup
     (flush + 1 steps) keeps it out of the timed steps; the CPU compiles nothing and keeps one warmup step."""

@@ -57,7 +57,8 @@ def test_a_run_that_compresses_nothing_says_so():
     settings = batch.BatchSettings((1,), prompt=64, tokens=4)  # 4 sinks + 128-token window: nothing leaves it
     (note,) = batch.notes(settings)
     assert "nothing is compressed" in note and "--prompt" in note
-    assert batch.notes(batch.BatchSettings((1,), prompt=200, tokens=4)) == []
+    assert batch.notes(batch.BatchSettings((1,), prompt=200, tokens=4, flush=32)) == []  # 4 + 128 + 31 < 204
+    assert batch.notes(batch.BatchSettings((1,), prompt=300, tokens=4)) == []  # the default flush, 128
 
 
 def test_kvq_rows_patch_the_model_only_while_they_run():

@@ -36,8 +36,13 @@ def test_resident_growth_matches_nbytes_and_accounting(method, params):
         del k, v
     growth = _settle() - before
     assert growth == pytest.approx(cache.nbytes, rel=0.10)
-    compressed = T - 4 - 128
-    expected = 2 * config.key_params.accounting(D).bytes_for(B, H, compressed) + 2 * (4 + 128) * B * H * D * 2
+    flush = config.flush_tokens  # the window holds 128 to 128 + flush - 1 tokens, in a buffer of the most
+    held = cache.window.length
+    assert 128 <= held < 128 + flush and cache.compressed_keys.length == T - 4 - held
+    compressed = cache.compressed_keys.capacity  # allocated in steps of 256 tokens
+    assert compressed - 256 < T - 4 - held <= compressed
+    expected = (2 * config.key_params.accounting(D).bytes_for(B, H, compressed)
+                + 2 * (4 + 128 + flush - 1) * B * H * D * 2)
     assert cache.nbytes == pytest.approx(expected, rel=0.02)
     assert cache.nbytes < 0.35 * 2 * B * H * T * D * 2  # versus fp16 keys and values
 

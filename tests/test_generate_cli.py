@@ -144,11 +144,11 @@ def test_generate_says_when_nothing_was_compressed(tiny_gguf, cache, capsys):
             "--max-tokens", "3", "--compare", "fp16"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "NOTE: nothing was compressed" in out and "sinks (4) and window (128, growing to 159" in out
+    assert "NOTE: nothing was compressed" in out and "sinks (4) and window (128, growing to 255" in out
 
 
 def test_generate_counts_the_tokens_a_flush_waits_for(tiny_gguf, cache, capsys):
-    """No sinks and no window, but the default flush of 32: the few tokens of this run wait in the window for a
+    """No sinks and no window, but the default flush of 128: the few tokens of this run wait in the window for a
     whole block, so nothing is compressed and the report says so (it used to count only sinks + window)."""
     argv = ["generate", "--model", str(tiny_gguf), "--method", "turboquant:4", "--sinks", "0", "--window", "0",
             "--prompt", "the the", "--max-tokens", "3", "--compare", "fp16"]

@@ -39,7 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS = {
     "contract": ("kvq.contract", "kvq.hookspecs", "kvq.methods", "kvq.encoded", "kvq.problem", "kvq.validate",
-                 "kvq.packing", "kvq.costmodel", "kvq.attention", "kvq.textdata", "kvq.install_hints", "kvq.paths"),
+                 "kvq.packing", "kvq.costmodel", "kvq.attention", "kvq.textdata", "kvq.install_hints", "kvq.paths",
+                 "kvq.defaults"),
     "registry": ("kvq.plugins", "kvq.tuning", "kvq.provenance"),
     "selection": ("kvq.select",),
     "runtime": ("kvq.baselines", "kvq.cache"),

@@ -37,7 +37,7 @@ def test_a_bounded_request_gets_compressed_rotating_caches(patched):
         patched(mx.array([[token]]), cache=caches)
     layer = caches[0]
     assert layer.offset == 620 and layer.size() == 64  # mlx-lm's bound, not 620 tokens
-    # the window holds 16 to 16 + flush - 1 tokens (flush 32 by default), the full ring max_size - keep - 16
+    # the window holds 16 to 16 + flush - 1 tokens (flush 128 by default), the full ring max_size - keep - 16
     assert layer.sinks.length == 4 and 16 <= layer.window.length < 16 + layer.config.flush_tokens
     assert layer.compressed_keys.length == 64 - 4 - 16
     assert layer.nbytes == nbytes  # decoding on holds no more

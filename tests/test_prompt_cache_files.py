@@ -51,8 +51,9 @@ def damaged(path: Path, start: int, count: int, into: Path) -> Path:
 
 @pytest.fixture
 def saved(llama_model, tmp_path):
-    """``(file, cache, tokens)``: an affine-4 cache after a prompt and 6 generated tokens, saved by kvq."""
-    cache = make_prompt_cache(llama_model, "affine", bits=4, window=16)
+    """``(file, cache, tokens)``: an affine-4 cache after a prompt and 6 generated tokens, saved by kvq (flush 32:
+    the 120-token prompt then leaves compressed tokens, which the default flush of 128 would keep in the window)."""
+    cache = make_prompt_cache(llama_model, "affine", bits=4, window=16, flush=32)
     tokens = greedy(llama_model, cache)
     file = tmp_path / "cache.safetensors"
     kvq.save_prompt_cache(str(file), cache, {"note": "kvq"})
@@ -159,7 +160,7 @@ def test_layers_that_are_not_kvqs_are_covered_by_the_files_checksum(llama_model,
 
 
 def test_batch_caches_carry_a_checksum_per_row(llama_model, tmp_path):
-    rows = [make_prompt_cache(llama_model, "affine", bits=8, window=8) for _ in range(2)]
+    rows = [make_prompt_cache(llama_model, "affine", bits=8, window=8, flush=8) for _ in range(2)]  # codes in both
     for i, row in enumerate(rows):
         greedy(llama_model, row, PROMPT[: 40 + 30 * i], n=2)
     batch = [BatchKVQCache.merge([a, b]) for a, b in zip(*rows)]

@@ -143,7 +143,7 @@ def test_sliding_layers_get_the_rotating_cache_and_mlx_lm_logits(sliding_model):
     54 tokens past the 16-token window: the same greedy tokens, and logits within 5e-3 when both are fed mlx-lm's
     tokens (llama and gpt_oss: 1e-4; the random gemma3 amplifies float32 noise that flips float16 roundings of its
     keys to 3.4e-3, as against float32 storage 16-bit storage alone moves its logits by 0.03)."""
-    caches = kvq.make_prompt_cache(sliding_model, "fp16", window=4)
+    caches = kvq.make_prompt_cache(sliding_model, "fp16", window=4, flush=8)  # a flush within the 16-token ring
     for ours, theirs in zip(caches, sliding_model.make_cache()):
         if isinstance(theirs, mlx_cache.RotatingKVCache):
             assert type(ours) is RotatingKVQCache and (ours.max_size, ours.keep) == (theirs.max_size, theirs.keep)
@@ -152,7 +152,7 @@ def test_sliding_layers_get_the_rotating_cache_and_mlx_lm_logits(sliding_model):
     ref, tokens = logits(sliding_model, mlx_lm_16_bit_caches(sliding_model), tokens=True)
     ours, greedy = logits(sliding_model, caches, tokens=True)
     assert greedy == tokens
-    forced = logits(sliding_model, kvq.make_prompt_cache(sliding_model, "fp16", window=4), forced=tokens)
+    forced = logits(sliding_model, kvq.make_prompt_cache(sliding_model, "fp16", window=4, flush=8), forced=tokens)
     np.testing.assert_allclose(forced, ref, atol=5e-3)
     rotating = [c for c in caches if isinstance(c, RotatingKVQCache)]
     assert all(c.compressed_keys.length == 16 - 4 for c in rotating)  # the ring holds the window's older tokens
@@ -220,9 +220,12 @@ def test_memory_is_bounded_by_the_window_and_a_third_of_mlx_lm_rotating_cache():
     """Gemma 3's sliding layers: window 1024, head_dim 256 (2 KV heads here; the ratio does not depend on them).
     Measured with mx.get_active_memory: mlx-lm's RotatingKVCache holds 1024 float16 tokens (2.00 MiB); kvq's with
     turboquant:4 (4.06 bits per coordinate) and a residual window of 64 holds 64 float16 and 960 compressed tokens
-    (0.60 MiB, 0.30x; 0.35x with a window of 128), the same after 1100 tokens as after 1300."""
+    (0.60 MiB, 0.30x; 0.35x with a window of 128), the same after 1100 tokens as after 1300. With a flush of 32: the
+    window's buffer holds 64 + 31 tokens (the default flush, 128, makes it 64 + 127: 0.42x)."""
+    config = make_config("turboquant", bits=4, window=64, flush=32)
+    _fill(RotatingKVQCache(config, 1024, 0), 200, 0)  # what a method makes once per process (rotation, codebook)
     before = _settle()
-    ours = RotatingKVQCache(make_config("turboquant", bits=4, window=64), 1024, 0)
+    ours = RotatingKVQCache(config, 1024, 0)
     _fill(ours, 1100, 0)
     after_prompt = _settle() - before
     _fill(ours, 1300, 1100)

@@ -20,6 +20,7 @@ from typing import Callable
 import attrs
 import mlx.core as mx
 
+from ..defaults import DEFAULT_FLUSH
 from ..evaluation.spec import MethodSpec
 from .measure import error_text, release
 from .rows import REFERENCE, repeated_rows
@@ -49,7 +50,7 @@ class BatchSettings:
     chunk: int = 2048
     sinks: int = 4
     window: int = 128
-    flush: int = 32
+    flush: int = DEFAULT_FLUSH
     kernels: str = "auto"
     seed: int = 0
     progress: bool = True

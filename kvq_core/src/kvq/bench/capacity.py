@@ -17,6 +17,7 @@ import attrs
 import mlx.core as mx
 from tqdm import tqdm
 
+from ..defaults import DEFAULT_FLUSH
 from .e2e import REFERENCE, E2EBench, E2ESettings
 from .measure import release
 
@@ -47,7 +48,7 @@ class CapacitySettings:
     sinks: int = 4
     window: int = 128
     kernels: str = "auto"
-    flush: int = 32
+    flush: int = DEFAULT_FLUSH
     seed: int = 0
     progress: bool = True
 

@@ -36,6 +36,7 @@ import attrs
 import mlx.core as mx
 from tqdm import tqdm
 
+from ..defaults import DEFAULT_FLUSH
 from ..evaluation.spec import MethodSpec, bits_per_coordinate, checked_with_reference, parse_method, split_methods
 from .fill import RandomKV, ReplayKV, decode, fill, host_summary, latency_summary, prefill
 from .measure import error_text, release
@@ -64,7 +65,7 @@ class E2ESettings:
     :param fill: one of :data:`FILLS`.
     :param sinks, window: kvq caches' uncompressed first and last tokens (a method string may override them).
     :param kernels: kvq caches' kernel preference: ``"auto"``, ``"require"`` or ``"off"``.
-    :param flush: kvq caches' window flush block (:class:`kvq.cache.CacheConfig`; 32, as ``kvq generate``).
+    :param flush: kvq caches' window flush block (:data:`kvq.cache.DEFAULT_FLUSH`, as ``kvq generate``).
     :param seed: seed of the random keys and values.
     :param progress: show a tqdm bar on stderr.
     :param batch: sequences decoded together (>= 1; above 1 only with the ``random`` fill): every cache holds
@@ -87,7 +88,7 @@ class E2ESettings:
     kernels: str = "auto"
     seed: int = 0
     progress: bool = True
-    flush: int = 32
+    flush: int = DEFAULT_FLUSH
     batch: int = 1
     rounds: int = 1
 

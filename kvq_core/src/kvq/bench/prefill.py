@@ -15,6 +15,7 @@ from typing import Callable
 import attrs
 import mlx.core as mx
 
+from ..defaults import DEFAULT_FLUSH
 from ..evaluation.spec import MethodSpec
 from .e2e import cache_kind, make_cache
 from .fill import cache_arrays
@@ -42,7 +43,7 @@ class PrefillSettings:
     reps: int = 2
     sinks: int = 4
     window: int = 128
-    flush: int = 32
+    flush: int = DEFAULT_FLUSH
     kernels: str = "auto"
     seed: int = 0
     progress: bool = True

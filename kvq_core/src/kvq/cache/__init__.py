@@ -18,6 +18,7 @@ from typing import Any
 import mlx_lm.models.cache as mlx_cache
 
 from ..contract import ChecksReady, SideDefaults, optional_hook
+from ..defaults import DEFAULT_FLUSH
 from ..plugins import registry
 from . import patch as _patch
 from .batch import BatchKVQCache
@@ -47,7 +48,7 @@ def _params(method: str | None, overrides: dict | None, shared: dict, side: str)
 
 def make_config(method: str | None = "affine", *, key_method: str | None = None, value_method: str | None = None,
                 key_params: dict | None = None, value_params: dict | None = None, sinks: int = 4,
-                window: int = 128, step: int = 256, kernels: str = "auto", flush: int = 32,
+                window: int = 128, step: int = 256, kernels: str = "auto", flush: int = DEFAULT_FLUSH,
                 outlier_layers: str = "upgrade", **params: Any) -> CacheConfig:
     """A validated :class:`CacheConfig`.
 
@@ -55,7 +56,8 @@ def make_config(method: str | None = "affine", *, key_method: str | None = None,
     :param key_params: parameters for the keys only (merged over ``params``); ``value_params`` likewise.
     :param params: parameters shared by both sides (``bits=4``).
     :param kernels: ``"auto"``, ``"require"`` or ``"off"`` (see :class:`CacheConfig`).
-    :param flush: tokens leave the residual window in blocks of ``flush`` (default 32; see :class:`CacheConfig`).
+    :param flush: tokens leave the residual window in blocks of ``flush`` (default :data:`DEFAULT_FLUSH`, 128; see
+        :class:`CacheConfig`).
     :param outlier_layers: ``"upgrade"`` (default), ``"warn"`` or ``"off"``: layers whose keys show outlier
         channels low-bit keys cannot hold (:mod:`kvq.cache.guard`) are stored at 8 bits with a warning, only
         warned about, or left alone.
@@ -215,6 +217,6 @@ def unpatch_model(model):
     return model
 
 
-__all__ = ["BatchKVQCache", "CacheConfig", "CompressedView", "KVQCache", "OutlierLayerWarning",
+__all__ = ["BatchKVQCache", "CacheConfig", "CompressedView", "DEFAULT_FLUSH", "KVQCache", "OutlierLayerWarning",
            "RotatingKVQCache", "UnservableModelWarning", "load_prompt_cache", "make_config", "make_prompt_cache",
            "patch_model", "save_prompt_cache", "unpatch_model"]

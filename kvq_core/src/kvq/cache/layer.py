@@ -22,6 +22,7 @@ import numpy as np
 from ..attention import DenseTokens, attend_encoded, dense_attend, merge_parts, sink_logits_part
 from ..contract import (AttendsDense, BindsDense, EncodesBlocks, Fits, ForHeads, ForLayer, ScoresKeys, WeightsValues,
                         member_name, optional_hook)
+from ..defaults import DEFAULT_FLUSH
 from ..plugins import implemented_ops, registry
 from ..select import MAX_DECODE_QUERIES, check_kernels, is_kernel, select
 from ..validate import float_array
@@ -41,7 +42,8 @@ class CacheConfig:
     :param sinks: first tokens kept uncompressed (>= 0; default 4).
     :param window: most recent tokens kept uncompressed (>= 0; default 128).
     :param step: tokens per allocation step of the compressed store.
-    :param flush: tokens leave the window for the compressed store in blocks of ``flush`` (>= 1; default 32):
+    :param flush: tokens leave the window for the compressed store in blocks of ``flush`` (>= 1; default
+        :data:`DEFAULT_FLUSH`, 128):
         the window then holds ``window`` to ``window + flush - 1`` tokens. A block (KIVI's residual, arXiv
         2402.02750, flushes whole groups) quantizes once every ``flush`` steps, so a decode step is an append and
         one launch; a step that compresses costs several times more on the host (on an H200 at 32K: 14 ms of
@@ -67,7 +69,7 @@ class CacheConfig:
     window: int = attrs.field(default=128)
     step: int = attrs.field(default=256)
     kernels: str = attrs.field(default="auto", validator=lambda i, a, v: check_kernels(v))
-    flush: int = attrs.field(default=32)
+    flush: int = attrs.field(default=DEFAULT_FLUSH)
     outlier_layers: str = attrs.field(default="upgrade", validator=lambda i, a, v: check_policy(v))
     layer: int | None = attrs.field(default=None, eq=False)
     outlier_layer: bool = attrs.field(default=False)

@@ -14,6 +14,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from ..defaults import DEFAULT_FLUSH
+
 #: name -> ("module:function", one-line help).
 SUBCOMMANDS = {
     "e2e": ("kvq.cli.bench_cmd:e2e_main", "decode tokens/s and memory against context length per cache"),
@@ -72,8 +74,9 @@ def add_model_and_cache_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=None, help="random models: keep this many layers")
     p.add_argument("--sinks", type=int, default=4, help="kvq caches: uncompressed first tokens (default 4)")
     p.add_argument("--window", type=int, default=128, help="kvq caches: uncompressed last tokens (default 128)")
-    p.add_argument("--flush", type=int, default=32, metavar="N",
-                   help="kvq caches: tokens leave the window in blocks of N (default 32, as kvq generate)")
+    p.add_argument("--flush", type=int, default=DEFAULT_FLUSH, metavar="N",
+                   help=f"kvq caches: tokens leave the window in blocks of N (default {DEFAULT_FLUSH}, as kvq "
+                        "generate)")
     p.add_argument("--kernels", choices=("auto", "require", "off"), default="auto",
                    help="kvq caches: fused kernels (default auto)")
 
@@ -89,7 +92,9 @@ def e2e_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default=None,
                    help=f"comma-separated method strings (default: {','.join(e2e.DEFAULT_METHODS)}, if installed)")
     p.add_argument("--contexts", default=None, help="context lengths, comma-separated (see below)")
-    p.add_argument("--steps", type=int, default=32, help="timed decode steps per row (default 32)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="timed decode steps per row (default: --flush, one whole flush period, so tokens/s counts "
+                        "the step that compresses as often as decoding meets it)")
     p.add_argument("--batch", type=int, default=1,
                    help="sequences decoded together, each of --contexts tokens (random fill only; default 1): "
                         "tokens/s then counts every row's token")
@@ -174,7 +179,8 @@ def e2e_check(args) -> dict:
     from ..bench.random_model import is_random
 
     warmup = args.warmup if args.warmup is not None else 1 if _on_cpu() else args.flush + 1
-    at_least(("--steps", args.steps, 1), ("--warmup", warmup, 0), ("--chunk", args.chunk, 1),
+    steps = args.flush if args.steps is None else args.steps
+    at_least(("--steps", steps, 1), ("--warmup", warmup, 0), ("--chunk", args.chunk, 1),
               ("--sinks", args.sinks, 0), ("--window", args.window, 0), ("--flush", args.flush, 1),
               ("--rounds", args.rounds, 1))
     random = is_random(args.model)
@@ -188,7 +194,7 @@ def e2e_check(args) -> dict:
         raise ValueError(f"--contexts {max(contexts)} is longer than the model's max_position_embeddings ({limit})")
     specs = bench_specs(args, config, random, e2e.DEFAULT_METHODS)
     contexts = tuple(sorted(contexts, reverse=args.largest_first))
-    settings = e2e.E2ESettings(contexts, args.steps, warmup, args.chunk, fill, args.sinks, args.window,
+    settings = e2e.E2ESettings(contexts, steps, warmup, args.chunk, fill, args.sinks, args.window,
                                args.kernels, args.seed, not args.no_progress, args.flush, args.batch, args.rounds)
     return checked_bench((name, config, path), settings, specs, args, random)
 

@@ -28,6 +28,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import quality
+from ..defaults import DEFAULT_FLUSH
 from ..select import KERNELS
 from .select_cmd import parse_param
 
@@ -290,7 +291,7 @@ def summary_rows(model, run: Run, reference: Run | None) -> tuple[list[list[str]
                  ["identical prefix of the outputs", dash,
                   f"{quality.common_prefix(reference.tokens, run.tokens)}/{len(reference.tokens)} tokens"]]
     notes = [note] if note else []
-    sinks, window, flush = (run.options.get(k, d) for k, d in (("sinks", 4), ("window", 128), ("flush", 32)))
+    sinks, window, flush = (run.options.get(k, d) for k, d in (("sinks", 4), ("window", 128), ("flush", DEFAULT_FLUSH)))
     held = sinks + window + flush - 1  # the window grows to window + flush - 1 tokens before a flush
     nothing = run.compressed_tokens == 0 if run.compressed_tokens is not None else run.cached_tokens <= held
     if run.options.get("method") != "fp16" and nothing:
@@ -342,8 +343,9 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--value-param", action="append", default=[], metavar="NAME=VALUE", help="values' parameter")
     p.add_argument("--sinks", type=int, default=4, help="first tokens kept uncompressed (default 4)")
     p.add_argument("--window", type=int, default=128, help="recent tokens kept uncompressed (default 128)")
-    p.add_argument("--flush", type=int, default=32, metavar="N",
-                   help="tokens leave the window in blocks of N (default 32): a decode step is then an append, and quantizing runs once every N steps; 1 compresses every step")
+    p.add_argument("--flush", type=int, default=DEFAULT_FLUSH, metavar="N",
+                   help=f"tokens leave the window in blocks of N (default {DEFAULT_FLUSH}): a decode step is then an "
+                        "append, and quantizing runs once every N steps; 1 compresses every step")
     p.add_argument("--kernels", choices=KERNELS, default="auto",
                    help="fused GPU kernels: auto (where available and faster; default), require (fail if none "
                         "serves decode attention on this device), off (pure MLX only)")
