@@ -46,7 +46,8 @@ class _Recorder:
 
 
 def cuda_text(kw: dict) -> str:
-    """The translation unit MLX would compile for one recorded launch."""
+    """The translation unit MLX would compile for one recorded launch (the kernel named as MLX names it,
+    ``custom_kernel_NAME``, so a header's launch bounds, :func:`kvq_metal.dialect.launch_bounds`, apply)."""
     args = []
     for name, a in zip(kw["input_names"], kw["inputs"]):
         args += [f"const {TYPES[a.dtype]}* {name}", f"const int32_t* {name}_shape", f"const int64_t* {name}_strides",
@@ -57,7 +58,8 @@ def cuda_text(kw: dict) -> str:
                      for k, v in kw["template"] if type(v) in (bool, int))
     consts += "".join(f"  using {k} = {TYPES[v]};\n" for k, v in kw["template"] if isinstance(v, mx.Dtype))
     return ("#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n" + kw["header"] +
-            f"\nextern \"C\" __global__ void k({', '.join(args)}) {{\n{consts}{kw['source']}\n}}\n")
+            f"\nextern \"C\" __global__ void custom_kernel_{kw['name']}({', '.join(args)}) {{\n{consts}{kw['source']}"
+            "\n}\n")
 
 
 def compile_recorded(kw: dict, path: Path) -> str:

@@ -2,7 +2,8 @@
 
 For each context length: one fp16 ``mx.fast.scaled_dot_product_attention`` call, then one ``kvq_attend`` kernel
 call per method (turboquant-4, turboquant-3, affine-4) and launch variant, and one call with 4 sinks and a
-128-token window uncompressed (labelled ``"dense"``, as a KVQCache attends), each evaluated on its own after its
+128-token window uncompressed (labelled ``"dense"``, as a KVQCache attends) and, per variant, the bound decode step
+a KVQCache replays (labelled ``"bound"``), each evaluated on its own after its
 inputs, so a profiler's kernel filter sees the launches of one call together. Prints one label per call, in order.
 
     ncu --clock-control none -k regex:"decode_attend|decode_merge|zero_counters|sdpa" \\
@@ -66,6 +67,18 @@ def main() -> None:
                                   **({"warmup": True} if warm else {})}), flush=True)
                 # unchecked, like kvq_attend above: a first-use check's launches would fall under this label
                 mx.eval(kern._attend_dense(q, ke, ve, D ** -0.5, dense)[0])
+            # the decode step a KVQCache replays (bound once: kvq_metal.attend.DecodeStep, one launch per call, the
+            # kernel text baked with the plan's values, launch bounds included), per variant; labelled "bound"
+            for variant in variants:
+                attend.TUNING.update(variant)
+                step = kern._bind_unchecked(q, ke, ve, D ** -0.5, dense.sink_keys, dense.sink_values,
+                                            dense.window_keys, dense.window_values)
+                for warm in (True, False):  # the warm-up call also runs the binding's counter launch
+                    print(json.dumps({"T": T, "method": f"{name}{params['bits']}", "bound": True, **variant,
+                                      **({"warmup": True} if warm else {})}), flush=True)
+                    mx.eval(step(q, dense.window_keys, dense.window_values))
+                attend.TUNING.clear()
+                attend.TUNING.update(base)
             del ke, ve
 
 

@@ -484,3 +484,14 @@ def test_vecinfer_fused_encoder_launches_one_kernel_with_the_pure_mlx_codes_fiel
             impl.kvq_quantize(x, missing)
     finally:
         storage.forget()
+
+
+def test_launch_bounds_name_the_kernel_mlx_writes():
+    """``MINB`` > 0 puts ``__launch_bounds__(THREADS, MINB)`` before the name MLX gives the CUDA kernel
+    (``custom_kernel_NAME``); none asked for (0 or absent), no line."""
+    from kvq_metal.dialect import launch_bounds
+
+    assert launch_bounds("kvq_x_b1", {"THREADS": 128, "MINB": 0}) == ""
+    assert launch_bounds("kvq_x_b1", {"THREADS": 128}) == ""
+    line = launch_bounds("kvq_x_b1", {"THREADS": 128, "MINB": 3})
+    assert line.strip() == "#define custom_kernel_kvq_x_b1 __launch_bounds__(128, 3) custom_kernel_kvq_x_b1"

@@ -54,9 +54,13 @@ MAX_SPLITS = 2048
 #: code table per lane where shared memory allows (lookups without bank conflicts; see :func:`table_layout`),
 #: ``qsh`` the query fragments read from shared memory instead of held in registers (16 to 32 registers fewer per
 #: thread, which bound the kernel's occupancy; on: 4-9% less GPU time per call at 4K-128K on the H200,
-#: benchmarks/results/kernels/2026-12-02-h200-durations-qsh.json).
+#: benchmarks/results/kernels/2026-12-02-h200-durations-qsh.json); ``minb`` (CUDA, bound decode steps) the
+#: blocks per SM the compiler must fit (``__launch_bounds__(THREADS, minb)``, :meth:`kvq_metal.dialect.Kernel.
+#: bound`; 0: no bound): at head_dim 128 the kernel takes 180 registers at 3 bits (2 blocks of 4 warps per SM) and 147
+#: at 4 bits (3 blocks); ``minb`` 3 brings 3 bits to 168 (8 bytes of spill, 3 blocks), 4 both to 128 (128-144 bytes
+#: of spill, 4 blocks) (nvcc 13, sm_90, ``benchmarks/nvcc_registers.py --turboquant``).
 TUNING = {"kt_small": 8, "kt_large": 8, "cpt": None, "phases": 3, "tc": True, "nt": 2, "pf": False, "pair": True,
-          "tc_groups": 264, "rep": True, "qsh": True}
+          "tc_groups": 264, "rep": True, "qsh": True, "minb": 0}
 # benchmarks may override the knobs without code changes: KVQ_ATTEND_TUNING='{"nt": 1}'
 TUNING.update(json.loads(os.environ.get("KVQ_ATTEND_TUNING", "{}")))
 
@@ -229,7 +233,8 @@ def _tc_template(**flags) -> list:
     and ``DV`` always) over the defaults of a launch without bits, biases, copies or uncompressed tokens."""
     t = {"D": None, "R": None, "KB": 1, "VB": 1, "KG": None, "VG": None, "KBIAS": False, "VBIAS": False, "KB2": 0,
          "VB2": 0, "THREADS": THREADS, "ROT": False, "QSCALE": None, "NT": TUNING["nt"], "PF": False, "QSH": False,
-         "PAIRTAB": True, "SINKS": False, "DDT": 0, "KREP": False, "VREP": False, "VSAME": False, "ND": 0, "DV": None}
+         "PAIRTAB": True, "SINKS": False, "DDT": 0, "KREP": False, "VREP": False, "VSAME": False, "ND": 0, "DV": None,
+         "MINB": 0}
     t.update(flags)
     return list(t.items())
 
@@ -251,7 +256,8 @@ def _tc_launch(common: tuple, nd: int, out_dim: int, layout: tuple, tuning: tupl
     krep, vrep, same = layout
     pf = D <= 128 if t["pf"] is None else t["pf"]
     template = _tc_template(**dict(common), NT=t["nt"], PF=bool(pf), QSH=bool(t["qsh"]), PAIRTAB=bool(t["pair"]),
-                            KREP=krep, VREP=vrep, VSAME=same, ND=nd, SINKS=sinks, DDT=ddt, DV=out_dim)
+                            KREP=krep, VREP=vrep, VSAME=same, ND=nd, SINKS=sinks, DDT=ddt, DV=out_dim,
+                            MINB=int(t.get("minb") or 0))
     return template, 16 * t["nt"] * THREADS // 32
 
 

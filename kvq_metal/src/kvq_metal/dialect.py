@@ -227,8 +227,26 @@ class Kernel:
             digest = hashlib.sha256(repr(key).encode()).hexdigest()[:12]
             source = baked_source(full, self._body, aliases, self._uses)
             build = dict(self._build, input_names=[names[i] for i in kept])
-            call = self._baked[key] = mx.fast.cuda_kernel(name=f"{self.name}_b{digest}", source=source, **build)
+            name = f"{self.name}_b{digest}"
+            build["header"] += launch_bounds(name, dict(template))
+            call = self._baked[key] = mx.fast.cuda_kernel(name=name, source=source, **build)
         return call, [], kept
+
+
+def launch_bounds(name: str, template: Mapping[str, object]) -> str:
+    """The header line that gives the CUDA kernel MLX builds for ``name`` a ``__launch_bounds__(THREADS, MINB)``
+    where ``template`` asks for one (``MINB`` > 0, ``THREADS`` its block size), else ``""``.
+
+    MLX writes the kernel as ``__global__ void custom_kernel_NAME(...)`` after the header
+    (``mlx/backend/cuda/custom_kernel.cpp``) and takes no launch bounds, so the line defines that name as a macro
+    which puts the attribute before it (a macro's own name is not expanded again): the compiler then keeps the
+    registers per thread within what ``MINB`` blocks of ``THREADS`` threads per SM allow. Registers only: the
+    arithmetic, and so every result, is the same."""
+    minb = int(template.get("MINB", 0) or 0)
+    if minb <= 0:
+        return ""
+    threads = int(template["THREADS"])
+    return f"\n#define custom_kernel_{name} __launch_bounds__({threads}, {minb}) custom_kernel_{name}\n"
 
 
 def baked_source(template, body: str, aliases: Mapping[str, str] | None = None,
