@@ -57,9 +57,12 @@ def cuda_text(kw: dict) -> str:
                      f"{str(v).lower() if type(v) is bool else v};\n"
                      for k, v in kw["template"] if type(v) in (bool, int))
     consts += "".join(f"  using {k} = {TYPES[v]};\n" for k, v in kw["template"] if isinstance(v, mx.Dtype))
+    name = f"custom_kernel_{kw['name']}"
+    # MLX's layout: the kernel in namespace mlx::core::cu, then (NVRTC's name expression) the name used after the
+    # body, so a macro the header defines on the name must be gone by then
     return ("#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n" + kw["header"] +
-            f"\nextern \"C\" __global__ void custom_kernel_{kw['name']}({', '.join(args)}) {{\n{consts}{kw['source']}"
-            "\n}\n")
+            f"\nnamespace mlx::core::cu {{\n__global__ void {name}({', '.join(args)}) {{\n{consts}{kw['source']}"
+            f"\n}}\n}}\nvoid* kvq_name_expression = (void*)&mlx::core::cu::{name};\n")
 
 
 def compile_recorded(kw: dict, path: Path) -> str:

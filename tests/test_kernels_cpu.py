@@ -495,3 +495,17 @@ def test_launch_bounds_name_the_kernel_mlx_writes():
     assert launch_bounds("kvq_x_b1", {"THREADS": 128}) == ""
     line = launch_bounds("kvq_x_b1", {"THREADS": 128, "MINB": 3})
     assert line.strip() == "#define custom_kernel_kvq_x_b1 __launch_bounds__(128, 3) custom_kernel_kvq_x_b1"
+
+
+def test_bound_launch_bounds_end_where_the_body_starts(monkeypatch):
+    """A bound CUDA launch with ``MINB`` hands MLX a header that defines the macro and a body that starts by undefining
+    it (MLX's name lookup after the body must see the plain name); without ``MINB``, neither."""
+    built = []
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: built.append(kw) or kw)
+    kernel = dialect.Kernel("probe", "cuda", ["a"], ["out"], "out[0] = a[0];", "", True)
+    call, _, _ = kernel.bound([("THREADS", 128), ("MINB", 3)], [mx.zeros((1,))])
+    name = f"custom_kernel_{call['name']}"
+    assert call["header"].endswith(f"#define {name} __launch_bounds__(128, 3) {name}\n")
+    assert call["source"].startswith(f"#undef {name}\n")
+    plain, _, _ = kernel.bound([("THREADS", 128), ("MINB", 0)], [mx.zeros((1,))])
+    assert "__launch_bounds__" not in plain["header"] and "#undef" not in plain["source"]

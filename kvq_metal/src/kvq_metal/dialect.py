@@ -228,7 +228,10 @@ class Kernel:
             source = baked_source(full, self._body, aliases, self._uses)
             build = dict(self._build, input_names=[names[i] for i in kept])
             name = f"{self.name}_b{digest}"
-            build["header"] += launch_bounds(name, dict(template))
+            bounds = launch_bounds(name, dict(template))
+            if bounds:  # the macro ends where the body starts (see launch_bounds)
+                build["header"] += bounds
+                source = f"#undef custom_kernel_{name}\n" + source
             call = self._baked[key] = mx.fast.cuda_kernel(name=name, source=source, **build)
         return call, [], kept
 
@@ -239,9 +242,11 @@ def launch_bounds(name: str, template: Mapping[str, object]) -> str:
 
     MLX writes the kernel as ``__global__ void custom_kernel_NAME(...)`` after the header
     (``mlx/backend/cuda/custom_kernel.cpp``) and takes no launch bounds, so the line defines that name as a macro
-    which puts the attribute before it (a macro's own name is not expanded again): the compiler then keeps the
-    registers per thread within what ``MINB`` blocks of ``THREADS`` threads per SM allow. Registers only: the
-    arithmetic, and so every result, is the same."""
+    which puts the attribute before it (a macro's own name is not expanded again), and :meth:`Kernel.bound` starts
+    the body with its ``#undef``: MLX asks NVRTC for the kernel by that name in an expression compiled after the
+    body, which must see the plain name (with the macro still defined, NVRTC fails to parse it: found on the H200).
+    The compiler then keeps the registers per thread within what ``MINB`` blocks of ``THREADS`` threads per SM
+    allow. Registers only: the arithmetic, and so every result, is the same."""
     minb = int(template.get("MINB", 0) or 0)
     if minb <= 0:
         return ""
