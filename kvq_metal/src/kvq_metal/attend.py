@@ -56,9 +56,11 @@ MAX_SPLITS = 2048
 #: thread, which bound the kernel's occupancy; on: 4-9% less GPU time per call at 4K-128K on the H200,
 #: benchmarks/results/kernels/2026-12-02-h200-durations-qsh.json); ``minb`` (CUDA, bound decode steps) the
 #: blocks per SM the compiler must fit (``__launch_bounds__(THREADS, minb)``, :meth:`kvq_metal.dialect.Kernel.
-#: bound`; 0: no bound): at head_dim 128 the kernel takes 180 registers at 3 bits (2 blocks of 4 warps per SM) and 147
-#: at 4 bits (3 blocks); ``minb`` 3 brings 3 bits to 168 (8 bytes of spill, 3 blocks), 4 both to 128 (128-144 bytes
-#: of spill, 4 blocks) (nvcc 13, sm_90, ``benchmarks/nvcc_registers.py --turboquant``).
+#: bound`; 0: no bound). As MLX builds it on the H200 (Nsight Compute) the bound step at head_dim 128 takes 186
+#: registers for turboquant-4, 130 for turboquant-3 and 198 for affine-4 (2, 3 and 2 blocks of 4 warps per SM);
+#: ``minb`` 3 makes each 168 (3 blocks) and at one sequence of 128K changed the GPU time by -1%, -2% and +3%: there
+#: the grid (264 blocks on 132 SMs), not registers, bounds the occupancy (11-12% achieved either way), so it stays
+#: off until a batched run shows it pays (benchmarks/results/kernels/2026-12-03-h200-durations-minb-7f67dd3.json).
 TUNING = {"kt_small": 8, "kt_large": 8, "cpt": None, "phases": 3, "tc": True, "nt": 2, "pf": False, "pair": True,
           "tc_groups": 264, "rep": True, "qsh": True, "minb": 0}
 # benchmarks may override the knobs without code changes: KVQ_ATTEND_TUNING='{"nt": 1}'
