@@ -205,8 +205,9 @@ class Kernel:
         decode kernel's 26 arguments made the dearest part of its launch (``benchmarks/launch_cost.py``). Each
         input named in ``aliases`` (input name -> the name of an earlier input that holds the same array) is left
         out of that kernel's signature and read through the other (``#define`` lines), so a launch passes fewer
-        arrays. Both compile to the same arithmetic. Elsewhere (Metal, or a template value that is not a bool or
-        an int) ``call`` is MLX's kernel object, ``full_template`` ``template`` with the dtype arguments appended
+        arrays. A template with ``MINB`` > 0 also gets ``__launch_bounds__(THREADS, MINB)`` (:func:`launch_bounds`;
+        the body then starts with the macro's ``#undef``). Both compile to the same arithmetic. Elsewhere (Metal, or a
+        template value that is not a bool or an int) ``call`` is MLX's kernel object, ``full_template`` ``template`` with the dtype arguments appended
         (what :meth:`__call__` computes on every call) and every input is kept.
 
         :raises TypeError: an input dtype without a code (:func:`dtype_template`).
