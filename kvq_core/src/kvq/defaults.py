@@ -9,5 +9,6 @@ from __future__ import annotations
 #: host work for 32 layers on an H200 (``benchmarks/results/host/README.md``), so one every 128 steps instead of
 #: every 32 made decode 4-15% faster there on average per context
 #: (``benchmarks/results/e2e/2026-12-03-h200-*-rounds-rep{1,2}.*``: the geometric mean over 6 rounds of the
-#: tokens/s ratio to fp16 rose from 0.83-0.92 to 0.98-1.02 at 4K and from 0.90-0.96 to 0.95-1.01 at 128K), for 96 more uncompressed tokens per layer at most (12 MB at Llama-3-8B's shape).
+#: tokens/s ratio to fp16 rose from 0.83-0.92 to 0.98-1.02 at 4K and from 0.90-0.96 to 0.95-1.01 at 128K), for 96
+#: more uncompressed tokens per layer at most (12 MB at Llama-3-8B's shape).
 DEFAULT_FLUSH = 128

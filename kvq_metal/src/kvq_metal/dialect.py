@@ -207,7 +207,8 @@ class Kernel:
         out of that kernel's signature and read through the other (``#define`` lines), so a launch passes fewer
         arrays. A template with ``MINB`` > 0 also gets ``__launch_bounds__(THREADS, MINB)`` (:func:`launch_bounds`;
         the body then starts with the macro's ``#undef``). Both compile to the same arithmetic. Elsewhere (Metal, or a
-        template value that is not a bool or an int) ``call`` is MLX's kernel object, ``full_template`` ``template`` with the dtype arguments appended
+        template value that is not a bool or an int) ``call`` is MLX's kernel object, ``full_template`` ``template``
+        with the dtype arguments appended
         (what :meth:`__call__` computes on every call) and every input is kept.
 
         :raises TypeError: an input dtype without a code (:func:`dtype_template`).
