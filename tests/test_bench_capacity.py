@@ -50,3 +50,12 @@ def test_bad_input_is_refused_before_model_work(argv, message, capsys, no_model_
     assert main(["bench", "capacity", *argv, "--no-plot"]) == 1
     err = capsys.readouterr().err
     assert "kvq bench capacity: error:" in err and re.search(message, err), err
+
+
+@pytest.mark.parametrize("argv, steps", [([], 128), (["--flush", "8"], 8), (["--steps", "3"], 3)])
+def test_default_steps_time_one_whole_flush_period(argv, steps):
+    """Without ``--steps`` the timed steps are ``--flush`` (the default flush, 128): each row times one flush."""
+    from kvq.cli import bench_capacity_cmd
+
+    args = bench_capacity_cmd.parser().parse_args(["--model", "random:tiny", "--budget", "48M", *argv])
+    assert bench_capacity_cmd.check(args)["settings"].steps == steps

@@ -35,7 +35,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--safety", type=float, default=0.9,
                    help="fraction of the predicted headroom the first batch tried may use (default 0.9)")
     p.add_argument("--max-batch", type=int, default=1024, help="the largest batch tried (default 1024)")
-    p.add_argument("--steps", type=int, default=16, help="timed decode steps at the chosen batch (default 16)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="timed decode steps at the chosen batch (default: --flush, one whole flush period, as kvq "
+                        "bench e2e)")
     p.add_argument("--chunk", type=int, default=4096, help="tokens per cache update when filling (default 4096)")
     add_model_and_cache_options(p)
     p.add_argument("--seed", type=int, default=0, help="seed of random weights and keys/values (default 0)")
@@ -76,7 +78,8 @@ def check(args) -> dict:
             raise ValueError("--budget is required here: this device reports no memory size (e.g. --budget 2G)")
     else:
         (budget,) = parse_sizes(args.budget, "--budget")
-    at_least(("--max-batch", args.max_batch, 1), ("--steps", args.steps, 1),
+    steps = args.flush if args.steps is None else args.steps
+    at_least(("--max-batch", args.max_batch, 1), ("--steps", steps, 1),
               ("--chunk", args.chunk, 1), ("--sinks", args.sinks, 0), ("--window", args.window, 0),
               ("--flush", args.flush, 1))
     if not 0 < args.safety <= 1:
@@ -85,7 +88,7 @@ def check(args) -> dict:
     name, config, path = _model_config(args)
     specs = bench_specs(args, config, random, DEFAULT_METHODS)
     warmup = 1 if _on_cpu() else args.flush + 1
-    settings = capacity.CapacitySettings(context[0], budget, args.safety, args.max_batch, args.steps, warmup,
+    settings = capacity.CapacitySettings(context[0], budget, args.safety, args.max_batch, steps, warmup,
                                          args.chunk, args.sinks, args.window, args.kernels, args.flush, args.seed,
                                          not args.no_progress)
     return checked_bench((name, config, path), settings, specs, args, random)
