@@ -488,20 +488,20 @@ def test_vecinfer_fused_encoder_launches_one_kernel_with_the_pure_mlx_codes_fiel
 
 def test_launch_bounds_name_the_kernel_mlx_writes():
     """``MINB`` > 0 puts ``__launch_bounds__(THREADS, MINB)`` before the name MLX gives the CUDA kernel
-    (``custom_kernel_NAME``); none asked for (0 or absent), no line."""
+    (``custom_kernel_NAME``) and undefines the macro again; none asked for (0 or absent), no lines."""
     from kvq_metal.dialect import launch_bounds
 
-    assert launch_bounds("kvq_x_b1", {"THREADS": 128, "MINB": 0}) == ""
-    assert launch_bounds("kvq_x_b1", {"THREADS": 128}) == ""
-    line = launch_bounds("kvq_x_b1", {"THREADS": 128, "MINB": 3})
-    assert line.strip() == "#define custom_kernel_kvq_x_b1 __launch_bounds__(128, 3) custom_kernel_kvq_x_b1"
+    assert launch_bounds("kvq_x_b1", {"THREADS": 128, "MINB": 0}) == ("", "")
+    assert launch_bounds("kvq_x_b1", {"THREADS": 128}) == ("", "")
+    define, undefine = launch_bounds("kvq_x_b1", {"THREADS": 128, "MINB": 3})
+    assert define.strip() == "#define custom_kernel_kvq_x_b1 __launch_bounds__(128, 3) custom_kernel_kvq_x_b1"
+    assert undefine == "#undef custom_kernel_kvq_x_b1\n"
 
 
 def test_bound_launch_bounds_end_where_the_body_starts(monkeypatch):
     """A bound CUDA launch with ``MINB`` hands MLX a header that defines the macro and a body that starts by undefining
     it (MLX's name lookup after the body must see the plain name); without ``MINB``, neither."""
-    built = []
-    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: built.append(kw) or kw)
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: kw)  # the build arguments, as MLX would get them
     kernel = dialect.Kernel("probe", "cuda", ["a"], ["out"], "out[0] = a[0];", "", True)
     call, _, _ = kernel.bound([("THREADS", 128), ("MINB", 3)], [mx.zeros((1,))])
     name = f"custom_kernel_{call['name']}"

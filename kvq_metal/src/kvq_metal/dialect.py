@@ -205,8 +205,8 @@ class Kernel:
         decode kernel's 26 arguments made the dearest part of its launch (``benchmarks/launch_cost.py``). Each
         input named in ``aliases`` (input name -> the name of an earlier input that holds the same array) is left
         out of that kernel's signature and read through the other (``#define`` lines), so a launch passes fewer
-        arrays. A template with ``MINB`` > 0 also gets ``__launch_bounds__(THREADS, MINB)`` (:func:`launch_bounds`;
-        the body then starts with the macro's ``#undef``). Both compile to the same arithmetic. Elsewhere (Metal, or a
+        arrays. A template with ``MINB`` > 0 also gets ``__launch_bounds__(THREADS, MINB)`` (:func:`launch_bounds`).
+        Both compile to the same arithmetic. Elsewhere (Metal, or a
         template value that is not a bool or an int) ``call`` is MLX's kernel object, ``full_template`` ``template``
         with the dtype arguments appended
         (what :meth:`__call__` computes on every call) and every input is kept.
@@ -230,30 +230,29 @@ class Kernel:
             source = baked_source(full, self._body, aliases, self._uses)
             build = dict(self._build, input_names=[names[i] for i in kept])
             name = f"{self.name}_b{digest}"
-            bounds = launch_bounds(name, dict(template))
-            if bounds:  # the macro ends where the body starts (see launch_bounds)
-                build["header"] += bounds
-                source = f"#undef custom_kernel_{name}\n" + source
-            call = self._baked[key] = mx.fast.cuda_kernel(name=name, source=source, **build)
+            define, undefine = launch_bounds(name, dict(template))
+            build["header"] += define
+            call = self._baked[key] = mx.fast.cuda_kernel(name=name, source=undefine + source, **build)
         return call, [], kept
 
 
-def launch_bounds(name: str, template: Mapping[str, object]) -> str:
-    """The header line that gives the CUDA kernel MLX builds for ``name`` a ``__launch_bounds__(THREADS, MINB)``
-    where ``template`` asks for one (``MINB`` > 0, ``THREADS`` its block size), else ``""``.
+def launch_bounds(name: str, template: Mapping[str, object]) -> tuple[str, str]:
+    """``(header line, body line)`` that give the CUDA kernel MLX builds for ``name`` a ``__launch_bounds__(THREADS,
+    MINB)`` where ``template`` asks for one (``MINB`` > 0, ``THREADS`` its block size), else ``("", "")``.
 
     MLX writes the kernel as ``__global__ void custom_kernel_NAME(...)`` after the header
-    (``mlx/backend/cuda/custom_kernel.cpp``) and takes no launch bounds, so the line defines that name as a macro
-    which puts the attribute before it (a macro's own name is not expanded again), and :meth:`Kernel.bound` starts
-    the body with its ``#undef``: MLX asks NVRTC for the kernel by that name in an expression compiled after the
+    (``mlx/backend/cuda/custom_kernel.cpp``) and takes no launch bounds, so the header line defines that name as a
+    macro which puts the attribute before it (a macro's own name is not expanded again), and the body line, the
+    first of the body, undefines it: MLX asks NVRTC for the kernel by that name in an expression compiled after the
     body, which must see the plain name (with the macro still defined, NVRTC fails to parse it: found on the H200).
     The compiler then keeps the registers per thread within what ``MINB`` blocks of ``THREADS`` threads per SM
     allow. Registers only: the arithmetic, and so every result, is the same."""
-    minb = int(template.get("MINB", 0) or 0)
+    minb = int(template.get("MINB", 0))
     if minb <= 0:
-        return ""
-    threads = int(template["THREADS"])
-    return f"\n#define custom_kernel_{name} __launch_bounds__({threads}, {minb}) custom_kernel_{name}\n"
+        return "", ""
+    macro = f"custom_kernel_{name}"
+    return (f"\n#define {macro} __launch_bounds__({int(template['THREADS'])}, {minb}) {macro}\n",
+            f"#undef {macro}\n")
 
 
 def baked_source(template, body: str, aliases: Mapping[str, str] | None = None,
