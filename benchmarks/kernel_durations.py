@@ -5,7 +5,8 @@ synchronisation, about 0.15 ms on MLX's CUDA back end, which hides the kernels' 
 together may overlap on the GPU. Here ``ncu`` measures ``gpu__time_duration`` of every launch of
 ``benchmarks/profile_attend.py`` and each call's launches are summed. Writes JSON to ``--out``.
 
-    python benchmarks/kernel_durations.py --out durations.json [--contexts 4096,131072] [--variants v.json]
+    python benchmarks/kernel_durations.py --out durations.json [--contexts 4096,131072] [--variants v.json] \
+        [--batch 122]
 """
 
 from __future__ import annotations
@@ -81,9 +82,10 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--contexts", default="4096,16384,65536,131072")
     ap.add_argument("--variants", default=None)
+    ap.add_argument("--batch", type=int, default=1, help="sequences per call, as profile_attend.py --batch")
     ap.add_argument("--ncu", default=shutil.which("ncu") or "/usr/local/cuda/bin/ncu")
     args = ap.parse_args()
-    cmd = [sys.executable, str(HERE / "profile_attend.py"), "--contexts", args.contexts]
+    cmd = [sys.executable, str(HERE / "profile_attend.py"), "--contexts", args.contexts, "--batch", str(args.batch)]
     if args.variants:
         cmd += ["--variants", args.variants]
     log = Path(args.out).with_suffix(".ncu.csv")

@@ -1,4 +1,5 @@
-"""Decode-attention launches for a profiler: B 1, H_q 32, H_kv 8, D 128, one query, keys and values distinct.
+"""Decode-attention launches for a profiler: B 1 (``--batch``), H_q 32, H_kv 8, D 128, one query, keys and values
+distinct.
 
 For each context length: one fp16 ``mx.fast.scaled_dot_product_attention`` call, then one ``kvq_attend`` kernel
 call per method (turboquant-4, turboquant-3, affine-4) and launch variant, and one call with 4 sinks and a
@@ -10,6 +11,9 @@ inputs, so a profiler's kernel filter sees the launches of one call together. Pr
         python benchmarks/profile_attend.py --contexts 131072 [--variants variants.json]
 
 ``variants.json``: a list of ``kvq_metal.attend.TUNING`` overrides (default ``[{}]``), each run for every method.
+``--batch B`` attends B sequences in each call (a server's batch, ``kvq bench capacity``): the first sequence's codes
+are encoded once and repeated for the others (a kernel's time does not depend on the values it reads; encoding B
+sequences of 32K tokens in pure MLX would not fit the device's memory).
 :mod:`benchmarks.kernel_durations` runs this under ``ncu`` and records each call's GPU time.
 """
 
@@ -24,7 +28,7 @@ from kvq.attention import DenseTokens
 
 from kv_encode import encode_kv  # benchmarks/ (the script's folder is on sys.path)
 
-B, HQ, HKV, D = 1, 32, 8, 128
+HQ, HKV, D = 32, 8, 128
 METHODS = (("turboquant", {"bits": 4}), ("turboquant", {"bits": 3}), ("affine", {"bits": 4}))
 
 
@@ -35,7 +39,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--contexts", default="131072", help="comma-separated token counts")
     ap.add_argument("--variants", default=None, help="JSON file: a list of TUNING overrides")
+    ap.add_argument("--batch", type=int, default=1, help="sequences per call (B), default 1")
     args = ap.parse_args()
+    B = args.batch
+    if B < 1:
+        ap.error(f"--batch must be at least 1, got {B}")
     variants = json.load(open(args.variants)) if args.variants else [{}]
     backend = kvq_metal.gpu_backend()
     base = dict(attend.TUNING)
@@ -48,7 +56,10 @@ def main() -> None:
             print(json.dumps({"T": T, "method": "fp16_sdpa", **({"warmup": True} if warm else {})}), flush=True)
             mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5))
         for name, params in METHODS:
-            _, _, kern, ke, ve = encode_kv(name, params, k, v, backend)
+            _, _, kern, ke, ve = encode_kv(name, params, k[:1], v[:1], backend)
+            if B > 1:  # the first sequence's codes for every sequence
+                ke, ve = (e.map(lambda a: mx.contiguous(mx.broadcast_to(a, (B, *a.shape[1:])))) for e in (ke, ve))
+                mx.eval(ke.data, ve.data)
             # the first launch on fresh arrays ran up to twice as long on the H200: warm up, labelled, dropped
             print(json.dumps({"T": T, "method": f"{name}{params['bits']}", "warmup": True}), flush=True)
             mx.eval(kern.kvq_attend(q, ke, ve, D ** -0.5, None)[0])
