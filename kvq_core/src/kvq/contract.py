@@ -186,6 +186,28 @@ class BindsDense(Protocol):
 
 
 @runtime_checkable
+class BindsRaggedDense(Protocol):
+    """Optional, on an implementation of ``attend`` that has :class:`BindsDense`: the bound decode step for a batch
+    whose rows hold different numbers of tokens (sequences of different lengths), in one launch for all rows
+    (issue #22: batched decode in one launch). :class:`kvq.cache.BatchKVQCache` binds it over its packed rows
+    (:mod:`kvq.cache.packed`) on the same terms as :class:`BindsDense`.
+    """
+
+    def bind_ragged_dense(self, queries: mx.array, keys: Encoded, values: Encoded, scale: float,
+                          sink_keys: mx.array | None, sink_values: mx.array | None, window_keys: mx.array,
+                          window_values: mx.array) -> Callable[..., mx.array] | None:
+        """As :meth:`BindsDense.bind_dense`, with ``keys``/``values`` ``[B, H_kv, T, ...]`` of which row ``b`` holds
+        its first ``lengths[b, 0]`` tokens, and every row's sinks whole.
+
+        :return: ``step(queries, window_keys, window_values, lengths) -> out [B, H_q, T_q, D_v]`` in the queries'
+            dtype, where ``lengths`` int32 ``[B, 2]`` holds each row's compressed tokens (``1 ..  T``) and window
+            tokens (``0 .. n`` of the window ``[B, H_kv, n, D]`` passed); each row's output is what
+            :meth:`BindsDense.bind_dense`'s step gives for that row alone (up to float32 rounding). ``None`` where
+            it does not serve (the cache then attends the rows' parts with masks: the same result).
+        """
+
+
+@runtime_checkable
 class PreparesQueries(Protocol):
     """Optional, key side of the block protocol (:func:`kvq.attention.attend_encoded`): transform the query once."""
 
@@ -370,8 +392,8 @@ class EncodesBlocks(Protocol):
 
 
 #: The optional single-member Protocols of implementation objects (entry-point modules: :class:`ReportsSources`).
-IMPLEMENTATION_OPTIONS = (Explains, AttendsDense, BindsDense, PreparesQueries, ScoresKeys, WeightsValues, FinishesValues,
-                          ReportsSources)
+IMPLEMENTATION_OPTIONS = (Explains, AttendsDense, BindsDense, BindsRaggedDense, PreparesQueries, ScoresKeys,
+                          WeightsValues, FinishesValues, ReportsSources)
 #: The optional single-member Protocols of parameter objects (:class:`SideDefaults` is read from the class).
 PARAMS_OPTIONS = (SideDefaults, ChecksReady, ForLayer, ForHeads, ForHeadDim, Fits, Unfits, EncodesBlocks)
 
@@ -396,7 +418,8 @@ def optional_hook(obj: object, protocol: type) -> Callable[..., Any] | None:
     return getattr(obj, _MEMBER[protocol], None)
 
 
-__all__ = ["AttendsDense", "Attends", "BindsDense", "ChecksReady", "Dequantizes", "EntryPoint", "Explains", "FinishesValues",
+__all__ = ["AttendsDense", "Attends", "BindsDense", "BindsRaggedDense", "ChecksReady", "Dequantizes", "EntryPoint",
+           "Explains", "FinishesValues",
            "Fits", "ForHeadDim", "ForHeads", "ForLayer", "IMPLEMENTATION_OPTIONS", "Implementation", "OP_PROTOCOLS",
            "PARAMS_OPTIONS", "EncodesBlocks", "Packs", "Params", "PreparesQueries", "Quantizes", "ReportsSources",
            "ScoresKeys",

@@ -226,7 +226,9 @@ class DenseCall:
 #: (zeroed before the launch) and the uncompressed window (``wk``, ``wv``) and sinks (``sk``, ``sv``) it attends
 #: with ``ND = 2``; its per-block partial outputs, the merged output (in the dtype asked for) and log-sum-exp (the
 #: last block per row merges), and the zeroed counters for the next launch (:class:`DecodeStep` passes them on).
-TC_INPUTS = INPUTS + ("counter", "wk", "wv", "sk", "sv")
+#: ``lens`` (int32 ``[B, 2]``: each row's compressed and window token counts) is read by a ragged launch only
+#: (:func:`bind_decode` with ``ragged=True``); other launches pass the counters in its place.
+TC_INPUTS = INPUTS + ("counter", "wk", "wv", "sk", "sv", "lens")
 TC_OUTPUTS = ("part", "ml", "fout", "lse", "cnt")
 
 
@@ -236,7 +238,7 @@ def _tc_template(**flags) -> list:
     t = {"D": None, "R": None, "KB": 1, "VB": 1, "KG": None, "VG": None, "KBIAS": False, "VBIAS": False, "KB2": 0,
          "VB2": 0, "THREADS": THREADS, "ROT": False, "QSCALE": None, "NT": TUNING["nt"], "PF": False, "QSH": False,
          "PAIRTAB": True, "SINKS": False, "DDT": 0, "KREP": False, "VREP": False, "VSAME": False, "ND": 0, "DV": None,
-         "MINB": 0}
+         "MINB": 0, "RAGGED": False}
     t.update(flags)
     return list(t.items())
 
@@ -430,7 +432,8 @@ def decode_attend(queries: mx.array, scale: float, keys: Side, values: Side, bac
             tokens = [pad, pad, pad, pad]
         else:
             tokens = _dense_inputs(dense.window_keys, dense.window_values, dense.sink_keys, dense.sink_values)
-        outs = kern(inputs=args + [_zero_counters(B * H, backend), *tokens], template=plan.template,
+        counter = _zero_counters(B * H, backend)
+        outs = kern(inputs=args + [counter, *tokens, counter], template=plan.template,
                     grid=grid, threadgroup=(THREADS, 1, 1), output_shapes=shapes, output_dtypes=dtypes)
         return outs[2], outs[3]
     splits = splits_for(B * H, T, backend, plan.tile)
@@ -483,12 +486,38 @@ class DecodeStep:
         return outs[2]
 
 
+class RaggedDecodeStep(DecodeStep):
+    """A :class:`DecodeStep` over a batch whose rows hold different numbers of tokens (:func:`bind_decode` with
+    ``ragged=True``; a :class:`kvq.cache.BatchKVQCache` of sequences of different lengths in one launch).
+
+    Call it as ``step(queries, window_keys, window_values, lengths) -> out``: the compressed tokens bound are
+    ``[B, H_kv, T, ...]`` of which row ``b`` holds the first ``lengths[b, 0]`` (``1 <= lengths[b, 0] <= T``), the
+    window ``[B, H_kv, n, D]`` of which row ``b`` holds the first ``lengths[b, 1]`` (``0 <= lengths[b, 1] <= n``);
+    ``lengths`` int32 ``[B, 2]``; the sinks are whole for every row. Tokens past a row's counts are never read into
+    its scores. Each row's ``out`` equals :class:`DecodeStep`'s for that row alone, up to the order of float32
+    additions (the splits cover the longest row, so a shorter row is split at other token boundaries).
+    """
+
+    __slots__ = ()
+
+    def __call__(self, queries: mx.array, window_keys: mx.array, window_values: mx.array,
+                 lengths: mx.array) -> mx.array:
+        outs = self._call(inputs=[queries, *self._codes, self._counter, window_keys, window_values, *self._sinks,
+                                  lengths],
+                          template=self._template, grid=self._grid, threadgroup=(THREADS, 1, 1),
+                          output_shapes=self._shapes, output_dtypes=self._dtypes)
+        self._counter = outs[4]
+        return outs[2]
+
+
 def bind_decode(queries: mx.array, scale: float, call: DenseCall, backend: str, *, sink_keys: mx.array | None,
-                sink_values: mx.array | None, window_keys: mx.array, window_values: mx.array) -> DecodeStep | None:
+                sink_values: mx.array | None, window_keys: mx.array, window_values: mx.array,
+                ragged: bool = False) -> DecodeStep | None:
     """A :class:`DecodeStep` for decode queries like ``queries`` over the compressed tokens ``call`` describes
     (:class:`DenseCall`), a cache's sinks (``None`` when it holds none) and a window like ``window_keys``/
     ``window_values`` (their dtype; sinks of the same dtype); ``None`` where the tensor-core kernel does not serve
-    the shape (the caller attends another way).
+    the shape (the caller attends another way). ``ragged``: a :class:`RaggedDecodeStep` (rows of different
+    lengths, passed per step).
 
     :raises ValueError: as :func:`decode_attend` (shapes, sinks and window of different dtypes).
     """
@@ -505,11 +534,20 @@ def bind_decode(queries: mx.array, scale: float, call: DenseCall, backend: str, 
     counter = _zero_counters(queries.shape[0] * H, backend)
     grid, shapes, dtypes = _tc_geometry(plan, queries.shape, H, T, D, R, out_dim, backend, queries.dtype)
     kern = attend_tc.DECODE_ATTEND_TC.kernel(backend, TC_INPUTS, TC_OUTPUTS, ensure_row_contiguous=False)
-    inputs = [queries, *codes, counter, *tokens]
-    raw, template, kept = kern.bound(plan.template, inputs, _input_aliases(inputs, sink_keys is not None))
-    n = len(codes)  # inputs: q, codes (1..n), counter, wk, wv, sinks (after n + 3)
-    return DecodeStep(raw, template, grid, [inputs[i] for i in kept if 0 < i <= n],
-                      [inputs[i] for i in kept if i > n + 3], shapes, dtypes, counter, plan.template)
+    lengths = _constant((0, 0), mx.int32) if ragged else counter
+    inputs = [queries, *codes, counter, *tokens, lengths]
+    template = [(k, ragged if k == "RAGGED" else v) for k, v in plan.template]
+    aliases = _input_aliases(inputs, sink_keys is not None)
+    if not ragged:
+        aliases["lens"] = "counter"
+    raw, full, kept = kern.bound(template, inputs, aliases)
+    n = len(codes)  # inputs: q, codes (1..n), counter, wk, wv, sinks (n + 4, n + 5), lens (last)
+    last = len(inputs) - 1
+    # after the window: the sinks, and the lengths' placeholder where a launch keeps it (not aliased); a ragged
+    # step passes its lengths per call
+    fixed = [inputs[i] for i in kept if i > n + 3 and not (ragged and i == last)]
+    step = RaggedDecodeStep if ragged else DecodeStep
+    return step(raw, full, grid, [inputs[i] for i in kept if 0 < i <= n], fixed, shapes, dtypes, counter, template)
 
 
 def _input_aliases(inputs: list, sinks: bool) -> dict[str, str]:

@@ -128,14 +128,25 @@ class KernelImpl:
             return None
         return self._bind_unchecked(queries, keys, values, scale, sink_keys, sink_values, window_keys, window_values)
 
-    def _bind_unchecked(self, queries, keys, values, scale, sink_keys, sink_values, window_keys, window_values):
+    def bind_ragged_dense(self, queries, keys, values, scale, sink_keys, sink_values, window_keys, window_values):
+        """:meth:`bind_dense` for rows of different lengths (:class:`kvq.contract.BindsRaggedDense`): a
+        :class:`kvq_metal.attend.RaggedDecodeStep`, called as ``step(queries, window_keys, window_values, lengths)``
+        (int32 ``[B, 2]``: each row's compressed and window token counts); the same first-use check as
+        :meth:`attend_dense`. ``None`` where :meth:`attend_dense` would not serve."""
+        if not self._dense_checked(queries, keys, values, window_keys.dtype):
+            return None
+        return self._bind_unchecked(queries, keys, values, scale, sink_keys, sink_values, window_keys, window_values,
+                                    ragged=True)
+
+    def _bind_unchecked(self, queries, keys, values, scale, sink_keys, sink_values, window_keys, window_values,
+                        ragged: bool = False):
         """:meth:`bind_dense` without its first-use check: the tensor-core kernel's
         :class:`kvq_metal.attend.DecodeStep` as :meth:`_dense_call` describes it (``None``: not served)."""
         call = self._dense_call(queries, keys, values)
         if call is None:
             return None
         return attend.bind_decode(queries, scale, call, self.backend, sink_keys=sink_keys, sink_values=sink_values,
-                                  window_keys=window_keys, window_values=window_values)
+                                  window_keys=window_keys, window_values=window_values, ragged=ragged)
 
     def check_heads(self, keys) -> int:
         """KV heads of the first-use checks' problems: 1 (a method whose parameters fix the head count, a

@@ -94,7 +94,24 @@ def check_attend_dense(impl, params_k, params_v, head_dim: int, rows: int, dtype
             bound_err = max(bound_err, relative_error(out, unbound[0].astype(q.dtype)))
         ok = ok and out.dtype == q.dtype and bound_err < 1e-6
         detail += f"; bound decode steps {bound_err:.2e} vs the unbound call ({out.dtype})"
+    ragged = impl._bind_unchecked(*_two_rows(q, keys, values, sk, sv, wk, wv, scale), ragged=True)
+    if ragged is not None:
+        # two rows of different lengths in one launch, each against the unbound call over that row alone
+        q2, wk2, wv2 = (mx.concatenate([x, x], axis=0) for x in (q, wk, wv))
+        out = ragged(q2, wk2, wv2, mx.array([[300, 41], [173, 9]], dtype=mx.int32))
+        want0 = impl._attend_dense(q, keys, values, scale, DenseTokens(sk, sv, wk, wv))[0]
+        want1 = impl._attend_dense(q, keys.tokens(0, 173), values.tokens(0, 173), scale,
+                                   DenseTokens(sk, sv, wk[:, :, :9], wv[:, :, :9]))[0]
+        ragged_err = max(relative_error(out[:1], want0.astype(q.dtype)), relative_error(out[1:], want1.astype(q.dtype)))
+        ok = ok and ragged_err < 1e-2
+        detail += f"; ragged rows {ragged_err:.2e} vs each row alone"
     return ok, detail
+
+
+def _two_rows(q, keys, values, sk, sv, wk, wv, scale):
+    """The arguments of a ragged binding over two copies of a check's row (:func:`check_attend_dense`)."""
+    two = (lambda x: mx.concatenate([x, x], axis=0))
+    return (two(q), keys.map(two), values.map(two), scale, two(sk), two(sv), two(wk), two(wv))
 
 
 def quantize_with_method(x: mx.array, params):

@@ -710,8 +710,12 @@ class StreamsKernelImpl(KernelImpl):
                                          scale=scale, finish=finish)
         return out.reshape(B, Hq, Tq, out.shape[-1]), lse.reshape(B, Hq, Tq)
 
-    def _bind_unchecked(self, queries, keys, values, scale, sink_keys, sink_values, window_keys, window_values):
-        """A :class:`StreamStep` for a cache's decode steps, unchecked (``None`` where not served)."""
+    def _bind_unchecked(self, queries, keys, values, scale, sink_keys, sink_values, window_keys, window_values,
+                        ragged: bool = False):
+        """A :class:`StreamStep` for a cache's decode steps, unchecked (``None`` where not served, and for rows of
+        different lengths, ``ragged``, which these kernels do not take)."""
+        if ragged:
+            return None
         call = self._served_call(queries, keys, values, None, dense=True)
         if call is None:
             return None

@@ -4,6 +4,11 @@ Each sequence keeps its own :class:`KVQCache` (or :class:`RotatingKVQCache`) row
 lengths need no padding in the compressed store: right padding announced by ``prepare`` is simply not stored, and
 attention runs per row with that row's token positions. Rows are independent, so ``merge``/``extract``/``filter``/
 ``extend`` move rows.
+
+Decode packs the rows (:mod:`kvq.cache.packed`): once every row is past its prefill, the batch holds them as one
+store with per-row token counts, so a decode step appends and attends all rows at once (one kernel launch per
+layer on CUDA) instead of once per row. Anything else (a prefill chunk, ``extend``, ``extract``, files, ``trim``)
+unpacks them first; :attr:`BatchKVQCache.pack` turns packing off.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import copy
 import mlx.core as mx
 
 from .layer import CompressedView
+from .packed import PackedRows
 
 
 def _rows(x: mx.array) -> list:
@@ -27,14 +33,37 @@ class BatchKVQCache:
     :param rows: one single-sequence cache per batch entry (``B = 1`` each).
     """
 
+    #: Whether decode packs the rows into one batched store (:mod:`kvq.cache.packed`); off: every row updates and
+    #: attends on its own (the same tokens, one launch per row).
+    pack = True
+
     def __init__(self, rows: list) -> None:
-        self.rows = list(rows)
+        self._rows = list(rows)
+        self._packed = None  # PackedRows while decoding packed (then _rows is None)
         self._remaining = None  # real tokens still to come per row during a padded prefill
-        self._starts = [0] * len(self.rows)  # position of each row's first query in the current step
+        self._starts = [0] * len(self._rows)  # position of each row's first query in the current step
+
+    @property
+    def rows(self) -> list:
+        """The single-sequence caches, one per batch entry (packed rows are unpacked first)."""
+        if self._packed is not None:
+            self._rows, self._packed = self._packed.unpack(), None
+        return self._rows
+
+    @rows.setter
+    def rows(self, rows) -> None:
+        self._rows, self._packed = list(rows), None
+
+    @property
+    def packed(self) -> bool:
+        """Whether the rows are packed now (decode in one call for all rows)."""
+        return self._packed is not None
 
     @property
     def offset(self) -> mx.array:
         """Per-row token counts (mlx-lm uses them as RoPE offsets)."""
+        if self._packed is not None:
+            return mx.array(self._packed.offsets)
         return mx.array([r.offset for r in self.rows])
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
@@ -52,9 +81,18 @@ class BatchKVQCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Store ``[B, H, T, D]`` keys/values row by row (only each row's real tokens); returns stand-ins for the
         batch (:meth:`keys_and_values`)."""
-        if keys.shape[0] != len(self.rows):
-            raise ValueError(f"keys: batch of {keys.shape[0]} for a cache of {len(self.rows)} rows")
+        if keys.shape[0] != self._batch():
+            raise ValueError(f"keys: batch of {keys.shape[0]} for a cache of {self._batch()} rows")
         T = keys.shape[2]
+        if T == 1 and self._remaining is None and self.pack:
+            if self._packed is None:
+                packed = PackedRows.pack(self._rows)
+                if packed is not None:
+                    self._rows, self._packed = None, packed
+            if self._packed is not None:
+                self._starts = list(self._packed.offsets)
+                self._packed.append(keys, values)
+                return self.keys_and_values()
         # one split per side instead of a slice per row (decode on a GPU is bound by the host: every graph
         # operation a row adds per layer and step counts)
         row_keys, row_values = _rows(keys), _rows(values)
@@ -71,22 +109,37 @@ class BatchKVQCache:
     def keys_and_values(self):
         """Stand-ins (:class:`kvq.cache.CompressedView`) ``[B, H, longest row, D]`` whose attention is this batch's
         (:meth:`attend`, each row over its own tokens), or ``(None, None)`` while no row holds tokens."""
+        B, T = self._batch(), self.size()
+        if self._packed is not None:
+            _, H, Dk, Dv, dtype = self._packed.layout
+            return CompressedView((B, H, T, Dk), dtype, self), CompressedView((B, H, T, Dv), dtype, self)
         row = self._last_filled_row()
         if row is None:
             return None, None
         k, v = row.keys_and_values()
-        B, T = len(self.rows), self.size()
         return (CompressedView((B, k.shape[1], T, k.shape[3]), k.dtype, self),
                 CompressedView((B, v.shape[1], T, v.shape[3]), v.dtype, self))
 
+    def __deepcopy__(self, memo):
+        """A copy of the rows (packed rows are copied unpacked: the copy packs again at its next decode step)."""
+        new = self.__class__([copy.deepcopy(r, memo) for r in self.rows])
+        new._remaining = copy.deepcopy(self._remaining, memo)
+        new._starts = list(self._starts)
+        return new
+
+    def _batch(self) -> int:
+        return self._packed.batch if self._packed is not None else len(self._rows)
+
     def release_chunk(self) -> None:
-        """:meth:`KVQCache.release_chunk` for every row."""
-        for row in self.rows:
+        """:meth:`KVQCache.release_chunk` for every row (packed rows keep no chunk)."""
+        for row in self._rows or ():
             row.release_chunk()
 
     def attend(self, queries: mx.array, scale: float, mask=None, sink_logits=None) -> mx.array:
         """:meth:`KVQCache.attend` per row, each with its own token positions (``mask`` is not needed: padding is
-        never stored); ``[B, H_q, T_q, D_v]``."""
+        never stored); ``[B, H_q, T_q, D_v]``. Packed rows (decode) attend in one call (:meth:`PackedRows.attend`)."""
+        if self._packed is not None and queries.shape[2] == 1:
+            return self._packed.attend(queries, scale, sink_logits)
         outs = [row.attend(q, scale, None, sink_logits, query_start=self._starts[i])
                 for i, (row, q) in enumerate(zip(self.rows, _rows(queries)))]
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
@@ -94,6 +147,8 @@ class BatchKVQCache:
     def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
         """Positions are handled per row inside attention; the rows' ``make_mask`` checks ``window_size``
         (:meth:`KVQCache.make_mask` refuses one, :meth:`RotatingKVQCache.make_mask` takes its own ``max_size``)."""
+        if self._packed is not None:
+            return self._packed.proto.make_mask(N, return_array, window_size)
         return self.rows[0].make_mask(N, return_array, window_size) if self.rows else None
 
     # -- batching -----------------------------------------------------------------------------------
@@ -112,8 +167,14 @@ class BatchKVQCache:
     def filter(self, batch_indices) -> None:
         """Keep only the rows at ``batch_indices`` (in that order)."""
         indices = batch_indices.tolist() if isinstance(batch_indices, mx.array) else list(batch_indices)
-        self.rows = [self.rows[i] for i in indices]
         self._starts = [self._starts[i] for i in indices]
+        if self._packed is not None:
+            if indices:
+                self._packed.filter(indices)
+            else:
+                self.rows = []
+            return
+        self.rows = [self.rows[i] for i in indices]
 
     def extend(self, other: "BatchKVQCache") -> None:
         """Append ``other``'s rows."""
@@ -122,9 +183,13 @@ class BatchKVQCache:
 
     # -- cache protocol -------------------------------------------------------------------------------
     def size(self) -> int:
+        if self._packed is not None:
+            return max(self._packed.offsets)
         return max((r.offset for r in self.rows), default=0)
 
     def empty(self) -> bool:
+        if self._packed is not None:
+            return False
         return all(r.empty() for r in self.rows)
 
     def is_trimmable(self) -> bool:
@@ -136,6 +201,9 @@ class BatchKVQCache:
 
     @property
     def nbytes(self) -> int:
+        """Bytes allocated (resident) by all rows, packed or not."""
+        if self._packed is not None:
+            return self._packed.nbytes
         return sum(r.nbytes for r in self.rows)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> "BatchKVQCache":

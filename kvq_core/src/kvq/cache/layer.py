@@ -167,6 +167,18 @@ def block_implementation(method: str, side: str):
     return candidates[0]
 
 
+def encode_tokens(config: CacheConfig, keys: mx.array, values: mx.array) -> tuple[Encoded, Encoded]:
+    """``keys`` (already centred where the layer is) and ``values`` ``[B, H, T, D]`` quantized with ``config``'s
+    parameters by the implementations :func:`kvq.select` picks: ``(Encoded keys, Encoded values)``; what a cache's
+    window flush stores (:class:`KVQCache`, and the packed rows of :mod:`kvq.cache.packed`)."""
+    kp, vp = config.key_params, config.value_params
+    quantize_k = select(kp.method, keys.shape, dtype=keys.dtype, op="quantize", params=kp,
+                        kernels=quantize_kernels(kp.method, config.kernels)).quantize
+    quantize_v = select(vp.method, values.shape, dtype=values.dtype, op="quantize", params=vp,
+                        kernels=quantize_kernels(vp.method, config.kernels)).quantize
+    return quantize_k(keys, kp), quantize_v(values, vp)
+
+
 class CompressedView:
     """Stand-in returned by ``update_and_fetch``: models pass it on to attention, which kvq intercepts.
 
@@ -462,12 +474,7 @@ class KVQCache:
     def _encode(self, keys, values) -> tuple[Encoded, Encoded]:
         """``keys`` (centred where the layer is) and ``values`` ``[B, H, T, D]`` quantized by the implementations
         :func:`kvq.select` picks: ``(Encoded keys, Encoded values)``."""
-        kp, vp = self.config.key_params, self.config.value_params
-        quantize_k = select(kp.method, keys.shape, dtype=keys.dtype, op="quantize", params=kp,
-                            kernels=quantize_kernels(kp.method, self.config.kernels)).quantize
-        quantize_v = select(vp.method, values.shape, dtype=values.dtype, op="quantize", params=vp,
-                            kernels=quantize_kernels(vp.method, self.config.kernels)).quantize
-        return quantize_k(self._centred(keys), kp), quantize_v(values, vp)
+        return encode_tokens(self.config, self._centred(keys), values)
 
     def _fit_params(self, keys, values):
         """Parameters with the optional ``fit(block)`` (:class:`kvq.contract.Fits`: shared state chosen from data,

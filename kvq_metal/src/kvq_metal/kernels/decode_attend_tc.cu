@@ -3,7 +3,8 @@
 // Same contract as decode_attend.kvq; the design and measurements: kvq_metal.attend_tc's docstring.
 // Reference: kvq_metal.reference.decode_attend
 // Launcher: kvq_metal.attend.decode_attend
-// Inputs kvq_metal.attend.TC_INPUTS; outputs part, ml (per block of a row), fout [B, H_q, T_q, DV] in its own dtype,
+// Inputs kvq_metal.attend.TC_INPUTS (lens: int32 [B, 2] per-row token counts, read with RAGGED only); outputs
+// part, ml (per block of a row), fout [B, H_q, T_q, DV] in its own dtype,
 // lse [B, H_q, T_q], cnt [B * H] (zeroed: the split counters of the next launch, kvq_metal.attend.DecodeStep).
 // Template: kvq_metal.attend._tc_template. Header: decode_attend_tc.cuh.
 // Blocks: x = b * H + h; with ND = 2, y = 0: the sinks (wk/wv's dtype, sk/sv, none unless SINKS), y = 1: the window
@@ -108,7 +109,10 @@
     constexpr int TILE = NWARP * 16 * NT;
     const int dsplit = split - nsplit;  // DENSE: 0 the sinks, 1 the window
     const int t_begin = DENSE ? 0 : split * chunk;
-    const int t_end = DENSE ? (dsplit == 0 ? (SINKS ? sk_shape[2] : 0) : wk_shape[2]) : min(T, t_begin + chunk);
+    // RAGGED: row b holds lens[2 b] compressed tokens and lens[2 b + 1] window tokens (a batch of sequences of
+    // different lengths in one launch; the splits cover the longest row, a shorter row's later splits are empty)
+    const int t_end = DENSE ? (dsplit == 0 ? (SINKS ? sk_shape[2] : 0) : (RAGGED ? lens[2 * b + 1] : wk_shape[2]))
+                            : min(RAGGED ? lens[2 * b] : T, t_begin + chunk);
 
     const int64_t kbase = b * kc_strides[0] + h * kc_strides[1];
     const int64_t kbase2 = b * kc2_strides[0] + h * kc2_strides[1];

@@ -1,0 +1,324 @@
+"""Packed rows: a :class:`kvq.cache.BatchKVQCache`'s sequences in one batched store for decode (issue #22).
+
+A batch of sequences of different lengths decodes in lockstep, one token per row and step. Kept as separate
+:class:`kvq.cache.KVQCache` rows, every row costs its own graph operations and its own kernel launch per layer and
+step, so a batch of ``B`` decodes about ``B`` times slower on the host than one sequence. :class:`PackedRows` holds
+the rows' compressed tokens, sinks and residual windows as ``[B, ...]`` arrays with per-row token counts, so a
+decode step is one window write and one attention call for all rows: on CUDA one launch of the tensor-core kernel
+that reads each row's counts (:class:`kvq.contract.BindsRaggedDense`), elsewhere the rows' parts attended with masks
+that stop each row at its own counts (the same result).
+
+Every row keeps exactly the schedule it has alone: a row's window flushes when *its* window is full, its oldest
+``flush`` tokens quantized as a ``[1, H, flush, D]`` block by the same implementations (:func:`kvq.cache.layer.
+encode_tokens`), so packing changes no stored code, and a row's attention differs from its own only by the order
+of float32 additions. Rows are packed once they are past their prefill (sinks full, some tokens compressed, one
+configuration for all) and unpacked back into rows for anything but decode (a prefill chunk, ``extend``, files).
+
+Memory: the packed arrays hold each row's compressed tokens padded to the longest row's count rounded up to the
+store's ``step`` (the padding of a batch of unequal rows: ``B * (longest - row)`` tokens' codes), plus one window
+buffer ``[B, H, window + flush - 1, D]`` per side, as the rows did.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..attention import dense_attend, merge_parts, sink_logits_part
+from ..contract import BindsRaggedDense, optional_hook
+from ..encoded import Encoded
+from ..plugins import registry
+
+
+def packable(rows: list) -> bool:
+    """Whether ``rows`` (single-sequence caches) can be packed: at least two plain :class:`kvq.cache.KVQCache`
+    rows of one sequence each, one configuration, layout and flush, no chunk pending, sinks full, at least one
+    token compressed (so every fitted parameter and outlier-layer decision is made) and a window allocated, all
+    centred or none."""
+    from .layer import KVQCache
+
+    if len(rows) < 2:
+        return False
+    first = rows[0]
+    if first._layout is None or first._layout[0] != 1:
+        return False
+    centred = first.key_mean is not None
+    params = first.compressed_keys.params, first.compressed_values.params
+    for row in rows:
+        if (type(row) is not KVQCache or row._layout != first._layout or row.config != first.config
+                or row._flush != first._flush or row._fresh is not None
+                or row.sinks.length < row.config.sinks or not row.compressed_keys.length
+                or row.window.keys is None or (row.key_mean is not None) != centred
+                or (row.compressed_keys.params, row.compressed_values.params) != params):
+            return False
+    return True
+
+
+def _copy(x):
+    """A copy of ``x`` that shares no buffer (a row taken out of a batched array must not keep the batch alive)."""
+    return None if x is None else mx.array(x)
+
+
+def _round_up(n: int, step: int) -> int:
+    return max(step, -(-n // step) * step)
+
+
+class PackedRows:
+    """The rows of a :class:`kvq.cache.BatchKVQCache` in one batched store; build it with :meth:`pack`.
+
+    Attributes: ``offsets`` (tokens per row), ``compressed`` (tokens compressed per row), ``window_lengths``
+    (window tokens per row), all Python lists of ``B`` ints.
+    """
+
+    def __init__(self, proto, rows: list) -> None:
+        """Use :meth:`pack`. ``proto``: an empty :class:`kvq.cache.KVQCache` of the rows' configuration that
+        lends this object its per-layer logic (attention plan, centring, encoding)."""
+        first = rows[0]
+        self.proto = proto
+        self.config = first.config
+        self._flush = first._flush
+        self.layout = (len(rows), *first._layout[1:])
+        self.token_shapes = first._token_shapes
+        self.offsets = [r.offset for r in rows]
+        self.compressed = [r.compressed_keys.length for r in rows]
+        self.window_lengths = [r.window.length for r in rows]
+        self.step = first.compressed_keys.step
+        capacity = _round_up(max(self.compressed), self.step)
+        self.sides = [self._pack_store([r.compressed_keys for r in rows], capacity),
+                      self._pack_store([r.compressed_values for r in rows], capacity)]
+        self.params = [first.compressed_keys.params, first.compressed_values.params]
+        self.head_dims = [first.compressed_keys.head_dim, first.compressed_values.head_dim]
+        cat = (lambda xs: mx.concatenate(xs, axis=0))
+        self.sink_keys = cat([r.sinks.keys for r in rows]) if self.config.sinks else None
+        self.sink_values = cat([r.sinks.values for r in rows]) if self.config.sinks else None
+        self.window_keys = cat([r.window.keys for r in rows])
+        self.window_values = cat([r.window.values for r in rows])
+        self.key_mean = cat([r.key_mean for r in rows]) if first.key_mean is not None else None
+        self._bound = None  # (signature, step) of the fused ragged decode step, or (signature, None)
+        self._lengths = None  # int32 [B, 2] of (compressed, window) counts, made once per step
+        mx.eval(*self._arrays())
+
+    @classmethod
+    def pack(cls, rows: list) -> "PackedRows | None":
+        """The packed form of ``rows`` (:func:`packable`), evaluated so the rows' own arrays can be freed; ``None``
+        where they cannot be packed."""
+        if not packable(rows):
+            return None
+        from .layer import KVQCache
+
+        proto = KVQCache(rows[0].config)
+        return cls(proto, rows)
+
+    @staticmethod
+    def _pack_store(stores: list, capacity: int) -> dict:
+        fields = {}
+        for name in stores[0].data:
+            parts = []
+            for store in stores:
+                array = store.data[name][:, :, : min(store.capacity, capacity)]
+                if array.shape[2] < capacity:
+                    pad = [(0, 0)] * array.ndim
+                    pad[2] = (0, capacity - array.shape[2])
+                    array = mx.pad(array, pad)
+                parts.append(array)
+            fields[name] = mx.concatenate(parts, axis=0)
+        return fields
+
+    def _arrays(self) -> list:
+        arrays = [*self.sides[0].values(), *self.sides[1].values(), self.window_keys, self.window_values]
+        return arrays + [x for x in (self.sink_keys, self.sink_values, self.key_mean) if x is not None]
+
+    @property
+    def batch(self) -> int:
+        return len(self.offsets)
+
+    @property
+    def capacity(self) -> int:
+        """Compressed tokens each row's arrays can hold."""
+        return next(iter(self.sides[0].values())).shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated (resident)."""
+        return sum(a.nbytes for a in self._arrays())
+
+    # -- decode ---------------------------------------------------------------------------------------
+    def append(self, keys: mx.array, values: mx.array) -> None:
+        """Store one decode token per row (``[B, H_kv, 1, D]`` of the rows' layout and dtype), flushing first the
+        rows whose window is full (:meth:`kvq.cache.KVQCache._leaving`: a full window of ``window + flush - 1``
+        tokens and one more compress their oldest ``flush``).
+
+        :raises ValueError/TypeError: keys or values that are not one token per row of this layout.
+        """
+        B, H, Dk, Dv, dtype = self.layout
+        if keys.shape != (B, H, 1, Dk) or values.shape != (B, H, 1, Dv) or keys.dtype != values.dtype:
+            raise ValueError(f"keys {tuple(keys.shape)} / values {tuple(values.shape)}: packed rows take one token "
+                             f"per row, [{B}, {H}, 1, {Dk}] / [{B}, {H}, 1, {Dv}] of one dtype")
+        if keys.dtype != self.window_keys.dtype:
+            keys, values = keys.astype(self.window_keys.dtype), values.astype(self.window_values.dtype)
+        full = self.window_keys.shape[2]
+        for b in [b for b, n in enumerate(self.window_lengths) if n >= full]:
+            self._flush_row(b)
+        lengths = self.window_lengths
+        n = lengths[0]
+        if all(m == n for m in lengths):
+            self.window_keys[:, :, n : n + 1] = keys
+            self.window_values[:, :, n : n + 1] = values
+        else:
+            rows, slots = mx.arange(B), mx.array(lengths)
+            self.window_keys[rows, :, slots] = keys[:, :, 0]
+            self.window_values[rows, :, slots] = values[:, :, 0]
+        self.window_lengths = [m + 1 for m in lengths]
+        self.offsets = [o + 1 for o in self.offsets]
+        self._lengths = None
+
+    def _flush_row(self, b: int) -> None:
+        """Compress row ``b``'s oldest ``flush`` window tokens into its compressed tokens, as the row alone would."""
+        f, n, held = self._flush, self.compressed[b], self.window_lengths[b]
+        wk, wv = self.window_keys[b : b + 1], self.window_values[b : b + 1]
+        keys = wk[:, :, :f]
+        if self.key_mean is not None:
+            keys = (keys.astype(mx.float32) - self.key_mean[b : b + 1]).astype(keys.dtype)
+        from .layer import encode_tokens
+
+        encoded = encode_tokens(self.config, keys, wv[:, :, :f])
+        if n + f > self.capacity:
+            grow = _round_up(n + f - self.capacity, self.step)
+            for side in self.sides:
+                for name, array in side.items():
+                    shape = list(array.shape)
+                    shape[2] = grow
+                    side[name] = mx.concatenate([array, mx.zeros(shape, array.dtype)], axis=2)
+        for side, enc in zip(self.sides, encoded):
+            for name, array in enc.data.items():
+                side[name][b : b + 1, :, n : n + f] = array
+        # the tokens that stay move to the front (a new array: a slice assignment from the same buffer could
+        # overlap its own source)
+        rest_k, rest_v = mx.array(wk[:, :, f:held]), mx.array(wv[:, :, f:held])
+        self.window_keys[b : b + 1, :, : held - f] = rest_k
+        self.window_values[b : b + 1, :, : held - f] = rest_v
+        self.compressed[b] = n + f
+        self.window_lengths[b] = held - f
+        self._bound = None
+
+    def _encoded(self, side: int, tokens: int) -> Encoded:
+        return Encoded(self.params[side], {k: v[:, :, :tokens] for k, v in self.sides[side].items()},
+                       self.head_dims[side])
+
+    def _centred_dense(self, keys):
+        if self.key_mean is None or keys is None:
+            return keys
+        return keys - self.key_mean.astype(keys.dtype)
+
+    def lengths(self) -> mx.array:
+        """int32 ``[B, 2]``: each row's compressed and window token counts (made once per step)."""
+        if self._lengths is None:
+            self._lengths = mx.array([[c, w] for c, w in zip(self.compressed, self.window_lengths)], dtype=mx.int32)
+        return self._lengths
+
+    def attend(self, queries: mx.array, scale: float, sink_logits: mx.array | None = None) -> mx.array:
+        """Attention of one decode query per row (``[B, H_q, 1, D]``, the newest token of each row) over each row's
+        own tokens: ``[B, H_q, 1, D_v]`` in the queries' dtype. The fused ragged step where the implementation
+        binds one (:class:`kvq.contract.BindsRaggedDense`), else every part with each row's counts as masks.
+        """
+        if sink_logits is None:
+            step = self._step(queries, scale)
+            if step is not None:
+                return step(queries, self._centred_dense(self.window_keys), self.window_values, self.lengths())
+        return self._attend_parts(queries, scale, sink_logits)
+
+    def _step(self, queries, scale):
+        signature = (queries.shape, queries.dtype, scale, registry().generation)
+        bound = self._bound
+        if bound is None or bound[0] != signature:
+            bound = self._bound = (signature, self._bind(queries, scale))
+        return bound[1]
+
+    def _bind(self, queries, scale):
+        proto = self.proto
+        if not proto._own_attend():
+            return None
+        keys, values = self._encoded(0, self.capacity), self._encoded(1, self.capacity)
+        choice = proto._attend_plan(keys, queries).choices.get("attend")
+        bind = None if choice is None else optional_hook(choice.implementation, BindsRaggedDense)
+        if bind is None:
+            return None
+        return bind(queries, keys, values, scale, self._centred_dense(self.sink_keys), self.sink_values,
+                    self.window_keys, self.window_values)
+
+    def _attend_parts(self, queries, scale, sink_logits):
+        proto = self.proto
+        longest = max(self.compressed)
+        keys, values = self._encoded(0, longest), self._encoded(1, longest)
+        counts = mx.array(self.compressed)[:, None, None, None]
+        # the sinks and window attended as they are, the compressed part's log-sum-exp given back the mean's
+        # logits (as KVQCache's parts; the fused step scores everything centred instead)
+        parts = []
+        if self.sink_keys is not None:
+            parts.append(dense_attend(queries, self.sink_keys, self.sink_values, scale))
+        mask = mx.arange(longest)[None, None, None] < counts
+        part = proto._attend_fn(keys, queries)(queries, keys, values, scale, mask)
+        if self.key_mean is not None:
+            out, lse = part
+            part = out, lse + self._mean_logits(queries, scale)
+        parts.append(part)
+        held = max(self.window_lengths)
+        window_mask = mx.arange(held)[None, None, None] < mx.array(self.window_lengths)[:, None, None, None]
+        parts.append(dense_attend(queries, self.window_keys[:, :, :held], self.window_values[:, :, :held], scale,
+                                  window_mask))
+        if sink_logits is not None:
+            parts.append(sink_logits_part(sink_logits, queries, parts[0][0].shape[-1]))
+        out, _ = merge_parts(parts)
+        return out.astype(queries.dtype)
+
+    def _mean_logits(self, queries, scale):
+        B, Hq, Tq, D = queries.shape
+        Hkv = self.key_mean.shape[1]
+        q = queries.astype(mx.float32).reshape(B, Hkv, Hq // Hkv, Tq, D)
+        return (scale * mx.sum(q * self.key_mean[:, :, None], axis=-1)).reshape(B, Hq, Tq)
+
+    # -- rows -----------------------------------------------------------------------------------------
+    def filter(self, indices: list) -> None:
+        """Keep only the rows at ``indices`` (in that order)."""
+        take = mx.array(indices)
+        for side in self.sides:
+            for name in side:
+                side[name] = mx.take(side[name], take, axis=0)
+        for name in ("sink_keys", "sink_values", "window_keys", "window_values", "key_mean"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, mx.take(value, take, axis=0))
+        for name in ("offsets", "compressed", "window_lengths"):
+            setattr(self, name, [getattr(self, name)[i] for i in indices])
+        self.layout = (len(indices), *self.layout[1:])
+        self._bound = self._lengths = None
+
+    def unpack(self) -> list:
+        """The rows as single-sequence :class:`kvq.cache.KVQCache` objects (copies: none keeps these arrays alive),
+        equal to the rows this was packed from after the same updates."""
+        from .layer import KVQCache
+
+        rows = []
+        for b in range(self.batch):
+            row = KVQCache(self.config)
+            row.offset = self.offsets[b]
+            row._layout = (1, *self.layout[1:])
+            row._token_shapes = self.token_shapes
+            if self.sink_keys is not None:
+                row.sinks.keys, row.sinks.values = _copy(self.sink_keys[b : b + 1]), _copy(self.sink_values[b : b + 1])
+                row.sinks.length = self.config.sinks
+            row.window.keys = _copy(self.window_keys[b : b + 1])
+            row.window.values = _copy(self.window_values[b : b + 1])
+            row.window.length = self.window_lengths[b]
+            n = self.compressed[b]
+            cap = _round_up(n, self.step)
+            for store, side, params, head_dim in zip((row.compressed_keys, row.compressed_values), self.sides,
+                                                     self.params, self.head_dims):
+                store.data = {k: _copy(v[b : b + 1, :, :cap]) for k, v in side.items()}
+                store.params, store.head_dim, store.length = params, head_dim, n
+            if self.key_mean is not None:
+                row._set_key_mean(_copy(self.key_mean[b : b + 1]))
+            rows.append(row)
+        return rows
+
+
+__all__ = ["PackedRows", "packable"]

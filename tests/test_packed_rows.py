@@ -1,0 +1,145 @@
+"""Packed rows (kvq.cache.packed): a batch of sequences of different lengths decodes in one call per layer, with
+the same stored codes and the same attention as its rows decoding one by one (issue #22: batched decode in one
+launch)."""
+
+import attrs
+import mlx.core as mx
+import pytest
+
+from mlx_lm.generate import generate_step
+
+from kvq.cache import BatchKVQCache, KVQCache, make_config, make_prompt_cache, patch_model, unpatch_model
+from kvq.cache.packed import PackedRows, packable
+
+from conftest import batch_greedy
+
+
+def config(method, window=4):
+    bits = {"affine": {"bits": 4}, "turboquant": {"bits": 3}, "fp16": {}}[method]
+    return attrs.evolve(make_config(method, sinks=2, window=window, **bits), flush=4, step=16)
+
+
+def greedy(model, cache, prompt, n, prefill_step_size):
+    gen = generate_step(prompt, model, max_tokens=n, prompt_cache=cache, sampler=lambda x: mx.argmax(x, -1),
+                        prefill_step_size=prefill_step_size)
+    return [int(t) for t, _ in gen]
+
+
+def batch_pair(cfg, lengths, seed=0, offset=0.0):
+    """Two batches over the same rows (prefilled with ``lengths`` random tokens): one that packs, one that does
+    not, and the prefill keys (``offset`` added to every key: a centred layer)."""
+    packed, plain = [], []
+    for i, n in enumerate(lengths):
+        k = mx.random.normal((1, 2, n, 64), key=mx.random.key(seed + i)) + offset
+        v = mx.random.normal((1, 2, n, 64), key=mx.random.key(100 + seed + i))
+        for rows in (packed, plain):
+            row = KVQCache(cfg)
+            row.update_and_fetch(k, v)
+            row.release_chunk()
+            rows.append(row)
+    a, b = BatchKVQCache(packed), BatchKVQCache(plain)
+    b.pack = False
+    return a, b
+
+
+def decode(batches, steps, seed=7, B=3):
+    outs = []
+    for t in range(steps):
+        k = mx.random.normal((B, 2, 1, 64), key=mx.random.key(seed + 3 * t))
+        v = mx.random.normal((B, 2, 1, 64), key=mx.random.key(seed + 3 * t + 1))
+        q = mx.random.normal((B, 4, 1, 64), key=mx.random.key(seed + 3 * t + 2))
+        step = []
+        for batch in batches:
+            batch.update_and_fetch(k, v)
+            step.append(batch.attend(q, 0.125))
+        outs.append(step)
+    return outs
+
+
+def codes(batch):
+    return [[{k: v[:, :, : s.length] for k, v in s.data.items()} for s in (r.compressed_keys, r.compressed_values)]
+            for r in batch.rows]
+
+
+@pytest.mark.parametrize("method", ["affine", "turboquant", "fp16"])
+def test_packed_decode_matches_rows_alone(method):
+    """Rows of 9, 14 and 22 tokens (different windows and compressed counts, so flushes at different steps):
+    every step's attention equals the unpacked batch's, and the stored codes are identical after 13 steps."""
+    packed, plain = batch_pair(config(method), (9, 14, 22))
+    for got, want in decode((packed, plain), 13):
+        assert packed.packed
+        assert mx.allclose(got, want, atol=2e-5, rtol=1e-4).item()
+    assert packed.offset.tolist() == plain.offset.tolist() == [22, 27, 35]
+    for ours, theirs in zip(codes(packed), codes(plain)):
+        for side_ours, side_theirs in zip(ours, theirs):
+            assert all(mx.array_equal(side_ours[k], side_theirs[k]).item() for k in side_theirs)
+    assert not packed.packed  # reading its rows unpacked it
+
+
+def test_packed_centred_layer_matches_rows():
+    """Keys with a large constant offset make the guard centre the layer (a key mean per row): the packed batch
+    centres every row with its own mean."""
+    cfg = config("turboquant", window=12)  # a first block of 16 tokens: what the guard needs to decide
+    packed, plain = batch_pair(cfg, (19, 25, 33), offset=40.0)
+    assert all(r.key_mean is not None for r in plain.rows)
+    for got, want in decode((packed, plain), 9):
+        assert mx.allclose(got, want, atol=2e-5, rtol=1e-4).item()
+
+
+def test_filter_while_packed_keeps_the_chosen_rows():
+    packed, plain = batch_pair(config("affine"), (9, 14, 22))
+    decode((packed, plain), 3)
+    packed.filter([2, 0])
+    plain.filter([2, 0])
+    assert packed.packed and packed.offset.tolist() == [25, 12]
+    for got, want in decode((packed, plain), 6, B=2):
+        assert mx.allclose(got, want, atol=2e-5, rtol=1e-4).item()
+
+
+def test_pack_unpack_round_trip_keeps_every_row():
+    """Unpacked rows hold what the rows held (state equal), packed bytes are the rows' bytes padded to one capacity,
+    and a new prefill chunk unpacks the batch and is stored per row."""
+    packed, plain = batch_pair(config("affine"), (9, 14, 22))
+    decode((packed, plain), 2)
+    assert packed.packed and packed.nbytes > 0
+    for ours, theirs in zip(packed.rows, plain.rows):
+        a, b = ours.state, theirs.state
+        assert set(a) == set(b)
+        assert ours.offset == theirs.offset and ours.window.length == theirs.window.length
+        assert mx.array_equal(ours.window.keys[:, :, : ours.window.length],
+                              theirs.window.keys[:, :, : theirs.window.length]).item()
+    chunk = mx.random.normal((3, 2, 5, 64), key=mx.random.key(3))
+    packed.update_and_fetch(chunk, chunk)
+    assert not packed.packed and packed.offset.tolist() == [16, 21, 29]
+
+
+def test_packable_refuses_what_it_cannot_pack():
+    cfg = config("affine")
+    fresh = [KVQCache(cfg) for _ in range(2)]
+    assert not packable(fresh)  # nothing stored yet
+    packed, _ = batch_pair(cfg, (13, 14))  # both past the first flush (9 tokens would not be)
+    rows = packed.rows
+    assert packable(rows) and not packable(rows[:1])
+    other = KVQCache(attrs.evolve(cfg, window=5))
+    k = mx.random.normal((1, 2, 12, 64))
+    other.update_and_fetch(k, k)
+    other.release_chunk()
+    assert not packable([rows[0], other])  # two configurations
+    assert PackedRows.pack([rows[0], other]) is None
+    with pytest.raises(ValueError, match="one token per row"):
+        PackedRows.pack(rows).append(mx.zeros((2, 2, 2, 64)), mx.zeros((2, 2, 2, 64)))
+
+
+def test_batch_generator_with_packing_matches_single_sequences(llama_model):
+    """mlx-lm's BatchGenerator (the server's path) over prompts of different lengths, with windows that flush
+    during decode: the packed batch gives each prompt's greedy tokens alone."""
+    prompts = [[(7 * i + 3) % 256 for i in range(n)] for n in (30, 19, 44)]
+    kw = dict(window=4, flush=4, sinks=2)
+    singles = [greedy(llama_model, make_prompt_cache(llama_model, "affine", bits=8, **kw), mx.array(p), n=8,
+                      prefill_step_size=16) for p in prompts]
+    model = patch_model(llama_model, "affine", bits=8, **kw)
+    try:
+        got = batch_greedy(model, prompts, 8)
+    finally:
+        unpatch_model(llama_model)
+    assert got == singles
