@@ -289,6 +289,43 @@ def test_cache_decode_through_the_bound_step_matches_kernels_off(method, params)
     assert len({id(b) for b in binds}) == 6  # the first step, then one binding per flush of 8 tokens (40 steps)
 
 
+@pytest.mark.parametrize("method,params", [("turboquant", {"bits": 3}), ("turboquant", {"bits": 4}),
+                                           ("affine", {"bits": 4})])
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_packed_batch_decode_in_one_launch_matches_rows(method, params, D):
+    """A BatchKVQCache of three sequences of different lengths (so different compressed and window counts, flushing
+    at different steps) decodes packed through the ragged tensor-core step (one launch for all rows; checked: the
+    binding is a RaggedDecodeStep) and gives each row the attention of the same rows decoding one by one with
+    kernels off (pure MLX), within 2e-3 relative, bfloat16, GQA 4."""
+    if kvq_metal.gpu_backend() != "cuda":
+        pytest.skip("ragged decode steps are bound for the tensor-core kernel (CUDA)")
+    from kvq.cache import BatchKVQCache, KVQCache, make_config
+    from kvq_metal.attend import RaggedDecodeStep
+
+    lengths = (300, 517, 130)
+    batches = []
+    for kernels in ("auto", "off"):
+        rows = []
+        for i, n in enumerate(lengths):
+            row = KVQCache(make_config(method, **params, window=32, flush=8, kernels=kernels))
+            row.update_and_fetch(_normal((1, 4, n, D), mx.bfloat16, 60 + i), _normal((1, 4, n, D), mx.bfloat16, 70 + i))
+            row.release_chunk()
+            rows.append(row)
+        batches.append(BatchKVQCache(rows))
+    batches[1].pack = False
+    binds = []  # the bound steps (kept alive, so their ids stay distinct)
+    for t in range(20):
+        k, v = _normal((3, 4, 1, D), mx.bfloat16, 100 + t), _normal((3, 4, 1, D), mx.bfloat16, 200 + t)
+        q = _normal((3, 16, 1, D), mx.bfloat16, 300 + t)
+        got, want = [(b.update_and_fetch(k, v), b.attend(q, D ** -0.5))[1] for b in batches]
+        assert got.dtype == mx.bfloat16 and _rel(got, want) < 2e-3, t
+        for r in range(3):
+            assert _rel(got[r:r + 1], want[r:r + 1]) < 2e-3, (t, r)
+        binds.append(batches[0]._packed._bound[1])
+        assert isinstance(binds[-1], RaggedDecodeStep)
+    assert batches[0].packed and len({id(b) for b in binds}) > 1  # rebound at the rows' flushes
+
+
 # -- fused TurboQuant encode / decode ---------------------------------------------------------------------
 # head_dims below their power-of-two rotation size (120 and 240; 112 at 1 bit); 80, 96, 192 rotate unpadded, which
 # the fused kernels leave to pure MLX (tests/test_turboquant_dims.py)
