@@ -9,6 +9,9 @@ shape: for each method string it fills every layer's cache to ``--context`` toke
 3. with ``--profile``, runs cProfile over the building of ``--steps`` steps and prints the top functions,
 4. with ``--flush-steps N``, N steps evaluated one at a time, the window-flush steps timed apart from the others.
 
+``--batch B`` decodes B sequences together through the batch caches mlx-lm's ``BatchGenerator`` makes (kvq:
+``BatchKVQCache``, packed for decode; fp16: ``BatchKVCache``), ``--ragged R`` with sequence i R tokens shorter.
+
     python benchmarks/profile_host.py --model random:llama3-8b --context 4096 \
         --methods fp16,affine:4,turboquant:4 --out host.json [--profile]
 
@@ -32,11 +35,11 @@ from kvq.bench import e2e, random_model
 from kvq.bench.fill import RandomKV, decode, fill
 
 
-def build_seconds(model, caches, steps: int, evals: list | None = None) -> list[float]:
+def build_seconds(model, caches, steps: int, evals: list | None = None, batch: int = 1) -> list[float]:
     """Seconds to build each of ``steps`` decode graphs (the step's logits evaluated after the timer); with
     ``evals``, the seconds from the built graph to its evaluated token (encoding and launching on the host plus
-    whatever of the device's work is not overlapped) are appended to it."""
-    y, times = mx.array([[1]]), []
+    whatever of the device's work is not overlapped) are appended to it. ``batch``: rows decoded together."""
+    y, times = mx.ones((batch, 1), mx.int32), []
     for _ in range(steps):
         tic = time.perf_counter()
         logits = model(y, cache=caches)
@@ -73,6 +76,29 @@ def flush_report(model, caches, steps: int) -> dict:
     return out
 
 
+def batch_caches(model, spec, settings, batch: int, context: int, ragged: int, kv_heads: int, head_dim: int):
+    """Per layer, the batch cache mlx-lm's ``BatchGenerator`` decodes with, holding ``batch`` sequences of random
+    keys and values: sequence ``i`` of ``context - i * ragged`` tokens. kvq: a :class:`kvq.cache.BatchKVQCache`
+    of one filled cache per sequence; fp16: mlx-lm's ``BatchKVCache`` (left-padded to the longest, as mlx-lm
+    pads)."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    from kvq.cache import BatchKVQCache
+
+    lengths = [context - i * ragged for i in range(batch)]
+    if spec.label == "fp16":
+        pad = [context - n for n in lengths]
+        caches = [BatchKVCache(pad) for _ in model.layers]
+        fill(caches, RandomKV(kv_heads, head_dim, mx.bfloat16, batch=batch), context, settings.chunk)
+        return caches
+    per_sequence = []
+    for i, n in enumerate(lengths):
+        caches = e2e.make_cache(model, spec, settings)
+        fill(caches, RandomKV(kv_heads, head_dim, mx.bfloat16, seed=i), n, settings.chunk)
+        per_sequence.append(caches)
+    return [BatchKVQCache(list(rows)) for rows in zip(*per_sequence)]
+
+
 def captured_step(model, caches) -> bool:
     """One decode step between the CUDA driver's cuProfilerStart and cuProfilerStop (so ``ncu
     --profile-from-start off`` sees only its launches); False where the driver library is not found."""
@@ -105,6 +131,11 @@ def main() -> None:
                         "(for ncu --profile-from-start off)")
     p.add_argument("--flush-steps", type=int, default=0,
                    help="then this many steps evaluated one at a time, flush steps timed apart (build, evaluation)")
+    p.add_argument("--batch", type=int, default=1,
+                   help="sequences decoded together: kvq rows in a BatchKVQCache per layer (as mlx-lm's "
+                        "BatchGenerator makes them), fp16 mlx-lm's BatchKVCache")
+    p.add_argument("--ragged", type=int, default=0,
+                   help="with --batch: sequence i holds context - i * RAGGED tokens (rows of different lengths)")
     p.add_argument("--out", default="host.json")
     args = p.parse_args()
 
@@ -116,12 +147,16 @@ def main() -> None:
     warmup = settings.flush + 1  # as kvq bench e2e on a GPU: the first window flush untimed
     rows = []
     for spec in e2e.parse_methods(args.methods, head_dim):
-        caches = e2e.make_cache(model, spec, settings)
-        fill(caches, RandomKV(kv_heads, head_dim, mx.bfloat16), args.context, settings.chunk)
-        timed, _ = decode(model, caches, 1, args.steps, warmup)
+        if args.batch > 1:
+            caches = batch_caches(model, spec, settings, args.batch, args.context, args.ragged, kv_heads, head_dim)
+        else:
+            caches = e2e.make_cache(model, spec, settings)
+            fill(caches, RandomKV(kv_heads, head_dim, mx.bfloat16), args.context, settings.chunk)
+        timed, _ = decode(model, caches, 1, args.steps, warmup, batch=args.batch)
         evals: list = []
-        host = build_seconds(model, caches, args.steps, evals)
-        row = {"method": spec.label, "context": args.context, "layers": layers,
+        host = build_seconds(model, caches, args.steps, evals, args.batch)
+        row = {"method": spec.label, "context": args.context, "layers": layers, "batch": args.batch,
+               "ragged": args.ragged,
                "ms_per_token_median": 1e3 * float(np.median(timed)), "ms_per_token_mean": 1e3 * float(np.mean(timed)),
                "host_ms_per_step_median": 1e3 * float(np.median(host)),
                "host_ms_per_step_max": 1e3 * float(np.max(host)),
@@ -130,7 +165,7 @@ def main() -> None:
         if args.profile and spec.label != "fp16":
             prof = cProfile.Profile()
             prof.enable()
-            build_seconds(model, caches, args.steps)
+            build_seconds(model, caches, args.steps, batch=args.batch)
             prof.disable()
             text = io.StringIO()
             stats = pstats.Stats(prof, stream=text)

@@ -295,8 +295,10 @@ def test_cache_decode_through_the_bound_step_matches_kernels_off(method, params)
 def test_packed_batch_decode_in_one_launch_matches_rows(method, params, D):
     """A BatchKVQCache of three sequences of different lengths (so different compressed and window counts, flushing
     at different steps) decodes packed through the ragged tensor-core step (one launch for all rows; checked: the
-    binding is a RaggedDecodeStep) and gives each row the attention of the same rows decoding one by one with
-    kernels off (pure MLX), within 2e-3 relative, bfloat16, GQA 4."""
+    binding is a RaggedDecodeStep) and gives each row the attention of the same rows decoding one by one through
+    their own bound steps (the same codes; only the split boundaries differ) within 1e-3 relative, and with kernels
+    off (pure MLX) within 2e-3 over the batch (4e-3 per row: a 130-token row averages fewer tokens), bfloat16,
+    GQA 4."""
     if kvq_metal.gpu_backend() != "cuda":
         pytest.skip("ragged decode steps are bound for the tensor-core kernel (CUDA)")
     from kvq.cache import BatchKVQCache, KVQCache, make_config
@@ -304,7 +306,7 @@ def test_packed_batch_decode_in_one_launch_matches_rows(method, params, D):
 
     lengths = (300, 517, 130)
     batches = []
-    for kernels in ("auto", "off"):
+    for kernels in ("auto", "auto", "off"):
         rows = []
         for i, n in enumerate(lengths):
             row = KVQCache(make_config(method, **params, window=32, flush=8, kernels=kernels))
@@ -312,15 +314,16 @@ def test_packed_batch_decode_in_one_launch_matches_rows(method, params, D):
             row.release_chunk()
             rows.append(row)
         batches.append(BatchKVQCache(rows))
-    batches[1].pack = False
+    batches[1].pack = batches[2].pack = False
     binds = []  # the bound steps (kept alive, so their ids stay distinct)
     for t in range(20):
         k, v = _normal((3, 4, 1, D), mx.bfloat16, 100 + t), _normal((3, 4, 1, D), mx.bfloat16, 200 + t)
         q = _normal((3, 16, 1, D), mx.bfloat16, 300 + t)
-        got, want = [(b.update_and_fetch(k, v), b.attend(q, D ** -0.5))[1] for b in batches]
+        got, rows, want = [(b.update_and_fetch(k, v), b.attend(q, D ** -0.5))[1] for b in batches]
         assert got.dtype == mx.bfloat16 and _rel(got, want) < 2e-3, t
         for r in range(3):
-            assert _rel(got[r:r + 1], want[r:r + 1]) < 2e-3, (t, r)
+            assert _rel(got[r:r + 1], rows[r:r + 1]) < 1e-3, (t, r)
+            assert _rel(got[r:r + 1], want[r:r + 1]) < 4e-3, (t, r)
         binds.append(batches[0]._packed._bound[1])
         assert isinstance(binds[-1], RaggedDecodeStep)
     assert batches[0].packed and len({id(b) for b in binds}) > 1  # rebound at the rows' flushes
