@@ -62,14 +62,16 @@ def codes(batch):
 
 
 @pytest.mark.parametrize("method", ["affine", "turboquant", "fp16"])
-def test_packed_decode_matches_rows_alone(method):
-    """Rows of 9, 14 and 22 tokens (different windows and compressed counts, so flushes at different steps):
-    every step's attention equals the unpacked batch's, and the stored codes are identical after 13 steps."""
-    packed, plain = batch_pair(config(method), (9, 14, 22))
+@pytest.mark.parametrize("lengths", [(9, 14, 22), (14, 14, 14), (13, 14, 17)])
+def test_packed_decode_matches_rows_alone(method, lengths):
+    """Rows of different lengths (different windows and compressed counts: flushes at different steps), of one
+    length (every row flushes at the same step and count) and two of three flushing together: every step's attention equals
+    the unpacked batch's, and the stored codes are identical after 13 steps."""
+    packed, plain = batch_pair(config(method), lengths)
     for got, want in decode((packed, plain), 13):
-        assert packed.packed
         assert mx.allclose(got, want, atol=2e-5, rtol=1e-4).item()
-    assert packed.offset.tolist() == plain.offset.tolist() == [22, 27, 35]
+    assert packed.packed
+    assert packed.offset.tolist() == plain.offset.tolist() == [n + 13 for n in lengths]
     for ours, theirs in zip(codes(packed), codes(plain)):
         for side_ours, side_theirs in zip(ours, theirs):
             assert all(mx.array_equal(side_ours[k], side_theirs[k]).item() for k in side_theirs)

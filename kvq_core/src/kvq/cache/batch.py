@@ -63,7 +63,7 @@ class BatchKVQCache:
     def offset(self) -> mx.array:
         """Per-row token counts (mlx-lm uses them as RoPE offsets)."""
         if self._packed is not None:
-            return mx.array(self._packed.offsets)
+            return self._packed.offset()
         return mx.array([r.offset for r in self.rows])
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:

@@ -53,6 +53,10 @@ def packable(rows: list) -> bool:
     return True
 
 
+#: What one decode token adds to a row's (compressed, window) counts.
+_NEXT_WINDOW_TOKEN = mx.array([[0, 1]], dtype=mx.int32)
+
+
 def _copy(x):
     """A copy of ``x`` that shares no buffer (a row taken out of a batched array must not keep the batch alive)."""
     return None if x is None else mx.array(x)
@@ -94,7 +98,8 @@ class PackedRows:
         self.window_values = cat([r.window.values for r in rows])
         self.key_mean = cat([r.key_mean for r in rows]) if first.key_mean is not None else None
         self._bound = None  # (signature, step) of the fused ragged decode step, or (signature, None)
-        self._lengths = None  # int32 [B, 2] of (compressed, window) counts, made once per step
+        self._lengths = None  # int32 [B, 2] of (compressed, window) counts on the device (lengths())
+        self._offset = None  # int32 [B] of the rows' token counts on the device (offset())
         mx.eval(*self._arrays())
 
     @classmethod
@@ -156,8 +161,9 @@ class PackedRows:
         if keys.dtype != self.window_keys.dtype:
             keys, values = keys.astype(self.window_keys.dtype), values.astype(self.window_values.dtype)
         full = self.window_keys.shape[2]
-        for b in [b for b, n in enumerate(self.window_lengths) if n >= full]:
-            self._flush_row(b)
+        flushing = [b for b, n in enumerate(self.window_lengths) if n >= full]
+        if flushing:
+            self._flush_rows(flushing)
         lengths = self.window_lengths
         n = lengths[0]
         if all(m == n for m in lengths):
@@ -169,36 +175,54 @@ class PackedRows:
             self.window_values[rows, :, slots] = values[:, :, 0]
         self.window_lengths = [m + 1 for m in lengths]
         self.offsets = [o + 1 for o in self.offsets]
-        self._lengths = None
+        # the per-row counts on the device, advanced by one device operation each (rebuilt after a flush)
+        if self._lengths is not None:
+            self._lengths = self._lengths + _NEXT_WINDOW_TOKEN
+        if self._offset is not None:
+            self._offset = self._offset + 1
 
-    def _flush_row(self, b: int) -> None:
-        """Compress row ``b``'s oldest ``flush`` window tokens into its compressed tokens, as the row alone would."""
-        f, n, held = self._flush, self.compressed[b], self.window_lengths[b]
-        wk, wv = self.window_keys[b : b + 1], self.window_values[b : b + 1]
-        keys = wk[:, :, :f]
-        if self.key_mean is not None:
-            keys = (keys.astype(mx.float32) - self.key_mean[b : b + 1]).astype(keys.dtype)
+    def _flush_rows(self, rows: list) -> None:
+        """Compress the oldest ``flush`` window tokens of the full-window ``rows`` into their compressed tokens, as
+        each row alone would: one encoding call for these rows (``[len(rows), H, flush, D]``; quantizers encode
+        every token on its own), whole-batch writes where every row flushes at the same count."""
         from .layer import encode_tokens
 
-        encoded = encode_tokens(self.config, keys, wv[:, :, :f])
-        if n + f > self.capacity:
-            grow = _round_up(n + f - self.capacity, self.step)
+        f, full = self._flush, self.window_keys.shape[2]
+        every = len(rows) == self.batch
+        take = None if every else mx.array(rows)
+        pick = (lambda x: x) if every else (lambda x: mx.take(x, take, axis=0))
+        keys, values = pick(self.window_keys[:, :, :f]), pick(self.window_values[:, :, :f])
+        if self.key_mean is not None:
+            keys = (keys.astype(mx.float32) - pick(self.key_mean)).astype(keys.dtype)
+        encoded = encode_tokens(self.config, keys, values)
+        counts = [self.compressed[b] for b in rows]
+        if max(counts) + f > self.capacity:
+            grow = _round_up(max(counts) + f - self.capacity, self.step)
             for side in self.sides:
                 for name, array in side.items():
                     shape = list(array.shape)
                     shape[2] = grow
                     side[name] = mx.concatenate([array, mx.zeros(shape, array.dtype)], axis=2)
+        same = every and all(c == counts[0] for c in counts)
         for side, enc in zip(self.sides, encoded):
             for name, array in enc.data.items():
-                side[name][b : b + 1, :, n : n + f] = array
+                if same:
+                    side[name][:, :, counts[0] : counts[0] + f] = array
+                else:
+                    for j, (b, n) in enumerate(zip(rows, counts)):
+                        side[name][b : b + 1, :, n : n + f] = array[j : j + 1]
         # the tokens that stay move to the front (a new array: a slice assignment from the same buffer could
         # overlap its own source)
-        rest_k, rest_v = mx.array(wk[:, :, f:held]), mx.array(wv[:, :, f:held])
-        self.window_keys[b : b + 1, :, : held - f] = rest_k
-        self.window_values[b : b + 1, :, : held - f] = rest_v
-        self.compressed[b] = n + f
-        self.window_lengths[b] = held - f
-        self._bound = None
+        for buffer in (self.window_keys, self.window_values):
+            if every:
+                buffer[:, :, : full - f] = mx.array(buffer[:, :, f:full])
+            else:
+                for b in rows:
+                    buffer[b : b + 1, :, : full - f] = mx.array(buffer[b : b + 1, :, f:full])
+        for b in rows:
+            self.compressed[b] += f
+            self.window_lengths[b] = full - f
+        self._bound = self._lengths = None
 
     def _encoded(self, side: int, tokens: int) -> Encoded:
         return Encoded(self.params[side], {k: v[:, :, :tokens] for k, v in self.sides[side].items()},
@@ -210,10 +234,17 @@ class PackedRows:
         return keys - self.key_mean.astype(keys.dtype)
 
     def lengths(self) -> mx.array:
-        """int32 ``[B, 2]``: each row's compressed and window token counts (made once per step)."""
+        """int32 ``[B, 2]``: each row's compressed and window token counts (on the device: made from the counts
+        after a flush, then advanced by :meth:`append`)."""
         if self._lengths is None:
             self._lengths = mx.array([[c, w] for c, w in zip(self.compressed, self.window_lengths)], dtype=mx.int32)
         return self._lengths
+
+    def offset(self) -> mx.array:
+        """int32 ``[B]``: each row's tokens (mlx-lm's RoPE offsets; on the device, advanced by :meth:`append`)."""
+        if self._offset is None:
+            self._offset = mx.array(self.offsets, dtype=mx.int32)
+        return self._offset
 
     def attend(self, queries: mx.array, scale: float, sink_logits: mx.array | None = None) -> mx.array:
         """Attention of one decode query per row (``[B, H_q, 1, D]``, the newest token of each row) over each row's
@@ -290,7 +321,7 @@ class PackedRows:
         for name in ("offsets", "compressed", "window_lengths"):
             setattr(self, name, [getattr(self, name)[i] for i in indices])
         self.layout = (len(indices), *self.layout[1:])
-        self._bound = self._lengths = None
+        self._bound = self._lengths = self._offset = None
 
     def unpack(self) -> list:
         """The rows as single-sequence :class:`kvq.cache.KVQCache` objects (copies: none keeps these arrays alive),
