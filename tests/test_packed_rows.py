@@ -145,3 +145,20 @@ def test_batch_generator_with_packing_matches_single_sequences(llama_model):
     finally:
         unpatch_model(llama_model)
     assert got == singles
+
+
+def test_extract_and_extend_keep_the_rows_packed():
+    """mlx-lm's BatchGenerator extracts a finished sequence's cache and extends the batch with new ones: packed
+    rows answer both without unpacking, and decoding on matches the unpacked batch."""
+    packed, plain = batch_pair(config("affine"), (13, 14, 17))
+    decode((packed, plain), 3)
+    one, ref = packed.extract(1), plain.extract(1)
+    assert packed.packed and one.offset == ref.offset == 17
+    assert one.state.keys() == ref.state.keys()
+    assert mx.array_equal(one.window.keys[:, :, : one.window.length], ref.window.keys[:, :, : ref.window.length]).item()
+    more, more_plain = batch_pair(config("affine"), (30, 21), seed=9)
+    packed.extend(more)
+    plain.extend(more_plain)
+    assert packed.packed and packed.offset.tolist() == [16, 17, 20, 30, 21]
+    for got, want in decode((packed, plain), 9, seed=40, B=5):
+        assert mx.allclose(got, want, atol=2e-5, rtol=1e-4).item()

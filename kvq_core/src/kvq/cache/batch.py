@@ -161,7 +161,9 @@ class BatchKVQCache:
         return cls([copy.deepcopy(r) for r in rows])
 
     def extract(self, idx: int):
-        """A copy of row ``idx`` as a single-sequence :class:`KVQCache`."""
+        """A copy of row ``idx`` as a single-sequence :class:`KVQCache` (packed rows stay packed)."""
+        if self._packed is not None:
+            return self._packed.row(idx)
         return copy.deepcopy(self.rows[idx])
 
     def filter(self, batch_indices) -> None:
@@ -177,7 +179,12 @@ class BatchKVQCache:
         self.rows = [self.rows[i] for i in indices]
 
     def extend(self, other: "BatchKVQCache") -> None:
-        """Append ``other``'s rows."""
+        """Append ``other``'s rows (packed rows stay packed where ``other``'s rows pack with them)."""
+        if self._packed is not None:
+            theirs = other._packed or PackedRows.pack(other._rows, minimum=1)
+            if theirs is not None and self._packed.extend(theirs):
+                self._starts += other._starts
+                return
         self.rows += other.rows
         self._starts += other._starts
 

@@ -29,14 +29,14 @@ from ..encoded import Encoded
 from ..plugins import registry
 
 
-def packable(rows: list) -> bool:
-    """Whether ``rows`` (single-sequence caches) can be packed: at least two plain :class:`kvq.cache.KVQCache`
-    rows of one sequence each, one configuration, layout and flush, no chunk pending, sinks full, at least one
+def packable(rows: list, minimum: int = 2) -> bool:
+    """Whether ``rows`` (single-sequence caches) can be packed: at least ``minimum`` plain :class:`kvq.cache.KVQCache`
+    rows of one sequence each (a single row decodes as fast alone), one configuration, layout and flush, no chunk pending, sinks full, at least one
     token compressed (so every fitted parameter and outlier-layer decision is made) and a window allocated, all
     centred or none."""
     from .layer import KVQCache
 
-    if len(rows) < 2:
+    if len(rows) < max(1, minimum):
         return False
     first = rows[0]
     if first._layout is None or first._layout[0] != 1:
@@ -64,6 +64,15 @@ def _copy(x):
 
 def _round_up(n: int, step: int) -> int:
     return max(step, -(-n // step) * step)
+
+
+def _pad_tokens(array: mx.array, capacity: int) -> mx.array:
+    """``array`` ``[B, H, T, ...]`` with zeros after its ``T`` tokens up to ``capacity``."""
+    if array.shape[2] >= capacity:
+        return array
+    pad = [(0, 0)] * array.ndim
+    pad[2] = (0, capacity - array.shape[2])
+    return mx.pad(array, pad)
 
 
 class PackedRows:
@@ -103,10 +112,10 @@ class PackedRows:
         mx.eval(*self._arrays())
 
     @classmethod
-    def pack(cls, rows: list) -> "PackedRows | None":
-        """The packed form of ``rows`` (:func:`packable`), evaluated so the rows' own arrays can be freed; ``None``
-        where they cannot be packed."""
-        if not packable(rows):
+    def pack(cls, rows: list, minimum: int = 2) -> "PackedRows | None":
+        """The packed form of ``rows`` (:func:`packable` with ``minimum``), evaluated so the rows' own arrays can be
+        freed; ``None`` where they cannot be packed."""
+        if not packable(rows, minimum):
             return None
         from .layer import KVQCache
 
@@ -119,12 +128,7 @@ class PackedRows:
         for name in stores[0].data:
             parts = []
             for store in stores:
-                array = store.data[name][:, :, : min(store.capacity, capacity)]
-                if array.shape[2] < capacity:
-                    pad = [(0, 0)] * array.ndim
-                    pad[2] = (0, capacity - array.shape[2])
-                    array = mx.pad(array, pad)
-                parts.append(array)
+                parts.append(_pad_tokens(store.data[name][:, :, : min(store.capacity, capacity)], capacity))
             fields[name] = mx.concatenate(parts, axis=0)
         return fields
 
@@ -323,33 +327,57 @@ class PackedRows:
         self.layout = (len(indices), *self.layout[1:])
         self._bound = self._lengths = self._offset = None
 
-    def unpack(self) -> list:
-        """The rows as single-sequence :class:`kvq.cache.KVQCache` objects (copies: none keeps these arrays alive),
-        equal to the rows this was packed from after the same updates."""
+    def extend(self, other: "PackedRows") -> bool:
+        """Append ``other``'s rows (packed rows of the same configuration and layout), padding the shorter side's
+        compressed tokens to a common capacity; ``False``, with nothing changed, where they do not match."""
+        if (other.config != self.config or other._flush != self._flush or other.layout[1:] != self.layout[1:]
+                or other.params != self.params or other.step != self.step
+                or (other.key_mean is None) != (self.key_mean is None)
+                or (other.sink_keys is None) != (self.sink_keys is None)
+                or set(other.sides[0]) != set(self.sides[0]) or set(other.sides[1]) != set(self.sides[1])):
+            return False
+        capacity = max(self.capacity, other.capacity)
+        for mine, theirs in zip(self.sides, other.sides):
+            for name in mine:
+                mine[name] = mx.concatenate([_pad_tokens(mine[name], capacity), _pad_tokens(theirs[name], capacity)])
+        for name in ("sink_keys", "sink_values", "window_keys", "window_values", "key_mean"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, mx.concatenate([value, getattr(other, name)]))
+        for name in ("offsets", "compressed", "window_lengths"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.layout = (self.batch, *self.layout[1:])
+        self._bound = self._lengths = self._offset = None
+        return True
+
+    def row(self, b: int):
+        """Row ``b`` as a single-sequence :class:`kvq.cache.KVQCache` (a copy: it keeps none of these arrays alive),
+        equal to the row this was packed from after the same updates."""
         from .layer import KVQCache
 
-        rows = []
-        for b in range(self.batch):
-            row = KVQCache(self.config)
-            row.offset = self.offsets[b]
-            row._layout = (1, *self.layout[1:])
-            row._token_shapes = self.token_shapes
-            if self.sink_keys is not None:
-                row.sinks.keys, row.sinks.values = _copy(self.sink_keys[b : b + 1]), _copy(self.sink_values[b : b + 1])
-                row.sinks.length = self.config.sinks
-            row.window.keys = _copy(self.window_keys[b : b + 1])
-            row.window.values = _copy(self.window_values[b : b + 1])
-            row.window.length = self.window_lengths[b]
-            n = self.compressed[b]
-            cap = _round_up(n, self.step)
-            for store, side, params, head_dim in zip((row.compressed_keys, row.compressed_values), self.sides,
-                                                     self.params, self.head_dims):
-                store.data = {k: _copy(v[b : b + 1, :, :cap]) for k, v in side.items()}
-                store.params, store.head_dim, store.length = params, head_dim, n
-            if self.key_mean is not None:
-                row._set_key_mean(_copy(self.key_mean[b : b + 1]))
-            rows.append(row)
-        return rows
+        row = KVQCache(self.config)
+        row.offset = self.offsets[b]
+        row._layout = (1, *self.layout[1:])
+        row._token_shapes = self.token_shapes
+        if self.sink_keys is not None:
+            row.sinks.keys, row.sinks.values = _copy(self.sink_keys[b : b + 1]), _copy(self.sink_values[b : b + 1])
+            row.sinks.length = self.config.sinks
+        row.window.keys = _copy(self.window_keys[b : b + 1])
+        row.window.values = _copy(self.window_values[b : b + 1])
+        row.window.length = self.window_lengths[b]
+        n = self.compressed[b]
+        cap = _round_up(n, self.step)
+        for store, side, params, head_dim in zip((row.compressed_keys, row.compressed_values), self.sides,
+                                                 self.params, self.head_dims):
+            store.data = {k: _copy(v[b : b + 1, :, :cap]) for k, v in side.items()}
+            store.params, store.head_dim, store.length = params, head_dim, n
+        if self.key_mean is not None:
+            row._set_key_mean(_copy(self.key_mean[b : b + 1]))
+        return row
+
+    def unpack(self) -> list:
+        """Every row as :meth:`row` gives it."""
+        return [self.row(b) for b in range(self.batch)]
 
 
 __all__ = ["PackedRows", "packable"]
