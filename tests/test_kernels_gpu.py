@@ -294,7 +294,7 @@ def test_cache_decode_through_the_bound_step_matches_kernels_off(method, params)
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_packed_batch_decode_in_one_launch_matches_rows(method, params, D):
     """A BatchKVQCache of three sequences of different lengths (so different compressed and window counts, flushing
-    at different steps) decodes packed through the ragged tensor-core step (one launch for all rows; checked: the
+    at different steps; one with no compressed token until its first compression, in the pack) decodes packed through the ragged tensor-core step (one launch for all rows; checked: the
     binding is a RaggedDecodeStep) and gives each row the attention of the same rows decoding one by one through
     their own bound steps (the same codes; only the split boundaries differ) within 1e-3 relative, and with kernels
     off (pure MLX: float32 decoding, the pure-MLX encoder) within 3e-3 over the batch and 4e-3 per row (measured on
@@ -304,7 +304,7 @@ def test_packed_batch_decode_in_one_launch_matches_rows(method, params, D):
     from kvq.cache import BatchKVQCache, KVQCache, make_config
     from kvq_metal.attend import RaggedDecodeStep
 
-    lengths = (300, 517, 130)
+    lengths = (300, 517, 25)  # the 25-token row has compressed nothing: its first compression comes at step 19
     batches = []
     for kernels in ("auto", "auto", "off"):
         rows = []

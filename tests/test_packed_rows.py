@@ -25,12 +25,15 @@ def greedy(model, cache, prompt, n, prefill_step_size):
     return [int(t) for t, _ in gen]
 
 
-def batch_pair(cfg, lengths, seed=0, offset=0.0):
+def batch_pair(cfg, lengths, seed=0, offset=0.0, offsets=None, outlier=None):
     """Two batches over the same rows (prefilled with ``lengths`` random tokens): one that packs, one that does
-    not, and the prefill keys (``offset`` added to every key: a centred layer)."""
+    not (``offset``, or ``offsets[i]`` for row i, added to every key: a centred layer; row ``outlier``'s keys get
+    one channel 30 times the others: an outlier layer)."""
     packed, plain = [], []
     for i, n in enumerate(lengths):
-        k = mx.random.normal((1, 2, n, 64), key=mx.random.key(seed + i)) + offset
+        k = mx.random.normal((1, 2, n, 64), key=mx.random.key(seed + i)) + (offset if offsets is None else offsets[i])
+        if i == outlier:
+            k = k * mx.concatenate([mx.array([30.0]), mx.ones((63,))])
         v = mx.random.normal((1, 2, n, 64), key=mx.random.key(100 + seed + i))
         for rows in (packed, plain):
             row = KVQCache(cfg)
@@ -65,8 +68,8 @@ def codes(batch):
 @pytest.mark.parametrize("lengths", [(9, 14, 22), (14, 14, 14), (13, 14, 17)])
 def test_packed_decode_matches_rows_alone(method, lengths):
     """Rows of different lengths (different windows and compressed counts: flushes at different steps), of one
-    length (every row flushes at the same step and count) and two of three flushing together: every step's attention equals
-    the unpacked batch's, and the stored codes are identical after 13 steps."""
+    length (every row flushes at the same step and count) and two of three flushing together: every step's
+    attention equals the unpacked batch's, and the stored codes are identical after 13 steps."""
     packed, plain = batch_pair(config(method), lengths)
     for got, want in decode((packed, plain), 13):
         assert mx.allclose(got, want, atol=2e-5, rtol=1e-4).item()
@@ -162,3 +165,50 @@ def test_extract_and_extend_keep_the_rows_packed():
     assert packed.packed and packed.offset.tolist() == [16, 17, 20, 30, 21]
     for got, want in decode((packed, plain), 9, seed=40, B=5):
         assert mx.allclose(got, want, atol=2e-5, rtol=1e-4).item()
+
+
+@pytest.mark.parametrize("method", ["affine", "turboquant"])
+def test_rows_that_have_compressed_nothing_pack_and_compress_as_alone(method):
+    """Rows of 6 and 9 tokens (nothing compressed yet: the 9-token row's window is full, its first compression
+    comes at the first step, fitting its parameters) pack with a row of 30 tokens; decoding matches the rows
+    alone, codes included, and the batch stays packed."""
+    packed, plain = batch_pair(config(method), (30, 6, 9))
+    assert [r.compressed_keys.length for r in plain.rows] == [24, 0, 0]
+    for got, want in decode((packed, plain), 13):
+        assert mx.allclose(got, want, atol=2e-5, rtol=1e-4).item()
+    assert packed.packed
+    for ours, theirs in zip(codes(packed), codes(plain)):
+        for side_ours, side_theirs in zip(ours, theirs):
+            assert all(mx.array_equal(side_ours[k], side_theirs[k]).item() for k in side_theirs)
+
+
+def test_centred_and_plain_rows_pack_together():
+    """A centred row (keys with a large offset) and a row that is not: the pack holds a zero mean for the plain
+    row, which changes none of its scores."""
+    packed, plain = batch_pair(config("turboquant", window=12), (19, 25, 33), offsets=[40.0, 0.0, 40.0])
+    assert [r.key_mean is not None for r in plain.rows] == [True, False, True]
+    for got, want in decode((packed, plain), 9):
+        assert mx.allclose(got, want, atol=2e-5, rtol=1e-4).item()
+    assert packed.packed and [r.key_mean is not None for r in packed.rows] == [True, False, True]
+
+
+def test_a_first_compression_that_differs_unpacks_the_rows():
+    """A row whose first compression finds an outlier layer (stored with affine 8-bit, kvq.cache.guard) cannot
+    share the pack of rows stored with turboquant: the step unpacks the batch, every row keeps its token, and
+    decoding goes on as the rows alone."""
+    import warnings
+
+    from kvq.cache.guard import OutlierLayerWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OutlierLayerWarning)
+        packed, plain = batch_pair(config("turboquant", window=12), (40, 16, 30), outlier=1)
+        assert [r.compressed_keys.length for r in plain.rows] == [24, 0, 16]
+        first = decode((packed, plain), 1)
+        assert packed.packed  # the 16-token row's window fills with this token: it compresses at the next
+        steps = decode((packed, plain), 6, seed=50)
+    assert not packed.packed
+    assert [r.config.key_params.method for r in packed.rows] == ["turboquant", "affine", "turboquant"]
+    for got, want in first + steps:
+        assert mx.allclose(got, want, atol=2e-5, rtol=1e-4).item()
+    assert packed.offset.tolist() == plain.offset.tolist() == [47, 23, 37]

@@ -91,7 +91,14 @@ class BatchKVQCache:
                     self._rows, self._packed = None, packed
             if self._packed is not None:
                 self._starts = list(self._packed.offsets)
-                self._packed.append(keys, values)
+                unpacked = self._packed.append(keys, values)
+                if unpacked is not None:  # a row's first compression did not match the pack: rows from here on
+                    rows, done = unpacked
+                    self.rows = rows
+                    row_keys, row_values = _rows(keys), _rows(values)
+                    for i, row in enumerate(rows):
+                        if i not in done:
+                            row.update_and_fetch(row_keys[i], row_values[i])
                 return self.keys_and_values()
         # one split per side instead of a slice per row (decode on a GPU is bound by the host: every graph
         # operation a row adds per layer and step counts)
@@ -181,7 +188,7 @@ class BatchKVQCache:
     def extend(self, other: "BatchKVQCache") -> None:
         """Append ``other``'s rows (packed rows stay packed where ``other``'s rows pack with them)."""
         if self._packed is not None:
-            theirs = other._packed or PackedRows.pack(other._rows, minimum=1)
+            theirs = other._packed or PackedRows.pack(other._rows, minimum=1, template=self._packed)
             if theirs is not None and self._packed.extend(theirs):
                 self._starts += other._starts
                 return

@@ -29,11 +29,20 @@ from ..encoded import Encoded
 from ..plugins import registry
 
 
-def packable(rows: list, minimum: int = 2) -> bool:
-    """Whether ``rows`` (single-sequence caches) can be packed: at least ``minimum`` plain :class:`kvq.cache.KVQCache`
-    rows of one sequence each (a single row decodes as fast alone), one configuration, layout and flush, no chunk pending, sinks full, at least one
-    token compressed (so every fitted parameter and outlier-layer decision is made) and a window allocated, all
-    centred or none."""
+def _same_settings(a, b) -> bool:
+    """Whether two layers' configurations agree on everything but what a layer's first compression fits (its
+    parameters, the outlier-layer mark): a row that has compressed nothing yet may join rows that have."""
+    return (a.sinks, a.window, a.step, a.flush, a.kernels, a.outlier_layers, a.key_params.method,
+            a.value_params.method) == (b.sinks, b.window, b.step, b.flush, b.kernels, b.outlier_layers,
+                                       b.key_params.method, b.value_params.method)
+
+
+def packable(rows: list, minimum: int = 2, template: "PackedRows | None" = None) -> bool:
+    """Whether ``rows`` (single-sequence caches) can be packed (with ``template``'s rows, when given): at least
+    ``minimum`` plain :class:`kvq.cache.KVQCache` rows of one sequence each (a single row decodes as fast alone) of
+    one layout and flush, no chunk pending, sinks full and a window allocated; the rows that hold compressed tokens
+    (at least one of them, or the template's) of one configuration and parameters, the others (their first
+    compression still to come) of the same settings (:func:`_same_settings`)."""
     from .layer import KVQCache
 
     if len(rows) < max(1, minimum):
@@ -41,14 +50,22 @@ def packable(rows: list, minimum: int = 2) -> bool:
     first = rows[0]
     if first._layout is None or first._layout[0] != 1:
         return False
-    centred = first.key_mean is not None
-    params = first.compressed_keys.params, first.compressed_values.params
+    compressed = [r for r in rows if r.compressed_keys.length]
+    if template is not None:
+        config, params, layout = template.config, tuple(template.params), (1, *template.layout[1:])
+    elif compressed:
+        ref = compressed[0]
+        config, params, layout = ref.config, (ref.compressed_keys.params, ref.compressed_values.params), ref._layout
+    else:
+        return False
     for row in rows:
-        if (type(row) is not KVQCache or row._layout != first._layout or row.config != first.config
-                or row._flush != first._flush or row._fresh is not None
-                or row.sinks.length < row.config.sinks or not row.compressed_keys.length
-                or row.window.keys is None or (row.key_mean is not None) != centred
-                or (row.compressed_keys.params, row.compressed_values.params) != params):
+        if (type(row) is not KVQCache or row._layout != layout or row._fresh is not None
+                or row.sinks.length < row.config.sinks or row.window.keys is None):
+            return False
+        if row.compressed_keys.length:
+            if row.config != config or (row.compressed_keys.params, row.compressed_values.params) != params:
+                return False
+        elif not _same_settings(row.config, config) or row.config.flush_tokens != config.flush_tokens:
             return False
     return True
 
@@ -82,53 +99,77 @@ class PackedRows:
     (window tokens per row), all Python lists of ``B`` ints.
     """
 
-    def __init__(self, proto, rows: list) -> None:
+    def __init__(self, proto, rows: list, template: "PackedRows | None" = None) -> None:
         """Use :meth:`pack`. ``proto``: an empty :class:`kvq.cache.KVQCache` of the rows' configuration that
-        lends this object its per-layer logic (attention plan, centring, encoding)."""
+        lends this object its per-layer logic (attention plan, encoding); ``template``: packed rows whose
+        configuration, parameters and fields these rows take (rows that have all compressed nothing yet)."""
         first = rows[0]
+        ref = next((r for r in rows if r.compressed_keys.length), None)
         self.proto = proto
-        self.config = first.config
+        self.config = template.config if template is not None else ref.config
         self._flush = first._flush
         self.layout = (len(rows), *first._layout[1:])
         self.token_shapes = first._token_shapes
         self.offsets = [r.offset for r in rows]
         self.compressed = [r.compressed_keys.length for r in rows]
         self.window_lengths = [r.window.length for r in rows]
+        #: per row: its own configuration while it has compressed nothing (its first compression fits it), else None
+        self.fresh = [None if r.compressed_keys.length else r.config for r in rows]
         self.step = first.compressed_keys.step
+        if template is not None:
+            self.params, self.head_dims = list(template.params), list(template.head_dims)
+            like = [{k: (v.shape[3:], v.dtype) for k, v in side.items()} for side in template.sides]
+        else:
+            self.params = [ref.compressed_keys.params, ref.compressed_values.params]
+            self.head_dims = [ref.compressed_keys.head_dim, ref.compressed_values.head_dim]
+            like = [{k: (v.shape[3:], v.dtype) for k, v in store.data.items()}
+                    for store in (ref.compressed_keys, ref.compressed_values)]
         capacity = _round_up(max(self.compressed), self.step)
-        self.sides = [self._pack_store([r.compressed_keys for r in rows], capacity),
-                      self._pack_store([r.compressed_values for r in rows], capacity)]
-        self.params = [first.compressed_keys.params, first.compressed_values.params]
-        self.head_dims = [first.compressed_keys.head_dim, first.compressed_values.head_dim]
+        H = self.layout[1]
+        self.sides = [self._pack_store([r.compressed_keys for r in rows], capacity, like[0], H),
+                      self._pack_store([r.compressed_values for r in rows], capacity, like[1], H)]
         cat = (lambda xs: mx.concatenate(xs, axis=0))
         self.sink_keys = cat([r.sinks.keys for r in rows]) if self.config.sinks else None
         self.sink_values = cat([r.sinks.values for r in rows]) if self.config.sinks else None
         self.window_keys = cat([r.window.keys for r in rows])
         self.window_values = cat([r.window.values for r in rows])
-        self.key_mean = cat([r.key_mean for r in rows]) if first.key_mean is not None else None
+        #: per row: whether its keys are centred (kvq.cache.guard); key_mean holds zeros for the rows that are not
+        #: (subtracting zero changes no key, and adds no logit), None when no row is
+        self.centred = [r.key_mean is not None for r in rows]
+        self.key_mean = cat([self._mean_of(r) for r in rows]) if any(self.centred) else None
         self._bound = None  # (signature, step) of the fused ragged decode step, or (signature, None)
         self._lengths = None  # int32 [B, 2] of (compressed, window) counts on the device (lengths())
         self._offset = None  # int32 [B] of the rows' token counts on the device (offset())
         mx.eval(*self._arrays())
 
+    def _mean_of(self, row) -> mx.array:
+        """``row``'s key mean ``[1, H, 1, D_k]`` float32, zeros where it is not centred."""
+        if row.key_mean is not None:
+            return row.key_mean
+        return mx.zeros((1, self.layout[1], 1, self.layout[2]), mx.float32)
+
     @classmethod
-    def pack(cls, rows: list, minimum: int = 2) -> "PackedRows | None":
-        """The packed form of ``rows`` (:func:`packable` with ``minimum``), evaluated so the rows' own arrays can be
-        freed; ``None`` where they cannot be packed."""
-        if not packable(rows, minimum):
+    def pack(cls, rows: list, minimum: int = 2, template: "PackedRows | None" = None) -> "PackedRows | None":
+        """The packed form of ``rows`` (:func:`packable` with ``minimum`` and ``template``), evaluated so the rows'
+        own arrays can be freed; ``None`` where they cannot be packed."""
+        if not packable(rows, minimum, template):
             return None
         from .layer import KVQCache
 
-        proto = KVQCache(rows[0].config)
-        return cls(proto, rows)
+        config = template.config if template is not None else next(r for r in rows if r.compressed_keys.length).config
+        return cls(KVQCache(config), rows, template)
 
     @staticmethod
-    def _pack_store(stores: list, capacity: int) -> dict:
+    def _pack_store(stores: list, capacity: int, like: dict, heads: int) -> dict:
+        """The rows' stores as fields ``[B, H, capacity, ...]`` (zeros where a row has no tokens)."""
         fields = {}
-        for name in stores[0].data:
+        for name, (rest, dtype) in like.items():
             parts = []
             for store in stores:
-                parts.append(_pad_tokens(store.data[name][:, :, : min(store.capacity, capacity)], capacity))
+                if store.length:
+                    parts.append(_pad_tokens(store.data[name][:, :, : min(store.capacity, capacity)], capacity))
+                else:
+                    parts.append(mx.zeros((1, heads, capacity, *rest), dtype))
             fields[name] = mx.concatenate(parts, axis=0)
         return fields
 
@@ -151,10 +192,17 @@ class PackedRows:
         return sum(a.nbytes for a in self._arrays())
 
     # -- decode ---------------------------------------------------------------------------------------
-    def append(self, keys: mx.array, values: mx.array) -> None:
+    def append(self, keys: mx.array, values: mx.array) -> list | None:
         """Store one decode token per row (``[B, H_kv, 1, D]`` of the rows' layout and dtype), flushing first the
         rows whose window is full (:meth:`kvq.cache.KVQCache._leaving`: a full window of ``window + flush - 1``
         tokens and one more compress their oldest ``flush``).
+
+        A row's first compression is its own :class:`kvq.cache.KVQCache` update (it fits the layer's parameters
+        and decides centring and outlier layers from that row's tokens, as alone); its result joins the pack where
+        it matches the packed configuration and parameters. Where it does not, the rows can no longer be packed:
+        the return value is then every row as a single-sequence cache, the rows of that first compression already
+        holding their token, the others not (``(rows, done)``: ``done`` the indices that hold it). ``None``
+        otherwise.
 
         :raises ValueError/TypeError: keys or values that are not one token per row of this layout.
         """
@@ -162,28 +210,85 @@ class PackedRows:
         if keys.shape != (B, H, 1, Dk) or values.shape != (B, H, 1, Dv) or keys.dtype != values.dtype:
             raise ValueError(f"keys {tuple(keys.shape)} / values {tuple(values.shape)}: packed rows take one token "
                              f"per row, [{B}, {H}, 1, {Dk}] / [{B}, {H}, 1, {Dv}] of one dtype")
+        full = self.window_keys.shape[2]
+        first = [b for b, n in enumerate(self.window_lengths) if n >= full and not self.compressed[b]]
+        if first:
+            unpacked = self._first_compressions(first, keys, values)
+            if unpacked is not None:
+                return unpacked, set(first)
         if keys.dtype != self.window_keys.dtype:
             keys, values = keys.astype(self.window_keys.dtype), values.astype(self.window_values.dtype)
-        full = self.window_keys.shape[2]
-        flushing = [b for b, n in enumerate(self.window_lengths) if n >= full]
+        done = set(first)
+        flushing = [b for b, n in enumerate(self.window_lengths) if n >= full and b not in done]
         if flushing:
             self._flush_rows(flushing)
         lengths = self.window_lengths
         n = lengths[0]
-        if all(m == n for m in lengths):
+        if not done and all(m == n for m in lengths):
             self.window_keys[:, :, n : n + 1] = keys
             self.window_values[:, :, n : n + 1] = values
         else:
-            rows, slots = mx.arange(B), mx.array(lengths)
-            self.window_keys[rows, :, slots] = keys[:, :, 0]
-            self.window_values[rows, :, slots] = values[:, :, 0]
-        self.window_lengths = [m + 1 for m in lengths]
-        self.offsets = [o + 1 for o in self.offsets]
+            rest = [b for b in range(B) if b not in done]
+            rows, slots = mx.array(rest), mx.array([lengths[b] for b in rest])
+            k, v = (keys, values) if not done else (mx.take(keys, rows, axis=0), mx.take(values, rows, axis=0))
+            self.window_keys[rows, :, slots] = k[:, :, 0]
+            self.window_values[rows, :, slots] = v[:, :, 0]
+        for b in range(B):
+            if b not in done:
+                self.window_lengths[b] += 1
+                self.offsets[b] += 1
         # the per-row counts on the device, advanced by one device operation each (rebuilt after a flush)
         if self._lengths is not None:
             self._lengths = self._lengths + _NEXT_WINDOW_TOKEN
         if self._offset is not None:
             self._offset = self._offset + 1
+        return None
+
+    def _first_compressions(self, rows: list, keys: mx.array, values: mx.array) -> list | None:
+        """The decode token of each of ``rows`` (full windows, nothing compressed yet) stored by that row alone
+        (:meth:`kvq.cache.KVQCache.update_and_fetch`: its first compression); rows whose configuration and
+        parameters come out as the pack's are put back (:meth:`_put_row`). ``None``, or every row unpacked when one
+        does not match (see :meth:`append`)."""
+        mismatched = {}
+        for b in rows:
+            row = self.row(b)
+            row.update_and_fetch(keys[b : b + 1], values[b : b + 1])
+            if row.config == self.config and [row.compressed_keys.params, row.compressed_values.params] == self.params:
+                self._put_row(b, row)
+            else:
+                mismatched[b] = row
+        if not mismatched:
+            return None
+        return [mismatched[b] if b in mismatched else self.row(b) for b in range(self.batch)]
+
+    def _put_row(self, b: int, row) -> None:
+        """Hold ``row`` (a single-sequence cache of the pack's configuration and parameters) as row ``b``."""
+        n = row.compressed_keys.length
+        if n > self.capacity:
+            self._grow(n)
+        for side, store in zip(self.sides, (row.compressed_keys, row.compressed_values)):
+            for name, array in store.data.items():
+                side[name][b : b + 1, :, :n] = array[:, :, :n]
+        w = row.window.length
+        self.window_keys[b : b + 1, :, :w] = row.window.keys[:, :, :w]
+        self.window_values[b : b + 1, :, :w] = row.window.values[:, :, :w]
+        self.compressed[b], self.window_lengths[b], self.offsets[b], self.fresh[b] = n, w, row.offset, None
+        if row.key_mean is not None:
+            if self.key_mean is None:
+                self.key_mean = mx.zeros((self.batch, self.layout[1], 1, self.layout[2]), mx.float32)
+            self.key_mean[b : b + 1] = row.key_mean
+            self.centred[b] = True
+        self._bound = self._lengths = self._offset = None
+
+    def _grow(self, needed: int) -> None:
+        """Room for ``needed`` compressed tokens in every row (whole steps of zeros)."""
+        grow = _round_up(needed - self.capacity, self.step)
+        for side in self.sides:
+            for name, array in side.items():
+                shape = list(array.shape)
+                shape[2] = grow
+                side[name] = mx.concatenate([array, mx.zeros(shape, array.dtype)], axis=2)
+        self._bound = None
 
     def _flush_rows(self, rows: list) -> None:
         """Compress the oldest ``flush`` window tokens of the full-window ``rows`` into their compressed tokens, as
@@ -201,12 +306,7 @@ class PackedRows:
         encoded = encode_tokens(self.config, keys, values)
         counts = [self.compressed[b] for b in rows]
         if max(counts) + f > self.capacity:
-            grow = _round_up(max(counts) + f - self.capacity, self.step)
-            for side in self.sides:
-                for name, array in side.items():
-                    shape = list(array.shape)
-                    shape[2] = grow
-                    side[name] = mx.concatenate([array, mx.zeros(shape, array.dtype)], axis=2)
+            self._grow(max(counts) + f)
         same = every and all(c == counts[0] for c in counts)
         for side, enc in zip(self.sides, encoded):
             for name, array in enc.data.items():
@@ -281,21 +381,22 @@ class PackedRows:
                     self.window_keys, self.window_values)
 
     def _attend_parts(self, queries, scale, sink_logits):
-        proto = self.proto
-        longest = max(self.compressed)
-        keys, values = self._encoded(0, longest), self._encoded(1, longest)
-        counts = mx.array(self.compressed)[:, None, None, None]
-        # the sinks and window attended as they are, the compressed part's log-sum-exp given back the mean's
-        # logits (as KVQCache's parts; the fused step scores everything centred instead)
+        """Every part attended on its own and merged (:func:`kvq.attention.merge_parts`): the sinks and the window
+        as they are, the compressed tokens through the method's attention with each row's count as a mask, their
+        log-sum-exp given back the mean's logits (as :class:`kvq.cache.KVQCache`'s parts; the fused step scores
+        everything centred instead)."""
         parts = []
         if self.sink_keys is not None:
             parts.append(dense_attend(queries, self.sink_keys, self.sink_values, scale))
-        mask = mx.arange(longest)[None, None, None] < counts
-        part = proto._attend_fn(keys, queries)(queries, keys, values, scale, mask)
-        if self.key_mean is not None:
-            out, lse = part
-            part = out, lse + self._mean_logits(queries, scale)
-        parts.append(part)
+        longest = max(self.compressed)
+        if longest:  # rows kept by a filter may all have compressed nothing yet
+            keys, values = self._encoded(0, longest), self._encoded(1, longest)
+            mask = mx.arange(longest)[None, None, None] < mx.array(self.compressed)[:, None, None, None]
+            part = self.proto._attend_fn(keys, queries)(queries, keys, values, scale, mask)
+            if self.key_mean is not None:
+                out, lse = part
+                part = out, lse + self._mean_logits(queries, scale)
+            parts.append(part)
         held = max(self.window_lengths)
         window_mask = mx.arange(held)[None, None, None] < mx.array(self.window_lengths)[:, None, None, None]
         parts.append(dense_attend(queries, self.window_keys[:, :, :held], self.window_values[:, :, :held], scale,
@@ -322,7 +423,7 @@ class PackedRows:
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, mx.take(value, take, axis=0))
-        for name in ("offsets", "compressed", "window_lengths"):
+        for name in ("offsets", "compressed", "window_lengths", "fresh", "centred"):
             setattr(self, name, [getattr(self, name)[i] for i in indices])
         self.layout = (len(indices), *self.layout[1:])
         self._bound = self._lengths = self._offset = None
@@ -332,7 +433,6 @@ class PackedRows:
         compressed tokens to a common capacity; ``False``, with nothing changed, where they do not match."""
         if (other.config != self.config or other._flush != self._flush or other.layout[1:] != self.layout[1:]
                 or other.params != self.params or other.step != self.step
-                or (other.key_mean is None) != (self.key_mean is None)
                 or (other.sink_keys is None) != (self.sink_keys is None)
                 or set(other.sides[0]) != set(self.sides[0]) or set(other.sides[1]) != set(self.sides[1])):
             return False
@@ -340,11 +440,14 @@ class PackedRows:
         for mine, theirs in zip(self.sides, other.sides):
             for name in mine:
                 mine[name] = mx.concatenate([_pad_tokens(mine[name], capacity), _pad_tokens(theirs[name], capacity)])
-        for name in ("sink_keys", "sink_values", "window_keys", "window_values", "key_mean"):
+        for name in ("sink_keys", "sink_values", "window_keys", "window_values"):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, mx.concatenate([value, getattr(other, name)]))
-        for name in ("offsets", "compressed", "window_lengths"):
+        if self.key_mean is not None or other.key_mean is not None:
+            zeros = (lambda p: mx.zeros((p.batch, *p.layout[1:3]), mx.float32)[:, :, None])
+            self.key_mean = mx.concatenate([zeros(p) if p.key_mean is None else p.key_mean for p in (self, other)])
+        for name in ("offsets", "compressed", "window_lengths", "fresh", "centred"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.layout = (self.batch, *self.layout[1:])
         self._bound = self._lengths = self._offset = None
@@ -355,7 +458,7 @@ class PackedRows:
         equal to the row this was packed from after the same updates."""
         from .layer import KVQCache
 
-        row = KVQCache(self.config)
+        row = KVQCache(self.fresh[b] or self.config)
         row.offset = self.offsets[b]
         row._layout = (1, *self.layout[1:])
         row._token_shapes = self.token_shapes
@@ -369,9 +472,10 @@ class PackedRows:
         cap = _round_up(n, self.step)
         for store, side, params, head_dim in zip((row.compressed_keys, row.compressed_values), self.sides,
                                                  self.params, self.head_dims):
-            store.data = {k: _copy(v[b : b + 1, :, :cap]) for k, v in side.items()}
-            store.params, store.head_dim, store.length = params, head_dim, n
-        if self.key_mean is not None:
+            if n:  # a row that has compressed nothing keeps an empty store (its first compression fits it)
+                store.data = {k: _copy(v[b : b + 1, :, :cap]) for k, v in side.items()}
+                store.params, store.head_dim, store.length = params, head_dim, n
+        if self.centred[b]:
             row._set_key_mean(_copy(self.key_mean[b : b + 1]))
         return row
 
