@@ -294,11 +294,12 @@ def test_cache_decode_through_the_bound_step_matches_kernels_off(method, params)
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_packed_batch_decode_in_one_launch_matches_rows(method, params, D):
     """A BatchKVQCache of three sequences of different lengths (so different compressed and window counts, flushing
-    at different steps; one with no compressed token until its first compression, in the pack) decodes packed through the ragged tensor-core step (one launch for all rows; checked: the
-    binding is a RaggedDecodeStep) and gives each row the attention of the same rows decoding one by one through
-    their own bound steps (the same codes; only the split boundaries differ) within 1e-3 relative, and with kernels
-    off (pure MLX: float32 decoding, the pure-MLX encoder) within 3e-3 over the batch and 4e-3 per row (measured on
-    the H200: up to 2.1e-3 for 3-bit keys at head_dim 128 and 256), bfloat16, GQA 4."""
+    at different steps; one with no compressed token until its first compression, in the pack) decodes packed
+    through the ragged tensor-core step (one launch for all rows; checked: the binding is a RaggedDecodeStep) and
+    gives each row the attention of the same rows decoding one by one through their own bound steps (the same
+    codes; only the split boundaries differ) within 1e-3 relative, and with kernels off (pure MLX: float32
+    decoding, the pure-MLX encoder) within 3e-3 over the batch and 4e-3 per row (measured on the H200: up to 2.1e-3
+    for 3-bit keys at head_dim 128 and 256), bfloat16, GQA 4."""
     if kvq_metal.gpu_backend() != "cuda":
         pytest.skip("ragged decode steps are bound for the tensor-core kernel (CUDA)")
     from kvq.cache import BatchKVQCache, KVQCache, make_config
