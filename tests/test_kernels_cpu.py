@@ -509,3 +509,30 @@ def test_bound_launch_bounds_end_where_the_body_starts(monkeypatch):
     assert call["source"].startswith(f"#undef {name}\n")
     plain, _, _ = kernel.bound([("THREADS", 128), ("MINB", 0)], [mx.zeros((1,))])
     assert "__launch_bounds__" not in plain["header"] and "#undef" not in plain["source"]
+
+
+def test_ragged_decode_step_passes_each_rows_counts(cuda_launches):
+    """A ragged decode step (a packed batch of sequences of different lengths, kvq.cache.packed) is the tensor-core
+    kernel built with ``RAGGED`` that takes the per-row counts as its last input, passed per call; an ordinary
+    bound step leaves that input out of its signature (read through the counters' alias), so its launch is as
+    before."""
+    from kvq_metal.attend import DecodeStep, RaggedDecodeStep
+
+    impl = kvq.registry().implementations[("turboquant", "cuda")]
+    pure = kvq.registry().implementations[("turboquant", "mlx")]
+    params = kvq.make_params("turboquant", bits=3)
+    keys = pure.kvq_quantize(mx.random.normal((2, 2, 300, 128)).astype(mx.bfloat16), params)
+    values = pure.kvq_quantize(mx.random.normal((2, 2, 300, 128)).astype(mx.bfloat16), params)
+    sk, wk = mx.zeros((2, 2, 4, 128), mx.bfloat16), mx.zeros((2, 2, 40, 128), mx.bfloat16)
+    q = mx.zeros((2, 8, 1, 128), mx.bfloat16)
+    lengths = mx.array([[300, 40], [120, 7]], dtype=mx.int32)
+    ragged = impl._bind_unchecked(q, keys, values, 0.1, sk, sk, wk, wk, ragged=True)
+    plain = impl._bind_unchecked(q, keys, values, 0.1, sk, sk, wk, wk)
+    assert type(ragged) is RaggedDecodeStep and type(plain) is DecodeStep
+    assert dict(ragged.template_args)["RAGGED"] is True and dict(plain.template_args)["RAGGED"] is False
+    ragged(q, wk, wk, lengths)
+    plain(q, wk, wk)
+    ours, theirs = cuda_launches[-2:]
+    assert ours["input_names"][-1] == "lens" and ours["inputs"][-1] is lengths
+    assert "lens" not in theirs["input_names"] and len(theirs["inputs"]) == len(ours["inputs"]) - 1
+    assert "RAGGED = true" in ours["source"] and "RAGGED = false" in theirs["source"]

@@ -212,3 +212,19 @@ def test_a_first_compression_that_differs_unpacks_the_rows():
     for got, want in first + steps:
         assert mx.allclose(got, want, atol=2e-5, rtol=1e-4).item()
     assert packed.offset.tolist() == plain.offset.tolist() == [47, 23, 37]
+
+
+def test_a_copy_of_a_packed_batch_is_independent():
+    """``copy.deepcopy`` of a packed batch: the copy holds the rows unpacked (the original stays packed), and the
+    two decode on independently, each as the rows alone."""
+    import copy
+
+    packed, plain = batch_pair(config("affine"), (13, 14, 17))
+    decode((packed, plain), 2)
+    twin, plain_twin = copy.deepcopy(packed), copy.deepcopy(plain)
+    assert packed.packed and not twin.packed and twin.offset.tolist() == packed.offset.tolist() == [15, 16, 19]
+    for got, want in decode((packed, plain), 3):
+        assert mx.allclose(got, want, atol=2e-5, rtol=1e-4).item()
+    for got, want in decode((twin, plain_twin), 5, seed=70):
+        assert mx.allclose(got, want, atol=2e-5, rtol=1e-4).item()
+    assert packed.offset.tolist() == [18, 19, 22] and twin.offset.tolist() == [20, 21, 24]

@@ -133,7 +133,8 @@ class KernelImpl:
         :class:`kvq_metal.attend.RaggedDecodeStep`, called as ``step(queries, window_keys, window_values, lengths)``
         (int32 ``[B, 2]``: each row's compressed and window token counts); the same first-use check as
         :meth:`attend_dense`. ``None`` where :meth:`attend_dense` would not serve."""
-        if not self._dense_checked(queries, keys, values, window_keys.dtype):
+        if not self._dense_checked(queries, keys, values, window_keys.dtype) or \
+                not self._dense_checked(queries, keys, values, window_keys.dtype, ragged=True):
             return None
         return self._bind_unchecked(queries, keys, values, scale, sink_keys, sink_values, window_keys, window_values,
                                     ragged=True)
@@ -153,15 +154,18 @@ class KernelImpl:
         calibrated one, returns that count)."""
         return 1
 
-    def _dense_checked(self, queries, keys, values, dtype) -> bool:
-        """The first-use check of the fused call with uncompressed tokens of ``dtype`` (see :meth:`attend_dense`)."""
-        from .common import check_attend_dense, query_rows
+    def _dense_checked(self, queries, keys, values, dtype, ragged: bool = False) -> bool:
+        """The first-use check of the fused call with uncompressed tokens of ``dtype`` (see :meth:`attend_dense`),
+        or with ``ragged`` of its ragged decode step (:func:`kvq_metal.common.check_attend_ragged`: checked only
+        where a batch first binds one)."""
+        from .common import check_attend_dense, check_attend_ragged, query_rows
 
         rows = query_rows(queries, keys)
         key = (_check_key(keys.params), _check_key(values.params), queries.shape[3], rows, dtype)
-        return first_use_check(self.backend, f"decode_attend_dense[{self.method}]", key,
-                               lambda: check_attend_dense(self, keys.params, values.params, queries.shape[3], rows,
-                                                          dtype, heads=self.check_heads(keys)))
+        check, name = (check_attend_ragged, "ragged") if ragged else (check_attend_dense, "dense")
+        return first_use_check(self.backend, f"decode_attend_{name}[{self.method}]", key,
+                               lambda: check(self, keys.params, values.params, queries.shape[3], rows, dtype,
+                                             heads=self.check_heads(keys)))
 
     def _attend_dense(self, queries, keys, values, scale, dense):
         """The unchecked fused call of :meth:`attend_dense`: :func:`kvq_metal.attend.decode_attend` as

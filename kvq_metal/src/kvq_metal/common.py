@@ -94,18 +94,32 @@ def check_attend_dense(impl, params_k, params_v, head_dim: int, rows: int, dtype
             bound_err = max(bound_err, relative_error(out, unbound[0].astype(q.dtype)))
         ok = ok and out.dtype == q.dtype and bound_err < 1e-6
         detail += f"; bound decode steps {bound_err:.2e} vs the unbound call ({out.dtype})"
-    ragged = impl._bind_unchecked(*_two_rows(q, keys, values, sk, sv, wk, wv, scale), ragged=True)
-    if ragged is not None:
-        # two rows of different lengths in one launch, each against the unbound call over that row alone
-        q2, wk2, wv2 = (mx.concatenate([x, x], axis=0) for x in (q, wk, wv))
-        out = ragged(q2, wk2, wv2, mx.array([[300, 41], [173, 9]], dtype=mx.int32))
-        want0 = impl._attend_dense(q, keys, values, scale, DenseTokens(sk, sv, wk, wv))[0]
-        want1 = impl._attend_dense(q, keys.tokens(0, 173), values.tokens(0, 173), scale,
-                                   DenseTokens(sk, sv, wk[:, :, :9], wv[:, :, :9]))[0]
-        ragged_err = max(relative_error(out[:1], want0.astype(q.dtype)), relative_error(out[1:], want1.astype(q.dtype)))
-        ok = ok and ragged_err < 1e-2
-        detail += f"; ragged rows {ragged_err:.2e} vs each row alone"
     return ok, detail
+
+
+def check_attend_ragged(impl, params_k, params_v, head_dim: int, rows: int, dtype,
+                        heads: int = 1) -> tuple[bool, str]:
+    """The first-use check of a ragged decode step (``bind_ragged_dense``: :class:`kvq_metal.attend.
+    RaggedDecodeStep`): two rows of one launch, one of 300 compressed and 41 window tokens, one of 173 and 9 (the
+    inputs of :func:`check_attend_dense`, twice), each within 1e-2 relative (the queries' dtype) of the unbound call
+    over that row alone. A shape the ragged step does not take passes (the caller attends the parts)."""
+    from kvq.attention import DenseTokens
+
+    keys = quantize_with_method(normal((1, heads, 300, head_dim), 2, dtype), params_k)
+    values = quantize_with_method(normal((1, heads, 300, head_dim), 3, dtype), params_v)
+    sk, sv, wk, wv = (normal((1, heads, n, head_dim), seed, dtype) for n, seed in ((4, 4), (4, 5), (41, 6), (41, 7)))
+    q = normal((1, rows * heads, 1, head_dim), 8, dtype)
+    scale = head_dim ** -0.5
+    step = impl._bind_unchecked(*_two_rows(q, keys, values, sk, sv, wk, wv, scale), ragged=True)
+    if step is None:
+        return True, "not served for this shape"
+    q2, wk2, wv2 = (mx.concatenate([x, x], axis=0) for x in (q, wk, wv))
+    out = step(q2, wk2, wv2, mx.array([[300, 41], [173, 9]], dtype=mx.int32))
+    want0 = impl._attend_dense(q, keys, values, scale, DenseTokens(sk, sv, wk, wv))[0]
+    want1 = impl._attend_dense(q, keys.tokens(0, 173), values.tokens(0, 173), scale,
+                               DenseTokens(sk, sv, wk[:, :, :9], wv[:, :, :9]))[0]
+    err = max(relative_error(out[:1], want0.astype(q.dtype)), relative_error(out[1:], want1.astype(q.dtype)))
+    return err < 1e-2, f"ragged rows {err:.2e} vs each row alone"
 
 
 def _two_rows(q, keys, values, sk, sv, wk, wv, scale):

@@ -128,8 +128,10 @@ class BatchKVQCache:
                 CompressedView((B, v.shape[1], T, v.shape[3]), v.dtype, self))
 
     def __deepcopy__(self, memo):
-        """A copy of the rows (packed rows are copied unpacked: the copy packs again at its next decode step)."""
-        new = self.__class__([copy.deepcopy(r, memo) for r in self.rows])
+        """A copy of the rows (packed rows are copied unpacked, this batch staying packed: the copy packs again at
+        its next decode step)."""
+        rows = self._packed.unpack() if self._packed is not None else [copy.deepcopy(r, memo) for r in self._rows]
+        new = self.__class__(rows)
         new._remaining = copy.deepcopy(self._remaining, memo)
         new._starts = list(self._starts)
         return new

@@ -179,6 +179,7 @@ class PackedRows:
 
     @property
     def batch(self) -> int:
+        """Rows (sequences) held."""
         return len(self.offsets)
 
     @property
