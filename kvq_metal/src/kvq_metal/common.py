@@ -71,11 +71,7 @@ def check_attend_dense(impl, params_k, params_v, head_dim: int, rows: int, dtype
     from kvq.attention import DenseTokens, dense_attend, merge_parts
 
     pure = impl.fallback()
-    keys = quantize_with_method(normal((1, heads, 300, head_dim), 2, dtype), params_k)
-    values = quantize_with_method(normal((1, heads, 300, head_dim), 3, dtype), params_v)
-    sk, sv, wk, wv = (normal((1, heads, n, head_dim), seed, dtype) for n, seed in ((4, 4), (4, 5), (41, 6), (41, 7)))
-    q = normal((1, rows * heads, 1, head_dim), 8, dtype)
-    scale = head_dim ** -0.5
+    keys, values, sk, sv, wk, wv, q, scale = _check_inputs(params_k, params_v, head_dim, rows, dtype, heads)
     got = impl._attend_dense(q, keys, values, scale, DenseTokens(sk, sv, wk[:, :, :40], wv[:, :, :40]))
     if got is None:
         return True, "not served for this shape"
@@ -105,11 +101,7 @@ def check_attend_ragged(impl, params_k, params_v, head_dim: int, rows: int, dtyp
     over that row alone. A shape the ragged step does not take passes (the caller attends the parts)."""
     from kvq.attention import DenseTokens
 
-    keys = quantize_with_method(normal((1, heads, 300, head_dim), 2, dtype), params_k)
-    values = quantize_with_method(normal((1, heads, 300, head_dim), 3, dtype), params_v)
-    sk, sv, wk, wv = (normal((1, heads, n, head_dim), seed, dtype) for n, seed in ((4, 4), (4, 5), (41, 6), (41, 7)))
-    q = normal((1, rows * heads, 1, head_dim), 8, dtype)
-    scale = head_dim ** -0.5
+    keys, values, sk, sv, wk, wv, q, scale = _check_inputs(params_k, params_v, head_dim, rows, dtype, heads)
     step = impl._bind_unchecked(*_two_rows(q, keys, values, sk, sv, wk, wv, scale), ragged=True)
     if step is None:
         return True, "not served for this shape"
@@ -120,6 +112,15 @@ def check_attend_ragged(impl, params_k, params_v, head_dim: int, rows: int, dtyp
                                DenseTokens(sk, sv, wk[:, :, :9], wv[:, :, :9]))[0]
     err = max(relative_error(out[:1], want0.astype(q.dtype)), relative_error(out[1:], want1.astype(q.dtype)))
     return err < 1e-2, f"ragged rows {err:.2e} vs each row alone"
+
+
+def _check_inputs(params_k, params_v, head_dim: int, rows: int, dtype, heads: int) -> tuple:
+    """The first-use checks' problem: 300 compressed tokens (each side quantized by its method's pure MLX), 4
+    sinks and a 41-token window of ``heads`` KV heads, one query token of ``rows`` rows per head, the scale."""
+    keys = quantize_with_method(normal((1, heads, 300, head_dim), 2, dtype), params_k)
+    values = quantize_with_method(normal((1, heads, 300, head_dim), 3, dtype), params_v)
+    sk, sv, wk, wv = (normal((1, heads, n, head_dim), seed, dtype) for n, seed in ((4, 4), (4, 5), (41, 6), (41, 7)))
+    return keys, values, sk, sv, wk, wv, normal((1, rows * heads, 1, head_dim), 8, dtype), head_dim ** -0.5
 
 
 def _two_rows(q, keys, values, sk, sv, wk, wv, scale):
