@@ -16,7 +16,9 @@ configuration for all) and unpacked back into rows for anything but decode (a pr
 
 Memory: the packed arrays hold each row's compressed tokens padded to the longest row's count rounded up to the
 store's ``step`` (the padding of a batch of unequal rows: ``B * (longest - row)`` tokens' codes), plus one window
-buffer ``[B, H, window + flush - 1, D]`` per side, as the rows did.
+buffer ``[B, H, window + flush - 1, D]`` per side, as the rows did. Compute: the ragged kernel reads each row's own
+tokens only; the masked parts (the CPU, Metal) score every row over the longest row's compressed tokens, so a batch
+of very unequal rows costs up to ``B`` times its rows' attention there (the host work is one call instead of ``B``).
 """
 
 from __future__ import annotations
