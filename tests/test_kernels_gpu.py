@@ -533,15 +533,42 @@ def test_failed_first_use_check_disables_with_a_warning():
     assert not first_use_check("cuda", "fake_kernel", (1,), lambda: (True, ""))  # remembered
 
 
+#: A top-2 log-probability gap (nats) below which greedy decoding is at a near-tie: the kernels' fp16 arithmetic
+#: (attention within 2e-3 relative of pure MLX's float32) may pick the other token there.
+NEAR_TIE = 0.05
+
+
+def greedy_with_margins(model, prompt, cache, n: int) -> list[tuple[int, float]]:
+    """``n`` greedy tokens through ``cache``, each with its top-2 log-probability gap."""
+    from mlx_lm.generate import generate_step
+
+    out = []
+    for (t, logprobs), _ in zip(generate_step(prompt, model, prompt_cache=cache, max_tokens=n), range(n)):
+        top = np.sort(np.asarray(logprobs.astype(mx.float32)))[-2:]
+        out.append((int(t), float(top[1] - top[0])))
+    return out
+
+
+def first_divergence(ours: list, reference: list) -> str | None:
+    """Where greedy tokens first differ from the reference's, unless the reference was at a near-tie there
+    (:data:`NEAR_TIE`; after that the two runs decode different tokens, so nothing further compares): ``None``
+    when they agree."""
+    for i, ((a, _), (b, gap)) in enumerate(zip(ours, reference)):
+        if a != b:
+            return None if gap < NEAR_TIE else f"token {i}: {a} != {b}, where pure MLX's top-2 gap is {gap:.3f}"
+    return None
+
+
 @pytest.mark.parametrize("method,params", [("turboquant", {"bits": 4}), ("turboquant", {"bits": 3}),
                                            ("affine", {"bits": 4}), ("affine", {"bits": 8}),
                                            ("turboquant_rvq", {"bits": 2, "residual_bits": 1}),
                                            ("turboquant_rvq", {"bits": 2, "residual_bits": 2})])
 def test_cache_tokens_with_kernels_auto_equal_off(method, params):
-    """Issue #11: kernels="auto" and kernels="off" give the same greedy tokens through the cache; "require"
-    constructs on a GPU."""
-    from mlx_lm.generate import generate_step
-
+    """Issue #11: kernels="auto" and kernels="off" give the same greedy tokens through the cache, up to a near-tie
+    of pure MLX's (top-2 log-probabilities within NEAR_TIE) where they part; "require" constructs on a GPU. This
+    random fp16 model has ties: with turboquant:4, pure MLX's own run (measured on the CPU) has a top-2 gap of
+    exactly 0 at tokens 11 and 19 of 24 (equal fp16 logits), and token 19 is where the kernels' run parted from it
+    on the H200 when this test asked for equal tokens throughout (at fad43c7 and 2b46701)."""
     from conftest import tiny_llama
 
     model = tiny_llama(hidden=512, layers=2, heads=8, kv_heads=2, vocab=512, dtype=mx.float16, seed=11)
@@ -549,11 +576,11 @@ def test_cache_tokens_with_kernels_auto_equal_off(method, params):
 
     def tokens(kernels):
         cache = kvq.make_prompt_cache(model, method, window=32, sinks=4, kernels=kernels, **params)
-        return [int(t) for (t, _), _ in zip(generate_step(prompt, model, prompt_cache=cache, max_tokens=24),
-                                             range(24))]
+        return greedy_with_margins(model, prompt, cache, 24)
 
-    assert tokens("auto") == tokens("off")
-    assert tokens("require") == tokens("off")
+    reference = tokens("off")
+    assert first_divergence(tokens("auto"), reference) is None
+    assert first_divergence(tokens("require"), reference) is None
 
 
 # -- the streams kernel: qjl keys, turboquant_prod, vecinfer (issue #21) ------------------------------------
