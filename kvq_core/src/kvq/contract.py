@@ -200,7 +200,7 @@ class BindsRaggedDense(Protocol):
         its first ``lengths[b, 0]`` tokens, and every row's sinks whole.
 
         :return: ``step(queries, window_keys, window_values, lengths) -> out [B, H_q, T_q, D_v]`` in the queries'
-            dtype, where ``lengths`` int32 ``[B, 2]`` holds each row's compressed tokens (``1 ..  T``) and window
+            dtype, where ``lengths`` int32 ``[B, 2]`` holds each row's compressed tokens (``0 .. T``) and window
             tokens (``0 .. n`` of the window ``[B, H_kv, n, D]`` passed); each row's output is what
             :meth:`BindsDense.bind_dense`'s step gives for that row alone (up to float32 rounding). ``None`` where
             it does not serve (the cache then attends the rows' parts with masks: the same result).

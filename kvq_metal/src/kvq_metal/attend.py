@@ -478,8 +478,11 @@ class DecodeStep:
         self._codes, self._sinks, self._shapes, self._dtypes = codes, sinks, shapes, dtypes
         self._counter = counter
 
-    def __call__(self, queries: mx.array, window_keys: mx.array, window_values: mx.array) -> mx.array:
-        outs = self._call(inputs=[queries, *self._codes, self._counter, window_keys, window_values, *self._sinks],
+    def __call__(self, queries: mx.array, window_keys: mx.array, window_values: mx.array, *last) -> mx.array:
+        # last: the inputs after the sinks that a step passes per call (RaggedDecodeStep: the rows' counts); one
+        # frame, no helper: this is the decode hot path
+        outs = self._call(inputs=[queries, *self._codes, self._counter, window_keys, window_values, *self._sinks,
+                                  *last],
                           template=self._template, grid=self._grid, threadgroup=(THREADS, 1, 1),
                           output_shapes=self._shapes, output_dtypes=self._dtypes)
         self._counter = outs[4]
@@ -491,7 +494,7 @@ class RaggedDecodeStep(DecodeStep):
     ``ragged=True``; a :class:`kvq.cache.BatchKVQCache` of sequences of different lengths in one launch).
 
     Call it as ``step(queries, window_keys, window_values, lengths) -> out``: the compressed tokens bound are
-    ``[B, H_kv, T, ...]`` of which row ``b`` holds the first ``lengths[b, 0]`` (``1 <= lengths[b, 0] <= T``), the
+    ``[B, H_kv, T, ...]`` of which row ``b`` holds the first ``lengths[b, 0]`` (``0 <= lengths[b, 0] <= T``), the
     window ``[B, H_kv, n, D]`` of which row ``b`` holds the first ``lengths[b, 1]`` (``0 <= lengths[b, 1] <= n``);
     ``lengths`` int32 ``[B, 2]``; the sinks are whole for every row. Tokens past a row's counts are never read into
     its scores. Each row's ``out`` equals :class:`DecodeStep`'s for that row alone, up to the order of float32
@@ -499,15 +502,6 @@ class RaggedDecodeStep(DecodeStep):
     """
 
     __slots__ = ()
-
-    def __call__(self, queries: mx.array, window_keys: mx.array, window_values: mx.array,
-                 lengths: mx.array) -> mx.array:
-        outs = self._call(inputs=[queries, *self._codes, self._counter, window_keys, window_values, *self._sinks,
-                                  lengths],
-                          template=self._template, grid=self._grid, threadgroup=(THREADS, 1, 1),
-                          output_shapes=self._shapes, output_dtypes=self._dtypes)
-        self._counter = outs[4]
-        return outs[2]
 
 
 def bind_decode(queries: mx.array, scale: float, call: DenseCall, backend: str, *, sink_keys: mx.array | None,

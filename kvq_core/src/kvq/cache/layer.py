@@ -179,6 +179,25 @@ def encode_tokens(config: CacheConfig, keys: mx.array, values: mx.array) -> tupl
     return quantize_k(keys, kp), quantize_v(values, vp)
 
 
+def centred(keys: mx.array, mean: mx.array | None) -> mx.array:
+    """``keys`` ``[B, H, T, D]`` less a centred layer's key ``mean`` (float32 ``[B or 1, H, 1, D]``; computed in
+    float32, returned in ``keys``' dtype); ``keys`` itself where ``mean`` is ``None`` (:mod:`kvq.cache.guard`)."""
+    if mean is None:
+        return keys
+    return (keys.astype(mx.float32) - mean).astype(keys.dtype)
+
+
+def mean_logits(mean: mx.array, queries: mx.array, scale: float) -> mx.array:
+    """``scale * q . mu`` ``[B, H_q, T_q]`` float32 for ``queries [B, H_q, T_q, D]`` and a key ``mean`` (float32
+    ``[B or 1, H_kv, 1, D]``): what the compressed tokens' scores lack when they are scored from centred keys (GQA:
+    each query head reads its KV head's mean)."""
+    B, Hq, Tq, D = queries.shape
+    Hkv = mean.shape[1]
+    q = queries.astype(mx.float32).reshape(B, Hkv, Hq // Hkv, Tq, D)
+    mean = mx.broadcast_to(mean, (B, Hkv, 1, D))[:, :, None]  # [B, H_kv, 1, 1, D]
+    return (scale * mx.sum(q * mean, axis=-1)).reshape(B, Hq, Tq)
+
+
 class CompressedView:
     """Stand-in returned by ``update_and_fetch``: models pass it on to attention, which kvq intercepts.
 
@@ -507,11 +526,8 @@ class KVQCache:
         self.key_mean, self._key_mean_cast = mean, None
 
     def _centred(self, keys):
-        """``keys`` less :attr:`key_mean` (computed in float32, returned in ``keys``' dtype); ``keys`` itself where
-        the layer is not centred."""
-        if self.key_mean is None:
-            return keys
-        return (keys.astype(mx.float32) - self.key_mean).astype(keys.dtype)
+        """``keys`` less :attr:`key_mean` (:func:`centred`)."""
+        return centred(keys, self.key_mean)
 
     def _centred_dense(self, keys):
         """Uncompressed ``keys`` (the sinks, the window) less :attr:`key_mean` in their own dtype, for attention
@@ -523,13 +539,8 @@ class KVQCache:
         return keys - self._key_mean_cast
 
     def _mean_logits(self, queries, scale):
-        """``scale * q . mu`` ``[B, H_q, T_q]`` float32 for ``queries [B, H_q, T_q, D]``: what the compressed tokens'
-        scores lack when they are scored from centred keys (GQA: each query head reads its KV head's mean)."""
-        B, Hq, Tq, D = queries.shape
-        Hkv = self.key_mean.shape[1]
-        q = queries.astype(mx.float32).reshape(B, Hkv, Hq // Hkv, Tq, D)
-        mean = mx.broadcast_to(self.key_mean, (B, Hkv, 1, D))[:, :, None]  # [B, H_kv, 1, 1, D]
-        return (scale * mx.sum(q * mean, axis=-1)).reshape(B, Hq, Tq)
+        """:func:`mean_logits` of this layer's :attr:`key_mean`."""
+        return mean_logits(self.key_mean, queries, scale)
 
     def _uncentre(self, part, queries, scale):
         """A compressed part's ``(out, lse)`` with the mean's logits added to its log-sum-exp (exact: every score of

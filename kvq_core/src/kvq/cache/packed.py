@@ -29,6 +29,7 @@ from ..attention import dense_attend, merge_parts, sink_logits_part
 from ..contract import BindsRaggedDense, optional_hook
 from ..encoded import Encoded
 from ..plugins import registry
+from .layer import KVQCache, centred, encode_tokens, mean_logits
 
 
 def _same_settings(a, b) -> bool:
@@ -45,8 +46,6 @@ def packable(rows: list, minimum: int = 2, template: "PackedRows | None" = None)
     one layout and flush, no chunk pending, sinks full and a window allocated; the rows that hold compressed tokens
     (at least one of them, or the template's) of one configuration and parameters, the others (their first
     compression still to come) of the same settings (:func:`_same_settings`)."""
-    from .layer import KVQCache
-
     if len(rows) < max(1, minimum):
         return False
     first = rows[0]
@@ -139,6 +138,7 @@ class PackedRows:
         #: (subtracting zero changes no key, and adds no logit), None when no row is
         self.centred = [r.key_mean is not None for r in rows]
         self.key_mean = cat([self._mean_of(r) for r in rows]) if any(self.centred) else None
+        self._mean_cast = None  # key_mean in the window's dtype (_centred_dense); None after every change of it
         self._bound = None  # (signature, step) of the fused ragged decode step, or (signature, None)
         self._lengths = None  # int32 [B, 2] of (compressed, window) counts on the device (lengths())
         self._offset = None  # int32 [B] of the rows' token counts on the device (offset())
@@ -156,8 +156,6 @@ class PackedRows:
         own arrays can be freed; ``None`` where they cannot be packed."""
         if not packable(rows, minimum, template):
             return None
-        from .layer import KVQCache
-
         config = template.config if template is not None else next(r for r in rows if r.compressed_keys.length).config
         return cls(KVQCache(config), rows, template)
 
@@ -281,6 +279,7 @@ class PackedRows:
                 self.key_mean = mx.zeros((self.batch, self.layout[1], 1, self.layout[2]), mx.float32)
             self.key_mean[b : b + 1] = row.key_mean
             self.centred[b] = True
+            self._mean_cast = None
         self._bound = self._lengths = self._offset = None
 
     def _grow(self, needed: int) -> None:
@@ -297,16 +296,13 @@ class PackedRows:
         """Compress the oldest ``flush`` window tokens of the full-window ``rows`` into their compressed tokens, as
         each row alone would: one encoding call for these rows (``[len(rows), H, flush, D]``; quantizers encode
         every token on its own), whole-batch writes where every row flushes at the same count."""
-        from .layer import encode_tokens
-
         f, full = self._flush, self.window_keys.shape[2]
         every = len(rows) == self.batch
         take = None if every else mx.array(rows)
         pick = (lambda x: x) if every else (lambda x: mx.take(x, take, axis=0))
         keys, values = pick(self.window_keys[:, :, :f]), pick(self.window_values[:, :, :f])
-        if self.key_mean is not None:
-            keys = (keys.astype(mx.float32) - pick(self.key_mean)).astype(keys.dtype)
-        encoded = encode_tokens(self.config, keys, values)
+        mean = None if self.key_mean is None else pick(self.key_mean)
+        encoded = encode_tokens(self.config, centred(keys, mean), values)
         counts = [self.compressed[b] for b in rows]
         if max(counts) + f > self.capacity:
             self._grow(max(counts) + f)
@@ -336,9 +332,13 @@ class PackedRows:
                        self.head_dims[side])
 
     def _centred_dense(self, keys):
+        """Uncompressed ``keys`` (the sinks, the window) less each row's key mean in their own dtype (the mean cast
+        once per change, as :meth:`kvq.cache.KVQCache._centred_dense`: the decode hot path)."""
         if self.key_mean is None or keys is None:
             return keys
-        return keys - self.key_mean.astype(keys.dtype)
+        if self._mean_cast is None or self._mean_cast.dtype != keys.dtype:
+            self._mean_cast = self.key_mean.astype(keys.dtype)
+        return keys - self._mean_cast
 
     def lengths(self) -> mx.array:
         """int32 ``[B, 2]``: each row's compressed and window token counts (on the device: made from the counts
@@ -398,7 +398,7 @@ class PackedRows:
             part = self.proto._attend_fn(keys, queries)(queries, keys, values, scale, mask)
             if self.key_mean is not None:
                 out, lse = part
-                part = out, lse + self._mean_logits(queries, scale)
+                part = out, lse + mean_logits(self.key_mean, queries, scale)
             parts.append(part)
         held = max(self.window_lengths)
         window_mask = mx.arange(held)[None, None, None] < mx.array(self.window_lengths)[:, None, None, None]
@@ -408,12 +408,6 @@ class PackedRows:
             parts.append(sink_logits_part(sink_logits, queries, parts[0][0].shape[-1]))
         out, _ = merge_parts(parts)
         return out.astype(queries.dtype)
-
-    def _mean_logits(self, queries, scale):
-        B, Hq, Tq, D = queries.shape
-        Hkv = self.key_mean.shape[1]
-        q = queries.astype(mx.float32).reshape(B, Hkv, Hq // Hkv, Tq, D)
-        return (scale * mx.sum(q * self.key_mean[:, :, None], axis=-1)).reshape(B, Hq, Tq)
 
     # -- rows -----------------------------------------------------------------------------------------
     def filter(self, indices: list) -> None:
@@ -429,7 +423,7 @@ class PackedRows:
         for name in ("offsets", "compressed", "window_lengths", "fresh", "centred"):
             setattr(self, name, [getattr(self, name)[i] for i in indices])
         self.layout = (len(indices), *self.layout[1:])
-        self._bound = self._lengths = self._offset = None
+        self._bound = self._lengths = self._offset = self._mean_cast = None
 
     def extend(self, other: "PackedRows") -> bool:
         """Append ``other``'s rows (packed rows of the same configuration and layout), padding the shorter side's
@@ -450,6 +444,7 @@ class PackedRows:
         if self.key_mean is not None or other.key_mean is not None:
             zeros = (lambda p: mx.zeros((p.batch, *p.layout[1:3]), mx.float32)[:, :, None])
             self.key_mean = mx.concatenate([zeros(p) if p.key_mean is None else p.key_mean for p in (self, other)])
+            self._mean_cast = None
         for name in ("offsets", "compressed", "window_lengths", "fresh", "centred"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.layout = (self.batch, *self.layout[1:])
@@ -459,8 +454,6 @@ class PackedRows:
     def row(self, b: int):
         """Row ``b`` as a single-sequence :class:`kvq.cache.KVQCache` (a copy: it keeps none of these arrays alive),
         equal to the row this was packed from after the same updates."""
-        from .layer import KVQCache
-
         row = KVQCache(self.fresh[b] or self.config)
         row.offset = self.offsets[b]
         row._layout = (1, *self.layout[1:])
