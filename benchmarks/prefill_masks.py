@@ -1,0 +1,195 @@
+"""What the additive mask of a prefill chunk costs in MLX's fused attention, and layouts of it that cost less (#23).
+
+    python benchmarks/prefill_masks.py OUT_DIR [--contexts 8K,32K,128K] [--chunk 2048] [--method turboquant:3]
+        [--reps 10]
+
+One layer's kvq cache (random keys and values, sinks 4, window 128, flush 128) holds ``context`` tokens; a chunk
+of ``--chunk`` tokens is stored and its attention inputs are built as :meth:`kvq.cache.KVQCache.attend` builds
+them on a GPU (``[sinks | compressed decoded | window and chunk]`` keys, the additive mask of
+:func:`kvq.cache.prefill.chunk_mask`). Then the median seconds of ``mx.fast.scaled_dot_product_attention`` with:
+
+- ``causal``: fp16's own prefill call (``mask="causal"`` over ``context + chunk`` keys), the speed to reach;
+- ``none``: no mask over the kvq keys;
+- ``full``: the ``[T_q, keys]`` additive mask (what the cache does today);
+- ``row_broadcast``: a ``[1, keys]`` mask broadcast over the rows (no per-row pattern: only says whether the
+  cost is the mask's bytes);
+- ``blocks_view``: the chunk's rows cut into blocks of ``flush`` rows that see the same compressed tokens, the
+  blocks as the batch axis (keys and values broadcast over it), and the mask a strided view of one small
+  ``[flush, keys + blocks * flush]`` buffer (block ``k`` reads it shifted by ``k * flush`` columns);
+- ``blocks_dense``: the same blocks with the mask written out ``[blocks, 1, flush, keys]``.
+
+Every variant's output is compared with ``full``'s (max absolute difference, in the JSON). Writes
+OUT_DIR/prefill_masks.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+
+def _size(text: str) -> int:
+    text = text.strip().upper()
+    return int(float(text[:-1]) * 1024) if text.endswith("K") else int(text)
+
+
+def timed(fn, reps: int) -> float:
+    """Median seconds of ``fn()`` (evaluated) over ``reps`` runs after one warm-up."""
+    mx.eval(fn())
+    times = []
+    for _ in range(reps):
+        mx.synchronize()
+        tic = time.perf_counter()
+        mx.eval(fn())
+        mx.synchronize()
+        times.append(time.perf_counter() - tic)
+    return statistics.median(times)
+
+
+def chunk_inputs(cache, queries, k_new, v_new):
+    """The keys, values and full additive mask that the cache's GPU prefill path builds for this chunk, and the
+    per-row count of compressed tokens seen (``bounds``)."""
+    from kvq.cache.prefill import chunk_mask
+
+    dtype = queries.dtype
+    Tq = queries.shape[2]
+    cache.update_and_fetch(k_new, v_new)
+    fresh, cache._fresh = cache._fresh, None
+    start_q = cache.offset - Tq
+    bounds = cache._visible(fresh, start_q, Tq)
+    n_sinks, n_compressed = cache.sinks.length, cache.compressed_keys.length
+    dense_k, dense_v = fresh.dense
+    first = n_sinks + fresh.compressed
+    sk, sv = cache.sinks.view()
+    ck, cv = cache.decoded(dtype)
+    keys = mx.concatenate([sk.astype(dtype), ck, dense_k.astype(dtype)], axis=2)
+    values = mx.concatenate([sv.astype(dtype), cv, dense_v.astype(dtype)], axis=2)
+    end = n_sinks + n_compressed + min(start_q + Tq - first, dense_k.shape[2])
+    keys, values = keys[:, :, :end], values[:, :, :end]
+    mask = chunk_mask(bounds, start_q, 0, Tq, n_sinks, n_compressed, first, end, dtype)
+    return keys, values, mask, bounds
+
+
+def blocks_of(bounds, flush: int) -> tuple[int, int]:
+    """``(pad, blocks)``: the rows padded at the front so that the rows sharing a bound fill blocks of
+    ``flush``, and the number of blocks."""
+    b = np.asarray(bounds)
+    first_len = int(np.argmax(b != b[0])) if (b != b[0]).any() else len(b)
+    pad = (flush - first_len % flush) % flush
+    return pad, -(-(len(b) + pad) // flush)
+
+
+def block_view(mask: mx.array, pad: int, nb: int, flush: int) -> tuple[mx.array, mx.array, bool]:
+    """The full mask ``[T_q, N]`` as a strided view ``[nb, 1, flush, N]`` of a ``[flush, N + (nb - 1) * flush]``
+    buffer, blocks in reverse order (block ``nb - 1 - j`` at batch index ``j``, read at column shift
+    ``j * flush``). Returns ``(view, dense [nb, 1, flush, N] in the same order, whether the view equals it on
+    the real rows)``. Built from the mask itself (numpy), every block writing its real rows."""
+    Tq, N = mask.shape
+    dtype = mask.dtype
+    hidden = np.float32(mx.finfo(dtype).min)
+    full = np.full((nb * flush, N), hidden, np.float32)
+    full[pad:pad + Tq] = np.array(mask.astype(mx.float32))
+    real = np.zeros(nb * flush, bool)
+    real[pad:pad + Tq] = True
+    width = N + (nb - 1) * flush
+    buf = np.full((flush, width), hidden, np.float32)
+    for k in range(nb):
+        j = nb - 1 - k  # batch index of block k, read at column shift j * flush
+        rows = slice(k * flush, (k + 1) * flush)
+        keep = real[rows]
+        buf[keep, j * flush:j * flush + N] = full[rows][keep]
+    blocks = full.reshape(nb, flush, N)[::-1]
+    dense = mx.array(np.ascontiguousarray(blocks[:, None])).astype(dtype)
+    buf = mx.array(buf).astype(dtype)
+    view = mx.as_strided(buf, (nb, 1, flush, N), (flush, 0, width, 1), 0)
+    real_rows = mx.array(np.ascontiguousarray(real.reshape(nb, flush)[::-1]))[:, None, :, None]
+    same = bool(mx.all(mx.where(real_rows, view == dense, True)).item())
+    return view, dense, same
+
+
+def blocked_queries(queries, pad: int, nb: int, flush: int) -> mx.array:
+    B, H, Tq, D = queries.shape
+    q = mx.concatenate([mx.zeros((B, H, pad, D), queries.dtype), queries,
+                        mx.zeros((B, H, nb * flush - pad - Tq, D), queries.dtype)], axis=2)
+    q = q.reshape(H, nb, flush, D)[:, ::-1].transpose(1, 0, 2, 3)
+    return mx.contiguous(q)
+
+
+def unblocked(out, pad: int, Tq: int) -> mx.array:
+    nb, H, flush, D = out.shape
+    return out[::-1].transpose(1, 0, 2, 3).reshape(1, H, nb * flush, D)[:, :, pad:pad + Tq]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--contexts", default="8K,32K,128K")
+    ap.add_argument("--chunk", type=int, default=2048)
+    ap.add_argument("--method", default="turboquant:3")
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--q-heads", type=int, default=32)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args(argv)
+
+    from kvq.bench.fill import RandomKV, fill
+    from kvq.evaluation.spec import make_layer_cache, parse_method
+
+    dtype = getattr(mx, args.dtype)
+    args.out.mkdir(parents=True, exist_ok=True)
+    D, C, flush = args.head_dim, args.chunk, 128
+    source = RandomKV(args.kv_heads, D, dtype)
+    rows = []
+    for context in [_size(c) for c in args.contexts.split(",")]:
+        q = mx.random.normal((1, args.q_heads, C, D), dtype, key=mx.random.key(1))
+        k_new, v_new = source(0, context, context + C)
+        k_all = mx.random.normal((1, args.kv_heads, context + C, D), dtype, key=mx.random.key(2))
+        v_all = mx.random.normal((1, args.kv_heads, context + C, D), dtype, key=mx.random.key(3))
+        cache = make_layer_cache(parse_method(args.method), sinks=4, window=128)
+        fill([cache], source, context, C)
+        keys, values, mask, bounds = chunk_inputs(cache, q, k_new, v_new)
+        mx.eval(q, k_all, v_all, keys, values, mask)
+        scale = D ** -0.5
+        sdpa = mx.fast.scaled_dot_product_attention
+        pad, nb = blocks_of(bounds, flush)
+        view, dense, same = block_view(mask, pad, nb, flush)
+        qb = blocked_queries(q, pad, nb, flush)
+        kb = mx.broadcast_to(keys, (nb,) + keys.shape[1:])
+        vb = mx.broadcast_to(values, (nb,) + values.shape[1:])
+        mx.eval(view, dense, qb)
+        row = {"context": context, "chunk": C, "keys": keys.shape[2], "blocks": nb, "pad": pad,
+               "view_equals_mask": same}
+        reference = sdpa(q, keys, values, scale=scale, mask=mask)
+        variants = {
+            "causal": lambda: sdpa(q, k_all, v_all, scale=scale, mask="causal"),
+            "none": lambda: sdpa(q, keys, values, scale=scale),
+            "full": lambda: sdpa(q, keys, values, scale=scale, mask=mask),
+            "row_broadcast": lambda: sdpa(q, keys, values, scale=scale, mask=mask[-1:]),
+            "blocks_view": lambda: unblocked(sdpa(qb, kb, vb, scale=scale, mask=view), pad, C),
+            "blocks_dense": lambda: unblocked(sdpa(qb, kb, vb, scale=scale, mask=dense), pad, C),
+        }
+        for name, fn in variants.items():
+            try:
+                row[f"{name}_s"] = timed(fn, args.reps)
+                if name.startswith("blocks") or name == "full":
+                    diff = mx.abs(fn().astype(mx.float32) - reference.astype(mx.float32)).max().item()
+                    row[f"{name}_max_abs_diff"] = diff
+            except Exception as exc:  # a layout MLX or cuDNN refuses: say so and go on
+                row[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        (args.out / "prefill_masks.json").write_text(json.dumps({"rows": rows, "mlx": mx.__version__,
+                                                                "device": str(mx.default_device())}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
