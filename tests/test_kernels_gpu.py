@@ -297,9 +297,11 @@ def test_packed_batch_decode_in_one_launch_matches_rows(method, params, D):
     at different steps; one with no compressed token until its first compression, in the pack) decodes packed
     through the ragged tensor-core step (one launch for all rows; checked: the binding is a RaggedDecodeStep) and
     gives each row the attention of the same rows decoding one by one through their own bound steps (the same
-    codes; only the split boundaries differ) within 1e-3 relative, and with kernels off (pure MLX: float32
-    decoding, the pure-MLX encoder) within 3e-3 over the batch and 4e-3 per row (measured on the H200: up to 2.1e-3
-    for 3-bit keys at head_dim 128 and 256), bfloat16, GQA 4."""
+    codes; only the split boundaries differ) within 2e-3 relative (bfloat16 outputs of float32 sums split
+    differently: at 14db2f6 the fresh row's attention, over its window alone, parted by one bfloat16 ulp in a few
+    elements, 1.02e-3 at head_dim 128), and with kernels off (pure MLX: float32 decoding, the pure-MLX encoder)
+    within 3e-3 over the batch and 4e-3 per row (measured on the H200: up to 2.1e-3 for 3-bit keys at head_dim 128
+    and 256), bfloat16, GQA 4."""
     if kvq_metal.gpu_backend() != "cuda":
         pytest.skip("ragged decode steps are bound for the tensor-core kernel (CUDA)")
     from kvq.cache import BatchKVQCache, KVQCache, make_config
@@ -323,7 +325,7 @@ def test_packed_batch_decode_in_one_launch_matches_rows(method, params, D):
         got, rows, want = [(b.update_and_fetch(k, v), b.attend(q, D ** -0.5))[1] for b in batches]
         assert got.dtype == mx.bfloat16
         for r in range(3):
-            assert _rel(got[r:r + 1], rows[r:r + 1]) < 1e-3, (t, r)
+            assert _rel(got[r:r + 1], rows[r:r + 1]) < 2e-3, (t, r)
             assert _rel(got[r:r + 1], want[r:r + 1]) < 4e-3, (t, r)
         assert _rel(got, want) < 3e-3, t
         binds.append(batches[0]._packed._bound[1])
