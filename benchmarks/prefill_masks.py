@@ -24,33 +24,12 @@ OUT_DIR/prefill_masks.json.
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
 import sys
-import time
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-
-
-def _size(text: str) -> int:
-    text = text.strip().upper()
-    return int(float(text[:-1]) * 1024) if text.endswith("K") else int(text)
-
-
-def timed(fn, reps: int) -> float:
-    """Median seconds of ``fn()`` (evaluated) over ``reps`` runs after one warm-up."""
-    mx.eval(fn())
-    times = []
-    for _ in range(reps):
-        mx.synchronize()
-        tic = time.perf_counter()
-        mx.eval(fn())
-        mx.synchronize()
-        times.append(time.perf_counter() - tic)
-    return statistics.median(times)
+# this folder's (scripts run as benchmarks/NAME.py)
+from prefill_parts import _size, layer_inputs, layer_parser, layer_source, timed, write_row
 
 
 def chunk_inputs(cache, queries, k_new, v_new):
@@ -128,31 +107,18 @@ def unblocked(out, pad: int, Tq: int) -> mx.array:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out", type=Path)
-    ap.add_argument("--contexts", default="8K,32K,128K")
-    ap.add_argument("--chunk", type=int, default=2048)
+    ap = layer_parser(__doc__, "8K,32K,128K")
     ap.add_argument("--method", default="turboquant:3")
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--q-heads", type=int, default=32)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args(argv)
 
-    from kvq.bench.fill import RandomKV, fill
+    from kvq.bench.fill import fill
     from kvq.evaluation.spec import make_layer_cache, parse_method
 
-    dtype = getattr(mx, args.dtype)
-    args.out.mkdir(parents=True, exist_ok=True)
+    dtype, source = layer_source(args)
     D, C, flush = args.head_dim, args.chunk, 128
-    source = RandomKV(args.kv_heads, D, dtype)
     rows = []
     for context in [_size(c) for c in args.contexts.split(",")]:
-        q = mx.random.normal((1, args.q_heads, C, D), dtype, key=mx.random.key(1))
-        k_new, v_new = source(0, context, context + C)
-        k_all = mx.random.normal((1, args.kv_heads, context + C, D), dtype, key=mx.random.key(2))
-        v_all = mx.random.normal((1, args.kv_heads, context + C, D), dtype, key=mx.random.key(3))
+        q, k_new, v_new, k_all, v_all = layer_inputs(args, source, context)
         cache = make_layer_cache(parse_method(args.method), sinks=4, window=128)
         fill([cache], source, context, C)
         keys, values, mask, bounds = chunk_inputs(cache, q, k_new, v_new)
@@ -184,10 +150,7 @@ def main(argv=None) -> int:
                     row[f"{name}_max_abs_diff"] = diff
             except Exception as exc:  # a layout MLX or cuDNN refuses: say so and go on
                 row[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        (args.out / "prefill_masks.json").write_text(json.dumps({"rows": rows, "mlx": mx.__version__,
-                                                                "device": str(mx.default_device())}, indent=1))
+        write_row(args.out / "prefill_masks.json", rows, row)
     return 0
 
 

@@ -42,33 +42,61 @@ def timed(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def layer_parser(doc: str, contexts: str) -> argparse.ArgumentParser:
+    """The options of one layer's shape and timing that this script and ``prefill_masks.py`` share."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("out", type=Path)
-    ap.add_argument("--contexts", default="8K,32K")
+    ap.add_argument("--contexts", default=contexts)
     ap.add_argument("--chunk", type=int, default=2048)
-    ap.add_argument("--methods", default="turboquant:3,turboquant:4,affine:4")
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--q-heads", type=int, default=32)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--reps", type=int, default=10)
-    args = ap.parse_args(argv)
+    return ap
 
-    from kvq.bench.fill import RandomKV, cache_arrays, fill
-    from kvq.evaluation.spec import make_layer_cache, parse_method
+
+def write_row(path: Path, rows: list, row: dict) -> None:
+    """Append ``row``, print it, and rewrite ``path`` with every row so far (a run cut short keeps its rows)."""
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+    path.write_text(json.dumps({"rows": rows, "mlx": mx.__version__, "device": str(mx.default_device())}, indent=1))
+
+
+def layer_source(args):
+    """``(dtype, RandomKV source)`` of the parsed options; makes ``args.out``."""
+    from kvq.bench.fill import RandomKV
 
     dtype = getattr(mx, args.dtype)
     args.out.mkdir(parents=True, exist_ok=True)
+    return dtype, RandomKV(args.kv_heads, args.head_dim, dtype)
+
+
+def layer_inputs(args, source, context: int):
+    """A chunk's queries ``[1, H_q, chunk, D]``, its keys and values from ``source`` (positions ``context ..
+    context + chunk``), and fp16's keys and values over ``context + chunk`` tokens (random, evaluated)."""
+    D, C, dtype = args.head_dim, args.chunk, getattr(mx, args.dtype)
+    q = mx.random.normal((1, args.q_heads, C, D), dtype, key=mx.random.key(1))
+    k_new, v_new = source(0, context, context + C)
+    k_all = mx.random.normal((1, args.kv_heads, context + C, D), dtype, key=mx.random.key(2))
+    v_all = mx.random.normal((1, args.kv_heads, context + C, D), dtype, key=mx.random.key(3))
+    mx.eval(q, k_new, v_new, k_all, v_all)
+    return q, k_new, v_new, k_all, v_all
+
+
+def main(argv=None) -> int:
+    ap = layer_parser(__doc__, "8K,32K")
+    ap.add_argument("--methods", default="turboquant:3,turboquant:4,affine:4")
+    args = ap.parse_args(argv)
+
+    from kvq.bench.fill import cache_arrays, fill
+    from kvq.evaluation.spec import make_layer_cache, parse_method
+
+    dtype, source = layer_source(args)
     D, C = args.head_dim, args.chunk
-    source = RandomKV(args.kv_heads, D, dtype)
     rows = []
     for context in [_size(c) for c in args.contexts.split(",")]:
-        q = mx.random.normal((1, args.q_heads, C, D), dtype, key=mx.random.key(1))
-        k_new, v_new = source(0, context, context + C)
-        k_all = mx.random.normal((1, args.kv_heads, context + C, D), dtype, key=mx.random.key(2))
-        v_all = mx.random.normal((1, args.kv_heads, context + C, D), dtype, key=mx.random.key(3))
-        mx.eval(q, k_new, v_new, k_all, v_all)
+        q, k_new, v_new, k_all, v_all = layer_inputs(args, source, context)
         scale = D ** -0.5
         row = {"context": context, "method": "fp16",
                "attention_s": timed(lambda: mx.fast.scaled_dot_product_attention(q, k_all, v_all, scale=scale,
@@ -79,8 +107,7 @@ def main(argv=None) -> int:
         additive = mx.where(causal, mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))
         row["additive_mask_attention_s"] = timed(
             lambda: mx.fast.scaled_dot_product_attention(q, k_all, v_all, scale=scale, mask=additive), args.reps)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        write_row(args.out / "prefill_parts.json", rows, row)
         for label in [m.strip() for m in args.methods.split(",")]:
             cache = make_layer_cache(parse_method(label), sinks=4, window=128)
             fill([cache], source, context, C)
@@ -112,10 +139,7 @@ def main(argv=None) -> int:
                 return cache_arrays(c)
 
             row["update_s"] = timed(update_only, args.reps)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            (args.out / "prefill_parts.json").write_text(json.dumps({"rows": rows, "mlx": mx.__version__,
-                                                                    "device": str(mx.default_device())}, indent=1))
+            write_row(args.out / "prefill_parts.json", rows, row)
     return 0
 
 
