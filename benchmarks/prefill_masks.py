@@ -33,27 +33,17 @@ from prefill_parts import _size, layer_inputs, layer_parser, layer_source, timed
 
 
 def chunk_inputs(cache, queries, k_new, v_new):
-    """The keys, values and full additive mask that the cache's GPU prefill path builds for this chunk, and the
-    per-row count of compressed tokens seen (``bounds``)."""
-    from kvq.cache.prefill import chunk_mask
-
-    dtype = queries.dtype
-    Tq = queries.shape[2]
+    """The keys, values and full additive mask that the cache's GPU prefill path builds for this chunk
+    (:meth:`kvq.cache.KVQCache._chunk_keys`, ``_chunk_mask``), and the per-row count of compressed tokens seen
+    (``bounds``)."""
+    dtype, Tq = queries.dtype, queries.shape[2]
     cache.update_and_fetch(k_new, v_new)
     fresh, cache._fresh = cache._fresh, None
     start_q = cache.offset - Tq
     bounds = cache._visible(fresh, start_q, Tq)
-    n_sinks, n_compressed = cache.sinks.length, cache.compressed_keys.length
-    dense_k, dense_v = fresh.dense
-    first = n_sinks + fresh.compressed
-    sk, sv = cache.sinks.view()
-    ck, cv = cache.decoded(dtype)
-    keys = mx.concatenate([sk.astype(dtype), ck, dense_k.astype(dtype)], axis=2)
-    values = mx.concatenate([sv.astype(dtype), cv, dense_v.astype(dtype)], axis=2)
-    end = n_sinks + n_compressed + min(start_q + Tq - first, dense_k.shape[2])
-    keys, values = keys[:, :, :end], values[:, :, :end]
-    mask = chunk_mask(bounds, start_q, 0, Tq, n_sinks, n_compressed, first, end, dtype)
-    return keys, values, mask, bounds
+    keys, values = cache._chunk_keys(dtype, fresh, centre=cache.key_mean is not None)
+    end, mask = cache._chunk_mask(bounds, start_q, 0, Tq, fresh, dtype)
+    return keys[:, :, :end], values[:, :, :end], mask, bounds
 
 
 def blocks_of(bounds, flush: int) -> tuple[int, int]:

@@ -673,17 +673,38 @@ class KVQCache:
         :return: ``[B, H_q, T_q, D_v]`` in the queries' dtype."""
         Tq, dtype = queries.shape[2], queries.dtype
         bounds = self._visible(fresh, start_q, Tq)
-        n_sinks, n_compressed = self.sinks.length, self.compressed_keys.length
-        dense_k, dense_v = fresh.dense
-        first = n_sinks + fresh.compressed  # position of the first dense column
         # a centred layer attends centred keys throughout (as the fused decode kernel does): every score lacks the
         # same scale * q . mu, which the softmax does not see, and 16-bit centred keys keep the bits that 16-bit
         # keys with offsets in the hundreds lose. Learned sink logits would see the shift: then the mean goes back.
-        centre = self.key_mean is not None and sink_logits is None
+        keys, values = self._chunk_keys(dtype, fresh, centre=self.key_mean is not None and sink_logits is None)
+        user_cols = None
+        if user_mask is not None:
+            dense_start = self.sinks.length + self.compressed_keys.length
+            first = self.sinks.length + fresh.compressed
+            user_cols = mx.concatenate([mx.arange(dense_start), first + mx.arange(fresh.dense[0].shape[2])])
+        sinks = None if sink_logits is None else sink_logits.astype(dtype)
+        rows = rows_per_call(queries, keys.shape[2], self.PREFILL_MASK_BYTES, self.PREFILL_SCORES_BYTES)
+        outs = []
+        for r0 in range(0, Tq, rows):
+            r1 = min(Tq, r0 + rows)
+            end, mask = self._chunk_mask(bounds, start_q, r0, r1, fresh, dtype, user_mask, user_cols)
+            outs.append(mx.fast.scaled_dot_product_attention(queries[:, :, r0:r1], keys[:, :, :end],
+                                                             values[:, :, :end], scale=scale, mask=mask,
+                                                             sinks=sinks))
+        out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
+        transient = 2 * (keys.nbytes + values.nbytes) + min(rows, Tq) * keys.shape[2] * dtype.size * queries.shape[0]
+        IN_FLIGHT.push(out, transient, self.PREFILL_INFLIGHT_BYTES)
+        return out
+
+    def _chunk_keys(self, dtype, fresh: _Fresh, centre: bool) -> tuple[mx.array, mx.array]:
+        """The key columns a chunk attends on a GPU (:meth:`_chunk_attend_dequantized`): ``[sinks | compressed
+        tokens decoded to dtype | fresh.dense]`` keys and values, ``[B, H, S + C + W', D]`` in ``dtype`` (``S``
+        sinks, ``C`` compressed tokens after the update, ``W'`` the window before the update and the chunk's
+        tokens); ``centre``: keys with the layer's :attr:`key_mean` subtracted (the compressed ones as stored)."""
         centred = self._centred_dense if centre else (lambda k: k)
-        dense_k = centred(dense_k)
+        dense_k, dense_v = fresh.dense
         parts_k, parts_v = [], []
-        if n_sinks:
+        if self.sinks.length:
             sk, sv = self.sinks.view()
             parts_k.append(centred(sk).astype(dtype))
             parts_v.append(sv.astype(dtype))
@@ -692,30 +713,20 @@ class KVQCache:
             compressed_v = self._dequantized(self.compressed_values, self.config.value_params, dtype)
         else:
             compressed_k, compressed_v = self.decoded(dtype)
-        parts_k.append(compressed_k)
-        parts_v.append(compressed_v)
-        parts_k.append(dense_k.astype(dtype))
-        parts_v.append(dense_v.astype(dtype))
-        keys, values = mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2)
-        dense_start = n_sinks + n_compressed
-        user_cols = None
-        if user_mask is not None:
-            user_cols = mx.concatenate([mx.arange(dense_start), first + mx.arange(dense_k.shape[2])])
-        sinks = None if sink_logits is None else sink_logits.astype(dtype)
-        rows = rows_per_call(queries, keys.shape[2], self.PREFILL_MASK_BYTES, self.PREFILL_SCORES_BYTES)
-        outs = []
-        for r0 in range(0, Tq, rows):
-            r1 = min(Tq, r0 + rows)
-            end = dense_start + min(start_q + r1 - first, dense_k.shape[2])  # no key past the last row's position
-            mask = chunk_mask(bounds, start_q, r0, r1, n_sinks, n_compressed, first, end, dtype, user_mask,
-                              user_cols)
-            outs.append(mx.fast.scaled_dot_product_attention(queries[:, :, r0:r1], keys[:, :, :end],
-                                                             values[:, :, :end], scale=scale, mask=mask,
-                                                             sinks=sinks))
-        out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
-        transient = 2 * (keys.nbytes + values.nbytes) + min(rows, Tq) * keys.shape[2] * dtype.size * queries.shape[0]
-        IN_FLIGHT.push(out, transient, self.PREFILL_INFLIGHT_BYTES)
-        return out
+        parts_k += [compressed_k, centred(dense_k).astype(dtype)]
+        parts_v += [compressed_v, dense_v.astype(dtype)]
+        return mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2)
+
+    def _chunk_mask(self, bounds: list[int], start_q: int, r0: int, r1: int, fresh: _Fresh, dtype,
+                    user_mask=None, user_cols=None) -> tuple[int, mx.array]:
+        """``(end, mask)`` for query rows ``r0 .. r1`` of a chunk over :meth:`_chunk_keys`' columns: ``end`` the
+        columns they may see at all (none past the last row's position), ``mask`` the additive
+        :func:`kvq.cache.prefill.chunk_mask` ``[r1 - r0, end]`` in ``dtype``."""
+        n_sinks, n_compressed = self.sinks.length, self.compressed_keys.length
+        first = n_sinks + fresh.compressed  # position of the first dense column
+        end = n_sinks + n_compressed + min(start_q + r1 - first, fresh.dense[0].shape[2])
+        return end, chunk_mask(bounds, start_q, r0, r1, n_sinks, n_compressed, first, end, dtype, user_mask,
+                               user_cols)
 
     def _chunk_parts(self, queries, scale, start_q, user_mask, fresh: _Fresh) -> list:
         """Attention parts of a chunk's queries (positions ``start_q ...``), each query seeing what it would see
