@@ -10,8 +10,10 @@ number of bytes of such copies queued on the device, so the cache never holds an
 Two facts about MLX 0.32's attention on CUDA shape this module (measured on an H200, ``benchmarks/prefill_parts.py``):
 a boolean mask is expanded by MLX to ``[B, H_q, T_q, keys]`` before the fused kernel (8x slower than causal
 attention at 32K keys, 4.5 GB per layer), while an additive mask in the queries' dtype reaches cuDNN as a
-broadcast bias (1.6x causal); and float32 queries or head_dim above 128 have no fused kernel (MLX materialises
-``rows x keys x H_q`` float32 scores), so those calls are cut into slices of rows.
+broadcast bias (1.84-1.92x causal at 8K-128K held tokens, and still 1.5x for a mask of one row broadcast over all
+rows: cuDNN's kernel with a bias costs that, not the mask's bytes; ``benchmarks/prefill_masks.py``); and float32
+queries or head_dim above 128 have no fused kernel (MLX materialises ``rows x keys x H_q`` float32 scores), so those
+calls are cut into slices of rows.
 """
 
 from __future__ import annotations
