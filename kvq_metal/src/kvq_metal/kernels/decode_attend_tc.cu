@@ -226,7 +226,10 @@
     const uint* vtab_l = vtab_s + (VREP ? lane : 0);
     // queries: scale, (randomized Hadamard rotation), into shared memory
 #include "load_queries.kvq"
-    KVQ_HADAMARD_ROWS(cc)
+    if constexpr (ROT) {
+        KVQ_BARRIER();
+        kvq_fwht_rows_warp<D, R, NWARP>(q_s, warp, lane);
+    }
     KVQ_BARRIER();
     // query B fragments: k-step s holds coordinates c * SK + 4 s + {0, 1} (b0) and {2, 3} (b1) of row g
     const float qmul = ROT ? 1.0f / KVQ_SQRT((float)D) : 1.0f;
@@ -385,56 +388,76 @@
     // combine, in the same launch), undoes the rotation of the compressed splits, adds the ND uncompressed ones and
     // writes the output
     {
-        __threadfence();
+        kvq_fence_acq_rel();
         KVQ_BARRIER();
         if (tid == 0) last_s = atomicAdd(const_cast<int*>(counter) + bh, 1) == NS - 1;
         KVQ_BARRIER();
         if (last_s) {
-            __threadfence();
+            kvq_fence_acq_rel();
             const int WS = NS;
             float* w_s = red_s;  // [R][WS] split weights: the tables' memory is free again
+            // each row's (max, sum) of all NS slots (the compressed splits, then the ND uncompressed blocks), read
+            // once as pairs by one warp: the max over the warp, then the weights and the weighted sum
             for (int r = warp; r < R; r += NWARP) {
+                const float2* mlr = reinterpret_cast<const float2*>(ml) + (int64_t)bh * NS * R + r;
                 float top = -KVQ_INF;
-                for (int s2 = lane; s2 < nsplit; s2 += 32)
-                    top = KVQ_FMAX(top, __ldcg(ml + (((int64_t)bh * NS + s2) * R + r) * 2));
-                if (ND > 0 && lane < ND) top = KVQ_FMAX(top, __ldcg(ml + (((int64_t)bh * NS + nsplit + lane) * R + r) * 2));
+                float2 first = make_float2(-KVQ_INF, 0.0f);  // the lane's first slot, kept for the second pass
+                for (int s2 = lane; s2 < NS; s2 += 32) {
+                    const float2 x = __ldcg(mlr + (int64_t)s2 * R);
+                    if (s2 == lane) first = x;
+                    top = KVQ_FMAX(top, x.x);
+                }
 #pragma unroll
                 for (int off = 16; off > 0; off >>= 1) top = KVQ_FMAX(top, KVQ_SHFL_XOR(top, off));
                 float tot = 0.0f;
-                for (int s2 = lane; s2 < nsplit; s2 += 32) {
-                    const float* mls = ml + (((int64_t)bh * NS + s2) * R + r) * 2;
-                    const float m = __ldcg(mls);
-                    const float w = m == -KVQ_INF ? 0.0f : KVQ_EXP(m - top);
+                for (int s2 = lane; s2 < NS; s2 += 32) {
+                    const float2 x = s2 == lane ? first : __ldcg(mlr + (int64_t)s2 * R);
+                    const float w = x.x == -KVQ_INF ? 0.0f : KVQ_EXP(x.x - top);
                     w_s[r * WS + s2] = w;
-                    tot += w * __ldcg(mls + 1);
-                }
-                if (ND > 0 && lane < ND) {
-                    const float* mls = ml + (((int64_t)bh * NS + nsplit + lane) * R + r) * 2;
-                    const float m = __ldcg(mls);
-                    const float w = m == -KVQ_INF ? 0.0f : KVQ_EXP(m - top);
-                    w_s[r * WS + nsplit + lane] = w;
-                    tot += w * __ldcg(mls + 1);
+                    tot += w * x.y;
                 }
 #pragma unroll
                 for (int off = 16; off > 0; off >>= 1) tot += KVQ_SHFL_XOR(tot, off);
                 if (lane == 0) { rtop_s[r] = top; rtot_s[r] = tot; }
             }
             KVQ_BARRIER();
-            // weighted sum of the splits' outputs (read from L2: other blocks wrote them), into q_s
-            for (int o = tid; o < R * D; o += THREADS) {
-                const int r = o / D;
-                const float* ps = part + ((int64_t)bh * NS * R + r) * D + (o - r * D);
-                float a0 = 0.0f, a1 = 0.0f;
+            // weighted sum of the compressed splits' outputs (read from L2: other blocks wrote them), four
+            // coordinates per thread with 128-bit loads and four independent sums (about nsplit / 8 round trips to
+            // L2 instead of nsplit / 2 per coordinate), into q_s
+            constexpr int D4 = D / 4;
+            for (int o4 = tid; o4 < R * D4; o4 += THREADS) {
+                const int r = o4 / D4;
+                const int j = (o4 - r * D4) * 4;
+                const float4* ps = reinterpret_cast<const float4*>(part + ((int64_t)bh * NS * R + r) * D + j);
+                const int64_t step = R * D4;  // float4s from one split to the next
+                float4 a[4];
+#pragma unroll
+                for (int k = 0; k < 4; ++k) a[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                 int s2 = 0;
-#pragma unroll 4
-                for (; s2 + 1 < nsplit; s2 += 2) {
-                    a0 += w_s[r * WS + s2] * __ldcg(ps + (int64_t)s2 * R * D);
-                    a1 += w_s[r * WS + s2 + 1] * __ldcg(ps + (int64_t)(s2 + 1) * R * D);
+#pragma unroll 2
+                for (; s2 + 4 <= nsplit; s2 += 4) {
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) {
+                        const float w = w_s[r * WS + s2 + k];
+                        const float4 x = __ldcg(ps + (int64_t)(s2 + k) * step);
+                        a[k].x += w * x.x; a[k].y += w * x.y; a[k].z += w * x.z; a[k].w += w * x.w;
+                    }
                 }
-                if (s2 < nsplit) a0 += w_s[r * WS + s2] * __ldcg(ps + (int64_t)s2 * R * D);
-                q_s[o] = a0 + a1;
+                for (; s2 < nsplit; ++s2) {
+                    const float w = w_s[r * WS + s2];
+                    const float4 x = __ldcg(ps + (int64_t)s2 * step);
+                    a[0].x += w * x.x; a[0].y += w * x.y; a[0].z += w * x.z; a[0].w += w * x.w;
+                }
+                float* qo = q_s + r * D + j;
+                qo[0] = (a[0].x + a[1].x) + (a[2].x + a[3].x);
+                qo[1] = (a[0].y + a[1].y) + (a[2].y + a[3].y);
+                qo[2] = (a[0].z + a[1].z) + (a[2].z + a[3].z);
+                qo[3] = (a[0].w + a[1].w) + (a[2].w + a[3].w);
             }
-            KVQ_HADAMARD_ROWS(cc)
+            if constexpr (ROT) {
+                KVQ_BARRIER();
+                kvq_fwht_rows_warp<D, R, NWARP>(q_s, warp, lane);
+            }
             KVQ_BARRIER();
             const float rs = ROT ? 1.0f / KVQ_SQRT((float)D) : 1.0f;
             for (int o = tid; o < R * D; o += THREADS) {

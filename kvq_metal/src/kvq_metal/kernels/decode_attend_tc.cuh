@@ -3,8 +3,9 @@
 // merge (kvq_softmax_step, kvq_rescale, kvq_probs, kvq_pfrag, kvq_mma_vt, kvq_warp_merge: both tensor-core kernels
 // call them), the row loader of uncompressed tokens, the bit-field and
 // table-lookup macros, and the macros that write each step of one side once for both (keys K, k and values V, v):
-// KVQ_FILL_TABLE, KVQ_LOAD_CODES, KVQ_SLICE_WORDS, KVQ_DECODE_PAIR; the tag that picks a block's role (kvq_role)
-// and the store of the output in its dtype (kvq_store).
+// KVQ_FILL_TABLE, KVQ_LOAD_CODES, KVQ_SLICE_WORDS, KVQ_DECODE_PAIR; the tag that picks a block's role (kvq_role),
+// the store of the output in its dtype (kvq_store), the merge's fence (kvq_fence_acq_rel) and the warp-wide
+// Hadamard transform of query and output rows (kvq_fwht_rows_warp).
 // Used by: decode_attend_tc.cu (its header, loaded with it by kvq_metal.attend_tc; also included by
 // decode_attend_streams_tc.cuh, the header of the tensor-core streams kernel)
 
@@ -54,6 +55,49 @@ __device__ __forceinline__ float kvq_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
+}
+
+// a GPU-scope acquire-release fence: orders a block's stores of its partial results before the split counter's
+// atomic and the merging block's loads after it (the pattern of CUDA's threadFenceReduction; __threadfence() is a
+// sequentially consistent fence, which this pattern does not need and which cost about 5% of a short call's
+// samples on the H200)
+__device__ __forceinline__ void kvq_fence_acq_rel() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
+// the in-place fast Walsh-Hadamard transform (unnormalised) of the R rows of D floats of the shared array x, one
+// warp per row (warp, warp + NWARP, ...): a lane holds D / 32 consecutive coordinates; the stages of 1, 2, 4, ...
+// apart run within the lane's registers and then across lanes by shuffles, so the sums are KVQ_HADAMARD_ROWS's,
+// in the same order, without its barrier per stage (D a power of two from 32 to 256). The caller synchronises the
+// block before (x written) and after (x read)
+template <int D, int R, int NWARP>
+__device__ __forceinline__ void kvq_fwht_rows_warp(float* x, const int warp, const int lane) {
+    constexpr int E = D / 32 > 0 ? D / 32 : 1;
+    for (int r = warp; r < R; r += NWARP) {
+        float v[E];
+#pragma unroll
+        for (int e = 0; e < E; ++e) v[e] = x[r * D + lane * E + e];
+#pragma unroll
+        for (int hs = 1; hs < E; hs <<= 1) {
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+                if ((e & hs) == 0) {
+                    const float a = v[e], b = v[e + hs];
+                    v[e] = a + b;
+                    v[e + hs] = a - b;
+                }
+            }
+        }
+#pragma unroll
+        for (int hs = E; hs < D; hs <<= 1) {
+            const int m = hs / E;  // the partner lane's distance
+            const bool hi = (lane & m) != 0;
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+                const float p = KVQ_SHFL_XOR(v[e], m);
+                v[e] = hi ? p - v[e] : v[e] + p;
+            }
+        }
+#pragma unroll
+        for (int e = 0; e < E; ++e) x[r * D + lane * E + e] = v[e];
+    }
 }
 
 // The steps of the tensor-core decode kernels' online softmax and warp merge (decode_attend_tc.cu and
