@@ -376,6 +376,11 @@ def _tc_geometry(plan: LaunchPlan, queries_shape, H: int, T: int, D: int, R: int
     and at 32K tokens)."""
     B, Hq, Tq, _ = queries_shape
     groups = max(B * H, min(TUNING["tc_groups"], plan.limit * B * H) - plan.nd * B * H)
+    if B * H >= TUNING["tc_groups"]:
+        # the rows alone fill the target (a large batch): two splits per row, not one. At 122 sequences of 32K
+        # tokens (976 rows; kernel_durations.py --batch 122, H200) the bound step took 0.93-0.94x the time of one
+        # split per row, three splits 0.95-0.96x (benchmarks/results/kernels/2026-12-04-h200-durations-batch122-*)
+        groups = max(groups, min(2, plan.limit) * B * H)
     splits = splits_for(B * H, T, backend, plan.tile, groups)
     blocks = splits + plan.nd
     return ((THREADS * B * H, blocks, 1),

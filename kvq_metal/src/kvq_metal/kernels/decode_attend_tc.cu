@@ -13,7 +13,6 @@
 // Threads: THREADS per block; each warp takes NT tiles of 16 tokens per step (1 for uncompressed tokens).
 // Scores: keys are the A operand (lane: 2 tokens g, g + 8, coordinates c * SK ...), the R <= 8 query rows the
 // B operand. Values: V^T is the A operand (lane: 4 tokens, coordinates g * SV ...), the probabilities the B operand.
-#include "hadamard_rows.kvq"
 
     constexpr int NWARP = THREADS / 32;
     constexpr int TILE = NWARP * 16 * NT;     // tokens of one block step (a split is whole tiles)

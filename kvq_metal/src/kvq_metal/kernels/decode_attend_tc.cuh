@@ -64,7 +64,7 @@ __device__ __forceinline__ float kvq_exp2(float x) {
 __device__ __forceinline__ void kvq_fence_acq_rel() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
 // the in-place fast Walsh-Hadamard transform (unnormalised) of the R rows of D floats of the shared array x, one
 // warp per row (warp, warp + NWARP, ...): a lane holds D / 32 consecutive coordinates; the stages of 1, 2, 4, ...
-// apart run within the lane's registers and then across lanes by shuffles, so the sums are KVQ_HADAMARD_ROWS's,
+// apart run within the lane's registers and then across lanes by shuffles, so the sums are hadamard_rows.kvq's,
 // in the same order, without its barrier per stage (D a power of two from 32 to 256). The caller synchronises the
 // block before (x written) and after (x read)
 template <int D, int R, int NWARP>
