@@ -12,6 +12,11 @@
 #        profile-streams (ncu --set full of the streams kernel at 128K: occupancy, stall reasons, DRAM throughput),
 #        streams-tuning (the streams and encoder GPU tests, every tensor-core variant included, then the kernel's
 #        time per call with the register-saving launch knobs beside the default, and a window flush's parts)
+#        tests4 (the whole GPU suite with the prefill-chunk tests, -m "gpu or not slow", in 4 parallel groups: about
+#        6 minutes instead of over 10), chain (decode attention chained as a step runs it, benchmarks/kernel_chain.py),
+#        durations-batch (GPU time per call at 122 sequences of 32K: the capacity shape), ncu-source (ncu --set full of
+#        the bound turboquant-3 step at 4K and 128K, its SASS source counters summarised by
+#        benchmarks/ncu_source_summary.py)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -99,5 +104,31 @@ for name, fn in [("quantize", lambda: k.kvq_quantize(x, p).data["codes"]),
             --backend nccl -n 2 -- python3 benchmarks/distributed_decode.py \
             --context 65536 --out "$OUT/distributed_decode.json" > "$OUT/dist_bench.log" 2>&1
           tail -c 1500 "$OUT/dist_bench.log";;
+    tests4) MLX_ENABLE_TF32=0 python3 -m pytest tests/test_kernels_gpu.py tests/test_prefill_chunks.py -m "gpu or not slow" \
+              --collect-only -q -p no:cacheprovider 2>/dev/null | grep '::' > /tmp/gpu_ids.txt
+            split -n r/4 /tmp/gpu_ids.txt /tmp/gpu_ids.
+            for g in /tmp/gpu_ids.a?; do
+              (MLX_ENABLE_TF32=0 timeout 560 python3 -m pytest -q --tb=short -p no:cacheprovider $(cat $g) \
+                 > "$OUT/gpu_tests_$(basename $g).log" 2>&1) &
+            done
+            wait
+            for g in "$OUT"/gpu_tests_gpu_ids.*.log; do tail -n 3 "$g" | grep -E "passed|failed|error"; done
+            grep -h -E "^(FAILED|ERROR)" "$OUT"/gpu_tests_gpu_ids.*.log | cut -c1-300;;
+    chain) timeout 400 python3 benchmarks/kernel_chain.py --out "$OUT/chain.json" ${CHAIN_ARGS:-} > "$OUT/chain.log" 2>&1
+           tail -c 4000 "$OUT/chain.log";;
+    durations-batch) timeout 300 python3 benchmarks/kernel_durations.py --out "$OUT/durations-batch.json" --batch 122 \
+                       --contexts 32768 ${DURATIONS_ARGS:-} > "$OUT/durations-batch.log" 2>&1
+                     tail -c 3000 "$OUT/durations-batch.log";;
+    ncu-source) for ctx in 4096 131072; do
+                  # the bound steps' kernels are named ..._b<hash> (the plan baked in); profile_attend.py runs each
+                  # method's twice (a warm-up first), turboquant-4 then turboquant-3: the 4th is turboquant-3's
+                  timeout 200 ncu --clock-control none -k "regex:decode_attend_tc_[0-9a-f]+_b[0-9a-f]+$" --launch-skip 3 \
+                    --launch-count 1 --set full -o "/tmp/ncu$ctx" -f python3 benchmarks/profile_attend.py --contexts $ctx \
+                    > "$OUT/ncu-source-$ctx.log" 2>&1
+                  ncu --import "/tmp/ncu$ctx.ncu-rep" --page details > "$OUT/ncu-details-$ctx.txt" 2>&1
+                  ncu --import "/tmp/ncu$ctx.ncu-rep" --page source --csv --print-source sass > "/tmp/ncu$ctx.csv" 2>&1
+                  python3 benchmarks/ncu_source_summary.py "/tmp/ncu$ctx.csv" > "$OUT/ncu-source-$ctx.txt" 2>&1
+                  grep -E "Duration|Elapsed Cycles|SM Active Cycles" "$OUT/ncu-details-$ctx.txt"
+                done;;
   esac
 done
