@@ -291,6 +291,34 @@ def test_kernel_durations_groups_each_calls_launches():
         kd.group_calls(labels + [{"T": 4096, "method": "affine4"}], parsed)
 
 
+def test_ncu_source_summary_sums_samples_by_opcode_and_segment(tmp_path):
+    """``benchmarks/ncu_source_summary.py`` reads ncu's SASS source page (a header row with ``Source``, counters with
+    thousands separators) and sums the stall samples per opcode (predicates and modifiers dropped) and per segment
+    between barriers, fences and exits; a file without that header is refused."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "benchmarks" / "ncu_source_summary.py"
+    head = '"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stall_long_sb",' \
+           '"stall_long_sb (Not Issued)"\n'
+    rows = [("LDG.E R2, desc[UR4][R2.64]", "1,200", "64", "1,100"),
+            ("@!P0 IMAD.WIDE.U32 R4, R5, 0x4, R6", "30", "64", "0"),
+            ("BAR.SYNC.DEFER_BLOCKING 0x0", "5", "64", "0"), ("IMAD R7, R7, 0x2, RZ", "70", "32", "0"),
+            ("EXIT", "0", "64", "0")]
+    text = head + "".join(f'"{i:04x}","{s}","{n}","{e}","{ls}","0"\n' for i, (s, n, e, ls) in enumerate(rows))
+    (tmp_path / "s.csv").write_text("==PROF== noise\n" + text)
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "s.csv"), "--top", "2"], capture_output=True,
+                         text=True, check=True).stdout
+    assert "5 instructions, 1305 samples, 288 executed" in out
+    assert "('LDG', 1200.0), ('IMAD', 100.0), ('BAR', 5.0)" in out
+    assert "1235 ( 94.6% so far)" in out and "   70 (100.0% so far)" in out  # the segments up to BAR, then EXIT
+    assert "[('long_sb', 1100)]" in out
+    (tmp_path / "bad.csv").write_text("a,b\n1,2\n")
+    bad = subprocess.run([sys.executable, str(script), str(tmp_path / "bad.csv")], capture_output=True, text=True)
+    assert bad.returncode != 0 and "no header row with a 'Source' column" in bad.stderr
+
+
 @pytest.mark.parametrize("on_cpu, argv, warmup", [
     (True, [], 1), (False, [], 129), (False, ["--flush", "8"], 9), (False, ["--warmup", "0"], 0)])
 def test_default_warmup_leaves_the_first_flush_untimed_on_a_gpu(monkeypatch, on_cpu, argv, warmup):
