@@ -373,7 +373,8 @@ def _tc_geometry(plan: LaunchPlan, queries_shape, H: int, T: int, D: int, R: int
     The splits aim at ``TUNING["tc_groups"]`` blocks *including* the uncompressed ones (the blocks an H200 holds
     at once, two per SM at this kernel's registers): counted on top, they made a second wave of 2 * B * H
     blocks that every row's merge waited for (Nsight Compute, H200, 32 query / 8 KV heads: 11 us added at 4K
-    and at 32K tokens)."""
+    and at 32K tokens). Once the rows alone reach the target (a large batch), each row takes two splits (where it
+    has two tiles), not one."""
     B, Hq, Tq, _ = queries_shape
     groups = max(B * H, min(TUNING["tc_groups"], plan.limit * B * H) - plan.nd * B * H)
     if B * H >= TUNING["tc_groups"]:
