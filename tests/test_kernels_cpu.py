@@ -66,7 +66,7 @@ def test_every_kernel_file_names_its_reference_and_launcher(name):
 def test_every_other_kernel_folder_file_names_the_kernels_that_use_it():
     """Every file of a kernel folder is a loaded kernel (the test above resolves its Reference: and Launcher:) or a
     shared fragment or header whose preamble has one ``// Used by: a.kvq, b.cu`` line naming exactly the kernel
-    files that ``#include`` it, or, for a header, the kernel built with it."""
+    files (or headers, ``.cuh``) that ``#include`` it, or, for a header, the kernel built with it."""
     loaded = {Path(s.path).resolve(): s for s in kernel_files.templates().values()}
     folders = {kernel_files.KERNELS.resolve(), *(path.parent for path in loaded)}
     files = sorted(p.resolve() for d in folders for p in d.iterdir() if p.suffix in (".kvq", ".cu", ".cuh"))
@@ -81,7 +81,7 @@ def test_every_other_kernel_folder_file_names_the_kernels_that_use_it():
             users = {k.name for k, s in loaded.items() if s.header and s.header == kernel_files._expand(path)[1]}
         else:
             users = {f.name for f in files if f'#include "{path.name}"' in f.read_text()}
-        assert set(re.findall(r"\b\w+\.(?:kvq|cu)\b", used[0])) == users and users, (path.name, users)
+        assert set(re.findall(r"\b\w+\.(?:kvq|cuh|cu)\b", used[0])) == users and users, (path.name, users)
 
 
 def test_kernel_files_drop_preambles_and_expand_includes(tmp_path):

@@ -20,8 +20,8 @@ and dtypes of the inputs and outputs and the template arguments (``mx.fast.metal
   a hash of their text).
 * Includes: a line ``#include "name"`` is replaced by the text of the file ``name`` (its preamble dropped, its own
   includes expanded), found beside the including file or else among kvq_metal's shared fragments
-  (:data:`KERNELS`: ``split_index.kvq``, ``load_queries.kvq``, ``hadamard_rows.kvq``). MLX compiles a kernel
-  from one string, without an include path, so includes are expanded here.
+  (:data:`KERNELS`: ``split_index.kvq``, ``load_queries.kvq``, ``hadamard_rows.kvq``, ``warp_hadamard.kvq``).
+  MLX compiles a kernel from one string, without an include path, so includes are expanded here.
 
 Every loaded kernel is registered by name (:data:`LOADED`, :data:`TEMPLATES`): :func:`sources_hash` hashes them
 all, kvq_metal's own and those its plugins load, and ``tests/test_metal_syntax.py`` parses every one

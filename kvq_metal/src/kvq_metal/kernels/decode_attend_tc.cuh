@@ -63,40 +63,19 @@ __device__ __forceinline__ float kvq_exp2(float x) {
 // samples on the H200)
 __device__ __forceinline__ void kvq_fence_acq_rel() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
 // the in-place fast Walsh-Hadamard transform (unnormalised) of the R rows of D floats of the shared array x, one
-// warp per row (warp, warp + NWARP, ...): a lane holds D / 32 consecutive coordinates; the stages of 1, 2, 4, ...
-// apart run within the lane's registers and then across lanes by shuffles, so the sums are hadamard_rows.kvq's,
-// in the same order, without its barrier per stage (D a power of two from 32 to 256). The caller synchronises the
-// block before (x written) and after (x read)
+// warp per row (warp, warp + NWARP, ...), by the shared fragment warp_hadamard.kvq: a lane holds D / 32 consecutive
+// coordinates, so the sums are hadamard_rows.kvq's, in the same order, without its barrier per stage (D a power of
+// two from 32 to 256). The caller synchronises the block before (x written) and after (x read)
 template <int D, int R, int NWARP>
 __device__ __forceinline__ void kvq_fwht_rows_warp(float* x, const int warp, const int lane) {
     constexpr int E = D / 32 > 0 ? D / 32 : 1;
     for (int r = warp; r < R; r += NWARP) {
-        float v[E];
+        float y[E];
 #pragma unroll
-        for (int e = 0; e < E; ++e) v[e] = x[r * D + lane * E + e];
+        for (int e = 0; e < E; ++e) y[e] = x[r * D + lane * E + e];
+#include "warp_hadamard.kvq"
 #pragma unroll
-        for (int hs = 1; hs < E; hs <<= 1) {
-#pragma unroll
-            for (int e = 0; e < E; ++e) {
-                if ((e & hs) == 0) {
-                    const float a = v[e], b = v[e + hs];
-                    v[e] = a + b;
-                    v[e + hs] = a - b;
-                }
-            }
-        }
-#pragma unroll
-        for (int hs = E; hs < D; hs <<= 1) {
-            const int m = hs / E;  // the partner lane's distance
-            const bool hi = (lane & m) != 0;
-#pragma unroll
-            for (int e = 0; e < E; ++e) {
-                const float p = KVQ_SHFL_XOR(v[e], m);
-                v[e] = hi ? p - v[e] : v[e] + p;
-            }
-        }
-#pragma unroll
-        for (int e = 0; e < E; ++e) x[r * D + lane * E + e] = v[e];
+        for (int e = 0; e < E; ++e) x[r * D + lane * E + e] = y[e];
     }
 }
 
