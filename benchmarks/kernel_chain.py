@@ -80,8 +80,8 @@ def main() -> None:
         windows = [mx.contiguous(x[:, :, -128:]) for x in (k, v)]
         mx.eval(*sinks, *windows)
         encoded = {f"{n}{p['bits']}": encode_kv(n, p, k, v, backend)[2:] for n, p in METHODS}
-        fk = [mx.array(k) + 0 for _ in range(L)]
-        fv = [mx.array(v) + 0 for _ in range(L)]
+        fk = [k + 0 for _ in range(L)]
+        fv = [v + 0 for _ in range(L)]
         mx.eval(fk, fv)
         del k, v
         for rep in range(args.reps):
