@@ -1,7 +1,7 @@
 // decode_attend_tc.cuh: the header decode_attend_tc.cu is built with: inline-PTX helpers (mma.sync, movmatrix,
 // conversions to half2, prmt, funnel shift, ex2, shared-memory loads), the steps of the online softmax, the values'
-// mma and the warp merge (kvq_softmax_step, kvq_rescale, kvq_probs, kvq_pfrag, kvq_mma_vt, kvq_warp_merge: both
-// tensor-core kernels call them), the row loader of uncompressed tokens, the bit-field and table-lookup macros, and
+// mma and the warp merge (kvq_softmax_step, kvq_warp_rescales, kvq_rescale, kvq_probs, kvq_pfrag, kvq_mma_vt,
+// kvq_warp_merge: both tensor-core kernels call them), the row loader of uncompressed tokens, the bit-field and table-lookup macros, and
 // the macros that write each step of one side once for both (keys K, k and values V, v): KVQ_FILL_TABLE,
 // KVQ_LOAD_CODES, KVQ_SLICE_WORDS, KVQ_DECODE_PAIR; the tag that picks a block's role (kvq_role),
 // the store of the output in its dtype (kvq_store), the merge's fence (kvq_fence_acq_rel) and the warp-wide
@@ -106,6 +106,12 @@ __device__ __forceinline__ void kvq_softmax_step(const float (&sc)[NT][4], float
     al1 = kvq_exp2(m1 - z1);
     m0 = n0; m1 = n1;
     l0 *= al0; l1 *= al1;
+}
+// whether any lane of the warp must rescale what it accumulated (a row's max moved: al0 or al1 below 1); once the
+// running max settles, a step skips the KS * 4 multiplies of kvq_rescale (warp-uniform, so the branch never
+// diverges; all 32 lanes call it)
+__device__ __forceinline__ bool kvq_warp_rescales(const float al0, const float al1) {
+    return __any_sync(0xffffffffu, al0 != 1.0f || al1 != 1.0f);
 }
 // the first N m-tiles of accumulators acc times the rows' factors f0, f1
 template <int N, int M>
