@@ -1,11 +1,11 @@
 // decode_attend_tc.cuh: the header decode_attend_tc.cu is built with: inline-PTX helpers (mma.sync, movmatrix,
-// conversions to half2, prmt, funnel shift, ex2, shared-memory loads), the steps of the online softmax, the values'
-// mma and the warp merge (kvq_softmax_step, kvq_warp_rescales, kvq_rescale, kvq_probs, kvq_pfrag, kvq_mma_vt,
-// kvq_warp_merge: both tensor-core kernels call them), the row loader of uncompressed tokens, the bit-field and table-lookup macros, and
-// the macros that write each step of one side once for both (keys K, k and values V, v): KVQ_FILL_TABLE,
-// KVQ_LOAD_CODES, KVQ_SLICE_WORDS, KVQ_DECODE_PAIR; the tag that picks a block's role (kvq_role),
-// the store of the output in its dtype (kvq_store), the merge's fence (kvq_fence_acq_rel) and the warp-wide
-// Hadamard transform of query and output rows (kvq_fwht_rows_warp).
+// conversions to half2, prmt, funnel shift, ex2, shared-memory loads), the steps of the online softmax, the values' mma
+// and the warp merge (kvq_softmax_step, kvq_warp_rescales, kvq_rescale, kvq_probs, kvq_pfrag, kvq_mma_vt,
+// kvq_warp_merge: both tensor-core kernels call them), the row loader of uncompressed tokens, the bit-field and
+// table-lookup macros, and the macros that write each step of one side once for both (keys K, k and values V, v):
+// KVQ_FILL_TABLE, KVQ_LOAD_CODES, KVQ_SLICE_WORDS, KVQ_DECODE_PAIR; the tag that picks a block's role (kvq_role), the
+// store of the output in its dtype (kvq_store), the merge's fence (kvq_fence_acq_rel) and the warp-wide Hadamard
+// transform of query and output rows (kvq_fwht_rows_warp).
 // Used by: decode_attend_tc.cu (its header, loaded with it by kvq_metal.attend_tc; also included by
 // decode_attend_streams_tc.cuh, the header of the tensor-core streams kernel)
 
