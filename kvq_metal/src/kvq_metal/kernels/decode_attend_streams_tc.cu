@@ -267,12 +267,11 @@
         }
     }
     KVQ_BARRIER();
-    // the lane's views of the tables as 32-bit shared addresses (KVQ_TABA): entry e at byte e << SH (a copy per
-    // lane: entries 32 slots apart)
-    const uint katab_l = kvq_smem_addr(katab_s) + (KA_REP ? 4 * lane * (KAQ ? 2 : 1) : 0);
-    const uint kbtab_l = kvq_smem_addr(kbtab_s) + (KB_REP ? 4 * lane * (KBQ ? 2 : 1) : 0);
-    const uint vatab_l = kvq_smem_addr(vatab_s) + (VA_REP ? 4 * lane * (VAQ ? 2 : 1) : 0);
-    const uint vbtab_l = kvq_smem_addr(vbtab_s) + (VB_REP ? 4 * lane * (VBQ ? 2 : 1) : 0);
+    // the lane's views of the tables: entry e at byte e << SH (a copy per lane: entries 32 slots apart)
+    const uint* katab_l = katab_s + (KA_REP ? lane * (KAQ ? 2 : 1) : 0);
+    const uint* kbtab_l = kbtab_s + (KB_REP ? lane * (KBQ ? 2 : 1) : 0);
+    const uint* vatab_l = vatab_s + (VA_REP ? lane * (VAQ ? 2 : 1) : 0);
+    const uint* vbtab_l = vbtab_s + (VB_REP ? lane * (VBQ ? 2 : 1) : 0);
     constexpr int KASH = (KA_REP ? 7 : 2) + (KAQ ? 1 : 0), KBSH = (KB_REP ? 7 : 2) + (KBQ ? 1 : 0);
     constexpr int VASH = (VA_REP ? 7 : 2) + (VAQ ? 1 : 0), VBSH = (VB_REP ? 7 : 2) + (VBQ ? 1 : 0);
 
@@ -468,10 +467,8 @@
         // ---- online softmax of rows 2c, 2c + 1 (a row's scores live in the 8 lanes of equal c)
         float z0, z1, al0, al1;
         kvq_softmax_step(sc, m0, m1, l0, l1, z0, z1, al0, al1);
-        if (kvq_warp_rescales(al0, al1)) {
-            kvq_rescale<MT1>(acca, al0, al1);
-            kvq_rescale<VBX ? MTB : 0>(accb, al0, al1);
-        }
+        kvq_rescale<MT1>(acca, al0, al1);
+        kvq_rescale<VBX ? MTB : 0>(accb, al0, al1);
         // ---- values on tensor cores, one accumulator per value stream
 #pragma unroll
         for (int st = 0; st < NT; ++st) {

@@ -55,19 +55,11 @@
 
     // the tables during the loop, the warps' partial outputs after it
     constexpr int RED = NWARP * 8 * D;
-    // KOR / VOR: a replicated table of at most 64 entries (8 KB) starts at a shared address aligned to its size,
-    // so a lookup's address is the lane's address OR the entry's offset (KVQ_TABO: for 6-bit pair fields a shift and
-    // one LOP3, where an add took a third instruction); TALIGN bytes of alignment, taken at run time from a pad
-    constexpr bool KOR = KREP && KTAB <= 64;
-    constexpr bool VOR = VSAME ? KOR : VREP && VTAB <= 64 && (KTW * 4) % (VTAB * 128) == 0;
-    constexpr int TALIGN = KOR ? KTAB * 128 : (VOR ? VTAB * 128 : 0);
-    constexpr int SMW = KTW + VTW + TALIGN / 4 > RED ? KTW + VTW + TALIGN / 4 : RED;
+    constexpr int SMW = KTW + VTW > RED ? KTW + VTW : RED;
     KVQ_SHARED __align__(16) uint smem_s[SMW];  // 16: the 128-bit stores of the table copies
     KVQ_SHARED float q_s[R * D];
-    // the words before the first table that align it to TALIGN bytes
-    const uint tpad = TALIGN > 0 ? ((0u - kvq_smem_addr(smem_s)) & (uint)(TALIGN > 0 ? TALIGN - 1 : 0)) / 4u : 0u;
-    uint* ktab_s = smem_s + tpad;
-    uint* vtab_s = VSAME ? ktab_s : ktab_s + KTW;
+    uint* ktab_s = smem_s;
+    uint* vtab_s = VSAME ? smem_s : smem_s + KTW;
     // this lane's view of the tables: entry e at byte e << KSH (one copy per lane: 32 words apart)
     constexpr int KSH = KREP ? 7 : 2;
     constexpr int VSH = VREP ? 7 : 2;
@@ -229,9 +221,8 @@
     KVQ_BARRIER();
     KVQ_FILL_TABLE(K, k)
     KVQ_FILL_TABLE(V, v)
-    // this lane's view of the tables, as 32-bit shared addresses (KVQ_TABA)
-    const uint ktab_a = kvq_smem_addr(ktab_s) + (KREP ? 4 * lane : 0);
-    const uint vtab_a = kvq_smem_addr(vtab_s) + (VREP ? 4 * lane : 0);
+    const uint* ktab_l = ktab_s + (KREP ? lane : 0);
+    const uint* vtab_l = vtab_s + (VREP ? lane : 0);
     // queries: scale, (randomized Hadamard rotation), into shared memory
 #include "load_queries.kvq"
     if constexpr (ROT) {
@@ -310,7 +301,7 @@
         // ---- online softmax of rows 2c, 2c + 1 (a row's 16 NT scores live in the 8 lanes of equal c)
         float z0, z1, al0, al1;
         kvq_softmax_step(sc, m0, m1, l0, l1, z0, z1, al0, al1);
-        if (kvq_warp_rescales(al0, al1)) kvq_rescale<KS>(acc, al0, al1);
+        kvq_rescale<KS>(acc, al0, al1);
         // ---- values on tensor cores
 #pragma unroll
         for (int st = 0; st < NT; ++st) {

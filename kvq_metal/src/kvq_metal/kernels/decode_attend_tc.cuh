@@ -1,11 +1,11 @@
 // decode_attend_tc.cuh: the header decode_attend_tc.cu is built with: inline-PTX helpers (mma.sync, movmatrix,
-// conversions to half2, prmt, funnel shift, ex2, shared-memory loads), the steps of the online softmax, the values' mma
-// and the warp merge (kvq_softmax_step, kvq_warp_rescales, kvq_rescale, kvq_probs, kvq_pfrag, kvq_mma_vt,
-// kvq_warp_merge: both tensor-core kernels call them), the row loader of uncompressed tokens, the bit-field and
+// conversions to half2, prmt, funnel shift, ex2), the steps of the online softmax, the values' mma and the warp
+// merge (kvq_softmax_step, kvq_rescale, kvq_probs, kvq_pfrag, kvq_mma_vt, kvq_warp_merge: both tensor-core kernels
+// call them), the row loader of uncompressed tokens, the bit-field and
 // table-lookup macros, and the macros that write each step of one side once for both (keys K, k and values V, v):
-// KVQ_FILL_TABLE, KVQ_LOAD_CODES, KVQ_SLICE_WORDS, KVQ_DECODE_PAIR; the tag that picks a block's role (kvq_role), the
-// store of the output in its dtype (kvq_store), the merge's fence (kvq_fence_acq_rel) and the warp-wide Hadamard
-// transform of query and output rows (kvq_fwht_rows_warp).
+// KVQ_FILL_TABLE, KVQ_LOAD_CODES, KVQ_SLICE_WORDS, KVQ_DECODE_PAIR; the tag that picks a block's role (kvq_role),
+// the store of the output in its dtype (kvq_store), the merge's fence (kvq_fence_acq_rel) and the warp-wide
+// Hadamard transform of query and output rows (kvq_fwht_rows_warp).
 // Used by: decode_attend_tc.cu (its header, loaded with it by kvq_metal.attend_tc; also included by
 // decode_attend_streams_tc.cuh, the header of the tensor-core streams kernel)
 
@@ -107,12 +107,6 @@ __device__ __forceinline__ void kvq_softmax_step(const float (&sc)[NT][4], float
     m0 = n0; m1 = n1;
     l0 *= al0; l1 *= al1;
 }
-// whether any lane of the warp must rescale what it accumulated (a row's max moved: al0 or al1 below 1); once the
-// running max settles, a step skips the KS * 4 multiplies of kvq_rescale (warp-uniform, so the branch never
-// diverges; all 32 lanes call it)
-__device__ __forceinline__ bool kvq_warp_rescales(const float al0, const float al1) {
-    return __any_sync(0xffffffffu, al0 != 1.0f || al1 != 1.0f);
-}
 // the first N m-tiles of accumulators acc times the rows' factors f0, f1
 template <int N, int M>
 __device__ __forceinline__ void kvq_rescale(float (&acc)[M][4], const float f0, const float f1) {
@@ -205,41 +199,21 @@ __device__ __forceinline__ void kvq_dense_row(uint (&dst)[NW], const T* row, con
         for (int k = 0; k < NW; ++k) dst[k] = tmp[k];
     }
 }
-// the 32-bit shared-memory address of p (a pointer into shared memory), and the word (kvq_lds) or two words
-// (kvq_lds64) at such an address: a table lookup whose address is plain 32-bit integer arithmetic (KVQ_TABA) takes
-// one instruction fewer than through a pointer, where nvcc rebuilt a lane's entry address as (e * 32 + lane) * 4 +
-// base (nvcc: the turboquant-4 decode loop 1,157 -> 1,026 instructions per warp step, the streams kernel's 9% fewer)
-__device__ __forceinline__ uint kvq_smem_addr(const void* p) {
-    uint a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }\n" : "=r"(a) : "l"(p));
-    return a;
-}
-__device__ __forceinline__ uint kvq_lds(const uint addr) {
-    uint y;
-    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(y) : "r"(addr));
-    return y;
-}
-__device__ __forceinline__ uint2 kvq_lds64(const uint addr) {
-    uint2 y;
-    asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(y.x), "=r"(y.y) : "r"(addr));
-    return y;
-}
-// entry e of a lane's view of a code table at the shared address taba, entries 1 << SH bytes apart
-#define KVQ_TABA(taba, e, SH) kvq_lds((taba) + ((uint)(e) << (SH)))
-// the same where taba's bits under the table's size are the lane's alone (a table aligned to its size): OR for +
-#define KVQ_TABO(taba, e, SH, OR) kvq_lds((OR) ? ((taba) | ((uint)(e) << (SH))) : ((taba) + ((uint)(e) << (SH))))
+// entry e of a lane's view of a code table whose entries lie 1 << SH bytes apart: a byte offset, so the address
+// is one shift-add (an index scaled by the element size made the compiler spend four instructions on it)
+#define KVQ_TAB(tab, e, SH) (*reinterpret_cast<const uint*>(reinterpret_cast<const char*>(tab) + ((uint)(e) << (SH))))
 // NB bits at bit offset OFF of the register array w (OFF, NB compile-time after unrolling; NB <= 16); a whole
 // byte is one prmt
 #define KVQ_BITS_SHIFT(w, OFF, NB) \
     ((((OFF) & 31) + (NB) <= 32 ? ((w)[(OFF) >> 5] >> ((OFF) & 31)) \
-                                : kvq_funnel((w)[(OFF) >> 5], (w)[((OFF) >> 5) + 1], (OFF) & 31)) \
+                                : (((w)[(OFF) >> 5] >> ((OFF) & 31)) | ((w)[((OFF) >> 5) + 1] << (32 - ((OFF) & 31))))) \
      & ((1u << (NB)) - 1u))
 #define KVQ_BITS(w, OFF, NB) \
     ((NB) == 8 && ((OFF) & 7) == 0 ? kvq_prmt((w)[(OFF) >> 5], 0u, 0x4440u + (((OFF) & 31) >> 3)) \
                                    : KVQ_BITS_SHIFT(w, OFF, NB))
 // NW words of a thread's slice from row (word stride s3) into dst: VEC-word vector loads when vec (unit stride,
-// aligned rows: VEC is a compile-time 1, 2 or 4; VEC 1 word by word at unit stride), else word by word at stride s3,
-// reading words first + k >= lim as 0 unless ALIGNED (a slice that ends on a word)
+// aligned rows: VEC is a compile-time 1, 2 or 4), else word by word, reading words first + k >= lim as 0 unless
+// ALIGNED (a slice that ends on a word)
 #define KVQ_LOAD_SLICE(dst, row, NW, VEC, vec, s3, first, lim, ALIGNED)                                   \
     if ((VEC) == 4 && (vec)) {                                                                          \
         _Pragma("unroll") for (int k_ = 0; k_ < (NW) / 4; ++k_) {                                       \
@@ -251,9 +225,6 @@ __device__ __forceinline__ uint2 kvq_lds64(const uint addr) {
             const uint2 v_ = reinterpret_cast<const uint2*>(row)[k_];                                   \
             dst[2 * k_] = v_.x; dst[2 * k_ + 1] = v_.y;                                                 \
         }                                                                                               \
-    } else if (vec) {                                                                                   \
-        _Pragma("unroll") for (int k_ = 0; k_ < (NW); ++k_)                                             \
-            dst[k_] = (ALIGNED) || (first) + k_ < (lim) ? (uint)(row)[k_] : 0u;                         \
     } else {                                                                                            \
         _Pragma("unroll") for (int k_ = 0; k_ < (NW); ++k_)                                             \
             dst[k_] = (ALIGNED) || (first) + k_ < (lim) ? (uint)(row)[k_ * (s3)] : 0u;                  \
@@ -319,11 +290,11 @@ __device__ __forceinline__ uint2 kvq_lds64(const uint addr) {
     if (DENSE) {                                                                                                   \
         x = buf.d##side[st][u][j];                                                                                 \
     } else if (SIDE##PAIR) {                                                                                       \
-        x = KVQ_TABO(side##tab_a, (p1 << (2 * SIDE##B2)) | p2, SIDE##SH, SIDE##OR);                                           \
+        x = KVQ_TAB(side##tab_l, (p1 << (2 * SIDE##B2)) | p2, SIDE##SH);                                           \
     } else {                                                                                                       \
         const uint ca = ((p1 & SIDE##MASK) << SIDE##B2) | (p2 & SIDE##MASK2);                                      \
         const uint cb = ((p1 >> SIDE##B) << SIDE##B2) | (p2 >> SIDE##B2);                                          \
-        x = kvq_prmt(KVQ_TABO(side##tab_a, ca, SIDE##SH, SIDE##OR), KVQ_TABO(side##tab_a, cb, SIDE##SH, SIDE##OR), 0x7610u);             \
+        x = kvq_prmt(KVQ_TAB(side##tab_l, ca, SIDE##SH), KVQ_TAB(side##tab_l, cb, SIDE##SH), 0x7610u);             \
     }                                                                                                              \
     if (!SIDE##ONE && !DENSE) {                                                                                    \
         const int gi = S##SIDE >= SIDE##G ? (2 * j) / SIDE##G : 0;                                                 \
