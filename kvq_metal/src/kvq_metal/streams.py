@@ -67,12 +67,14 @@ MERGE_INPUTS = ("part", "ml", "fin")
 #: tensor-core kernel where :func:`_tc_plan` serves the call, ``nt`` its tiles of 16 tokens per warp step, ``pf``
 #: whether it issues the next step's loads before this step's math (``None``: where one key and one value stream
 #: leave the registers for it), ``qsh`` whether it reads the query fragments from shared memory, ``rep`` ``False``
-#: for single code tables (no per-lane copies; ``None``: copies while shared memory allows). See :func:`_tc_plan`.
+#: for single code tables (no per-lane copies; ``None``: copies while shared memory allows), ``minb`` the blocks per
+#: SM the tensor-core kernel's registers must allow (``__launch_bounds__``; 0: none). See :func:`_tc_plan`.
 #: Defaults: query fragments from shared memory, one tile, no prefetch. On the H200 they take 0.84x, 1.02x and
 #: 0.80x the GPU time of the former default (two tiles, prefetch where it fits) at 32K for qjl+affine:4,
 #: turboquant_prod:4 and :3, and 1.02x, 1.02x, 0.88x at 128K
 #: (benchmarks/results/streams/2026-12-02-h200-streams-tc-variants-kernel-times.json).
-TUNING = {"kt": 4, "groups": None, "registers": 96, "tc": True, "nt": 1, "pf": False, "qsh": True, "rep": None}
+TUNING = {"kt": 4, "groups": None, "registers": 96, "tc": True, "nt": 1, "pf": False, "qsh": True, "rep": None,
+          "minb": 0}
 TUNING.update(json.loads(os.environ.get("KVQ_STREAMS_TUNING", "{}")))
 #: Most float32 entries of one stream's code table held in shared memory (VecInfer: 2**code_bits * sub_dim).
 MAX_TABLE = 2048
@@ -255,7 +257,7 @@ TC_SHARED_WORDS = 12288 - 256
 
 @lru_cache(maxsize=1024)
 def _tc_plan(signature: tuple, ddt: int, nt: int, pf: bool | None = None, qsh: bool = False,
-             rep: bool | None = None) -> tuple[list | None, str]:
+             rep: bool | None = None, minb: int = 0) -> tuple[list | None, str]:
     """``(template, "")`` of the tensor-core launch (``decode_attend_streams_tc.cu``) for a static signature
     (:func:`_signature`), ``ddt`` the uncompressed tokens' dtype code (0 float16, 1 bfloat16, 2 other), ``nt``
     tiles of 16 tokens per warp step and the knobs ``pf``, ``qsh``, ``rep`` of :data:`TUNING` (arguments, so the
@@ -272,7 +274,9 @@ def _tc_plan(signature: tuple, ddt: int, nt: int, pf: bool | None = None, qsh: b
     per lookup of a nibble table. ``pf``: the next step's loads issued before this step's math (``None``: where
     one key and one value stream leave the registers for it). ``qsh``: the query fragments are read from shared memory
     (one 64-bit load per k-step) instead of held in registers: about 32 registers fewer per thread, which bound the
-    kernel's occupancy (compiled with nvcc, not yet run on a GPU: off by default)."""
+    kernel's occupancy (compiled with nvcc, not yet run on a GPU: off by default). ``minb`` > 0: the kernel is
+    built with ``__launch_bounds__(THREADS, minb)`` (:func:`kvq_metal.dialect.launch_bounds`), so the compiler keeps
+    its registers within what ``minb`` blocks per SM allow (registers only: the same arithmetic)."""
     rows, dq, keys, values, outliers, (nd, sinks, head_dim, qscale), _, _ = signature
     if not 1 <= rows <= 8:
         return None, f"{rows} query rows (the tensor-core kernel takes 1..8)"
@@ -323,7 +327,8 @@ def _tc_plan(signature: tuple, ddt: int, nt: int, pf: bool | None = None, qsh: b
     va_grouped = va[8] < va[0] or va[9]
     # the next step's loads issued before this step's math where registers allow: one key and one value stream
     pf = (kb is None and vb is None) if pf is None else bool(pf)
-    t = [("R", rows), ("DQ", dq), ("THREADS", THREADS), ("NT", nt), ("PF", pf), ("QSH", qsh), ("D", max(head_dim, 16)),
+    t = [("R", rows), ("DQ", dq), ("THREADS", THREADS), ("NT", nt), ("PF", pf), ("QSH", qsh), ("MINB", int(minb)),
+         ("D", max(head_dim, 16)),
          ("DDT", ddt),
          ("ND", nd), ("SINKS", bool(sinks)), ("QSCALE", qscale), ("DO", out_dim),
          ("KA_OFF", ka[7]), ("KA_DIM", ka[0]), ("KA_BITS", ka[1]), ("KA_NS", ka[3]), ("KA_CB", ka[4]),
@@ -432,7 +437,8 @@ def _launch_plan(call: StreamCall, rows: int, dense: tuple, inputs: list, backen
     tc = None
     if backend == "cuda" and TUNING["tc"]:
         ddt = DENSE_DTYPES.get(inputs[INPUTS.index("wk")].dtype, 2) if nd else 0
-        tc, _ = _tc_plan(signature, ddt, TUNING["nt"], TUNING["pf"], TUNING["qsh"], TUNING["rep"])
+        tc, _ = _tc_plan(signature, ddt, TUNING["nt"], TUNING["pf"], TUNING["qsh"], TUNING["rep"],
+                         TUNING["minb"])
     if tc is not None:
         template = tc
         tile = 16 * TUNING["nt"] * THREADS // 32
@@ -662,7 +668,7 @@ class StreamsKernelImpl(KernelImpl):
         # the kernel that will run (and the tensor-core kernel's knobs) is part of the key: a check of one variant
         # says nothing of another
         tc = self.backend == "cuda" and bool(TUNING["tc"])
-        knobs = tuple(TUNING[k] for k in ("nt", "pf", "qsh", "rep")) if tc else ()
+        knobs = tuple(TUNING[k] for k in ("nt", "pf", "qsh", "rep", "minb")) if tc else ()
         key = (_check_key(keys.params), _check_key(values.params), keys.head_dim, rows, queries.dtype, tc, knobs)
         passed = base.first_use_check(self.backend, f"decode_attend_streams[{self.method}]", key,
                                       lambda: check_attend(self, quantize_with_method, keys.params, values.params,
