@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -113,7 +114,8 @@ def test_printed_command_installs_the_plugin_in_a_fresh_environment(form, dist, 
 
 def test_blas_hint_on_a_linux_cpu_without_openblas(monkeypatch):
     """Linux CPU users whose MLX uses its bundled reference BLAS are told how to get OpenBLAS (model runs ~25x
-    faster); nothing is said where an optimised BLAS is mapped in, with KVQ_NO_BLAS_HINT=1, or off Linux."""
+    faster); nothing is said where an optimised BLAS provides ``cblas_sgemm`` ahead of it, where MLX does not use
+    its bundled BLAS, with KVQ_NO_BLAS_HINT=1, or off Linux. numpy's own OpenBLAS mapped in does not count."""
     import sys
 
     import mlx.core as mx
@@ -123,16 +125,40 @@ def test_blas_hint_on_a_linux_cpu_without_openblas(monkeypatch):
     monkeypatch.delenv("KVQ_NO_BLAS_HINT", raising=False)
     monkeypatch.setattr(sys, "platform", "linux")
     monkeypatch.setattr(mx, "default_device", lambda: mx.cpu)
-    plain = "7f00-7f01 r-xp 0 00:00 0 /usr/lib/libc.so.6\n7f02-7f03 r-xp 0 00:00 0 /site-packages/mlx/lib/libmlx.so\n"
-    hint = blas_hint(plain)
+    plain = ("7f00-7f01 r-xp 0 00:00 0 /usr/lib/libc.so.6\n7f02-7f03 r-xp 0 00:00 0 /site-packages/mlx/lib/libmlx.so\n"
+             "7f04-7f05 r-xp 0 00:00 0 /site-packages/mlx_cpu.libs/libblas-bd8a282c.so.3.10.0\n"
+             "7f06-7f07 r-xp 0 00:00 0 /site-packages/numpy.libs/libscipy_openblas64_-32a4b2a6.so\n")
+    hint = blas_hint(plain, provider=None)
     assert hint is not None and "LD_PRELOAD=/usr/lib/" in hint and "openblas-pthread/libopenblas.so.0" in hint
-    assert blas_hint(plain + "7f04-7f05 r-xp 0 00:00 0 /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0\n") \
-        is None
+    openblas = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+    assert blas_hint(plain, provider=openblas) is None
+    assert blas_hint(plain, provider="/opt/intel/lib/libmkl_rt.so.2") is None
+    assert blas_hint(plain, provider="/usr/lib/libblas.so.3") is not None  # a reference BLAS preloaded: still slow
+    assert blas_hint(plain.replace("mlx_cpu.libs/libblas", "x/libmlx_deps"), provider=None) is None
     monkeypatch.setenv("KVQ_NO_BLAS_HINT", "1")
-    assert blas_hint(plain) is None
+    assert blas_hint(plain, provider=None) is None
     monkeypatch.delenv("KVQ_NO_BLAS_HINT")
     monkeypatch.setattr(sys, "platform", "darwin")
-    assert blas_hint(plain) is None
+    assert blas_hint(plain, provider=None) is None
+
+
+_OPENBLAS = Path(f"/usr/lib/{platform.machine()}-linux-gnu/openblas-pthread/libopenblas.so.0")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not _OPENBLAS.exists(),
+                    reason="needs Linux with Debian's OpenBLAS (libopenblas0-pthread)")
+def test_blas_hint_in_real_processes_with_and_without_openblas():
+    """In a real process with numpy imported (as every kvq command has): the note is given without OpenBLAS
+    preloaded and not with it, and :func:`kvq.install_hints.blas_provider` names the preloaded library."""
+    code = ("import numpy, mlx.core; from kvq.install_hints import blas_hint, blas_provider; "
+            "print(repr(blas_provider())); print(blas_hint() is not None)")
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "KVQ_NO_BLAS_HINT")}
+    plain = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert plain.stdout.split("\n")[:2] == ["None", "True"], plain.stdout + plain.stderr
+    env["LD_PRELOAD"] = str(_OPENBLAS)
+    fast = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    provider, shown = fast.stdout.split("\n")[:2]
+    assert "openblas" in provider and shown == "False", fast.stdout + fast.stderr
 
 
 def test_model_commands_print_the_blas_hint_before_model_work(monkeypatch, capsys, tmp_path):

@@ -14,8 +14,10 @@ their own documentation says how to install them.
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
+import os
 import shlex
 import sys
 from functools import lru_cache
@@ -114,19 +116,59 @@ def method_hint(method: str) -> str:
     return f"{method!r} comes with {dist}, which is not installed here; install it with: {install_command(dist)}"
 
 
-#: Names of optimised BLAS libraries: one of them mapped into this process means MLX's CPU matrix products use it.
+#: Names of optimised BLAS libraries: MLX's CPU matrix products are fast when one of them provides ``cblas_sgemm``.
 FAST_BLAS = ("openblas", "libmkl", "libblis", "flexiblas")
 
+#: The reference BLAS that MLX's Linux CPU wheel bundles (``mlx_cpu.libs/libblas-<hash>.so.3``), as it appears in
+#: ``/proc/self/maps``.
+BUNDLED_BLAS = "mlx_cpu.libs/libblas"
 
-def blas_hint(maps: str | None = None) -> str | None:
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+
+def blas_provider() -> str | None:
+    """The file of the library that provides ``cblas_sgemm`` in this process's global symbol scope, or ``None``.
+
+    The dynamic linker binds MLX's ``cblas_sgemm`` to the global scope (the program, its libraries and anything in
+    ``LD_PRELOAD``) before MLX's own dependencies, so a BLAS found here is the one MLX calls; MLX's bundled
+    reference BLAS, loaded with MLX's extension module, is not in that scope. A BLAS that another package bundles
+    for itself (numpy's ``libscipy_openblas64_``, whose symbols are renamed) is mapped into the process but never
+    found here: that is why mere presence in ``/proc/self/maps`` says nothing (a new user's run without OpenBLAS
+    got no note once numpy was imported).
+    """
+    try:
+        process = ctypes.CDLL(None)
+        address = ctypes.cast(process.cblas_sgemm, ctypes.c_void_p)
+    except (AttributeError, OSError):
+        return None
+    info = _DlInfo()
+    for lib in (process, "libdl.so.2"):  # glibc >= 2.34 has dladdr in libc, older ones in libdl
+        try:
+            dladdr = (ctypes.CDLL(lib) if isinstance(lib, str) else lib).dladdr
+        except (AttributeError, OSError):
+            continue
+        if dladdr(address, ctypes.byref(info)) and info.dli_fname:
+            return os.fsdecode(info.dli_fname)
+    return None
+
+
+_UNSET = object()
+
+
+def blas_hint(maps: str | None = None, provider=_UNSET) -> str | None:
     """A one-line note for Linux CPU users whose MLX runs matrix products with the reference BLAS its wheel bundles
     (about 5 GFLOP/s on a 2-core machine; with Debian's OpenBLAS preloaded about 150, which makes model runs about
-    25x faster: README, "Two commands"); ``None`` elsewhere, when an optimised BLAS (:data:`FAST_BLAS`) is loaded,
-    or with ``KVQ_NO_BLAS_HINT=1``.
+    25x faster: README, "Two commands"); ``None`` elsewhere, when MLX does not use its bundled BLAS
+    (:data:`BUNDLED_BLAS` not mapped: an MLX built against another BLAS) or an optimised one (:data:`FAST_BLAS`)
+    provides ``cblas_sgemm`` ahead of it (:func:`blas_provider`), or with ``KVQ_NO_BLAS_HINT=1``.
 
     :param maps: this process's memory map (``/proc/self/maps``; read when ``None``).
+    :param provider: the file providing ``cblas_sgemm`` globally, or ``None`` for none (:func:`blas_provider`
+        when not given).
     """
-    import os
     import platform
 
     if not sys.platform.startswith("linux") or os.environ.get("KVQ_NO_BLAS_HINT") == "1":
@@ -140,7 +182,10 @@ def blas_hint(maps: str | None = None) -> str | None:
             maps = Path("/proc/self/maps").read_text()
         except OSError:
             return None
-    if any(name in maps.lower() for name in FAST_BLAS):
+    if BUNDLED_BLAS not in maps:
+        return None
+    provider = blas_provider() if provider is _UNSET else provider
+    if provider is not None and any(name in Path(provider).name.lower() for name in FAST_BLAS):
         return None
     lib = f"/usr/lib/{platform.machine()}-linux-gnu/openblas-pthread/libopenblas.so.0"
     install = "" if Path(lib).exists() else "apt-get install libopenblas0-pthread, then "
