@@ -40,7 +40,7 @@ def test_where_64_divides_head_dim_nothing_changes():
     assert repr(auto.params) == repr(explicit.params) == "AffineParams(bits=4, group_size=64)"
     a, b = auto.quantize(x, auto.params), explicit.quantize(x, explicit.params)
     assert a.params == b.params and all(mx.array_equal(a.data[k], b.data[k]).item() for k in b.data)
-    assert "group_size=None means 64 for head_dim 128" in auto.explain()
+    assert "group_size: 64 for head_dim 128 (given as None" in auto.explain()
     assert "means" not in explicit.explain()  # a group size given is used as given
 
 
@@ -48,8 +48,9 @@ def test_where_64_divides_head_dim_nothing_changes():
 def test_head_dims_that_64_does_not_divide_get_32(head_dim):
     plan = kvq.select("affine", (1, 2, 64, head_dim))
     assert plan.params == AffineParams(bits=4, group_size=32)
-    assert f"group_size=None means 32 for head_dim {head_dim}" in plan.explain()
-    assert plan.to_dict()["notes"] == [f"group_size=None means 32 for head_dim {head_dim}"]
+    assert f"group_size: 32 for head_dim {head_dim} (given as None" in plan.explain()
+    assert plan.to_dict()["notes"] == [f"group_size: 32 for head_dim {head_dim} (given as None: the method's "
+                                         "default for the head_dim)"]
     x = mx.random.normal((1, 2, 20, head_dim)).astype(mx.float16)
     encoded = plan.quantize(x, AffineParams())  # also from parameters not yet made concrete
     assert encoded.params.group_size == 32

@@ -124,7 +124,7 @@ def test_bad_arguments_fail_before_model_work(no_model_work, small_model_folder,
 
 def test_context_longer_than_the_model_allows(no_model_work, small_model_folder, capsys):
     assert main(["eval", "--model", str(small_model_folder), "--methods", "fp16,affine:4",
-                 "--context", "512,2048"]) == 1
+                 "--context", "512,2K"]) == 1  # K suffixes as in kvq bench
     assert "--context 2048 is longer than the model's max_position_embeddings (1024)" in capsys.readouterr().err
 
 

@@ -42,22 +42,20 @@ def test_select_snippet_prints_plan_bytes_and_error():
 @pytest.mark.slow
 def test_cache_snippet_generates_and_reports_bytes(tmp_path):
     code = next(s for s in snippets() if "kvq.make_prompt_cache(model" in s)
-    out = run(code, cwd=tmp_path)
+    # the snippet's comment says its window makes this short chat compress: so does the cache it saves and loads
+    out = run(code + "\nprint('compressed', min(c.compressed_keys.length for c in cache))", cwd=tmp_path)
     assert (tmp_path / "chat.safetensors").stat().st_size > 0  # the prompt-cache file it saves and loads
     held = re.search(r"(\d+) tokens held in ([\d,]+) bytes", out)
     assert held, out
     assert len(out[: held.start()].strip()) > 0  # the answer's text came first
     assert int(held.group(1)) > 20 and int(held.group(2).replace(",", "")) > 0
-    # the cache holds more tokens than its 4 sinks and the snippet's window keep uncompressed: it compresses some
-    window = int(re.search(r'make_prompt_cache\(model, "turboquant", bits=4, window=(\d+)\)', code).group(1))
-    assert int(held.group(1)) > 4 + window
+    assert int(re.search(r"compressed (\d+)", out).group(1)) >= 16, out
 
 
 @pytest.mark.slow
 def test_core_readme_snippet_generates_with_a_compressing_cache():
     (code,) = snippets(CORE_README)
-    out = run(code)
+    out = run(code + "\nprint('compressed', min(c.compressed_keys.length for c in cache))")
     held = re.search(r"(\d+) tokens held in ([\d,]+) bytes", out)
     assert held and len(out[: held.start()].strip()) > 0, out
-    window = int(re.search(r"window=(\d+)", code).group(1))
-    assert int(held.group(1)) > 4 + window  # more than the sinks and window hold: some tokens were compressed
+    assert int(re.search(r"compressed (\d+)", out).group(1)) >= 16, out  # its comment says it compresses

@@ -81,7 +81,8 @@ class Plan:
         (:class:`kvq.contract.ForHeadDim`; :attr:`notes` says which).
     :attr not_ready: what the parameters' ``check_ready()`` raised (:class:`kvq.contract.ChecksReady`: VecInfer
         without a calibration), or ``None``; while set, :attr:`quantize` raises it and :meth:`explain` says it.
-    :attr notes: how the parameters were made concrete, e.g. ``"group_size=None means 64 for head_dim 128"``.
+    :attr notes: how the parameters were made concrete, e.g. ``"group_size: 64 for head_dim 128 (given as None:
+        the method's default for the head_dim)"``.
     """
 
     method: str
@@ -224,14 +225,16 @@ def _missing(reg, method, op, shape, dtype, kind, kernels) -> str:
 
 def _for_head_dim(params: Any, head_dim: int) -> tuple[Any, tuple[str, ...]]:
     """``params`` with head_dim-dependent defaults made concrete (:class:`kvq.contract.ForHeadDim`), and a note per
-    field that changed (``"group_size=None means 32 for head_dim 32"``)."""
+    field that changed (``"group_size: 32 for head_dim 32 (given as None: the method's default for the
+    head_dim)"``)."""
     for_head_dim = optional_hook(params, ForHeadDim)
     if for_head_dim is None:
         return params, ()
     resolved = for_head_dim(head_dim)
     fields = [f.name for f in attrs.fields(type(params))] if attrs.has(type(params)) else []
-    return resolved, tuple(f"{name}={getattr(params, name)!r} means {getattr(resolved, name)!r} for head_dim "
-                           f"{head_dim}" for name in fields if getattr(params, name) != getattr(resolved, name))
+    return resolved, tuple(f"{name}: {getattr(resolved, name)!r} for head_dim {head_dim} (given as "
+                           f"{getattr(params, name)!r}: the method's default for the head_dim)"
+                           for name in fields if getattr(params, name) != getattr(resolved, name))
 
 
 def _not_ready(params: Any) -> Exception | None:

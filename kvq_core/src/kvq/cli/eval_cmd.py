@@ -20,18 +20,10 @@ EPILOG = "method strings:\n" + spec_module.__doc__.split("Grammar", 1)[1].split(
 A method calibrated per model (vecinfer) uses the calibration of --model unless [model_id=...] names another.
 The fp16 cache is always run first as the reference (added if not listed). kvq caches keep --sinks first and
 --window last tokens uncompressed; their bits per coordinate exclude those tokens (the table also gives the
-effective bits at the context length). mlx-affine quantizes every token.
+effective bits at the context length); the window grows to --window + flush - 1 tokens before its oldest flush
+tokens are compressed together (flush 128 by default: kvq.defaults.DEFAULT_FLUSH; per method with [flush=N], e.g.
+turboquant:3[flush=1]). mlx-affine quantizes every token.
 """
-
-
-def _ints(text: str, name: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise ValueError(f"{name} must be positive integers separated by commas; got {text!r}")
-    return values
 
 
 def _depths(text: str) -> tuple[float, ...]:
@@ -76,7 +68,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="model name, folder, .gguf or Hub id (default: SmolLM2-135M-Instruct)")
     p.add_argument("--methods", required=True, help="comma-separated method strings (see below)")
     p.add_argument("--text", default=None, help="UTF-8 text file (default: the Python language reference)")
-    p.add_argument("--context", default="2048", help="context lengths, comma-separated (default 2048)")
+    p.add_argument("--context", default="2048", help="context lengths, comma-separated, K suffix allowed (default 2048)")
     p.add_argument("--windows", type=int, default=3, help="text windows per context (default 3)")
     p.add_argument("--score-tokens", type=int, default=256, help="tokens scored per window (default 256)")
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk size (default 512)")
@@ -95,7 +87,9 @@ def parser() -> argparse.ArgumentParser:
 
 def check(args) -> tuple[list, list[int], str, str, Path, dict]:
     """Every input check that needs no model weights. :raises ValueError: the first bad input, named."""
-    contexts = _ints(args.context, "--context")
+    from ..bench.ops import parse_sizes
+
+    contexts = list(parse_sizes(args.context, "--context"))
     for name in ("windows", "score_tokens", "chunk"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")

@@ -72,10 +72,15 @@ def cache_options(args: argparse.Namespace) -> dict:
     calibration unless ``--param model_id=...`` names another, and parameters that cannot encode yet (no such
     calibration) fail here, before the model is loaded (:func:`kvq.evaluation.spec.for_model`).
 
-    :raises ValueError: such a combination, a string that does not parse, bad or unready parameters.
+    :raises ValueError: such a combination, a string that does not parse, bad or unready parameters, ``--sinks``
+        or ``--window`` below 0, ``--flush`` below 1.
     """
     from ..evaluation.spec import for_model, parse_method
 
+    for name, low in (("sinks", 0), ("window", 0), ("flush", 1)):  # named as the command line spells them
+        value = getattr(args, name, None)
+        if value is not None and value < low:
+            raise ValueError(f"--{name} must be an integer >= {low}; got {value}")
     if any(c in args.method for c in ":+["):
 
         given = [name for name, value in (("--bits", args.bits), ("--param", args.param),

@@ -17,7 +17,8 @@ DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 
 def parse_shape(text: str) -> tuple[int, int, int, int]:
-    """``"1,8,4096,128"`` -> ``(1, 8, 4096, 128)``. :raises ValueError: not four non-negative ints."""
+    """``"1,8,4096,128"`` (or ``"1x8x4096x128"``) -> ``(1, 8, 4096, 128)``. :raises ValueError: not four
+    non-negative ints."""
     try:
         shape = tuple(int(v) for v in text.replace("x", ",").split(","))
     except ValueError:
@@ -43,7 +44,7 @@ def parse_param(text: str) -> tuple[str, object]:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="kvq select", description=__doc__)
     parser.add_argument("method", help="method name (see 'kvq list')")
-    parser.add_argument("--shape", required=True, help="B,H_kv,T,D of the keys/values")
+    parser.add_argument("--shape", required=True, help="B,H_kv,T,D of the keys/values (or BxH_kvxTxD)")
     parser.add_argument("--dtype", default="float16", choices=sorted(DTYPES))
     parser.add_argument("--op", choices=OPS, default=None, help="one op (default: all four)")
     parser.add_argument("--device", default=None, help="cpu, gpu, metal or cuda (default: MLX's default)")

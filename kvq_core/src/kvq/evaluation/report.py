@@ -59,8 +59,8 @@ def markdown(document: dict) -> str:
     parts = []
     for run in document["runs"]:
         s = run["settings"]
-        parts.append(f"### {s['context']} tokens of context, {s['windows']} windows x {s['score_tokens']} scored "
-                     f"tokens (offsets {', '.join(map(str, run['offsets']))}), needle depths "
+        parts.append(f"### {s['context']} tokens of context, {s['windows']} window{'s' * (s['windows'] != 1)} x "
+                     f"{s['score_tokens']} scored tokens (offsets {', '.join(map(str, run['offsets']))}), needle depths "
                      f"{', '.join(f'{d:g}' for d in s['needle_depths']) or 'none'}\n")
         parts.append(markdown_table(run["rows"]) + "\n")
         for r in run["rows"]:
