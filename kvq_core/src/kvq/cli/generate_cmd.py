@@ -292,7 +292,7 @@ def summary_rows(model, run: Run, reference: Run | None) -> tuple[list[list[str]
     if reference is not None and run.comparison is not None:
         c = run.comparison
         rows += [["top-1 agreement (fp16 tokens)", dash, f"{c.agreement}/{len(c)}"],
-                 ["mean KL(fp16 || method)", dash, f"{c.mean_kl:.4f} nats"],
+                 ["mean KL(fp16 || method)", dash, f"{max(c.mean_kl, 0.0):.4f} nats"],  # -0.0000: rounding
                  ["identical prefix of the outputs", dash,
                   f"{quality.common_prefix(reference.tokens, run.tokens)}/{len(reference.tokens)} tokens"]]
     notes = [note] if note else []
