@@ -228,7 +228,7 @@ class PackedRows:
         if not done and all(m == n for m in lengths):
             self.window_keys[:, :, n : n + 1] = keys
             self.window_values[:, :, n : n + 1] = values
-        else:
+        elif len(done) < B:  # every row in done (each made its first compression this step): nothing to write
             rest = [b for b in range(B) if b not in done]
             rows, slots = mx.array(rest), mx.array([lengths[b] for b in rest])
             k, v = (keys, values) if not done else (mx.take(keys, rows, axis=0), mx.take(values, rows, axis=0))
