@@ -29,6 +29,7 @@ from ..validate import float_array
 from ..encoded import Encoded
 from .guard import check_policy, guard_layer
 from .prefill import IN_FLIGHT, chunk_mask, rows_per_call
+from .reuse import check_trim
 from .state import check_layer, config_from_json, config_to_json
 from .store import DenseBuffer, EncodedStore
 
@@ -897,13 +898,29 @@ class KVQCache:
     def is_trimmable(self) -> bool:
         return True
 
+    def trims_exactly(self, n: int) -> bool:
+        """Whether :meth:`trim` of ``n`` tokens leaves exactly what a fresh cache fed the remaining tokens holds
+        (the same tokens compressed, the same uncompressed), so that what follows attends as in a run that never
+        saw the trimmed tokens. ``False`` where a window flush since the remaining tokens compressed some that a
+        fresh run would still hold uncompressed: their 16-bit copies are gone. mlx-lm's server recomputes
+        instead of reusing such a trim (:mod:`kvq.cache.reuse`)."""
+        n = max(0, min(n, self.offset))
+        remaining = self.offset - n
+        non_sinks = remaining - min(remaining, self.config.sinks)
+        fresh = self._leaving(0, non_sinks)  # what a token-by-token run of the remaining tokens compressed
+        kept = self.compressed_keys.length - max(0, n - self.window.length)
+        return max(0, kept) == fresh
+
     def trim(self, n: int) -> int:
         """Forget the newest ``n`` tokens; returns how many were removed.
 
         Tokens are removed from the window first, then from the compressed store (exactly: encodings are per
-        token), then from the sinks. Tokens left behind keep the form they had: after trimming more than the
-        window holds, the newest remaining tokens are compressed where a fresh run would hold them uncompressed.
+        token), then from the sinks. Tokens left behind keep the form they had: where a window flush came after
+        the remaining tokens (:meth:`trims_exactly` is ``False``), some of them stay compressed that a fresh run
+        would hold uncompressed. Inside :func:`kvq.cache.reuse.exact_trims` (mlx-lm's prompt-cache reuse) such a
+        trim raises :class:`kvq.cache.reuse.InexactTrim` and changes nothing.
         """
+        check_trim(self, n)
         n = max(0, min(n, self.offset))
         left = n - self.window.trim(n)
         if left:

@@ -23,6 +23,7 @@ import numpy as np
 
 from ..attention import dense_attend, empty_part, merge_parts, sink_logits_part
 from .layer import CacheConfig, KVQCache
+from .reuse import check_trim
 from .ring import RingStore, concat_encoded
 
 
@@ -262,9 +263,11 @@ class RotatingKVQCache(KVQCache):
     def trim(self, n: int) -> int:
         """Forget the newest ``n`` tokens (the residual window's, then the ring's, then the ``keep`` ones); returns
         how many were removed: 0 once the cache is not :meth:`is_trimmable` (tokens it would need again are gone).
-        Tokens left behind keep the form they had, as in :meth:`KVQCache.trim`."""
+        Tokens left behind keep the form they had, as in :meth:`KVQCache.trim` (and inexact trims are refused
+        where that one refuses them)."""
         if not self.is_trimmable():
             return 0
+        check_trim(self, n)
         n = max(0, min(n, self.offset))
         rest = n - self.window.trim(n)
         if rest:

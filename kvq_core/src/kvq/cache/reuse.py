@@ -1,0 +1,69 @@
+"""Prompt-cache reuse that never changes an answer: mlx-lm's server reuses a kvq cache only where a trim is exact.
+
+mlx-lm's server keeps the caches of finished requests (``mlx_lm.models.cache.LRUPromptCache``) and serves a new
+request from the entry sharing its longest prefix; an entry longer than that prefix (the same question asked again:
+the entry holds the question and its answer) is copied and trimmed back to the prefix. A kvq cache compresses a
+window's oldest tokens when a flush comes due, and their 16-bit copies are gone: if the answer's tokens pushed the
+window past a flush, the trimmed copy holds compressed some prompt tokens that a fresh run of the same request
+holds uncompressed, and the same request got another answer (found by a new user: ``kvq serve --window 16
+--flush 16``, one question asked four times, the fresh answer twice and another twice).
+
+:meth:`kvq.cache.KVQCache.trims_exactly` says whether a trim leaves exactly what a fresh run of the remaining
+tokens holds. Inside :func:`exact_trims` a kvq cache's ``trim`` raises :class:`InexactTrim` instead of trimming
+otherwise, and :func:`fetch_nearest_cache` (mlx-lm's ``LRUPromptCache.fetch_nearest_cache``, patched in by
+:mod:`kvq.cache.patch`) answers such a request with no cache: the server recomputes the prompt, as for a request
+it has never seen. Everything else (an exact trim, an entry that is a prefix of the request, other caches) is
+mlx-lm's own logic, unchanged. Speculative decoding and direct ``trim`` calls still trim as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+_STATE = threading.local()
+
+
+class InexactTrim(ValueError):
+    """A kvq cache asked, inside :func:`exact_trims`, to trim where the result would differ from a fresh run."""
+
+
+@contextlib.contextmanager
+def exact_trims():
+    """Within this block (on this thread), kvq caches refuse inexact trims with :class:`InexactTrim`."""
+    previous = getattr(_STATE, "exact", False)
+    _STATE.exact = True
+    try:
+        yield
+    finally:
+        _STATE.exact = previous
+
+
+def exact_required() -> bool:
+    """Whether this thread is inside :func:`exact_trims`."""
+    return getattr(_STATE, "exact", False)
+
+
+def check_trim(cache, n: int) -> None:
+    """:raises InexactTrim: inside :func:`exact_trims`, when ``cache.trim(n)`` would not be exact
+    (:meth:`kvq.cache.KVQCache.trims_exactly`)."""
+    if exact_required() and not cache.trims_exactly(n):
+        raise InexactTrim(f"trimming {n} of {cache.offset} tokens would leave compressed tokens that a fresh run "
+                          f"holds uncompressed")
+
+
+def exact_fetch(original):
+    """``LRUPromptCache.fetch_nearest_cache`` made to refuse inexact trims of kvq caches: same signature and result
+    ``(cache or None, tokens still to process)``; where the nearest entry is a kvq cache that cannot be trimmed
+    exactly to the shared prefix, ``(None, tokens)`` (the stored entry is untouched: mlx-lm trims a copy)."""
+
+    def fetch_nearest_cache(self, model, tokens):
+        with exact_trims():
+            try:
+                return original(self, model, tokens)
+            except InexactTrim:
+                return None, tokens
+
+    fetch_nearest_cache.__wrapped__ = original
+    fetch_nearest_cache.__doc__ = exact_fetch.__doc__
+    return fetch_nearest_cache
