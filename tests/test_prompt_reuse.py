@@ -96,12 +96,22 @@ def _greedy(model, cache, prompt: list[int], n: int) -> list[int]:
     return [int(t) for t, _ in step]
 
 
+def _filled(model, tokens: list[int], options: dict) -> list:
+    cache = make_prompt_cache(model, "affine", bits=4, **options)
+    model(mx.array(tokens)[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+@pytest.mark.parametrize("segment", [False, True], ids=["no-segment-entry", "segment-entry"])
 @pytest.mark.parametrize("answer", [3, 12])
-def test_the_servers_prompt_cache_gives_a_repeated_request_the_fresh_answer(llama_model, answer):
-    """mlx-lm's LRUPromptCache holding a finished request (prompt + answer) and asked for the same prompt again: a
+def test_the_servers_prompt_cache_gives_a_repeated_request_the_fresh_answer(llama_model, answer, segment):
+    """mlx-lm's LRUPromptCache holding a finished request (prompt + answer), and with ``segment`` the cache of the
+    prompt's first 20 tokens (the server stores one at each chat segment's end), asked for the same prompt again: a
     trim that is exact (3 answer tokens, no flush since the prompt) is reused; one that is not (12, past a flush)
-    is answered with no cache (the server recomputes). Either way the repeated request's greedy tokens are the
-    fresh run's; without the patch the inexact trim was reused and its state differed from the fresh run's."""
+    is not: the request gets the segment's entry, kept beside the longer one (mlx-lm drops the prefixes of a
+    trimmable cache's entry), or no cache (the server recomputes). Either way the repeated request's greedy tokens
+    are the fresh run's; before, the inexact trim was reused, its state not the fresh run's."""
     # 28 tokens after the sinks: 16 compressed, a window of 12 (8 .. 15, flush 8); mlx-lm trims to the prompt's
     # first 29 (16 and 11); 3 answer tokens leave 16 compressed, 12 compress 8 more
     prompt = [(11 * i + 5) % 200 + 1 for i in range(30)]
@@ -111,12 +121,16 @@ def test_the_servers_prompt_cache_gives_a_repeated_request_the_fresh_answer(llam
     tokens = prompt + _greedy(llama_model, first, prompt, answer)
     stored = tokens[: first[0].offset]  # what the cache holds (the last answer token is never fed back)
     lru = LRUPromptCache(max_size=4)
+    if segment:
+        lru.insert_cache("model", prompt[:20], _filled(llama_model, prompt[:20], options), cache_type="user")
     lru.insert_cache("model", stored, first)
     cache, rest = lru.fetch_nearest_cache("model", prompt)
     exact = first[0].trims_exactly(len(stored) - (len(prompt) - 1))
     assert exact == (answer == 3)
     if exact:
         assert cache is not None and rest == prompt[-1:] and cache[0].offset == len(prompt) - 1
+    elif segment:
+        assert cache is not None and rest == prompt[20:] and cache[0].offset == 20
     else:
         assert cache is None and rest == prompt
         cache = make_prompt_cache(llama_model, "affine", bits=4, **options)

@@ -29,7 +29,7 @@ from ..validate import float_array
 from ..encoded import Encoded
 from .guard import check_policy, guard_layer
 from .prefill import IN_FLIGHT, chunk_mask, rows_per_call
-from .reuse import check_trim
+from .reuse import check_trim, trimmable_now
 from .state import check_layer, config_from_json, config_to_json
 from .store import DenseBuffer, EncodedStore
 
@@ -896,7 +896,9 @@ class KVQCache:
         return self.offset == 0
 
     def is_trimmable(self) -> bool:
-        return True
+        """Whether :meth:`trim` removes tokens: always, except inside :func:`kvq.cache.reuse.untrimmable` (mlx-lm's
+        prompt cache deciding which stored entries to keep and reuse)."""
+        return trimmable_now()
 
     def trims_exactly(self, n: int) -> bool:
         """Whether :meth:`trim` of ``n`` tokens leaves exactly what a fresh cache fed the remaining tokens holds

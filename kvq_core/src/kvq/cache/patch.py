@@ -25,14 +25,14 @@ from mlx_lm.models import cache as mlx_cache
 
 from .batch import BatchKVQCache
 from .layer import CompressedView, KVQCache
-from .reuse import exact_fetch
+from .reuse import exact_fetch, prefix_keeping_insert
 
 _ORIGINAL = base.scaled_dot_product_attention
 _ORIGINAL_MAKE = mlx_cache.make_prompt_cache
 #: mlx-lm's prompt-cache lookup (its server's LRU of finished requests' caches); None in an mlx-lm without it
 _LRU = getattr(mlx_cache, "LRUPromptCache", None)
-_ORIGINAL_FETCH = _LRU.fetch_nearest_cache if _LRU is not None else None
-_EXACT_FETCH = exact_fetch(_ORIGINAL_FETCH) if _LRU is not None else None
+_ORIGINAL_LRU = (_LRU.fetch_nearest_cache, _LRU.insert_cache) if _LRU is not None else None
+_EXACT_LRU = (exact_fetch(_ORIGINAL_LRU[0]), prefix_keeping_insert(_ORIGINAL_LRU[1])) if _LRU is not None else None
 _PATCHED: set[str] = set()
 _PATCHED_MAKE: set[str] = set()
 
@@ -93,12 +93,12 @@ def patch() -> list[str]:
     """Patch every loaded ``mlx_lm.models`` module that uses mlx-lm's attention; returns their names.
 
     Idempotent: a module already patched is left alone. Modules imported later are patched by the next call
-    (``kvq.make_prompt_cache`` calls it every time). mlx-lm's server's prompt-cache lookup is patched too
-    (``LRUPromptCache.fetch_nearest_cache``): it no longer reuses a kvq cache through a trim that would change
-    what the request attends (:mod:`kvq.cache.reuse`).
+    (``kvq.make_prompt_cache`` calls it every time). mlx-lm's server's prompt cache is patched too
+    (``LRUPromptCache.fetch_nearest_cache`` and ``insert_cache``): it no longer reuses a kvq cache through a trim
+    that would change what the request attends (:mod:`kvq.cache.reuse`).
     """
     if _LRU is not None:
-        _LRU.fetch_nearest_cache = _EXACT_FETCH
+        _LRU.fetch_nearest_cache, _LRU.insert_cache = _EXACT_LRU
     for name, module in list(sys.modules.items()):
         if name.startswith("mlx_lm.models.") and name != "mlx_lm.models.base" and module is not None:
             if getattr(module, "scaled_dot_product_attention", None) is _ORIGINAL:
@@ -114,8 +114,8 @@ def patch() -> list[str]:
 
 def unpatch() -> None:
     """Restore mlx-lm's original functions everywhere kvq patched them."""
-    if _LRU is not None and _LRU.fetch_nearest_cache is _EXACT_FETCH:
-        _LRU.fetch_nearest_cache = _ORIGINAL_FETCH
+    if _LRU is not None and (_LRU.fetch_nearest_cache, _LRU.insert_cache) == _EXACT_LRU:
+        _LRU.fetch_nearest_cache, _LRU.insert_cache = _ORIGINAL_LRU
     for name in list(_PATCHED_MAKE):
         module = sys.modules.get(name)
         if module is not None and getattr(module, "make_prompt_cache", None) is make_prompt_cache:

@@ -10,10 +10,13 @@ holds uncompressed, and the same request got another answer (found by a new user
 
 :meth:`kvq.cache.KVQCache.trims_exactly` says whether a trim leaves exactly what a fresh run of the remaining
 tokens holds. Inside :func:`exact_trims` a kvq cache's ``trim`` raises :class:`InexactTrim` instead of trimming
-otherwise, and :func:`fetch_nearest_cache` (mlx-lm's ``LRUPromptCache.fetch_nearest_cache``, patched in by
-:mod:`kvq.cache.patch`) answers such a request with no cache: the server recomputes the prompt, as for a request
-it has never seen. Everything else (an exact trim, an entry that is a prefix of the request, other caches) is
-mlx-lm's own logic, unchanged. Speculative decoding and direct ``trim`` calls still trim as before.
+otherwise; mlx-lm's ``LRUPromptCache`` (patched by :mod:`kvq.cache.patch`) then looks again as if kvq's caches
+could not be trimmed (:func:`untrimmable`): it serves the request from the longest stored entry that is a prefix of
+it, or from no cache (the server recomputes). Its ``insert_cache`` keeps those prefix entries for kvq caches (for
+trimmable caches mlx-lm drops them, relying on trims): a finished request's entry then sits beside the entries at
+its segment boundaries (system prompt, user turn), which later requests reuse exactly. Everything else (an exact
+trim, other caches) is mlx-lm's own logic, unchanged; speculative decoding and direct ``trim`` calls trim as
+before.
 """
 
 from __future__ import annotations
@@ -44,6 +47,22 @@ def exact_required() -> bool:
     return getattr(_STATE, "exact", False)
 
 
+@contextlib.contextmanager
+def untrimmable():
+    """Within this block (on this thread), kvq caches answer ``is_trimmable()`` with ``False``."""
+    previous = getattr(_STATE, "untrimmable", False)
+    _STATE.untrimmable = True
+    try:
+        yield
+    finally:
+        _STATE.untrimmable = previous
+
+
+def trimmable_now() -> bool:
+    """What a kvq cache's ``is_trimmable()`` answers on this thread: ``False`` inside :func:`untrimmable`."""
+    return not getattr(_STATE, "untrimmable", False)
+
+
 def check_trim(cache, n: int) -> None:
     """:raises InexactTrim: inside :func:`exact_trims`, when ``cache.trim(n)`` would not be exact
     (:meth:`kvq.cache.KVQCache.trims_exactly`)."""
@@ -55,15 +74,31 @@ def check_trim(cache, n: int) -> None:
 def exact_fetch(original):
     """``LRUPromptCache.fetch_nearest_cache`` made to refuse inexact trims of kvq caches: same signature and result
     ``(cache or None, tokens still to process)``; where the nearest entry is a kvq cache that cannot be trimmed
-    exactly to the shared prefix, ``(None, tokens)`` (the stored entry is untouched: mlx-lm trims a copy)."""
+    exactly to the shared prefix, the answer mlx-lm gives for caches that cannot be trimmed (the longest stored
+    prefix of the request, or ``None``). The stored entry is untouched: mlx-lm trims a copy."""
 
     def fetch_nearest_cache(self, model, tokens):
         with exact_trims():
             try:
                 return original(self, model, tokens)
             except InexactTrim:
-                return None, tokens
+                pass
+        with untrimmable():
+            return original(self, model, tokens)
 
     fetch_nearest_cache.__wrapped__ = original
     fetch_nearest_cache.__doc__ = exact_fetch.__doc__
     return fetch_nearest_cache
+
+
+def prefix_keeping_insert(original):
+    """``LRUPromptCache.insert_cache`` that keeps the stored prefixes of a kvq cache's tokens (mlx-lm drops them for
+    trimmable caches): the entries :func:`exact_fetch` falls back to. Same signature and result."""
+
+    def insert_cache(self, *args, **kwargs):
+        with untrimmable():
+            return original(self, *args, **kwargs)
+
+    insert_cache.__wrapped__ = original
+    insert_cache.__doc__ = prefix_keeping_insert.__doc__
+    return insert_cache

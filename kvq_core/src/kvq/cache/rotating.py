@@ -23,7 +23,7 @@ import numpy as np
 
 from ..attention import dense_attend, empty_part, merge_parts, sink_logits_part
 from .layer import CacheConfig, KVQCache
-from .reuse import check_trim
+from .reuse import check_trim, trimmable_now
 from .ring import RingStore, concat_encoded
 
 
@@ -257,8 +257,8 @@ class RotatingKVQCache(KVQCache):
 
     def is_trimmable(self) -> bool:
         """Whether :meth:`trim` can remove tokens: while ``offset < max_size`` (no token has left the window yet),
-        as mlx-lm's ``RotatingKVCache``."""
-        return self.offset < self.max_size
+        as mlx-lm's ``RotatingKVCache`` (and never inside :func:`kvq.cache.reuse.untrimmable`)."""
+        return self.offset < self.max_size and trimmable_now()
 
     def trim(self, n: int) -> int:
         """Forget the newest ``n`` tokens (the residual window's, then the ring's, then the ``keep`` ones); returns
