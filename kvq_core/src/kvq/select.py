@@ -277,8 +277,8 @@ def select(
         (:class:`kvq.contract.ChecksReady`, e.g. VecInfer without a calibration) give a plan that says why
         (``plan.not_ready``, :meth:`Plan.explain`) and whose ``quantize`` raises it; such plans are not cached, so
         a calibration made later is seen.
-    :raises ValueError: unknown method or op, bad shape, a head_dim the method does not support, ``kernels``
-        not one of :data:`KERNELS`, ``op`` given and no allowed implementation supports it, or
+    :raises ValueError: unknown method or op, bad shape, a head_dim the method does not support,
+        ``num_q_heads`` not a positive multiple of ``H_kv``, ``kernels`` not one of :data:`KERNELS`, ``op`` given and no allowed implementation supports it, or
         ``kernels="require"`` and no kernel serves any of the ops asked (the message names what is missing).
     :raises TypeError: non-float ``dtype``.
     """
@@ -304,8 +304,14 @@ def select(
         raise TypeError(f"dtype must be float16, bfloat16 or float32; got {dtype}")
     params = declaration.make_params() if params is None else params
     if not isinstance(params, declaration.params_class):
-        raise TypeError(f"params must be a {declaration.params_class.__name__} for method {method!r}; got {params!r}")
+        name = declaration.params_class.__name__
+        raise TypeError(f"params must be {'an' if name[0] in 'AEIOU' else 'a'} {name} for method {method!r}; got "
+                        f"{params!r}")
     Problem(method, "quantize", shape)  # validates the shape
+    if num_q_heads is not None and (not isinstance(num_q_heads, int) or num_q_heads < 1
+                                    or shape[1] and num_q_heads % shape[1]):
+        raise ValueError(f"num_q_heads must be a positive multiple of the shape's H_kv ({shape[1]}: grouped-query "
+                         f"attention); got {num_q_heads!r}")
     params.check_head_dim(shape[3])
     check_kernels(kernels)
     ops = OPS if op is None else (op,)
