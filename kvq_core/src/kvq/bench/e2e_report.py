@@ -69,7 +69,8 @@ def markdown_file(document: dict) -> str:
     lines = [*header_lines("kvq bench e2e", document),
              f"Fill: {s['fill']} (chunks of {s['chunk']}); decode: {s['warmup']} warmup + {s['steps']} timed steps"
              f"{_batch(s)}{_rounds(s)}; "
-             f"kvq caches: sinks {s['sinks']}, window {s['window']}, kernels {s['kernels']}.",
+             f"kvq caches: sinks {s['sinks']}, window {s['window']}"
+             f"{'' if s.get('flush') is None else ', flush ' + str(s['flush'])}, kernels {s['kernels']}.",
              *(f"Note: {n}" for n in document.get("notes", [])), "", markdown(document["rows"])]
     return "\n".join(lines) + "\n"
 

@@ -304,8 +304,14 @@ def e2e_main(argv: list[str]) -> int:
 
     def notes(info: dict) -> list[str]:
         limit, steps = info["max_position_embeddings"], settings.warmup + settings.rounds * (settings.steps + 2)
-        return [f"context {c} + {steps} decode steps exceed max_position_embeddings {limit}"
-                for c in settings.contexts if limit and c + steps > limit]
+        lines = [f"context {c} + {steps} decode steps exceed max_position_embeddings {limit}"
+                 for c in settings.contexts if limit and c + steps > limit]
+        if settings.steps % settings.flush:  # tokens/s counts a flush's cost once per flush steps only then
+            lines.append(f"--steps {settings.steps} is not a multiple of --flush {settings.flush}: the timed steps "
+                         f"hold {settings.steps // settings.flush} or {-(-settings.steps // settings.flush)} window "
+                         f"flushes of a kvq cache where decoding holds one per {settings.flush} steps, so its "
+                         f"tokens/s {'leaves out' if settings.steps < settings.flush else 'misweighs'} their cost")
+        return lines
 
     return run_bench("kvq bench e2e", argv, args, checked, "",
                      ("contexts", "steps", "warmup", "chunk", "fill", "sinks", "window", "kernels", "seed", "flush",
