@@ -11,6 +11,10 @@ calibration unless ``--param model_id=...`` names another); every other option g
 the loaded model's ``make_cache()`` return kvq caches (:func:`kvq.patch_model`), which mlx-lm's
 request loop, ``BatchGenerator`` and prompt-cache reuse then use. Under ``mlx.launch`` mlx-lm shards the model
 (tensor parallel, or ``--pipeline``), rank 0 serves HTTP and every rank builds its kvq caches.
+
+Requests leave ``model`` out (or name the served model as ``GET /v1/models`` lists it: mlx-lm tries to load any
+other name from the Hugging Face Hub). Identical requests get identical answers, also when the server reuses a
+stored prompt cache (``kvq.cache.reuse``).
 """
 
 from __future__ import annotations
