@@ -32,14 +32,19 @@ class InexactTrim(ValueError):
 
 
 @contextlib.contextmanager
-def exact_trims():
-    """Within this block (on this thread), kvq caches refuse inexact trims with :class:`InexactTrim`."""
-    previous = getattr(_STATE, "exact", False)
-    _STATE.exact = True
+def _raised(flag: str):
+    """Within this block, ``flag`` is set on this thread (and restored after it, nested blocks included)."""
+    previous = getattr(_STATE, flag, False)
+    setattr(_STATE, flag, True)
     try:
         yield
     finally:
-        _STATE.exact = previous
+        setattr(_STATE, flag, previous)
+
+
+def exact_trims():
+    """A context: within it (on this thread), kvq caches refuse inexact trims with :class:`InexactTrim`."""
+    return _raised("exact")
 
 
 def exact_required() -> bool:
@@ -47,15 +52,9 @@ def exact_required() -> bool:
     return getattr(_STATE, "exact", False)
 
 
-@contextlib.contextmanager
 def untrimmable():
-    """Within this block (on this thread), kvq caches answer ``is_trimmable()`` with ``False``."""
-    previous = getattr(_STATE, "untrimmable", False)
-    _STATE.untrimmable = True
-    try:
-        yield
-    finally:
-        _STATE.untrimmable = previous
+    """A context: within it (on this thread), kvq caches answer ``is_trimmable()`` with ``False``."""
+    return _raised("untrimmable")
 
 
 def trimmable_now() -> bool:
