@@ -76,3 +76,18 @@ def test_causal_string_mask_equals_the_boolean_mask(method):
     assert mx.allclose(out, ref, atol=1e-6).item() and mx.allclose(lse, ref_lse, atol=1e-6).item()
     with pytest.raises(ValueError, match="mask must be None, 'causal' or a boolean array; got 'full'"):
         plan.attend(q, ke, ke, 0.125, "full")
+
+
+@pytest.mark.parametrize("key_method, value_method", [("fp16", "fp16"), ("affine", "affine"),
+                                                       ("turboquant", "turboquant"), ("qjl", "affine")])
+def test_queries_of_another_head_dim_are_named(key_method, value_method):
+    """Every method's pure-MLX attend names queries whose head_dim is not the keys' (before: MLX's matrix-product
+    shape error from inside the first block, for fp16, affine and qjl keys; a new user met it through kvq.select)."""
+    keys = mx.random.normal((1, 2, 40, 128)).astype(mx.float16)
+    plan = kvq.select(key_method, keys.shape, params=kvq.make_params(key_method), num_q_heads=4, op="attend")
+    encoded_keys = kvq.select(key_method, keys.shape, params=kvq.make_params(key_method)).quantize(
+        keys, plan.params)
+    value_plan = kvq.select(value_method, keys.shape, params=kvq.make_params(value_method))
+    encoded_values = value_plan.quantize(keys, value_plan.params)
+    with pytest.raises(ValueError, match="queries: head_dim 64 does not match the keys' 128"):
+        plan.attend(mx.random.normal((1, 4, 1, 64)), encoded_keys, encoded_values, 0.125, None)

@@ -72,6 +72,13 @@ def token_bytes_of(batch: int, num_kv_heads: int, key_dim: int, value_dim: int) 
     return 4 * batch * num_kv_heads * (key_dim + value_dim)
 
 
+def check_query_dim(queries: mx.array, head_dim: int) -> None:
+    """:raises ValueError: ``queries`` whose last axis is not the keys' ``head_dim`` (named here rather than as a
+    matrix product's shape error from inside a block)."""
+    if queries.shape[-1] != head_dim:
+        raise ValueError(f"queries: head_dim {queries.shape[-1]} does not match the keys' {head_dim}")
+
+
 def split_heads(queries: mx.array, num_kv_heads: int) -> mx.array:
     """``[B, H_q, T_q, D]`` -> ``[B, H_kv, n_rep, T_q, D]`` (GQA grouping, no copy of keys needed).
 
@@ -296,11 +303,13 @@ def attend_encoded(
     :param mask: as :func:`blockwise_attend`. :param key_impl, value_impl: the implementation objects of the
         keys' and values' methods. :param block_size: tokens per block (``None``: as above).
     :return: ``(out [B, H_q, T_q, D_v], lse [B, H_q, T_q])``, float32, as the ``kvq_attend`` spec says.
-    :raises ValueError: keys and values of different token counts.
+    :raises ValueError: keys and values of different token counts, queries whose head_dim is not the keys'
+        (or whose ``H_q`` is not a multiple of their ``H_kv``: :func:`split_heads`).
     """
     B, Hkv, T = keys.shape[:3]
     if values.num_tokens != T:
         raise ValueError(f"values: {values.num_tokens} tokens, but keys have {T}")
+    check_query_dim(queries, keys.head_dim)
     prepare = optional_hook(key_impl, PreparesQueries)
     finish = optional_hook(value_impl, FinishesValues)
     scores, weighted_values = optional_hook(key_impl, ScoresKeys), optional_hook(value_impl, WeightsValues)

@@ -7,7 +7,7 @@ from typing import ClassVar
 import attrs
 import mlx.core as mx
 
-from ..attention import dense_attend
+from ..attention import check_query_dim, dense_attend
 from ..costmodel import estimate
 from ..encoded import Encoded
 from ..methods import BitsAccounting, Method
@@ -66,8 +66,9 @@ class Fp16MLX:
         spec). Memory above the cache: one block's float32 copies (:data:`kvq.attention.VECTOR_BUDGET_BYTES` of
         keys and values, at least 256 tokens) and its scores; blocks run one at a time.
 
-        :raises ValueError: values of another method.
+        :raises ValueError: values of another method, queries of another head_dim than the keys.
         """
         if values.method != "fp16":
             raise ValueError(f"values: fp16 attend needs fp16-encoded values; got {values.method!r}")
+        check_query_dim(queries, keys.head_dim)
         return dense_attend(queries, keys.data["x"], values.data["x"], scale, mask, one_at_a_time=True)
