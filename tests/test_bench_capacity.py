@@ -24,6 +24,48 @@ def test_predicted_batch_follows_the_line_through_the_probes():
         CapacitySettings(context=64, budget=1, safety=1.5)
 
 
+def _fake_rows(monkeypatch, peak_of):
+    """CapacityBench rows without a model: batch B peaks at ``peak_of(B)`` bytes above a base of 0."""
+    import mlx.core as mx
+
+    from kvq.bench import capacity
+
+    tried = []
+
+    def row(self, spec, batch, steps):
+        tried.append(batch)
+        return {"error": None, "peak_memory": peak_of(batch), "tokens_per_second": float(batch), "kv_bytes": 1}
+
+    monkeypatch.setattr(capacity.CapacityBench, "_row", row)
+    monkeypatch.setattr(mx, "get_active_memory", lambda: 0)
+    monkeypatch.setattr(capacity, "release", lambda: None)
+    return tried
+
+
+def test_a_cautious_first_prediction_is_measured_again_from_its_own_peak(monkeypatch):
+    """Probes at 1 and 2 sequences overstate one more sequence (the noise a new user saw: 1.5 against 2.3 MiB per
+    sequence in two runs); the batch predicted from them fits at once, so the line through the probe at 1 and that
+    batch's measured peak predicts again, and the larger batch is measured and kept. A batch at --max-batch is
+    marked."""
+    from kvq.bench.capacity import CapacityBench
+
+    tried = _fake_rows(monkeypatch, lambda b: 100 + 10 * b + (30 if b == 2 else 0))  # probe at 2 reads 30 high
+    settings = CapacitySettings(context=64, budget=1000, safety=1.0, max_batch=1024)
+    (result,) = CapacityBench(None, settings).run([_spec("fp16")])
+    # probes: 110 and 150 -> 40 per sequence -> 23; measured 330 at 23 -> 10 per sequence -> 90 fits (1000)
+    assert tried == [1, 2, 23, 90] and result["max_batch"] == 90 and not result["at_max_batch"]
+    tried = _fake_rows(monkeypatch, lambda b: 100 + 10 * b)
+    (result,) = CapacityBench(None, CapacitySettings(context=64, budget=1000, safety=1.0, max_batch=50)).run(
+        [_spec("fp16")])
+    assert tried == [1, 2, 50] and result["max_batch"] == 50 and result["at_max_batch"]
+
+
+def _spec(label):
+    from kvq.evaluation.spec import parse_method
+
+    return parse_method(label)
+
+
 def test_kvq_caches_fit_more_sequences_within_the_budget(tmp_path, capsys):
     assert main(["bench", "capacity", "--model", "random:tiny", "--context", "1K", "--budget", "48M", "--steps", "2",
                  "--methods", "fp16,turboquant:3", "--window", "16", "--flush", "8", "--no-progress", "--no-plot",

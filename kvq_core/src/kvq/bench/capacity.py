@@ -6,7 +6,11 @@ give the peak memory above the model as ``a + b * B`` (``b``: one more sequence'
 the largest ``B`` whose predicted peak stays within the budget, times a safety factor, is then measured like a
 ``kvq bench e2e --batch B`` row (random keys and values in every row, one token per sequence per step, flushes
 included). A measured peak above the budget, or a failed row, steps ``B`` down by a tenth and measures again (at
-most :data:`MAX_TRIES` times). Every ratio compares with the fp16 row of the same run.
+most :data:`MAX_TRIES` times). A batch that fits at once gives a third point: the line through the probe at 1 and
+its measured peak predicts again (the slope of two probes at 1 and 2 sequences is noisy: one more sequence's bytes
+moved by half between two runs on a CPU), and a larger prediction is measured too and kept if it fits, so a cautious
+first prediction does not understate a cache. A batch at ``max_batch`` is marked (``at_max_batch``): more might
+fit. Every ratio compares with the fp16 row of the same run.
 """
 
 from __future__ import annotations
@@ -129,19 +133,38 @@ class CapacityBench:
         peaks = result["probes"]
         result["per_sequence_bytes"] = peaks[2] - peaks[1]
         batch = predicted_batch(peaks, headroom, s.safety, s.max_batch)
-        for _ in range(MAX_TRIES):
-            row = self._row(spec, batch, s.steps)
-            fits = not row["error"] and row["peak_memory"] <= s.budget
-            result["tries"].append({"batch": batch, "peak_memory": row.get("peak_memory"), "error": row["error"]})
-            if fits:
-                result.update(max_batch=batch, row=row, tokens_per_second=row["tokens_per_second"],
-                              peak_memory=row["peak_memory"], kv_bytes=row["kv_bytes"])
+        for attempt in range(MAX_TRIES):
+            row = self._try(spec, batch, result)
+            if row is not None:
+                if attempt == 0 and 2 < batch < s.max_batch:  # fitted at once: predict again from it
+                    self._try_larger(spec, batch, row, peaks[1], headroom, result)
                 return result
             if batch == 1:
                 break
             batch = max(1, int(batch * 0.9))
         result["error"] = f"no batch from {result['tries'][0]['batch']} down fit the budget: {result['tries'][-1]}"
         return result
+
+    def _try(self, spec, batch: int, result: dict) -> dict | None:
+        """Measure ``batch`` sequences; record the try in ``result`` and, where it fits, the row (returned)."""
+        row = self._row(spec, batch, self.settings.steps)
+        fits = not row["error"] and row["peak_memory"] <= self.settings.budget
+        result["tries"].append({"batch": batch, "peak_memory": row.get("peak_memory"), "error": row["error"]})
+        if not fits:
+            return None
+        result.update(max_batch=batch, row=row, tokens_per_second=row["tokens_per_second"],
+                      peak_memory=row["peak_memory"], kv_bytes=row["kv_bytes"],
+                      at_max_batch=batch == self.settings.max_batch)
+        return row
+
+    def _try_larger(self, spec, batch: int, row: dict, peak_one: int, headroom: int, result: dict) -> None:
+        """Measure the batch the line through the probe at 1 sequence and ``row`` (at ``batch``) predicts, where
+        that is larger; it replaces ``row`` in ``result`` if it fits."""
+        s = self.settings
+        line = {1: peak_one, batch: row["peak_memory"] - result["base_memory"]}
+        larger = predicted_batch(line, headroom, s.safety, s.max_batch)
+        if larger > batch:
+            self._try(spec, larger, result)
 
 
 def add_ratios(row: dict, reference: dict | None) -> None:

@@ -9,8 +9,10 @@ from .output import header_lines, markdown_table, pyplot, with_ratio
 MIB = 2**20
 COLUMNS = ("method", "sequences that fit (x fp16)", "per sequence MiB", "peak MiB / budget",
            "decode tokens/s, all sequences (x fp16)", "ms/step")
-NOTES = """Columns: sequences that fit = the largest batch of sequences of this length whose measured peak (model, \
-caches, decode temporaries) stayed within the budget; per sequence = the peak's growth from 1 to 2 sequences (one \
+NOTES = """Columns: sequences that fit = the largest batch of sequences of this length measured whose peak (model, \
+caches, decode temporaries) stayed within the budget, the batches tried being those a line through measured peaks \
+predicts within the safety fraction of the headroom (the tries are in the JSON); ">= N" where --max-batch capped \
+it; per sequence = the peak's growth from 1 to 2 sequences (one \
 more sequence's cache and temporaries); tokens/s = sequences / mean step over the timed steps (flushes included), \
 as kvq bench e2e --batch. Every row holds random keys and values; ratios compare with fp16 (mlx-lm's KVCache) in \
 the same run."""
@@ -20,7 +22,8 @@ def _cells(r: dict) -> list[str]:
     if r["error"]:
         return [r["method"], "-", "-", "-", f"error: {r['error'][:160]}", "-"]
     ms = r["row"]["latency_ms"]["mean"]
-    return [r["method"], with_ratio(str(r["max_batch"]), r["batch_vs_fp16"]),
+    fit = (">= " if r.get("at_max_batch") else "") + str(r["max_batch"])
+    return [r["method"], with_ratio(fit, r["batch_vs_fp16"]),
             f"{r['per_sequence_bytes'] / MIB:,.1f}", f"{r['peak_memory'] / MIB:,.0f} / {r['budget'] / MIB:,.0f}",
             with_ratio(f"{r['tokens_per_second']:,.1f}", r["tokens_vs_fp16"]), f"{ms:.2f}"]
 
