@@ -127,7 +127,9 @@ def plot(document: dict, path: str | Path) -> None:
         ax_kl.set_yscale("symlog", linthresh=1e-4)
         for ax in (ax_ppl, ax_kl):
             ax.grid(alpha=0.3)
-    fig.suptitle(f"kvq eval: {document['meta']['model']} (squares: mlx-lm's own QuantizedKVCache)")
+    squares = any(r["cache"].startswith("mlx") for run in runs for r in run["rows"])
+    fig.suptitle(f"kvq eval: {document['meta']['model']}"
+                 + (" (squares: mlx-lm's own QuantizedKVCache)" if squares else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
