@@ -364,7 +364,7 @@ class KVQCache:
                              f"D_v={layout[3]}, {layout[4]}) do not match this cache's (B={B}, H={H}, "
                              f"D_k={Dk}, D_v={Dv}, {dt})")
         if self._token_shapes is None:
-            B, H, Dk, Dv, dt = layout
+            B, H, Dk, Dv, dt = self._layout
             self._token_shapes = ((B, H, 1, Dk), (B, H, 1, Dv), dt)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
@@ -878,9 +878,14 @@ class KVQCache:
 
     # -- mlx-lm cache protocol ------------------------------------------------------------------------
     def __deepcopy__(self, memo):
-        """A copy that shares nothing mutable (``mx.Dtype`` cannot be pickled, so it is passed through)."""
-        if self._layout is not None:
-            memo[id(self._layout[4])] = self._layout[4]
+        """A copy that shares nothing mutable (``mx.Dtype`` cannot be pickled, so every one the cache's tuples hold
+        is passed through: a cache loaded from a file and then updated held two distinct dtype objects, and its
+        copy, which mlx-lm's server makes of every cache it reuses, raised ``cannot pickle 'Dtype' object``)."""
+        for value in self.__dict__.values():
+            if type(value) is tuple:
+                for item in value:
+                    if isinstance(item, mx.Dtype):
+                        memo[id(item)] = item
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
         # the decode binding holds launch state (split counters of the next step): a copy binds its own
