@@ -1,5 +1,6 @@
 """One layer's cache through any sequence of what mlx-lm and its server do to it: chunks of any size, trims,
-prompt-cache files, copies. While every trim so far was exact (:meth:`kvq.cache.KVQCache.trims_exactly`), the
+prompt-cache files, copies (a :class:`kvq.cache.KVQCache`, and a :class:`kvq.cache.RotatingKVQCache` whose ring
+wraps). While every trim so far was exact (:meth:`kvq.cache.KVQCache.trims_exactly`), the
 cache holds what a fresh cache fed the same remaining tokens holds (counts, window tokens and codes bit for bit),
 whatever chunks, files and copies came between; a file round trip and a copy never change a cache, and a copy
 shares nothing with its original.
@@ -128,3 +129,57 @@ def test_a_loaded_cache_updated_then_copied(tmp_path):
     loaded.update_and_fetch(KEYS[:, :, 20:21], VALUES[:, :, 20:21])
     twin = copy.deepcopy(loaded)
     assert same(state(twin), state(loaded))
+
+
+def ring_state(cache) -> tuple:
+    """A rotating cache's logical state: counts, window tokens, and the ring's codes oldest first."""
+    def part(store):
+        held = store.ordered()
+        return {k: np.array(a) for k, a in held.data.items()} if held is not None and store.length else {}
+
+    window = tuple(np.array(a[:, :, : cache.window.length]) if cache.window.length else None
+                   for a in (cache.window.keys, cache.window.values))
+    return (cache.offset, cache.sinks.length, cache.compressed_keys.length, cache.window.length, window,
+            part(cache.compressed_keys), part(cache.compressed_values))
+
+
+class RotatingOperations(CacheOperations):
+    """The same operations on a :class:`kvq.cache.RotatingKVQCache` (a sliding-window layer, ``max_size`` 40):
+    trims only while ``offset < max_size`` (as mlx-lm's); the ring wraps and drops tokens. While every trim was
+    exact, the cache equals a fresh one fed the same tokens, the ring compared oldest first."""
+
+    @initialize(label=st.sampled_from(["affine:4", "turboquant:3"]), keep=st.sampled_from([0, 2]))
+    def start(self, label, keep):
+        from kvq.cache import RotatingKVQCache
+
+        options = {k: v for k, v in CONFIGS[label].items() if k != "sinks"}
+        self.config, self.keep = make_config(**options), keep
+        self.cache, self.held, self.exact = RotatingKVQCache(self.config, 40, keep), 0, True
+
+    def _fresh(self):
+        from kvq.cache import RotatingKVQCache
+
+        return RotatingKVQCache(self.config, 40, self.keep)
+
+    @rule(n=st.integers(1, 50))
+    def trim(self, n):
+        if not self.cache.is_trimmable():
+            assert self.cache.trim(n) == 0
+            return
+        super().trim(n)
+
+    @invariant()
+    def as_a_fresh_cache_while_every_trim_was_exact(self):
+        if not hasattr(self, "cache"):
+            return
+        assert self.cache.offset == self.held
+        if self.exact and self.held:
+            fresh = self._fresh()
+            fresh.update_and_fetch(KEYS[:, :, : self.held], VALUES[:, :, : self.held])
+            fresh.release_chunk()
+            assert same(ring_state(self.cache), ring_state(fresh))
+
+
+RotatingOperations.TestCase.settings = settings(max_examples=60, stateful_step_count=12, deadline=None,
+                                                derandomize=True)
+test_rotating_cache_operations_in_any_order = pytest.mark.filterwarnings("ignore")(RotatingOperations.TestCase)
