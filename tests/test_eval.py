@@ -116,10 +116,23 @@ def small_model_folder(tmp_path):
     (["--methods", "fp16", "--context", "2048,abc"], "--context must be positive integers"),
     (["--methods", "fp16", "--needle-depths", "0.5,2"], "--needle-depths"),
     (["--methods", "fp16", "--windows", "0"], "--windows must be >= 1"),
+    (["--methods", "affine:4", "--flush", "0"], "--flush must be an integer >= 1; got 0"),
 ])
 def test_bad_arguments_fail_before_model_work(no_model_work, small_model_folder, capsys, args, message):
     assert main(["eval", "--model", str(small_model_folder), *args]) == 1
     assert message in capsys.readouterr().err
+
+
+def test_flush_applies_to_kvq_caches_unless_a_method_string_sets_its_own(no_model_work, small_model_folder):
+    from kvq.cli import eval_cmd
+
+    args = eval_cmd.parser().parse_args(["--model", str(small_model_folder), "--methods",
+                                         "affine:4,turboquant:3[flush=2],mlx-affine:4", "--flush", "8",
+                                         "--context", "512"])
+    specs = {spec.label: spec for spec in eval_cmd.check(args)[0]}
+    assert specs["affine:4"].cache_kwargs(4, 128)["flush"] == 8
+    assert specs["turboquant:3[flush=2]"].cache_kwargs(4, 128)["flush"] == 2
+    assert "flush" not in specs["mlx-affine:4"].cache_options  # mlx-lm's cache has no window
 
 
 def test_context_longer_than_the_model_allows(no_model_work, small_model_folder, capsys):

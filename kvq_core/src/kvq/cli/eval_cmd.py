@@ -21,8 +21,8 @@ A method calibrated per model (vecinfer) uses the calibration of --model unless 
 The fp16 cache is always run first as the reference (added if not listed). kvq caches keep --sinks first and
 --window last tokens uncompressed; their bits per coordinate exclude those tokens (the table also gives the
 effective bits at the context length); the window grows to --window + flush - 1 tokens before its oldest flush
-tokens are compressed together (flush 128 by default: kvq.defaults.DEFAULT_FLUSH; per method with [flush=N], e.g.
-turboquant:3[flush=1]). mlx-affine quantizes every token.
+tokens are compressed together (--flush, 128 by default: kvq.defaults.DEFAULT_FLUSH; per method with [flush=N],
+e.g. turboquant:3[flush=1]). mlx-affine quantizes every token.
 """
 
 
@@ -74,6 +74,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk size (default 512)")
     p.add_argument("--sinks", type=int, default=4, help="kvq caches: uncompressed first tokens (default 4)")
     p.add_argument("--window", type=int, default=128, help="kvq caches: uncompressed last tokens (default 128)")
+    p.add_argument("--flush", type=int, default=None,
+                   help="kvq caches: tokens compressed together as they leave the window (default 128, "
+                        "kvq.defaults.DEFAULT_FLUSH; a method string's [flush=N] wins)")
     p.add_argument("--needle-depths", default="0.1,0.5,0.9", help="needle trials, depths in 0..1 ('none': skip)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON (after every method)")
     p.add_argument("--markdown", default=None, metavar="OUT", help="write the tables as markdown")
@@ -95,6 +98,8 @@ def check(args) -> tuple[list, list[int], str, str, Path, dict]:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
     if args.sinks < 0 or args.window < 0:
         raise ValueError("--sinks and --window must be >= 0")
+    if args.flush is not None and args.flush < 1:
+        raise ValueError(f"--flush must be an integer >= 1; got {args.flush}")
     _depths(args.needle_depths)
     text, source = _text(args.text)
     specs = spec_module.parse_methods(args.methods, sinks=args.sinks, window=args.window)
@@ -105,6 +110,9 @@ def check(args) -> tuple[list, list[int], str, str, Path, dict]:
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     # validated for this model; a method calibrated per model (vecinfer) uses --model's calibration by default
     specs = [spec_module.spec_for_model(spec, args.model, head_dim, args.sinks, args.window) for spec in specs]
+    for spec in specs:
+        if args.flush is not None and not spec.is_mlx:
+            spec.cache_options.setdefault("flush", args.flush)  # the method string's own [flush=N] wins
     return specs, contexts, text, source, path, config
 
 

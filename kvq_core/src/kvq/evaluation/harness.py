@@ -14,6 +14,7 @@ import attrs
 import mlx.core as mx
 from tqdm import tqdm
 
+from ..defaults import DEFAULT_FLUSH
 from .attention_error import AttentionHook, InputRecorder, LayerReference, sliding_windows
 from .needle import CODES, greedy_answer, is_match, needle_prompt
 from .perplexity import prefill, score, summarize, token_metrics, window_offsets
@@ -186,6 +187,7 @@ class Evaluation:
             "method": spec.label, "cache": "mlx-lm QuantizedKVCache" if spec.is_mlx else "kvq KVQCache",
             "key_method": spec.key_method, "value_method": spec.value_method,
             "key_params": spec.key_params, "value_params": spec.value_params, "sinks": sinks, "window": window,
+            "flush": None if spec.is_mlx else spec.cache_options.get("flush", DEFAULT_FLUSH),
             "bits_per_coordinate": bits, "key_bits_per_coordinate": key_bits,
             "value_bits_per_coordinate": value_bits, "effective_bits_per_coordinate": effective,
             **quality,
