@@ -111,10 +111,15 @@ def cache_options(args: argparse.Namespace) -> dict:
     return for_model(options, args.model)
 
 
-def params_label(params) -> str:
-    """``"turboquant bits=3"``: the method with its bits and every parameter that differs from the default."""
+def params_label(params, side: str | None = None) -> str:
+    """``"turboquant bits=3"``: the method with its bits and every parameter that differs from the default (for a
+    ``side``, ``"keys"`` or ``"values"``, the method's default for that side: VecInfer's ``role``)."""
+    from ..contract import SideDefaults, optional_hook
+
+    side_defaults = optional_hook(type(params), SideDefaults) if side else None
+    defaults = side_defaults(side) if side_defaults is not None else {}
     shown = [f.name for f in attrs.fields(type(params))
-             if f.init and (f.name == "bits" or getattr(params, f.name) != _default(f, params))]
+             if f.init and (f.name == "bits" or getattr(params, f.name) != defaults.get(f.name, _default(f, params)))]
     return " ".join([params.method, *(f"{name}={getattr(params, name)}" for name in shown)])
 
 
@@ -131,7 +136,7 @@ def cache_label(options: dict) -> str:
     from ..cache import make_config
 
     config = make_config(**options)
-    keys, values = params_label(config.key_params), params_label(config.value_params)
+    keys, values = params_label(config.key_params, "keys"), params_label(config.value_params, "values")
     return keys if keys == values else f"K {keys} / V {values}"
 
 
