@@ -164,6 +164,17 @@ def test_load_plugins_env_limits_discovery(tmp_path, monkeypatch):
     assert reg.not_loaded == {"broken_import"}  # kvq list shows it as "not loaded (KVQ_LOAD_PLUGINS)"
 
 
+def test_load_plugins_env_keeps_kvq_cores_own_methods(monkeypatch):
+    """KVQ_LOAD_PLUGINS naming a third-party plugin still loads kvq-core's fp16 and affine (a new user's
+    ``KVQ_LOAD_PLUGINS=myint8 kvq generate`` failed after its answer: "method must be one of myint8; got 'fp16'");
+    the other entry points are left out."""
+    monkeypatch.setenv("KVQ_LOAD_PLUGINS", "nobody_installed_this")
+    reg = registry_mod.Registry()
+    reg.load_entry_points()
+    assert {"fp16", "affine"} <= set(reg.methods) and "turboquant" not in reg.methods
+    assert {"metal", "turboquant"} <= reg.not_loaded and "baselines" not in reg.not_loaded
+
+
 def _install_example(target: Path) -> None:
     source = ROOT / "examples" / "kvq-example-plugin"
     uv = ["uv", "pip", "install", "--quiet", "--no-deps", "--target", str(target), str(source)]

@@ -4,7 +4,8 @@ kvq owns one :class:`pluggy.PluginManager`. Entry points in group ``kvq`` are lo
 its own guard: a plugin that fails to import, has no ``kvq_register``, registers something malformed, or
 whose hooks have the wrong signature is named in a :class:`PluginLoadWarning` and skipped (all of what it
 registered is rolled back). ``KVQ_STRICT_PLUGINS=1`` (or ``load(strict=True)``) turns that into an error.
-``KVQ_LOAD_PLUGINS=a,b`` loads only the named entry points (empty: none), like llm's ``LLM_LOAD_PLUGINS``.
+``KVQ_LOAD_PLUGINS=a,b`` loads only the named entry points (empty: none), like llm's ``LLM_LOAD_PLUGINS``, and
+kvq-core's own (:data:`CORE_ENTRY_POINT`: ``fp16``, the reference every command compares with, and ``affine``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from .install_hints import method_hint
 from .methods import Method
 
 GROUP = "kvq"
+#: kvq-core's own entry point (the ``fp16`` and ``affine`` baselines): loaded whatever ``KVQ_LOAD_PLUGINS`` names.
+CORE_ENTRY_POINT = ("baselines", "kvq.baselines")
 #: ``Implementation.method`` value of implementations that serve every method (bit packing).
 ANY_METHOD = "*"
 _SPEC_NAMES = {n for n in dir(hookspecs) if n.startswith("kvq_")}
@@ -128,7 +131,9 @@ class Registry:
 
     # -- discovery ----------------------------------------------------------------------------------
     def load_entry_points(self, strict: bool | None = None) -> None:
-        """Load every entry point of group ``kvq`` (once), each under its own guard."""
+        """Load every entry point of group ``kvq`` (once), each under its own guard; under ``KVQ_LOAD_PLUGINS`` the
+        named ones and kvq-core's own (a new user's ``KVQ_LOAD_PLUGINS=myplugin kvq generate`` lost fp16, the
+        method its report compares with)."""
         if self.loaded:
             return
         self.loaded = True
@@ -136,7 +141,7 @@ class Registry:
         only = os.environ.get("KVQ_LOAD_PLUGINS")
         allowed = None if only is None else {n.strip() for n in only.split(",") if n.strip()}
         for ep in sorted(entry_points(group=GROUP), key=lambda e: e.name):
-            if allowed is None or ep.name in allowed:
+            if allowed is None or ep.name in allowed or (ep.name, ep.value) == CORE_ENTRY_POINT:
                 self._load_one(ep, strict)
             else:
                 self.not_loaded.add(ep.name)
