@@ -204,6 +204,20 @@ def test_files_saved_without_checksums_still_load(llama_model, tmp_path):
         assert continuation(llama_model, loaded, tokens) == want
 
 
+def test_expect_refuses_a_file_of_mlx_lms_own_caches(llama_model, tmp_path):
+    """``expect=`` asks for kvq layers of a method: a file of mlx-lm's KVCaches holds none and is refused (it
+    passed: every kvq layer matched, there being none)."""
+    from mlx_lm.models.cache import KVCache
+
+    cache = [KVCache() for _ in llama_model.layers]
+    greedy(llama_model, cache, n=2)
+    file = tmp_path / "mlx.safetensors"
+    mlx_cache.save_prompt_cache(str(file), cache)
+    with pytest.raises(ValueError, match=r"mlx.safetensors: holds no kvq cache layer \(KVCache\)"):
+        kvq.load_prompt_cache(str(file), expect=kvq.cache.make_config("turboquant", bits=4))
+    assert len(kvq.load_prompt_cache(str(file))) == len(cache)  # without expect= it loads
+
+
 def test_checksums_are_computed_on_save_and_load_only(llama_model, saved, monkeypatch):
     """Generation evaluates every cache's state each prefill chunk: nothing there may hash."""
     file, cache, tokens = saved
@@ -220,6 +234,8 @@ def test_checksums_are_computed_on_save_and_load_only(llama_model, saved, monkey
 def test_missing_file_and_reserved_metadata_key(saved, tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere.safetensors"):
         kvq.load_prompt_cache(str(tmp_path / "nowhere.safetensors"))
+    with pytest.raises(IsADirectoryError, match="is a directory"):  # not "does not exist" (a new user's path)
+        kvq.load_prompt_cache(str(tmp_path))
     with pytest.raises(ValueError, match="'kvq_checksum' is kvq's"):
         kvq.save_prompt_cache(str(tmp_path / "x.safetensors"), saved[1], {"kvq_checksum": "mine"})
 

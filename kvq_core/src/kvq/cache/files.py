@@ -84,14 +84,16 @@ def load_prompt_cache(file_name: str, *, expect: CacheConfig | None = None, retu
     arrays or metadata is refused. Files without a checksum (saved with mlx-lm's ``save_prompt_cache``, or by kvq
     before it wrote checksums) still load, with the checks that do not need one.
 
-    :param expect: if given, every kvq layer in the file must have this method and parameters (state that a
-        layer fitted from data, such as TurboQuant's data-chosen outlier channels, comes from the file), or be an
-        outlier layer stored with affine 8-bit (:mod:`kvq.cache.guard`).
-    :raises FileNotFoundError: no file ``file_name``.
+    :param expect: if given, the file must hold kvq layers, and every kvq layer must have this method and
+        parameters (state that a layer fitted from data, such as TurboQuant's data-chosen outlier channels, comes
+        from the file), or be an outlier layer stored with affine 8-bit (:mod:`kvq.cache.guard`).
+    :raises FileNotFoundError: no file ``file_name`` (:class:`IsADirectoryError` for a directory).
     :raises ValueError: naming ``file_name``: a file that is truncated or damaged (it cannot be read, or it does
         not match its checksum), one written by another kvq format, one of a method that is not installed, or one
         with other methods/parameters than ``expect``.
     """
+    if os.path.isdir(file_name):
+        raise IsADirectoryError(f"prompt-cache file {file_name!r} is a directory")
     if not os.path.isfile(file_name):
         raise FileNotFoundError(f"prompt-cache file {file_name!r} does not exist")
     try:
@@ -144,6 +146,10 @@ def _without_layer_checksum(class_name: str, state):
 
 
 def _check_expected(file_name: str, cache: list, expect: CacheConfig) -> None:
+    if not any(getattr(c, "config", None) is not None for c in cache):  # mlx-lm's caches only: nothing matches
+        kinds = sorted({type(c).__name__ for c in cache})
+        raise ValueError(f"{file_name}: holds no kvq cache layer ({', '.join(kinds) or 'no layers'}), so not what "
+                         f"expect= asks")
     safe = safe_params()
     for i, c in enumerate(cache):
         got, want = getattr(c, "config", None), expect.for_layer(i)
