@@ -59,6 +59,62 @@ def test_wrong_hook_signature_is_rejected_with_the_argument_named():
     assert ("affine", "bad") not in kvq.registry().implementations
 
 
+def test_a_hook_or_supports_missing_an_argument_is_rejected_at_registration():
+    """pluggy refuses arguments a spec lacks, not missing ones; kvq calls every argument, so a hook without one
+    (a new user's ``kvq_quantize(self, x)``, which registered and failed at the cache's first compression) and a
+    ``supports`` that wants more than the problem are refused when registered, naming what is missing."""
+    from kvq.baselines import fp16
+
+    class FewerArgs(fp16.Fp16MLX):
+        method, backend = "fp16", "fewer"
+
+        def kvq_quantize(self, x):
+            return None
+
+    class WideSupports(fp16.Fp16MLX):
+        method, backend = "fp16", "wide"
+
+        def supports(self, problem, extra):
+            return True
+
+    with pytest.raises(kvq.RegistrationError, match=r"kvq_quantize\(x\) lacks the argument\(s\) params; kvq "
+                                                    r"calls it as kvq_quantize\(x, params\)"):
+        kvq.register(FewerArgs())
+    with pytest.raises(kvq.RegistrationError, match=r"supports must take one argument, the problem"):
+        kvq.register(WideSupports())
+    assert not {("fp16", "fewer"), ("fp16", "wide")} & set(kvq.registry().implementations)
+
+
+def test_a_plugin_module_registers_as_its_entry_point_would():
+    """``kvq.register(module)`` for a plugin that is not installed: everything its ``kvq_register`` hands over, all
+    or nothing, and ``kvq.unregister(module)`` takes it all back (a new user's ``kvq.register(myint8)`` was
+    refused as an implementation without a ``method``)."""
+    import types
+
+    from kvq.baselines import fp16
+
+    class Twin(fp16.Fp16MLX):
+        backend = "twin"
+
+    class Bad(fp16.Fp16MLX):
+        backend = "bad"
+
+        def kvq_dequantize(self, encoded):
+            return None
+
+    good, broken = types.ModuleType("good_module"), types.ModuleType("broken_module")
+    good.kvq_register = lambda register: register(Twin())
+    broken.kvq_register = lambda register: (register(Twin()), register(Bad()))
+    assert kvq.register(good) is good and ("fp16", "twin") in kvq.registry().implementations
+    kvq.unregister(good)
+    assert ("fp16", "twin") not in kvq.registry().implementations
+    with pytest.raises(kvq.RegistrationError, match="lacks the argument"):
+        kvq.register(broken)
+    assert ("fp16", "twin") not in kvq.registry().implementations  # rolled back with the failure
+    with pytest.raises(kvq.RegistrationError, match="no_hooks has no kvq_register"):
+        kvq.register(types.ModuleType("no_hooks"))
+
+
 def test_unknown_hook_name_is_rejected_with_a_suggestion():
     with pytest.raises(kvq.RegistrationError, match="kvq_quantise.*did you mean kvq_quantize"):
         kvq.register(Misspelled())

@@ -11,7 +11,9 @@ kvq-core's own (:data:`CORE_ENTRY_POINT`: ``fp16``, the reference every command 
 from __future__ import annotations
 
 import difflib
+import inspect
 import os
+import types
 import warnings
 from importlib.metadata import entry_points
 from typing import Any, Iterable
@@ -63,6 +65,25 @@ def _check_hook_names(obj: Any) -> None:
             near = difflib.get_close_matches(name, sorted(_SPEC_NAMES), n=1)
             hint = f" (did you mean {near[0]}?)" if near else ""
             raise RegistrationError(f"{obj!r} defines unknown hook {name}{hint}; known: {', '.join(sorted(_SPEC_NAMES))}")
+        if name in _SPEC_NAMES and callable(getattr(obj, name)):
+            _check_takes_every_argument(obj, name)
+
+
+def _check_takes_every_argument(obj: Any, name: str) -> None:
+    """:raises RegistrationError: a hook of ``obj`` that does not take every argument of its spec. pluggy refuses
+    arguments the spec lacks, not missing ones, and kvq calls a chosen implementation's hook with all of them: a
+    new user's ``kvq_quantize(self, x)`` registered and failed only at the cache's first compression."""
+    want = list(inspect.signature(getattr(hookspecs, name)).parameters)
+    try:
+        have = inspect.signature(getattr(obj, name)).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+        return
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in have.values()):
+        return
+    missing = [a for a in want if a not in have]
+    if missing:
+        raise RegistrationError(f"{obj!r}: {name}({', '.join(have)}) lacks the argument(s) {', '.join(missing)}; kvq "
+                                f"calls it as {name}({', '.join(want)})")
 
 
 def _check_implementation(obj: Any) -> None:
@@ -72,6 +93,13 @@ def _check_implementation(obj: Any) -> None:
     for attr in ("supports", "cost"):
         if not callable(getattr(obj, attr, None)):
             raise RegistrationError(f"implementation {obj!r} needs a method {attr}(problem)")
+        try:
+            inspect.signature(getattr(obj, attr)).bind(None)
+        except TypeError:
+            raise RegistrationError(f"implementation {obj!r}: {attr} must take one argument, the problem "
+                                    f"({attr}(problem))") from None
+        except ValueError:  # no signature to read
+            pass
     if not implemented_ops(obj):
         raise RegistrationError(f"implementation {obj!r} implements none of the op hooks {', '.join(sorted(_SPEC_NAMES - {'kvq_register'}))}")
 
@@ -87,6 +115,7 @@ class Registry:
         self.origin: dict[Any, str] = {}  # method name or (method, backend) -> who registered it
         self.failures: dict[str, str] = {}  # entry point name -> error message
         self.not_loaded: set[str] = set()  # entry points KVQ_LOAD_PLUGINS left out
+        self.plugins: dict[str, list] = {}  # plugin name (entry-point:<name>, module:<name>) -> what it registered
         self.generation = 0  # bumped on every change; selection caches key on it
         self.loaded = False
 
@@ -129,6 +158,34 @@ class Registry:
                 self.pm.unregister(obj)
         self.generation += 1
 
+    def register_plugin(self, module: Any, name: str, origin: str) -> list:
+        """Register everything ``module.kvq_register(register)`` hands over, all or nothing (an entry point's module,
+        or one given to :func:`register`); returns what was registered.
+
+        :param name: the plugin's name with the plugin manager (``entry-point:<name>``, ``module:<name>``).
+        :raises RegistrationError: no ``kvq_register`` function, or what :meth:`register` raises for an object it
+            hands over (everything registered before is rolled back).
+        :raises pluggy.PluginValidationError: ``kvq_register``'s or a hook's arguments not in its spec.
+        """
+        done: list[Any] = []
+        try:
+            if not callable(getattr(module, "kvq_register", None)):
+                raise RegistrationError(f"{getattr(module, '__name__', module)} has no kvq_register(register) "
+                                        f"function")
+            self.pm.register(module, name=name)  # validates kvq_register's signature
+            staged: list[Any] = []
+            module.kvq_register(register=staged.append)
+            for obj in staged:
+                done.append(self.register(obj, origin=origin))
+        except Exception:
+            for obj in done:
+                self.unregister(obj)
+            if self.pm.has_plugin(name):
+                self.pm.unregister(name=name)
+            raise
+        self.plugins[name] = done
+        return done
+
     # -- discovery ----------------------------------------------------------------------------------
     def load_entry_points(self, strict: bool | None = None) -> None:
         """Load every entry point of group ``kvq`` (once), each under its own guard; under ``KVQ_LOAD_PLUGINS`` the
@@ -147,21 +204,9 @@ class Registry:
                 self.not_loaded.add(ep.name)
 
     def _load_one(self, ep, strict: bool) -> None:
-        done: list[Any] = []
         try:
-            module = ep.load()
-            if not callable(getattr(module, "kvq_register", None)):
-                raise RegistrationError(f"{ep.value} has no kvq_register(register) function")
-            self.pm.register(module, name=f"entry-point:{ep.name}")  # validates kvq_register's signature
-            staged: list[Any] = []
-            module.kvq_register(register=staged.append)
-            for obj in staged:
-                done.append(self.register(obj, origin=f"plugin {ep.name!r}"))
+            self.register_plugin(ep.load(), f"entry-point:{ep.name}", f"plugin {ep.name!r}")
         except Exception as exc:  # a broken plugin must never take kvq down
-            for obj in done:
-                self.unregister(obj)
-            if self.pm.has_plugin(f"entry-point:{ep.name}"):
-                self.pm.unregister(name=f"entry-point:{ep.name}")
             reason = f"{type(exc).__name__}: {exc}"
             if strict:
                 raise RegistrationError(f"kvq plugin {ep.name!r} ({ep.value}) failed to load, and strict plugin "
@@ -220,17 +265,29 @@ def plugin_manager() -> pluggy.PluginManager:
 
 
 def register(obj: Any) -> Any:
-    """Register a :class:`Method` or an implementation object that is not installed as an entry point.
+    """Register what is not installed as an entry point: a :class:`Method`, an implementation object, or a plugin
+    module (one with ``kvq_register(register)``, as an entry point's: everything it registers, all or nothing).
 
     Returns ``obj`` (so it can be used as a decorator on a class instance factory). Errors as
-    :meth:`Registry.register`.
+    :meth:`Registry.register` and :meth:`Registry.register_plugin`.
     """
+    if isinstance(obj, types.ModuleType):
+        registry().register_plugin(obj, f"module:{obj.__name__}", f"kvq.register({obj.__name__})")
+        return obj
     return registry().register(obj)
 
 
 def unregister(obj: Any) -> None:
-    """Undo :func:`register`."""
-    registry().unregister(obj)
+    """Undo :func:`register` (for a module, of everything it registered)."""
+    reg = registry()
+    if isinstance(obj, types.ModuleType):
+        name = f"module:{obj.__name__}"
+        for item in reversed(reg.plugins.pop(name, [])):
+            reg.unregister(item)
+        if reg.pm.has_plugin(name):
+            reg.pm.unregister(name=name)
+        return
+    reg.unregister(obj)
 
 
 def methods() -> dict[str, Method]:
