@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models import cache as mlx_cache
@@ -493,3 +494,10 @@ def test_batch_rows_in_decode_take_the_fused_path(monkeypatch):
     calls.clear()
     rows[0].attend(mx.random.normal((1, 4, 1, 64), key=mx.random.key(4)), 0.125, query_start=5)
     assert calls == []  # an earlier position: not the newest token
+
+
+@pytest.mark.parametrize("model", [None, "llama", nn.Module()], ids=["None", "str", "bare-module"])
+def test_make_prompt_cache_names_what_is_not_a_model(model):
+    """Not an mlx-lm model: a TypeError saying what is needed (before: an AttributeError about .layers)."""
+    with pytest.raises(TypeError, match="model must be an mlx-lm model"):
+        make_prompt_cache(model, "affine", bits=4)

@@ -130,11 +130,15 @@ def make_prompt_cache(model, method: str | None = "affine", *, max_kv_size: int 
     :param method, kwargs: as :func:`make_config` (``bits=``, ``key_params=``, ``sinks=``, ``window=``,
         ``kernels=`` ...).
     :param max_kv_size: as mlx-lm's: at most this many tokens visible per layer (``None``: unbounded).
+    :raises TypeError: ``model`` is not an mlx-lm model (no ``layers``, no ``make_cache``).
     :raises ValueError: bad method/parameters, ``max_kv_size`` not an int above 4, a head_dim the method does not
         support (named), parameters whose ``check_ready()`` fails (:class:`kvq.contract.ChecksReady`: a missing
         VecInfer calibration names the command to run), a tensor-parallel split that leaves a rank part of a KV
         head, or ``kernels="require"`` where no kernel serves this model's decode attention on this device.
     """
+    if not hasattr(model, "layers") and not callable(getattr(model, "make_cache", None)):
+        raise TypeError(f"model must be an mlx-lm model (with .layers, or make_cache()), e.g. from mlx_lm.load or "
+                        f"kvq.models.load; got {type(model).__name__}")
     heads = kv_head_range(model)  # a bad tensor-parallel split is named before anything else
     if max_kv_size is not None and (not isinstance(max_kv_size, int) or max_kv_size <= 4):
         raise ValueError(f"max_kv_size must be an int above 4 (mlx-lm keeps the first 4 tokens); got {max_kv_size!r}")
