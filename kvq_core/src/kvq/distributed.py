@@ -71,8 +71,9 @@ def shard(model, group: mx.distributed.Group | None = None, *, pipeline: bool = 
         return model
     if pipeline:
         if not hasattr(getattr(model, "model", None), "pipeline"):
-            raise ValueError(f"pipeline parallel: mlx-lm's {type(model).__module__} has no model.model.pipeline; "
-                             "use tensor parallelism")
+            raise ValueError(f"pipeline parallel: mlx-lm's {type(model).__module__} has no model.model.pipeline "
+                             "(mlx-lm pipelines some architectures only); use tensor parallelism, with a number of "
+                             "ranks that divides the model's KV heads")
         if len(model.model.layers) < N:
             raise ValueError(f"pipeline parallel: {len(model.model.layers)} layers cannot be split over {N} ranks")
         model.model.pipeline(g)

@@ -39,7 +39,9 @@ def check_tensor_parallel(num_kv_heads: int, num_attention_heads: int, num_ranks
         fits = [n for n in range(1, kv_heads + 1) if kv_heads % n == 0 and heads % n == 0]
         raise ValueError(f"tensor parallel: the model has num_kv_heads={kv_heads} (num_attention_heads={heads}), "
                          f"which the group size {num_ranks} does not divide: each rank must hold whole KV heads. "
-                         f"Use a group size in {fits}, or pipeline parallelism")
+                         f"Use a group size (mlx.launch -n) of {', '.join(map(str, fits[:-1]))}"
+                         f"{' or ' if len(fits) > 1 else ''}{fits[-1]}, or pipeline parallelism (--pipeline) on a "
+                         f"model whose mlx-lm module has it")
 
 
 def kv_head_range(model) -> tuple[int, int] | None:
