@@ -343,7 +343,9 @@ def test_default_name_never_overwrites_an_earlier_run(tmp_path, capsys):
     capsys.readouterr()
     assert main(argv) == 0
     second = first.with_name(f"{first.stem}-2.json")
-    assert f"keeping an earlier run's {tmp_path / first.stem}.*; writing {second}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"keeping an earlier run's {tmp_path / first.stem}.*; writing {second}" in err
+    assert "Note: --steps 1 is not a multiple of --flush 128" in err  # the document's notes reach the terminal
     assert set(tmp_path.glob("*.json")) == {first, second} and second.with_suffix(".md").exists()
     assert main([*argv, "--name", first.stem]) == 0
     assert f"overwriting {first} (--name {first.stem})" in capsys.readouterr().err

@@ -368,6 +368,8 @@ def write_reports(document: dict, paths: dict, report, plot: bool) -> int:
         report.plot(document, paths[".png"])
         wrote.append(paths[".png"])
     print(report.markdown(document["rows"]))
+    for note in document.get("notes", []):  # in the .md too; a reader of the terminal needs them as much
+        print(f"Note: {note}", file=sys.stderr)
     failed = sum(bool(r["error"]) for r in document["rows"])
     print(f"\n{len(document['rows'])} rows ({failed} failed); wrote {', '.join(map(str, wrote))}", file=sys.stderr)
     return 0
