@@ -95,6 +95,8 @@ def test_repeated_questions_are_answered_from_the_cache_and_bad_ones_still_fail(
         kvq.select("affine", (1, 8, 1000, 80), op="attend", num_q_heads=32)
     with pytest.raises(ValueError, match="kernels must be one of"):
         kvq.select("affine", (1, 8, 1000, 128), op="attend", num_q_heads=32, kernels="always")
+    with pytest.raises(TypeError, match=r"an mlx.core.Dtype\); got the string 'float16'"):
+        kvq.select("affine", (1, 8, 1000, 128), dtype="float16")
     for bad in (7, 0, 12):  # grouped-query attention: a multiple of H_kv (8); a new user passed 7 unchallenged
         with pytest.raises(ValueError, match=rf"num_q_heads must be a positive multiple of the shape's H_kv \(8"):
             kvq.select("affine", (1, 8, 1000, 128), op="attend", num_q_heads=bad)

@@ -301,7 +301,8 @@ def select(
     if op is not None and op not in OPS:
         raise ValueError(f"op must be one of {', '.join(OPS)}; got {op!r}")
     if dtype not in (mx.float16, mx.bfloat16, mx.float32):
-        raise TypeError(f"dtype must be float16, bfloat16 or float32; got {dtype}")
+        got = f"the string {dtype!r}" if isinstance(dtype, str) else str(dtype)
+        raise TypeError(f"dtype must be mx.float16, mx.bfloat16 or mx.float32 (an mlx.core.Dtype); got {got}")
     params = declaration.make_params() if params is None else params
     if not isinstance(params, declaration.params_class):
         name = declaration.params_class.__name__
