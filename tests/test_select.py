@@ -62,7 +62,7 @@ def test_plans_are_cached_per_shape_bucket_and_invalidated_by_registration(regis
     (dict(method="affine", shape=(1, 8, 64, 96), params=kvq.make_params("affine", group_size=64)), ValueError,
      r"head_dim 96 .* multiple of 64 \(group_size=64 must divide it\)"),
     (dict(method="affine", shape=(1, 8, 64, 64), op="compress"), ValueError, r"op must be one of quantize"),
-    (dict(method="affine", shape=(1, 8, 64, 64), dtype=mx.int32), TypeError, r"dtype must be float16"),
+    (dict(method="affine", shape=(1, 8, 64, 64), dtype=mx.int32), TypeError, r"dtype must be mx.float16"),
     (dict(method="affine", shape=(1, 8, 64, 64), device="tpu"), ValueError, r"device must be one of"),
 ])
 def test_bad_input_names_the_argument(kwargs, error, match):
