@@ -296,3 +296,27 @@ def test_patch_state_after_load_is_kvqs(llama_model, saved):
         assert patch.is_patched("mlx_lm.models.llama")
     finally:
         patch.patch()
+
+
+def test_a_file_of_a_method_not_installed_says_its_plugin_is_needed(llama_model, tmp_path):
+    """A prompt-cache file written with a plugin's method, loaded where the plugin is absent: the error says the
+    plugin must be installed or registered (before: only "method must be one of ...; got 'absmax8'")."""
+    import importlib
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "examples" / "kvq-example-plugin" / "src"))
+    try:
+        example = importlib.import_module("kvq_example_plugin")
+    finally:
+        sys.path.pop(0)
+    if "absmax8" in kvq.registry().methods:
+        pytest.skip("the example plugin is installed in this environment")
+    kvq.register(example)
+    try:
+        cache = make_prompt_cache(llama_model, "absmax8", sinks=0, window=0, flush=1)
+        greedy(llama_model, cache, n=2)
+        kvq.save_prompt_cache(str(tmp_path / "absmax8.safetensors"), cache)
+    finally:
+        kvq.unregister(example)
+    with pytest.raises(ValueError, match=r"got 'absmax8'; the plugin that wrote it must be installed \(or "
+                                         r"kvq.register-ed\) to load it"):
+        kvq.load_prompt_cache(str(tmp_path / "absmax8.safetensors"))

@@ -100,6 +100,8 @@ def load_prompt_cache(file_name: str, *, expect: CacheConfig | None = None, retu
         cache, metadata = _read(file_name)
     except (RuntimeError, ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
         reason = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+        if reason.startswith("method must be one of"):  # written with a method this process does not have
+            reason += "; the plugin that wrote it must be installed (or kvq.register-ed) to load it"
         raise ValueError(f"{file_name}: not a prompt-cache file that loads: {reason}") from exc
     if expect is not None:
         _check_expected(file_name, cache, expect)
