@@ -288,7 +288,8 @@ def summary_rows(model, run: Run, reference: Run | None) -> tuple[list[list[str]
         ["generation tokens/s", dash if reference is None else f"{reference.generation_tps:.1f}",
          f"{run.generation_tps:.1f}"],
         ["tokens in cache", str(reference.cached_tokens if reference and not note else run.cached_tokens),
-         str(run.cached_tokens)],
+         str(run.cached_tokens) + ("" if run.compressed_tokens is None or run.options.get("method") == "fp16"
+                                   else f" ({run.compressed_tokens} compressed)")],
         ["KV bytes (nbytes)", megabytes(ref_nbytes), megabytes(run.nbytes)],
         ["KV bytes (measured)", megabytes(ref_measured), megabytes(run.measured)],
         ["compression vs fp16 (nbytes)", "1.00x", f"{ref_nbytes / run.nbytes:.2f}x"],
