@@ -115,6 +115,9 @@ def test_generate_on_a_tiny_gguf_model(tiny_gguf, cache, capsys):
     out = capsys.readouterr().out
     assert "prompt tokens/s" in out and "KV bytes (measured)" in out and "top-1 agreement" in out
     assert "nothing was compressed" not in out
+    # no sinks, no window, flush 1: every token the cache holds is compressed, and the report says how many
+    held = re.search(r"tokens in cache +(\d+) +(\d+) \((\d+) compressed\)", out)
+    assert held and held.group(2) == held.group(3), out
     assert leftovers(cache) == []
 
 
