@@ -71,6 +71,15 @@ def test_a_hook_or_supports_missing_an_argument_is_rejected_at_registration():
         def kvq_quantize(self, x):
             return None
 
+    class KeywordOnly(fp16.Fp16MLX):
+        method, backend = "fp16", "kwonly"
+
+        def kvq_quantize(self, x, *, params):
+            return None
+
+    with pytest.raises(kvq.RegistrationError, match=r"kvq_quantize\(x, params\) lacks the argument\(s\) params"):
+        kvq.register(KeywordOnly())  # kvq passes params positionally
+
     class WideSupports(fp16.Fp16MLX):
         method, backend = "fp16", "wide"
 
@@ -106,6 +115,9 @@ def test_a_plugin_module_registers_as_its_entry_point_would():
     good.kvq_register = lambda register: register(Twin())
     broken.kvq_register = lambda register: (register(Twin()), register(Bad()))
     assert kvq.register(good) is good and ("fp16", "twin") in kvq.registry().implementations
+    with pytest.raises(kvq.RegistrationError, match="plugin module:good_module is already registered"):
+        kvq.register(good)  # refused before anything changes: the first registration stays whole
+    assert ("fp16", "twin") in kvq.registry().implementations
     kvq.unregister(good)
     assert ("fp16", "twin") not in kvq.registry().implementations
     with pytest.raises(kvq.RegistrationError, match="lacks the argument"):

@@ -80,7 +80,8 @@ def _check_takes_every_argument(obj: Any, name: str) -> None:
         return
     if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in have.values()):
         return
-    missing = [a for a in want if a not in have]
+    # kvq passes every argument positionally: a keyword-only one counts as missing
+    missing = [a for a in want if a not in have or have[a].kind is inspect.Parameter.KEYWORD_ONLY]
     if missing:
         raise RegistrationError(f"{obj!r}: {name}({', '.join(have)}) lacks the argument(s) {', '.join(missing)}; kvq "
                                 f"calls it as {name}({', '.join(want)})")
@@ -167,6 +168,8 @@ class Registry:
             hands over (everything registered before is rolled back).
         :raises pluggy.PluginValidationError: ``kvq_register``'s or a hook's arguments not in its spec.
         """
+        if name in self.plugins or self.pm.has_plugin(name):
+            raise RegistrationError(f"plugin {name} is already registered (kvq.unregister it first)")
         done: list[Any] = []
         try:
             if not callable(getattr(module, "kvq_register", None)):

@@ -398,6 +398,8 @@ class KVQCache:
 
     #: Whether :meth:`update_and_fetch` takes :meth:`_append_one` (a subclass that stores tokens its own way: no).
     _FAST_APPEND = True
+    #: Whether :meth:`_fit_params` has fitted this layer (its first compression); kept through trims.
+    _fitted = False
 
     def _append_one(self, keys, values) -> bool:
         """The decode hot path of :meth:`update_and_fetch`: one token of this cache's checked layout and dtype
@@ -503,8 +505,8 @@ class KVQCache:
         depend on how the prompt was chunked) of ``keys``/``values``, the window's tokens followed by the new ones.
         The fitted parameters replace the configuration's: every block uses them, and prompt-cache files save them.
         Later flushes return at once, before any slice is made (a trim keeps the fitted state)."""
-        if self.compressed_keys.length:
-            return
+        if self.compressed_keys.length or self._fitted:
+            return  # fitted once (a trim that removed every compressed token keeps the fit: it is not redone)
         first = self.config.window + self._flush
         keys, values = keys[:, :, :first], values[:, :, :first]
 
@@ -522,6 +524,7 @@ class KVQCache:
         keys = self._centred(keys)
         self.config = attrs.evolve(self.config, key_params=fit(self.config.key_params, keys),
                                    value_params=fit(self.config.value_params, values))
+        self._fitted = True
 
     def _set_key_mean(self, mean) -> None:
         self.key_mean, self._key_mean_cast = mean, None
@@ -916,6 +919,10 @@ class KVQCache:
         non_sinks = remaining - min(remaining, self.config.sinks)
         fresh = self._leaving(0, non_sinks)  # what a token-by-token run of the remaining tokens compressed
         kept = self.compressed_keys.length - max(0, n - self.window.length)
+        if kept <= 0 and self.compressed_keys.length:
+            # every compressed token goes, but what the first compression fitted from them stays (centring, an
+            # outlier layer's 8 bits, data-chosen channels): a fresh run would fit those from its own tokens
+            return False
         return max(0, kept) == fresh
 
     def trim(self, n: int) -> int:

@@ -59,7 +59,7 @@ class Run:
     measured: int
     logprobs: list[np.ndarray] = field(default_factory=list)
     comparison: quality.Comparison | None = None
-    #: tokens the first layer's cache holds compressed (``None``: not a kvq cache)
+    #: tokens compressed in the layer that holds the most (``None``: not kvq caches)
     compressed_tokens: int | None = None
 
 
@@ -253,7 +253,7 @@ def run_cache(model, tokenizer, ids: list[int], options: dict, max_tokens: int, 
     measured = quality.settle() - before
     return Run(label, options, tokens, "".join(pieces), len(ids), len(ids) / (prefill_seconds + first_token_seconds),
                generation_tps, cache[0].size(), quality.cache_nbytes(cache), measured, logprobs, comparison,
-               getattr(getattr(cache[0], "compressed_keys", None), "length", None))
+               _most_compressed(cache))
 
 
 def fp16_bytes(model, run: Run, reference: Run | None) -> tuple[int, int, str]:
@@ -269,6 +269,13 @@ def fp16_bytes(model, run: Run, reference: Run | None) -> tuple[int, int, str]:
                                         f"answer and speeds are its own")
     return nbytes, measured, (f"fp16 bytes: of an fp16 cache holding this run's {run.cached_tokens} tokens "
                               f"(filled with zeros{why})")
+
+
+def _most_compressed(cache: list) -> int | None:
+    """Tokens held compressed by the layer that holds the most (a sliding-window layer, often layer 0, may hold
+    none while the full-attention layers compress); ``None`` without kvq caches."""
+    counts = [c.compressed_keys.length for c in cache if hasattr(c, "compressed_keys")]
+    return max(counts) if counts else None
 
 
 def megabytes(n: int) -> str:
