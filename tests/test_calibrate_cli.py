@@ -3,6 +3,7 @@ any installed method: the core names no plugin. VecInfer's own options and error
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import attrs
@@ -71,5 +72,16 @@ def test_a_calibration_that_does_not_import_is_named(registered, capsys):
 def test_no_calibrated_method_installed(monkeypatch, capsys):
     monkeypatch.setattr(calibrate_cmd, "calibrated_methods", dict)
     assert main(["calibrate"]) == 1
-    assert "no installed method declares a calibration" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # the install command of kvq's own calibrated method, not only words for plugin authors (a new user's case)
+    assert "no installed method declares a calibration" in err and "kvq-backends-vecinfer" in err
+
+
+@pytest.mark.parametrize("option, message", [(["--iterations", "0"], "iterations must be >= 1"),
+                                             (["--smooth-alpha", "-1"], r"smooth_alpha must be in \[0, 1\]")])
+def test_vecinfer_calibration_refuses_settings_that_calibrate_nothing(option, message, capsys, no_model_work):
+    """--iterations 0 and a negative smoothing exponent ran and overwrote a good calibration; now refused before
+    the model is loaded."""
+    assert main(["calibrate", "--method", "vecinfer", *option]) == 1
+    assert re.search(message, capsys.readouterr().err)
 

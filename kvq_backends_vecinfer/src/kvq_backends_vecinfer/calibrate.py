@@ -143,10 +143,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--sub-dim", dest="sub_dims", metavar="SUB_DIM", type=int, nargs="+", default=[4, 8],
                         help="sub-vector sizes (default 4 8)")
     parser.add_argument("--code-bits", type=int, nargs="+", default=[8], help="bits per code (default 8)")
-    parser.add_argument("--role", dest="roles", choices=("keys", "values"), nargs="+", default=["keys", "values"])
+    parser.add_argument("--role", dest="roles", choices=("keys", "values"), nargs="+", default=["keys", "values"],
+                        help="which side's codebooks to calibrate (default: keys values)")
     parser.add_argument("--per-head", action="store_true", help="one codebook per KV head (default: one per layer)")
-    parser.add_argument("--smooth-alpha", type=float, default=0.5, help="key smoothing factor max|K|**alpha (0.5)")
-    parser.add_argument("--iterations", type=int, default=20, help="k-means iterations at most (default 20)")
+    parser.add_argument("--smooth-alpha", type=float, default=0.5, help="key smoothing factor max|K|**alpha, 0..1 (default 0.5)")
+    parser.add_argument("--iterations", type=int, default=20, help="k-means iterations at most, >= 1 (default 20)")
 
 
 def run(model: str | None = None, *, text: str | None = None, text_name: str | None = None, tokens: int = 4096,
@@ -166,6 +167,10 @@ def run(model: str | None = None, *, text: str | None = None, text_name: str | N
                 for r in roles for s in sub_dims for c in code_bits]
     if tokens < 16 or seq_len < 16:
         raise ValueError(f"tokens and seq_len must be >= 16; got tokens={tokens}, seq_len={seq_len}")
+    if iterations < 1:
+        raise ValueError(f"iterations must be >= 1 (k-means iterations); got {iterations}")
+    if not 0 <= smooth_alpha <= 1:
+        raise ValueError(f"smooth_alpha must be in [0, 1] (keys are smoothed by max|K|**alpha); got {smooth_alpha}")
     from kvq.models import load
     from kvq.textdata import encode_text
 

@@ -1,8 +1,11 @@
 """``kvq calibrate``: compute a method's calibration (codebooks, smoothing factors) from a model's real keys/values.
 
-The work is done by the plugin that declares the method: its :class:`kvq.Method` names a calibration module
-(``calibrate="package.module"``), imported only when this command runs. This command reads the options every
-calibration shares (model, text, tokens, seed) and adds the method's own (the module's ``add_arguments``).
+Today that is VecInfer's (kvq-backends-vecinfer): for the model named by --model (the default model, a folder, a
+GGUF file or a Hub id), one file per setting under the user data dir (~/.local/share/kvq/calibration/MODEL_ID/ on
+Linux; $KVQ_DATA_DIR moves it), replacing an earlier file of the same settings. kvq generate, eval and serve then
+use it for that model (--method vecinfer; eval and bench take [model_id=...] to name another). The work is done by
+the plugin that declares the method (a calibration module its kvq.Method names, imported only when this command
+runs); this command reads the options every calibration shares and adds the method's own.
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ def parser(method: str | None = None) -> argparse.ArgumentParser:
     methods = calibrated_methods()
     default = next(iter(methods)) if len(methods) == 1 else None
     p = argparse.ArgumentParser(prog="kvq calibrate", description=__doc__)
-    p.add_argument("--method", choices=sorted(methods), default=default, required=default is None)
+    p.add_argument("--method", choices=sorted(methods), default=default, required=default is None,
+                   help=f"the method to calibrate (default: {default})" if default else "the method to calibrate")
     p.add_argument("--model", default=None, help="model name, folder, .gguf file or Hub id (default: "
                    "SmolLM2-135M-Instruct)")
     p.add_argument("--model-id", default=None, help="store under this id (default: derived from --model)")
@@ -58,7 +62,7 @@ def parser(method: str | None = None) -> argparse.ArgumentParser:
                    "half of the Python language reference)")
     p.add_argument("--tokens", type=int, default=4096, help="tokens of the text to use (default 4096)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per forward pass (default 512)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed of the calibration (default 0)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     chosen = methods.get(method or default)
     add_arguments = getattr(calibration(chosen), "add_arguments", None) if chosen else None
@@ -74,8 +78,10 @@ def main(argv: list[str]) -> int:
         model that cannot be loaded, a calibration module that does not import.
     """
     if not calibrated_methods():
-        raise ValueError("no installed method declares a calibration (a plugin declares one with "
-                         "kvq.Method(..., calibrate='package.module'))")
+        from ..install_hints import method_hint
+
+        raise ValueError(f"no installed method declares a calibration: {method_hint('vecinfer')} (a third-party "
+                         "plugin declares one with kvq.Method(..., calibrate='package.module'))")
     args = parser(_method_name(argv)).parse_args(argv)
     run = calibration(calibrated_methods()[args.method]).run
     text = None
