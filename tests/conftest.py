@@ -157,3 +157,30 @@ def batch_greedy(model, prompts, max_tokens: int, prefill_step_size: int = 16) -
             got[r.uid].append(int(r.token))
     gen.close()
     return [got[u] for u in uids]
+
+
+def cache_state(cache, ring: bool = False) -> tuple:
+    """A kvq cache's tokens as stored, as numpy: offset, sinks, compressed and window counts, the window's tokens
+    (``None`` when empty) and each side's compressed codes and side data (``{}`` when empty); ``ring``: a rotating
+    cache's ring read oldest first (its logical order, whatever slot the ring has wrapped to)."""
+    def part(store):
+        if not store.length:
+            return {}
+        if ring:
+            return {k: np.array(a) for k, a in store.ordered().data.items()}
+        return {k: np.array(a[:, :, : store.length]) for k, a in store.data.items()}
+
+    window = tuple(np.array(a[:, :, : cache.window.length]) if cache.window.length else None
+                   for a in (cache.window.keys, cache.window.values))
+    return (cache.offset, cache.sinks.length, cache.compressed_keys.length, cache.window.length, window,
+            part(cache.compressed_keys), part(cache.compressed_values))
+
+
+def same_state(a: tuple, b: tuple) -> bool:
+    """Whether two :func:`cache_state` results are equal: counts, and every array bit for bit."""
+    if a[:4] != b[:4]:
+        return False
+    for x, y in zip(a[4], b[4]):
+        if (x is None) != (y is None) or (x is not None and not np.array_equal(x, y)):
+            return False
+    return all(p.keys() == q.keys() and all(np.array_equal(p[n], q[n]) for n in p) for p, q in zip(a[5:], b[5:]))

@@ -16,7 +16,7 @@ import copy
 
 import attrs
 import mlx.core as mx
-import numpy as np
+from conftest import cache_state, same_state
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -40,15 +40,6 @@ def _row(config, length: int, seed: int) -> KVQCache:
     return row
 
 
-def _stored(row) -> tuple:
-    """A row's tokens as stored: offset, window tokens, and the compressed codes and side data."""
-    window = tuple(None if a is None else np.array(a[:, :, : row.window.length])
-                   for a in (row.window.keys, row.window.values))
-    codes = tuple({name: np.array(a[:, :, : store.length]) for name, a in (store.data or {}).items()}
-                  for store in (row.compressed_keys, row.compressed_values))
-    return row.offset, window, codes
-
-
 def _size(batch: BatchKVQCache) -> int:
     return batch.offset.size  # not len(batch.rows): reading rows unpacks a packed batch
 
@@ -61,13 +52,7 @@ def _rows_of(batch: BatchKVQCache) -> list:
 def _same_rows(a: BatchKVQCache, b: BatchKVQCache) -> None:
     assert a.offset.tolist() == b.offset.tolist()
     for row_a, row_b in zip(_rows_of(a), _rows_of(b), strict=True):
-        offset_a, window_a, codes_a = _stored(row_a)
-        offset_b, window_b, codes_b = _stored(row_b)
-        assert offset_a == offset_b
-        assert all((x is None and y is None) or np.array_equal(x, y) for x, y in zip(window_a, window_b))
-        for side_a, side_b in zip(codes_a, codes_b):
-            assert side_a.keys() == side_b.keys()
-            assert all(np.array_equal(side_a[n], side_b[n]) for n in side_a), "compressed codes differ"
+        assert same_state(cache_state(row_a), cache_state(row_b))
 
 
 class BatchOperations(RuleBasedStateMachine):

@@ -11,8 +11,8 @@ from __future__ import annotations
 import copy
 
 import mlx.core as mx
-import numpy as np
 import pytest
+from conftest import cache_state, same_state
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -27,26 +27,6 @@ CONFIGS = {
 }
 KEYS = mx.random.normal((1, H_KV, STREAM, D), key=mx.random.key(21)).astype(mx.float16)
 VALUES = mx.random.normal((1, H_KV, STREAM, D), key=mx.random.key(22)).astype(mx.float16)
-
-
-def state(cache) -> tuple:
-    """Counts, window tokens and compressed codes (numpy; empty parts as empty)."""
-    def part(store):
-        return {k: np.array(a[:, :, : store.length]) for k, a in (store.data or {}).items()} if store.length else {}
-
-    window = tuple(np.array(a[:, :, : cache.window.length]) if cache.window.length else None
-                   for a in (cache.window.keys, cache.window.values))
-    return (cache.offset, cache.sinks.length, cache.compressed_keys.length, cache.window.length, window,
-            part(cache.compressed_keys), part(cache.compressed_values))
-
-
-def same(a: tuple, b: tuple) -> bool:
-    if a[:4] != b[:4]:
-        return False
-    for x, y in zip(a[4], b[4]):
-        if (x is None) != (y is None) or (x is not None and not np.array_equal(x, y)):
-            return False
-    return all(p.keys() == q.keys() and all(np.array_equal(p[n], q[n]) for n in p) for p, q in zip(a[5:], b[5:]))
 
 
 class CacheOperations(RuleBasedStateMachine):
@@ -84,22 +64,22 @@ class CacheOperations(RuleBasedStateMachine):
     def file_round_trip(self):
         import tempfile
 
-        before = state(self.cache)
+        before = cache_state(self.cache)
         with tempfile.TemporaryDirectory() as folder:
             path = f"{folder}/layer.safetensors"
             save_prompt_cache(path, [self.cache])
             (self.cache,) = load_prompt_cache(path)
-        assert same(state(self.cache), before)
+        assert same_state(cache_state(self.cache), before)
 
     @rule()
     def copy_and_go_on_with_the_copy(self):
-        original, before = self.cache, state(self.cache)
+        original, before = self.cache, cache_state(self.cache)
         self.cache = copy.deepcopy(original)
         n = min(5, STREAM - self.held)
         if n:  # the copy takes tokens; the original must not see them
             self.cache.update_and_fetch(KEYS[:, :, self.held:self.held + n], VALUES[:, :, self.held:self.held + n])
             self.held += n
-        assert same(state(original), before)
+        assert same_state(cache_state(original), before)
 
     @invariant()
     def as_a_fresh_cache_while_every_trim_was_exact(self):
@@ -110,7 +90,7 @@ class CacheOperations(RuleBasedStateMachine):
         if self.exact and self.held:
             fresh = KVQCache(self.config)
             fresh.update_and_fetch(KEYS[:, :, : self.held], VALUES[:, :, : self.held])
-            assert same(state(self.cache), state(fresh))
+            assert same_state(cache_state(self.cache), cache_state(fresh))
 
 
 CacheOperations.TestCase.settings = settings(max_examples=60, stateful_step_count=12, deadline=None,
@@ -128,19 +108,7 @@ def test_a_loaded_cache_updated_then_copied(tmp_path):
     (loaded,) = load_prompt_cache(str(tmp_path / "c.safetensors"))
     loaded.update_and_fetch(KEYS[:, :, 20:21], VALUES[:, :, 20:21])
     twin = copy.deepcopy(loaded)
-    assert same(state(twin), state(loaded))
-
-
-def ring_state(cache) -> tuple:
-    """A rotating cache's logical state: counts, window tokens, and the ring's codes oldest first."""
-    def part(store):
-        held = store.ordered()
-        return {k: np.array(a) for k, a in held.data.items()} if held is not None and store.length else {}
-
-    window = tuple(np.array(a[:, :, : cache.window.length]) if cache.window.length else None
-                   for a in (cache.window.keys, cache.window.values))
-    return (cache.offset, cache.sinks.length, cache.compressed_keys.length, cache.window.length, window,
-            part(cache.compressed_keys), part(cache.compressed_values))
+    assert same_state(cache_state(twin), cache_state(loaded))
 
 
 class RotatingOperations(CacheOperations):
@@ -177,7 +145,7 @@ class RotatingOperations(CacheOperations):
             fresh = self._fresh()
             fresh.update_and_fetch(KEYS[:, :, : self.held], VALUES[:, :, : self.held])
             fresh.release_chunk()
-            assert same(ring_state(self.cache), ring_state(fresh))
+            assert same_state(cache_state(self.cache, ring=True), cache_state(fresh, ring=True))
 
 
 RotatingOperations.TestCase.settings = settings(max_examples=60, stateful_step_count=12, deadline=None,

@@ -11,8 +11,8 @@ holds uncompressed).
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
 import pytest
+from conftest import cache_state, same_state
 from hypothesis import given, settings, strategies as st
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import LRUPromptCache
@@ -27,24 +27,6 @@ def _tokens(n: int, seed: int = 5):
     k = mx.random.normal((1, 2, n, D), key=mx.random.key(seed)).astype(mx.float16)
     v = mx.random.normal((1, 2, n, D), key=mx.random.key(seed + 1)).astype(mx.float16)
     return k, v
-
-
-def _state(cache) -> tuple:
-    """Counts, window tokens and compressed codes of a cache, as numpy arrays."""
-    codes = [{k: np.array(a[:, :, : s.length]) for k, a in (s.data or {}).items()} if s.length else {}
-             for s in (cache.compressed_keys, cache.compressed_values)]
-    held = [None if a is None or not cache.window.length else np.array(a[:, :, : cache.window.length])
-            for a in (cache.window.keys, cache.window.values)]
-    return cache.offset, cache.compressed_keys.length, cache.window.length, held, codes
-
-
-def _same(a: tuple, b: tuple) -> bool:
-    (oa, ca, wa, ha, da), (ob, cb, wb, hb, db) = a, b
-    if (oa, ca, wa) != (ob, cb, wb):
-        return False
-    if any((x is None) != (y is None) or (x is not None and not np.array_equal(x, y)) for x, y in zip(ha, hb)):
-        return False
-    return all(x.keys() == y.keys() and all(np.array_equal(x[n], y[n]) for n in x) for x, y in zip(da, db))
 
 
 @settings(max_examples=80, deadline=None, derandomize=True)
@@ -64,7 +46,7 @@ def test_trims_exactly_says_whether_a_trim_leaves_a_fresh_runs_state(length, n, 
     if length - removed:
         fresh.update_and_fetch(k[:, :, : length - removed], v[:, :, : length - removed])
     assert removed == min(n, length)
-    same = _same(_state(cache), _state(fresh))
+    same = same_state(cache_state(cache), cache_state(fresh))
     assert not exact or same, (length, n, window, flush, chunk)  # an exact trim leaves a fresh run's state
     # and every trim that leaves it is called exact, but one that removes every compressed token: what the first
     # compression fitted stays (test_a_trim_removing_every_compressed_token_is_not_exact)
@@ -99,12 +81,12 @@ def test_inside_exact_trims_an_inexact_trim_raises_and_changes_nothing():
     cache = KVQCache(make_config("affine", bits=4, sinks=2, window=4, flush=4))
     k, v = _tokens(20)
     cache.update_and_fetch(k, v)  # 18 after the sinks: 12 compressed, a window of 6
-    before = _state(cache)
+    before = cache_state(cache)
     assert cache.trims_exactly(2) and not cache.trims_exactly(3)  # 16 after the sinks: a fresh run holds 4 + 4
     with exact_trims():
         with pytest.raises(InexactTrim, match="trimming 3 of 20 tokens"):
             cache.trim(3)
-        assert _same(_state(cache), before)
+        assert same_state(cache_state(cache), before)
         assert cache.trim(2) == 2
     assert cache.trim(3) == 3  # outside: trims as before (speculative decoding, direct calls)
 
