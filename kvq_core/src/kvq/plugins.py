@@ -36,6 +36,10 @@ OP_HOOKS = {"quantize": ("kvq_quantize",), "dequantize": ("kvq_dequantize",), "a
             "pack": ("kvq_pack", "kvq_unpack")}
 
 
+class UnknownMethodError(ValueError):
+    """A method name no installed plugin declares (:meth:`Registry.method`): the message lists the installed ones."""
+
+
 class RegistrationError(ValueError):
     """A method or implementation object that kvq cannot accept (the message says why)."""
 
@@ -222,7 +226,7 @@ class Registry:
     def method(self, name: str) -> Method:
         """The declaration of ``name``.
 
-        :raises ValueError: unknown name: lists the installed methods and, for a method of one of kvq's own
+        :raises UnknownMethodError: (a ValueError) unknown name: lists the installed methods and, for a method of one of kvq's own
             distributions that is not installed, names it and the command that installs it
             (:func:`kvq.install_hints.method_hint`)."""
         if name not in self.methods:
@@ -234,7 +238,7 @@ class Registry:
                         f"method={base!r}, bits={bits}" if bits.isdigit() else
                         f"{name!r} is the command line's spelling; in Python pass the method and its parameters "
                         f"apart (method={base!r}, ...)")
-            raise ValueError(f"method must be one of {known}; got {name!r}" + (f" ({hint})" if hint else ""))
+            raise UnknownMethodError(f"method must be one of {known}; got {name!r}" + (f" ({hint})" if hint else ""))
         return self.methods[name]
 
     def implementations_of(self, method: str, op: str) -> list[Any]:

@@ -24,6 +24,7 @@ import mlx_lm.models.cache as mlx_cache
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..contract import Unfits, optional_hook
+from ..plugins import UnknownMethodError
 from . import patch as _patch
 from .batch import BatchKVQCache
 from .guard import guarded, safe_params
@@ -100,7 +101,7 @@ def load_prompt_cache(file_name: str, *, expect: CacheConfig | None = None, retu
         cache, metadata = _read(file_name)
     except (RuntimeError, ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
         reason = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
-        if reason.startswith("method must be one of"):  # written with a method this process does not have
+        if isinstance(exc, UnknownMethodError):  # written with a method this process does not have
             reason += "; the plugin that wrote it must be installed (or kvq.register-ed) to load it"
         raise ValueError(f"{file_name}: not a prompt-cache file that loads: {reason}") from exc
     if expect is not None:
