@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kvq.attention import attend_encoded
+from kvq.attention import attend_encoded, check_query_dim
 from kvq.costmodel import estimate
 from kvq.encoded import Encoded
 from kvq.validate import float_array
@@ -83,8 +83,7 @@ def check_attend_inputs(method: str, accepted: tuple[str, ...], queries, keys, v
             raise ValueError(f"{name}: {method} attend needs {' or '.join(accepted)}-encoded {name}; "
                              f"got {encoded.method!r}")
     queries = float_array("queries", queries)
-    if queries.shape[-1] != keys.head_dim:
-        raise ValueError(f"queries: head_dim {queries.shape[-1]} does not match the keys' {keys.head_dim}")
+    check_query_dim(queries, keys.head_dim)
     return queries
 
 

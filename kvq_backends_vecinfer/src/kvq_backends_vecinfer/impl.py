@@ -21,7 +21,7 @@ decodes to NaN, and its scores and its weight in the values are NaN, as in an fp
 from __future__ import annotations
 
 import mlx.core as mx
-from kvq.attention import attend_encoded, block_size_for, token_bytes_of
+from kvq.attention import attend_encoded, block_size_for, check_query_dim, token_bytes_of
 from kvq.costmodel import estimate
 from kvq.encoded import Encoded
 from kvq.validate import float_array
@@ -104,8 +104,7 @@ class VecInferMLX:
             if encoded.method != "vecinfer":
                 raise ValueError(f"{name}: vecinfer attend needs vecinfer-encoded {name}; got {encoded.method!r}")
         queries = float_array("queries", queries)
-        if queries.shape[-1] != keys.head_dim:
-            raise ValueError(f"queries: head_dim {queries.shape[-1]} does not match the keys' {keys.head_dim}")
+        check_query_dim(queries, keys.head_dim)
         B, Hq, Tq, _ = queries.shape
         # gathered table entries are M times the scores: size blocks for them (and for the decoded values)
         vector_bytes = token_bytes_of(B, keys.shape[1], keys.head_dim, values.head_dim)
