@@ -207,7 +207,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=100)
     ap.add_argument("--kernels", default="off", choices=("auto", "off"))
     ap.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, of {', '.join(SCENARIOS)}")
-    ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated method labels")
+    ap.add_argument("--methods", default=";".join(METHODS), help="method labels separated by ';' (a label may hold commas)")
     ap.add_argument("--rtol", type=float, default=0.0,
                     help="--compare: relative tolerance for logits of scenarios other than plain and chunkN (the "
                          "plain cache's are compared bit for bit); tokens always exactly")
@@ -216,7 +216,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         if args.model == "random":
             os.environ["KVQ_CACHE_DIR"] = tmp  # VecInfer's calibration of the random model goes here
-        result = run(args.model, args.steps, args.prompt_len, args.kernels, args.methods.split(","),
+        result = run(args.model, args.steps, args.prompt_len, args.kernels, args.methods.split(";"),
                      args.scenarios.split(","))
     np.savez(args.out, **result)
     if args.compare:

@@ -363,7 +363,7 @@ def test_decode_binds_once_per_compressed_state_and_replays(monkeypatch):
     q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(7)).astype(mx.float16)
     for c in (cache, reference):
         c.update_and_fetch(k[:, :, :40], v[:, :, :40])
-    monkeypatch.setattr(reference, "_bind", lambda *a: None)  # the reference attends its parts
+    monkeypatch.setattr(reference, "_fused_attend", lambda *a: None)  # the reference attends its parts
     compressed = []
     for t in range(40, 52):
         for c in (cache, reference):

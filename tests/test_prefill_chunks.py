@@ -152,16 +152,27 @@ def test_gpu_prefill_path_sees_what_token_by_token_sees(model32, label, monkeypa
 @pytest.mark.parametrize("start_q, n_sinks, n_compressed, compressed_before, flush, r0, r1",
                          [(200, 4, 120, 100, 1, 0, 30), (200, 4, 120, 100, 1, 7, 30), (200, 4, 120, 100, 8, 0, 30),
                           (2, 4, 10, 0, 1, 0, 12), (0, 4, 0, 0, 1, 0, 6), (300, 0, 150, 140, 4, 3, 19)])
-def test_chunk_mask_is_the_visibility_rule(start_q, n_sinks, n_compressed, compressed_before, flush, r0, r1):
-    """chunk_mask (which writes the columns every row sees as zeros and computes the rest) equals the rule written
-    column by column: a sink before the row, a compressed token among the row's first ``bound``, a dense token
-    from ``n_sinks + bound`` up to the row's own position; with and without a user mask."""
-    from kvq.cache.prefill import chunk_mask
+def test_interval_mask_is_the_visibility_rule(start_q, n_sinks, n_compressed, compressed_before, flush, r0, r1):
+    """The GPU chunk's additive mask (kvq.cache.prefill.interval_mask, which writes the columns every row sees as
+    zeros and computes the rest from the parts' intervals) equals the rule written column by column: a sink before
+    the row, a compressed token among the row's first ``bound``, a dense token from ``n_sinks + bound`` up to the
+    row's own position; with and without a user mask."""
+    from kvq.cache import engine
+    from kvq.cache.prefill import interval_mask
 
     rows = r1
-    bounds = [min(n_compressed, compressed_before + max(0, (r + 1 - 10) // flush * flush)) for r in range(rows)]
+    bounds = np.minimum(n_compressed, compressed_before + np.maximum(0, (np.arange(rows) + 1 - 10) // flush * flush))
     first = n_sinks + compressed_before
     n_dense = start_q + rows - first
+    pos = np.arange(start_q, start_q + rows)
+    zeros = (lambda n: (mx.zeros((1, 1, n, 1)),) * 2)
+    parts = []
+    if n_sinks:
+        parts.append(engine.Part(*zeros(n_sinks), False, 0, *engine.causal(n_sinks, 0, pos), column=0))
+    if n_compressed:
+        parts.append(engine.Part(*zeros(n_compressed), False, 0, np.zeros_like(bounds), bounds, n_sinks))
+    parts.append(engine.Part(*zeros(n_dense), False, 0, bounds - compressed_before,
+                             np.clip(pos - first + 1, 0, n_dense), first))
     end = n_sinks + n_compressed + n_dense
     positions = list(range(n_sinks)) + list(range(n_sinks, n_sinks + n_compressed)) + [first + i for i in
                                                                                        range(n_dense)]
@@ -176,14 +187,14 @@ def test_chunk_mask_is_the_visibility_rule(start_q, n_sinks, n_compressed, compr
             else:
                 expected[r - r0, c] = n_sinks + bounds[r] <= positions[c] <= p
     low = float(mx.finfo(mx.float16).min)
-    mask = np.array(chunk_mask(bounds, start_q, r0, r1, n_sinks, n_compressed, first, end, mx.float16))
+    mask = np.array(interval_mask(parts, r0, r1, end, mx.float16))
     assert mask.shape == expected.shape
     np.testing.assert_array_equal(mask, np.where(expected, 0.0, low))
     # a user mask (batch padding: the first 3 positions hidden) is applied on top, per key position
     user = mx.array(np.arange(start_q + rows + 1)[None] >= 3)[None]  # [1, 1, all positions]
     cols = mx.array(positions)
-    masked = np.array(chunk_mask(bounds, start_q, r0, r1, n_sinks, n_compressed, first, end, mx.float16,
-                                 mx.broadcast_to(user, (1, rows, user.shape[-1])), cols))
+    masked = np.array(interval_mask(parts, r0, r1, end, mx.float16, mx.broadcast_to(user, (1, rows, user.shape[-1])),
+                                    cols))
     np.testing.assert_array_equal(masked[0], np.where(expected & (np.array(positions) >= 3)[None], 0.0, low))
 
 
@@ -205,17 +216,16 @@ def test_in_flight_waits_only_beyond_its_budget():
 
 @pytest.mark.parametrize("flush, window", [(1, 128), (8, 16), (32, 128), (4, 0)])
 def test_visible_bounds_are_leaving_of_each_row(flush, window):
-    """KVQCache._visible (all of a chunk's rows at once) equals its definition row by row: the tokens compressed
-    before the update plus _leaving(held, tokens added up to that row)."""
+    """kvq.cache.schedule.visible (all of a chunk's rows at once) equals its definition row by row: the tokens
+    compressed before the update plus leaving(held, tokens added up to that row)."""
     import itertools
 
-    from kvq.cache.layer import _Fresh
+    from kvq.cache.schedule import Fresh, leaving, visible
 
-    cache = KVQCache(make_config("turboquant", bits=4, flush=flush, window=window))
     for compressed, held, start, new in itertools.product((0, 7, 800), (0, 5, window + flush - 1), (4, 1000),
                                                           (1, 3, 2048)):
-        fresh = _Fresh(start, compressed, held, new, None)
+        fresh = Fresh(start, compressed, held, new, None)
         for first, count in ((start - 5, 40), (start, new), (start + 3, 9)):
-            rows = [compressed + cache._leaving(held, min(max(p - start + 1, 0), new))
+            rows = [compressed + leaving(held, min(max(p - start + 1, 0), new), window, flush)
                     for p in range(first, first + count)]
-            assert cache._visible(fresh, first, count) == rows
+            assert visible(fresh, first, count, window, flush).tolist() == rows

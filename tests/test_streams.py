@@ -163,23 +163,25 @@ def test_tensor_core_plan_takes_qjl_and_prod_within_shared_memory(rows, tuning):
 def test_cache_attends_qjl_keys_with_qjl_attention_same_numbers():
     """The cache now hands qjl keys (with affine values) to qjl's own kvq_attend (which a GPU's kernel can serve);
     on the CPU that is the same blockwise computation as the per-side block protocol it used before."""
-    from kvq.attention import attend_encoded, merge_parts
-    from kvq.cache import KVQCache, make_config
-    from kvq.cache.layer import block_implementation
+    from kvq.attention import attend_encoded
+    from kvq.cache import KVQCache, engine, make_config
+    from kvq.cache.centring import KeyMean
+    from kvq.cache.choice import attend_fn, block_implementation, own_attend
 
     cache = KVQCache(make_config("qjl", value_method="affine", value_params={"bits": 4}, window=16, flush=8, sinks=2))
     k, v = normal((1, 2, 120, 64), 3, mx.float16), normal((1, 2, 120, 64), 4, mx.float16)
     cache.update_and_fetch(k, v)
-    assert cache._own_attend()
+    cache.release_chunk()
+    assert own_attend(cache.config)
     q = normal((1, 4, 1, 64), 5, mx.float16)
     keys, values = cache.compressed_keys.view(), cache.compressed_values.view()
-    got = cache._attend_part("compressed", q, 0.125, None)
+    got = attend_fn(cache.config, keys, q)(q, keys, values, 0.125, None)
     want = attend_encoded(q, keys, values, 0.125, None, block_implementation("qjl", "keys"),
                           block_implementation("affine", "values"))
     assert mx.array_equal(got[0], want[0]).item() and mx.array_equal(got[1], want[1]).item()
     out = cache.attend(q, 0.125)
-    parts = [cache._attend_part(kind, q, 0.125, None) for kind, _ in cache._parts()]
-    assert relative_error(out, merge_parts(parts)[0].astype(out.dtype)) < 1e-3
+    parts = engine.attend(q, 0.125, cache.parts(1, cache.offset - 1), cache.config, KeyMean(cache.key_mean))
+    assert relative_error(out, parts) < 1e-3
 
 
 def test_bound_step_matrices_equal_the_methods_transforms(tmp_path, monkeypatch):

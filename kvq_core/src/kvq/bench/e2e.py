@@ -181,7 +181,7 @@ def attend_implementation(cache, model, settings: E2ESettings) -> str | None:
     if own is None or not own():
         return f"{kp.method}+{vp.method}:mlx (block protocol)"
     label = kp.method if kp.method == vp.method else f"{kp.method}+{vp.method}"
-    from ..cache.layer import attend_kernels
+    from ..cache.choice import attend_kernels
     from ..select import select
 
     args = model.args

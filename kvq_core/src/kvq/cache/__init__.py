@@ -25,7 +25,10 @@ from .batch import BatchKVQCache
 from ..select import check_kernels, select
 from .files import load_prompt_cache, save_prompt_cache
 from .guard import OutlierLayerWarning
-from .layer import CacheConfig, CompressedView, KVQCache, block_implementation, has_attend, quantize_kernels
+from .choice import block_implementation, has_attend, quantize_kernels
+from .config import CacheConfig
+from .layer import KVQCache
+from .views import CompressedView
 from .rotating import RotatingKVQCache
 from .servable import UnservableModelWarning, unservable_reason
 from .sharding import first_layer, kv_head_range
@@ -63,7 +66,7 @@ def make_config(method: str | None = "affine", *, key_method: str | None = None,
         warned about, or left alone.
     :raises ValueError: unknown method, parameter out of range, ``kernels`` not one of the three, a keys-only
         method (``qjl``) on the values' side, a method the cache cannot attend over (no ``kvq_attend`` and no
-        ``kvq_dequantize``: :func:`kvq.cache.layer.block_implementation`).
+        ``kvq_dequantize``: :func:`kvq.cache.choice.block_implementation`).
     :raises TypeError: unknown parameter name.
     """
     check_kernels(kernels)

@@ -17,8 +17,9 @@ import copy
 
 import mlx.core as mx
 
-from .layer import CompressedView
 from .packed import PackedRows
+from .state import ROW_CLASSES
+from .views import CompressedView
 
 
 def _rows(x: mx.array) -> list:
@@ -36,6 +37,8 @@ class BatchKVQCache:
     #: Whether decode packs the rows into one batched store (:mod:`kvq.cache.packed`); off: every row updates and
     #: attends on its own (the same tokens, one launch per row).
     pack = True
+    #: Marks kvq's caches for mlx-lm's patched attention (:func:`kvq.cache.views.is_kvq_cache`).
+    KVQ_CACHE = True
 
     def __init__(self, rows: list) -> None:
         self._rows = list(rows)
@@ -157,7 +160,7 @@ class BatchKVQCache:
         """Positions are handled per row inside attention; the rows' ``make_mask`` checks ``window_size``
         (:meth:`KVQCache.make_mask` refuses one, :meth:`RotatingKVQCache.make_mask` takes its own ``max_size``)."""
         if self._packed is not None:
-            return self._packed.proto.make_mask(N, return_array, window_size)
+            return self._packed.make_mask(N, return_array, window_size)
         return self.rows[0].make_mask(N, return_array, window_size) if self.rows else None
 
     # -- batching -----------------------------------------------------------------------------------
@@ -272,8 +275,6 @@ class BatchKVQCache:
     @classmethod
     def from_state(cls, state: dict) -> "BatchKVQCache":
         """Rebuild a batch from :attr:`state`: each row as a :class:`KVQCache`, or a :class:`RotatingKVQCache` where
-        its state has a ``max_size``."""
-        from .layer import KVQCache
-        from .rotating import RotatingKVQCache
-
-        return cls([(RotatingKVQCache if "max_size" in s else KVQCache).from_state(s) for s in state.get("rows", [])])
+        its state has a ``max_size`` (the classes by name: :data:`kvq.cache.state.ROW_CLASSES`)."""
+        return cls([ROW_CLASSES["RotatingKVQCache" if "max_size" in s else "KVQCache"].from_state(s)
+                    for s in state.get("rows", [])])

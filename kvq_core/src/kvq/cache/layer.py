@@ -2,9 +2,15 @@
 
 Layout along the token axis: sinks (the first ``sinks`` tokens, uncompressed) | compressed tokens (the
 methods' :class:`kvq.Encoded` form, in an :class:`EncodedStore`) | residual window (the most recent
-``window`` tokens, uncompressed). A token leaves the window for the compressed store as soon as a newer token
-pushes it out. Attention (:meth:`KVQCache.attend`) runs on each part and merges them with log-sum-exp, so no
-fp16 copy of compressed tokens is made.
+``window`` tokens, uncompressed). Tokens leave the window for the compressed store in blocks of ``flush``
+(:mod:`kvq.cache.schedule`). Attention describes these parts and what each query row sees of them, and the attention
+engine (:mod:`kvq.cache.engine`) attends and merges them with log-sum-exp, so no fp16 copy of compressed tokens is
+made.
+
+The layer's seams live beside it: its configuration (:mod:`~kvq.cache.config`), which implementation serves each op
+(:mod:`~kvq.cache.choice`), centred keys (:mod:`~kvq.cache.centring`), the window's schedule
+(:mod:`~kvq.cache.schedule`), the stand-ins handed to models (:mod:`~kvq.cache.views`), the ``keys``/``values``
+of pipeline parallelism (:mod:`~kvq.cache.depends`) and prompt-cache files (:mod:`~kvq.cache.state`).
 
 Sinks and window follow StreamingLLM (Xiao et al., arXiv 2309.17453) and KIVI's residual (arXiv 2402.02750).
 """
@@ -12,225 +18,30 @@ Sinks and window follow StreamingLLM (Xiao et al., arXiv 2309.17453) and KIVI's 
 from __future__ import annotations
 
 import copy
-import math
-from typing import Any
 
 import attrs
 import mlx.core as mx
 import numpy as np
 
-from ..attention import DenseTokens, attend_encoded, dense_attend, merge_parts, sink_logits_part
-from ..contract import (AttendsDense, BindsDense, EncodesBlocks, Fits, ForHeads, ForLayer, ScoresKeys, WeightsValues,
-                        member_name, optional_hook)
-from ..defaults import DEFAULT_FLUSH
-from ..plugins import implemented_ops, registry
-from ..select import MAX_DECODE_QUERIES, check_kernels, is_kernel, select
-from ..validate import float_array
+from ..contract import Fits, optional_hook
 from ..encoded import Encoded
-from .guard import check_policy, guard_layer
-from .prefill import IN_FLIGHT, chunk_mask, rows_per_call
+from ..plugins import implemented_ops, registry
+from ..validate import float_array
+from . import engine
+from .centring import KeyMean
+from .choice import dequantize, encode_tokens
+from .config import CacheConfig
+from .depends import DependencySlots
+from .guard import guard_layer
 from .reuse import check_trim, trimmable_now
-from .state import check_layer, config_from_json, config_to_json
+from .schedule import Fresh, leaving, visible
+from .state import check_layer, config_from_json, config_to_json, row_class
 from .store import DenseBuffer, EncodedStore
+from .views import CompressedView, bool_mask, plain_mask
 
 
-@attrs.frozen
-class CacheConfig:
-    """What a layer stores and how: key and value methods with their parameters, sinks and window sizes.
-
-    :param key_params: parameter object of the keys' method (``key_params.method`` names it).
-    :param value_params: parameter object of the values' method.
-    :param sinks: first tokens kept uncompressed (>= 0; default 4).
-    :param window: most recent tokens kept uncompressed (>= 0; default 128).
-    :param step: tokens per allocation step of the compressed store.
-    :param flush: tokens leave the window for the compressed store in blocks of ``flush`` (>= 1; default
-        :data:`DEFAULT_FLUSH`, 128):
-        the window then holds ``window`` to ``window + flush - 1`` tokens. A block (KIVI's residual, arXiv
-        2402.02750, flushes whole groups) quantizes once every ``flush`` steps, so a decode step is an append and
-        one launch; a step that compresses costs several times more on the host (on an H200 at 32K: 14 ms of
-        graph building against 4, ``benchmarks/results/host/README.md``). 1 compresses one token every decode
-        step (the window then holds exactly ``window`` tokens).
-    :param kernels: ``"auto"`` (default), ``"require"`` or ``"off"`` (:data:`kvq.select.KERNELS`): which
-        implementations the cache's hot path may use. ``require``: attention must run in a kernel (checked by
-        :func:`kvq.make_prompt_cache` at construction) and quantize runs in a kernel wherever the method has
-        one. A run-time preference of this process: it is not written to prompt-cache files.
-    :param outlier_layers: ``"upgrade"`` (default), ``"warn"`` or ``"off"``: what the layer does when the keys of
-        the first block it compresses show outlier channels that low-bit keys cannot hold
-        (:mod:`kvq.cache.guard`: stored with affine 8-bit instead, with a warning; warn only; nothing). A run-time
-        preference, not written to prompt-cache files (the parameters a layer ends up with are).
-    :param layer: the layer's index in the model (set by :meth:`for_layer`; named in warnings), or ``None``; not
-        compared (two layers' equal configurations are equal).
-    :param outlier_layer: set by the guard when this layer's first compressed block showed outlier channels
-        (whatever the policy did about it); written to prompt-cache files.
-    """
-
-    key_params: Any
-    value_params: Any
-    sinks: int = attrs.field(default=4)
-    window: int = attrs.field(default=128)
-    step: int = attrs.field(default=256)
-    kernels: str = attrs.field(default="auto", validator=lambda i, a, v: check_kernels(v))
-    flush: int = attrs.field(default=DEFAULT_FLUSH)
-    outlier_layers: str = attrs.field(default="upgrade", validator=lambda i, a, v: check_policy(v))
-    layer: int | None = attrs.field(default=None, eq=False)
-    outlier_layer: bool = attrs.field(default=False)
-
-    @flush.validator
-    @sinks.validator
-    @window.validator
-    @step.validator
-    def _non_negative(self, attribute, value):
-        low = 1 if attribute.name in ("step", "flush") else 0
-        if not isinstance(value, int) or value < low:
-            raise ValueError(f"{attribute.name} must be an int >= {low}; got {value!r}")
-
-    @property
-    def flush_tokens(self) -> int:
-        """Tokens per compression: ``flush``, made a multiple of both sides' block (:class:`kvq.contract.
-        EncodesBlocks`, e.g. QJL's outlier groups) by taking their least common multiple. The window holds
-        ``window`` to ``window + flush_tokens - 1`` tokens."""
-        blocks = [self.flush]
-        for params in (self.key_params, self.value_params):
-            hook = optional_hook(params, EncodesBlocks)
-            if hook is not None:
-                blocks.append(hook())
-        return math.lcm(*blocks)
-
-    def for_layer(self, layer: int) -> "CacheConfig":
-        """This configuration for layer ``layer`` (its index in the whole model): parameters with the optional
-        ``for_layer`` (:class:`kvq.contract.ForLayer`: per-layer calibration such as VecInfer's codebooks) are
-        specialised; the others are shared."""
-        return attrs.evolve(self._specialised(ForLayer, layer), layer=layer)
-
-    def for_heads(self, start: int, stop: int) -> "CacheConfig":
-        """This configuration for a cache holding KV heads ``start:stop`` of the model (one tensor-parallel rank's):
-        parameters with the optional ``for_heads`` (:class:`kvq.contract.ForHeads`: per-head state) are
-        specialised; the others are shared."""
-        return self._specialised(ForHeads, start, stop)
-
-    def _specialised(self, protocol, *args) -> "CacheConfig":
-        def specialise(params):
-            hook = optional_hook(params, protocol)
-            return params if hook is None else hook(*args)
-
-        return attrs.evolve(self, key_params=specialise(self.key_params), value_params=specialise(self.value_params))
-
-    def check_head_dim(self, head_dim: int) -> None:
-        """:raises ValueError: a head_dim that the key or value method does not support."""
-        self.key_params.check_head_dim(head_dim)
-        self.value_params.check_head_dim(head_dim)
-
-
-def quantize_kernels(method: str, kernels: str) -> str:
-    """The ``kernels`` preference for quantize: ``require`` applies only where ``method`` has a registered
-    quantize kernel (e.g. affine's ``mx.quantize`` is already one fused MLX kernel)."""
-    if kernels == "require" and not any(is_kernel(i) for i in registry().implementations_of(method, "quantize")):
-        return "auto"
-    return kernels
-
-
-def attend_kernels(kernels: str, num_queries: int) -> str:
-    """The ``kernels`` preference for attention over ``num_queries`` queries: the fused kernels are decode
-    kernels, so ``require`` is enforced for decode (``T_q <= MAX_DECODE_QUERIES``) and prefill chunks use
-    the best available implementation."""
-    return "auto" if kernels == "require" and num_queries > MAX_DECODE_QUERIES else kernels
-
-
-_HAS_ATTEND: dict = {}
-
-
-def has_attend(method: str) -> bool:
-    """Whether an installed implementation of ``method`` offers ``kvq_attend`` (once per registry change)."""
-    reg = registry()
-    key = (method, reg.generation)
-    if key not in _HAS_ATTEND:
-        _HAS_ATTEND[key] = bool(reg.implementations_of(method, "attend"))
-    return _HAS_ATTEND[key]
-
-
-def block_implementation(method: str, side: str):
-    """The implementation that attends over ``method``'s codes on one ``side`` (``"keys"`` or ``"values"``) where
-    no ``kvq_attend`` serves them (:func:`kvq.attention.attend_encoded`): the pure-MLX one with that side's block
-    hook (:class:`kvq.contract.ScoresKeys` / :class:`kvq.contract.WeightsValues`) or ``kvq_dequantize``, else any
-    implementation that dequantizes (one block at a time, never the whole cache).
-
-    :raises ValueError: none of ``method``'s implementations can (no block hook, no ``kvq_dequantize``).
-    """
-    reg = registry()
-    protocol = ScoresKeys if side == "keys" else WeightsValues
-    mlx = reg.implementations.get((method, "mlx"))
-    if mlx is not None and (optional_hook(mlx, protocol) is not None or "dequantize" in implemented_ops(mlx)):
-        return mlx
-    candidates = reg.implementations_of(method, "dequantize")
-    if not candidates:
-        raise ValueError(f"method {method!r} cannot serve the {side}: no installed implementation offers "
-                         f"kvq_attend, a pure-MLX {member_name(protocol)}, or kvq_dequantize")
-    return candidates[0]
-
-
-def encode_tokens(config: CacheConfig, keys: mx.array, values: mx.array) -> tuple[Encoded, Encoded]:
-    """``keys`` (already centred where the layer is) and ``values`` ``[B, H, T, D]`` quantized with ``config``'s
-    parameters by the implementations :func:`kvq.select` picks: ``(Encoded keys, Encoded values)``; what a cache's
-    window flush stores (:class:`KVQCache`, and the packed rows of :mod:`kvq.cache.packed`)."""
-    kp, vp = config.key_params, config.value_params
-    quantize_k = select(kp.method, keys.shape, dtype=keys.dtype, op="quantize", params=kp,
-                        kernels=quantize_kernels(kp.method, config.kernels)).quantize
-    quantize_v = select(vp.method, values.shape, dtype=values.dtype, op="quantize", params=vp,
-                        kernels=quantize_kernels(vp.method, config.kernels)).quantize
-    return quantize_k(keys, kp), quantize_v(values, vp)
-
-
-def centred(keys: mx.array, mean: mx.array | None) -> mx.array:
-    """``keys`` ``[B, H, T, D]`` less a centred layer's key ``mean`` (float32 ``[B or 1, H, 1, D]``; computed in
-    float32, returned in ``keys``' dtype); ``keys`` itself where ``mean`` is ``None`` (:mod:`kvq.cache.guard`)."""
-    if mean is None:
-        return keys
-    return (keys.astype(mx.float32) - mean).astype(keys.dtype)
-
-
-def mean_logits(mean: mx.array, queries: mx.array, scale: float) -> mx.array:
-    """``scale * q . mu`` ``[B, H_q, T_q]`` float32 for ``queries [B, H_q, T_q, D]`` and a key ``mean`` (float32
-    ``[B or 1, H_kv, 1, D]``): what the compressed tokens' scores lack when they are scored from centred keys (GQA:
-    each query head reads its KV head's mean)."""
-    B, Hq, Tq, D = queries.shape
-    Hkv = mean.shape[1]
-    q = queries.astype(mx.float32).reshape(B, Hkv, Hq // Hkv, Tq, D)
-    mean = mx.broadcast_to(mean, (B, Hkv, 1, D))[:, :, None]  # [B, H_kv, 1, 1, D]
-    return (scale * mx.sum(q * mean, axis=-1)).reshape(B, Hq, Tq)
-
-
-class CompressedView:
-    """Stand-in returned by ``update_and_fetch``: models pass it on to attention, which kvq intercepts.
-
-    It carries the logical ``shape`` ``(B, H_kv, T, D)`` and ``dtype`` for code that inspects them, and the
-    ``cache`` that made it: attention over these keys is that cache's (:mod:`kvq.cache.patch`), whichever cache
-    the model names in the call (a KV-sharing layer of gemma4 attends an earlier layer's keys and names none;
-    iquestloopcoder's second loop attends its first loop's keys naming its own).
-    """
-
-    __slots__ = ("shape", "dtype", "ndim", "cache")
-
-    def __init__(self, shape: tuple[int, ...], dtype, cache=None) -> None:
-        self.shape, self.dtype, self.cache = shape, dtype, cache
-        self.ndim = len(shape)
-
-
-@attrs.frozen
-class _Fresh:
-    """What :meth:`KVQCache.attend` needs from the update just made, to give each query of a chunk what a
-    token-by-token run would show it: ``start`` the position of the update's first token after the sinks,
-    ``compressed`` and ``held`` the compressed and window tokens before the update, ``new`` the tokens it added
-    after the sinks, ``dense`` the window before the update followed by those tokens, uncompressed (keys,
-    values)."""
-
-    start: int
-    compressed: int
-    held: int
-    new: int
-    dense: tuple
-
-
-class KVQCache:
+@row_class
+class KVQCache(DependencySlots):
     """A drop-in replacement for mlx-lm's ``KVCache`` that stores keys and values compressed.
 
     Works with ``mlx_lm.generate``/``stream_generate``/``generate_step`` (chunked prefill included), prompt-cache
@@ -239,6 +50,11 @@ class KVQCache:
 
     :param config: :class:`CacheConfig`.
     """
+
+    #: Whether rows of this class may be packed into one batched store for decode (:mod:`kvq.cache.packed`).
+    PACKABLE = True
+    #: Marks kvq's caches for mlx-lm's patched attention (:func:`kvq.cache.views.is_kvq_cache`).
+    KVQ_CACHE = True
 
     def __init__(self, config: CacheConfig) -> None:
         self.config = config
@@ -250,12 +66,26 @@ class KVQCache:
         self.compressed_values = EncodedStore(config.step)
         self._layout = None  # (B, H, D_k, D_v, dtype), fixed by the first update
         self._token_shapes = None  # ([B, H, 1, D_k], [B, H, 1, D_v], dtype) of a decode token, once checked
-        self._fresh = None  # _Fresh of the last update, until attend uses it
-        # float32 [B, H, 1, D_k] (values of the dense buffers' 16-bit dtype) subtracted from compressed keys
-        # (kvq.cache.guard), or None
-        self.key_mean = None
-        self._key_mean_cast = None  # key_mean in the model's dtype, for the decode hot path
+        self._fresh = None  # schedule.Fresh of the last update, until attend uses it
+        # the key mean (float32 [B, H, 1, D_k]) subtracted from compressed keys (kvq.cache.guard), or None
+        self._mean = KeyMean()
         self._bound = None  # (compressed keys' view, signature, decode step): _fused_attend's binding
+
+    @property
+    def key_mean(self) -> mx.array | None:
+        """A centred layer's key mean, float32 ``[B, H_kv, 1, D_k]`` (values of the sinks' and window's 16-bit
+        dtype), subtracted from its keys before they are compressed (:mod:`kvq.cache.guard`); ``None`` otherwise."""
+        return self._mean.mean
+
+    @property
+    def layout(self) -> tuple | None:
+        """``(B, H_kv, D_k, D_v, dtype)`` fixed by the first update, or ``None`` while empty."""
+        return self._layout
+
+    @property
+    def pending_chunk(self) -> bool:
+        """Whether the last update stored a chunk whose queries have not attended yet (:meth:`release_chunk`)."""
+        return self._fresh is not None
 
     @property
     def sink_keys(self):
@@ -274,76 +104,6 @@ class KVQCache:
     @property
     def window_values(self):
         return self.window.view()[1]
-
-    # -- keys/values: only for mlx-lm's pipeline parallelism (issue #10) -------------------------------
-    # mlx-lm's pipelined models (mlx-lm 0.32: qwen2, qwen3_moe, deepseek_v2/v3, glm4_moe, mistral4, ministral3 ...)
-    # run ``cache[-1].keys = mx.depends(cache[-1].keys, h)`` on every rank that sends ``h`` on, because
-    # generate_step evaluates only ``[c.state for c in cache]`` and the send must be part of that graph. Nothing
-    # else in mlx-lm reads a kvq cache's keys or values: masks come from make_mask, emptiness from empty(),
-    # files from state, batching from merge/extract. So these are not the keys; they are one stored array.
-    @property
-    def keys(self) -> mx.array | None:
-        """Not the keys: one array that stores key data, for ``cache.keys = mx.depends(cache.keys, h)``
-        (``None`` when the cache is empty).
-
-        Which array: the residual window's keys buffer ``[B, H_kv, window + flush - 1, D]`` (preallocated, so
-        beyond the held tokens it is zeros) while the window holds tokens, else the alphabetically first field of
-        the compressed keys' store ``[B, H_kv, capacity, ...]`` (e.g. ``codes``), else the sinks' buffer
-        ``[B, H_kv, sinks, D]``. :attr:`state` contains it, so an array assigned back keeps its dependency
-        evaluated with the state for as long as those tokens stay in that part.
-        """
-        holder, name = self._dependency_slot("keys")
-        return None if holder is None else holder[name]
-
-    @keys.setter
-    def keys(self, value) -> None:
-        """Replace the array :attr:`keys` returns by ``value`` of the same shape and dtype (such as
-        ``mx.depends(cache.keys, h)``); other assignments would corrupt the store and are refused.
-
-        :raises ValueError: ``value`` is not an array of that shape and dtype (or not ``None`` on an empty cache).
-        """
-        self._replace_dependency_slot("keys", value)
-
-    @property
-    def values(self) -> mx.array | None:
-        """As :attr:`keys`, for the values: not the values, one array that stores value data."""
-        holder, name = self._dependency_slot("values")
-        return None if holder is None else holder[name]
-
-    @values.setter
-    def values(self, value) -> None:
-        """As the :attr:`keys` setter, for the values."""
-        self._replace_dependency_slot("values", value)
-
-    def _dependency_slot(self, side: str):
-        """``(dict, name)`` where :attr:`keys` (``side="keys"``) or :attr:`values` is held, or ``(None, None)``
-        when the cache is empty."""
-        store = self.compressed_keys if side == "keys" else self.compressed_values
-        if self.window.length:
-            return vars(self.window), side
-        if store.length:
-            return store.data, min(store.data)
-        if self.sinks.length:
-            return vars(self.sinks), side
-        return None, None
-
-    def _replace_dependency_slot(self, side: str, value) -> None:
-        holder, name = self._dependency_slot(side)
-        current = None if holder is None else holder[name]
-        if current is None and value is None:
-            return
-        if current is None or not isinstance(value, mx.array) or value.shape != current.shape or \
-                value.dtype != current.dtype:
-            want = "None (the cache is empty)" if current is None else \
-                f"an mx.array of shape {tuple(current.shape)} and dtype {current.dtype}"
-            got = f"{type(value).__name__} {tuple(getattr(value, 'shape', ()))} {getattr(value, 'dtype', '')}"
-            raise ValueError(f"{side}: a kvq cache accepts only {want} (the array it returned, e.g. through "
-                             f"mx.depends); got {got.strip()}")
-        store = self.compressed_keys if side == "keys" else self.compressed_values
-        if holder is store.data:
-            store.replace_field(name, value)  # its cached view must not keep the array without the dependency
-        else:
-            holder[name] = value
 
     # -- storage ------------------------------------------------------------------------------------
     def _check(self, keys: mx.array, values: mx.array) -> None:
@@ -372,7 +132,7 @@ class KVQCache:
 
         A chunk of ``T`` tokens leaves the cache exactly as ``T`` single-token updates would (the same tokens
         compressed, in the same window), and the next :meth:`attend` lets each of the chunk's queries see what
-        it would have seen in a token-by-token run (:meth:`_visible`): so prefill gives the same result whatever
+        it would have seen in a token-by-token run (:func:`kvq.cache.schedule.visible`): so prefill gives the same result whatever
         the chunk size.
 
         A chunk's update that raises (bad input, or a quantizer that fails) leaves the cache as it was before
@@ -429,14 +189,14 @@ class KVQCache:
         taken = self.offset - first - keys.shape[2]
         if keys.shape[2] > 1:  # what the chunk's queries need from this update (attend uses it once)
             compressed, held = self.compressed_keys.length, self.window.length
-            self._fresh = _Fresh(first + taken, compressed, held, keys.shape[2], self._push_window(keys, values))
+            self._fresh = Fresh(first + taken, compressed, held, keys.shape[2], self._push_window(keys, values))
         else:  # one token: its query sees the cache as it is after the update
             self._fresh = None
             if keys.shape[2]:
                 self._push_window(keys, values)
 
     def _parts_objects(self) -> tuple:
-        return self, self.sinks, self.window, self.compressed_keys, self.compressed_values
+        return self, self.sinks, self.window, self.compressed_keys, self.compressed_values, self._mean
 
     def _snapshot(self) -> list[dict]:
         """The attributes of the cache and its stores, with new handles on every array (stores update their
@@ -464,12 +224,9 @@ class KVQCache:
         return keys[:, :, take:], values[:, :, take:]
 
     def _leaving(self, held: int, new: int) -> int:
-        """Tokens that leave the window when ``new`` tokens join the ``held`` ones, as ``new`` single-token
-        updates would have it: the window grows to ``window + f - 1`` tokens, then its oldest ``f`` are
-        compressed together (``f`` = :attr:`CacheConfig.flush_tokens`); so a multiple of ``f`` (0 while fewer
-        than ``window + f`` are held)."""
-        w, f = self.config.window, self._flush
-        return f * max(0, (held + new - w) // f)
+        """Tokens that leave the window when ``new`` tokens join the ``held`` ones (:func:`kvq.cache.schedule.
+        leaving` of this layer's window and flush)."""
+        return leaving(held, new, self.config.window, self._flush)
 
     def _push_window(self, keys, values):
         """Append non-sink tokens to the window, compressing those that leave it (:meth:`_leaving`). Returns the
@@ -496,7 +253,7 @@ class KVQCache:
     def _encode(self, keys, values) -> tuple[Encoded, Encoded]:
         """``keys`` (centred where the layer is) and ``values`` ``[B, H, T, D]`` quantized by the implementations
         :func:`kvq.select` picks: ``(Encoded keys, Encoded values)``."""
-        return encode_tokens(self.config, self._centred(keys), values)
+        return encode_tokens(self.config, self._mean.centred(keys), values)
 
     def _fit_params(self, keys, values):
         """Parameters with the optional ``fit(block)`` (:class:`kvq.contract.Fits`: shared state chosen from data,
@@ -520,39 +277,11 @@ class KVQCache:
             # a mean the sinks' and window's 16-bit dtype holds exactly: the fused kernel scores them centred in that
             # dtype (k - mu there is exact where the offsets dominate), with no rounded shift against the codes
             mean = mean.astype(mx.float16 if keys.dtype == mx.float32 else keys.dtype).astype(mx.float32)
-        self._set_key_mean(mean)
-        keys = self._centred(keys)
+        self._mean.set(mean)
+        keys = self._mean.centred(keys)
         self.config = attrs.evolve(self.config, key_params=fit(self.config.key_params, keys),
                                    value_params=fit(self.config.value_params, values))
         self._fitted = True
-
-    def _set_key_mean(self, mean) -> None:
-        self.key_mean, self._key_mean_cast = mean, None
-
-    def _centred(self, keys):
-        """``keys`` less :attr:`key_mean` (:func:`centred`)."""
-        return centred(keys, self.key_mean)
-
-    def _centred_dense(self, keys):
-        """Uncompressed ``keys`` (the sinks, the window) less :attr:`key_mean` in their own dtype, for attention
-        that scores them together with the centred compressed keys (one subtraction; the mean is cast once)."""
-        if self.key_mean is None or keys is None:
-            return keys
-        if self._key_mean_cast is None or self._key_mean_cast.dtype != keys.dtype:
-            self._key_mean_cast = self.key_mean.astype(keys.dtype)
-        return keys - self._key_mean_cast
-
-    def _mean_logits(self, queries, scale):
-        """:func:`mean_logits` of this layer's :attr:`key_mean`."""
-        return mean_logits(self.key_mean, queries, scale)
-
-    def _uncentre(self, part, queries, scale):
-        """A compressed part's ``(out, lse)`` with the mean's logits added to its log-sum-exp (exact: every score of
-        the part lacks the same ``scale * q . mu``, so its softmax, ``out``, is unchanged)."""
-        if self.key_mean is None:
-            return part
-        out, lse = part
-        return out, lse + self._mean_logits(queries, scale)
 
     def _views(self):
         B, H, Dk, Dv, dtype = self._layout
@@ -570,7 +299,8 @@ class KVQCache:
                query_start: int | None = None) -> mx.array:
         """Attention of ``queries [B, H_q, T_q, D]`` (the newest ``T_q`` tokens) over everything stored: what
         mlx-lm's attention calls for a kvq cache (:mod:`kvq.cache.patch`). Not the ``kvq_attend`` op hook, which
-        attends over compressed tokens only; this attends every part (sinks, compressed, window) and merges them.
+        attends over compressed tokens only; this attends every part (sinks, compressed, window) and merges them
+        (:mod:`kvq.cache.engine`; :meth:`parts` says what each query row sees).
 
         :param mask: mlx-lm's mask: ``None``, ``"causal"``, or a boolean/additive array whose last axis spans
             all ``offset`` tokens (batch padding); causality is also enforced from token positions.
@@ -588,22 +318,43 @@ class KVQCache:
             if fused is not None:
                 return fused
         start_q = self.offset - Tq if query_start is None else query_start
-        user_mask = _bool_mask(mask)
-        if Tq > 1 and fresh is not None:
-            if self._prefill_on_device(queries):
-                return self._chunk_attend_dequantized(queries, scale, start_q, user_mask, fresh, sink_logits)
-            parts = self._chunk_parts(queries, scale, start_q, user_mask, fresh)
-        else:  # one query (what it sees is the cache as it is now), or no update before this call
-            q_pos = mx.arange(start_q, start_q + Tq)
-            parts, start = [], 0
-            for kind, length in self._parts():
-                part_mask = self._part_mask(q_pos, start_q, start, length, user_mask)
-                parts.append(self._attend_part(kind, queries, scale, part_mask))
-                start += length
-        if sink_logits is not None:
-            parts.append(sink_logits_part(sink_logits, queries, parts[0][0].shape[-1]))
-        out, _ = merge_parts(parts)
-        return out.astype(queries.dtype)
+        chunk = fresh if Tq > 1 else None
+        on_device = chunk is not None and self._prefill_on_device(queries)
+        return engine.attend(queries, scale, self.parts(Tq, start_q, chunk), self.config, self._mean,
+                             user_mask=bool_mask(mask), sink_logits=sink_logits, on_device=on_device)
+
+    def parts(self, count: int, start_q: int, fresh: Fresh | None = None) -> list[engine.Part]:
+        """This cache's tokens as the engine's parts ``[sinks | compressed | dense]``, with what each of ``count``
+        query rows at positions ``start_q ...`` sees: its causal past in the cache as it is; or, for the rows of the
+        chunk just stored (``fresh``), what a token-by-token run showed each (:func:`kvq.cache.schedule.visible`):
+        the sinks before it, the tokens compressed by then, and the rest up to itself uncompressed (the window
+        before the chunk followed by the chunk's tokens)."""
+        positions = np.arange(start_q, start_q + count)
+        n_sinks, n_compressed = self.sinks.length, self.compressed_keys.length
+        parts = []
+        if n_sinks:
+            sink_keys, sink_values = self.sinks.view()
+            lo, hi = engine.causal(n_sinks, 0, positions)
+            parts.append(engine.Part(sink_keys, sink_values, False, 0, lo, hi, column=0))
+        if fresh is None:  # the cache as it is: each row sees its causal past
+            for start, n, buffers, compressed in (
+                    (n_sinks, n_compressed, (self.compressed_keys, self.compressed_values), True),
+                    (n_sinks + n_compressed, self.window.length, None, False)):
+                if n:
+                    keys, values = self.window.view() if buffers is None else (buffers[0].view(), buffers[1].view())
+                    lo, hi = engine.causal(n, start, positions)
+                    parts.append(engine.Part(keys, values, compressed, 0, lo, hi, column=start))
+            return parts
+        bounds = visible(fresh, start_q, count, self.config.window, self._flush)
+        if n_compressed and bounds[-1]:
+            lo, hi = (None, None) if bounds[0] >= n_compressed else (np.zeros_like(bounds), bounds)
+            parts.append(engine.Part(self.compressed_keys.view(), self.compressed_values.view(), True, 0, lo, hi,
+                                     column=n_sinks))
+        first = n_sinks + fresh.compressed  # position of the first uncompressed token after the sinks
+        dense_k, dense_v = fresh.dense
+        parts.append(engine.Part(dense_k, dense_v, False, 0, bounds - fresh.compressed,
+                                 np.clip(positions - first + 1, 0, dense_k.shape[2]), column=first))
+        return parts
 
     def release_chunk(self) -> None:
         """Drop what the last update kept for its chunk's queries (the uncompressed window and chunk, up to
@@ -611,185 +362,37 @@ class KVQCache:
         stores tokens without attending needs this (filling caches with random tokens in ``kvq bench``)."""
         self._fresh = None
 
-    def _visible(self, fresh: _Fresh, start_q: int, count: int) -> list[int]:
-        """Compressed tokens each query at positions ``start_q .. start_q + count - 1`` sees in a token-by-token
-        run: those compressed before the update, plus those that had left the window by the time that query's own
-        token was added (:meth:`_leaving` of the tokens added by then, computed for all rows at once: a chunk's
-        rows times the model's layers, per chunk, made one Python call per row cost as much as the attention)."""
-        w, f = self.config.window, self._flush
-        added = np.clip(np.arange(start_q, start_q + count) - fresh.start + 1, 0, fresh.new)
-        return (fresh.compressed + f * np.maximum(0, (fresh.held + added - w) // f)).tolist()
-
-    #: Query rows per slice of the uncompressed part of a chunk (each slice reads only the keys it may see).
-    CHUNK_ROWS = 256
-    #: Bytes of one call's additive mask (query rows x keys, in the queries' dtype) in a chunk's attention on a GPU
-    #: (:meth:`_chunk_attend_dequantized`); a larger chunk is attended in slices of rows.
-    PREFILL_MASK_BYTES = 1 << 30
-    #: Bytes of attention scores one call may materialise where MLX has no fused attention for the chunk (float32,
-    #: or head_dim above 128, on CUDA: MLX computes rows x keys x query heads scores, float32 for the softmax).
-    PREFILL_SCORES_BYTES = 1 << 29
-    #: Bytes of transient decoded copies and masks that chunk attentions may hold queued on the device
-    #: (:class:`kvq.cache.prefill.InFlight`); 0 evaluates each layer's before the next is built.
-    PREFILL_INFLIGHT_BYTES = 1 << 29
-
     def _prefill_on_device(self, queries) -> bool:
         """Whether a chunk attends through MLX's fused attention over a transient dequantized copy of the
-        compressed tokens (:meth:`_chunk_attend_dequantized`): on a GPU, where the pure-MLX block protocol is
-        slow for many query rows, for methods that can dequantize; the CPU keeps :meth:`_chunk_parts`."""
+        compressed tokens (:func:`kvq.cache.prefill.attend_dequantized`): on a GPU, where the pure-MLX block
+        protocol is slow for many query rows, for methods that can dequantize; the CPU keeps the parts."""
         if mx.default_device() != mx.gpu or not self.compressed_keys.length:
             return False
         kp, vp = self.config.key_params, self.config.value_params
         return all("dequantize" in implemented_ops(registry().implementations.get((p.method, "mlx")))
                    for p in (kp, vp))
 
-    def _dequantized(self, store, params, dtype):
-        """The compressed tokens of ``store`` decoded to ``dtype`` ``[B, H, T, D]`` (the implementation
-        :func:`kvq.select` picks for dequantize: a fused kernel where one serves)."""
-        encoded = store.view()
-        plan = select(params.method, encoded.shape, dtype=dtype, op="dequantize", params=params,
-                      kernels=quantize_kernels(params.method, self.config.kernels))
-        return plan.dequantize(encoded, dtype)
-
     def decoded(self, dtype=mx.float32) -> tuple[mx.array, mx.array]:
         """The compressed tokens decoded to ``dtype``: keys ``[B, H, T, D_k]`` (a centred layer's :attr:`key_mean`
         added back) and values ``[B, H, T, D_v]``, for ``T`` compressed tokens. A copy the cache does not keep
-        (prefill on a GPU, ``kvq eval``'s attention error).
+        (``kvq eval``'s attention error).
 
         :raises ValueError: no compressed tokens.
         """
         if not self.compressed_keys.length:
             raise ValueError("this cache holds no compressed tokens to decode")
-        keys = self._dequantized(self.compressed_keys, self.config.key_params, dtype)
+        keys = dequantize(self.config, self.config.key_params, self.compressed_keys.view(), dtype)
         if self.key_mean is not None:
             keys = (keys.astype(mx.float32) + self.key_mean).astype(dtype)
-        return keys, self._dequantized(self.compressed_values, self.config.value_params, dtype)
-
-    def _chunk_attend_dequantized(self, queries, scale, start_q, user_mask, fresh: _Fresh, sink_logits):
-        """A chunk's attention with the visibility of :meth:`_chunk_parts`, in ``mx.fast.scaled_dot_product_
-        attention`` over ``[sinks | compressed tokens decoded to the queries' dtype | fresh.dense]`` with the
-        additive mask of :func:`kvq.cache.prefill.chunk_mask` (one call per chunk unless
-        :func:`kvq.cache.prefill.rows_per_call` cuts it). The decoded copy is transient: the call is queued on
-        the device (:data:`kvq.cache.prefill.IN_FLIGHT`) and the copy freed once it has run; the cache keeps only
-        the codes. Memory above the cache: at most :attr:`PREFILL_INFLIGHT_BYTES` plus one layer's
-        ``2 * T * H_kv * (D_k + D_v) * 2`` bytes of decoded keys and values (with their concatenation) and
-        ``T_q * T * 2`` bytes of mask (16-bit queries), for ``T`` tokens held.
-
-        :return: ``[B, H_q, T_q, D_v]`` in the queries' dtype."""
-        Tq, dtype = queries.shape[2], queries.dtype
-        bounds = self._visible(fresh, start_q, Tq)
-        # a centred layer attends centred keys throughout (as the fused decode kernel does): every score lacks the
-        # same scale * q . mu, which the softmax does not see, and 16-bit centred keys keep the bits that 16-bit
-        # keys with offsets in the hundreds lose. Learned sink logits would see the shift: then the mean goes back.
-        keys, values = self._chunk_keys(dtype, fresh, centre=self.key_mean is not None and sink_logits is None)
-        user_cols = None
-        if user_mask is not None:
-            dense_start = self.sinks.length + self.compressed_keys.length
-            first = self.sinks.length + fresh.compressed
-            user_cols = mx.concatenate([mx.arange(dense_start), first + mx.arange(fresh.dense[0].shape[2])])
-        sinks = None if sink_logits is None else sink_logits.astype(dtype)
-        rows = rows_per_call(queries, keys.shape[2], self.PREFILL_MASK_BYTES, self.PREFILL_SCORES_BYTES)
-        outs = []
-        for r0 in range(0, Tq, rows):
-            r1 = min(Tq, r0 + rows)
-            end, mask = self._chunk_mask(bounds, start_q, r0, r1, fresh, dtype, user_mask, user_cols)
-            outs.append(mx.fast.scaled_dot_product_attention(queries[:, :, r0:r1], keys[:, :, :end],
-                                                             values[:, :, :end], scale=scale, mask=mask,
-                                                             sinks=sinks))
-        out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
-        transient = 2 * (keys.nbytes + values.nbytes) + min(rows, Tq) * keys.shape[2] * dtype.size * queries.shape[0]
-        IN_FLIGHT.push(out, transient, self.PREFILL_INFLIGHT_BYTES)
-        return out
-
-    def _chunk_keys(self, dtype, fresh: _Fresh, centre: bool) -> tuple[mx.array, mx.array]:
-        """The key columns a chunk attends on a GPU (:meth:`_chunk_attend_dequantized`): ``[sinks | compressed
-        tokens decoded to dtype | fresh.dense]`` keys and values, ``[B, H, S + C + W', D]`` in ``dtype`` (``S``
-        sinks, ``C`` compressed tokens after the update, ``W'`` the window before the update and the chunk's
-        tokens); ``centre``: keys with the layer's :attr:`key_mean` subtracted (the compressed ones as stored)."""
-        centred = self._centred_dense if centre else (lambda k: k)
-        dense_k, dense_v = fresh.dense
-        parts_k, parts_v = [], []
-        if self.sinks.length:
-            sk, sv = self.sinks.view()
-            parts_k.append(centred(sk).astype(dtype))
-            parts_v.append(sv.astype(dtype))
-        if centre:
-            compressed_k = self._dequantized(self.compressed_keys, self.config.key_params, dtype)
-            compressed_v = self._dequantized(self.compressed_values, self.config.value_params, dtype)
-        else:
-            compressed_k, compressed_v = self.decoded(dtype)
-        parts_k += [compressed_k, centred(dense_k).astype(dtype)]
-        parts_v += [compressed_v, dense_v.astype(dtype)]
-        return mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2)
-
-    def _chunk_mask(self, bounds: list[int], start_q: int, r0: int, r1: int, fresh: _Fresh, dtype,
-                    user_mask=None, user_cols=None) -> tuple[int, mx.array]:
-        """``(end, mask)`` for query rows ``r0 .. r1`` of a chunk over :meth:`_chunk_keys`' columns: ``end`` the
-        columns they may see at all (none past the last row's position), ``mask`` the additive
-        :func:`kvq.cache.prefill.chunk_mask` ``[r1 - r0, end]`` in ``dtype``."""
-        n_sinks, n_compressed = self.sinks.length, self.compressed_keys.length
-        first = n_sinks + fresh.compressed  # position of the first dense column
-        end = n_sinks + n_compressed + min(start_q + r1 - first, fresh.dense[0].shape[2])
-        return end, chunk_mask(bounds, start_q, r0, r1, n_sinks, n_compressed, first, end, dtype, user_mask,
-                               user_cols)
-
-    def _chunk_parts(self, queries, scale, start_q, user_mask, fresh: _Fresh) -> list:
-        """Attention parts of a chunk's queries (positions ``start_q ...``), each query seeing what it would see
-        in a token-by-token run: the sinks before it, the tokens compressed by then (from the compressed store,
-        masked per row), and the rest up to itself uncompressed (``fresh.dense``, in slices of
-        :attr:`CHUNK_ROWS` rows whose keys span only what those rows may see). ``[(out, lse)]``."""
-        Tq = queries.shape[2]
-        positions = range(start_q, start_q + Tq)
-        bounds = self._visible(fresh, start_q, Tq)
-        q_pos = mx.arange(start_q, start_q + Tq)
-        parts = []
-        n_sinks = self.sinks.length
-        if n_sinks:
-            parts.append(self._attend_part("sinks", queries, scale,
-                                           self._part_mask(q_pos, start_q, 0, n_sinks, user_mask)))
-        n_compressed = self.compressed_keys.length
-        if n_compressed and bounds[-1]:
-            mask = None
-            if bounds[0] < n_compressed:
-                mask = mx.arange(n_compressed)[None] < mx.array(bounds)[:, None]
-            if user_mask is not None:
-                window = user_mask[..., n_sinks : n_sinks + n_compressed]
-                mask = window if mask is None else mask & window
-            keys, values = self.compressed_keys.view(), self.compressed_values.view()
-            parts.append(self._uncentre(self._attend_fn(keys, queries)(queries, keys, values, scale, mask), queries,
-                                        scale))
-        dense_k, dense_v = fresh.dense
-        first = n_sinks + fresh.compressed  # position of the first uncompressed token after the sinks
-        outs, lses = [], []
-        for r0 in range(0, Tq, self.CHUNK_ROWS):
-            r1 = min(Tq, r0 + self.CHUNK_ROWS)
-            lo = bounds[r0] - fresh.compressed
-            hi = min(positions[r1 - 1] - first + 1, dense_k.shape[2])
-            rows = queries[:, :, r0:r1]
-            if hi <= lo:
-                outs.append(mx.zeros(rows.shape[:3] + (dense_v.shape[-1],), mx.float32))
-                lses.append(mx.full(rows.shape[:3], float("-inf"), mx.float32))
-                continue
-            key_pos = mx.arange(first + lo, first + hi)[None]
-            row_pos = q_pos[r0:r1, None]
-            mask = (key_pos >= n_sinks + mx.array(bounds[r0:r1])[:, None]) & (key_pos <= row_pos)
-            if user_mask is not None:
-                rows_mask = user_mask[..., r0:r1, :] if user_mask.shape[-2] > 1 else user_mask
-                mask = mask & rows_mask[..., first + lo : first + hi]
-            out, lse = dense_attend(rows, dense_k[:, :, lo:hi], dense_v[:, :, lo:hi], scale, mask)
-            outs.append(out)
-            lses.append(lse)
-        parts.append((mx.concatenate(outs, axis=2), mx.concatenate(lses, axis=2)))
-        return parts
+        return keys, dequantize(self.config, self.config.value_params, self.compressed_values.view(), dtype)
 
     def _fused_attend(self, queries, scale):
         """Decode of one token in one fused call over the compressed tokens, the sinks and the window, where the
         chosen attend implementation offers it; ``None`` otherwise (the parts are attended and merged).
 
-        The hot path of decode: bound once (:meth:`_bind`) and replayed while the compressed tokens (the store's
-        view object), the queries' shape and dtype, the scale and the installed plugins stay the same, so a step
-        is one slice of the window and one launch (:class:`kvq.contract.BindsDense`; kvq_metal's
-        :class:`~kvq_metal.attend.DecodeStep`). Implementations with only ``attend_dense``
-        (:class:`kvq.contract.AttendsDense`) are called through it every step."""
+        The hot path of decode: bound once (:func:`kvq.cache.engine.bind_decode`) and replayed while the compressed
+        tokens (the store's view object), the queries' shape and dtype, the scale and the installed plugins stay
+        the same, so a step is one slice of the window and one launch (:class:`kvq.contract.BindsDense`)."""
         keys = self.compressed_keys.view()
         n = self.window.length
         if keys is None or not n:
@@ -797,87 +400,18 @@ class KVQCache:
         bound = self._bound
         signature = (queries.shape, queries.dtype, scale, registry().generation)
         if bound is None or bound[0] is not keys or bound[1] != signature:
-            bound = self._bound = (keys, signature, self._bind(queries, scale, keys))
+            sink_keys, sink_values = self.sinks.view()
+            window_keys, window_values = self.window.view()
+            step = engine.bind_decode(self.config, queries, scale, keys, self.compressed_values.view(),
+                                      self._mean.centred_dense(sink_keys), sink_values, window_keys, window_values)
+            bound = self._bound = (keys, signature, step)
         step = bound[2]
         if step is None:
             return None
         window = self.window
         # a centred layer scores its sinks and window from centred keys too: every score then lacks the same
         # scale * q . mu, which the softmax does not see
-        return step(queries, self._centred_dense(window.keys[:, :, :n]), window.values[:, :, :n])
-
-    def _bind(self, queries, scale, keys):
-        """The decode step of :meth:`_fused_attend` for these compressed ``keys``: the implementation's bound step
-        (:class:`kvq.contract.BindsDense`), else a call of its ``attend_dense`` per step, else ``None``."""
-        if not self._own_attend():
-            return None
-        values = self.compressed_values.view()
-        choice = self._attend_plan(keys, queries).choices.get("attend")
-        if choice is None:
-            return None
-        sink_keys, sink_values = self.sinks.view()
-        sink_keys = self._centred_dense(sink_keys)
-        window_keys, window_values = self.window.view()
-        bind = optional_hook(choice.implementation, BindsDense)
-        if bind is not None:
-            step = bind(queries, keys, values, scale, sink_keys, sink_values, window_keys, window_values)
-            if step is not None:
-                return step
-        attend_dense = optional_hook(choice.implementation, AttendsDense)
-        if attend_dense is None:
-            return None
-
-        def step(q, wk, wv):
-            result = attend_dense(q, keys, values, scale, DenseTokens(sink_keys, sink_values, wk, wv))
-            return None if result is None else result[0].astype(q.dtype)
-
-        return step
-
-    def _parts(self):
-        return [(k, n) for k, n in (("sinks", self.sinks.length), ("compressed", self.compressed_keys.length),
-                                    ("window", self.window.length)) if n]
-
-    def _part_mask(self, q_pos, first_query, start, length, user_mask):
-        if user_mask is None and start + length - 1 <= first_query:
-            return None  # every key of this part precedes every query
-        mask = q_pos[:, None] >= mx.arange(start, start + length)[None]
-        if user_mask is not None:
-            mask = mask & user_mask[..., start : start + length]
-        return mask
-
-    def _attend_part(self, kind, queries, scale, mask):
-        if kind != "compressed":  # sinks or window: uncompressed
-            keys, values = (self.sinks if kind == "sinks" else self.window).view()
-            return dense_attend(queries, keys, values, scale, mask)
-        keys, values = self.compressed_keys.view(), self.compressed_values.view()
-        return self._uncentre(self._attend_fn(keys, queries)(queries, keys, values, scale, mask), queries, scale)
-
-    def _attend_plan(self, keys, queries):
-        """:func:`kvq.select`'s plan for attending ``queries`` over the compressed ``keys`` (one method)."""
-        kp = self.config.key_params
-        B, Hq, Tq, _ = queries.shape
-        return select(kp.method, keys.shape, dtype=queries.dtype, op="attend", params=kp, num_queries=Tq,
-                      num_q_heads=Hq, kernels=attend_kernels(self.config.kernels, Tq))
-
-    def _own_attend(self) -> bool:
-        """Whether the keys' method attends the compressed tokens itself (``kvq_attend``): keys and values of one
-        method, or keys of a keys-only method (``qjl``), whose attention takes values of any method (its fused
-        kernel reads some of them: ``qjl`` keys with ``affine`` values)."""
-        kp, vp = self.config.key_params, self.config.value_params
-        if not has_attend(kp.method):
-            return False
-        return kp.method == vp.method or registry().method(kp.method).keys_only
-
-    def _attend_fn(self, keys, queries):
-        """The attention over the compressed tokens: the method's own ``kvq_attend`` chosen by :func:`kvq.select`;
-        otherwise (two methods, or a method that only quantizes and dequantizes, like the example plugin) each
-        side's pure-MLX block protocol or its ``kvq_dequantize``, one block at a time
-        (:func:`kvq.attention.attend_encoded`)."""
-        if self._own_attend():
-            return self._attend_plan(keys, queries).attend
-        kp, vp = self.config.key_params, self.config.value_params
-        k_impl, v_impl = block_implementation(kp.method, "keys"), block_implementation(vp.method, "values")
-        return lambda q, k, v, s, m: attend_encoded(q, k, v, s, m, k_impl, v_impl)
+        return step(queries, self._mean.centred_dense(window.keys[:, :, :n]), window.values[:, :, :n])
 
     # -- mlx-lm cache protocol ------------------------------------------------------------------------
     def __deepcopy__(self, memo):
@@ -954,12 +488,9 @@ class KVQCache:
         return BatchKVQCache.merge(caches)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        """mlx-lm's mask hook: kvq enforces causality from positions, so only sliding windows are refused (a
-        sliding-window layer gets a :class:`kvq.cache.RotatingKVQCache`)."""
-        if window_size is not None:
-            raise ValueError("a KVQCache serves full-attention layers, not a sliding window (window_size); "
-                             "kvq.make_prompt_cache gives sliding-window layers a RotatingKVQCache")
-        return None if N == 1 else "causal"
+        """mlx-lm's mask hook (:func:`kvq.cache.views.plain_mask`): kvq enforces causality from positions, so only
+        sliding windows are refused (a sliding-window layer gets a :class:`kvq.cache.RotatingKVQCache`)."""
+        return plain_mask(N, window_size)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> "KVQCache":
         """mlx-lm's ``kv_bits`` hook (``generate``, ``stream_generate`` and ``generate_step`` with ``kv_bits=``; the
@@ -1010,6 +541,34 @@ class KVQCache:
         }
 
     @classmethod
+    def restore(cls, config: CacheConfig, layout: tuple | None, offset: int, *, sinks: tuple | None = None,
+                window: tuple | None = None, compressed: tuple | None = None, key_mean: mx.array | None = None,
+                **kwargs) -> "KVQCache":
+        """A cache holding the given tokens, as :meth:`from_state` and a batch's packed rows (:meth:`kvq.cache.
+        packed.PackedRows.row`) rebuild one (copies: the cache keeps none of the arrays passed).
+
+        :param layout: ``(B, H_kv, D_k, D_v, dtype)``, or ``None`` for an empty cache.
+        :param sinks, window: ``(keys, values)`` ``[B, H_kv, n, D]`` of the held tokens, or ``None``.
+        :param compressed: ``(keys, values)`` :class:`kvq.Encoded` of the compressed tokens, or ``None``.
+        :param key_mean: a centred layer's key mean (float32 ``[B, H_kv, 1, D_k]``), or ``None``.
+        :param kwargs: what a subclass's constructor takes besides ``config`` (a rotating cache's ``max_size``, ``keep``).
+        """
+        cache = cls(config, **kwargs)
+        cache._layout = layout
+        if layout is not None:
+            B, H, Dk, Dv, dtype = layout
+            cache._token_shapes = ((B, H, 1, Dk), (B, H, 1, Dv), dtype)
+        cache.offset = offset
+        cache._mean.set(key_mean)
+        for buffer, tokens in ((cache.sinks, sinks), (cache.window, window)):
+            if tokens is not None and tokens[0] is not None:
+                buffer.replace(*tokens)
+        if compressed is not None:
+            cache.compressed_keys.append(compressed[0])
+            cache.compressed_values.append(compressed[1])
+        return cache
+
+    @classmethod
     def from_state(cls, state: dict) -> "KVQCache":
         """Rebuild a cache from :attr:`state` (what ``mlx_lm.models.cache.load_prompt_cache`` calls), and patch
         mlx-lm's attention (:mod:`kvq.cache.patch`) so that a model loaded before uses it.
@@ -1022,35 +581,34 @@ class KVQCache:
         """
         check_layer(state)
         config, layout = config_from_json(state["config"])
-        cache = cls._empty_for_state(config, state)
-        cache._layout = layout
-        cache.offset = int(state["offset"])
         mean = state.get("key_mean")
         if mean is not None and mean.size:
             want = None if layout is None else (layout[0], layout[1], 1, layout[2])
             if want is None or tuple(mean.shape) != want or mean.dtype != mx.float32:
                 raise ValueError(f"prompt cache: key_mean of shape {tuple(mean.shape)} ({mean.dtype}) does not fit the "
                                  f"layout {want} (float32); the file is inconsistent")
-            cache._set_key_mean(mean)
-        for buffer, name in ((cache.sinks, "sink"), (cache.window, "window")):
-            if state.get(f"{name}_keys") is not None:
-                buffer.replace(state[f"{name}_keys"], state[f"{name}_values"])
+        else:
+            mean = None
         head_dims = (None, None) if layout is None else (layout[2], layout[3])
-        for store, name, params, head_dim in ((cache.compressed_keys, "keys", config.key_params, head_dims[0]),
-                                              (cache.compressed_values, "values", config.value_params,
-                                               head_dims[1])):
-            if state.get(name):
-                store.append(Encoded(params, dict(state[name]), head_dim))
+        compressed = None
+        if state.get("keys"):
+            compressed = (Encoded(config.key_params, dict(state["keys"]), head_dims[0]),
+                          Encoded(config.value_params, dict(state["values"]), head_dims[1]))
+        cache = cls.restore(config, layout, int(state["offset"]), key_mean=mean,
+                            sinks=(state.get("sink_keys"), state.get("sink_values")),
+                            window=(state.get("window_keys"), state.get("window_values")), compressed=compressed,
+                            **cls._state_arguments(state))
         cache._check_restored(state)
-        from . import patch  # (patch imports this module)
+        from . import patch
 
         patch.patch()  # mlx-lm's loader gives no other moment: without it attention would get the stand-ins
         return cache
 
     @classmethod
-    def _empty_for_state(cls, config: CacheConfig, state: dict) -> "KVQCache":
-        """The empty cache :meth:`from_state` fills (a subclass reads its own entries of ``state`` here)."""
-        return cls(config)
+    def _state_arguments(cls, state: dict) -> dict:
+        """What this class's constructor takes besides the configuration, read from ``state`` (a subclass's own
+        entries)."""
+        return {}
 
     def _check_restored(self, state: dict) -> None:
         """:raises ValueError: the tokens :meth:`from_state` restored do not add up to ``offset``."""
@@ -1074,12 +632,3 @@ def _group_size(params, head_dim: int | None):
     if params.group_size is None and choose is not None and head_dim is not None:
         return choose(head_dim)
     return params.group_size
-
-
-def _bool_mask(mask):
-    """mlx-lm's mask as a boolean array (True = may attend), or None for ``None``/``"causal"``."""
-    if mask is None or isinstance(mask, str):
-        return None
-    if mask.dtype == mx.bool_:
-        return mask
-    return mask > mx.finfo(mask.dtype).min / 2  # additive mask: large negative = masked

@@ -9,7 +9,7 @@ that reads each row's counts (:class:`kvq.contract.BindsRaggedDense`), elsewhere
 that stop each row at its own counts (the same result).
 
 Every row keeps exactly the schedule it has alone: a row's window flushes when *its* window is full, its oldest
-``flush`` tokens quantized as a ``[1, H, flush, D]`` block by the same implementations (:func:`kvq.cache.layer.
+``flush`` tokens quantized as a ``[1, H, flush, D]`` block by the same implementations (:func:`kvq.cache.choice.
 encode_tokens`), so packing changes no stored code, and a row's attention differs from its own only by the order
 of float32 additions. Rows are packed once they are past their prefill (sinks full, some tokens compressed, one
 configuration for all) and unpacked back into rows for anything but decode (a prefill chunk, ``extend``, files).
@@ -25,11 +25,14 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..attention import dense_attend, merge_parts, sink_logits_part
-from ..contract import BindsRaggedDense, optional_hook
+import numpy as np
+
 from ..encoded import Encoded
 from ..plugins import registry
-from .layer import KVQCache, centred, encode_tokens, mean_logits
+from . import engine
+from .centring import KeyMean, centred
+from .choice import encode_tokens
+from .views import plain_mask
 
 
 def _same_settings(a, b) -> bool:
@@ -42,25 +45,25 @@ def _same_settings(a, b) -> bool:
 
 def packable(rows: list, minimum: int = 2, template: "PackedRows | None" = None) -> bool:
     """Whether ``rows`` (single-sequence caches) can be packed (with ``template``'s rows, when given): at least
-    ``minimum`` plain :class:`kvq.cache.KVQCache` rows of one sequence each (a single row decodes as fast alone) of
+    ``minimum`` rows of one packable class (``PACKABLE``: plain :class:`kvq.cache.KVQCache` rows) of one sequence each (a single row decodes as fast alone) of
     one layout and flush, no chunk pending, sinks full and a window allocated; the rows that hold compressed tokens
     (at least one of them, or the template's) of one configuration and parameters, the others (their first
     compression still to come) of the same settings (:func:`_same_settings`)."""
     if len(rows) < max(1, minimum):
         return False
     first = rows[0]
-    if first._layout is None or first._layout[0] != 1:
+    if first.layout is None or first.layout[0] != 1:
         return False
     compressed = [r for r in rows if r.compressed_keys.length]
     if template is not None:
         config, params, layout = template.config, tuple(template.params), (1, *template.layout[1:])
     elif compressed:
         ref = compressed[0]
-        config, params, layout = ref.config, (ref.compressed_keys.params, ref.compressed_values.params), ref._layout
+        config, params, layout = ref.config, (ref.compressed_keys.params, ref.compressed_values.params), ref.layout
     else:
         return False
     for row in rows:
-        if (type(row) is not KVQCache or row._layout != layout or row._fresh is not None
+        if (type(row) is not type(first) or not type(row).PACKABLE or row.layout != layout or row.pending_chunk
                 or row.sinks.length < row.config.sinks or row.window.keys is None):
             return False
         if row.compressed_keys.length:
@@ -100,17 +103,16 @@ class PackedRows:
     (window tokens per row), all Python lists of ``B`` ints.
     """
 
-    def __init__(self, proto, rows: list, template: "PackedRows | None" = None) -> None:
-        """Use :meth:`pack`. ``proto``: an empty :class:`kvq.cache.KVQCache` of the rows' configuration that
-        lends this object its per-layer logic (attention plan, encoding); ``template``: packed rows whose
-        configuration, parameters and fields these rows take (rows that have all compressed nothing yet)."""
+    def __init__(self, rows: list, template: "PackedRows | None" = None) -> None:
+        """Use :meth:`pack`. ``template``: packed rows whose configuration, parameters and fields these rows take
+        (rows that have all compressed nothing yet)."""
         first = rows[0]
         ref = next((r for r in rows if r.compressed_keys.length), None)
-        self.proto = proto
+        #: the rows' class: :meth:`row` rebuilds rows with its public :meth:`kvq.cache.KVQCache.restore`
+        self.row_class = type(first)
         self.config = template.config if template is not None else ref.config
-        self._flush = first._flush
-        self.layout = (len(rows), *first._layout[1:])
-        self.token_shapes = first._token_shapes
+        self._flush = first.config.flush_tokens
+        self.layout = (len(rows), *first.layout[1:])
         self.offsets = [r.offset for r in rows]
         self.compressed = [r.compressed_keys.length for r in rows]
         self.window_lengths = [r.window.length for r in rows]
@@ -137,12 +139,17 @@ class PackedRows:
         #: per row: whether its keys are centred (kvq.cache.guard); key_mean holds zeros for the rows that are not
         #: (subtracting zero changes no key, and adds no logit), None when no row is
         self.centred = [r.key_mean is not None for r in rows]
-        self.key_mean = cat([self._mean_of(r) for r in rows]) if any(self.centred) else None
-        self._mean_cast = None  # key_mean in the window's dtype (_centred_dense); None after every change of it
+        self.mean = KeyMean(cat([self._mean_of(r) for r in rows]) if any(self.centred) else None)
         self._bound = None  # (signature, step) of the fused ragged decode step, or (signature, None)
         self._lengths = None  # int32 [B, 2] of (compressed, window) counts on the device (lengths())
         self._offset = None  # int32 [B] of the rows' token counts on the device (offset())
         mx.eval(*self._arrays())
+
+    @property
+    def key_mean(self) -> mx.array | None:
+        """The rows' key means, float32 ``[B, H, 1, D_k]`` (zeros for rows that are not centred), or ``None`` where
+        no row is centred."""
+        return self.mean.mean
 
     def _mean_of(self, row) -> mx.array:
         """``row``'s key mean ``[1, H, 1, D_k]`` float32, zeros where it is not centred."""
@@ -157,7 +164,7 @@ class PackedRows:
         if not packable(rows, minimum, template):
             return None
         config = template.config if template is not None else next(r for r in rows if r.compressed_keys.length).config
-        return cls(KVQCache(config), rows, template)
+        return cls(rows, template)
 
     @staticmethod
     def _pack_store(stores: list, capacity: int, like: dict, heads: int) -> dict:
@@ -195,7 +202,7 @@ class PackedRows:
     # -- decode ---------------------------------------------------------------------------------------
     def append(self, keys: mx.array, values: mx.array) -> list | None:
         """Store one decode token per row (``[B, H_kv, 1, D]`` of the rows' layout and dtype), flushing first the
-        rows whose window is full (:meth:`kvq.cache.KVQCache._leaving`: a full window of ``window + flush - 1``
+        rows whose window is full (:func:`kvq.cache.schedule.leaving`: a full window of ``window + flush - 1``
         tokens and one more compress their oldest ``flush``).
 
         A row's first compression is its own :class:`kvq.cache.KVQCache` update (it fits the layer's parameters
@@ -275,11 +282,12 @@ class PackedRows:
         self.window_values[b : b + 1, :, :w] = row.window.values[:, :, :w]
         self.compressed[b], self.window_lengths[b], self.offsets[b], self.fresh[b] = n, w, row.offset, None
         if row.key_mean is not None:
-            if self.key_mean is None:
-                self.key_mean = mx.zeros((self.batch, self.layout[1], 1, self.layout[2]), mx.float32)
-            self.key_mean[b : b + 1] = row.key_mean
+            mean = self.key_mean
+            if mean is None:
+                mean = mx.zeros((self.batch, self.layout[1], 1, self.layout[2]), mx.float32)
+            mean[b : b + 1] = row.key_mean
+            self.mean.set(mean)
             self.centred[b] = True
-            self._mean_cast = None
         self._bound = self._lengths = self._offset = None
 
     def _grow(self, needed: int) -> None:
@@ -331,15 +339,6 @@ class PackedRows:
         return Encoded(self.params[side], {k: v[:, :, :tokens] for k, v in self.sides[side].items()},
                        self.head_dims[side])
 
-    def _centred_dense(self, keys):
-        """Uncompressed ``keys`` (the sinks, the window) less each row's key mean in their own dtype (the mean cast
-        once per change, as :meth:`kvq.cache.KVQCache._centred_dense`: the decode hot path)."""
-        if self.key_mean is None or keys is None:
-            return keys
-        if self._mean_cast is None or self._mean_cast.dtype != keys.dtype:
-            self._mean_cast = self.key_mean.astype(keys.dtype)
-        return keys - self._mean_cast
-
     def lengths(self) -> mx.array:
         """int32 ``[B, 2]``: each row's compressed and window token counts (on the device: made from the counts
         after a flush, then advanced by :meth:`append`)."""
@@ -361,7 +360,7 @@ class PackedRows:
         if sink_logits is None:
             step = self._step(queries, scale)
             if step is not None:
-                return step(queries, self._centred_dense(self.window_keys), self.window_values, self.lengths())
+                return step(queries, self.mean.centred_dense(self.window_keys), self.window_values, self.lengths())
         return self._attend_parts(queries, scale, sink_logits)
 
     def _step(self, queries, scale):
@@ -372,42 +371,30 @@ class PackedRows:
         return bound[1]
 
     def _bind(self, queries, scale):
-        proto = self.proto
-        if not proto._own_attend():
-            return None
         keys, values = self._encoded(0, self.capacity), self._encoded(1, self.capacity)
-        choice = proto._attend_plan(keys, queries).choices.get("attend")
-        bind = None if choice is None else optional_hook(choice.implementation, BindsRaggedDense)
-        if bind is None:
-            return None
-        return bind(queries, keys, values, scale, self._centred_dense(self.sink_keys), self.sink_values,
-                    self.window_keys, self.window_values)
+        return engine.bind_ragged(self.config, queries, scale, keys, values, self.mean.centred_dense(self.sink_keys),
+                                  self.sink_values, self.window_keys, self.window_values)
 
     def _attend_parts(self, queries, scale, sink_logits):
-        """Every part attended on its own and merged (:func:`kvq.attention.merge_parts`): the sinks and the window
-        as they are, the compressed tokens through the method's attention with each row's count as a mask, their
-        log-sum-exp given back the mean's logits (as :class:`kvq.cache.KVQCache`'s parts; the fused step scores
+        """Every part attended on its own and merged by the engine (:func:`kvq.cache.engine.attend`): the sinks
+        whole, the compressed tokens and the window up to each row's own counts (per batch row intervals), the
+        compressed part's log-sum-exp given back the mean's logits (as a single row's parts; the fused step scores
         everything centred instead)."""
+        rows = np.zeros((self.batch, 1), np.int64)
         parts = []
         if self.sink_keys is not None:
-            parts.append(dense_attend(queries, self.sink_keys, self.sink_values, scale))
+            parts.append(engine.Part(self.sink_keys, self.sink_values, False))
         longest = max(self.compressed)
         if longest:  # rows kept by a filter may all have compressed nothing yet
-            keys, values = self._encoded(0, longest), self._encoded(1, longest)
-            mask = mx.arange(longest)[None, None, None] < mx.array(self.compressed)[:, None, None, None]
-            part = self.proto._attend_fn(keys, queries)(queries, keys, values, scale, mask)
-            if self.key_mean is not None:
-                out, lse = part
-                part = out, lse + mean_logits(self.key_mean, queries, scale)
-            parts.append(part)
-        held = max(self.window_lengths)
-        window_mask = mx.arange(held)[None, None, None] < mx.array(self.window_lengths)[:, None, None, None]
-        parts.append(dense_attend(queries, self.window_keys[:, :, :held], self.window_values[:, :, :held], scale,
-                                  window_mask))
-        if sink_logits is not None:
-            parts.append(sink_logits_part(sink_logits, queries, parts[0][0].shape[-1]))
-        out, _ = merge_parts(parts)
-        return out.astype(queries.dtype)
+            parts.append(engine.Part(self._encoded(0, longest), self._encoded(1, longest), True, 0, rows,
+                                     np.array(self.compressed)[:, None]))
+        parts.append(engine.Part(self.window_keys, self.window_values, False, 0, rows,
+                                 np.array(self.window_lengths)[:, None]))
+        return engine.attend(queries, scale, parts, self.config, self.mean, sink_logits=sink_logits)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        """mlx-lm's mask hook for the packed rows (:func:`kvq.cache.views.plain_mask`)."""
+        return plain_mask(N, window_size)
 
     # -- rows -----------------------------------------------------------------------------------------
     def filter(self, indices: list) -> None:
@@ -416,14 +403,16 @@ class PackedRows:
         for side in self.sides:
             for name in side:
                 side[name] = mx.take(side[name], take, axis=0)
-        for name in ("sink_keys", "sink_values", "window_keys", "window_values", "key_mean"):
+        for name in ("sink_keys", "sink_values", "window_keys", "window_values"):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, mx.take(value, take, axis=0))
+        if self.key_mean is not None:
+            self.mean.set(mx.take(self.key_mean, take, axis=0))
         for name in ("offsets", "compressed", "window_lengths", "fresh", "centred"):
             setattr(self, name, [getattr(self, name)[i] for i in indices])
         self.layout = (len(indices), *self.layout[1:])
-        self._bound = self._lengths = self._offset = self._mean_cast = None
+        self._bound = self._lengths = self._offset = None
 
     def extend(self, other: "PackedRows") -> bool:
         """Append ``other``'s rows (packed rows of the same configuration and layout), padding the shorter side's
@@ -443,8 +432,7 @@ class PackedRows:
                 setattr(self, name, mx.concatenate([value, getattr(other, name)]))
         if self.key_mean is not None or other.key_mean is not None:
             zeros = (lambda p: mx.zeros((p.batch, *p.layout[1:3]), mx.float32)[:, :, None])
-            self.key_mean = mx.concatenate([zeros(p) if p.key_mean is None else p.key_mean for p in (self, other)])
-            self._mean_cast = None
+            self.mean.set(mx.concatenate([zeros(p) if p.key_mean is None else p.key_mean for p in (self, other)]))
         for name in ("offsets", "compressed", "window_lengths", "fresh", "centred"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.layout = (self.batch, *self.layout[1:])
@@ -452,28 +440,21 @@ class PackedRows:
         return True
 
     def row(self, b: int):
-        """Row ``b`` as a single-sequence :class:`kvq.cache.KVQCache` (a copy: it keeps none of these arrays alive),
-        equal to the row this was packed from after the same updates."""
-        row = KVQCache(self.fresh[b] or self.config)
-        row.offset = self.offsets[b]
-        row._layout = (1, *self.layout[1:])
-        row._token_shapes = self.token_shapes
-        if self.sink_keys is not None:
-            row.sinks.keys, row.sinks.values = _copy(self.sink_keys[b : b + 1]), _copy(self.sink_values[b : b + 1])
-            row.sinks.length = self.config.sinks
-        row.window.keys = _copy(self.window_keys[b : b + 1])
-        row.window.values = _copy(self.window_values[b : b + 1])
-        row.window.length = self.window_lengths[b]
+        """Row ``b`` as a single-sequence cache of the rows' class (a copy: it keeps none of these arrays alive),
+        equal to the row this was packed from after the same updates (:meth:`kvq.cache.KVQCache.restore`)."""
         n = self.compressed[b]
-        cap = _round_up(n, self.step)
-        for store, side, params, head_dim in zip((row.compressed_keys, row.compressed_values), self.sides,
-                                                 self.params, self.head_dims):
-            if n:  # a row that has compressed nothing keeps an empty store (its first compression fits it)
-                store.data = {k: _copy(v[b : b + 1, :, :cap]) for k, v in side.items()}
-                store.params, store.head_dim, store.length = params, head_dim, n
-        if self.centred[b]:
-            row._set_key_mean(_copy(self.key_mean[b : b + 1]))
-        return row
+        compressed = None
+        if n:  # a row that has compressed nothing keeps an empty store (its first compression fits it)
+            compressed = tuple(Encoded(params, {k: v[b : b + 1, :, :n] for k, v in side.items()}, head_dim)
+                               for side, params, head_dim in zip(self.sides, self.params, self.head_dims))
+        sinks = None
+        if self.sink_keys is not None:
+            sinks = (self.sink_keys[b : b + 1], self.sink_values[b : b + 1])
+        w = self.window_lengths[b]
+        window = (self.window_keys[b : b + 1, :, :w], self.window_values[b : b + 1, :, :w]) if w else None
+        mean = _copy(self.key_mean[b : b + 1]) if self.centred[b] else None
+        return self.row_class.restore(self.fresh[b] or self.config, (1, *self.layout[1:]), self.offsets[b],
+                                      sinks=sinks, window=window, compressed=compressed, key_mean=mean)
 
     def unpack(self) -> list:
         """Every row as :meth:`row` gives it."""

@@ -23,9 +23,8 @@ import mlx.core as mx
 from mlx_lm.models import base
 from mlx_lm.models import cache as mlx_cache
 
-from .batch import BatchKVQCache
-from .layer import CompressedView, KVQCache
 from .reuse import exact_fetch, prefix_keeping_insert
+from .views import CompressedView, is_kvq_cache
 
 _ORIGINAL = base.scaled_dot_product_attention
 _ORIGINAL_MAKE = mlx_cache.make_prompt_cache
@@ -81,7 +80,7 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sink
         :meth:`KVQCache.attend` as ``sink_logits``.
     """
     owner = keys.cache if isinstance(keys, CompressedView) else None
-    kvq_cache = isinstance(cache, (KVQCache, BatchKVQCache))
+    kvq_cache = is_kvq_cache(cache)
     if owner is None and kvq_cache and not isinstance(keys, mx.array):
         owner = cache
     if owner is not None:

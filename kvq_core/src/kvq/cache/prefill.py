@@ -1,10 +1,10 @@
 """A prefill chunk's attention on a GPU: MLX's fused attention over a transient decoded copy (issue #23).
 
-:meth:`kvq.cache.KVQCache.attend` sends a chunk of many query rows here on a GPU. The compressed tokens of the layer
+The attention engine (:mod:`kvq.cache.engine`) sends a chunk of many query rows here on a GPU. The compressed tokens of the layer
 are decoded to the queries' dtype (the method's ``dequantize``, a fused kernel where one serves), joined with the
 sinks and the chunk's uncompressed tokens, and attended in one ``mx.fast.scaled_dot_product_attention`` call with
-an additive mask that gives every query row what a token-by-token run would have shown it
-(:func:`chunk_mask`). The decoded copy is freed once the call has run: :class:`InFlight` keeps only a bounded
+an additive mask made from the parts' per-row intervals (:func:`interval_mask`): every query row sees what a
+token-by-token run would have shown it. The decoded copy is freed once the call has run: :class:`InFlight` keeps only a bounded
 number of bytes of such copies queued on the device, so the cache never holds an fp16 copy of its tokens.
 
 Two facts about MLX 0.32's attention on CUDA shape this module (measured on an H200, ``benchmarks/prefill_parts.py``):
@@ -21,35 +21,65 @@ from __future__ import annotations
 import collections
 
 import mlx.core as mx
+import numpy as np
 
 
-def chunk_mask(bounds: list[int], start_q: int, r0: int, r1: int, n_sinks: int, n_compressed: int, first: int,
-               end: int, dtype: mx.Dtype, user_mask: mx.array | None = None,
-               user_cols: mx.array | None = None) -> mx.array:
-    """Additive mask (``0`` visible, ``finfo(dtype).min`` hidden) of query rows ``r0 .. r1`` of a chunk over the
-    key columns ``[sinks | compressed | dense]`` (the first ``end`` of them).
+#: Bytes of one call's additive mask (query rows x keys, in the queries' dtype) in :func:`attend_dequantized`; a larger
+#: chunk is attended in slices of rows.
+PREFILL_MASK_BYTES = 1 << 30
+#: Bytes of attention scores one call may materialise where MLX has no fused attention for the chunk (float32, or
+#: head_dim above 128, on CUDA: MLX computes rows x keys x query heads scores, float32 for the softmax).
+PREFILL_SCORES_BYTES = 1 << 29
+#: Bytes of transient decoded copies and masks that chunk attentions may hold queued on the device
+#: (:class:`InFlight`); 0 evaluates each layer's before the next is built.
+PREFILL_INFLIGHT_BYTES = 1 << 29
 
-    Query row ``r`` (position ``start_q + r``) sees the sinks before it, the first ``bounds[r]`` compressed tokens,
-    and the dense columns (positions ``first, first + 1, ...``) from position ``n_sinks + bounds[r]`` up to its
-    own. ``bounds`` never decreases, so the columns every row of the slice sees (the sinks, the first
-    ``bounds[r0]`` compressed tokens) are written as zeros and only the rest is computed.
 
-    :param bounds: per chunk row, the compressed tokens it sees (:meth:`KVQCache._visible`).
-    :param user_mask: mlx-lm's mask as booleans (batch padding), ``[..., T_q, all columns]``, with ``user_cols``
-        the position of each key column; ``None``: causality only.
+def interval_mask(parts: list, r0: int, r1: int, end: int, dtype: mx.Dtype, user_mask: mx.array | None = None,
+                  user_cols: mx.array | None = None) -> mx.array:
+    """Additive mask (``0`` visible, ``finfo(dtype).min`` hidden) of query rows ``r0 .. r1`` over the first ``end``
+    columns of ``parts`` laid side by side (contiguous parts: :class:`kvq.cache.engine.Part`), from the parts'
+    intervals: row ``r`` sees a part's column of index ``i`` where ``lo[r] <= i < hi[r]``.
+
+    Intervals never decrease along the rows, so the leading columns that every row of the slice sees (all of the
+    sinks past the first rows, the first compressed tokens) are written as zeros and only the rest is computed.
+
+    :param user_mask: mlx-lm's mask as booleans (batch padding), ``[..., T_q, all columns]``, with ``user_cols`` the
+        position of each key column; ``None``: the intervals alone.
     :return: ``[r1 - r0, end]`` (``[..., r1 - r0, end]`` with ``user_mask``) in ``dtype``.
     """
-    dense_start = n_sinks + n_compressed
+    spans, start = [], 0  # (first column, part) of each part
+    for part in parts:
+        spans.append((start, part))
+        start += part.size
     always = 0
-    if user_mask is None and start_q + r0 >= n_sinks:  # every row is past the sinks
-        always = n_sinks + min(bounds[r0], n_compressed)
-    col = mx.arange(always, end)[None]
-    position = mx.where(col < n_sinks, col, mx.where(col < dense_start, col, first + col - dense_start))
-    row_pos = mx.arange(start_q + r0, start_q + r1)[:, None]
-    bound = mx.array(bounds[r0:r1])[:, None]
-    visible = mx.where(col < n_sinks, position <= row_pos,
-                       mx.where(col < dense_start, col - n_sinks < bound,
-                                (position >= n_sinks + bound) & (position <= row_pos)))
+    if user_mask is None:
+        for first, part in spans:
+            if part.lo is None:
+                always = first + part.size
+                continue
+            lo, hi = part.lo[r0:r1], part.hi[r0:r1]
+            if lo.max() > part.index:
+                break
+            seen = int(np.clip(hi.min() - part.index, 0, part.size))
+            always = first + seen
+            if seen < part.size:
+                break
+    always = min(always, end)
+    if always == end:
+        return mx.zeros((r1 - r0, end), dtype)
+    pieces = []
+    for first, part in spans:
+        a, b = max(always, first) - first, min(end, first + part.size) - first
+        if b <= a:
+            continue
+        index = mx.arange(part.index + a, part.index + b)[None]
+        if part.lo is None:
+            pieces.append(mx.ones((r1 - r0, b - a), mx.bool_))
+        else:
+            lo, hi = mx.array(part.lo[r0:r1])[:, None], mx.array(part.hi[r0:r1])[:, None]
+            pieces.append((index >= lo) & (index < hi))
+    visible = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=1)
     if user_mask is not None:
         rows_mask = user_mask[..., r0:r1, :] if user_mask.shape[-2] > 1 else user_mask
         visible = visible & mx.take(rows_mask, user_cols[:end], axis=-1)
@@ -57,6 +87,69 @@ def chunk_mask(bounds: list[int], start_q: int, r0: int, r1: int, n_sinks: int, 
     if always:
         mask = mx.concatenate([mx.zeros((r1 - r0, always), dtype), mask], axis=1)
     return mask
+
+
+def attend_dequantized(queries: mx.array, scale: float, parts: list, config, key_mean, user_mask=None,
+                       sink_logits=None) -> mx.array:
+    """A chunk's attention over ``parts`` (:class:`kvq.cache.engine.Part`: contiguous, in order; the compressed one
+    decoded to the queries' dtype) in ``mx.fast.scaled_dot_product_attention`` with the additive mask of
+    :func:`interval_mask`, one call per chunk unless :func:`rows_per_call` cuts it. Each slice of rows reads only
+    the columns up to the last one its rows may see. The decoded copy is transient: the call is queued on the device
+    (:data:`IN_FLIGHT`) and the copy freed once it has run; the cache keeps only the codes. Memory above the cache:
+    at most :data:`PREFILL_INFLIGHT_BYTES` plus one layer's ``2 * T * H_kv * (D_k + D_v) * 2`` bytes of decoded keys
+    and values (with their concatenation) and ``T_q * T * 2`` bytes of mask (16-bit queries), for ``T`` tokens held.
+
+    A centred layer attends centred keys throughout (as the fused decode kernel does): every score lacks the same
+    ``scale * q . mu``, which the softmax does not see, and 16-bit centred keys keep the bits that 16-bit keys with
+    offsets in the hundreds lose. Learned sink logits would see the shift: then the mean goes back on the keys.
+
+    :param config, key_mean: the layer's configuration and :class:`kvq.cache.centring.KeyMean`.
+    :param user_mask: mlx-lm's mask as booleans over the parts' ``column`` positions, or ``None``.
+    :return: ``[B, H_q, T_q, D_v]`` in the queries' dtype.
+    """
+    from .choice import dequantize
+
+    Tq, dtype = queries.shape[2], queries.dtype
+    centre = key_mean.mean is not None and sink_logits is None
+    parts_k, parts_v, cols, ends = [], [], [], []
+    for part in parts:
+        if part.compressed:
+            keys = dequantize(config, config.key_params, part.keys, dtype)
+            if key_mean.mean is not None and not centre:
+                keys = (keys.astype(mx.float32) + key_mean.mean).astype(dtype)
+            values = dequantize(config, config.value_params, part.values, dtype)
+        else:
+            keys = (key_mean.centred_dense(part.keys) if centre else part.keys).astype(dtype)
+            values = part.values.astype(dtype)
+        parts_k.append(keys)
+        parts_v.append(values)
+        if user_mask is not None:
+            cols.append(part.column + mx.arange(part.size))
+    keys, values = mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2)
+    user_cols = mx.concatenate(cols) if user_mask is not None else None
+    sinks = None if sink_logits is None else sink_logits.astype(dtype)
+    rows = rows_per_call(queries, keys.shape[2], PREFILL_MASK_BYTES, PREFILL_SCORES_BYTES)
+    outs = []
+    for r0 in range(0, Tq, rows):
+        r1 = min(Tq, r0 + rows)
+        end = _last_column(parts, r0, r1)
+        mask = interval_mask(parts, r0, r1, end, dtype, user_mask, user_cols)
+        outs.append(mx.fast.scaled_dot_product_attention(queries[:, :, r0:r1], keys[:, :, :end], values[:, :, :end],
+                                                         scale=scale, mask=mask, sinks=sinks))
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
+    transient = 2 * (keys.nbytes + values.nbytes) + min(rows, Tq) * keys.shape[2] * dtype.size * queries.shape[0]
+    IN_FLIGHT.push(out, transient, PREFILL_INFLIGHT_BYTES)
+    return out
+
+
+def _last_column(parts: list, r0: int, r1: int) -> int:
+    """One past the last column of ``parts`` (side by side) that any of rows ``r0 .. r1`` sees (the last part's
+    interval of the slice's last row: every row sees its own token, in the last part)."""
+    first = sum(p.size for p in parts[:-1])
+    last = parts[-1]
+    if last.lo is None:
+        return first + last.size
+    return first + int(np.clip(last.hi[r1 - 1] - last.index, 0, last.size))
 
 
 def rows_per_call(queries: mx.array, num_keys: int, mask_bytes: int, scores_bytes: int) -> int:

@@ -9,7 +9,7 @@ tokens, uncompressed). Memory is bounded by ``max_size`` and the compression rat
 
 Tokens are compressed exactly as in :class:`~kvq.cache.KVQCache` (same methods, sinks aside, guard and fitted
 parameters); a token older than the window is overwritten in the ring. A prefill chunk gives each of its queries what
-the token-by-token run shows it (:meth:`KVQCache._visible`). mlx-lm's own chunk mask differs from its decode where
+the token-by-token run shows it (:func:`kvq.cache.schedule.visible`). mlx-lm's own chunk mask differs from its decode where
 ``keep > 0``: it counts the ``keep`` tokens as the oldest positions of its window, so a chunk query past ``max_size``
 does not see them; kvq follows the token-by-token rule in both. With ``keep = 0`` (what mlx-lm's models build for
 their sliding layers) the two agree.
@@ -21,47 +21,16 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from ..attention import dense_attend, empty_part, merge_parts, sink_logits_part
-from .layer import CacheConfig, KVQCache
+from . import engine
+from .config import CacheConfig
+from .layer import KVQCache
 from .reuse import check_trim, trimmable_now
 from .ring import RingStore, concat_encoded
+from .schedule import Fresh, visible
+from .state import row_class
 
 
-@attrs.frozen
-class _RingFresh:
-    """What :meth:`RotatingKVQCache.attend` needs from the chunk just stored (the fields :meth:`KVQCache._visible`
-    reads, and the tokens): ``start`` the position of the chunk's first token after the ``keep`` ones,
-    ``compressed`` and ``held`` the tokens that had left the residual window and those it held before the chunk,
-    ``new`` the chunk's tokens after the ``keep`` ones, ``dense`` the residual window before the chunk followed by
-    those tokens (keys, values), ``encoded`` the ring before the chunk (oldest first) followed by the tokens the
-    chunk compressed (keys, values :class:`kvq.Encoded`; ``None`` if neither has any) and ``encoded_first`` the
-    index of its first token among the tokens after the ``keep`` ones."""
-
-    start: int
-    compressed: int
-    held: int
-    new: int
-    dense: tuple
-    encoded: tuple | None
-    encoded_first: int
-
-
-def rows_mask(index: np.ndarray, lo: np.ndarray, hi: np.ndarray):
-    """Which tokens each query row sees, for tokens whose indices ``index`` ``[n]`` (int, any order) cover a
-    contiguous range: row ``r`` sees ``lo[r] <= i < hi[r]``.
-
-    :return: ``(any, mask)``: ``any`` False when no row sees any token; ``mask`` ``None`` when every row sees every
-        token, else bool ``[T_q, n]`` (True = visible).
-    """
-    low, high = int(index.min()), int(index.max())
-    if not np.any(np.maximum(lo, low) < np.minimum(hi, high + 1)):
-        return False, None
-    if lo.max() <= low and hi.min() > high:
-        return True, None
-    column = mx.array(index)[None]
-    return True, (column >= mx.array(lo)[:, None]) & (column < mx.array(hi)[:, None])
-
-
+@row_class
 class RotatingKVQCache(KVQCache):
     """A drop-in replacement for mlx-lm's ``RotatingKVCache(max_size, keep)`` that stores the window's older tokens
     compressed (see the module docstring). Build it with :func:`kvq.make_prompt_cache`, which gives one to every
@@ -81,6 +50,7 @@ class RotatingKVQCache(KVQCache):
     """
 
     _FAST_APPEND = False  # tokens go to the ring in _store
+    PACKABLE = False  # a batch's rotating rows decode one by one
 
     def __init__(self, config: CacheConfig, max_size: int, keep: int = 0) -> None:
         if not isinstance(max_size, int) or isinstance(max_size, bool) or max_size < 1:
@@ -110,8 +80,7 @@ class RotatingKVQCache(KVQCache):
             encoded = tuple(concat_encoded(b, e) for b, e in zip(before, encoded))
         elif before[0] is not None:
             encoded = before
-        self._fresh = _RingFresh(self.offset - keys.shape[2], left, held, keys.shape[2], dense, encoded,
-                                 before_first)
+        self._fresh = Fresh(self.offset - keys.shape[2], left, held, keys.shape[2], dense, encoded, before_first)
 
     def _push(self, keys, values):
         """Append tokens after the ``keep`` ones to the residual window; those leaving it (:meth:`_leaving`) are
@@ -143,7 +112,7 @@ class RotatingKVQCache(KVQCache):
                query_start: int | None = None) -> mx.array:
         """Attention of ``queries [B, H_q, T_q, D]`` (the newest ``T_q`` tokens, or those from ``query_start``) over
         the tokens each sees: the ``keep`` ones before it and the newest ``max_size - keep`` up to itself, as in
-        a token-by-token run of mlx-lm's ``RotatingKVCache`` (:class:`KVQCache.attend` for the rest).
+        a token-by-token run of mlx-lm's ``RotatingKVCache`` (:meth:`parts`; :mod:`kvq.cache.engine` attends them).
 
         :param mask: ``None`` or ``"causal"`` (what :meth:`make_mask` gives models); the window is enforced from
             token positions.
@@ -157,98 +126,53 @@ class RotatingKVQCache(KVQCache):
             raise ValueError("a RotatingKVQCache takes no mask array: it applies its window from token positions "
                              "(batches go through BatchKVQCache, whose rows store no padding)")
         start_q = self.offset - Tq if query_start is None else query_start
-        # rows past the stored tokens (a padded batch row) see what the last stored token sees
-        positions = np.minimum(np.arange(start_q, start_q + Tq), self.offset - 1)
-        lo = np.maximum(0, positions - self.max_size + 1)  # the first visible token after the keep ones
-        top = positions - self.keep + 1  # one past the last
-        if fresh is None and Tq == 1 and sink_logits is None and lo[0] <= self.left - self.compressed_keys.length:
+        first_seen = max(0, min(start_q, self.offset - 1) - self.max_size + 1)  # the first row's first visible token
+        if fresh is None and Tq == 1 and sink_logits is None and first_seen <= self.left - self.compressed_keys.length:
             fused = self._fused_attend(queries, scale)  # every held token is visible: KVQCache's fused decode
             if fused is not None:
                 return fused
-        parts = [self._keep_part(queries, scale, positions)]
-        if fresh is None:
-            parts += self._held_parts(queries, scale, lo, top)
-        else:
-            parts += self._chunk_parts(queries, scale, lo, top, fresh, start_q)
-        parts = [p for p in parts if p is not None]
-        if sink_logits is not None:
-            parts.append(sink_logits_part(sink_logits, queries, parts[0][0].shape[-1]))
-        out, _ = merge_parts(parts)
-        return out.astype(queries.dtype)
+        return engine.attend(queries, scale, self.parts(Tq, start_q, fresh), self.config, self._mean,
+                             sink_logits=sink_logits)
 
-    def _keep_part(self, queries, scale, positions):
-        """The ``keep`` tokens (uncompressed), each seen by the queries at or after its position."""
+    def parts(self, count: int, start_q: int, fresh: Fresh | None = None) -> list[engine.Part]:
+        """The engine's parts (:meth:`KVQCache.parts`) of ``count`` query rows at positions ``start_q ...``: the
+        ``keep`` tokens, causal among themselves; the compressed tokens (the ring as it is, indexed by its slots'
+        ranks; or, for the chunk just stored, the ring before it followed by the tokens it compressed, up to what
+        each row saw compressed: :func:`kvq.cache.schedule.visible`); the residual window (or the chunk's
+        uncompressed tokens). Each row sees, after the ``keep`` tokens, indices ``[p - max_size + 1, p - keep + 1)``
+        for its position ``p``; rows past the stored tokens (a padded batch row) see what the last stored token
+        sees."""
+        positions = np.minimum(np.arange(start_q, start_q + count), self.offset - 1)
+        lo = np.maximum(0, positions - self.max_size + 1)  # the first visible token after the keep ones
+        top = positions - self.keep + 1  # one past the last
+        parts = []
         n = self.sinks.length
-        if not n:
-            return None
-        keys, values = self.sinks.view()
-        mask = None
-        if positions[0] < n - 1:  # a query among the keep tokens: causal within them
-            mask = mx.array(positions)[:, None] >= mx.arange(n)[None]
-        return dense_attend(queries, keys, values, scale, mask)
-
-    def _held_parts(self, queries, scale, lo, top) -> list:
-        """Parts of queries that see the cache as it is (decode): the ring (its tokens indexed from its slot
-        ranks) and the residual window."""
-        ring = self.compressed_keys
-        parts = []
-        if ring.length:
-            index = self.left - ring.length + ring.ranks()
-            parts.append(self._compressed_part(queries, scale, (ring.view(), self.compressed_values.view()), index,
-                                               lo, np.minimum(top, self.left)))
-        window_k, window_v = self.window.view()
-        if window_k is not None:
-            parts.append(self._dense_part(queries, scale, window_k, window_v, self.left, lo, top))
-        return parts
-
-    def _chunk_parts(self, queries, scale, lo, top, fresh: _RingFresh, start_q: int) -> list:
-        """Parts of a chunk's queries, each seeing what it would in a token-by-token run: the tokens compressed by
-        its turn (the ring before the chunk and those the chunk compressed) and the rest uncompressed."""
-        compressed = np.array(self._visible(fresh, start_q, queries.shape[2]))  # per row: tokens left by then
-        parts = []
+        if n:
+            keys, values = self.sinks.view()
+            hi = None if positions[0] >= n - 1 else np.clip(positions + 1, 0, n)
+            parts.append(engine.Part(keys, values, False, 0, None if hi is None else np.zeros_like(hi), hi))
+        if fresh is None:
+            ring = self.compressed_keys
+            if ring.length:
+                index = self.left - ring.length + ring.ranks()
+                parts.append(engine.Part(ring.view(), self.compressed_values.view(), True, index, lo,
+                                         np.minimum(top, self.left)))
+            window_k, window_v = self.window.view()
+            if window_k is not None:
+                parts.append(engine.Part(window_k, window_v, False, self.left, lo, top))
+            return parts
+        compressed = visible(fresh, start_q, count, self.config.window, self._flush)  # per row: left by then
         if fresh.encoded is not None:
             keys, values = fresh.encoded
-            n = keys.num_tokens
-            a = min(n, max(0, int(lo[0]) - fresh.encoded_first))  # tokens before every row's window are skipped
-            if a < n:
-                keys, values = keys.tokens(a, n), values.tokens(a, n)
-                index = fresh.encoded_first + a + np.arange(n - a)
-                parts.append(self._compressed_part(queries, scale, (keys, values), index, lo,
-                                                   np.minimum(compressed, top)))
+            total = keys.num_tokens
+            a = min(total, max(0, int(lo[0]) - fresh.encoded_first))  # tokens before every row's window are skipped
+            if a < total:
+                parts.append(engine.Part(keys.tokens(a, total), values.tokens(a, total), True,
+                                         fresh.encoded_first + a + np.arange(total - a), lo,
+                                         np.minimum(compressed, top)))
         dense_k, dense_v = fresh.dense
-        parts.append(self._dense_part(queries, scale, dense_k, dense_v, fresh.compressed, np.maximum(lo, compressed),
-                                      top))
+        parts.append(engine.Part(dense_k, dense_v, False, fresh.compressed, np.maximum(lo, compressed), top))
         return parts
-
-    def _compressed_part(self, queries, scale, encoded: tuple, index, lo, hi):
-        """``(out, lse)`` over compressed tokens ``encoded`` (keys, values) whose indices are ``index``, row ``r``
-        seeing indices ``[lo[r], hi[r])``; ``None`` where no row sees any."""
-        visible, mask = rows_mask(index, lo, hi)
-        if not visible:
-            return None
-        keys, values = encoded
-        return self._uncentre(self._attend_fn(keys, queries)(queries, keys, values, scale, mask), queries, scale)
-
-    def _dense_part(self, queries, scale, keys, values, first: int, lo, hi):
-        """``(out, lse)`` over uncompressed ``keys``/``values`` ``[B, H, T, D]`` (indices ``first ...``), row ``r``
-        seeing indices ``[lo[r], hi[r])`` (both non-decreasing in ``r``), in slices of :attr:`CHUNK_ROWS` rows
-        that each read only the keys they may see; ``None`` where no row sees any."""
-        T, Tq = keys.shape[2], queries.shape[2]
-        lo, hi = np.clip(lo - first, 0, T), np.clip(hi - first, 0, T)
-        if not np.any(hi > lo):
-            return None
-        outs, lses = [], []
-        for r0 in range(0, Tq, self.CHUNK_ROWS):
-            r1 = min(Tq, r0 + self.CHUNK_ROWS)
-            rows, a, b = queries[:, :, r0:r1], int(lo[r0:r1].min()), int(hi[r0:r1].max())
-            visible, mask = rows_mask(np.arange(a, b), lo[r0:r1], hi[r0:r1]) if b > a else (False, None)
-            if visible:
-                out, lse = dense_attend(rows, keys[:, :, a:b], values[:, :, a:b], scale, mask)
-            else:
-                out, lse = empty_part(rows, values.shape[-1])
-            outs.append(out)
-            lses.append(lse)
-        return mx.concatenate(outs, axis=2), mx.concatenate(lses, axis=2)
 
     # -- mlx-lm cache protocol ------------------------------------------------------------------------
     def size(self) -> int:
@@ -302,8 +226,8 @@ class RotatingKVQCache(KVQCache):
                 "ring_next": self.compressed_keys.next}
 
     @classmethod
-    def _empty_for_state(cls, config: CacheConfig, state: dict) -> "RotatingKVQCache":
-        return cls(config, int(state["max_size"]), int(state["keep"]))
+    def _state_arguments(cls, state: dict) -> dict:
+        return {"max_size": int(state["max_size"]), "keep": int(state["keep"])}
 
     def _check_restored(self, state: dict) -> None:
         """Restore ``left`` and the ring's next slot; :raises ValueError: counts that do not add up."""

@@ -12,12 +12,25 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ..plugins import registry
+from .config import CacheConfig
 
 #: Bumped whenever the saved layout changes. 2: a layer may hold ``key_mean`` (centred keys, :mod:`kvq.cache.guard`),
 #: which a reader of format 1 would ignore and so misread.
 FORMAT = 2
 #: Formats this kvq reads (a format-1 file holds no centred layer); files of another format are refused.
 READABLE_FORMATS = (1, 2)
+
+
+#: kvq's cache classes by name (:func:`row_class`): what a batch's file names its rows by.
+ROW_CLASSES: dict[str, type] = {}
+
+
+def row_class(cls: type) -> type:
+    """Class decorator: record a single-sequence cache class (:class:`kvq.cache.KVQCache` and its subclasses) under
+    its name in :data:`ROW_CLASSES`, so that a batch's rows are rebuilt from a file without the batch module
+    importing the cache classes (:meth:`kvq.cache.BatchKVQCache.from_state`)."""
+    ROW_CLASSES[cls.__name__] = cls
+    return cls
 
 
 def config_to_json(config, layout) -> str:
@@ -39,7 +52,6 @@ def config_from_json(text: str):
 
     :raises ValueError: not a kvq cache block, another format version, or a method that is not installed.
     """
-    from .layer import CacheConfig
 
     try:
         data = json.loads(text)

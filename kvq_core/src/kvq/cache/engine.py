@@ -1,0 +1,221 @@
+"""The attention engine: what a query row sees, stated once, and attention over it.
+
+Every kvq cache (plain, rotating, a batch's packed rows) describes its tokens as parts, in order ``[sinks |
+compressed | dense]`` (a part of no tokens is left out), and per query row the interval of each part the row sees
+(:class:`Part`): row ``r`` sees the columns whose index ``i`` lies in ``[lo[r], hi[r])``. Where the intervals come
+from is each cache's own schedule (:mod:`kvq.cache.schedule`: a chunk's rows see what a token-by-token run showed
+them; a rotating cache's rows see their sliding window); how they are attended is decided here, once:
+
+- :func:`attend`, any number of query rows, any device: each part attended on its own (a compressed part through
+  the method's attention over its codes, :func:`kvq.cache.choice.attend_fn`; a dense part in slices of
+  :data:`CHUNK_ROWS` rows that each read only the keys they may see), merged with log-sum-exp
+  (:func:`kvq.attention.merge_parts`); or, for a prefill chunk on a GPU, MLX's fused attention over a transient
+  decoded copy with an additive mask made from the same intervals (:func:`kvq.cache.prefill.attend_dequantized`).
+  A fused prefill kernel over the codes goes there next.
+- :func:`bind_decode` / :func:`bind_ragged`: one query row per sequence, every held token visible, bound once per
+  layer and replayed each decode step (the implementation's :class:`kvq.contract.BindsDense` /
+  :class:`kvq.contract.BindsRaggedDense`).
+
+No fp16 copy of the compressed tokens is kept: the pure-MLX parts read codes block by block, and the GPU chunk's
+decoded copy is freed once its call has run.
+"""
+
+from __future__ import annotations
+
+import attrs
+import mlx.core as mx
+import numpy as np
+
+from ..attention import DenseTokens, dense_attend, empty_part, merge_parts, sink_logits_part
+from ..contract import AttendsDense, BindsDense, BindsRaggedDense, optional_hook
+from .centring import KeyMean
+from .choice import attend_fn, attend_plan, own_attend
+from .config import CacheConfig
+
+#: Query rows per slice of a dense part (each slice reads only the keys its rows may see).
+CHUNK_ROWS = 256
+
+
+@attrs.frozen
+class Part:
+    """One part of a cache's tokens and what each query row sees of it.
+
+    :param keys, values: ``[B, H_kv, n, D]`` arrays (a dense part: sinks, window, a chunk's uncompressed tokens) or
+        :class:`kvq.Encoded` (a compressed part).
+    :param compressed: whether ``keys``/``values`` are codes.
+    :param index: the index of each column: an int ``i0`` (columns ``i0, i0 + 1, ...``) or an int array ``[n]`` (a
+        ring's slots, any order).
+    :param lo, hi: int arrays ``[T_q]`` (or ``[B, T_q]``: per batch row and query row): row ``r`` sees the columns
+        whose index is in ``[lo[r], hi[r])``; both ``None``: every row sees every column.
+    :param column: where the part's first column sits on the last axis of mlx-lm's mask (the user mask of a padded
+        batch; contiguous parts only), or ``None``.
+    """
+
+    keys: object
+    values: object
+    compressed: bool
+    index: int | np.ndarray = 0
+    lo: np.ndarray | None = None
+    hi: np.ndarray | None = None
+    column: int | None = None
+
+    @property
+    def size(self) -> int:
+        """Columns (tokens) in the part."""
+        return self.keys.num_tokens if self.compressed else self.keys.shape[2]
+
+
+def causal(n: int, start: int, positions: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """``(lo, hi)`` of a part of ``n`` tokens at positions ``start .. start + n - 1`` (indices ``0 .. n - 1``) for
+    query rows at ``positions`` (non-decreasing): each row sees the tokens at or before its own position; ``(None,
+    None)`` where every row sees every token."""
+    if start + n - 1 <= positions[0]:
+        return None, None
+    return np.zeros_like(positions), np.clip(positions - start + 1, 0, n)
+
+
+def rows_mask(index, n: int, lo: np.ndarray, hi: np.ndarray):
+    """Which of ``n`` columns with indices ``index`` (an int: contiguous from it; an int array ``[n]`` covering a
+    contiguous range in any order) each query row sees: row ``r`` those with ``lo[r] <= i < hi[r]``.
+
+    :return: ``(any, mask)``: ``any`` False when no row sees any column; ``mask`` ``None`` when every row sees every
+        column, else bool ``[T_q, n]`` (``[B, 1, T_q, n]`` for ``[B, T_q]`` intervals; True = visible).
+    """
+    contiguous = isinstance(index, (int, np.integer))
+    low, high = (int(index), int(index) + n - 1) if contiguous else (int(index.min()), int(index.max()))
+    if not np.any(np.maximum(lo, low) < np.minimum(hi, high + 1)):
+        return False, None
+    if lo.max() <= low and hi.min() > high:
+        return True, None
+    column = mx.arange(low, high + 1) if contiguous else mx.array(index)
+    if lo.ndim == 1:
+        return True, (column[None] >= mx.array(lo)[:, None]) & (column[None] < mx.array(hi)[:, None])
+    lo, hi = mx.array(lo)[:, None, :, None], mx.array(hi)[:, None, :, None]
+    return True, (column >= lo) & (column < hi)
+
+
+def _user_columns(user_mask: mx.array, column: int, a: int, b: int, r0: int | None = None, r1: int | None = None):
+    """Columns ``column + a .. column + b`` of mlx-lm's boolean mask (rows ``r0:r1`` where it has one per query)."""
+    if r0 is not None and user_mask.shape[-2] > 1:
+        user_mask = user_mask[..., r0:r1, :]
+    return user_mask[..., column + a : column + b]
+
+
+def _compressed(part: Part, queries, scale, config: CacheConfig, key_mean: KeyMean, user_mask):
+    """``(out, lse)`` of a compressed part (the mean's logits added back for a centred layer), or ``None`` where no
+    row sees any of it."""
+    mask = None
+    if part.lo is not None:
+        visible, mask = rows_mask(part.index, part.size, part.lo, part.hi)
+        if not visible:
+            return None
+    if user_mask is not None and part.column is not None:
+        window = _user_columns(user_mask, part.column, 0, part.size)
+        mask = window if mask is None else mask & window
+    keys, values = part.keys, part.values
+    return key_mean.uncentre(attend_fn(config, keys, queries)(queries, keys, values, scale, mask), queries, scale)
+
+
+def _dense(part: Part, queries, scale, user_mask):
+    """``(out, lse)`` of a dense part, or ``None`` where no row sees any of it. Rows are attended in slices of
+    :data:`CHUNK_ROWS`, each over only the columns its rows may see (intervals non-decreasing in the row)."""
+    keys, values = part.keys, part.values
+    if part.lo is None:
+        mask = None if user_mask is None else _user_columns(user_mask, part.column, 0, part.size)
+        return dense_attend(queries, keys, values, scale, mask)
+    T, Tq = keys.shape[2], queries.shape[2]
+    lo, hi = np.clip(part.lo - part.index, 0, T), np.clip(part.hi - part.index, 0, T)
+    if not np.any(hi > lo):
+        return None
+    outs, lses = [], []
+    for r0 in range(0, Tq, CHUNK_ROWS):
+        r1 = min(Tq, r0 + CHUNK_ROWS)
+        rows, row_lo, row_hi = queries[:, :, r0:r1], lo[..., r0:r1], hi[..., r0:r1]
+        a, b = int(row_lo.min()), int(row_hi.max())
+        visible, mask = rows_mask(a, b - a, row_lo, row_hi) if b > a else (False, None)
+        if visible and user_mask is not None:
+            window = _user_columns(user_mask, part.column, a, b, r0, r1)
+            mask = window if mask is None else mask & window
+        if visible:
+            out, lse = dense_attend(rows, keys[:, :, a:b], values[:, :, a:b], scale, mask)
+        else:
+            out, lse = empty_part(rows, values.shape[-1])
+        outs.append(out)
+        lses.append(lse)
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    return mx.concatenate(outs, axis=2), mx.concatenate(lses, axis=2)
+
+
+def attend(queries: mx.array, scale: float, parts: list[Part], config: CacheConfig, key_mean: KeyMean, *,
+           user_mask: mx.array | None = None, sink_logits: mx.array | None = None,
+           on_device: bool = False) -> mx.array:
+    """Attention of ``queries [B, H_q, T_q, D]`` over ``parts``, each query row over what its intervals give it.
+
+    :param config: the layer's :class:`~kvq.cache.config.CacheConfig` (which implementation attends the codes).
+    :param key_mean: the layer's :class:`~kvq.cache.centring.KeyMean` (a centred layer's compressed keys are
+        stored less it).
+    :param user_mask: mlx-lm's mask as booleans (batch padding) ``[..., T_q, columns]``, whose columns the parts'
+        ``column`` locate; ``None``: the intervals alone.
+    :param sink_logits: learned attention-sink logits ``[H_q]`` (gpt-oss), joined to the softmax, or ``None``.
+    :param on_device: attend through :func:`kvq.cache.prefill.attend_dequantized` (a prefill chunk on a GPU; the
+        parts must be contiguous: sinks, one compressed part, one dense part).
+    :return: ``[B, H_q, T_q, D_v]`` in the queries' dtype.
+    """
+    if on_device:
+        from .prefill import attend_dequantized
+
+        return attend_dequantized(queries, scale, parts, config, key_mean, user_mask, sink_logits)
+    results = []
+    for part in parts:
+        if part.compressed:
+            result = _compressed(part, queries, scale, config, key_mean, user_mask)
+        else:
+            result = _dense(part, queries, scale, user_mask)
+        if result is not None:
+            results.append(result)
+    if sink_logits is not None:
+        results.append(sink_logits_part(sink_logits, queries, results[0][0].shape[-1]))
+    out, _ = merge_parts(results)
+    return out.astype(queries.dtype)
+
+
+def bind_decode(config: CacheConfig, queries: mx.array, scale: float, keys, values, sink_keys, sink_values,
+                window_keys, window_values):
+    """The bound decode step over a layer's compressed ``keys``/``values`` (:class:`kvq.Encoded`), its sinks
+    (already centred for a centred layer) and its window: the chosen attend implementation's
+    :class:`kvq.contract.BindsDense` step, else a call of its ``attend_dense`` per step, else ``None`` (the parts
+    are attended instead: the same result). ``step(queries, window_keys, window_values) -> [B, H_q, 1, D_v]``."""
+    if not own_attend(config):
+        return None
+    choice = attend_plan(config, keys, queries).choices.get("attend")
+    if choice is None:
+        return None
+    bind = optional_hook(choice.implementation, BindsDense)
+    if bind is not None:
+        step = bind(queries, keys, values, scale, sink_keys, sink_values, window_keys, window_values)
+        if step is not None:
+            return step
+    attend_dense = optional_hook(choice.implementation, AttendsDense)
+    if attend_dense is None:
+        return None
+
+    def step(q, wk, wv):
+        result = attend_dense(q, keys, values, scale, DenseTokens(sink_keys, sink_values, wk, wv))
+        return None if result is None else result[0].astype(q.dtype)
+
+    return step
+
+
+def bind_ragged(config: CacheConfig, queries: mx.array, scale: float, keys, values, sink_keys, sink_values,
+                window_keys, window_values):
+    """:func:`bind_decode` for a batch's packed rows (:class:`kvq.contract.BindsRaggedDense`): ``step(queries,
+    window_keys, window_values, lengths) -> [B, H_q, 1, D_v]``, ``lengths`` int32 ``[B, 2]`` each row's compressed
+    and window tokens; ``None`` where the implementation binds none."""
+    if not own_attend(config):
+        return None
+    choice = attend_plan(config, keys, queries).choices.get("attend")
+    bind = None if choice is None else optional_hook(choice.implementation, BindsRaggedDense)
+    if bind is None:
+        return None
+    return bind(queries, keys, values, scale, sink_keys, sink_values, window_keys, window_values)
