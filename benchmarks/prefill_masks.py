@@ -6,7 +6,7 @@
 One layer's kvq cache (random keys and values, sinks 4, window 128, flush 128) holds ``context`` tokens; a chunk
 of ``--chunk`` tokens is stored and its attention inputs are built as :meth:`kvq.cache.KVQCache.attend` builds
 them on a GPU (``[sinks | compressed decoded | window and chunk]`` keys, the additive mask of
-:func:`kvq.cache.prefill.chunk_mask`). Then the median seconds of ``mx.fast.scaled_dot_product_attention`` with:
+:func:`kvq.cache.prefill.interval_mask`). Then the median seconds of ``mx.fast.scaled_dot_product_attention`` with:
 
 - ``causal``: fp16's own prefill call (``mask="causal"`` over ``context + chunk`` keys), the speed to reach;
 - ``none``: no mask over the kvq keys;
@@ -34,16 +34,22 @@ from prefill_parts import _size, layer_inputs, layer_parser, layer_source, timed
 
 def chunk_inputs(cache, queries, k_new, v_new):
     """The keys, values and full additive mask that the cache's GPU prefill path builds for this chunk
-    (:meth:`kvq.cache.KVQCache._chunk_keys`, ``_chunk_mask``), and the per-row count of compressed tokens seen
-    (``bounds``)."""
+    (:func:`kvq.cache.prefill.columns`, :func:`kvq.cache.prefill.interval_mask` over the chunk's parts,
+    :meth:`kvq.cache.KVQCache.parts`), and the per-row count of compressed tokens seen (``bounds``)."""
+    from kvq.cache.centring import KeyMean
+    from kvq.cache.prefill import columns, interval_mask, last_column
+    from kvq.cache.schedule import visible
+
     dtype, Tq = queries.dtype, queries.shape[2]
     cache.update_and_fetch(k_new, v_new)
-    fresh, cache._fresh = cache._fresh, None
+    fresh, cache._fresh = cache._fresh, None  # the chunk the next attend would use (a lab script's shortcut)
     start_q = cache.offset - Tq
-    bounds = cache._visible(fresh, start_q, Tq)
-    keys, values = cache._chunk_keys(dtype, fresh, centre=cache.key_mean is not None)
-    end, mask = cache._chunk_mask(bounds, start_q, 0, Tq, fresh, dtype)
-    return keys[:, :, :end], values[:, :, :end], mask, bounds
+    bounds = visible(fresh, start_q, Tq, cache.config.window, cache.config.flush_tokens).tolist()
+    parts = cache.parts(Tq, start_q, fresh)
+    mean = KeyMean(cache.key_mean)
+    keys, values, _ = columns(parts, cache.config, mean, dtype, centre=cache.key_mean is not None)
+    end = last_column(parts, 0, Tq)
+    return keys[:, :, :end], values[:, :, :end], interval_mask(parts, 0, Tq, end, dtype), bounds
 
 
 def blocks_of(bounds, flush: int) -> tuple[int, int]:

@@ -172,16 +172,16 @@ def bits(spec: MethodSpec, head_dim: int, dtype: mx.Dtype) -> tuple[float, float
 
 def attend_implementation(cache, model, settings: E2ESettings) -> str | None:
     """``"turboquant:mlx"``: the implementation that serves one-token decode attention over the compressed
-    tokens of a kvq cache (as :meth:`KVQCache._attend_fn` selects it), or ``None`` for other caches."""
+    tokens of a kvq cache (as :func:`kvq.cache.choice.attend_fn` selects it), or ``None`` for other caches."""
+    from ..cache.choice import attend_kernels, own_attend
+
     config = getattr(cache, "config", None)
-    if config is None:
+    if config is None or not hasattr(cache, "compressed_keys"):
         return None
     kp, vp = config.key_params, config.value_params
-    own = getattr(cache, "_own_attend", None)
-    if own is None or not own():
+    if not own_attend(config):
         return f"{kp.method}+{vp.method}:mlx (block protocol)"
     label = kp.method if kp.method == vp.method else f"{kp.method}+{vp.method}"
-    from ..cache.choice import attend_kernels
     from ..select import select
 
     args = model.args

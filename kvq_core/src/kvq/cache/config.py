@@ -99,3 +99,19 @@ class CacheConfig:
         """:raises ValueError: a head_dim that the key or value method does not support."""
         self.key_params.check_head_dim(head_dim)
         self.value_params.check_head_dim(head_dim)
+
+    def holds_kv_bits(self, bits: int, group_size: int, head_dims: tuple) -> bool:
+        """Whether a layer of this configuration already holds what mlx-lm's ``kv_bits``/``kv_group_size`` ask for:
+        keys and values both of kvq's ``affine`` method with these ``bits`` and ``group_size`` (a group size left to
+        be chosen from head_dim is the choice for ``head_dims``, ``(D_k, D_v)`` or ``(None, None)``)."""
+        return all(p.method == "affine" and (p.bits, _group_size(p, d)) == (bits, group_size)
+                   for p, d in zip((self.key_params, self.value_params), head_dims))
+
+
+def _group_size(params, head_dim: int | None):
+    """The group size affine ``params`` quantize ``head_dim``-wide vectors with: their ``group_size``, or where that
+    is left to be chosen from head_dim (``None``), the choice (``group_size_for``) once head_dim is known."""
+    choose = getattr(params, "group_size_for", None)
+    if params.group_size is None and choose is not None and head_dim is not None:
+        return choose(head_dim)
+    return params.group_size

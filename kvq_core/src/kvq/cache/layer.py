@@ -17,8 +17,6 @@ Sinks and window follow StreamingLLM (Xiao et al., arXiv 2309.17453) and KIVI's 
 
 from __future__ import annotations
 
-import copy
-
 import attrs
 import mlx.core as mx
 import numpy as np
@@ -33,15 +31,16 @@ from .choice import dequantize, encode_tokens
 from .config import CacheConfig
 from .depends import DependencySlots
 from .guard import guard_layer
-from .reuse import check_trim, trimmable_now
 from .schedule import Fresh, leaving, visible
-from .state import check_layer, config_from_json, config_to_json, row_class
-from .store import DenseBuffer, EncodedStore
-from .views import CompressedView, bool_mask, plain_mask
+from .persist import PromptCacheState
+from .protocol import CacheProtocol
+from .state import row_class
+from .store import DenseBuffer, EncodedStore, restore, snapshot
+from .views import CompressedView, bool_mask
 
 
 @row_class
-class KVQCache(DependencySlots):
+class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
     """A drop-in replacement for mlx-lm's ``KVCache`` that stores keys and values compressed.
 
     Works with ``mlx_lm.generate``/``stream_generate``/``generate_step`` (chunked prefill included), prompt-cache
@@ -199,22 +198,11 @@ class KVQCache(DependencySlots):
         return self, self.sinks, self.window, self.compressed_keys, self.compressed_values, self._mean
 
     def _snapshot(self) -> list[dict]:
-        """The attributes of the cache and its stores, with new handles on every array (stores update their
-        arrays in place with slice assignments; a handle made before keeps the old contents). Lazy: nothing is
-        copied unless :meth:`_restore` puts them back and they are evaluated."""
-        def keep(value):
-            if isinstance(value, mx.array):
-                return mx.array(value)
-            if isinstance(value, dict):
-                return {k: keep(v) for k, v in value.items()}
-            return value
-
-        return [{k: keep(v) for k, v in vars(obj).items()} for obj in self._parts_objects()]
+        """:func:`kvq.cache.store.snapshot` of the cache and its parts (lazy: nothing is copied unless restored)."""
+        return snapshot(self._parts_objects())
 
     def _restore(self, saved: list[dict]) -> None:
-        for obj, attributes in zip(self._parts_objects(), saved):
-            vars(obj).clear()
-            vars(obj).update(attributes)
+        restore(self._parts_objects(), saved)
 
     def _fill_sinks(self, keys, values):
         take = min(self.config.sinks - self.sinks.length, keys.shape[2])
@@ -413,210 +401,6 @@ class KVQCache(DependencySlots):
         # scale * q . mu, which the softmax does not see
         return step(queries, self._mean.centred_dense(window.keys[:, :, :n]), window.values[:, :, :n])
 
-    # -- mlx-lm cache protocol ------------------------------------------------------------------------
-    def __deepcopy__(self, memo):
-        """A copy that shares nothing mutable (``mx.Dtype`` cannot be pickled, so every one the cache's tuples hold
-        is passed through: a cache loaded from a file and then updated held two distinct dtype objects, and its
-        copy, which mlx-lm's server makes of every cache it reuses, raised ``cannot pickle 'Dtype' object``)."""
-        for value in self.__dict__.values():
-            if type(value) is tuple:
-                for item in value:
-                    if isinstance(item, mx.Dtype):
-                        memo[id(item)] = item
-        new = self.__class__.__new__(self.__class__)
-        memo[id(self)] = new
-        # the decode binding holds launch state (split counters of the next step): a copy binds its own
-        new.__dict__.update(copy.deepcopy({**self.__dict__, "_bound": None}, memo))
-        return new
-
-    def size(self) -> int:
-        """Tokens stored."""
-        return self.offset
-
-    def empty(self) -> bool:
-        """True before the first token is stored."""
-        return self.offset == 0
-
-    def is_trimmable(self) -> bool:
-        """Whether :meth:`trim` removes tokens: always, except inside :func:`kvq.cache.reuse.untrimmable` (mlx-lm's
-        prompt cache deciding which stored entries to keep and reuse)."""
-        return trimmable_now()
-
-    def trims_exactly(self, n: int) -> bool:
-        """Whether :meth:`trim` of ``n`` tokens leaves exactly what a fresh cache fed the remaining tokens holds
-        (the same tokens compressed, the same uncompressed), so that what follows attends as in a run that never
-        saw the trimmed tokens. ``False`` where a window flush since the remaining tokens compressed some that a
-        fresh run would still hold uncompressed: their 16-bit copies are gone. mlx-lm's server recomputes
-        instead of reusing such a trim (:mod:`kvq.cache.reuse`)."""
-        n = max(0, min(n, self.offset))
-        remaining = self.offset - n
-        non_sinks = remaining - min(remaining, self.config.sinks)
-        fresh = self._leaving(0, non_sinks)  # what a token-by-token run of the remaining tokens compressed
-        kept = self.compressed_keys.length - max(0, n - self.window.length)
-        if kept <= 0 and self.compressed_keys.length:
-            # every compressed token goes, but what the first compression fitted from them stays (centring, an
-            # outlier layer's 8 bits, data-chosen channels): a fresh run would fit those from its own tokens
-            return False
-        return max(0, kept) == fresh
-
-    def trim(self, n: int) -> int:
-        """Forget the newest ``n`` tokens; returns how many were removed.
-
-        Tokens are removed from the window first, then from the compressed store (exactly: encodings are per
-        token), then from the sinks. Tokens left behind keep the form they had: where a window flush came after
-        the remaining tokens (:meth:`trims_exactly` is ``False``), some of them stay compressed that a fresh run
-        would hold uncompressed. Inside :func:`kvq.cache.reuse.exact_trims` (mlx-lm's prompt-cache reuse) such a
-        trim raises :class:`kvq.cache.reuse.InexactTrim` and changes nothing.
-        """
-        check_trim(self, n)
-        n = max(0, min(n, self.offset))
-        left = n - self.window.trim(n)
-        if left:
-            self.compressed_values.trim(left)
-            left -= self.compressed_keys.trim(left)
-        self.sinks.trim(left)
-        self.offset -= n
-        if self.offset == 0:
-            self.__init__(self.config)  # a fresh cache accepts a new layout
-        return n
-
-    @classmethod
-    def merge(cls, caches):
-        """mlx-lm's batching hook: a :class:`BatchKVQCache` of copies of ``caches``."""
-        from .batch import BatchKVQCache
-
-        return BatchKVQCache.merge(caches)
-
-    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        """mlx-lm's mask hook (:func:`kvq.cache.views.plain_mask`): kvq enforces causality from positions, so only
-        sliding windows are refused (a sliding-window layer gets a :class:`kvq.cache.RotatingKVQCache`)."""
-        return plain_mask(N, window_size)
-
-    def to_quantized(self, group_size: int = 64, bits: int = 4) -> "KVQCache":
-        """mlx-lm's ``kv_bits`` hook (``generate``, ``stream_generate`` and ``generate_step`` with ``kv_bits=``; the
-        ``--kv-bits`` of its CLI and server): once a cache holds ``quantized_kv_start`` tokens (mlx-lm's default:
-        5000), mlx-lm calls this after every model call and goes on with the cache it returns.
-
-        A kvq cache is compressed already, so ``kv_bits`` can only ask for what it holds: when keys and values both
-        use kvq's ``affine`` method with these ``bits`` and ``group_size`` (what mlx-lm's ``QuantizedKVCache`` stores,
-        with kvq's sinks and window kept in 16 bits), this returns the cache itself. Anything else is refused, not
-        converted: quantizing tokens that kvq compressed loses accuracy twice and silently replaces the method the
-        user chose; ignoring ``kv_bits`` would hide that it has no effect. (mlx-lm likewise refuses a ``--kv-bits``
-        that differs from the bits of a quantized cache it loads.)
-
-        :raises ValueError: naming this cache's methods and the two ways out: leave ``kv_bits`` out, or make kvq
-            caches of ``affine`` with these bits and group size.
-        """
-        kp, vp = self.config.key_params, self.config.value_params
-        head_dims = (None, None) if self._layout is None else self._layout[2:4]
-        if all(p.method == "affine" and (p.bits, _group_size(p, d)) == (bits, group_size)
-               for p, d in zip((kp, vp), head_dims)):
-            return self
-        raise ValueError(
-            f"kv_bits={bits} (kv_group_size={group_size}) asks mlx-lm to quantize a kvq cache that already "
-            f"compresses its keys with {kp!r} and its values with {vp!r}; kvq does not quantize compressed tokens a "
-            f"second time. Leave kv_bits out to keep kvq's compression, or make kvq caches that hold what kv_bits "
-            f"asks for, which it then accepts: kvq.patch_model(model, 'affine', bits={bits}, "
-            f"group_size={group_size}) (or kvq.make_prompt_cache with the same arguments)")
-
-    # -- prompt-cache files ---------------------------------------------------------------------------
-    @property
-    def state(self) -> dict:
-        """Everything needed to rebuild this cache, for ``mlx_lm.models.cache.save_prompt_cache``: the compressed form.
-
-        A dict of arrays (compressed fields trimmed to the stored length; ``key_mean``, float32 ``[B, H, 1, D_k]``,
-        for a centred layer only), ints and one JSON string holding the configuration, the layout, the
-        kvq version and the file-format version.
-        """
-        keys, values = self.compressed_keys.view(), self.compressed_values.view()
-        centred = {} if self.key_mean is None else {"key_mean": self.key_mean}
-        return {
-            **centred,
-            "config": config_to_json(self.config, self._layout),
-            "offset": self.offset,
-            "sink_keys": self.sink_keys, "sink_values": self.sink_values,
-            "window_keys": self.window_keys, "window_values": self.window_values,
-            "keys": {} if keys is None else dict(keys.data),
-            "values": {} if values is None else dict(values.data),
-        }
-
-    @classmethod
-    def restore(cls, config: CacheConfig, layout: tuple | None, offset: int, *, sinks: tuple | None = None,
-                window: tuple | None = None, compressed: tuple | None = None, key_mean: mx.array | None = None,
-                **kwargs) -> "KVQCache":
-        """A cache holding the given tokens, as :meth:`from_state` and a batch's packed rows (:meth:`kvq.cache.
-        packed.PackedRows.row`) rebuild one (copies: the cache keeps none of the arrays passed).
-
-        :param layout: ``(B, H_kv, D_k, D_v, dtype)``, or ``None`` for an empty cache.
-        :param sinks, window: ``(keys, values)`` ``[B, H_kv, n, D]`` of the held tokens, or ``None``.
-        :param compressed: ``(keys, values)`` :class:`kvq.Encoded` of the compressed tokens, or ``None``.
-        :param key_mean: a centred layer's key mean (float32 ``[B, H_kv, 1, D_k]``), or ``None``.
-        :param kwargs: what a subclass's constructor takes besides ``config`` (a rotating cache's ``max_size``, ``keep``).
-        """
-        cache = cls(config, **kwargs)
-        cache._layout = layout
-        if layout is not None:
-            B, H, Dk, Dv, dtype = layout
-            cache._token_shapes = ((B, H, 1, Dk), (B, H, 1, Dv), dtype)
-        cache.offset = offset
-        cache._mean.set(key_mean)
-        for buffer, tokens in ((cache.sinks, sinks), (cache.window, window)):
-            if tokens is not None and tokens[0] is not None:
-                buffer.replace(*tokens)
-        if compressed is not None:
-            cache.compressed_keys.append(compressed[0])
-            cache.compressed_values.append(compressed[1])
-        return cache
-
-    @classmethod
-    def from_state(cls, state: dict) -> "KVQCache":
-        """Rebuild a cache from :attr:`state` (what ``mlx_lm.models.cache.load_prompt_cache`` calls), and patch
-        mlx-lm's attention (:mod:`kvq.cache.patch`) so that a model loaded before uses it.
-
-        A state saved by :func:`kvq.save_prompt_cache` holds its checksum, verified here first; a state without one
-        (saved with mlx-lm's ``save_prompt_cache``, or before kvq wrote checksums) is rebuilt unchecked.
-
-        :raises ValueError: a state that does not match its checksum (a corrupt file), a file of another format
-            version, or of a method that is not installed, or inconsistent contents; the message says which.
-        """
-        check_layer(state)
-        config, layout = config_from_json(state["config"])
-        mean = state.get("key_mean")
-        if mean is not None and mean.size:
-            want = None if layout is None else (layout[0], layout[1], 1, layout[2])
-            if want is None or tuple(mean.shape) != want or mean.dtype != mx.float32:
-                raise ValueError(f"prompt cache: key_mean of shape {tuple(mean.shape)} ({mean.dtype}) does not fit the "
-                                 f"layout {want} (float32); the file is inconsistent")
-        else:
-            mean = None
-        head_dims = (None, None) if layout is None else (layout[2], layout[3])
-        compressed = None
-        if state.get("keys"):
-            compressed = (Encoded(config.key_params, dict(state["keys"]), head_dims[0]),
-                          Encoded(config.value_params, dict(state["values"]), head_dims[1]))
-        cache = cls.restore(config, layout, int(state["offset"]), key_mean=mean,
-                            sinks=(state.get("sink_keys"), state.get("sink_values")),
-                            window=(state.get("window_keys"), state.get("window_values")), compressed=compressed,
-                            **cls._state_arguments(state))
-        cache._check_restored(state)
-        from . import patch
-
-        patch.patch()  # mlx-lm's loader gives no other moment: without it attention would get the stand-ins
-        return cache
-
-    @classmethod
-    def _state_arguments(cls, state: dict) -> dict:
-        """What this class's constructor takes besides the configuration, read from ``state`` (a subclass's own
-        entries)."""
-        return {}
-
-    def _check_restored(self, state: dict) -> None:
-        """:raises ValueError: the tokens :meth:`from_state` restored do not add up to ``offset``."""
-        stored = self.sinks.length + self.window.length + self.compressed_keys.length
-        if stored != self.offset:
-            raise ValueError(f"prompt cache: {stored} tokens stored but offset is {self.offset}; the file is "
-                             f"inconsistent")
-
     @property
     def nbytes(self) -> int:
         """Bytes resident: sinks, window, the allocated compressed store (codes and side data) and a centred
@@ -624,11 +408,3 @@ class KVQCache(DependencySlots):
         return self.sinks.nbytes + self.window.nbytes + self.compressed_keys.nbytes + \
             self.compressed_values.nbytes + (0 if self.key_mean is None else self.key_mean.nbytes)
 
-
-def _group_size(params, head_dim: int | None):
-    """The group size affine ``params`` quantize ``head_dim``-wide vectors with: their ``group_size``, or where that
-    is left to be chosen from head_dim (``None``), the choice (``group_size_for``) once head_dim is known."""
-    choose = getattr(params, "group_size_for", None)
-    if params.group_size is None and choose is not None and head_dim is not None:
-        return choose(head_dim)
-    return params.group_size

@@ -163,7 +163,6 @@ class PackedRows:
         own arrays can be freed; ``None`` where they cannot be packed."""
         if not packable(rows, minimum, template):
             return None
-        config = template.config if template is not None else next(r for r in rows if r.compressed_keys.length).config
         return cls(rows, template)
 
     @staticmethod

@@ -107,11 +107,32 @@ def attend_dequantized(queries: mx.array, scale: float, parts: list, config, key
     :param user_mask: mlx-lm's mask as booleans over the parts' ``column`` positions, or ``None``.
     :return: ``[B, H_q, T_q, D_v]`` in the queries' dtype.
     """
-    from .choice import dequantize
-
     Tq, dtype = queries.shape[2], queries.dtype
     centre = key_mean.mean is not None and sink_logits is None
-    parts_k, parts_v, cols, ends = [], [], [], []
+    keys, values, user_cols = columns(parts, config, key_mean, dtype, centre, user_mask is not None)
+    sinks = None if sink_logits is None else sink_logits.astype(dtype)
+    rows = rows_per_call(queries, keys.shape[2], PREFILL_MASK_BYTES, PREFILL_SCORES_BYTES)
+    outs = []
+    for r0 in range(0, Tq, rows):
+        r1 = min(Tq, r0 + rows)
+        end = last_column(parts, r0, r1)
+        mask = interval_mask(parts, r0, r1, end, dtype, user_mask, user_cols)
+        outs.append(mx.fast.scaled_dot_product_attention(queries[:, :, r0:r1], keys[:, :, :end], values[:, :, :end],
+                                                         scale=scale, mask=mask, sinks=sinks))
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
+    transient = 2 * (keys.nbytes + values.nbytes) + min(rows, Tq) * keys.shape[2] * dtype.size * queries.shape[0]
+    IN_FLIGHT.push(out, transient, PREFILL_INFLIGHT_BYTES)
+    return out
+
+
+def columns(parts: list, config, key_mean, dtype: mx.Dtype, centre: bool, user: bool = False) -> tuple:
+    """The key and value columns of ``parts`` side by side in ``dtype``, ``[B, H_kv, columns, D]`` each (the
+    compressed part decoded by the implementation :func:`kvq.select` picks: a fused kernel where one serves); with
+    ``centre``, keys less the layer's mean (the compressed ones as stored), else as the model gave them. With
+    ``user``, also each column's position on mlx-lm's mask (the parts' ``column``), else ``None``."""
+    from .choice import dequantize
+
+    parts_k, parts_v, cols = [], [], []
     for part in parts:
         if part.compressed:
             keys = dequantize(config, config.key_params, part.keys, dtype)
@@ -123,26 +144,13 @@ def attend_dequantized(queries: mx.array, scale: float, parts: list, config, key
             values = part.values.astype(dtype)
         parts_k.append(keys)
         parts_v.append(values)
-        if user_mask is not None:
+        if user:
             cols.append(part.column + mx.arange(part.size))
-    keys, values = mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2)
-    user_cols = mx.concatenate(cols) if user_mask is not None else None
-    sinks = None if sink_logits is None else sink_logits.astype(dtype)
-    rows = rows_per_call(queries, keys.shape[2], PREFILL_MASK_BYTES, PREFILL_SCORES_BYTES)
-    outs = []
-    for r0 in range(0, Tq, rows):
-        r1 = min(Tq, r0 + rows)
-        end = _last_column(parts, r0, r1)
-        mask = interval_mask(parts, r0, r1, end, dtype, user_mask, user_cols)
-        outs.append(mx.fast.scaled_dot_product_attention(queries[:, :, r0:r1], keys[:, :, :end], values[:, :, :end],
-                                                         scale=scale, mask=mask, sinks=sinks))
-    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
-    transient = 2 * (keys.nbytes + values.nbytes) + min(rows, Tq) * keys.shape[2] * dtype.size * queries.shape[0]
-    IN_FLIGHT.push(out, transient, PREFILL_INFLIGHT_BYTES)
-    return out
+    user_cols = mx.concatenate(cols) if user else None
+    return mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2), user_cols
 
 
-def _last_column(parts: list, r0: int, r1: int) -> int:
+def last_column(parts: list, r0: int, r1: int) -> int:
     """One past the last column of ``parts`` (side by side) that any of rows ``r0 .. r1`` sees (the last part's
     interval of the slice's last row: every row sees its own token, in the last part)."""
     first = sum(p.size for p in parts[:-1])

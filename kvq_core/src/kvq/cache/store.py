@@ -9,6 +9,27 @@ import mlx.core as mx
 from ..encoded import Encoded
 
 
+def snapshot(objects) -> list[dict]:
+    """The attributes of ``objects`` (a cache and its stores), with new handles on every array (stores update their
+    arrays in place with slice assignments; a handle made before keeps the old contents). Lazy: nothing is copied
+    unless :func:`restore` puts them back and they are evaluated."""
+    def keep(value):
+        if isinstance(value, mx.array):
+            return mx.array(value)
+        if isinstance(value, dict):
+            return {k: keep(v) for k, v in value.items()}
+        return value
+
+    return [{k: keep(v) for k, v in vars(obj).items()} for obj in objects]
+
+
+def restore(objects, saved: list[dict]) -> None:
+    """Put back the attributes :func:`snapshot` took of ``objects`` (a failed update leaves the cache as it was)."""
+    for obj, attributes in zip(objects, saved):
+        vars(obj).clear()
+        vars(obj).update(attributes)
+
+
 class _Trimmable:
     """Holds ``length`` tokens at the front of its arrays; trimming only moves that mark."""
 
