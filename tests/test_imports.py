@@ -4,8 +4,9 @@ A static walk of every workspace package: each module's AST is parsed and every 
 counts, at module level or inside a function (a lazy import is still a dependency), relative imports resolved;
 so does ``importlib.import_module("...")`` with a constant name, and a constant string that names a plugin module
 (``"kvq_backends_x.mod"``, ``"kvq_backends_x:attr"``: an import by name). Nothing is imported. Imports under
-``if TYPE_CHECKING:`` never run: they count for the direction between distributions (a type is an API one
-depends on) but not for the layers and cycles of modules, which are about what runs.
+``if TYPE_CHECKING:`` never run: they count for the direction between distributions and for cycles (a type is an
+API one depends on; a cycle through one is still a tangle for the reader), but not for the layers of modules,
+which are about what runs.
 
 Layers of ``kvq`` (:data:`LAYERS`), lowest first; a module may import its own layer and those below, never above:
 
@@ -18,8 +19,9 @@ Layers of ``kvq`` (:data:`LAYERS`), lowest first; a module may import its own la
 - api: the package ``kvq`` (its ``__init__`` re-exports the above);
 - tools: kvq.bench (with ``kvq autotune``'s measuring), kvq.evaluation, kvq.cli: nothing below imports them.
 
-One kind of edge is left out of the layers and of the cycle check: a module importing a package that contains it
-(``from .. import __version__`` in kvq.cache.state, ``from . import ModelError`` in kvq.models.fetch). Python
+One kind of edge is left out of the layers and of the cycle check (which counts type-checking imports): a module
+importing a package that contains it (``from .. import __version__`` in kvq.cache.state, ``from . import
+ModelError`` in kvq.models.fetch). Python
 runs every enclosing package's ``__init__`` before any module inside it, so that dependency exists for every
 module anyway and the edge adds none; it only reads a name the ``__init__`` defines before it imports its
 submodules (or, lazily, at call time), which is why such a cycle cannot fail at import.
@@ -170,9 +172,10 @@ def _contains(package: str, module: str) -> bool:
     return module.startswith(package + ".")
 
 
-def downward(module: str) -> set[str]:
-    """``module``'s imports less those of a package that contains it (see the module docstring)."""
-    return {m for m in graph()[module] if not _contains(m, module)}
+def downward(module: str, typing: bool = False) -> set[str]:
+    """``module``'s imports less those of a package that contains it (see the module docstring); with ``typing``,
+    imports for type checkers included."""
+    return {m for m in graph(typing)[module] if not _contains(m, module)}
 
 
 def reachable(start: str) -> dict[str, list[str]]:
@@ -187,15 +190,16 @@ def reachable(start: str) -> dict[str, list[str]]:
     return paths
 
 
-def components() -> list[list[str]]:
-    """Strongly connected components of the :func:`downward` graph with more than one module (Tarjan)."""
+def components(typing: bool = False) -> list[list[str]]:
+    """Strongly connected components of the :func:`downward` graph with more than one module (Tarjan); with
+    ``typing``, imports for type checkers count as edges."""
     index, low, stack, on_stack, found = {}, {}, [], set(), []
 
     def visit(v):
         index[v] = low[v] = len(index)
         stack.append(v)
         on_stack.add(v)
-        for w in sorted(downward(v)):
+        for w in sorted(downward(v, typing)):
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
@@ -306,11 +310,9 @@ def package_of(module: str) -> str:
     return module if _is_package(module) else module.rpartition(".")[0]
 
 
-def test_no_import_cycle_across_packages():
-    """Strongly connected components of the module graph (package-to-own-ancestor edges left out: module
-    docstring); one whose modules lie in more than one package fails, and the message lists it. A cycle among the
-    modules of one package (its ``__init__`` included), held by lazy imports inside it, is that package's own affair: it
-    stays behind the package's boundary and cannot order the packages' layers."""
-    found = components()
-    crossing = [c for c in found if len({package_of(m) for m in c}) > 1]
-    assert not crossing, "cycles across packages:\n" + "\n".join(" <-> ".join(c) for c in crossing)
+def test_no_import_cycle():
+    """No cycle among the workspace's modules, within a package or across packages, imports for type checkers
+    counted (a type is an API one depends on); only the edge from a module to a package that contains it is left
+    out (module docstring). The message lists every cycle's modules."""
+    found = components(typing=True)
+    assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)

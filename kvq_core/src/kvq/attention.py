@@ -21,10 +21,9 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-import attrs
 import mlx.core as mx
 
-from .contract import FinishesValues, PreparesQueries, ScoresKeys, WeightsValues, optional_hook
+from .contract import DenseTokens, FinishesValues, PreparesQueries, ScoresKeys, WeightsValues, optional_hook
 
 #: Bytes of fp32 scores one block may hold; bounds prefill memory.
 SCORE_BUDGET_BYTES = 16 * 2**20
@@ -36,22 +35,6 @@ VECTOR_BUDGET_BYTES = 32 * 2**20
 NEG_INF = float("-inf")
 #: A marker of the block :func:`run_block` started last (done when that block is), or nothing.
 _LAST_BLOCK: list[mx.array] = []
-
-
-@attrs.frozen
-class DenseTokens:
-    """Uncompressed tokens that a fused kernel attends together with compressed ones (a cache's sinks, the first
-    tokens, and its residual window): ``[B, H_kv, T, D]`` keys and values in the model's dtype, views of the cache's
-    buffers. Passed to an implementation's optional ``attend_dense`` (:class:`kvq.contract.AttendsDense`).
-
-    :param sink_keys, sink_values: the first tokens, or ``None`` when the cache holds none.
-    :param window_keys, window_values: the most recent tokens (at least one).
-    """
-
-    sink_keys: mx.array | None
-    sink_values: mx.array | None
-    window_keys: mx.array
-    window_values: mx.array
 
 
 def block_size_for(batch: int, num_q_heads: int, num_queries: int, num_keys: int, token_bytes: int = 0) -> int:

@@ -25,13 +25,32 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol, runtime_checkable
 
+import attrs
+
 if TYPE_CHECKING:
     import mlx.core as mx
 
-    from .attention import DenseTokens
     from .encoded import Encoded
     from .methods import BitsAccounting
     from .problem import Problem
+
+
+# -- data crossing the boundary ----------------------------------------------------------------------------
+@attrs.frozen
+class DenseTokens:
+    """Uncompressed tokens that a fused kernel attends together with compressed ones (a cache's sinks, the first
+    tokens, and its residual window): ``[B, H_kv, T, D]`` keys and values in the model's dtype, views of the cache's
+    buffers. Passed to an implementation's optional ``attend_dense`` (:class:`AttendsDense`); also importable as
+    ``kvq.attention.DenseTokens``.
+
+    :param sink_keys, sink_values: the first tokens, or ``None`` when the cache holds none.
+    :param window_keys, window_values: the most recent tokens (at least one).
+    """
+
+    sink_keys: mx.array | None
+    sink_values: mx.array | None
+    window_keys: mx.array
+    window_values: mx.array
 
 
 # -- entry points ------------------------------------------------------------------------------------------------
