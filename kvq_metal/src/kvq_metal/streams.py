@@ -34,8 +34,6 @@ floats per KV head, at most :data:`~kvq_metal.attend.MAX_SPLITS` splits) and the
 
 from __future__ import annotations
 
-import json
-import os
 from functools import lru_cache
 from typing import Callable
 
@@ -49,6 +47,8 @@ from .base import KernelImpl, _check_key
 from .common import check_attend, grouped_rows, quantize_with_method, query_rows
 from .dialect import float_bits
 from .kernel_files import KERNELS, load
+from .knobs import StreamsKnobs
+from .step import DecodeStep, KernelCall, aliases, dense_inputs
 
 DECODE_ATTEND_STREAMS = load(KERNELS / "decode_attend_streams.kvq")
 DECODE_MERGE_STREAMS = load(KERNELS / "decode_merge_streams.kvq")
@@ -59,23 +59,9 @@ DECODE_ATTEND_STREAMS_TC = load(KERNELS / "decode_attend_streams_tc.cu",
 INPUTS = ("q", "kc", "ka_s1", "ka_s2", "ka_t", "kb_c", "kb_s1", "kb_s2", "kb_t", "o_i", "o_c", "o_s", "o_m",
           "vc", "va_s1", "va_s2", "va_b", "va_t", "vb_c", "vb_s1", "vb_s2", "vb_t", "qr", "wk", "wv", "sk", "sv")
 MERGE_INPUTS = ("part", "ml", "fin")
-#: Launch knobs (benchmarks sweep them; ``KVQ_STREAMS_TUNING='{"kt": 8}'``): ``kt`` tokens each thread loads per
-#: tile (loads in flight), ``groups`` thread groups to aim for across the splits (``None``: the back end's
-#: :data:`kvq_metal.attend.TARGET_GROUPS`), ``registers`` the registers a thread may give to query coordinates
-#: and accumulators (R rows times coordinates per thread): the launch takes more threads per token (fewer
-#: coordinates each) above it, and twice it at 32 threads per token (8 query rows); ``tc`` whether CUDA takes the
-#: tensor-core kernel where :func:`_tc_plan` serves the call, ``nt`` its tiles of 16 tokens per warp step, ``pf``
-#: whether it issues the next step's loads before this step's math (``None``: where one key and one value stream
-#: leave the registers for it), ``qsh`` whether it reads the query fragments from shared memory, ``rep`` ``False``
-#: for single code tables (no per-lane copies; ``None``: copies while shared memory allows), ``minb`` the blocks per
-#: SM the tensor-core kernel's registers must allow (``__launch_bounds__``; 0: none). See :func:`_tc_plan`.
-#: Defaults: query fragments from shared memory, one tile, no prefetch. On the H200 they take 0.84x, 1.02x and
-#: 0.80x the GPU time of the former default (two tiles, prefetch where it fits) at 32K for qjl+affine:4,
-#: turboquant_prod:4 and :3, and 1.02x, 1.02x, 0.88x at 128K
-#: (benchmarks/results/streams/2026-12-02-h200-streams-tc-variants-kernel-times.json).
-TUNING = {"kt": 4, "groups": None, "registers": 96, "tc": True, "nt": 1, "pf": False, "qsh": True, "rep": None,
-          "minb": 0}
-TUNING.update(json.loads(os.environ.get("KVQ_STREAMS_TUNING", "{}")))
+#: The launch knobs this module plans with (:class:`kvq_metal.knobs.StreamsKnobs`, frozen; read at each plan, so a
+#: benchmark may swap the object: ``benchmarks/knobs.py``).
+TUNING = StreamsKnobs()
 #: Most float32 entries of one stream's code table held in shared memory (VecInfer: 2**code_bits * sub_dim).
 MAX_TABLE = 2048
 #: Static shared memory a thread group may use (bytes; CUDA's static limit is 48 KB).
@@ -175,8 +161,8 @@ def _signature(call: StreamCall, rows: int, dense: tuple = (0, False, 0, 0)) -> 
     o = call.outliers
     outliers = None if o is None else (o.indices.shape[-1], o.signs.shape[-1] * 8, o.offset)
     return (rows, call.query_dim, tuple(_stream_key(s, "keys") for s in call.keys),
-            tuple(_stream_key(s, "values") for s in call.values), outliers, dense, TUNING["kt"],
-            TUNING["registers"])
+            tuple(_stream_key(s, "values") for s in call.values), outliers, dense, TUNING.kt,
+            TUNING.registers)
 
 
 def supported(call: StreamCall, rows: int, head_dim: int | None = None) -> bool:
@@ -198,7 +184,7 @@ def explain(call: StreamCall, rows: int, head_dim: int | None = None) -> str:
 def _plan(signature: tuple) -> tuple[list | None, str]:
     """``(template, "")`` of the launch for a static signature, or ``(None, why)``: the threads per token (the
     fewest that give every stream whole codes, at most 32 bits of codes per thread and per stream, and queries
-    and accumulators within ``TUNING["registers"]``), the shared memory, the tables."""
+    and accumulators within ``TUNING.registers``), the shared memory, the tables."""
     rows, dq, keys, values, outliers, (nd, sinks, head_dim, qscale), kt, _ = signature
     if not 1 <= rows <= MAX_ROWS:
         return None, f"{rows} query rows per KV head (the kernel takes 1..{MAX_ROWS})"
@@ -218,7 +204,7 @@ def _plan(signature: tuple) -> tuple[list | None, str]:
     if out_dim % 32 or out_dim > 1024:
         return None, f"{out_dim} output coordinates (a multiple of 32, at most 1024: the merge's thread group)"
     # the fewest threads per token within the register budget, else (many query rows) within twice it
-    registers = TUNING["registers"]
+    registers = TUNING.registers
     for ncg, budget in [(n, registers) for n in (4, 8, 16, 32)] + [(32, 2 * registers)]:
         why = _fits(ncg, rows, keys, values, budget)
         if not why:
@@ -384,18 +370,6 @@ def _arrays(call: StreamCall) -> list:
             va.table, vb.codes, scale(vb, 0, tokens), scale(vb, 1, tokens), vb.table]
 
 
-def _aliases(inputs: list) -> dict[str, str]:
-    """Inputs (:data:`INPUTS`) that are the same array as an earlier one (the stand-ins :func:`_arrays` passes for
-    absent streams), by name -> that earlier input's name."""
-    first: dict[int, int] = {}
-    aliases = {}
-    for i, array in enumerate(inputs):
-        j = first.setdefault(id(array), i)
-        if j < i:
-            aliases[INPUTS[i]] = INPUTS[j]
-    return aliases
-
-
 @attrs.frozen(eq=False)
 class _Plan:
     """What a launch of the streams kernel and its merge keeps whatever the token count (:func:`_launch_plan`)."""
@@ -414,19 +388,21 @@ _PLANS: dict = {}
 
 
 def _launch_plan(call: StreamCall, rows: int, dense: tuple, inputs: list, backend: str, out_dim: int,
-                 finish: bool) -> _Plan:
-    """The plan of a launch (:class:`_Launch`) for the call's signature (:func:`_signature`; on CUDA the tensor-core
+                 finish: bool, per_step: tuple = ()) -> _Plan:
+    """The plan of a launch (:func:`_launches`) for the call's signature (:func:`_signature`; on CUDA the tensor-core
     kernel where :func:`_tc_plan` serves it): the bound kernel (template values written into its text on CUDA, an
     input that is the same array as an earlier one read through it), the inputs it takes, tokens per tile and the
     bound merge. Made once per signature, back end, output width, finish, input dtypes, aliases and
     :data:`TUNING`: a cache binds a new decode step at every window flush of every layer, and planning and
     binding cost the host more than the launch.
 
+    ``per_step``: the inputs a bound step passes anew each call (never aliased, :func:`kvq_metal.step.aliases`).
+
     :raises ValueError: a call the kernel does not serve (the message says why)."""
-    aliases = _aliases(inputs)
+    same = aliases(INPUTS, inputs, per_step)
     signature = _signature(call, rows, dense)
-    key = (signature, backend, out_dim, finish, tuple(a.dtype for a in inputs), tuple(sorted(aliases.items())),
-           tuple(sorted(TUNING.items())))
+    key = (signature, backend, out_dim, finish, tuple(a.dtype for a in inputs), tuple(sorted(same.items())),
+           TUNING)
     plan = _PLANS.get(key)
     if plan is not None:
         return plan
@@ -435,18 +411,17 @@ def _launch_plan(call: StreamCall, rows: int, dense: tuple, inputs: list, backen
         raise ValueError(f"decode_attend_streams does not serve this call: {why}")
     nd = dense[0]
     tc = None
-    if backend == "cuda" and TUNING["tc"]:
+    if backend == "cuda" and TUNING.tc:
         ddt = DENSE_DTYPES.get(inputs[INPUTS.index("wk")].dtype, 2) if nd else 0
-        tc, _ = _tc_plan(signature, ddt, TUNING["nt"], TUNING["pf"], TUNING["qsh"], TUNING["rep"],
-                         TUNING["minb"])
+        tc, _ = _tc_plan(signature, ddt, TUNING.nt, TUNING.pf, TUNING.qsh, TUNING.rep, TUNING.minb)
     if tc is not None:
         template = tc
-        tile = 16 * TUNING["nt"] * THREADS // 32
+        tile = 16 * TUNING.nt * THREADS // 32
         kern = DECODE_ATTEND_STREAMS_TC.kernel(backend, INPUTS, ("out", "ml"), ensure_row_contiguous=False)
     else:
-        tile = TUNING["kt"] * THREADS // dict(template)["NCG"]
+        tile = TUNING.kt * THREADS // dict(template)["NCG"]
         kern = DECODE_ATTEND_STREAMS.kernel(backend, INPUTS, ("out", "ml"), ensure_row_contiguous=False)
-    bound, full_template, kept = kern.bound(template, inputs, aliases)
+    bound, full_template, kept = kern.bound(template, inputs, same)
     merge = DECODE_MERGE_STREAMS.kernel(backend, MERGE_INPUTS, ("out", "lse"))
     merge_template = [("DO", call.out_dim), ("DV", out_dim), ("R", rows), ("ND", nd), ("FIN", finish),
                       ("MAX_SPLITS", MAX_SPLITS)]
@@ -458,44 +433,34 @@ def _launch_plan(call: StreamCall, rows: int, dense: tuple, inputs: list, backen
     return plan
 
 
-class _Launch:
-    """One static launch of the streams kernel and its merge: the call's plan (:func:`_launch_plan`, kept across
-    token counts) and the grid of this token count's splits."""
+def _launches(call: StreamCall, rows: int, batch: int, num_tokens: int, dense: tuple, inputs: list, backend: str,
+              out_dim: int, finish: bool, out_dtype, per_step: tuple = ()) -> tuple[_Plan, KernelCall, KernelCall]:
+    """``(plan, main, merge)`` of one static launch of the streams kernel and its merge: the call's plan
+    (:func:`_launch_plan`, kept across token counts) and the grids of this token count's splits; ``main`` takes the
+    inputs at the plan's ``kept`` positions, ``merge`` its two outputs and the finish (the output in ``out_dtype``)."""
+    plan = _launch_plan(call, rows, dense, inputs, backend, out_dim, finish, per_step)
+    H = call.keys[0].codes.shape[1]
+    blocks = splits_for(batch * H, num_tokens, backend, plan.tile, TUNING.groups) + dense[0]
+    DO = call.out_dim
+    main = KernelCall(plan.call, plan.template, (THREADS * batch * H, blocks, 1), (THREADS, 1, 1),
+                      [(batch, H, blocks, rows, DO), (batch, H, blocks, rows, 2)], [mx.float32, mx.float32])
+    merge = KernelCall(plan.merge, plan.merge_template, (DO * batch * H * rows, 1, 1), (DO, 1, 1),
+                       [(batch, H, rows, out_dim), (batch, H, rows)], [out_dtype, mx.float32])
+    return plan, main, merge
 
-    def __init__(self, call: StreamCall, rows: int, batch: int, num_tokens: int, dense: tuple, inputs: list,
-                 backend: str, out_dim: int, finish: bool) -> None:
-        plan = _launch_plan(call, rows, dense, inputs, backend, out_dim, finish)
-        H = call.keys[0].codes.shape[1]
-        nd = dense[0]
-        #: whether this launch runs the tensor-core kernel
-        self.tc = plan.tc
-        splits = splits_for(batch * H, num_tokens, backend, plan.tile, TUNING["groups"])
-        self.call, self.template, self.kept = plan.call, plan.template, plan.kept
-        self.grid = (THREADS * batch * H, splits + nd, 1)
-        DO = call.out_dim
-        self.shapes = [(batch, H, splits + nd, rows, DO), (batch, H, splits + nd, rows, 2)]
-        self.merge, self.merge_template = plan.merge, plan.merge_template
-        self.merge_grid = (DO * batch * H * rows, 1, 1)
-        self.merge_group = (DO, 1, 1)
-        self.out_shapes = [(batch, H, rows, out_dim), (batch, H, rows)]
 
-    def __call__(self, inputs: list, fin: mx.array, out_dtype) -> tuple[mx.array, mx.array]:
-        part, ml = self.call(inputs=[inputs[i] for i in self.kept], template=self.template, grid=self.grid,
-                             threadgroup=(THREADS, 1, 1), output_shapes=self.shapes,
-                             output_dtypes=[mx.float32, mx.float32])
-        return self.merge(inputs=[part, ml, fin], template=self.merge_template, grid=self.merge_grid,
-                          threadgroup=self.merge_group, output_shapes=self.out_shapes,
-                          output_dtypes=[out_dtype, mx.float32])
+def _run(call: KernelCall, inputs: list) -> list:
+    """The outputs of ``call`` launched over ``inputs``."""
+    return call.call(inputs=inputs, template=call.template, grid=call.grid, threadgroup=call.threadgroup,
+                     output_shapes=call.shapes, output_dtypes=call.dtypes)
 
 
 def _dense_inputs(raw_queries, dense: DenseTokens | None, pad) -> list:
-    """``qr, wk, wv, sk, sv``: the raw queries and the cache's window and sinks (the window stands in for absent
-    sinks, ``pad`` for everything without dense tokens)."""
+    """``qr, wk, wv, sk, sv``: the raw queries and the cache's window and sinks (:func:`kvq_metal.step.
+    dense_inputs`), ``pad`` for all five without dense tokens."""
     if dense is None:
         return [pad, pad, pad, pad, pad]
-    sinks = dense.sink_keys is not None
-    return [raw_queries, dense.window_keys, dense.window_values,
-            dense.sink_keys if sinks else dense.window_keys, dense.sink_values if sinks else dense.window_values]
+    return [raw_queries, *dense_inputs(dense.window_keys, dense.window_values, dense.sink_keys, dense.sink_values)]
 
 
 def decode_attend_streams(queries: mx.array, call: StreamCall, backend: str, *, dense: DenseTokens | None = None,
@@ -534,50 +499,46 @@ def decode_attend_streams(queries: mx.array, call: StreamCall, backend: str, *, 
         key = (2, dense.sink_keys is not None, raw_queries.shape[-1], float_bits(float(scale)))
     inputs = [queries.reshape(B * H, R, DQ), *_arrays(call), *_dense_inputs(raw_queries, dense, pad)]
     out_dim = call.out_dim if finish is None else finish.shape[1]
-    launch = _Launch(call, R, B, codes.shape[2], key, inputs, backend, out_dim, finish is not None)
-    return launch(inputs, pad if finish is None else finish, out_dtype)
+    plan, main, merge = _launches(call, R, B, codes.shape[2], key, inputs, backend, out_dim, finish is not None,
+                                  out_dtype)
+    part, ml = _run(main, [inputs[i] for i in plan.kept])
+    return _run(merge, [part, ml, pad if finish is None else finish])
 
 
-class StreamStep:
-    """One layer's decode attention through the streams kernel, bound once (:meth:`StreamsKernelImpl.bind_dense`)
-    and called once per step as ``step(queries, window_keys, window_values) -> out`` (the queries' dtype): the
-    queries prepared by one matmul with the method's (linear) preparation, then one launch over the compressed
-    tokens, the sinks and the window, and one merge that applies the method's (linear) finish.
+def bind_streams(call: StreamCall, queries: mx.array, scale: float, prepare: mx.array, finish: mx.array | None,
+                 backend: str, sink_keys: mx.array | None, sink_values: mx.array | None, window_keys: mx.array,
+                 window_values: mx.array) -> DecodeStep:
+    """A :class:`kvq_metal.step.DecodeStep` of one layer's decode attention through the streams kernel (bound by
+    :meth:`StreamsKernelImpl.bind_dense`), called as ``step(queries, window_keys, window_values) -> out`` (the
+    queries' dtype, ``[B, H_q, T_q, D_v]``): the queries prepared by one matmul with the method's (linear)
+    preparation, one launch over the compressed tokens, the sinks and the window, and one merge that applies the
+    method's (linear) finish; what :func:`decode_attend_streams` computes with ``dense=``.
 
+    :param queries: ``[B, H_q, T_q, D]`` of the shape and dtype every step passes. :param scale: the softmax scale.
     :param prepare: float32 ``[G, D, DQ]`` (``G`` = 1 or ``H_kv``): scaled queries ``[B, H_kv, R, D] @ prepare``
         are the prepared rows. :param finish: float32 ``[DO, DV]`` or ``None``.
+    :param sink_keys, sink_values: ``[B, H_kv, s, D]`` or ``None``. :param window_keys, window_values: the window
+        now (its dtype is bound).
+    :raises ValueError: a call the kernel does not serve.
     """
-
-    def __init__(self, call: StreamCall, queries: mx.array, scale: float, prepare: mx.array,
-                 finish: mx.array | None, backend: str, sink_keys, sink_values, window_keys, window_values) -> None:
-        B, Hq, Tq, D = queries.shape
-        H = call.keys[0].codes.shape[1]
-        self._rows = (B, H, Hq // H * Tq, D)
-        self._shape = queries.shape
-        self._prepare = prepare * scale
-        self._pad = _constant((0.0,), mx.float32)
-        self._fin = self._pad if finish is None else finish
-        dense = DenseTokens(sink_keys, sink_values, window_keys, window_values)
-        self._codes = _arrays(call)
-        self._sinks = None if sink_keys is None else (sink_keys, sink_values)
-        q = mx.zeros((B * H, self._rows[2], call.query_dim), mx.float32)
-        inputs = [q, *self._codes, *_dense_inputs(queries, dense, self._pad)]
-        key = (2, sink_keys is not None, D, float_bits(float(scale)))
-        out_dim = call.out_dim if finish is None else finish.shape[1]
-        self._launch = _Launch(call, self._rows[2], B, call.keys[0].codes.shape[2], key, inputs, backend, out_dim,
-                               finish is not None)
-        self._out_dim = out_dim
-
-    def __call__(self, queries: mx.array, window_keys: mx.array, window_values: mx.array) -> mx.array:
-        """One decode step: ``queries [B, H_q, T_q, D]`` of the bound shape and dtype over the bound compressed
-        tokens and sinks and this step's window ``[B, H_kv, n, D]``; returns ``[B, H_q, T_q, D_v]`` in the queries'
-        dtype."""
-        B, H, R, D = self._rows
-        q = queries.reshape(B, H, R, D) @ self._prepare
-        sk, sv = self._sinks or (window_keys, window_values)
-        inputs = [q.reshape(B * H, R, q.shape[-1]), *self._codes, queries, window_keys, window_values, sk, sv]
-        out, _ = self._launch(inputs, self._fin, queries.dtype)
-        return out.reshape(*self._shape[:3], self._out_dim)
+    B, Hq, Tq, D = queries.shape
+    H = call.keys[0].codes.shape[1]
+    R = Hq // H * Tq
+    pad = _constant((0.0,), mx.float32)
+    codes = _arrays(call)
+    q = mx.zeros((B * H, R, call.query_dim), mx.float32)
+    inputs = [q, *codes, queries, *dense_inputs(window_keys, window_values, sink_keys, sink_values)]
+    key = (2, sink_keys is not None, D, float_bits(float(scale)))
+    out_dim = call.out_dim if finish is None else finish.shape[1]
+    plan, main, merge = _launches(call, R, B, call.keys[0].codes.shape[2], key, inputs, backend, out_dim,
+                                  finish is not None, queries.dtype, per_step=("q", "qr", "wk", "wv"))
+    first_sink = INPUTS.index("sk")
+    # absent sinks: the window stands in, passed each step where the launch keeps every input (Metal)
+    stand_in = sink_keys is None and first_sink in plan.kept
+    sinks = None if stand_in else [inputs[i] for i in plan.kept if i >= first_sink]
+    return DecodeStep(main, [inputs[i] for i in plan.kept if 0 < i <= len(codes)], sinks, prepare=prepare * scale,
+                      rows_shape=(B, H, R, D), merge=merge, finish=pad if finish is None else finish,
+                      out_shape=(B, Hq, Tq, out_dim), template_args=main.template, tensor_cores=plan.tc)
 
 
 def attend_streams(queries: mx.array, scale: float, num_kv_heads: int, call: StreamCall,
@@ -667,8 +628,8 @@ class StreamsKernelImpl(KernelImpl):
             return None
         # the kernel that will run (and the tensor-core kernel's knobs) is part of the key: a check of one variant
         # says nothing of another
-        tc = self.backend == "cuda" and bool(TUNING["tc"])
-        knobs = tuple(TUNING[k] for k in ("nt", "pf", "qsh", "rep", "minb")) if tc else ()
+        tc = self.backend == "cuda" and bool(TUNING.tc)
+        knobs = (TUNING.nt, TUNING.pf, TUNING.qsh, TUNING.rep, TUNING.minb) if tc else ()
         key = (_check_key(keys.params), _check_key(values.params), keys.head_dim, rows, queries.dtype, tc, knobs)
         passed = base.first_use_check(self.backend, f"decode_attend_streams[{self.method}]", key,
                                       lambda: check_attend(self, quantize_with_method, keys.params, values.params,
@@ -704,7 +665,7 @@ class StreamsKernelImpl(KernelImpl):
 
     def _attend_dense(self, queries, keys, values, scale, dense):
         """The unchecked fused call of :meth:`attend_dense`: the compressed tokens, sinks and window in one launch,
-        computed exactly as a bound :class:`StreamStep` computes it (``None`` where the kernel does not take it)."""
+        computed exactly as a bound step (:func:`bind_streams`) computes it (``None`` where the kernel does not take it)."""
         call = self._served_call(queries, keys, values, None, dense=True)
         if call is None:
             return None
@@ -718,7 +679,7 @@ class StreamsKernelImpl(KernelImpl):
 
     def _bind_unchecked(self, queries, keys, values, scale, sink_keys, sink_values, window_keys, window_values,
                         ragged: bool = False):
-        """A :class:`StreamStep` for a cache's decode steps, unchecked (``None`` where not served, and for rows of
+        """A :func:`bind_streams` step for a cache's decode steps, unchecked (``None`` where not served, and for rows of
         different lengths, ``ragged``, which these kernels do not take)."""
         if ragged:
             return None
@@ -726,6 +687,6 @@ class StreamsKernelImpl(KernelImpl):
         if call is None:
             return None
         prepare, finish = self._matrices(keys, values, call)
-        return StreamStep(call, queries, scale, prepare, finish, self.backend, sink_keys, sink_values, window_keys,
-                          window_values)
+        return bind_streams(call, queries, scale, prepare, finish, self.backend, sink_keys, sink_values,
+                            window_keys, window_values)
 
