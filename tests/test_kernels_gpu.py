@@ -610,7 +610,7 @@ STREAMS_TC_VARIANTS = {"tc_regs": {"qsh": False, "pf": None, "nt": 2}, "tc_singl
 @pytest.fixture(params=[True, False, "tc_regs", "tc_single"], ids=["tensor_cores", "simt", "tc_regs", "tc_single"])
 def streams_kernel_kind(request):
     """Both streams kernels: on CUDA the tensor-core one serves the calls it takes by default
-    (:func:`kvq_metal.streams._tc_plan`), ``simt`` forces the SIMT one (the Metal design); ``tc_regs`` and
+    (:func:`kvq_metal.streams_plan.tc_plan`), ``simt`` forces the SIMT one (the Metal design); ``tc_regs`` and
     ``tc_single`` are the tensor-core kernel with :data:`STREAMS_TC_VARIANTS`, CUDA only."""
     from kvq_metal import streams
 

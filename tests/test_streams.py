@@ -12,7 +12,7 @@ import pytest
 
 import kvq
 from kvq.plugins import registry
-from kvq_metal import reference, streams
+from kvq_metal import reference, streams, streams_plan
 from kvq_metal.common import normal, relative_error
 
 from test_vecinfer import _calibrated  # noqa: F401  (its data_dir fixture is not needed: ours below)
@@ -139,7 +139,7 @@ def test_tensor_core_plan_takes_qjl_and_prod_within_shared_memory(rows, tuning):
         calls.append((turboquant_prod.stream_call(keys, values), D))
     for call, D in calls:
         for dense in ((0, False, 0, 0), (2, True, D, 0)):
-            template, why = streams._tc_plan(streams._signature(call, rows, dense), 1, 2, *knobs)
+            template, why = streams_plan.tc_plan(streams._signature(call, rows, dense), 1, 2, *knobs)
             assert template is not None, why
             t = dict(template)
             assert t["R"] == rows and t["DQ"] == call.query_dim and t["DO"] == call.out_dim and t["ND"] == dense[0]
@@ -155,9 +155,9 @@ def test_tensor_core_plan_takes_qjl_and_prod_within_shared_memory(rows, tuning):
             assert (max(tables, rows * t["DO"]) + rows * max(t["DQ"], t["D"]) + fragments
                     <= streams.TC_SHARED_WORDS)
     call, D = calls[0]
-    assert "9 query rows" in streams._tc_plan(streams._signature(call, 9), 1, 2)[1]
+    assert "9 query rows" in streams_plan.tc_plan(streams._signature(call, 9), 1, 2)[1]
     vector = attrs.evolve(call.keys[0], vec=4, dim=256)
-    assert "vector codes" in streams._tc_plan(streams._signature(attrs.evolve(call, keys=(vector,)), 4), 1, 2)[1]
+    assert "vector codes" in streams_plan.tc_plan(streams._signature(attrs.evolve(call, keys=(vector,)), 4), 1, 2)[1]
 
 
 def test_cache_attends_qjl_keys_with_qjl_attention_same_numbers():
@@ -184,7 +184,7 @@ def test_cache_attends_qjl_keys_with_qjl_attention_same_numbers():
 
 def test_bound_step_matrices_equal_the_methods_transforms(tmp_path, monkeypatch):
     """The bound step runs each method's query preparation and value finish as matrices
-    (:func:`kvq_metal.streams.linear_matrix`): for qjl, turboquant_prod and vecinfer they equal the functions."""
+    (:func:`kvq_metal.streams_impl.linear_matrix`): for qjl, turboquant_prod and vecinfer they equal the functions."""
     from kvq_backends_qjl.kernels import QJLKernels
     from kvq_backends_turboquant.kernels import TurboQuantProdKernels
     from kvq_backends_vecinfer import storage

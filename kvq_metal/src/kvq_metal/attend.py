@@ -32,6 +32,7 @@ import mlx.core as mx
 from kvq.attention import DenseTokens
 
 from . import attend_tc
+from .attend_tc import DENSE_DTYPES
 from .dialect import float_bits
 from .kernel_files import KERNELS, load
 from .knobs import AttendKnobs
@@ -148,44 +149,16 @@ def _constant(values: tuple, dtype) -> mx.array:
     return _CONSTANTS[key]
 
 
-#: 32-bit words of static shared memory a CUDA thread block may declare (48 KB).
-SHARED_WORDS = 12288
-
-
 def table_layout(head_dim: int, rows: int, keys: Side, values: Side) -> tuple[bool, bool, bool]:
     """``(KREP, VREP, VSAME)`` of the tensor-core kernel: which code tables get one copy per lane (a lookup then
     never conflicts on a shared-memory bank; a table of ``n`` entries takes ``128 n`` bytes) and whether values
     read the keys' table (the same table object and widths). Copies are made while they fit in the static shared
-    memory left after the queries (:data:`SHARED_WORDS`), keys first; ``TUNING.rep = False`` turns them off.
+    memory left after the queries (:data:`kvq_metal.attend_tc.SHARED_WORDS`), keys first; knob ``rep`` off
+    (:data:`TUNING`) turns them off.
     Measured on an H200 at 128K tokens (``benchmarks/kernel_durations.py``): 4-bit codes with per-vector norms
     124 us with copies, 139 without; 4-bit codes with group scales and biases 141 and 147."""
-    return _table_layout(head_dim, rows, keys.bits, keys.bits2, values.bits, values.bits2,
-                         keys.table is values.table, bool(TUNING.pair), bool(TUNING.rep), bool(TUNING.qsh))
-
-
-@lru_cache(maxsize=1024)
-def _table_layout(head_dim: int, rows: int, kb: int, kb2: int, vb: int, vb2: int, same_table: bool, pair: bool,
-                  rep: bool, qsh: bool = False) -> tuple[bool, bool, bool]:
-    """:func:`table_layout` from the code widths (``bits``, ``bits2`` per side), whether both sides hold the
-    same table object, and the knobs ``pair``, ``rep`` and ``qsh`` of :data:`TUNING`."""
-    same = same_table and (kb, kb2) == (vb, vb2)
-    key_code_bits, value_code_bits = kb + kb2, vb + vb2
-    def entries(cb: int) -> int:
-        return 1 << (2 * cb) if pair and 2 * cb <= 8 else 1 << cb
-
-    # left after the queries (and their fragments with qsh), the warps' (max, sum), the staged tables
-    # and a margin
-    free = (SHARED_WORDS - rows * head_dim - 2 * 4 * 8 - (1 << key_code_bits) - (1 << value_code_bits) - 64
-            - (4 * head_dim if qsh else 0))
-    ke, ve = entries(key_code_bits), 0 if same else entries(value_code_bits)
-    for krep, vrep in ((True, True), (True, False), (False, True), (False, False)):
-        if not rep and (krep or vrep):
-            continue
-        if same and krep != vrep:
-            continue
-        if ke * (32 if krep else 1) + ve * (32 if vrep else 1) <= free:
-            return krep, vrep, same
-    return False, False, same
+    return attend_tc.table_layout(head_dim, rows, keys.bits, keys.bits2, values.bits, values.bits2,
+                                  keys.table is values.table, bool(TUNING.pair), bool(TUNING.rep), bool(TUNING.qsh))
 
 
 def serves_dense(backend: str, head_dim: int, keys: Side, values: Side, rows: int) -> bool:
@@ -212,38 +185,6 @@ class DenseCall:
 #: (:func:`bind_decode` with ``ragged=True``); other launches pass the counters in its place.
 TC_INPUTS = INPUTS + ("counter", "wk", "wv", "sk", "sv", "lens")
 TC_OUTPUTS = ("part", "ml", "fout", "lse", "cnt")
-
-
-def _tc_template(**flags) -> list:
-    """The tensor-core kernel's template arguments, in their fixed order: ``flags`` (``D``, ``R``, ``KG``, ``VG``
-    and ``DV`` always) over the defaults of a launch without bits, biases, copies or uncompressed tokens."""
-    t = {"D": None, "R": None, "KB": 1, "VB": 1, "KG": None, "VG": None, "KBIAS": False, "VBIAS": False, "KB2": 0,
-         "VB2": 0, "THREADS": THREADS, "ROT": False, "QSCALE": None, "NT": TUNING.nt, "PF": False, "QSH": False,
-         "PAIRTAB": True, "SINKS": False, "DDT": 0, "KREP": False, "VREP": False, "VSAME": False, "ND": 0, "DV": None,
-         "MINB": 0, "RAGGED": False}
-    t.update(flags)
-    return list(t.items())
-
-
-#: The tensor-core kernel's code for the dtype of uncompressed tokens (``DDT``): float16 and bfloat16 rows are read
-#: with vector loads (bfloat16 converted to float16), any other dtype element by element.
-DENSE_DTYPES = {mx.float16: 0, mx.bfloat16: 1}
-
-
-def _tc_launch(common: tuple, nd: int, out_dim: int, layout: tuple, t: AttendKnobs, sinks: bool,
-               ddt: int) -> tuple[list, int]:
-    """The tensor-core launch's template (:func:`_tc_template`) and its tile (compressed tokens per block step),
-    for :func:`_launch_plan` (which caches it): ``common`` the template arguments every decode-attention kernel
-    takes, ``nd`` the blocks of uncompressed tokens (0, or 2: sinks and window, ``sinks`` whether there are any,
-    ``ddt`` their :data:`DENSE_DTYPES` code), ``layout`` :func:`table_layout`'s answer, ``t`` the knobs
-    (:data:`TUNING`)."""
-    D = dict(common)["D"]
-    krep, vrep, same = layout
-    pf = D <= 128 if t.pf is None else t.pf
-    template = _tc_template(**dict(common), NT=t.nt, PF=bool(pf), QSH=bool(t.qsh), PAIRTAB=bool(t.pair),
-                            KREP=krep, VREP=vrep, VSAME=same, ND=nd, SINKS=sinks, DDT=ddt, DV=out_dim,
-                            MINB=int(t.minb or 0))
-    return template, 16 * t.nt * THREADS // 32
 
 
 @attrs.frozen
@@ -283,8 +224,9 @@ def _launch_plan(D: int, R: int, kb: int, vb: int, kg: int, vg: int, kbias: bool
     if _tc_serves(backend, bool(t.tc), D, kb, vb, kg, vg, R, kb2, vb2):
         nd = 0 if dense is None else 2
         sinks, ddt = (False, 0) if dense is None else dense
-        layout = _table_layout(D, R, kb, kb2, vb, vb2, same_table, bool(t.pair), bool(t.rep), bool(t.qsh))
-        template, tile = _tc_launch(common, nd, out_dim, layout, tuning, sinks, ddt)
+        layout = attend_tc.table_layout(D, R, kb, kb2, vb, vb2, same_table, bool(t.pair), bool(t.rep),
+                                        bool(t.qsh))
+        template, tile = attend_tc.launch_template(common, nd, out_dim, layout, tuning, sinks, ddt)
         # the merging block keeps R * (splits + nd) weights in the 4 * 8 * D words its warps' outputs used
         return LaunchPlan(True, template, tile, min(MAX_SPLITS, 32 * D // R - nd), nd)
     if dense is not None:

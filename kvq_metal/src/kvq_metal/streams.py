@@ -21,7 +21,8 @@ token, per tile an online softmax, the splits merged by log-sum-exp (``decode_me
 the method's linear finish before the sinks' and window's blocks are added). Kernel text:
 ``kvq_metal/kernels/decode_attend_streams.kvq``; pure-MLX reference :func:`kvq_metal.reference.decode_attend_streams`.
 
-On CUDA the calls :func:`_tc_plan` takes (qjl keys with affine values, turboquant_prod: scalar codes of 1-8 bits)
+On CUDA the calls :func:`kvq_metal.streams_plan.tc_plan` takes (qjl keys with affine values, turboquant_prod: scalar
+codes of 1-8 bits)
 run the same contract on tensor cores instead (``decode_attend_streams_tc.cu``, the layout of
 :mod:`kvq_metal.attend_tc`: per key stream ``K_X · Q_Xᵀ`` with the keys as the A operand and the stream's per-token
 scales applied to its fp32 result, per value stream ``V_Xᵀ · P_Xᵀ``; 1-bit streams decoded four coordinates per
@@ -34,25 +35,24 @@ floats per KV head, at most :data:`~kvq_metal.attend.MAX_SPLITS` splits) and the
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Callable
 
 import attrs
 import mlx.core as mx
 from kvq.attention import DenseTokens
 
-from . import base
-from .attend import DENSE_DTYPES, MAX_ROWS, MAX_SPLITS, THREADS, _constant, _dense_key, splits_for
-from .base import KernelImpl, _check_key
-from .common import check_attend, grouped_rows, quantize_with_method, query_rows
+from .attend import DENSE_DTYPES, MAX_SPLITS, THREADS, _constant, _dense_key, splits_for
+from .common import grouped_rows
 from .dialect import float_bits
 from .kernel_files import KERNELS, load
 from .knobs import StreamsKnobs
 from .step import DecodeStep, KernelCall, aliases, dense_inputs
+from . import streams_plan
+from .streams_plan import MAX_TABLE, TC_SHARED_WORDS  # noqa: F401 - the plugins' and tests' names for them
 
 DECODE_ATTEND_STREAMS = load(KERNELS / "decode_attend_streams.kvq")
 DECODE_MERGE_STREAMS = load(KERNELS / "decode_merge_streams.kvq")
-#: The tensor-core version (CUDA only): :func:`_tc_plan` says which calls it takes.
+#: The tensor-core version (CUDA only): :func:`kvq_metal.streams_plan.tc_plan` says which calls it takes.
 DECODE_ATTEND_STREAMS_TC = load(KERNELS / "decode_attend_streams_tc.cu",
                                 header=KERNELS / "decode_attend_streams_tc.cuh")
 
@@ -62,14 +62,6 @@ MERGE_INPUTS = ("part", "ml", "fin")
 #: The launch knobs this module plans with (:class:`kvq_metal.knobs.StreamsKnobs`, frozen; read at each plan, so a
 #: benchmark may swap the object: ``benchmarks/knobs.py``).
 TUNING = StreamsKnobs()
-#: Most float32 entries of one stream's code table held in shared memory (VecInfer: 2**code_bits * sub_dim).
-MAX_TABLE = 2048
-#: Static shared memory a thread group may use (bytes; CUDA's static limit is 48 KB).
-SHARED_BYTES = 46 * 1024
-#: Most outlier channels and outlier sketch bits (QJL).
-MAX_OUTLIER_CHANNELS, MAX_OUTLIER_BITS = 16, 256
-
-
 @attrs.frozen(eq=False)
 class Stream:
     """One stream of codes, as the kernel reads it: coordinate ``j`` of a token is
@@ -167,186 +159,17 @@ def _signature(call: StreamCall, rows: int, dense: tuple = (0, False, 0, 0)) -> 
 
 def supported(call: StreamCall, rows: int, head_dim: int | None = None) -> bool:
     """Whether :func:`decode_attend_streams` serves ``call`` with ``rows = n_rep * T_q`` query rows per KV head
-    (:func:`_plan` says why not); with ``head_dim``, also with a cache's uncompressed tokens of that head_dim in the
-    same launch."""
+    (:func:`kvq_metal.streams_plan.plan` says why not); with ``head_dim``, also with a cache's uncompressed tokens
+    of that head_dim in the same launch."""
     dense = (0, False, 0, 0) if head_dim is None else (2, True, head_dim, 0)
-    return _plan(_signature(call, rows, dense))[0] is not None
+    return streams_plan.plan(_signature(call, rows, dense))[0] is not None
 
 
 def explain(call: StreamCall, rows: int, head_dim: int | None = None) -> str:
     """Why :func:`decode_attend_streams` does not serve ``call`` (empty when it does; ``head_dim`` as
     :func:`supported`)."""
     dense = (0, False, 0, 0) if head_dim is None else (2, True, head_dim, 0)
-    return _plan(_signature(call, rows, dense))[1]
-
-
-@lru_cache(maxsize=1024)
-def _plan(signature: tuple) -> tuple[list | None, str]:
-    """``(template, "")`` of the launch for a static signature, or ``(None, why)``: the threads per token (the
-    fewest that give every stream whole codes, at most 32 bits of codes per thread and per stream, and queries
-    and accumulators within ``TUNING.registers``), the shared memory, the tables."""
-    rows, dq, keys, values, outliers, (nd, sinks, head_dim, qscale), kt, _ = signature
-    if not 1 <= rows <= MAX_ROWS:
-        return None, f"{rows} query rows per KV head (the kernel takes 1..{MAX_ROWS})"
-    if not 1 <= len(keys) <= 2 or not 1 <= len(values) <= 2:
-        return None, "one or two key streams and one or two value streams"
-    extra = (keys[1:], values[1:])
-    for k in extra[0] + extra[1]:
-        if k[2] != 1 or k[5] or k[6] or k[9] or k[8] != k[0]:
-            return None, "a second stream must be scalar codes with one shared table and per-token scales"
-    for s in keys + values:
-        dim, bits, vec, scaled, cb, _, _, _, group, _ = s
-        if not 1 <= bits <= 12 or (1 << bits) * vec > MAX_TABLE or scaled > 2:
-            return None, f"a stream of {bits}-bit codes of {vec} coordinates (tables of at most {MAX_TABLE} entries)"
-    if outliers is not None and not (1 <= outliers[0] <= MAX_OUTLIER_CHANNELS and outliers[1] <= MAX_OUTLIER_BITS):
-        return None, f"{outliers[0]} outlier channels of {outliers[1]} sketch bits"
-    out_dim = sum(v[0] for v in values)
-    if out_dim % 32 or out_dim > 1024:
-        return None, f"{out_dim} output coordinates (a multiple of 32, at most 1024: the merge's thread group)"
-    # the fewest threads per token within the register budget, else (many query rows) within twice it
-    registers = TUNING.registers
-    for ncg, budget in [(n, registers) for n in (4, 8, 16, 32)] + [(32, 2 * registers)]:
-        why = _fits(ncg, rows, keys, values, budget)
-        if not why:
-            break
-    else:
-        return None, why
-    if nd and (values[0][0] != head_dim or values[0][2] != 1 or head_dim % ncg):
-        return None, (f"uncompressed tokens of head_dim {head_dim} with a first value stream of {values[0][0]} "
-                      "coordinates (they must match)")
-    shared = 4 * (rows * dq + kt * THREADS // ncg * rows + 8 * rows + rows * out_dim + rows * head_dim
-                  + sum((1 << s[1]) * s[2] for s in keys + values) + (0 if outliers is None else
-                                                                        outliers[0] * outliers[1]))
-    if shared > SHARED_BYTES:
-        return None, f"{shared} bytes of shared memory (at most {SHARED_BYTES})"
-    ka, va = keys[0], values[0]
-    kb = keys[1] if len(keys) > 1 else None
-    vb = values[1] if len(values) > 1 else None
-    ok, om, o_off = outliers or (0, 0, 0)
-    t = [("DQ", dq), ("R", rows), ("NCG", ncg), ("KT", kt), ("THREADS", THREADS),
-         ("KA_OFF", ka[7]), ("KA_DIM", ka[0]), ("KA_BITS", ka[1]), ("KA_VEC", ka[2]), ("KA_NS", ka[3]),
-         ("KA_CB", ka[4]), ("KA_TH", ka[5]), ("KA_RES", ka[6]),
-         ("KB_ON", kb is not None), ("KB_OFF", kb[7] if kb else 0), ("KB_DIM", kb[0] if kb else ncg),
-         ("KB_BITS", kb[1] if kb else 1), ("KB_NS", kb[3] if kb else 0), ("KB_CB", kb[4] if kb else 4),
-         ("OK", ok), ("OM", om), ("O_OFF", o_off),
-         ("VA_DIM", va[0]), ("VA_BITS", va[1]), ("VA_VEC", va[2]), ("VA_G", va[8]), ("VA_NS", va[3]),
-         ("VA_BIAS", va[9]), ("VA_CB", va[4]), ("VA_TH", va[5]), ("VA_RES", va[6]),
-         ("VB_ON", vb is not None), ("VB_DIM", vb[0] if vb else ncg), ("VB_BITS", vb[1] if vb else 1),
-         ("VB_NS", vb[3] if vb else 0), ("VB_CB", vb[4] if vb else 4), ("DO", out_dim),
-         ("ND", nd), ("SINKS", bool(sinks)), ("D", max(head_dim, 1)), ("QSCALE", qscale)]
-    return t, ""
-
-
-#: 32-bit words of static shared memory the tensor-core kernel may declare (48 KB less a margin).
-TC_SHARED_WORDS = 12288 - 256
-
-
-@lru_cache(maxsize=1024)
-def _tc_plan(signature: tuple, ddt: int, nt: int, pf: bool | None = None, qsh: bool = False,
-             rep: bool | None = None, minb: int = 0) -> tuple[list | None, str]:
-    """``(template, "")`` of the tensor-core launch (``decode_attend_streams_tc.cu``) for a static signature
-    (:func:`_signature`), ``ddt`` the uncompressed tokens' dtype code (0 float16, 1 bfloat16, 2 other), ``nt``
-    tiles of 16 tokens per warp step and the knobs ``pf``, ``qsh``, ``rep`` of :data:`TUNING` (arguments, so the
-    cached plan follows them); ``(None, why)`` where it does not serve the call (the SIMT kernel then does).
-
-    It takes: at most 8 query rows (one mma N tile); scalar codes of 1..8 bits per stream read from one shared
-    table (no per-head tables, no reserved pattern: VecInfer stays on the SIMT kernel); every stream's
-    coordinates a multiple of 16 up to 256; per-token key scales; value stream A with per-token scales or
-    grouped scales and biases (groups whole slices of ``dim / 8`` coordinates or even divisors of one), stream B
-    with per-token scales; uint8 codes whose rows are whole 32-bit words; at most 16 outlier channels of at most
-    1024 sketch entries; uncompressed tokens of head_dim = value stream A's coordinates. Tables are pair tables
-    (one lookup per two coordinates) up to 4 bits, each with one copy per lane while static shared memory
-    allows (the largest loses its copies first; none with ``rep`` False); 1-bit streams decode four coordinates
-    per lookup of a nibble table. ``pf``: the next step's loads issued before this step's math (``None``: where
-    one key and one value stream leave the registers for it). ``qsh``: the query fragments are read from shared memory
-    (one 64-bit load per k-step) instead of held in registers: about 32 registers fewer per thread, which bound the
-    kernel's occupancy (compiled with nvcc, not yet run on a GPU: off by default). ``minb`` > 0: the kernel is
-    built with ``__launch_bounds__(THREADS, minb)`` (:func:`kvq_metal.dialect.launch_bounds`), so the compiler keeps
-    its registers within what ``minb`` blocks per SM allow (registers only: the same arithmetic)."""
-    rows, dq, keys, values, outliers, (nd, sinks, head_dim, qscale), _, _ = signature
-    if not 1 <= rows <= 8:
-        return None, f"{rows} query rows (the tensor-core kernel takes 1..8)"
-    for side, streams in (("key", keys), ("value", values)):
-        for i, (dim, bits, vec, scaled, cb, per_head, reserved, _, group, biases) in enumerate(streams):
-            if vec != 1 or per_head or reserved:
-                return None, f"{side} stream {i}: vector codes, per-head tables or a reserved pattern"
-            if not (1 <= bits <= 8 and dim % 16 == 0 and 16 <= dim <= 256):
-                return None, f"{side} stream {i}: {dim} coordinates of {bits}-bit codes"
-            if cb == 1 and (dim * bits) % 32:
-                return None, f"{side} stream {i}: uint8 rows of {dim * bits} bits (whole 32-bit words only)"
-            grouped = group < dim or biases
-            if (side == "key" or i > 0) and grouped:
-                return None, f"{side} stream {i}: grouped scales or biases"
-            if grouped:
-                per = dim // 8
-                if scaled != 1 or dim % group or not (group % per == 0 or (per % group == 0 and group % 2 == 0)):
-                    return None, f"value stream 0: groups of {group} over slices of {per} coordinates"
-    ok, om, o_off = outliers or (0, 0, 0)
-    if ok and (ok > 16 or om * ok > 1024 or om % 8):
-        return None, f"{ok} outlier channels of {om} sketch bits"
-    if nd and (values[0][0] != head_dim or head_dim % 16 or not 16 <= head_dim <= 256):
-        return None, f"uncompressed tokens of head_dim {head_dim} and {values[0][0]} value coordinates"
-    ka, va = keys[0], values[0]
-    kb = keys[1] if len(keys) > 1 else None
-    vb = values[1] if len(values) > 1 else None
-    out_dim = sum(v[0] for v in values)
-    tables = [s[1] if s is not None else 0 for s in (ka, kb, va, vb)]
-    pair = [0 < b <= 4 for b in tables]
-    # words of one copy: 1-bit streams use nibble tables (16 entries of two half2 words)
-    entries = [0 if b == 0 else 32 if b == 1 else (1 << (2 * b) if p else 1 << b) for b, p in zip(tables, pair)]
-    copies = rep is not False  # the knob; the list below says which tables get per-lane copies
-    rep = [0 < e <= 256 and copies for e in entries]
-    warps = THREADS // 32
-    qsh = bool(qsh)
-    k_steps = max(ka[0] // 16 + (kb[0] // 16 if kb else 0), max(head_dim, 16) // 16)
-    fixed = (rows * max(dq, head_dim) + om * ok + warps * nt * 16 * rows + 2 * warps * 8 + 64
-             + (64 * k_steps if qsh else 2))
-
-    def words() -> int:
-        tab = sum(e * (32 if r else 1) for e, r in zip(entries, rep))
-        return fixed + max(tab, rows * out_dim)
-
-    while words() > TC_SHARED_WORDS and any(rep):
-        rep[max((i for i in range(4) if rep[i]), key=lambda i: entries[i])] = False
-    if words() > TC_SHARED_WORDS:
-        return None, f"{4 * words()} bytes of shared memory (at most {4 * TC_SHARED_WORDS})"
-    va_grouped = va[8] < va[0] or va[9]
-    # the next step's loads issued before this step's math where registers allow: one key and one value stream
-    pf = (kb is None and vb is None) if pf is None else bool(pf)
-    t = [("R", rows), ("DQ", dq), ("THREADS", THREADS), ("NT", nt), ("PF", pf), ("QSH", qsh), ("MINB", int(minb)),
-         ("D", max(head_dim, 16)),
-         ("DDT", ddt),
-         ("ND", nd), ("SINKS", bool(sinks)), ("QSCALE", qscale), ("DO", out_dim),
-         ("KA_OFF", ka[7]), ("KA_DIM", ka[0]), ("KA_BITS", ka[1]), ("KA_NS", ka[3]), ("KA_CB", ka[4]),
-         ("KA_PAIR", pair[0]), ("KA_REP", rep[0]),
-         ("KB_ON", kb is not None), ("KB_OFF", kb[7] if kb else 0), ("KB_DIM", kb[0] if kb else 16),
-         ("KB_BITS", kb[1] if kb else 1), ("KB_NS", kb[3] if kb else 0), ("KB_CB", kb[4] if kb else 4),
-         ("KB_PAIR", pair[1]), ("KB_REP", rep[1]),
-         ("OK", ok), ("OM", om), ("O_OFF", o_off),
-         ("VA_DIM", va[0]), ("VA_BITS", va[1]), ("VA_NS", va[3]), ("VA_G", va[8]), ("VA_GRP", bool(va_grouped)),
-         ("VA_BIAS", bool(va[9])), ("VA_CB", va[4]), ("VA_PAIR", pair[2]), ("VA_REP", rep[2]),
-         ("VB_ON", vb is not None), ("VB_DIM", vb[0] if vb else 16), ("VB_BITS", vb[1] if vb else 1),
-         ("VB_NS", vb[3] if vb else 0), ("VB_CB", vb[4] if vb else 4), ("VB_PAIR", pair[3]), ("VB_REP", rep[3])]
-    return t, ""
-
-
-def _fits(ncg: int, rows: int, keys: tuple, values: tuple, budget: int) -> str:
-    """Why ``ncg`` threads per token do not serve these streams (empty when they do)."""
-    coords = 0
-    for side, streams in (("key", keys), ("value", values)):
-        for s in streams:
-            dim, bits, vec, _, _, _, _, _, group, _ = s
-            per = dim // ncg
-            if dim % (ncg * vec) or per == 0:
-                return f"{side} stream of {dim} coordinates in codes of {vec} does not split over {ncg} threads"
-            if per // vec * bits > 32:
-                return f"{side} stream: {per // vec * bits} bits of codes per thread (at most 32)"
-            if side == "value" and group < dim and group % per:
-                return f"value stream: groups of {group} do not hold whole runs of {per} coordinates"
-            coords += per
-    if rows * coords > budget:
-        return f"{rows} rows of {coords} coordinates per thread exceed {budget} registers"
-    return ""
+    return streams_plan.plan(_signature(call, rows, dense))[1]
 
 
 def _arrays(call: StreamCall) -> list:
@@ -390,9 +213,9 @@ _PLANS: dict = {}
 def _launch_plan(call: StreamCall, rows: int, dense: tuple, inputs: list, backend: str, out_dim: int,
                  finish: bool, per_step: tuple = ()) -> _Plan:
     """The plan of a launch (:func:`_launches`) for the call's signature (:func:`_signature`; on CUDA the tensor-core
-    kernel where :func:`_tc_plan` serves it): the bound kernel (template values written into its text on CUDA, an
-    input that is the same array as an earlier one read through it), the inputs it takes, tokens per tile and the
-    bound merge. Made once per signature, back end, output width, finish, input dtypes, aliases and
+    kernel where :func:`kvq_metal.streams_plan.tc_plan` serves it): the bound kernel (template values written into
+    its text on CUDA, an input that is the same array as an earlier one read through it), the inputs it takes,
+    tokens per tile and the bound merge. Made once per signature, back end, output width, finish, input dtypes, aliases and
     :data:`TUNING`: a cache binds a new decode step at every window flush of every layer, and planning and
     binding cost the host more than the launch.
 
@@ -406,14 +229,14 @@ def _launch_plan(call: StreamCall, rows: int, dense: tuple, inputs: list, backen
     plan = _PLANS.get(key)
     if plan is not None:
         return plan
-    template, why = _plan(signature)
+    template, why = streams_plan.plan(signature)
     if template is None:
         raise ValueError(f"decode_attend_streams does not serve this call: {why}")
     nd = dense[0]
     tc = None
     if backend == "cuda" and TUNING.tc:
         ddt = DENSE_DTYPES.get(inputs[INPUTS.index("wk")].dtype, 2) if nd else 0
-        tc, _ = _tc_plan(signature, ddt, TUNING.nt, TUNING.pf, TUNING.qsh, TUNING.rep, TUNING.minb)
+        tc, _ = streams_plan.tc_plan(signature, ddt, TUNING.nt, TUNING.pf, TUNING.qsh, TUNING.rep, TUNING.minb)
     if tc is not None:
         template = tc
         tile = 16 * TUNING.nt * THREADS // 32
@@ -566,127 +389,12 @@ def attend_streams(queries: mx.array, scale: float, num_kv_heads: int, call: Str
     return out.reshape(B, Hq, Tq, out.shape[-1]), lse.reshape(B, Hq, Tq)
 
 
-def linear_matrix(fn: Callable[[mx.array], mx.array], dim: int, heads: int = 1) -> mx.array:
-    """The matrix of a linear map on grouped rows (a method's query preparation or value finish): ``fn`` applied
-    to the identity, ``[heads, dim, out]`` float32 (``heads`` > 1 where the map differs per KV head)."""
-    eye = mx.broadcast_to(mx.eye(dim, dtype=mx.float32)[None, None], (1, heads, 1, dim, dim))
-    return mx.contiguous(fn(eye)[0, :, 0].astype(mx.float32))
+def __getattr__(name: str):
+    """This module's former names :class:`~kvq_metal.streams_impl.StreamsKernelImpl` and
+    :func:`~kvq_metal.streams_impl.linear_matrix`, now in :mod:`kvq_metal.streams_impl` (imported on first use:
+    it imports this module)."""
+    if name in ("StreamsKernelImpl", "linear_matrix"):
+        from . import streams_impl
 
-
-#: :meth:`StreamsKernelImpl._matrices` by (class, key parameters, value parameters, head_dim, KV heads).
-_MATRICES: dict = {}
-
-
-class StreamsKernelImpl(KernelImpl):
-    """Base of the kernel implementations on the streams kernel (``qjl``, ``turboquant_prod``, ``vecinfer``):
-    decode attention only (``kvq_attend``, ``attend_dense``, ``bind_dense``), each call checked against the
-    method's pure-MLX implementation before its first use (keyed by both sides' parameters, head_dim, query rows
-    and dtype: a problem names the keys' parameters only). Pure MLX serves masks, empty caches and what the
-    kernel does not take, with the same result.
-
-    Subclasses define :meth:`stream_call` and :meth:`prepare` (and :meth:`finish` where the value streams are not
-    in the output's domain); both must be linear maps on the rows (the bound step runs them as matrices)."""
-
-    #: Whether :meth:`prepare` differs per KV head (its matrix is then one per head).
-    prepare_per_head = False
-
-    def stream_call(self, keys, values) -> StreamCall | None:  # pragma: no cover - overridden
-        """The :class:`StreamCall` of these encodings, or ``None`` where the kernel does not read them."""
-        raise NotImplementedError
-
-    def prepare(self, keys) -> Callable[[mx.array], mx.array]:  # pragma: no cover - overridden
-        """Scaled float32 grouped queries ``[B, H_kv, n_rep, T_q, D]`` -> prepared rows ``[..., query_dim]``."""
-        raise NotImplementedError
-
-    def finish(self, values) -> Callable[[mx.array], mx.array] | None:
-        """Normalised ``[B, H_kv, n_rep, T_q, out_dim]`` -> ``[..., D_v]``; ``None``: already there."""
-        return None
-
-    def matrix_sources(self, keys, values) -> tuple:
-        """The arrays :meth:`prepare` and :meth:`finish` read besides the parameters (their identity is part of the
-        key under which the matrices are kept): none here; a calibrated method returns its loaded calibration's
-        arrays, so a recalibration in the same process makes new matrices."""
-        return ()
-
-    def attend_kernel(self, queries, keys, values, scale, call: StreamCall | None = None):
-        """The kernel path of :meth:`kvq_attend` (no checks; ``call``: the keys' and values' :class:`StreamCall`
-        when the caller has it)."""
-        finish = self.finish(values) or (lambda out: out)
-        call = call or self.stream_call(keys, values)
-        return attend_streams(queries, scale, keys.shape[1], call, self.prepare(keys), finish, self.backend)
-
-    def _served_call(self, queries, keys, values, mask, dense: bool = False) -> StreamCall | None:
-        """The :class:`StreamCall` of this call where the kernel serves it (``dense``: with a cache's uncompressed
-        tokens too) and its signature passed the first-use check; ``None`` otherwise."""
-        if mask is not None or keys.num_tokens == 0 or queries.shape[-1] != keys.head_dim:
-            return None
-        if queries.shape[1] % keys.shape[1] or values.head_dim != keys.head_dim:
-            return None
-        call = self.stream_call(keys, values)
-        rows = query_rows(queries, keys)
-        if call is None or not supported(call, rows, keys.head_dim if dense else None):
-            return None
-        # the kernel that will run (and the tensor-core kernel's knobs) is part of the key: a check of one variant
-        # says nothing of another
-        tc = self.backend == "cuda" and bool(TUNING.tc)
-        knobs = (TUNING.nt, TUNING.pf, TUNING.qsh, TUNING.rep, TUNING.minb) if tc else ()
-        key = (_check_key(keys.params), _check_key(values.params), keys.head_dim, rows, queries.dtype, tc, knobs)
-        passed = base.first_use_check(self.backend, f"decode_attend_streams[{self.method}]", key,
-                                      lambda: check_attend(self, quantize_with_method, keys.params, values.params,
-                                                           keys.head_dim, rows, queries.dtype,
-                                                           heads=self.check_heads(keys)))
-        return call if passed else None
-
-    def kvq_attend(self, queries, keys, values, scale, mask):
-        """``kvq_attend`` spec; pure MLX serves masks and calls beyond the kernel."""
-        call = self._served_call(queries, keys, values, mask)
-        if call is None:
-            return self.fallback().kvq_attend(queries, keys, values, scale, mask)
-        return self.attend_kernel(queries, keys, values, scale, call)
-
-    def _matrices(self, keys, values, call: StreamCall) -> tuple[mx.array, mx.array | None]:
-        """``(prepare [G, D, DQ], finish [DO, DV] or None)``: :meth:`prepare` and :meth:`finish` as matrices
-        (:func:`linear_matrix`), made once per (implementation class, both sides' parameters, head_dim, KV heads,
-        :meth:`matrix_sources`): a cache binds a new step at every window flush of every layer."""
-        sources = self.matrix_sources(keys, values)
-        key = (type(self), _check_key(keys.params), _check_key(values.params), keys.head_dim, keys.shape[1],
-               tuple(id(a) for a in sources))  # the entry holds the sources: their ids stay theirs
-        found = _MATRICES.get(key)
-        if found is None:
-            heads = keys.shape[1] if self.prepare_per_head else 1
-            prepare = linear_matrix(self.prepare(keys), keys.head_dim, heads)
-            finish = self.finish(values)
-            if finish is not None:
-                finish = linear_matrix(finish, call.out_dim)[0]
-            if len(_MATRICES) > 256:
-                _MATRICES.clear()
-            found = _MATRICES[key] = (prepare, finish, sources)
-        return found[0], found[1]
-
-    def _attend_dense(self, queries, keys, values, scale, dense):
-        """The unchecked fused call of :meth:`attend_dense`: the compressed tokens, sinks and window in one launch,
-        computed exactly as a bound step (:func:`bind_streams`) computes it (``None`` where the kernel does not take it)."""
-        call = self._served_call(queries, keys, values, None, dense=True)
-        if call is None:
-            return None
-        prepare, finish = self._matrices(keys, values, call)
-        B, Hq, Tq, D = queries.shape
-        H = keys.shape[1]
-        prepared = queries.reshape(B, H, Hq // H * Tq, D) @ (prepare * scale)
-        out, lse = decode_attend_streams(prepared, call, self.backend, dense=dense, raw_queries=queries,
-                                         scale=scale, finish=finish)
-        return out.reshape(B, Hq, Tq, out.shape[-1]), lse.reshape(B, Hq, Tq)
-
-    def _bind_unchecked(self, queries, keys, values, scale, sink_keys, sink_values, window_keys, window_values,
-                        ragged: bool = False):
-        """A :func:`bind_streams` step for a cache's decode steps, unchecked (``None`` where not served, and for rows of
-        different lengths, ``ragged``, which these kernels do not take)."""
-        if ragged:
-            return None
-        call = self._served_call(queries, keys, values, None, dense=True)
-        if call is None:
-            return None
-        prepare, finish = self._matrices(keys, values, call)
-        return bind_streams(call, queries, scale, prepare, finish, self.backend, sink_keys, sink_values,
-                            window_keys, window_values)
-
+        return getattr(streams_impl, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
