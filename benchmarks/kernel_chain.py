@@ -23,7 +23,8 @@ import time
 
 import mlx.core as mx
 
-from kv_encode import encode_kv  # benchmarks/ (the script's folder is on sys.path)
+from knobs import tuned  # benchmarks/ (the script's folder is on sys.path)
+from kv_encode import encode_kv
 
 HQ, HKV, D = 32, 8, 128
 METHODS = (("turboquant", {"bits": 3}), ("turboquant", {"bits": 4}), ("affine", {"bits": 4}))
@@ -63,11 +64,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="timed graphs per row (the best is kept)")
     ap.add_argument("--reps", type=int, default=2, help="repetitions of the whole sweep (all reported)")
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--variants", default=None, help="JSON file: a list of kvq_metal.attend.TUNING overrides")
+    ap.add_argument("--variants", default=None, help="JSON file: a list of kvq_metal.attend knob overrides (knobs.tuned)")
     args = ap.parse_args()
     variants = json.load(open(args.variants)) if args.variants else [{}]
     backend = kvq_metal.gpu_backend()
-    base = dict(attend.TUNING)
     B, L, rows = args.batch, args.layers, []
     for T in (int(t) for t in args.contexts.split(",")):
         q0 = mx.random.normal((B, HQ, 1, D)).astype(mx.float16)
@@ -94,10 +94,9 @@ def main() -> None:
                 ves = [ve.map(lambda a: a + 0) for _ in range(L)]
                 mx.eval([e.data for e in kes + ves])
                 for variant in variants:
-                    attend.TUNING.update(variant)
-                    steps = [kern._bind_unchecked(q0, kes[i], ves[i], D ** -0.5, *sinks, *windows) for i in range(L)]
-                    attend.TUNING.clear()
-                    attend.TUNING.update(base)
+                    with tuned(attend=variant):
+                        steps = [kern._bind_unchecked(q0, kes[i], ves[i], D ** -0.5, *sinks, *windows)
+                                 for i in range(L)]
                     t = chain_time(lambda i, q: steps[i](q, *windows), q0, L, args.steps)
                     rows.append({"T": T, "rep": rep, "method": name, **variant, "us_per_call": t * 1e6,
                                  "x_fp16": fp16 / t})

@@ -23,7 +23,8 @@ import mlx.core as mx
 import kvq
 from kvq.plugins import registry
 
-from kv_encode import encode_kv  # benchmarks/ (the script's folder is on sys.path)
+from knobs import tuned  # benchmarks/ (the script's folder is on sys.path)
+from kv_encode import encode_kv
 
 
 def timeit(fn, warmup=3, reps=30) -> float:
@@ -140,13 +141,10 @@ def decode_rows(backend):
             row[f"{label}_kernel_GBps"] = row[f"{label}_bytes"] / row[f"{label}_kernel_ms"] / 1e6
             if backend == "cuda" and name in ("turboquant", "affine") and params["bits"] >= 3:
                 # the SIMT kernel (the Metal design) on the same data, for the tensor-core kernel's gain
-                attend.TUNING["tc"] = False
-                try:
+                with tuned(attend={"tc": False}):
                     row[f"{label}_simt_kernel_ms"] = timeit(lambda: kern.kvq_attend(q, ke, ve, scale, None)[0])
                     row[f"{label}_simt_kernel_batched_ms"] = timeit_batched(
                         lambda i: kern.kvq_attend(qs[i], ke, ve, scale, None)[0])
-                finally:
-                    attend.TUNING["tc"] = True
             del ke, ve
         print(json.dumps(row), flush=True)
         rows.append(row)
@@ -154,14 +152,15 @@ def decode_rows(backend):
 
 
 def sweep_rows(backend):
-    """Launch-shape sweep of the decode-attention kernels (kvq_metal.attend.TUNING, TARGET_GROUPS) at 128K
+    """Launch-shape sweep of the decode-attention kernels (kvq_metal.knobs.AttendKnobs through knobs.tuned,
+    TARGET_GROUPS) at 128K
     tokens, isolated and 16 calls evaluated together: the tensor-core kernel's table copies per lane (``rep``), pair
     tables, sub-tiles per warp step (``nt``) and thread groups, and the SIMT kernel (``tc`` False) beside it; fp16
     SDPA in the same run."""
     from kvq_metal import attend
 
     B, Hq, Hkv, D = 1, 32, 8, 128
-    base_tuning, base_groups = dict(attend.TUNING), dict(attend.TARGET_GROUPS)
+    base_groups = dict(attend.TARGET_GROUPS)
     configs = [{}, {"rep": False}, {"pair": False}, {"nt": 1}, {"tc_groups": 396}, {"tc_groups": 528},
                {"nt": 1, "tc_groups": 528}, {"pf": True}, {"tc": False}]
     rows = []
@@ -182,17 +181,15 @@ def sweep_rows(backend):
             ke = pure.kvq_quantize(k, p)
             mx.eval(ke.data)
             for cfg in configs:
-                attend.TUNING.update({k_: v for k_, v in cfg.items() if k_ != "groups"})
                 attend.TARGET_GROUPS[backend] = cfg.get("groups", base_groups[backend])
                 try:
-                    ms = timeit(lambda: kern.attend_kernel(q, ke, ke, D ** -0.5)[0])
-                    batched = timeit_batched(lambda i: kern.attend_kernel(qs[i], ke, ke, D ** -0.5)[0])
+                    with tuned(attend={k_: v for k_, v in cfg.items() if k_ != "groups"}):
+                        ms = timeit(lambda: kern.attend_kernel(q, ke, ke, D ** -0.5)[0])
+                        batched = timeit_batched(lambda i: kern.attend_kernel(qs[i], ke, ke, D ** -0.5)[0])
                     rows.append({"T": T, "method": f"{name}{params['bits']}", **cfg, "ms": ms, "batched_ms": batched})
                 except Exception as exc:
                     rows.append({"T": T, "method": f"{name}{params['bits']}", **cfg, "error": str(exc)[:500]})
                 finally:
-                    attend.TUNING.clear()
-                    attend.TUNING.update(base_tuning)
                     attend.TARGET_GROUPS.update(base_groups)
                 print(json.dumps(rows[-1]), flush=True)
             del ke

@@ -68,6 +68,7 @@ def decode_step_rows(calls: int, reps: int) -> list[dict]:
     template arguments and all 17 inputs)."""
     from kvq.cache import KVQCache, make_config
     from kvq_metal import attend, attend_tc, dialect
+    from kvq_metal.step import DecodeStep, KernelCall
 
     cache = KVQCache(make_config("turboquant", bits=4, flush=32))
     k = mx.random.normal((1, 8, 4096 + 132, 128)).astype(mx.bfloat16)
@@ -75,7 +76,7 @@ def decode_step_rows(calls: int, reps: int) -> list[dict]:
     q = mx.random.normal((1, 32, 1, 128)).astype(mx.bfloat16)
     mx.eval(cache.attend(q, 0.088))
     step = cache._bound[2]
-    if not isinstance(step, attend.DecodeStep):
+    if not isinstance(step, DecodeStep) or not step.tensor_cores or step.launches[1] is not None:
         return [{"name": "bound decode step", "error": f"not a tensor-core step here: {type(step).__name__}"}]
     wk, wv = cache.window.keys[:, :, :100], cache.window.values[:, :, :100]
     kern = attend_tc.DECODE_ATTEND_TC.kernel("cuda", attend.TC_INPUTS, attend.TC_OUTPUTS,
@@ -87,7 +88,9 @@ def decode_step_rows(calls: int, reps: int) -> list[dict]:
     sinks = list(cache.sinks.view())
     old_inputs = [q, *codes, step._counter, wk, wv, *sinks]
     full = [*step.template_args, *dialect.dtype_template(tuple(a.dtype for a in old_inputs))]
-    old = attend.DecodeStep(kern._kernel, full, step._grid, codes, sinks, step._shapes, step._dtypes, step._counter)
+    main = step.launches[0]
+    old = DecodeStep(KernelCall(kern._kernel, full, main.grid, main.threadgroup, main.shapes, main.dtypes), codes,
+                     sinks, counter=step._counter)
     rows = []
     for name, s in (("bound decode step, template in text, arrays once", step),
                     ("bound decode step, 26 template args, 17 inputs", old)):

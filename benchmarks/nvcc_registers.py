@@ -9,8 +9,11 @@ sm_90 -cubin -Xptxas -v`` compiles it. No kernel runs; the outputs are zeros. ``
 decode kernel of turboquant instead (``decode_attend_tc.cu``, a bound decode step with sinks and window: bits 4 and 3
 at head_dim 128, bits 4 at 256).
 
-    KVQ_STREAMS_TUNING='{"nt": 1}' python benchmarks/nvcc_registers.py [--keep DIR]
-    KVQ_ATTEND_TUNING='{"qsh": true}' python benchmarks/nvcc_registers.py --turboquant [--keep DIR]
+    python benchmarks/nvcc_registers.py --tuning '{"nt": 1}' [--keep DIR]
+    python benchmarks/nvcc_registers.py --turboquant --tuning '{"qsh": true}' [--keep DIR]
+
+``--tuning`` overrides the launch knobs (:mod:`kvq_metal.knobs`; of the streams kernel, or with ``--turboquant``
+of the tensor-core decode kernel) through ``benchmarks/knobs.py``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pathlib import Path
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).parent))
+from knobs import knobs_arg, tuned  # noqa: E402
 from profile_streams import B, D, HKV, HQ, dense_tokens, encode, random_inputs  # noqa: E402  (their shared setup)
 from streams_kernel_times import METHODS  # noqa: E402
 
@@ -111,13 +115,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--keep", default=None, help="write the .cu files here")
     ap.add_argument("--turboquant", action="store_true", help="turboquant's tensor-core decode kernel instead")
+    ap.add_argument("--tuning", default="{}", type=knobs_arg, help="JSON knob overrides (kvq_metal.knobs)")
     args = ap.parse_args()
     if shutil.which("nvcc") is None:
         raise SystemExit("nvcc not found")
     mx.fast.cuda_kernel = lambda **kw: _Recorder(**kw)
     if args.turboquant:
-        turboquant(args.keep)
+        with tuned(attend=args.tuning):
+            turboquant(args.keep)
         return
+    with tuned(streams=args.tuning):
+        streams_kernels(args.keep)
+
+
+def streams_kernels(keep: str | None) -> None:
+    """The streams kernel's launches (qjl+affine:4, turboquant_prod:4 and :3), without and with dense tokens."""
     from kvq_metal import streams
 
     for km, kp, vm, vp in METHODS:
@@ -132,7 +144,7 @@ def main() -> None:
             streams.decode_attend_streams(prepared, call, "cuda", **kwargs)
             kw = RECORDED[0]  # the attention launch (the merge follows)
             with tempfile.TemporaryDirectory() as tmp:
-                line = compile_recorded(kw, Path(args.keep or tmp) / f"{km}_{kp.get('bits', '')}_{label}.cu")
+                line = compile_recorded(kw, Path(keep or tmp) / f"{km}_{kp.get('bits', '')}_{label}.cu")
             print(f"{km}:{kp.get('bits', '')}+{vm}:{vp.get('bits', '')} {label}: kernel {kw['name']} {line}")
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ import mlx.core as mx
 
 from kvq.attention import DenseTokens
 
-from kv_encode import encode_kv  # benchmarks/ (the script's folder is on sys.path)
+from knobs import tuned  # benchmarks/ (the script's folder is on sys.path)
+from kv_encode import encode_kv
 
 HQ, HKV, D = 32, 8, 128
 METHODS = (("turboquant", {"bits": 4}), ("turboquant", {"bits": 3}), ("affine", {"bits": 4}))
@@ -38,7 +39,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--contexts", default="131072", help="comma-separated token counts")
-    ap.add_argument("--variants", default=None, help="JSON file: a list of TUNING overrides")
+    ap.add_argument("--variants", default=None, help="JSON file: a list of kvq_metal.attend knob overrides (knobs.tuned)")
     ap.add_argument("--batch", type=int, default=1, help="sequences per call (B), default 1")
     args = ap.parse_args()
     B = args.batch
@@ -46,7 +47,6 @@ def main() -> None:
         ap.error(f"--batch must be at least 1, got {B}")
     variants = json.load(open(args.variants)) if args.variants else [{}]
     backend = kvq_metal.gpu_backend()
-    base = dict(attend.TUNING)
     for T in (int(t) for t in args.contexts.split(",")):
         q = mx.random.normal((B, HQ, 1, D)).astype(mx.float16)
         k = mx.random.normal((B, HKV, T, D)).astype(mx.float16)
@@ -64,11 +64,9 @@ def main() -> None:
             print(json.dumps({"T": T, "method": f"{name}{params['bits']}", "warmup": True}), flush=True)
             mx.eval(kern.kvq_attend(q, ke, ve, D ** -0.5, None)[0])
             for variant in variants:
-                attend.TUNING.update(variant)
-                print(json.dumps({"T": T, "method": f"{name}{params['bits']}", **variant}), flush=True)
-                mx.eval(kern.kvq_attend(q, ke, ve, D ** -0.5, None)[0])
-                attend.TUNING.clear()
-                attend.TUNING.update(base)
+                with tuned(attend=variant):
+                    print(json.dumps({"T": T, "method": f"{name}{params['bits']}", **variant}), flush=True)
+                    mx.eval(kern.kvq_attend(q, ke, ve, D ** -0.5, None)[0])
             # as a KVQCache attends: the compressed tokens with 4 sinks and a 128-token window in one softmax (a
             # launch over the uncompressed tokens, then the compressed one, which merges both)
             dense = DenseTokens(*(mx.contiguous(x) for x in (k[:, :, :4], v[:, :, :4], k[:, :, -128:], v[:, :, -128:])))
@@ -78,18 +76,16 @@ def main() -> None:
                                   **({"warmup": True} if warm else {})}), flush=True)
                 # unchecked, like kvq_attend above: a first-use check's launches would fall under this label
                 mx.eval(kern._attend_dense(q, ke, ve, D ** -0.5, dense)[0])
-            # the decode step a KVQCache replays (bound once: kvq_metal.attend.DecodeStep, one launch per call, the
+            # the decode step a KVQCache replays (bound once: kvq_metal.step.DecodeStep, one launch per call, the
             # kernel text baked with the plan's values, launch bounds included), per variant; labelled "bound"
             for variant in variants:
-                attend.TUNING.update(variant)
-                step = kern._bind_unchecked(q, ke, ve, D ** -0.5, dense.sink_keys, dense.sink_values,
-                                            dense.window_keys, dense.window_values)
+                with tuned(attend=variant):
+                    step = kern._bind_unchecked(q, ke, ve, D ** -0.5, dense.sink_keys, dense.sink_values,
+                                                dense.window_keys, dense.window_values)
                 for warm in (True, False):  # the warm-up call also runs the binding's counter launch
                     print(json.dumps({"T": T, "method": f"{name}{params['bits']}", "bound": True, **variant,
                                       **({"warmup": True} if warm else {})}), flush=True)
                     mx.eval(step(q, dense.window_keys, dense.window_values))
-                attend.TUNING.clear()
-                attend.TUNING.update(base)
             del ke, ve
 
 

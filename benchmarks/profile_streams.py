@@ -8,7 +8,8 @@ evaluated on its own, so a profiler's kernel filter sees one call's launches tog
     ncu --clock-control none --set full -k regex:"decode_attend_streams|decode_merge_streams" -c 4 -o streams \\
         python benchmarks/profile_streams.py --contexts 131072
 
-``--tuning '{"kt": 8}'`` overrides :data:`kvq_metal.streams.TUNING`. What to read in the report: achieved
+``--tuning '{"kt": 8}'`` overrides the streams kernel's knobs (:class:`kvq_metal.knobs.StreamsKnobs`, through
+``benchmarks/knobs.py``). What to read in the report: achieved
 occupancy, the warp stall reasons (long scoreboard: waiting on global loads; barrier; short scoreboard: shared
 memory) and DRAM throughput, against the tensor-core kernel's report (``benchmarks/profile_attend.py``).
 """
@@ -19,6 +20,8 @@ import argparse
 import json
 
 import mlx.core as mx
+
+from knobs import knobs_arg, tuned  # benchmarks/ (the script's folder is on sys.path)
 
 B, HQ, HKV, D = 1, 32, 8, 128
 METHODS = (("qjl", {}, "affine", {"bits": 4}), ("turboquant_prod", {"bits": 4}, "turboquant_prod", {"bits": 4}))
@@ -62,16 +65,22 @@ def encode(km: str, kp: dict, vm: str, vp: dict, k: mx.array, v: mx.array, backe
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--contexts", default="131072", help="comma-separated token counts")
+    ap.add_argument("--tuning", default="{}", type=knobs_arg,
+                    help="JSON overrides of kvq_metal.streams' knobs (kvq_metal.knobs.StreamsKnobs)")
+    args = ap.parse_args()
+    with tuned(streams=args.tuning):
+        run(args.contexts)
+
+
+def run(contexts: str) -> None:
+    """The launches profiled: per context and method, the streams kernel without and with dense tokens."""
     import kvq_metal
     from kvq_metal import streams
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--contexts", default="131072", help="comma-separated token counts")
-    ap.add_argument("--tuning", default="{}", help="JSON overrides of kvq_metal.streams.TUNING")
-    args = ap.parse_args()
-    streams.TUNING.update(json.loads(args.tuning))
     backend = kvq_metal.gpu_backend()
-    for T in (int(t) for t in args.contexts.split(",")):
+    for T in (int(t) for t in contexts.split(",")):
         q, k, v, window = random_inputs(T)
         print(json.dumps({"T": T, "method": "fp16_sdpa"}), flush=True)
         mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5))

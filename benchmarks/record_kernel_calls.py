@@ -3,8 +3,11 @@
 A refactor of the kernel code must not change what reaches the GPU. This script stubs MLX's custom-kernel
 builders (``mx.fast.cuda_kernel``, ``mx.fast.metal_kernel``) with recorders that return zero-filled outputs,
 pretends the default device is that GPU, passes every first-use check, and drives every registered kernel
-implementation through its ops (quantize, dequantize, attend, attend with sinks and window) over a fixed set of
-problems. For each call it records the kernel's name (which holds a hash of its translated source), its inputs'
+implementation through its ops (quantize, dequantize, attend, attend with sinks and window, and the bound decode
+steps a cache replays: ``bind_dense`` with and without sinks and ``bind_ragged_dense``, each called for three
+steps with a growing window) over a fixed set of problems, the code-stream methods (``qjl`` keys with affine
+values, ``turboquant_prod``, ``vecinfer`` calibrated on synthetic tokens under a temporary ``KVQ_DATA_DIR``)
+among them. For each call it records the kernel's name (which holds a hash of its translated source), its inputs'
 shapes and dtypes, its template arguments, grid, thread group and output shapes and dtypes, and the SHA-256 of
 every kernel source built (and the source itself). Two runs (before and after a change) are compared with
 ``--compare``:
@@ -27,8 +30,10 @@ import hashlib
 import json
 import re
 import shutil
+import os
 import subprocess
 import sys
+import tempfile
 import warnings
 
 import mlx.core as mx
@@ -88,6 +93,77 @@ def _problems():
     return out
 
 
+def _stream_problems():
+    """The code-stream methods' problems, as :func:`_problems` plus the values' (method, params dict): ``qjl``
+    keys with affine values, ``turboquant_prod``, ``vecinfer`` (params made by :func:`_vecinfer_params`)."""
+    out = []
+    for dtype in (mx.float16, mx.bfloat16):
+        for hq, hkv, tq in ((8, 8, 1), (8, 2, 1), (8, 2, 2)):
+            for D in (64, 128):
+                out.append(("qjl", {}, D, hq, hkv, tq, 700, dtype, ("affine", {"bits": 4})))
+                out.append(("turboquant_prod", {"bits": 4}, D, hq, hkv, tq, 700, dtype, None))
+            out.append(("vecinfer", {}, 64, hq, hkv, tq, 700, dtype, None))
+        out.append(("qjl", {"outlier_channels": 8, "sketch_dim": 256}, 128, 8, 2, 1, 300, dtype,
+                    ("affine", {"bits": 8, "group_size": 32})))
+        out.append(("turboquant_prod", {"bits": 3}, 128, 8, 2, 1, 3000, dtype, None))
+        out.append(("turboquant_prod", {"bits": 4}, 256, 8, 2, 1, 300, dtype, None))
+    return out
+
+
+def _vecinfer_params(kv_heads: int):
+    """Key and value parameters of a VecInfer calibration (sub_dim 4, 6-bit codes, head_dim 64, ``kv_heads``
+    heads) made on synthetic tokens and written under ``$KVQ_DATA_DIR`` (the caller sets it)."""
+    import numpy as np
+    from kvq_backends_vecinfer.calibrate import Options, calibrate
+    from kvq_backends_vecinfer.collect import Recording
+    from kvq_backends_vecinfer.params import VecInferParams
+
+    model_id = f"record-calls-{kv_heads}"
+    settings = [VecInferParams(role=r, sub_dim=4, code_bits=6) for r in ("keys", "values")]
+    rng = np.random.default_rng(0)
+    tokens = [mx.array(rng.standard_normal((kv_heads, 512, 64)).astype(np.float32)) for _ in range(2)]
+    calibrate(Recording(tokens[:1], tokens[1:], (0,)), model_id, settings,
+              Options(iterations=2, points_per_centroid=8), progress=False)
+    return [VecInferParams(role=s.role, sub_dim=4, code_bits=6, model_id=model_id).for_layer(0) for s in settings]
+
+
+def _drive_steps(impl, q, keys, values, scale, x, dtype) -> None:
+    """The bound decode steps a cache replays: ``bind_dense`` with sinks and without, and ``bind_ragged_dense``
+    over two rows, each called for three steps with a window of 40, 41 and 42 tokens."""
+    sk, sv = x[0][:, :, :4], x[1][:, :, :4]
+    wk, wv = x[0][:, :, -42:], x[1][:, :, -42:]
+    for label, sinks in (("bind_dense", (sk, sv)), ("bind_dense_no_sinks", (None, None))):
+        CALLS.append({"op": label})
+        step = impl.bind_dense(q, keys, values, scale, *sinks, wk[:, :, :40], wv[:, :, :40])
+        CALLS.append({"bound": step is not None})
+        for n in (40, 41, 42) if step is not None else ():
+            CALLS.append({"step": n})
+            mx.eval(step(q, wk[:, :, :n], wv[:, :, :n]))
+    if not hasattr(impl, "bind_ragged_dense"):
+        return
+    CALLS.append({"op": "bind_ragged_dense"})
+    both = lambda a: mx.concatenate([a, a[:, :, ::-1]], axis=0)  # noqa: E731 - two rows of one batch
+    pure = kvq_registry().implementations[(keys.method, "mlx")]
+    keys2 = pure.kvq_quantize(both(x[0]), keys.params)
+    values2 = kvq_registry().implementations[(values.method, "mlx")].kvq_quantize(both(x[1]), values.params)
+    q2 = mx.concatenate([q, q[:, ::-1]], axis=0)
+    step = impl.bind_ragged_dense(q2, keys2, values2, scale, both(sk), both(sv), both(wk)[:, :, :40],
+                                  both(wv)[:, :, :40])
+    CALLS.append({"bound": step is not None})
+    T = keys.num_tokens
+    for n in (40, 41, 42) if step is not None else ():
+        CALLS.append({"step": n})
+        lengths = mx.array([[T - 5, n], [T, n - 3]], dtype=mx.int32)
+        mx.eval(step(q2, both(wk)[:, :, :n], both(wv)[:, :, :n], lengths))
+
+
+def kvq_registry():
+    """kvq's plugin registry (imported late: the stubs go in after kvq loads)."""
+    from kvq.plugins import registry
+
+    return registry()
+
+
 def record(backend: str) -> dict:
     """Run the sweep with stubbed ``backend`` kernels; return ``{"calls": [...], "kernels": {...}}``."""
     import kvq
@@ -98,18 +174,30 @@ def record(backend: str) -> dict:
     _install_stubs(backend)
     warnings.simplefilter("ignore")
     skipped = []
-    for method, kw, D, hq, hkv, tq, T, dtype in _problems():
+    problems = [(*p, None) for p in _problems()] + _stream_problems()
+    vecinfer = {}
+    for method, kw, D, hq, hkv, tq, T, dtype, value_spec in problems:
         impl = reg.implementations.get((method, backend))
         pure = reg.implementations.get((method, "mlx"))
         if impl is None or pure is None:
             skipped.append(method)
             continue
-        params = kvq.make_params(method, **kw)
+        if method == "vecinfer":
+            if hkv not in vecinfer:
+                vecinfer[hkv] = _vecinfer_params(hkv)
+            params, value_params = vecinfer[hkv]
+        else:
+            params = value_params = kvq.make_params(method, **kw)
+        value_pure = pure
+        if value_spec is not None:
+            value_params = kvq.make_params(value_spec[0], **value_spec[1]).for_head_dim(D)
+            value_pure = reg.implementations[(value_spec[0], "mlx")]
         key = mx.random.key(D + T)
         x = mx.random.normal((2, 1, hkv, T, D), key=key).astype(dtype)
         q = mx.random.normal((1, hq, tq, D), key=mx.random.key(7)).astype(dtype)
-        CALLS.append({"problem": [method, kw, D, hq, hkv, tq, T, str(dtype)]})
-        keys, values = pure.kvq_quantize(x[0], params), pure.kvq_quantize(x[1], params)
+        CALLS.append({"problem": [method, kw, D, hq, hkv, tq, T, str(dtype)]
+                      + ([] if value_spec is None else [list(value_spec)])})
+        keys, values = pure.kvq_quantize(x[0], params), value_pure.kvq_quantize(x[1], value_params)
         mx.eval(keys.data, values.data)
         for op in ("quantize", "dequantize", "attend", "attend_dense"):
             CALLS.append({"op": op})
@@ -126,6 +214,8 @@ def record(backend: str) -> dict:
                 got = impl.attend_dense(q, keys, values, D ** -0.5, DenseTokens(sk, sv, wk, wv))
                 if got is not None:
                     mx.eval(got)
+        if hasattr(impl, "bind_dense"):
+            _drive_steps(impl, q, keys, values, D ** -0.5, x, dtype)
     return {"calls": CALLS, "kernels": BUILT, "skipped": sorted(set(skipped))}
 
 
@@ -178,7 +268,9 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="cuda", choices=("cuda", "metal"))
     ap.add_argument("--compare", help="an earlier run's JSON: exit 1 unless every call is identical")
     args = ap.parse_args(argv)
-    result = record(args.backend)
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["KVQ_DATA_DIR"] = tmp  # VecInfer's calibration of synthetic tokens goes here
+        result = record(args.backend)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     n = sum(1 for c in result["calls"] if "kernel" in c)

@@ -26,6 +26,7 @@ from pathlib import Path
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).parent))
+from knobs import tuned  # noqa: E402
 from profile_streams import D, dense_tokens, encode, random_inputs  # noqa: E402  (the streams benchmarks' setup)
 
 METHODS = (("qjl", {}, "affine", {"bits": 4}), ("turboquant_prod", {"bits": 4}, "turboquant_prod", {"bits": 4}),
@@ -55,7 +56,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=40, help="calls evaluated together (the batched figure)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions (each figure is their median)")
     ap.add_argument("--out", required=True, help="JSON file to write")
-    ap.add_argument("--variants", default="{}", help="JSON: label -> TUNING overrides of the tensor-core kernel")
+    ap.add_argument("--variants", default="{}", help="JSON: label -> kvq_metal.streams knob overrides (knobs.tuned) of the tensor-core kernel")
     args = ap.parse_args()
     variants = {"tc": {"tc": True}, "simt": {"tc": False},
                 **{label: {"tc": True, **knobs} for label, knobs in json.loads(args.variants).items()}}
@@ -71,23 +72,20 @@ def main() -> None:
             impl, keys, values, call = encode(km, kp, vm, vp, k, v, backend)
             prepare, finish = impl._matrices(keys, values, call)
             dense = dense_tokens(window)
-            default = dict(streams.TUNING)
             reference = None
             for name, knobs in variants.items():
-                streams.TUNING.update(knobs)
-                step = streams.StreamStep(call, q, D ** -0.5, prepare, finish, backend, dense.sink_keys,
-                                          dense.sink_values, dense.window_keys, dense.window_values)
+                with tuned(streams=knobs):
+                    step = streams.bind_streams(call, q, D ** -0.5, prepare, finish, backend, dense.sink_keys,
+                                                dense.sink_values, dense.window_keys, dense.window_values)
                 label = f"{km}:{kp.get('bits', '')}+{vm}:{vp.get('bits', '')}"
                 out = step(q, dense.window_keys, dense.window_values).astype(mx.float32)
                 reference = out if reference is None else reference
                 rel = mx.max(mx.abs(out - reference)) / mx.maximum(mx.max(mx.abs(reference)), 1e-30)
-                row = {"T": T, "method": label, "variant": name, "kernel": "tc" if step._launch.tc else "simt",
+                row = {"T": T, "method": label, "variant": name, "kernel": "tc" if step.tensor_cores else "simt",
                        "rel_to_default": float(rel),
                        **_time(lambda: step(q, dense.window_keys, dense.window_values), args.calls, args.reps)}
                 print(json.dumps(row), flush=True)
                 results["calls"].append(row)
-                streams.TUNING.clear()
-                streams.TUNING.update(default)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
 

@@ -255,7 +255,8 @@ def test_fused_dense_call_is_checked_once_before_use(wrong):
 def test_table_layout_copies_tables_per_lane_within_static_shared_memory():
     """The tensor-core kernel's table layout (kvq_metal.attend.table_layout): a 4-bit pair table (256 entries) per
     lane takes 32 KB, so keys and values sharing one codebook both get copies; two different 4-bit tables at
-    head_dim 256 with 8 query rows leave room for the keys' copies only; ``TUNING["rep"]`` off keeps one copy."""
+    head_dim 256 with 8 query rows leave room for the keys' copies only; ``TUNING.rep`` off keeps one copy."""
+    import attrs
     import mlx.core as mx
 
     from kvq_metal import attend
@@ -269,12 +270,12 @@ def test_table_layout_copies_tables_per_lane_within_static_shared_memory():
     assert attend.table_layout(256, 8, side(t4, 4, 256), side(other, 4, 256)) == (True, False, False)
     grouped = attend.Side(None, None, t4, t4, 4, 64)  # affine: per-group scales and biases
     assert attend.table_layout(128, 4, grouped, grouped) == (True, True, True)
-    saved = attend.TUNING["rep"]
-    attend.TUNING["rep"] = False
+    saved = attend.TUNING
+    attend.TUNING = attrs.evolve(saved, rep=False)
     try:
         assert attend.table_layout(128, 4, side(t4, 4), side(t4, 4)) == (False, False, True)
     finally:
-        attend.TUNING["rep"] = saved
+        attend.TUNING = saved
 
 
 @pytest.mark.parametrize("wrong", [False, True])
@@ -401,16 +402,23 @@ def test_bound_cuda_kernel_drops_aliased_inputs_and_template_arguments(monkeypat
 
 
 def test_decode_step_inputs_pass_each_array_once():
-    """The tensor-core decode step's aliases: repeated code inputs (a side without a second code stream or
-    biases passes its codes and scales twice) and, without sinks, the sink inputs."""
-    from kvq_metal.attend import TC_INPUTS, _input_aliases
+    """The decode step's aliases (:func:`kvq_metal.step.aliases`, one rule for both families): repeated code
+    inputs (a side without a second code stream or biases passes its codes and scales twice) and, without sinks,
+    the sink inputs (the window stands in: :func:`kvq_metal.step.dense_inputs`); never an input a step passes
+    anew each call."""
+    from kvq_metal.attend import TC_INPUTS
+    from kvq_metal.step import aliases, dense_inputs
 
     a, b, c = mx.zeros((1,)), mx.zeros((1,)), mx.zeros((1,))
     arrays = {n: mx.zeros((1,)) for n in TC_INPUTS}
     arrays.update(kc=a, kc2=a, ks=b, kb=b, vc=c, vc2=c, vs=b, vb=b)
     inputs = [arrays[n] for n in TC_INPUTS]
-    assert _input_aliases(inputs, sinks=True) == {"kc2": "kc", "kb": "ks", "vc2": "vc", "vs": "ks", "vb": "ks"}
-    assert _input_aliases(inputs, sinks=False)["sk"] == "wk"
+    assert aliases(TC_INPUTS, inputs) == {"kc2": "kc", "kb": "ks", "vc2": "vc", "vs": "ks", "vb": "ks"}
+    wk, wv = arrays["wk"], arrays["wv"]
+    inputs[-5:-1] = dense_inputs(wk, wv, None, None)
+    assert aliases(TC_INPUTS, inputs)["sk"] == "wk" and aliases(TC_INPUTS, inputs)["sv"] == "wv"
+    inputs[-4] = wk  # the same array as the window's keys: a step still passes its values
+    assert "wv" in aliases(TC_INPUTS, inputs) and "wv" not in aliases(TC_INPUTS, inputs, per_step=("wk", "wv"))
 
 
 @pytest.fixture
@@ -516,7 +524,7 @@ def test_ragged_decode_step_passes_each_rows_counts(cuda_launches):
     kernel built with ``RAGGED`` that takes the per-row counts as its last input, passed per call; an ordinary
     bound step leaves that input out of its signature (read through the counters' alias), so its launch is as
     before."""
-    from kvq_metal.attend import DecodeStep, RaggedDecodeStep
+    from kvq_metal.step import DecodeStep
 
     impl = kvq.registry().implementations[("turboquant", "cuda")]
     pure = kvq.registry().implementations[("turboquant", "mlx")]
@@ -528,7 +536,7 @@ def test_ragged_decode_step_passes_each_rows_counts(cuda_launches):
     lengths = mx.array([[300, 40], [120, 7]], dtype=mx.int32)
     ragged = impl._bind_unchecked(q, keys, values, 0.1, sk, sk, wk, wk, ragged=True)
     plain = impl._bind_unchecked(q, keys, values, 0.1, sk, sk, wk, wk)
-    assert type(ragged) is RaggedDecodeStep and type(plain) is DecodeStep
+    assert type(ragged) is DecodeStep and type(plain) is DecodeStep and ragged.ragged and not plain.ragged
     assert dict(ragged.template_args)["RAGGED"] is True and dict(plain.template_args)["RAGGED"] is False
     ragged(q, wk, wk, lengths)
     plain(q, wk, wk)
@@ -542,7 +550,7 @@ def test_ragged_decode_step_passes_each_rows_counts(cuda_launches):
                                         (122, 32768, 2), (122, 100, 1)])
 def test_tensor_core_splits_per_row(B, T, splits):
     """The tensor-core launch's grid (``kvq_metal.attend._tc_geometry``, pure Python): ``B * 8`` (batch, KV head) rows
-    of 2 uncompressed blocks plus the compressed tokens' splits, aiming at ``TUNING["tc_groups"]`` (264) blocks in
+    of 2 uncompressed blocks plus the compressed tokens' splits, aiming at ``TUNING.tc_groups`` (264) blocks in
     all; once the rows alone reach that target (a batch of 33 sequences or more here), two splits per row (measured
     on the H200 at 122 sequences of 32K: 0.93-0.94x the time of one), unless the row has a single 128-token tile."""
     from kvq_metal import attend

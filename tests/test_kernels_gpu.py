@@ -8,6 +8,7 @@ order than ``mx.hadamard_transform``), so at most 0.1% of codes may differ and t
 
 from __future__ import annotations
 
+import attrs
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -60,28 +61,25 @@ ATTEND_CASES = [
 ]
 
 
-def _tensor_cores(tc: bool, tuning: dict):
-    """Set ``tuning["tc"]`` to ``tc`` (a fixture's parameter) for one test (``simt`` on CUDA only), and back after
-    it."""
+def _tensor_cores(tc: bool, module):
+    """Set ``module.TUNING.tc`` (a family's frozen launch knobs, :mod:`kvq_metal.knobs`) to ``tc`` (a fixture's
+    parameter) for one test (``simt`` on CUDA only), and back after it."""
     if not tc and kvq_metal.gpu_backend() != "cuda":
         pytest.skip("the tensor-core kernel exists on CUDA only")
-    saved = tuning["tc"]
-    tuning["tc"] = tc
-    yield tc
-    tuning["tc"] = saved
+    for _ in _knobs(module, {"tc": bool(tc)}, cuda_only=False):
+        yield tc
 
 
-def _knobs(tuning: dict, knobs: dict):
-    """Set ``knobs`` in ``tuning`` (a module's launch knobs) for one test, and back after it (CUDA only)."""
-    if knobs and kvq_metal.gpu_backend() != "cuda":
+def _knobs(module, knobs: dict, cuda_only: bool = True):
+    """Swap ``module.TUNING`` for a copy with ``knobs`` for one test, and back after it (CUDA only)."""
+    if knobs and cuda_only and kvq_metal.gpu_backend() != "cuda":
         pytest.skip("the tensor-core kernel exists on CUDA only")
-    saved = dict(tuning)
-    tuning.update(knobs)
+    saved = module.TUNING
+    module.TUNING = attrs.evolve(saved, **knobs)
     try:
         yield knobs
     finally:
-        tuning.clear()
-        tuning.update(saved)
+        module.TUNING = saved
 
 
 #: The tensor-core decode kernel with the knobs the default does not take: query fragments held in registers
@@ -96,8 +94,8 @@ def attend_kernel_kind(request):
     tensor-core kernel with :data:`ATTEND_TC_VARIANT`."""
     from kvq_metal import attend
 
-    for _ in _knobs(attend.TUNING, ATTEND_TC_VARIANT if request.param == "tc_regs" else {}):
-        yield from _tensor_cores(request.param is not False, attend.TUNING)
+    for _ in _knobs(attend, ATTEND_TC_VARIANT if request.param == "tc_regs" else {}):
+        yield from _tensor_cores(request.param is not False, attend)
 
 
 @pytest.fixture(params=[False, True], ids=["default", "tc_regs"])
@@ -105,7 +103,7 @@ def attend_tc_knobs(request):
     """The tensor-core decode kernel as it is by default, and with :data:`ATTEND_TC_VARIANT`."""
     from kvq_metal import attend
 
-    yield from _knobs(attend.TUNING, ATTEND_TC_VARIANT if request.param else {})
+    yield from _knobs(attend, ATTEND_TC_VARIANT if request.param else {})
 
 
 @pytest.mark.parametrize("case", range(len(ATTEND_CASES)))
@@ -158,8 +156,8 @@ def test_decode_attend_unaligned_rows_and_table_layouts(rep):
 
     if kvq_metal.gpu_backend() != "cuda":
         pytest.skip("the tensor-core kernel exists on CUDA only")
-    saved = attend.TUNING["rep"]
-    attend.TUNING["rep"] = rep
+    saved = attend.TUNING
+    attend.TUNING = attrs.evolve(saved, rep=rep)
     try:
         for method, params in (("turboquant", {"bits": 4}), ("affine", {"bits": 4, "group_size": 64})):
             kernel, pure = _impl(method)
@@ -173,7 +171,7 @@ def test_decode_attend_unaligned_rows_and_table_layouts(rep):
                 assert _rel(out, ref) < 1e-3, (method, rep)
                 assert float(mx.max(mx.abs(lse - ref_lse))) < 1e-3
     finally:
-        attend.TUNING["rep"] = saved
+        attend.TUNING = saved
 
 
 def test_decode_attend_calls_evaluated_together_stay_independent():
@@ -295,7 +293,7 @@ def test_cache_decode_through_the_bound_step_matches_kernels_off(method, params)
 def test_packed_batch_decode_in_one_launch_matches_rows(method, params, D):
     """A BatchKVQCache of three sequences of different lengths (so different compressed and window counts, flushing
     at different steps; one with no compressed token until its first compression, in the pack) decodes packed
-    through the ragged tensor-core step (one launch for all rows; checked: the binding is a RaggedDecodeStep) and
+    through the ragged tensor-core step (one launch for all rows; checked: the binding is a ragged DecodeStep) and
     gives each row the attention of the same rows decoding one by one through their own bound steps (the same
     codes; only the split boundaries differ) within 2e-3 relative (bfloat16 outputs of float32 sums split
     differently: at 14db2f6 the fresh row's attention, over its window alone, parted by one bfloat16 ulp in a few
@@ -307,7 +305,7 @@ def test_packed_batch_decode_in_one_launch_matches_rows(method, params, D):
     if kvq_metal.gpu_backend() != "cuda":
         pytest.skip("ragged decode steps are bound for the tensor-core kernel (CUDA)")
     from kvq.cache import BatchKVQCache, KVQCache, make_config
-    from kvq_metal.attend import RaggedDecodeStep
+    from kvq_metal.step import DecodeStep
 
     lengths = (300, 517, 25)  # the 25-token row has compressed nothing: its first compression comes at step 19
     batches = []
@@ -331,7 +329,7 @@ def test_packed_batch_decode_in_one_launch_matches_rows(method, params, D):
             assert _rel(got[r:r + 1], want[r:r + 1]) < 4e-3, (t, r)
         assert _rel(got, want) < 4e-3, t
         binds.append(batches[0]._packed._bound[1])
-        assert isinstance(binds[-1], RaggedDecodeStep)
+        assert isinstance(binds[-1], DecodeStep) and binds[-1].ragged
     assert batches[0].packed and len({id(b) for b in binds}) > 1  # rebound at the rows' flushes
 
 
@@ -612,13 +610,13 @@ STREAMS_TC_VARIANTS = {"tc_regs": {"qsh": False, "pf": None, "nt": 2}, "tc_singl
 @pytest.fixture(params=[True, False, "tc_regs", "tc_single"], ids=["tensor_cores", "simt", "tc_regs", "tc_single"])
 def streams_kernel_kind(request):
     """Both streams kernels: on CUDA the tensor-core one serves the calls it takes by default
-    (:func:`kvq_metal.streams._tc_plan`), ``simt`` forces the SIMT one (the Metal design); ``tc_regs`` and
+    (:func:`kvq_metal.streams_plan.tc_plan`), ``simt`` forces the SIMT one (the Metal design); ``tc_regs`` and
     ``tc_single`` are the tensor-core kernel with :data:`STREAMS_TC_VARIANTS`, CUDA only."""
     from kvq_metal import streams
 
     knobs = STREAMS_TC_VARIANTS.get(request.param, {})
-    for _ in _knobs(streams.TUNING, knobs):
-        yield from _tensor_cores(True if knobs else request.param, streams.TUNING)
+    for _ in _knobs(streams, knobs):
+        yield from _tensor_cores(True if knobs else request.param, streams)
 
 
 @pytest.mark.parametrize("case", range(len(STREAM_CASES)))
@@ -753,7 +751,7 @@ def test_streams_bound_step_matches_parts(km, kp, vm, vp, sinks, streams_kernel_
     wk, wv = _normal((2, 8, 150, 128), dt, 45), _normal((2, 8, 150, 128), dt, 46)
     step = kernel.bind_dense(_normal((2, 32, 1, 128), dt, 47), ke, ve, 128 ** -0.5, sk, sv, wk, wv)
     assert step is not None, kvq_metal.base.CHECKS
-    assert step._launch.tc == (streams_kernel_kind and kvq_metal.gpu_backend() == "cuda")
+    assert step.tensor_cores == (streams_kernel_kind and kvq_metal.gpu_backend() == "cuda")
     for n in (130, 131):
         q = _normal((2, 32, 1, 128), dt, n)
         out = step(q, wk[:, :, :n], wv[:, :, :n])

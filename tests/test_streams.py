@@ -12,7 +12,7 @@ import pytest
 
 import kvq
 from kvq.plugins import registry
-from kvq_metal import reference, streams
+from kvq_metal import reference, streams, streams_plan
 from kvq_metal.common import normal, relative_error
 
 from test_vecinfer import _calibrated  # noqa: F401  (its data_dir fixture is not needed: ours below)
@@ -122,7 +122,7 @@ def test_tensor_core_plan_takes_qjl_and_prod_within_shared_memory(rows, tuning):
     False); it refuses 9 rows and VecInfer's vector codes, saying why (the SIMT kernel serves those)."""
     from kvq_backends_qjl import kernels as qjl_kernels
 
-    knobs = (None, tuning.get("qsh", False), tuning.get("rep"))  # pf, qsh, rep (streams.TUNING's)
+    knobs = (None, tuning.get("qsh", False), tuning.get("rep"))  # pf, qsh, rep (kvq_metal.knobs.StreamsKnobs')
     from kvq_backends_turboquant.kernels import turboquant_prod
 
     calls = []
@@ -139,7 +139,7 @@ def test_tensor_core_plan_takes_qjl_and_prod_within_shared_memory(rows, tuning):
         calls.append((turboquant_prod.stream_call(keys, values), D))
     for call, D in calls:
         for dense in ((0, False, 0, 0), (2, True, D, 0)):
-            template, why = streams._tc_plan(streams._signature(call, rows, dense), 1, 2, *knobs)
+            template, why = streams_plan.tc_plan(streams._signature(call, rows, dense), 1, 2, *knobs)
             assert template is not None, why
             t = dict(template)
             assert t["R"] == rows and t["DQ"] == call.query_dim and t["DO"] == call.out_dim and t["ND"] == dense[0]
@@ -155,9 +155,9 @@ def test_tensor_core_plan_takes_qjl_and_prod_within_shared_memory(rows, tuning):
             assert (max(tables, rows * t["DO"]) + rows * max(t["DQ"], t["D"]) + fragments
                     <= streams.TC_SHARED_WORDS)
     call, D = calls[0]
-    assert "9 query rows" in streams._tc_plan(streams._signature(call, 9), 1, 2)[1]
+    assert "9 query rows" in streams_plan.tc_plan(streams._signature(call, 9), 1, 2)[1]
     vector = attrs.evolve(call.keys[0], vec=4, dim=256)
-    assert "vector codes" in streams._tc_plan(streams._signature(attrs.evolve(call, keys=(vector,)), 4), 1, 2)[1]
+    assert "vector codes" in streams_plan.tc_plan(streams._signature(attrs.evolve(call, keys=(vector,)), 4), 1, 2)[1]
 
 
 def test_cache_attends_qjl_keys_with_qjl_attention_same_numbers():
@@ -186,7 +186,7 @@ def test_cache_attends_qjl_keys_with_qjl_attention_same_numbers():
 
 def test_bound_step_matrices_equal_the_methods_transforms(tmp_path, monkeypatch):
     """The bound step runs each method's query preparation and value finish as matrices
-    (:func:`kvq_metal.streams.linear_matrix`): for qjl, turboquant_prod and vecinfer they equal the functions."""
+    (:func:`kvq_metal.streams_impl.linear_matrix`): for qjl, turboquant_prod and vecinfer they equal the functions."""
     from kvq_backends_qjl.kernels import QJLKernels
     from kvq_backends_turboquant.kernels import TurboQuantProdKernels
     from kvq_backends_vecinfer import storage
@@ -248,7 +248,7 @@ def test_bound_step_matrices_are_kept_per_parameters_and_calibration(tmp_path, m
 
 
 def test_streams_launch_plan_is_made_once_per_signature(monkeypatch):
-    """A window flush binds every layer's decode step again (:class:`kvq_metal.streams.StreamStep`): its launch
+    """A window flush binds every layer's decode step again (:func:`kvq_metal.streams.bind_streams`): its launch
     plan (the bound kernel and merge, on CUDA) is made once per signature and kept for other token counts, which
     change only the grid; other launch knobs make another plan."""
     from kvq_backends_qjl import kernels as qjl_kernels
@@ -274,18 +274,19 @@ def test_streams_launch_plan_is_made_once_per_signature(monkeypatch):
         k, v = keys.tokens(0, T), values.tokens(0, T)
         call = qjl_kernels.key_stream_call(k, v)
         prepare, finish = impl._matrices(k, v, call)
-        return streams.StreamStep(call, q, 128 ** -0.5, prepare, finish, "cuda", w[:, :, :4], w[:, :, :4],
-                                  w[:, :, 4:], w[:, :, 4:])
+        return streams.bind_streams(call, q, 128 ** -0.5, prepare, finish, "cuda", w[:, :, :4], w[:, :, :4],
+                                    w[:, :, 4:], w[:, :, 4:])
 
     first = step(300)
     made = len(built)
     for T in (1000, 3000):
         later = step(T)
         assert len(built) == made  # no kernel object made again
-        assert later._launch.call is first._launch.call and later._launch.merge is first._launch.merge
-        tile = 16 * streams.TUNING["nt"] * streams.THREADS // 32
-        assert later._launch.grid[1] == splits_for(2, T, "cuda", tile, streams.TUNING["groups"]) + 2
+        (main, merge), (main0, merge0) = later.launches, first.launches
+        assert main.call is main0.call and merge.call is merge0.call
+        tile = 16 * streams.TUNING.nt * streams.THREADS // 32
+        assert main.grid[1] == splits_for(2, T, "cuda", tile, streams.TUNING.groups) + 2
     out = later(q, w[:, :, 4:], w[:, :, 4:])
     assert out.shape == (1, 8, 1, 128) and out.dtype == mx.bfloat16
-    monkeypatch.setitem(streams.TUNING, "qsh", not streams.TUNING["qsh"])
-    assert step(300)._launch.call is not first._launch.call and len(built) == made + 1
+    monkeypatch.setattr(streams, "TUNING", attrs.evolve(streams.TUNING, qsh=not streams.TUNING.qsh))
+    assert step(300).launches[0].call is not first.launches[0].call and len(built) == made + 1

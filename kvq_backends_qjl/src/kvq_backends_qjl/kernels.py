@@ -26,6 +26,7 @@ from kvq_metal.base import first_use_check
 from kvq_metal.baselines import affine
 from kvq_metal.common import decode_shape_ok, normal, relative_error
 from kvq_metal.kernel_files import load
+from kvq_metal.streams_impl import StreamsKernelImpl
 
 from .params import QJLParams
 from .quantize import main_sketch, outlier_sketch
@@ -168,9 +169,9 @@ def prepare(keys):
     return run
 
 
-class QJLKernels(streams.StreamsKernelImpl):
+class QJLKernels(StreamsKernelImpl):
     """Kernel implementation of ``qjl`` (decode attention; see the module docstring and
-    :class:`kvq_metal.streams.StreamsKernelImpl`)."""
+    :class:`kvq_metal.streams_impl.StreamsKernelImpl`)."""
 
     method = "qjl"
 

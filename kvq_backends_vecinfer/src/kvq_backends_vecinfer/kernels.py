@@ -26,6 +26,7 @@ from kvq_metal import BACKENDS, streams
 from kvq_metal.base import first_use_check
 from kvq_metal.common import decode_shape_ok, normal
 from kvq_metal.kernel_files import load
+from kvq_metal.streams_impl import StreamsKernelImpl
 
 from . import storage, vq
 from .impl import _layer
@@ -104,9 +105,9 @@ def stream_call(keys, values) -> streams.StreamCall | None:
     return streams.StreamCall((_stream(keys),), (_stream(values),), keys.head_dim)
 
 
-class VecInferKernels(streams.StreamsKernelImpl):
+class VecInferKernels(StreamsKernelImpl):
     """Kernel implementation of ``vecinfer`` (decode attention; see the module docstring and
-    :class:`kvq_metal.streams.StreamsKernelImpl`)."""
+    :class:`kvq_metal.streams_impl.StreamsKernelImpl`)."""
 
     method = "vecinfer"
     prepare_per_head = True  # the keys' smoothing factors are per KV head

@@ -5,7 +5,10 @@ kernel is written in once and the launch helpers (:mod:`kvq_metal.dialect`), the
 (:mod:`kvq_metal.kernel_files`), the base of kernel implementations and their first-use check
 (:mod:`kvq_metal.base`, :mod:`kvq_metal.common`), and the generic kernels: fused decode attention over any code
 stream that decodes as ``table[code] * scale + bias`` (:mod:`kvq_metal.attend`, on tensor cores on CUDA:
-:mod:`kvq_metal.attend_tc`; pure-MLX reference :mod:`kvq_metal.reference`). Methods' plugins write their own
+:mod:`kvq_metal.attend_tc`; pure-MLX reference :mod:`kvq_metal.reference`) and over code streams
+(:mod:`kvq_metal.streams`, planned by :mod:`kvq_metal.streams_plan`, implementations' base
+:mod:`kvq_metal.streams_impl`). Both families bind a cache's decode into one :class:`kvq_metal.step.DecodeStep`;
+their launch knobs are frozen defaults (:mod:`kvq_metal.knobs`). Methods' plugins write their own
 kernels on these pieces and register them themselves (``kvq_backends_turboquant.kernels``). Implementations
 are registered for both back ends; each offers itself only on its own GPU, after a first-use check against the
 pure-MLX implementation, and kvq's selection ranks it by cost against pure MLX.

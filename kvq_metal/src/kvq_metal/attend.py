@@ -23,9 +23,7 @@ pure-MLX reference: :func:`kvq_metal.reference.decode_attend`.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from functools import lru_cache
 
 import attrs
@@ -34,8 +32,11 @@ import mlx.core as mx
 from kvq.attention import DenseTokens
 
 from . import attend_tc
+from .attend_tc import DENSE_DTYPES
 from .dialect import float_bits
 from .kernel_files import KERNELS, load
+from .knobs import AttendKnobs
+from .step import DecodeStep, KernelCall, aliases, dense_inputs
 
 THREADS = 128
 #: Thread groups to aim for across the sequence splits (about eight per SM on an H200; a few per Apple GPU core).
@@ -44,27 +45,9 @@ TARGET_GROUPS = {"cuda": 1056, "metal": 160}
 MAX_ROWS = 8
 #: Most sequence splits per (batch, KV head) row (the merge kernel keeps one weight per split in shared memory).
 MAX_SPLITS = 2048
-#: Launch shape knobs (``kvq bench``/benchmarks sweep them): tokens each thread loads per tile for up to 4 query
-#: rows and for more, an optional override of the coordinates per thread (4 or 8; ``None``: by bits), and
-#: ``phases`` (3 = scores and values; 1 or 2 runs only one of them, giving wrong results: profiling only); on CUDA,
-#: ``tc`` picks the tensor-core kernel (:mod:`kvq_metal.attend_tc`) where it serves the shape; its knobs: ``nt``
-#: 16-token tiles per warp step, ``pf`` loads of the next step issued before this step's math (off: it costs
-#: registers and measured no faster on the H200), ``pair`` pair tables (two codes per lookup) and ``tc_groups``
-#: thread groups to aim for (it keeps a block's warps busy longer: fewer, longer splits), ``rep`` one copy of each
-#: code table per lane where shared memory allows (lookups without bank conflicts; see :func:`table_layout`),
-#: ``qsh`` the query fragments read from shared memory instead of held in registers (16 to 32 registers fewer per
-#: thread, which bound the kernel's occupancy; on: 4-9% less GPU time per call at 4K-128K on the H200,
-#: benchmarks/results/kernels/2026-12-02-h200-durations-qsh.json); ``minb`` (CUDA, bound decode steps) the
-#: blocks per SM the compiler must fit (``__launch_bounds__(THREADS, minb)``, :meth:`kvq_metal.dialect.Kernel.
-#: bound`; 0: no bound). As MLX builds it on the H200 (Nsight Compute) the bound step at head_dim 128 takes 186
-#: registers for turboquant-4, 130 for turboquant-3 and 198 for affine-4 (2, 3 and 2 blocks of 4 warps per SM);
-#: ``minb`` 3 makes each 168 (3 blocks) and at one sequence of 128K changed the GPU time by -1%, -2% and +3%: there
-#: the grid (264 blocks on 132 SMs), not registers, bounds the occupancy (11-12% achieved either way), so it stays
-#: off until a batched run shows it pays (benchmarks/results/kernels/2026-12-03-h200-durations-minb-7f67dd3.json).
-TUNING = {"kt_small": 8, "kt_large": 8, "cpt": None, "phases": 3, "tc": True, "nt": 2, "pf": False, "pair": True,
-          "tc_groups": 264, "rep": True, "qsh": True, "minb": 0}
-# benchmarks may override the knobs without code changes: KVQ_ATTEND_TUNING='{"nt": 1}'
-TUNING.update(json.loads(os.environ.get("KVQ_ATTEND_TUNING", "{}")))
+#: The launch-shape knobs this module plans with (:class:`kvq_metal.knobs.AttendKnobs`, frozen; read at each plan,
+#: so a benchmark may swap the object: ``benchmarks/knobs.py``).
+TUNING = AttendKnobs()
 
 #: The kernels this module launches (kernel files in ``kvq_metal/kernels``; :mod:`kvq_metal.kernel_files`).
 DECODE_ATTEND = load(KERNELS / "decode_attend.kvq")
@@ -103,8 +86,8 @@ class Side:
 
 def coords_per_thread(bits: int) -> int:
     """Coordinates one thread decodes per token: 8 for 1-4 bits, 4 for 5-8 bits (at most 32 bits of codes;
-    ``TUNING["cpt"] = 4`` forces 4)."""
-    return 4 if bits > 4 or TUNING["cpt"] == 4 else 8
+    ``TUNING.cpt = 4`` forces 4)."""
+    return 4 if bits > 4 or TUNING.cpt == 4 else 8
 
 
 def supported(head_dim: int, key_bits: int, value_bits: int, key_group: int, value_group: int,
@@ -121,14 +104,14 @@ def supported(head_dim: int, key_bits: int, value_bits: int, key_group: int, val
 
 def uses_tensor_cores(backend: str, head_dim: int, keys: Side, values: Side, rows: int) -> bool:
     """Whether :func:`decode_attend` runs the tensor-core kernel (:mod:`kvq_metal.attend_tc`) for this problem:
-    on CUDA, with ``TUNING["tc"]`` on, for the shapes it serves (the SIMT kernel serves the rest, and Metal)."""
-    return _tc_serves(backend, bool(TUNING["tc"]), head_dim, keys.bits, values.bits, keys.group, values.group, rows,
+    on CUDA, with ``TUNING.tc`` on, for the shapes it serves (the SIMT kernel serves the rest, and Metal)."""
+    return _tc_serves(backend, bool(TUNING.tc), head_dim, keys.bits, values.bits, keys.group, values.group, rows,
                       keys.bits2, values.bits2)
 
 
 def _tc_serves(backend: str, tc: bool, D: int, kb: int, vb: int, kg: int, vg: int, R: int, kb2: int,
                vb2: int) -> bool:
-    """:func:`uses_tensor_cores` from the widths and groups (``tc``: ``TUNING["tc"]``)."""
+    """:func:`uses_tensor_cores` from the widths and groups (``tc``: ``TUNING.tc``)."""
     return backend == "cuda" and tc and attend_tc.supported(D, kb, vb, kg, vg, R, kb2, vb2)
 
 
@@ -166,44 +149,16 @@ def _constant(values: tuple, dtype) -> mx.array:
     return _CONSTANTS[key]
 
 
-#: 32-bit words of static shared memory a CUDA thread block may declare (48 KB).
-SHARED_WORDS = 12288
-
-
 def table_layout(head_dim: int, rows: int, keys: Side, values: Side) -> tuple[bool, bool, bool]:
     """``(KREP, VREP, VSAME)`` of the tensor-core kernel: which code tables get one copy per lane (a lookup then
     never conflicts on a shared-memory bank; a table of ``n`` entries takes ``128 n`` bytes) and whether values
     read the keys' table (the same table object and widths). Copies are made while they fit in the static shared
-    memory left after the queries (:data:`SHARED_WORDS`), keys first; ``TUNING["rep"] = False`` turns them off.
+    memory left after the queries (:data:`kvq_metal.attend_tc.SHARED_WORDS`), keys first; knob ``rep`` off
+    (:data:`TUNING`) turns them off.
     Measured on an H200 at 128K tokens (``benchmarks/kernel_durations.py``): 4-bit codes with per-vector norms
     124 us with copies, 139 without; 4-bit codes with group scales and biases 141 and 147."""
-    return _table_layout(head_dim, rows, keys.bits, keys.bits2, values.bits, values.bits2,
-                         keys.table is values.table, bool(TUNING["pair"]), bool(TUNING["rep"]), bool(TUNING["qsh"]))
-
-
-@lru_cache(maxsize=1024)
-def _table_layout(head_dim: int, rows: int, kb: int, kb2: int, vb: int, vb2: int, same_table: bool, pair: bool,
-                  rep: bool, qsh: bool = False) -> tuple[bool, bool, bool]:
-    """:func:`table_layout` from the code widths (``bits``, ``bits2`` per side), whether both sides hold the
-    same table object, and the knobs ``pair``, ``rep`` and ``qsh`` of :data:`TUNING`."""
-    same = same_table and (kb, kb2) == (vb, vb2)
-    key_code_bits, value_code_bits = kb + kb2, vb + vb2
-    def entries(cb: int) -> int:
-        return 1 << (2 * cb) if pair and 2 * cb <= 8 else 1 << cb
-
-    # left after the queries (and their fragments with qsh), the warps' (max, sum), the staged tables
-    # and a margin
-    free = (SHARED_WORDS - rows * head_dim - 2 * 4 * 8 - (1 << key_code_bits) - (1 << value_code_bits) - 64
-            - (4 * head_dim if qsh else 0))
-    ke, ve = entries(key_code_bits), 0 if same else entries(value_code_bits)
-    for krep, vrep in ((True, True), (True, False), (False, True), (False, False)):
-        if not rep and (krep or vrep):
-            continue
-        if same and krep != vrep:
-            continue
-        if ke * (32 if krep else 1) + ve * (32 if vrep else 1) <= free:
-            return krep, vrep, same
-    return False, False, same
+    return attend_tc.table_layout(head_dim, rows, keys.bits, keys.bits2, values.bits, values.bits2,
+                                  keys.table is values.table, bool(TUNING.pair), bool(TUNING.rep), bool(TUNING.qsh))
 
 
 def serves_dense(backend: str, head_dim: int, keys: Side, values: Side, rows: int) -> bool:
@@ -232,39 +187,6 @@ TC_INPUTS = INPUTS + ("counter", "wk", "wv", "sk", "sv", "lens")
 TC_OUTPUTS = ("part", "ml", "fout", "lse", "cnt")
 
 
-def _tc_template(**flags) -> list:
-    """The tensor-core kernel's template arguments, in their fixed order: ``flags`` (``D``, ``R``, ``KG``, ``VG``
-    and ``DV`` always) over the defaults of a launch without bits, biases, copies or uncompressed tokens."""
-    t = {"D": None, "R": None, "KB": 1, "VB": 1, "KG": None, "VG": None, "KBIAS": False, "VBIAS": False, "KB2": 0,
-         "VB2": 0, "THREADS": THREADS, "ROT": False, "QSCALE": None, "NT": TUNING["nt"], "PF": False, "QSH": False,
-         "PAIRTAB": True, "SINKS": False, "DDT": 0, "KREP": False, "VREP": False, "VSAME": False, "ND": 0, "DV": None,
-         "MINB": 0, "RAGGED": False}
-    t.update(flags)
-    return list(t.items())
-
-
-#: The tensor-core kernel's code for the dtype of uncompressed tokens (``DDT``): float16 and bfloat16 rows are read
-#: with vector loads (bfloat16 converted to float16), any other dtype element by element.
-DENSE_DTYPES = {mx.float16: 0, mx.bfloat16: 1}
-
-
-def _tc_launch(common: tuple, nd: int, out_dim: int, layout: tuple, tuning: tuple, sinks: bool,
-               ddt: int) -> tuple[list, int]:
-    """The tensor-core launch's template (:func:`_tc_template`) and its tile (compressed tokens per block step),
-    for :func:`_launch_plan` (which caches it): ``common`` the template arguments every decode-attention kernel
-    takes, ``nd`` the blocks of uncompressed tokens (0, or 2: sinks and window, ``sinks`` whether there are any,
-    ``ddt`` their :data:`DENSE_DTYPES` code), ``layout`` :func:`table_layout`'s answer, ``tuning`` the items of
-    :data:`TUNING`."""
-    t = dict(tuning)
-    D = dict(common)["D"]
-    krep, vrep, same = layout
-    pf = D <= 128 if t["pf"] is None else t["pf"]
-    template = _tc_template(**dict(common), NT=t["nt"], PF=bool(pf), QSH=bool(t["qsh"]), PAIRTAB=bool(t["pair"]),
-                            KREP=krep, VREP=vrep, VSAME=same, ND=nd, SINKS=sinks, DDT=ddt, DV=out_dim,
-                            MINB=int(t.get("minb") or 0))
-    return template, 16 * t["nt"] * THREADS // 32
-
-
 @attrs.frozen
 class LaunchPlan:
     """What a decode-attention call does, fixed by its static signature (:func:`_launch_plan`): ``tc`` the
@@ -284,11 +206,11 @@ class LaunchPlan:
 @lru_cache(maxsize=1024)
 def _launch_plan(D: int, R: int, kb: int, vb: int, kg: int, vg: int, kbias: bool, vbias: bool, kb2: int, vb2: int,
                  rot: bool, qscale: int, out_dim: int, same_table: bool, dense: tuple | None, backend: str,
-                 tuning: tuple) -> LaunchPlan:
+                 tuning: AttendKnobs) -> LaunchPlan:
     """The :class:`LaunchPlan` of one static signature, computed once: code widths and groups of both sides,
     ``rot`` (rotated domain), ``qscale`` (the softmax scale's float bits), ``same_table`` (keys and values hold
-    the same table object), ``dense`` (``None``, or ``(sinks present, DENSE_DTYPES code)``), ``tuning`` the items
-    of :data:`TUNING` (part of the key, so benchmark overrides take effect). A decode step then only computes its
+    the same table object), ``dense`` (``None``, or ``(sinks present, DENSE_DTYPES code)``), ``tuning`` the knobs
+    (:data:`TUNING`, part of the key, so a swapped object takes effect). A decode step then only computes its
     split count and builds the input lists.
 
     :raises ValueError: a shape :func:`supported` rejects, or ``dense`` where :func:`serves_dense` is false.
@@ -296,21 +218,23 @@ def _launch_plan(D: int, R: int, kb: int, vb: int, kg: int, vg: int, kbias: bool
     if not supported(D, kb, vb, kg, vg, R):
         raise ValueError(f"decode_attend does not serve head_dim {D}, bits {kb}/{vb}, groups {kg}/{vg}, {R} query "
                          "rows")
-    t = dict(tuning)
+    t = tuning
     common = (("D", D), ("R", R), ("KB", kb), ("VB", vb), ("KG", kg), ("VG", vg), ("KBIAS", kbias),
               ("VBIAS", vbias), ("KB2", kb2), ("VB2", vb2), ("THREADS", THREADS), ("ROT", rot), ("QSCALE", qscale))
-    if _tc_serves(backend, bool(t["tc"]), D, kb, vb, kg, vg, R, kb2, vb2):
+    if _tc_serves(backend, bool(t.tc), D, kb, vb, kg, vg, R, kb2, vb2):
         nd = 0 if dense is None else 2
         sinks, ddt = (False, 0) if dense is None else dense
-        layout = _table_layout(D, R, kb, kb2, vb, vb2, same_table, bool(t["pair"]), bool(t["rep"]), bool(t["qsh"]))
-        template, tile = _tc_launch(common, nd, out_dim, layout, tuning, sinks, ddt)
+        layout = attend_tc.table_layout(D, R, kb, kb2, vb, vb2, same_table, bool(t.pair), bool(t.rep),
+                                        bool(t.qsh))
+        template, tile = attend_tc.launch_template(common, nd, out_dim, layout, tuning, sinks, ddt)
         # the merging block keeps R * (splits + nd) weights in the 4 * 8 * D words its warps' outputs used
         return LaunchPlan(True, template, tile, min(MAX_SPLITS, 32 * D // R - nd), nd)
     if dense is not None:
         raise ValueError("decode_attend takes dense= with the tensor-core kernel only (see serves_dense)")
     cpt = min(coords_per_thread(kb), coords_per_thread(vb))
-    kt = t["kt_small"] if R <= 4 else t["kt_large"]
-    template = [*common, ("CPT", cpt), ("KT", kt), ("PHASES", t["phases"])]
+    kt = t.kt_small if R <= 4 else t.kt_large
+    # PHASES 3: both phases (scores, then values); the kernel's text keeps the argument, the library no other value
+    template = [*common, ("CPT", cpt), ("KT", kt), ("PHASES", 3)]
     merge = [("D", D), ("DV", out_dim), ("R", R), ("ROT", rot), ("MAX_SPLITS", MAX_SPLITS)]
     return LaunchPlan(False, template, kt * THREADS * cpt // D, MAX_SPLITS, 0, merge)
 
@@ -350,7 +274,7 @@ def _plan_for(queries_shape, scale: float, keys: Side, values: Side, backend: st
     R = Hq // H * Tq
     plan = _launch_plan(D, R, keys.bits, values.bits, keys.group, values.group, keys.biases is not None,
                         values.biases is not None, keys.bits2, values.bits2, rot, float_bits(float(scale)), out_dim,
-                        keys.table is values.table, dense_key, backend, tuple(TUNING.items()))
+                        keys.table is values.table, dense_key, backend, TUNING)
     return plan, D, T, R, out_dim
 
 
@@ -370,14 +294,14 @@ def _tc_geometry(plan: LaunchPlan, queries_shape, H: int, T: int, D: int, R: int
     compressed tokens; the output is written as ``[B, H_q, T_q, out_dim]`` (the kernel's row order, bh * R + r, is
     that layout) in ``out_dtype``.
 
-    The splits aim at ``TUNING["tc_groups"]`` blocks *including* the uncompressed ones (the blocks an H200 holds
+    The splits aim at ``TUNING.tc_groups`` blocks *including* the uncompressed ones (the blocks an H200 holds
     at once, two per SM at this kernel's registers): counted on top, they made a second wave of 2 * B * H
     blocks that every row's merge waited for (Nsight Compute, H200, 32 query / 8 KV heads: 11 us added at 4K
     and at 32K tokens). Once the rows alone reach the target (a large batch), each row takes two splits (where it
     has two tiles), not one."""
     B, Hq, Tq, _ = queries_shape
-    groups = max(B * H, min(TUNING["tc_groups"], plan.limit * B * H) - plan.nd * B * H)
-    if B * H >= TUNING["tc_groups"]:
+    groups = max(B * H, min(TUNING.tc_groups, plan.limit * B * H) - plan.nd * B * H)
+    if B * H >= TUNING.tc_groups:
         # the rows alone fill the target (a large batch): two splits per row, not one. At 122 sequences of 32K
         # tokens (976 rows; kernel_durations.py --batch 122, H200) the bound step took 0.93-0.94x the time of one
         # split per row, three splits 0.95-0.96x (benchmarks/results/kernels/2026-12-04-h200-durations-batch122-*)
@@ -387,13 +311,6 @@ def _tc_geometry(plan: LaunchPlan, queries_shape, H: int, T: int, D: int, R: int
     return ((THREADS * B * H, blocks, 1),
             [(B, H, blocks, R, D), (B, H, blocks, R, 2), (B, Hq, Tq, out_dim), (B, Hq, Tq), (B * H,)],
             [mx.float32, mx.float32, out_dtype, mx.float32, mx.int32])
-
-
-def _dense_inputs(window_keys, window_values, sink_keys, sink_values) -> list:
-    """The tensor-core kernel's ``wk, wv, sk, sv`` inputs; without sinks the window's arrays stand in for them
-    (``SINKS`` is false: never read)."""
-    sinks = [window_keys, window_values] if sink_keys is None else [sink_keys, sink_values]
-    return [window_keys, window_values, *sinks]
 
 
 def decode_attend(queries: mx.array, scale: float, keys: Side, values: Side, backend: str, *,
@@ -437,7 +354,7 @@ def decode_attend(queries: mx.array, scale: float, keys: Side, values: Side, bac
             pad = _constant((0.0,), mx.float16)
             tokens = [pad, pad, pad, pad]
         else:
-            tokens = _dense_inputs(dense.window_keys, dense.window_values, dense.sink_keys, dense.sink_values)
+            tokens = dense_inputs(dense.window_keys, dense.window_values, dense.sink_keys, dense.sink_values)
         counter = _zero_counters(B * H, backend)
         outs = kern(inputs=args + [counter, *tokens, counter], template=plan.template,
                     grid=grid, threadgroup=(THREADS, 1, 1), output_shapes=shapes, output_dtypes=dtypes)
@@ -454,70 +371,25 @@ def decode_attend(queries: mx.array, scale: float, keys: Side, values: Side, bac
     return out.reshape(B, Hq, Tq, out_dim), lse.reshape(B, Hq, Tq)
 
 
-class DecodeStep:
-    """One layer's decode attention, bound once (:func:`bind_decode`) and launched once per step: the compressed
-    tokens, the sinks and the window in one tensor-core launch that merges its own splits, writes the output in the
-    model's dtype, and zeroes the split counters of the next step's launch (so no launch zeroes them).
-
-    Everything but the queries and the window is fixed at binding: the compressed tokens (their codes, their
-    count, so the split count), the sinks, the softmax scale, the queries' shape and dtype, the window's dtype. A
-    cache binds again when any of them changes (a window flush, a trim into the compressed tokens, a loaded file);
-    the steps of one binding must run in order (each step's counters come from the step before).
-
-    Call it as ``step(queries, window_keys, window_values) -> out``: ``queries [B, H_q, T_q, D_q]`` of the bound
-    shape and dtype, the window ``[B, H_kv, n, D]`` (``n >= 1``, the bound dtype); ``out [B, H_q, T_q, out_dim]`` in
-    the queries' dtype, equal to :func:`decode_attend`'s output with ``dense=`` (cast).
-
-    On CUDA the launch carries no template arguments and passes each array once (:meth:`kvq_metal.dialect.Kernel.
-    bound`: the plan's values are in the kernel's text, repeated inputs and unused sinks are read through
-    aliases), the cheapest launch MLX's custom kernels offer the host.
-    """
-
-    __slots__ = ("_call", "_template", "_grid", "_codes", "_sinks", "_shapes", "_dtypes", "_counter",
-                 "template_args")
-
-    def __init__(self, call, template: list, grid: tuple, codes: list, sinks: list, shapes: list, dtypes: list,
-                 counter: mx.array, template_args: tuple = ()) -> None:
-        self._call, self._template, self._grid = call, template, grid
-        #: the launch plan's template arguments (written into the kernel's text on CUDA, passed elsewhere)
-        self.template_args = tuple(template_args)
-        self._codes, self._sinks, self._shapes, self._dtypes = codes, sinks, shapes, dtypes
-        self._counter = counter
-
-    def __call__(self, queries: mx.array, window_keys: mx.array, window_values: mx.array, *last) -> mx.array:
-        # last: the inputs after the sinks that a step passes per call (RaggedDecodeStep: the rows' counts); one
-        # frame, no helper: this is the decode hot path
-        outs = self._call(inputs=[queries, *self._codes, self._counter, window_keys, window_values, *self._sinks,
-                                  *last],
-                          template=self._template, grid=self._grid, threadgroup=(THREADS, 1, 1),
-                          output_shapes=self._shapes, output_dtypes=self._dtypes)
-        self._counter = outs[4]
-        return outs[2]
-
-
-class RaggedDecodeStep(DecodeStep):
-    """A :class:`DecodeStep` over a batch whose rows hold different numbers of tokens (:func:`bind_decode` with
-    ``ragged=True``; a :class:`kvq.cache.BatchKVQCache` of sequences of different lengths in one launch).
-
-    Call it as ``step(queries, window_keys, window_values, lengths) -> out``: the compressed tokens bound are
-    ``[B, H_kv, T, ...]`` of which row ``b`` holds the first ``lengths[b, 0]`` (``0 <= lengths[b, 0] <= T``), the
-    window ``[B, H_kv, n, D]`` of which row ``b`` holds the first ``lengths[b, 1]`` (``0 <= lengths[b, 1] <= n``);
-    ``lengths`` int32 ``[B, 2]``; the sinks are whole for every row. Tokens past a row's counts are never read into
-    its scores. Each row's ``out`` equals :class:`DecodeStep`'s for that row alone, up to the order of float32
-    additions (the splits cover the longest row, so a shorter row is split at other token boundaries).
-    """
-
-    __slots__ = ()
-
-
 def bind_decode(queries: mx.array, scale: float, call: DenseCall, backend: str, *, sink_keys: mx.array | None,
                 sink_values: mx.array | None, window_keys: mx.array, window_values: mx.array,
                 ragged: bool = False) -> DecodeStep | None:
-    """A :class:`DecodeStep` for decode queries like ``queries`` over the compressed tokens ``call`` describes
-    (:class:`DenseCall`), a cache's sinks (``None`` when it holds none) and a window like ``window_keys``/
-    ``window_values`` (their dtype; sinks of the same dtype); ``None`` where the tensor-core kernel does not serve
-    the shape (the caller attends another way). ``ragged``: a :class:`RaggedDecodeStep` (rows of different
-    lengths, passed per step).
+    """A :class:`kvq_metal.step.DecodeStep` for decode queries like ``queries`` over the compressed tokens ``call``
+    describes (:class:`DenseCall`), a cache's sinks (``None`` when it holds none) and a window like
+    ``window_keys``/``window_values`` (their dtype; sinks of the same dtype): the tensor-core kernel over the
+    compressed tokens, the sinks and the window in one launch that merges its own splits, writes the output in the
+    model's dtype and zeroes the next step's split counters; its output equals :func:`decode_attend`'s with
+    ``dense=`` (cast). ``None`` where the tensor-core kernel does not serve the shape (the caller attends another
+    way).
+
+    ``ragged``: the step of a batch whose rows hold different numbers of tokens (a :class:`kvq.cache.
+    BatchKVQCache`), called as ``step(queries, window_keys, window_values, lengths)`` with int32 ``lengths [B, 2]``
+    (row ``b`` holds the first ``lengths[b, 0]`` bound compressed tokens and the first ``lengths[b, 1]`` window
+    tokens; the sinks are whole); each row's output equals the plain step's for that row alone up to the order of
+    float32 additions (the splits cover the longest row).
+
+    On CUDA the launch carries no template arguments and passes each array once (:meth:`kvq_metal.dialect.Kernel.
+    bound`: the plan's values are in the kernel's text, repeated inputs and absent sinks read through aliases).
 
     :raises ValueError: as :func:`decode_attend` (shapes, sinks and window of different dtypes).
     """
@@ -530,35 +402,19 @@ def bind_decode(queries: mx.array, scale: float, call: DenseCall, backend: str, 
     if not plan.tc:
         return None
     codes = _code_inputs(keys, values, signs)
-    tokens = _dense_inputs(window_keys, window_values, sink_keys, sink_values)
     counter = _zero_counters(queries.shape[0] * H, backend)
     grid, shapes, dtypes = _tc_geometry(plan, queries.shape, H, T, D, R, out_dim, backend, queries.dtype)
     kern = attend_tc.DECODE_ATTEND_TC.kernel(backend, TC_INPUTS, TC_OUTPUTS, ensure_row_contiguous=False)
+    # a plain launch passes the counters where a ragged one reads the rows' counts (never read: an alias)
     lengths = _constant((0, 0), mx.int32) if ragged else counter
-    inputs = [queries, *codes, counter, *tokens, lengths]
+    inputs = [queries, *codes, counter, *dense_inputs(window_keys, window_values, sink_keys, sink_values), lengths]
     template = [(k, ragged if k == "RAGGED" else v) for k, v in plan.template]
-    aliases = _input_aliases(inputs, sink_keys is not None)
-    if not ragged:
-        aliases["lens"] = "counter"
-    raw, full, kept = kern.bound(template, inputs, aliases)
+    per_step = ("q", "wk", "wv", "lens") if ragged else ("q", "wk", "wv")
+    raw, full, kept = kern.bound(template, inputs, aliases(TC_INPUTS, inputs, per_step))
     n = len(codes)  # inputs: q, codes (1..n), counter, wk, wv, sinks (n + 4, n + 5), lens (last)
-    last = len(inputs) - 1
-    # after the window: the sinks, and the lengths' placeholder where a launch keeps it (not aliased); a ragged
-    # step passes its lengths per call
-    fixed = [inputs[i] for i in kept if i > n + 3 and not (ragged and i == last)]
-    step = RaggedDecodeStep if ragged else DecodeStep
-    return step(raw, full, grid, [inputs[i] for i in kept if 0 < i <= n], fixed, shapes, dtypes, counter, template)
-
-
-def _input_aliases(inputs: list, sinks: bool) -> dict[str, str]:
-    """The tensor-core inputs (:data:`TC_INPUTS`, ``inputs`` in that order) a bound launch need not pass: a code
-    input that is the same array as an earlier one (a side without a second code stream or biases passes its
-    codes or scales twice), and without sinks ``sk``/``sv`` (never read; the window stands in)."""
-    aliases = {}
-    for i in range(1, len(INPUTS)):
-        first = next(j for j in range(1, i + 1) if inputs[j] is inputs[i])
-        if first < i:
-            aliases[TC_INPUTS[i]] = TC_INPUTS[first]
-    if not sinks:
-        aliases.update(sk="wk", sv="wv")
-    return aliases
+    # after the window: the sinks, and the lengths' placeholder where a launch keeps it (a ragged step passes its
+    # lengths per call)
+    fixed = [inputs[i] for i in kept if i > n + 3 and not (ragged and i == len(inputs) - 1)]
+    main = KernelCall(raw, full, grid, (THREADS, 1, 1), shapes, dtypes)
+    return DecodeStep(main, [inputs[i] for i in kept if 0 < i <= n], fixed, counter=counter, ragged=ragged,
+                      template_args=template)

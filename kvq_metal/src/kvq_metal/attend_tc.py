@@ -37,6 +37,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+import mlx.core as mx
+
 from .kernel_files import KERNELS, load
 
 #: The kernel and its header (kernel files in ``kvq_metal/kernels``); launcher: :func:`kvq_metal.attend.decode_attend`.
@@ -60,3 +62,63 @@ def supported(head_dim: int, key_bits: int, value_bits: int, key_group: int, val
         if not (group % slice_ == 0 or (slice_ % group == 0 and group % 2 == 0)):
             return False
     return True
+
+
+#: 32-bit words of static shared memory a CUDA thread block may declare (48 KB).
+SHARED_WORDS = 12288
+#: The kernel's code for the dtype of uncompressed tokens (``DDT``): float16 and bfloat16 rows are read with vector
+#: loads (bfloat16 converted to float16), any other dtype element by element.
+DENSE_DTYPES = {mx.float16: 0, mx.bfloat16: 1}
+
+
+@lru_cache(maxsize=1024)
+def table_layout(head_dim: int, rows: int, kb: int, kb2: int, vb: int, vb2: int, same_table: bool, pair: bool,
+                 rep: bool, qsh: bool = False) -> tuple[bool, bool, bool]:
+    """``(KREP, VREP, VSAME)`` (:func:`kvq_metal.attend.table_layout`) from the code widths (``bits``, ``bits2``
+    per side), whether both sides hold the same table object, and the knobs ``pair``, ``rep`` and ``qsh``
+    (:class:`kvq_metal.knobs.AttendKnobs`)."""
+    same = same_table and (kb, kb2) == (vb, vb2)
+    key_code_bits, value_code_bits = kb + kb2, vb + vb2
+    def entries(cb: int) -> int:
+        return 1 << (2 * cb) if pair and 2 * cb <= 8 else 1 << cb
+
+    # left after the queries (and their fragments with qsh), the warps' (max, sum), the staged tables
+    # and a margin
+    free = (SHARED_WORDS - rows * head_dim - 2 * 4 * 8 - (1 << key_code_bits) - (1 << value_code_bits) - 64
+            - (4 * head_dim if qsh else 0))
+    ke, ve = entries(key_code_bits), 0 if same else entries(value_code_bits)
+    for krep, vrep in ((True, True), (True, False), (False, True), (False, False)):
+        if not rep and (krep or vrep):
+            continue
+        if same and krep != vrep:
+            continue
+        if ke * (32 if krep else 1) + ve * (32 if vrep else 1) <= free:
+            return krep, vrep, same
+    return False, False, same
+
+
+def template(**flags) -> list:
+    """The kernel's template arguments, in their fixed order: ``flags`` (``D``, ``R``, ``KG``, ``VG``, ``THREADS``,
+    ``NT`` and ``DV`` always) over the defaults of a launch without bits, biases, copies or uncompressed tokens."""
+    t = {"D": None, "R": None, "KB": 1, "VB": 1, "KG": None, "VG": None, "KBIAS": False, "VBIAS": False, "KB2": 0,
+         "VB2": 0, "THREADS": None, "ROT": False, "QSCALE": None, "NT": None, "PF": False, "QSH": False,
+         "PAIRTAB": True, "SINKS": False, "DDT": 0, "KREP": False, "VREP": False, "VSAME": False, "ND": 0, "DV": None,
+         "MINB": 0, "RAGGED": False}
+    t.update(flags)
+    return list(t.items())
+
+
+def launch_template(common: tuple, nd: int, out_dim: int, layout: tuple, knobs, sinks: bool,
+                    ddt: int) -> tuple[list, int]:
+    """The launch's template (:func:`template`) and its tile (compressed tokens per block step), for
+    :func:`kvq_metal.attend._launch_plan` (which caches it): ``common`` the template arguments every
+    decode-attention kernel takes (``THREADS`` among them), ``nd`` the blocks of uncompressed tokens (0, or 2:
+    sinks and window, ``sinks`` whether there are any, ``ddt`` their :data:`DENSE_DTYPES` code), ``layout``
+    :func:`table_layout`'s answer, ``knobs`` a :class:`kvq_metal.knobs.AttendKnobs`."""
+    D, threads = dict(common)["D"], dict(common)["THREADS"]
+    krep, vrep, same = layout
+    pf = D <= 128 if knobs.pf is None else knobs.pf
+    args = template(**dict(common), NT=knobs.nt, PF=bool(pf), QSH=bool(knobs.qsh), PAIRTAB=bool(knobs.pair),
+                    KREP=krep, VREP=vrep, VSAME=same, ND=nd, SINKS=sinks, DDT=ddt, DV=out_dim,
+                    MINB=int(knobs.minb or 0))
+    return args, 16 * knobs.nt * threads // 32

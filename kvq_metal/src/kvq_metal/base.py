@@ -116,7 +116,7 @@ class KernelImpl:
 
     def bind_dense(self, queries, keys, values, scale, sink_keys, sink_values, window_keys, window_values):
         """:meth:`attend_dense` bound once for a cache's decode steps (:class:`kvq.contract.BindsDense`): a
-        :class:`kvq_metal.attend.DecodeStep` over these compressed ``keys``/``values`` and sinks, called as
+        :class:`kvq_metal.step.DecodeStep` over these compressed ``keys``/``values`` and sinks, called as
         ``step(queries, window_keys, window_values) -> out`` (the model's dtype) with one launch per step; the same
         first-use check as :meth:`attend_dense`. ``None`` where :meth:`attend_dense` would not serve.
 
@@ -130,7 +130,7 @@ class KernelImpl:
 
     def bind_ragged_dense(self, queries, keys, values, scale, sink_keys, sink_values, window_keys, window_values):
         """:meth:`bind_dense` for rows of different lengths (:class:`kvq.contract.BindsRaggedDense`): a
-        :class:`kvq_metal.attend.RaggedDecodeStep`, called as ``step(queries, window_keys, window_values, lengths)``
+        ragged :class:`kvq_metal.step.DecodeStep`, called as ``step(queries, window_keys, window_values, lengths)``
         (int32 ``[B, 2]``: each row's compressed and window token counts); the same first-use check as
         :meth:`attend_dense`. ``None`` where :meth:`attend_dense` would not serve."""
         if not self._dense_checked(queries, keys, values, window_keys.dtype) or \
@@ -142,7 +142,7 @@ class KernelImpl:
     def _bind_unchecked(self, queries, keys, values, scale, sink_keys, sink_values, window_keys, window_values,
                         ragged: bool = False):
         """:meth:`bind_dense` without its first-use check: the tensor-core kernel's
-        :class:`kvq_metal.attend.DecodeStep` as :meth:`_dense_call` describes it (``None``: not served)."""
+        :class:`kvq_metal.step.DecodeStep` as :meth:`_dense_call` describes it (``None``: not served)."""
         call = self._dense_call(queries, keys, values)
         if call is None:
             return None

@@ -64,8 +64,8 @@ def check_attend_dense(impl, params_k, params_v, head_dim: int, rows: int, dtype
     pure-MLX attention of the three parts merged by log-sum-exp, on 300 compressed tokens of ``heads`` KV heads
     (each side quantized by its own method's pure-MLX implementation): relative
     error below 1e-3 (a call the kernel does not take passes: the caller falls back to the parts anyway). Where the
-    implementation binds decode steps (``bind_dense``: :class:`kvq_metal.attend.DecodeStep`,
-    :class:`kvq_metal.streams.StreamStep`), two bound steps
+    implementation binds decode steps (``bind_dense``: a :class:`kvq_metal.step.DecodeStep` from
+    :func:`kvq_metal.attend.bind_decode` or :func:`kvq_metal.streams.bind_streams`), two bound steps
     (the second counts with the counters the first zeroed, over a window one token longer) must equal the unbound
     call's output in the queries' dtype."""
     from kvq.attention import DenseTokens, dense_attend, merge_parts
@@ -95,8 +95,8 @@ def check_attend_dense(impl, params_k, params_v, head_dim: int, rows: int, dtype
 
 def check_attend_ragged(impl, params_k, params_v, head_dim: int, rows: int, dtype,
                         heads: int = 1) -> tuple[bool, str]:
-    """The first-use check of a ragged decode step (``bind_ragged_dense``: :class:`kvq_metal.attend.
-    RaggedDecodeStep`): two rows of one launch, one of 300 compressed and 41 window tokens, one of 173 and 9 (the
+    """The first-use check of a ragged decode step (``bind_ragged_dense``: a ragged :class:`kvq_metal.step.
+    DecodeStep`): two rows of one launch, one of 300 compressed and 41 window tokens, one of 173 and 9 (the
     inputs of :func:`check_attend_dense`, twice), each within 1e-2 relative (the queries' dtype) of the unbound call
     over that row alone. A shape the ragged step does not take passes (the caller attends the parts)."""
     from kvq.attention import DenseTokens

@@ -21,7 +21,8 @@ token, per tile an online softmax, the splits merged by log-sum-exp (``decode_me
 the method's linear finish before the sinks' and window's blocks are added). Kernel text:
 ``kvq_metal/kernels/decode_attend_streams.kvq``; pure-MLX reference :func:`kvq_metal.reference.decode_attend_streams`.
 
-On CUDA the calls :func:`_tc_plan` takes (qjl keys with affine values, turboquant_prod: scalar codes of 1-8 bits)
+On CUDA the calls :func:`kvq_metal.streams_plan.tc_plan` takes (qjl keys with affine values, turboquant_prod: scalar
+codes of 1-8 bits)
 run the same contract on tensor cores instead (``decode_attend_streams_tc.cu``, the layout of
 :mod:`kvq_metal.attend_tc`: per key stream ``K_X · Q_Xᵀ`` with the keys as the A operand and the stream's per-token
 scales applied to its fp32 result, per value stream ``V_Xᵀ · P_Xᵀ``; 1-bit streams decoded four coordinates per
@@ -34,56 +35,33 @@ floats per KV head, at most :data:`~kvq_metal.attend.MAX_SPLITS` splits) and the
 
 from __future__ import annotations
 
-import json
-import os
-from functools import lru_cache
 from typing import Callable
 
 import attrs
 import mlx.core as mx
 from kvq.attention import DenseTokens
 
-from . import base
-from .attend import DENSE_DTYPES, MAX_ROWS, MAX_SPLITS, THREADS, _constant, _dense_key, splits_for
-from .base import KernelImpl, _check_key
-from .common import check_attend, grouped_rows, quantize_with_method, query_rows
+from .attend import DENSE_DTYPES, MAX_SPLITS, THREADS, _constant, _dense_key, splits_for
+from .common import grouped_rows
 from .dialect import float_bits
 from .kernel_files import KERNELS, load
+from .knobs import StreamsKnobs
+from .step import DecodeStep, KernelCall, aliases, dense_inputs
+from . import streams_plan
+from .streams_plan import MAX_TABLE, TC_SHARED_WORDS  # noqa: F401 - the plugins' and tests' names for them
 
 DECODE_ATTEND_STREAMS = load(KERNELS / "decode_attend_streams.kvq")
 DECODE_MERGE_STREAMS = load(KERNELS / "decode_merge_streams.kvq")
-#: The tensor-core version (CUDA only): :func:`_tc_plan` says which calls it takes.
+#: The tensor-core version (CUDA only): :func:`kvq_metal.streams_plan.tc_plan` says which calls it takes.
 DECODE_ATTEND_STREAMS_TC = load(KERNELS / "decode_attend_streams_tc.cu",
                                 header=KERNELS / "decode_attend_streams_tc.cuh")
 
 INPUTS = ("q", "kc", "ka_s1", "ka_s2", "ka_t", "kb_c", "kb_s1", "kb_s2", "kb_t", "o_i", "o_c", "o_s", "o_m",
           "vc", "va_s1", "va_s2", "va_b", "va_t", "vb_c", "vb_s1", "vb_s2", "vb_t", "qr", "wk", "wv", "sk", "sv")
 MERGE_INPUTS = ("part", "ml", "fin")
-#: Launch knobs (benchmarks sweep them; ``KVQ_STREAMS_TUNING='{"kt": 8}'``): ``kt`` tokens each thread loads per
-#: tile (loads in flight), ``groups`` thread groups to aim for across the splits (``None``: the back end's
-#: :data:`kvq_metal.attend.TARGET_GROUPS`), ``registers`` the registers a thread may give to query coordinates
-#: and accumulators (R rows times coordinates per thread): the launch takes more threads per token (fewer
-#: coordinates each) above it, and twice it at 32 threads per token (8 query rows); ``tc`` whether CUDA takes the
-#: tensor-core kernel where :func:`_tc_plan` serves the call, ``nt`` its tiles of 16 tokens per warp step, ``pf``
-#: whether it issues the next step's loads before this step's math (``None``: where one key and one value stream
-#: leave the registers for it), ``qsh`` whether it reads the query fragments from shared memory, ``rep`` ``False``
-#: for single code tables (no per-lane copies; ``None``: copies while shared memory allows), ``minb`` the blocks per
-#: SM the tensor-core kernel's registers must allow (``__launch_bounds__``; 0: none). See :func:`_tc_plan`.
-#: Defaults: query fragments from shared memory, one tile, no prefetch. On the H200 they take 0.84x, 1.02x and
-#: 0.80x the GPU time of the former default (two tiles, prefetch where it fits) at 32K for qjl+affine:4,
-#: turboquant_prod:4 and :3, and 1.02x, 1.02x, 0.88x at 128K
-#: (benchmarks/results/streams/2026-12-02-h200-streams-tc-variants-kernel-times.json).
-TUNING = {"kt": 4, "groups": None, "registers": 96, "tc": True, "nt": 1, "pf": False, "qsh": True, "rep": None,
-          "minb": 0}
-TUNING.update(json.loads(os.environ.get("KVQ_STREAMS_TUNING", "{}")))
-#: Most float32 entries of one stream's code table held in shared memory (VecInfer: 2**code_bits * sub_dim).
-MAX_TABLE = 2048
-#: Static shared memory a thread group may use (bytes; CUDA's static limit is 48 KB).
-SHARED_BYTES = 46 * 1024
-#: Most outlier channels and outlier sketch bits (QJL).
-MAX_OUTLIER_CHANNELS, MAX_OUTLIER_BITS = 16, 256
-
-
+#: The launch knobs this module plans with (:class:`kvq_metal.knobs.StreamsKnobs`, frozen; read at each plan, so a
+#: benchmark may swap the object: ``benchmarks/knobs.py``).
+TUNING = StreamsKnobs()
 @attrs.frozen(eq=False)
 class Stream:
     """One stream of codes, as the kernel reads it: coordinate ``j`` of a token is
@@ -175,192 +153,23 @@ def _signature(call: StreamCall, rows: int, dense: tuple = (0, False, 0, 0)) -> 
     o = call.outliers
     outliers = None if o is None else (o.indices.shape[-1], o.signs.shape[-1] * 8, o.offset)
     return (rows, call.query_dim, tuple(_stream_key(s, "keys") for s in call.keys),
-            tuple(_stream_key(s, "values") for s in call.values), outliers, dense, TUNING["kt"],
-            TUNING["registers"])
+            tuple(_stream_key(s, "values") for s in call.values), outliers, dense, TUNING.kt,
+            TUNING.registers)
 
 
 def supported(call: StreamCall, rows: int, head_dim: int | None = None) -> bool:
     """Whether :func:`decode_attend_streams` serves ``call`` with ``rows = n_rep * T_q`` query rows per KV head
-    (:func:`_plan` says why not); with ``head_dim``, also with a cache's uncompressed tokens of that head_dim in the
-    same launch."""
+    (:func:`kvq_metal.streams_plan.plan` says why not); with ``head_dim``, also with a cache's uncompressed tokens
+    of that head_dim in the same launch."""
     dense = (0, False, 0, 0) if head_dim is None else (2, True, head_dim, 0)
-    return _plan(_signature(call, rows, dense))[0] is not None
+    return streams_plan.plan(_signature(call, rows, dense))[0] is not None
 
 
 def explain(call: StreamCall, rows: int, head_dim: int | None = None) -> str:
     """Why :func:`decode_attend_streams` does not serve ``call`` (empty when it does; ``head_dim`` as
     :func:`supported`)."""
     dense = (0, False, 0, 0) if head_dim is None else (2, True, head_dim, 0)
-    return _plan(_signature(call, rows, dense))[1]
-
-
-@lru_cache(maxsize=1024)
-def _plan(signature: tuple) -> tuple[list | None, str]:
-    """``(template, "")`` of the launch for a static signature, or ``(None, why)``: the threads per token (the
-    fewest that give every stream whole codes, at most 32 bits of codes per thread and per stream, and queries
-    and accumulators within ``TUNING["registers"]``), the shared memory, the tables."""
-    rows, dq, keys, values, outliers, (nd, sinks, head_dim, qscale), kt, _ = signature
-    if not 1 <= rows <= MAX_ROWS:
-        return None, f"{rows} query rows per KV head (the kernel takes 1..{MAX_ROWS})"
-    if not 1 <= len(keys) <= 2 or not 1 <= len(values) <= 2:
-        return None, "one or two key streams and one or two value streams"
-    extra = (keys[1:], values[1:])
-    for k in extra[0] + extra[1]:
-        if k[2] != 1 or k[5] or k[6] or k[9] or k[8] != k[0]:
-            return None, "a second stream must be scalar codes with one shared table and per-token scales"
-    for s in keys + values:
-        dim, bits, vec, scaled, cb, _, _, _, group, _ = s
-        if not 1 <= bits <= 12 or (1 << bits) * vec > MAX_TABLE or scaled > 2:
-            return None, f"a stream of {bits}-bit codes of {vec} coordinates (tables of at most {MAX_TABLE} entries)"
-    if outliers is not None and not (1 <= outliers[0] <= MAX_OUTLIER_CHANNELS and outliers[1] <= MAX_OUTLIER_BITS):
-        return None, f"{outliers[0]} outlier channels of {outliers[1]} sketch bits"
-    out_dim = sum(v[0] for v in values)
-    if out_dim % 32 or out_dim > 1024:
-        return None, f"{out_dim} output coordinates (a multiple of 32, at most 1024: the merge's thread group)"
-    # the fewest threads per token within the register budget, else (many query rows) within twice it
-    registers = TUNING["registers"]
-    for ncg, budget in [(n, registers) for n in (4, 8, 16, 32)] + [(32, 2 * registers)]:
-        why = _fits(ncg, rows, keys, values, budget)
-        if not why:
-            break
-    else:
-        return None, why
-    if nd and (values[0][0] != head_dim or values[0][2] != 1 or head_dim % ncg):
-        return None, (f"uncompressed tokens of head_dim {head_dim} with a first value stream of {values[0][0]} "
-                      "coordinates (they must match)")
-    shared = 4 * (rows * dq + kt * THREADS // ncg * rows + 8 * rows + rows * out_dim + rows * head_dim
-                  + sum((1 << s[1]) * s[2] for s in keys + values) + (0 if outliers is None else
-                                                                        outliers[0] * outliers[1]))
-    if shared > SHARED_BYTES:
-        return None, f"{shared} bytes of shared memory (at most {SHARED_BYTES})"
-    ka, va = keys[0], values[0]
-    kb = keys[1] if len(keys) > 1 else None
-    vb = values[1] if len(values) > 1 else None
-    ok, om, o_off = outliers or (0, 0, 0)
-    t = [("DQ", dq), ("R", rows), ("NCG", ncg), ("KT", kt), ("THREADS", THREADS),
-         ("KA_OFF", ka[7]), ("KA_DIM", ka[0]), ("KA_BITS", ka[1]), ("KA_VEC", ka[2]), ("KA_NS", ka[3]),
-         ("KA_CB", ka[4]), ("KA_TH", ka[5]), ("KA_RES", ka[6]),
-         ("KB_ON", kb is not None), ("KB_OFF", kb[7] if kb else 0), ("KB_DIM", kb[0] if kb else ncg),
-         ("KB_BITS", kb[1] if kb else 1), ("KB_NS", kb[3] if kb else 0), ("KB_CB", kb[4] if kb else 4),
-         ("OK", ok), ("OM", om), ("O_OFF", o_off),
-         ("VA_DIM", va[0]), ("VA_BITS", va[1]), ("VA_VEC", va[2]), ("VA_G", va[8]), ("VA_NS", va[3]),
-         ("VA_BIAS", va[9]), ("VA_CB", va[4]), ("VA_TH", va[5]), ("VA_RES", va[6]),
-         ("VB_ON", vb is not None), ("VB_DIM", vb[0] if vb else ncg), ("VB_BITS", vb[1] if vb else 1),
-         ("VB_NS", vb[3] if vb else 0), ("VB_CB", vb[4] if vb else 4), ("DO", out_dim),
-         ("ND", nd), ("SINKS", bool(sinks)), ("D", max(head_dim, 1)), ("QSCALE", qscale)]
-    return t, ""
-
-
-#: 32-bit words of static shared memory the tensor-core kernel may declare (48 KB less a margin).
-TC_SHARED_WORDS = 12288 - 256
-
-
-@lru_cache(maxsize=1024)
-def _tc_plan(signature: tuple, ddt: int, nt: int, pf: bool | None = None, qsh: bool = False,
-             rep: bool | None = None, minb: int = 0) -> tuple[list | None, str]:
-    """``(template, "")`` of the tensor-core launch (``decode_attend_streams_tc.cu``) for a static signature
-    (:func:`_signature`), ``ddt`` the uncompressed tokens' dtype code (0 float16, 1 bfloat16, 2 other), ``nt``
-    tiles of 16 tokens per warp step and the knobs ``pf``, ``qsh``, ``rep`` of :data:`TUNING` (arguments, so the
-    cached plan follows them); ``(None, why)`` where it does not serve the call (the SIMT kernel then does).
-
-    It takes: at most 8 query rows (one mma N tile); scalar codes of 1..8 bits per stream read from one shared
-    table (no per-head tables, no reserved pattern: VecInfer stays on the SIMT kernel); every stream's
-    coordinates a multiple of 16 up to 256; per-token key scales; value stream A with per-token scales or
-    grouped scales and biases (groups whole slices of ``dim / 8`` coordinates or even divisors of one), stream B
-    with per-token scales; uint8 codes whose rows are whole 32-bit words; at most 16 outlier channels of at most
-    1024 sketch entries; uncompressed tokens of head_dim = value stream A's coordinates. Tables are pair tables
-    (one lookup per two coordinates) up to 4 bits, each with one copy per lane while static shared memory
-    allows (the largest loses its copies first; none with ``rep`` False); 1-bit streams decode four coordinates
-    per lookup of a nibble table. ``pf``: the next step's loads issued before this step's math (``None``: where
-    one key and one value stream leave the registers for it). ``qsh``: the query fragments are read from shared memory
-    (one 64-bit load per k-step) instead of held in registers: about 32 registers fewer per thread, which bound the
-    kernel's occupancy (compiled with nvcc, not yet run on a GPU: off by default). ``minb`` > 0: the kernel is
-    built with ``__launch_bounds__(THREADS, minb)`` (:func:`kvq_metal.dialect.launch_bounds`), so the compiler keeps
-    its registers within what ``minb`` blocks per SM allow (registers only: the same arithmetic)."""
-    rows, dq, keys, values, outliers, (nd, sinks, head_dim, qscale), _, _ = signature
-    if not 1 <= rows <= 8:
-        return None, f"{rows} query rows (the tensor-core kernel takes 1..8)"
-    for side, streams in (("key", keys), ("value", values)):
-        for i, (dim, bits, vec, scaled, cb, per_head, reserved, _, group, biases) in enumerate(streams):
-            if vec != 1 or per_head or reserved:
-                return None, f"{side} stream {i}: vector codes, per-head tables or a reserved pattern"
-            if not (1 <= bits <= 8 and dim % 16 == 0 and 16 <= dim <= 256):
-                return None, f"{side} stream {i}: {dim} coordinates of {bits}-bit codes"
-            if cb == 1 and (dim * bits) % 32:
-                return None, f"{side} stream {i}: uint8 rows of {dim * bits} bits (whole 32-bit words only)"
-            grouped = group < dim or biases
-            if (side == "key" or i > 0) and grouped:
-                return None, f"{side} stream {i}: grouped scales or biases"
-            if grouped:
-                per = dim // 8
-                if scaled != 1 or dim % group or not (group % per == 0 or (per % group == 0 and group % 2 == 0)):
-                    return None, f"value stream 0: groups of {group} over slices of {per} coordinates"
-    ok, om, o_off = outliers or (0, 0, 0)
-    if ok and (ok > 16 or om * ok > 1024 or om % 8):
-        return None, f"{ok} outlier channels of {om} sketch bits"
-    if nd and (values[0][0] != head_dim or head_dim % 16 or not 16 <= head_dim <= 256):
-        return None, f"uncompressed tokens of head_dim {head_dim} and {values[0][0]} value coordinates"
-    ka, va = keys[0], values[0]
-    kb = keys[1] if len(keys) > 1 else None
-    vb = values[1] if len(values) > 1 else None
-    out_dim = sum(v[0] for v in values)
-    tables = [s[1] if s is not None else 0 for s in (ka, kb, va, vb)]
-    pair = [0 < b <= 4 for b in tables]
-    # words of one copy: 1-bit streams use nibble tables (16 entries of two half2 words)
-    entries = [0 if b == 0 else 32 if b == 1 else (1 << (2 * b) if p else 1 << b) for b, p in zip(tables, pair)]
-    copies = rep is not False  # the knob; the list below says which tables get per-lane copies
-    rep = [0 < e <= 256 and copies for e in entries]
-    warps = THREADS // 32
-    qsh = bool(qsh)
-    k_steps = max(ka[0] // 16 + (kb[0] // 16 if kb else 0), max(head_dim, 16) // 16)
-    fixed = (rows * max(dq, head_dim) + om * ok + warps * nt * 16 * rows + 2 * warps * 8 + 64
-             + (64 * k_steps if qsh else 2))
-
-    def words() -> int:
-        tab = sum(e * (32 if r else 1) for e, r in zip(entries, rep))
-        return fixed + max(tab, rows * out_dim)
-
-    while words() > TC_SHARED_WORDS and any(rep):
-        rep[max((i for i in range(4) if rep[i]), key=lambda i: entries[i])] = False
-    if words() > TC_SHARED_WORDS:
-        return None, f"{4 * words()} bytes of shared memory (at most {4 * TC_SHARED_WORDS})"
-    va_grouped = va[8] < va[0] or va[9]
-    # the next step's loads issued before this step's math where registers allow: one key and one value stream
-    pf = (kb is None and vb is None) if pf is None else bool(pf)
-    t = [("R", rows), ("DQ", dq), ("THREADS", THREADS), ("NT", nt), ("PF", pf), ("QSH", qsh), ("MINB", int(minb)),
-         ("D", max(head_dim, 16)),
-         ("DDT", ddt),
-         ("ND", nd), ("SINKS", bool(sinks)), ("QSCALE", qscale), ("DO", out_dim),
-         ("KA_OFF", ka[7]), ("KA_DIM", ka[0]), ("KA_BITS", ka[1]), ("KA_NS", ka[3]), ("KA_CB", ka[4]),
-         ("KA_PAIR", pair[0]), ("KA_REP", rep[0]),
-         ("KB_ON", kb is not None), ("KB_OFF", kb[7] if kb else 0), ("KB_DIM", kb[0] if kb else 16),
-         ("KB_BITS", kb[1] if kb else 1), ("KB_NS", kb[3] if kb else 0), ("KB_CB", kb[4] if kb else 4),
-         ("KB_PAIR", pair[1]), ("KB_REP", rep[1]),
-         ("OK", ok), ("OM", om), ("O_OFF", o_off),
-         ("VA_DIM", va[0]), ("VA_BITS", va[1]), ("VA_NS", va[3]), ("VA_G", va[8]), ("VA_GRP", bool(va_grouped)),
-         ("VA_BIAS", bool(va[9])), ("VA_CB", va[4]), ("VA_PAIR", pair[2]), ("VA_REP", rep[2]),
-         ("VB_ON", vb is not None), ("VB_DIM", vb[0] if vb else 16), ("VB_BITS", vb[1] if vb else 1),
-         ("VB_NS", vb[3] if vb else 0), ("VB_CB", vb[4] if vb else 4), ("VB_PAIR", pair[3]), ("VB_REP", rep[3])]
-    return t, ""
-
-
-def _fits(ncg: int, rows: int, keys: tuple, values: tuple, budget: int) -> str:
-    """Why ``ncg`` threads per token do not serve these streams (empty when they do)."""
-    coords = 0
-    for side, streams in (("key", keys), ("value", values)):
-        for s in streams:
-            dim, bits, vec, _, _, _, _, _, group, _ = s
-            per = dim // ncg
-            if dim % (ncg * vec) or per == 0:
-                return f"{side} stream of {dim} coordinates in codes of {vec} does not split over {ncg} threads"
-            if per // vec * bits > 32:
-                return f"{side} stream: {per // vec * bits} bits of codes per thread (at most 32)"
-            if side == "value" and group < dim and group % per:
-                return f"value stream: groups of {group} do not hold whole runs of {per} coordinates"
-            coords += per
-    if rows * coords > budget:
-        return f"{rows} rows of {coords} coordinates per thread exceed {budget} registers"
-    return ""
+    return streams_plan.plan(_signature(call, rows, dense))[1]
 
 
 def _arrays(call: StreamCall) -> list:
@@ -384,18 +193,6 @@ def _arrays(call: StreamCall) -> list:
             va.table, vb.codes, scale(vb, 0, tokens), scale(vb, 1, tokens), vb.table]
 
 
-def _aliases(inputs: list) -> dict[str, str]:
-    """Inputs (:data:`INPUTS`) that are the same array as an earlier one (the stand-ins :func:`_arrays` passes for
-    absent streams), by name -> that earlier input's name."""
-    first: dict[int, int] = {}
-    aliases = {}
-    for i, array in enumerate(inputs):
-        j = first.setdefault(id(array), i)
-        if j < i:
-            aliases[INPUTS[i]] = INPUTS[j]
-    return aliases
-
-
 @attrs.frozen(eq=False)
 class _Plan:
     """What a launch of the streams kernel and its merge keeps whatever the token count (:func:`_launch_plan`)."""
@@ -414,39 +211,40 @@ _PLANS: dict = {}
 
 
 def _launch_plan(call: StreamCall, rows: int, dense: tuple, inputs: list, backend: str, out_dim: int,
-                 finish: bool) -> _Plan:
-    """The plan of a launch (:class:`_Launch`) for the call's signature (:func:`_signature`; on CUDA the tensor-core
-    kernel where :func:`_tc_plan` serves it): the bound kernel (template values written into its text on CUDA, an
-    input that is the same array as an earlier one read through it), the inputs it takes, tokens per tile and the
-    bound merge. Made once per signature, back end, output width, finish, input dtypes, aliases and
+                 finish: bool, per_step: tuple = ()) -> _Plan:
+    """The plan of a launch (:func:`_launches`) for the call's signature (:func:`_signature`; on CUDA the tensor-core
+    kernel where :func:`kvq_metal.streams_plan.tc_plan` serves it): the bound kernel (template values written into
+    its text on CUDA, an input that is the same array as an earlier one read through it), the inputs it takes,
+    tokens per tile and the bound merge. Made once per signature, back end, output width, finish, input dtypes, aliases and
     :data:`TUNING`: a cache binds a new decode step at every window flush of every layer, and planning and
     binding cost the host more than the launch.
 
+    ``per_step``: the inputs a bound step passes anew each call (never aliased, :func:`kvq_metal.step.aliases`).
+
     :raises ValueError: a call the kernel does not serve (the message says why)."""
-    aliases = _aliases(inputs)
+    same = aliases(INPUTS, inputs, per_step)
     signature = _signature(call, rows, dense)
-    key = (signature, backend, out_dim, finish, tuple(a.dtype for a in inputs), tuple(sorted(aliases.items())),
-           tuple(sorted(TUNING.items())))
+    key = (signature, backend, out_dim, finish, tuple(a.dtype for a in inputs), tuple(sorted(same.items())),
+           TUNING)
     plan = _PLANS.get(key)
     if plan is not None:
         return plan
-    template, why = _plan(signature)
+    template, why = streams_plan.plan(signature)
     if template is None:
         raise ValueError(f"decode_attend_streams does not serve this call: {why}")
     nd = dense[0]
     tc = None
-    if backend == "cuda" and TUNING["tc"]:
+    if backend == "cuda" and TUNING.tc:
         ddt = DENSE_DTYPES.get(inputs[INPUTS.index("wk")].dtype, 2) if nd else 0
-        tc, _ = _tc_plan(signature, ddt, TUNING["nt"], TUNING["pf"], TUNING["qsh"], TUNING["rep"],
-                         TUNING["minb"])
+        tc, _ = streams_plan.tc_plan(signature, ddt, TUNING.nt, TUNING.pf, TUNING.qsh, TUNING.rep, TUNING.minb)
     if tc is not None:
         template = tc
-        tile = 16 * TUNING["nt"] * THREADS // 32
+        tile = 16 * TUNING.nt * THREADS // 32
         kern = DECODE_ATTEND_STREAMS_TC.kernel(backend, INPUTS, ("out", "ml"), ensure_row_contiguous=False)
     else:
-        tile = TUNING["kt"] * THREADS // dict(template)["NCG"]
+        tile = TUNING.kt * THREADS // dict(template)["NCG"]
         kern = DECODE_ATTEND_STREAMS.kernel(backend, INPUTS, ("out", "ml"), ensure_row_contiguous=False)
-    bound, full_template, kept = kern.bound(template, inputs, aliases)
+    bound, full_template, kept = kern.bound(template, inputs, same)
     merge = DECODE_MERGE_STREAMS.kernel(backend, MERGE_INPUTS, ("out", "lse"))
     merge_template = [("DO", call.out_dim), ("DV", out_dim), ("R", rows), ("ND", nd), ("FIN", finish),
                       ("MAX_SPLITS", MAX_SPLITS)]
@@ -458,44 +256,34 @@ def _launch_plan(call: StreamCall, rows: int, dense: tuple, inputs: list, backen
     return plan
 
 
-class _Launch:
-    """One static launch of the streams kernel and its merge: the call's plan (:func:`_launch_plan`, kept across
-    token counts) and the grid of this token count's splits."""
+def _launches(call: StreamCall, rows: int, batch: int, num_tokens: int, dense: tuple, inputs: list, backend: str,
+              out_dim: int, finish: bool, out_dtype, per_step: tuple = ()) -> tuple[_Plan, KernelCall, KernelCall]:
+    """``(plan, main, merge)`` of one static launch of the streams kernel and its merge: the call's plan
+    (:func:`_launch_plan`, kept across token counts) and the grids of this token count's splits; ``main`` takes the
+    inputs at the plan's ``kept`` positions, ``merge`` its two outputs and the finish (the output in ``out_dtype``)."""
+    plan = _launch_plan(call, rows, dense, inputs, backend, out_dim, finish, per_step)
+    H = call.keys[0].codes.shape[1]
+    blocks = splits_for(batch * H, num_tokens, backend, plan.tile, TUNING.groups) + dense[0]
+    DO = call.out_dim
+    main = KernelCall(plan.call, plan.template, (THREADS * batch * H, blocks, 1), (THREADS, 1, 1),
+                      [(batch, H, blocks, rows, DO), (batch, H, blocks, rows, 2)], [mx.float32, mx.float32])
+    merge = KernelCall(plan.merge, plan.merge_template, (DO * batch * H * rows, 1, 1), (DO, 1, 1),
+                       [(batch, H, rows, out_dim), (batch, H, rows)], [out_dtype, mx.float32])
+    return plan, main, merge
 
-    def __init__(self, call: StreamCall, rows: int, batch: int, num_tokens: int, dense: tuple, inputs: list,
-                 backend: str, out_dim: int, finish: bool) -> None:
-        plan = _launch_plan(call, rows, dense, inputs, backend, out_dim, finish)
-        H = call.keys[0].codes.shape[1]
-        nd = dense[0]
-        #: whether this launch runs the tensor-core kernel
-        self.tc = plan.tc
-        splits = splits_for(batch * H, num_tokens, backend, plan.tile, TUNING["groups"])
-        self.call, self.template, self.kept = plan.call, plan.template, plan.kept
-        self.grid = (THREADS * batch * H, splits + nd, 1)
-        DO = call.out_dim
-        self.shapes = [(batch, H, splits + nd, rows, DO), (batch, H, splits + nd, rows, 2)]
-        self.merge, self.merge_template = plan.merge, plan.merge_template
-        self.merge_grid = (DO * batch * H * rows, 1, 1)
-        self.merge_group = (DO, 1, 1)
-        self.out_shapes = [(batch, H, rows, out_dim), (batch, H, rows)]
 
-    def __call__(self, inputs: list, fin: mx.array, out_dtype) -> tuple[mx.array, mx.array]:
-        part, ml = self.call(inputs=[inputs[i] for i in self.kept], template=self.template, grid=self.grid,
-                             threadgroup=(THREADS, 1, 1), output_shapes=self.shapes,
-                             output_dtypes=[mx.float32, mx.float32])
-        return self.merge(inputs=[part, ml, fin], template=self.merge_template, grid=self.merge_grid,
-                          threadgroup=self.merge_group, output_shapes=self.out_shapes,
-                          output_dtypes=[out_dtype, mx.float32])
+def _run(call: KernelCall, inputs: list) -> list:
+    """The outputs of ``call`` launched over ``inputs``."""
+    return call.call(inputs=inputs, template=call.template, grid=call.grid, threadgroup=call.threadgroup,
+                     output_shapes=call.shapes, output_dtypes=call.dtypes)
 
 
 def _dense_inputs(raw_queries, dense: DenseTokens | None, pad) -> list:
-    """``qr, wk, wv, sk, sv``: the raw queries and the cache's window and sinks (the window stands in for absent
-    sinks, ``pad`` for everything without dense tokens)."""
+    """``qr, wk, wv, sk, sv``: the raw queries and the cache's window and sinks (:func:`kvq_metal.step.
+    dense_inputs`), ``pad`` for all five without dense tokens."""
     if dense is None:
         return [pad, pad, pad, pad, pad]
-    sinks = dense.sink_keys is not None
-    return [raw_queries, dense.window_keys, dense.window_values,
-            dense.sink_keys if sinks else dense.window_keys, dense.sink_values if sinks else dense.window_values]
+    return [raw_queries, *dense_inputs(dense.window_keys, dense.window_values, dense.sink_keys, dense.sink_values)]
 
 
 def decode_attend_streams(queries: mx.array, call: StreamCall, backend: str, *, dense: DenseTokens | None = None,
@@ -534,50 +322,46 @@ def decode_attend_streams(queries: mx.array, call: StreamCall, backend: str, *, 
         key = (2, dense.sink_keys is not None, raw_queries.shape[-1], float_bits(float(scale)))
     inputs = [queries.reshape(B * H, R, DQ), *_arrays(call), *_dense_inputs(raw_queries, dense, pad)]
     out_dim = call.out_dim if finish is None else finish.shape[1]
-    launch = _Launch(call, R, B, codes.shape[2], key, inputs, backend, out_dim, finish is not None)
-    return launch(inputs, pad if finish is None else finish, out_dtype)
+    plan, main, merge = _launches(call, R, B, codes.shape[2], key, inputs, backend, out_dim, finish is not None,
+                                  out_dtype)
+    part, ml = _run(main, [inputs[i] for i in plan.kept])
+    return _run(merge, [part, ml, pad if finish is None else finish])
 
 
-class StreamStep:
-    """One layer's decode attention through the streams kernel, bound once (:meth:`StreamsKernelImpl.bind_dense`)
-    and called once per step as ``step(queries, window_keys, window_values) -> out`` (the queries' dtype): the
-    queries prepared by one matmul with the method's (linear) preparation, then one launch over the compressed
-    tokens, the sinks and the window, and one merge that applies the method's (linear) finish.
+def bind_streams(call: StreamCall, queries: mx.array, scale: float, prepare: mx.array, finish: mx.array | None,
+                 backend: str, sink_keys: mx.array | None, sink_values: mx.array | None, window_keys: mx.array,
+                 window_values: mx.array) -> DecodeStep:
+    """A :class:`kvq_metal.step.DecodeStep` of one layer's decode attention through the streams kernel (bound by
+    :meth:`StreamsKernelImpl.bind_dense`), called as ``step(queries, window_keys, window_values) -> out`` (the
+    queries' dtype, ``[B, H_q, T_q, D_v]``): the queries prepared by one matmul with the method's (linear)
+    preparation, one launch over the compressed tokens, the sinks and the window, and one merge that applies the
+    method's (linear) finish; what :func:`decode_attend_streams` computes with ``dense=``.
 
+    :param queries: ``[B, H_q, T_q, D]`` of the shape and dtype every step passes. :param scale: the softmax scale.
     :param prepare: float32 ``[G, D, DQ]`` (``G`` = 1 or ``H_kv``): scaled queries ``[B, H_kv, R, D] @ prepare``
         are the prepared rows. :param finish: float32 ``[DO, DV]`` or ``None``.
+    :param sink_keys, sink_values: ``[B, H_kv, s, D]`` or ``None``. :param window_keys, window_values: the window
+        now (its dtype is bound).
+    :raises ValueError: a call the kernel does not serve.
     """
-
-    def __init__(self, call: StreamCall, queries: mx.array, scale: float, prepare: mx.array,
-                 finish: mx.array | None, backend: str, sink_keys, sink_values, window_keys, window_values) -> None:
-        B, Hq, Tq, D = queries.shape
-        H = call.keys[0].codes.shape[1]
-        self._rows = (B, H, Hq // H * Tq, D)
-        self._shape = queries.shape
-        self._prepare = prepare * scale
-        self._pad = _constant((0.0,), mx.float32)
-        self._fin = self._pad if finish is None else finish
-        dense = DenseTokens(sink_keys, sink_values, window_keys, window_values)
-        self._codes = _arrays(call)
-        self._sinks = None if sink_keys is None else (sink_keys, sink_values)
-        q = mx.zeros((B * H, self._rows[2], call.query_dim), mx.float32)
-        inputs = [q, *self._codes, *_dense_inputs(queries, dense, self._pad)]
-        key = (2, sink_keys is not None, D, float_bits(float(scale)))
-        out_dim = call.out_dim if finish is None else finish.shape[1]
-        self._launch = _Launch(call, self._rows[2], B, call.keys[0].codes.shape[2], key, inputs, backend, out_dim,
-                               finish is not None)
-        self._out_dim = out_dim
-
-    def __call__(self, queries: mx.array, window_keys: mx.array, window_values: mx.array) -> mx.array:
-        """One decode step: ``queries [B, H_q, T_q, D]`` of the bound shape and dtype over the bound compressed
-        tokens and sinks and this step's window ``[B, H_kv, n, D]``; returns ``[B, H_q, T_q, D_v]`` in the queries'
-        dtype."""
-        B, H, R, D = self._rows
-        q = queries.reshape(B, H, R, D) @ self._prepare
-        sk, sv = self._sinks or (window_keys, window_values)
-        inputs = [q.reshape(B * H, R, q.shape[-1]), *self._codes, queries, window_keys, window_values, sk, sv]
-        out, _ = self._launch(inputs, self._fin, queries.dtype)
-        return out.reshape(*self._shape[:3], self._out_dim)
+    B, Hq, Tq, D = queries.shape
+    H = call.keys[0].codes.shape[1]
+    R = Hq // H * Tq
+    pad = _constant((0.0,), mx.float32)
+    codes = _arrays(call)
+    q = mx.zeros((B * H, R, call.query_dim), mx.float32)
+    inputs = [q, *codes, queries, *dense_inputs(window_keys, window_values, sink_keys, sink_values)]
+    key = (2, sink_keys is not None, D, float_bits(float(scale)))
+    out_dim = call.out_dim if finish is None else finish.shape[1]
+    plan, main, merge = _launches(call, R, B, call.keys[0].codes.shape[2], key, inputs, backend, out_dim,
+                                  finish is not None, queries.dtype, per_step=("q", "qr", "wk", "wv"))
+    first_sink = INPUTS.index("sk")
+    # absent sinks: the window stands in, passed each step where the launch keeps every input (Metal)
+    stand_in = sink_keys is None and first_sink in plan.kept
+    sinks = None if stand_in else [inputs[i] for i in plan.kept if i >= first_sink]
+    return DecodeStep(main, [inputs[i] for i in plan.kept if 0 < i <= len(codes)], sinks, prepare=prepare * scale,
+                      rows_shape=(B, H, R, D), merge=merge, finish=pad if finish is None else finish,
+                      out_shape=(B, Hq, Tq, out_dim), template_args=main.template, tensor_cores=plan.tc)
 
 
 def attend_streams(queries: mx.array, scale: float, num_kv_heads: int, call: StreamCall,
@@ -605,127 +389,12 @@ def attend_streams(queries: mx.array, scale: float, num_kv_heads: int, call: Str
     return out.reshape(B, Hq, Tq, out.shape[-1]), lse.reshape(B, Hq, Tq)
 
 
-def linear_matrix(fn: Callable[[mx.array], mx.array], dim: int, heads: int = 1) -> mx.array:
-    """The matrix of a linear map on grouped rows (a method's query preparation or value finish): ``fn`` applied
-    to the identity, ``[heads, dim, out]`` float32 (``heads`` > 1 where the map differs per KV head)."""
-    eye = mx.broadcast_to(mx.eye(dim, dtype=mx.float32)[None, None], (1, heads, 1, dim, dim))
-    return mx.contiguous(fn(eye)[0, :, 0].astype(mx.float32))
+def __getattr__(name: str):
+    """This module's former names :class:`~kvq_metal.streams_impl.StreamsKernelImpl` and
+    :func:`~kvq_metal.streams_impl.linear_matrix`, now in :mod:`kvq_metal.streams_impl` (imported on first use:
+    it imports this module)."""
+    if name in ("StreamsKernelImpl", "linear_matrix"):
+        from . import streams_impl
 
-
-#: :meth:`StreamsKernelImpl._matrices` by (class, key parameters, value parameters, head_dim, KV heads).
-_MATRICES: dict = {}
-
-
-class StreamsKernelImpl(KernelImpl):
-    """Base of the kernel implementations on the streams kernel (``qjl``, ``turboquant_prod``, ``vecinfer``):
-    decode attention only (``kvq_attend``, ``attend_dense``, ``bind_dense``), each call checked against the
-    method's pure-MLX implementation before its first use (keyed by both sides' parameters, head_dim, query rows
-    and dtype: a problem names the keys' parameters only). Pure MLX serves masks, empty caches and what the
-    kernel does not take, with the same result.
-
-    Subclasses define :meth:`stream_call` and :meth:`prepare` (and :meth:`finish` where the value streams are not
-    in the output's domain); both must be linear maps on the rows (the bound step runs them as matrices)."""
-
-    #: Whether :meth:`prepare` differs per KV head (its matrix is then one per head).
-    prepare_per_head = False
-
-    def stream_call(self, keys, values) -> StreamCall | None:  # pragma: no cover - overridden
-        """The :class:`StreamCall` of these encodings, or ``None`` where the kernel does not read them."""
-        raise NotImplementedError
-
-    def prepare(self, keys) -> Callable[[mx.array], mx.array]:  # pragma: no cover - overridden
-        """Scaled float32 grouped queries ``[B, H_kv, n_rep, T_q, D]`` -> prepared rows ``[..., query_dim]``."""
-        raise NotImplementedError
-
-    def finish(self, values) -> Callable[[mx.array], mx.array] | None:
-        """Normalised ``[B, H_kv, n_rep, T_q, out_dim]`` -> ``[..., D_v]``; ``None``: already there."""
-        return None
-
-    def matrix_sources(self, keys, values) -> tuple:
-        """The arrays :meth:`prepare` and :meth:`finish` read besides the parameters (their identity is part of the
-        key under which the matrices are kept): none here; a calibrated method returns its loaded calibration's
-        arrays, so a recalibration in the same process makes new matrices."""
-        return ()
-
-    def attend_kernel(self, queries, keys, values, scale, call: StreamCall | None = None):
-        """The kernel path of :meth:`kvq_attend` (no checks; ``call``: the keys' and values' :class:`StreamCall`
-        when the caller has it)."""
-        finish = self.finish(values) or (lambda out: out)
-        call = call or self.stream_call(keys, values)
-        return attend_streams(queries, scale, keys.shape[1], call, self.prepare(keys), finish, self.backend)
-
-    def _served_call(self, queries, keys, values, mask, dense: bool = False) -> StreamCall | None:
-        """The :class:`StreamCall` of this call where the kernel serves it (``dense``: with a cache's uncompressed
-        tokens too) and its signature passed the first-use check; ``None`` otherwise."""
-        if mask is not None or keys.num_tokens == 0 or queries.shape[-1] != keys.head_dim:
-            return None
-        if queries.shape[1] % keys.shape[1] or values.head_dim != keys.head_dim:
-            return None
-        call = self.stream_call(keys, values)
-        rows = query_rows(queries, keys)
-        if call is None or not supported(call, rows, keys.head_dim if dense else None):
-            return None
-        # the kernel that will run (and the tensor-core kernel's knobs) is part of the key: a check of one variant
-        # says nothing of another
-        tc = self.backend == "cuda" and bool(TUNING["tc"])
-        knobs = tuple(TUNING[k] for k in ("nt", "pf", "qsh", "rep", "minb")) if tc else ()
-        key = (_check_key(keys.params), _check_key(values.params), keys.head_dim, rows, queries.dtype, tc, knobs)
-        passed = base.first_use_check(self.backend, f"decode_attend_streams[{self.method}]", key,
-                                      lambda: check_attend(self, quantize_with_method, keys.params, values.params,
-                                                           keys.head_dim, rows, queries.dtype,
-                                                           heads=self.check_heads(keys)))
-        return call if passed else None
-
-    def kvq_attend(self, queries, keys, values, scale, mask):
-        """``kvq_attend`` spec; pure MLX serves masks and calls beyond the kernel."""
-        call = self._served_call(queries, keys, values, mask)
-        if call is None:
-            return self.fallback().kvq_attend(queries, keys, values, scale, mask)
-        return self.attend_kernel(queries, keys, values, scale, call)
-
-    def _matrices(self, keys, values, call: StreamCall) -> tuple[mx.array, mx.array | None]:
-        """``(prepare [G, D, DQ], finish [DO, DV] or None)``: :meth:`prepare` and :meth:`finish` as matrices
-        (:func:`linear_matrix`), made once per (implementation class, both sides' parameters, head_dim, KV heads,
-        :meth:`matrix_sources`): a cache binds a new step at every window flush of every layer."""
-        sources = self.matrix_sources(keys, values)
-        key = (type(self), _check_key(keys.params), _check_key(values.params), keys.head_dim, keys.shape[1],
-               tuple(id(a) for a in sources))  # the entry holds the sources: their ids stay theirs
-        found = _MATRICES.get(key)
-        if found is None:
-            heads = keys.shape[1] if self.prepare_per_head else 1
-            prepare = linear_matrix(self.prepare(keys), keys.head_dim, heads)
-            finish = self.finish(values)
-            if finish is not None:
-                finish = linear_matrix(finish, call.out_dim)[0]
-            if len(_MATRICES) > 256:
-                _MATRICES.clear()
-            found = _MATRICES[key] = (prepare, finish, sources)
-        return found[0], found[1]
-
-    def _attend_dense(self, queries, keys, values, scale, dense):
-        """The unchecked fused call of :meth:`attend_dense`: the compressed tokens, sinks and window in one launch,
-        computed exactly as a bound :class:`StreamStep` computes it (``None`` where the kernel does not take it)."""
-        call = self._served_call(queries, keys, values, None, dense=True)
-        if call is None:
-            return None
-        prepare, finish = self._matrices(keys, values, call)
-        B, Hq, Tq, D = queries.shape
-        H = keys.shape[1]
-        prepared = queries.reshape(B, H, Hq // H * Tq, D) @ (prepare * scale)
-        out, lse = decode_attend_streams(prepared, call, self.backend, dense=dense, raw_queries=queries,
-                                         scale=scale, finish=finish)
-        return out.reshape(B, Hq, Tq, out.shape[-1]), lse.reshape(B, Hq, Tq)
-
-    def _bind_unchecked(self, queries, keys, values, scale, sink_keys, sink_values, window_keys, window_values,
-                        ragged: bool = False):
-        """A :class:`StreamStep` for a cache's decode steps, unchecked (``None`` where not served, and for rows of
-        different lengths, ``ragged``, which these kernels do not take)."""
-        if ragged:
-            return None
-        call = self._served_call(queries, keys, values, None, dense=True)
-        if call is None:
-            return None
-        prepare, finish = self._matrices(keys, values, call)
-        return StreamStep(call, queries, scale, prepare, finish, self.backend, sink_keys, sink_values, window_keys,
-                          window_values)
-
+        return getattr(streams_impl, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -25,6 +25,7 @@ from kvq.encoded import Encoded
 from kvq_metal import streams
 from kvq_metal.base import first_use_check
 from kvq_metal.common import code_mismatch, decode_shape_ok, normal, relative_error
+from kvq_metal.streams_impl import StreamsKernelImpl
 
 from .. import codebook, rotation
 from ..impl import FAMILY, _is_prod, _is_split, head_dim_supported
@@ -74,9 +75,9 @@ def stream_call(keys, values) -> streams.StreamCall | None:
     return streams.StreamCall(tuple(side_streams(keys, 0)), tuple(side_streams(values, 0)), 2 * dim)
 
 
-class TurboQuantProdKernels(streams.StreamsKernelImpl):
+class TurboQuantProdKernels(StreamsKernelImpl):
     """Kernel implementation of ``turboquant_prod`` (decode attention; see the module docstring and
-    :class:`kvq_metal.streams.StreamsKernelImpl`)."""
+    :class:`kvq_metal.streams_impl.StreamsKernelImpl`)."""
 
     method = "turboquant_prod"
 

@@ -1,0 +1,76 @@
+"""The launch-shape knobs of the two decode-attention families, as frozen defaults.
+
+The library launches with these values only: nothing in it reads an environment variable or changes them. A
+benchmark that sweeps them swaps a family's whole object for an edited copy for the duration of its run
+(``benchmarks/knobs.py``: ``with tuned(attend={"nt": 1}): ...``; tests use pytest's ``monkeypatch.setattr``). Every
+plan cache keys on the object, so a swapped one takes effect on the next call. Every combination gives the same
+results up to float32 rounding (the knobs move work between threads, registers and shared memory, never skip any).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen
+class AttendKnobs:
+    """Knobs of :mod:`kvq_metal.attend` (codes that decode as ``table[code] * scale + bias``).
+
+    SIMT kernel (Metal, and CUDA shapes the tensor-core kernel does not take): ``kt_small`` / ``kt_large`` tokens
+    each thread loads per tile for up to 4 query rows and for more; ``cpt`` 4 forces 4 coordinates per thread
+    (``None``: 8 for 1-4 bits, 4 above).
+
+    Tensor-core kernel (CUDA, :mod:`kvq_metal.attend_tc`): ``tc`` whether it serves the shapes it takes; ``nt``
+    16-token tiles per warp step; ``pf`` loads of the next step issued before this step's math (``None``: at
+    head_dim <= 128; off: it costs registers and measured no faster on the H200); ``pair`` pair tables (two codes
+    per lookup); ``tc_groups`` thread groups to aim for (fewer, longer splits keep a block's warps busy longer);
+    ``rep`` one copy of each code table per lane where shared memory allows (lookups without bank conflicts;
+    :func:`kvq_metal.attend.table_layout`); ``qsh`` the query fragments read from shared memory instead of held in
+    registers (16 to 32 registers fewer per thread; on: 4-9% less GPU time per call at 4K-128K on the H200,
+    benchmarks/results/kernels/2026-12-02-h200-durations-qsh.json); ``minb`` (bound decode steps) the blocks per SM
+    the compiler must fit (``__launch_bounds__(THREADS, minb)``; 0: no bound). As MLX builds it on the H200 the
+    bound step at head_dim 128 takes 186 registers for turboquant-4, 130 for turboquant-3 and 198 for affine-4;
+    ``minb`` 3 makes each 168 and at one sequence of 128K changed the GPU time by -1%, -2% and +3%: there the grid,
+    not registers, bounds the occupancy, so it stays off until a batched run shows it pays
+    (benchmarks/results/kernels/2026-12-03-h200-durations-minb-7f67dd3.json).
+    """
+
+    kt_small: int = 8
+    kt_large: int = 8
+    cpt: int | None = None
+    tc: bool = True
+    nt: int = 2
+    pf: bool | None = False
+    pair: bool = True
+    tc_groups: int = 264
+    rep: bool = True
+    qsh: bool = True
+    minb: int = 0
+
+
+@attrs.frozen
+class StreamsKnobs:
+    """Knobs of :mod:`kvq_metal.streams` (code streams: QJL, TurboQuant-Prod, VecInfer).
+
+    ``kt`` tokens each thread loads per tile (loads in flight); ``groups`` thread groups to aim for across the
+    splits (``None``: the back end's :data:`kvq_metal.attend.TARGET_GROUPS`); ``registers`` the registers a thread
+    may give to query coordinates and accumulators (R rows times coordinates per thread): the launch takes more
+    threads per token above it, and twice it at 32 threads per token (8 query rows). Tensor-core kernel (CUDA,
+    where :func:`kvq_metal.streams_plan.tc_plan` serves the call): ``tc`` whether it serves, ``nt`` tiles of 16
+    tokens per warp step, ``pf`` the next step's loads before this step's math (``None``: where one key and one
+    value stream leave the registers for it), ``qsh`` query fragments from shared memory, ``rep`` ``False`` for
+    single code tables (``None``: per-lane copies while shared memory allows), ``minb`` the blocks per SM its
+    registers must allow (0: none). On the H200 these defaults take 0.84x, 1.02x and 0.80x the GPU time of the
+    former default (two tiles, prefetch where it fits) at 32K for qjl+affine:4, turboquant_prod:4 and :3, and
+    1.02x, 1.02x, 0.88x at 128K (benchmarks/results/streams/2026-12-02-h200-streams-tc-variants-kernel-times.json).
+    """
+
+    kt: int = 4
+    groups: int | None = None
+    registers: int = 96
+    tc: bool = True
+    nt: int = 1
+    pf: bool | None = False
+    qsh: bool = True
+    rep: bool | None = None
+    minb: int = 0
