@@ -388,13 +388,3 @@ def attend_streams(queries: mx.array, scale: float, num_kv_heads: int, call: Str
     out = finish(out.reshape(B, num_kv_heads, n_rep, Tq, call.out_dim))
     return out.reshape(B, Hq, Tq, out.shape[-1]), lse.reshape(B, Hq, Tq)
 
-
-def __getattr__(name: str):
-    """This module's former names :class:`~kvq_metal.streams_impl.StreamsKernelImpl` and
-    :func:`~kvq_metal.streams_impl.linear_matrix`, now in :mod:`kvq_metal.streams_impl` (imported on first use:
-    it imports this module)."""
-    if name in ("StreamsKernelImpl", "linear_matrix"):
-        from . import streams_impl
-
-        return getattr(streams_impl, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
