@@ -16,7 +16,8 @@
 #        6 minutes instead of over 10), chain (decode attention chained as a step runs it, benchmarks/kernel_chain.py),
 #        durations-batch (GPU time per call at 122 sequences of 32K: the capacity shape), ncu-source (ncu --set full of
 #        the bound turboquant-3 step at 4K and 128K, its SASS source counters summarised by
-#        benchmarks/ncu_source_summary.py)
+#        benchmarks/ncu_source_summary.py), suite4 (every gpu test and the attention engine's tests on the GPU, 4 groups),
+#        records (record_outputs before/after a refactor, kernels on), stepcost (cache_step_cost before/after, twice)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -114,6 +115,34 @@ for name, fn in [("quantize", lambda: k.kvq_quantize(x, p).data["codes"]),
             wait
             for g in "$OUT"/gpu_tests_gpu_ids.*.log; do tail -n 3 "$g" | grep -E "passed|failed|error"; done
             grep -h -E "^(FAILED|ERROR)" "$OUT"/gpu_tests_gpu_ids.*.log | cut -c1-300;;
+    suite4) # every test marked gpu, and the attention engine's tests of any device (chunks, rotating and packed
+            # caches, the hot path's depth) run on this GPU, in 4 parallel groups
+            { python3 -m pytest tests -m gpu --collect-only -q -p no:cacheprovider
+              python3 -m pytest tests/test_prefill_chunks.py tests/test_chunk_partitions.py tests/test_packed_rows.py \
+                tests/test_rotating_cache.py tests/test_hot_path_depth.py -m "not slow" --collect-only -q -p no:cacheprovider
+            } 2>/dev/null | grep '::' | sort -u > /tmp/suite_ids.txt
+            split -n r/4 /tmp/suite_ids.txt /tmp/suite_ids.
+            for g in /tmp/suite_ids.a?; do
+              (MLX_ENABLE_TF32=0 timeout 540 python3 -m pytest -q --tb=short -p no:cacheprovider $(cat $g) \
+                 > "$OUT/suite_$(basename $g).log" 2>&1) &
+            done
+            wait
+            for g in "$OUT"/suite_suite_ids.*.log; do tail -n 3 "$g" | grep -E "passed|failed|error"; done
+            grep -h -E "^(FAILED|ERROR)" "$OUT"/suite_suite_ids.*.log | cut -c1-300;;
+    records) # greedy tokens and logits before and after a refactor, kernels on (SITE_BEFORE, SITE_AFTER: the two
+             # revisions' packages, benchmarks/gpu_revisions.sh)
+             PYTHONPATH=/tmp/kvq-site:$SITE_BEFORE timeout 280 python3 benchmarks/record_outputs.py "$OUT/rec_before.npz" \
+               --kernels auto > "$OUT/rec_before.log" 2>&1
+             PYTHONPATH=/tmp/kvq-site:$SITE_AFTER timeout 280 python3 benchmarks/record_outputs.py "$OUT/rec_after.npz" \
+               --kernels auto --compare "$OUT/rec_before.npz" --rtol ${RECORD_RTOL:-1e-6} > "$OUT/rec_after.log" 2>&1
+             grep -v "tokens \[" "$OUT/rec_after.log" | tail -c 3000;;
+    stepcost) # host cost of a decode step of the caches alone, before and after, back to back, twice
+             for i in 1 2; do for side in before after; do
+               site=SITE_${side^^}
+               PYTHONPATH=/tmp/kvq-site:${!site} timeout 140 python3 benchmarks/cache_step_cost.py --rounds 2 \
+                 --out "$OUT/stepcost_${side}_$i.json" > "$OUT/stepcost_${side}_$i.log" 2>&1
+               echo "$side $i"; grep "round 2" "$OUT/stepcost_${side}_$i.log"
+             done; done;;
     chain) timeout 400 python3 benchmarks/kernel_chain.py --out "$OUT/chain.json" ${CHAIN_ARGS:-} > "$OUT/chain.log" 2>&1
            tail -c 4000 "$OUT/chain.log";;
     durations-batch) timeout 300 python3 benchmarks/kernel_durations.py --out "$OUT/durations-batch.json" --batch 122 \
