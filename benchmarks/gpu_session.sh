@@ -117,13 +117,15 @@ for name, fn in [("quantize", lambda: k.kvq_quantize(x, p).data["codes"]),
             grep -h -E "^(FAILED|ERROR)" "$OUT"/gpu_tests_gpu_ids.*.log | cut -c1-300;;
     suite4) # every test marked gpu, and the attention engine's tests of any device (chunks, rotating and packed
             # caches, the hot path's depth) run on this GPU, in 4 parallel groups
-            { python3 -m pytest tests -m gpu --collect-only -q -p no:cacheprovider
+            # (--rootdir .: ids relative to this tree, wherever the project's pyproject.toml lies)
+            { python3 -m pytest tests -m gpu --collect-only -q -p no:cacheprovider --rootdir .
               python3 -m pytest tests/test_prefill_chunks.py tests/test_chunk_partitions.py tests/test_packed_rows.py \
-                tests/test_rotating_cache.py tests/test_hot_path_depth.py -m "not slow" --collect-only -q -p no:cacheprovider
+                tests/test_rotating_cache.py tests/test_hot_path_depth.py -m "not slow" --collect-only -q \
+                -p no:cacheprovider --rootdir .
             } 2>/dev/null | grep '::' | sort -u > /tmp/suite_ids.txt
             split -n r/4 /tmp/suite_ids.txt /tmp/suite_ids.
             for g in /tmp/suite_ids.a?; do
-              (MLX_ENABLE_TF32=0 timeout 540 python3 -m pytest -q --tb=short -p no:cacheprovider $(cat $g) \
+              (MLX_ENABLE_TF32=0 timeout 540 python3 -m pytest -q --tb=short -p no:cacheprovider --rootdir . $(cat $g) \
                  > "$OUT/suite_$(basename $g).log" 2>&1) &
             done
             wait
