@@ -67,7 +67,8 @@ def test_decode_reaches_its_kernel_within_four_frames(monkeypatch):
     impl = registry().implementations[("affine", "mlx")]
     recorder = _Recorder()
     monkeypatch.setattr(impl, "bind_dense", _bound(impl, recorder), raising=False)
-    cache = KVQCache(make_config("affine", bits=4, sinks=4, window=16, flush=4))
+    # kernels off: the pure-MLX implementation (whose bind_dense is the stub) serves on a GPU too
+    cache = KVQCache(make_config("affine", bits=4, sinks=4, window=16, flush=4, kernels="off"))
     k, v = _data(1, 60)
     cache.update_and_fetch(k, v)
     cache.release_chunk()
@@ -82,7 +83,7 @@ def test_packed_batch_decode_reaches_its_kernel_within_four_frames(monkeypatch):
     impl = registry().implementations[("affine", "mlx")]
     recorder = _Recorder()
     monkeypatch.setattr(impl, "bind_ragged_dense", _bound(impl, recorder), raising=False)
-    config = make_config("affine", bits=4, sinks=2, window=4, flush=4)
+    config = make_config("affine", bits=4, sinks=2, window=4, flush=4, kernels="off")
     rows = []
     for i, n in enumerate((30, 41)):
         row = KVQCache(config)
