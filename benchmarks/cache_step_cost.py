@@ -11,6 +11,9 @@ Window flushes happen as in decode (every ``flush`` steps); ``--profile`` adds c
     python benchmarks/cache_step_cost.py [--methods fp16,turboquant:4,turboquant:3,affine:4] [--context 4096]
         [--rounds 3] [--out cache_step.json]
 
+``--stub-kernels`` replaces the kernels' bound steps by stubs that return at once (:func:`stub_bound_steps`): kvq's
+host work of a bound decode step alone, on any machine.
+
 Prints, per method and round, the median and p90 microseconds per layer of building and of ``async_eval``; writes
 JSON. Not part of the library.
 """
@@ -83,6 +86,26 @@ def run_round(caches, tokens, steps: int, scale: float, profile: bool = False) -
     return row
 
 
+def stub_bound_steps(methods) -> None:
+    """Every kvq method's pure-MLX implementation binds a decode step that returns a preallocated output at once
+    (:class:`kvq.contract.BindsDense`): a bound step then costs only kvq's own host work (the window append, the
+    binding check, the window slice), the kernel's launch and its GPU time left out; so a machine without a GPU
+    measures the host path of a bound decode step, and two revisions compare on it."""
+    from kvq.plugins import registry
+
+    for m in methods:
+        if m == "fp16":
+            continue
+        impl = registry().implementations[(m.partition(":")[0], "mlx")]
+
+        def bind_dense(queries, keys, values, scale, sink_keys, sink_values, window_keys, window_values):
+            out = mx.zeros((*queries.shape[:3], values.head_dim), queries.dtype)
+            mx.eval(out)
+            return lambda q, wk, wv: out
+
+        impl.bind_dense = bind_dense
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--methods", default="fp16,turboquant:4,turboquant:3,affine:4")
@@ -92,10 +115,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--flush", type=int, default=32)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--stub-kernels", action="store_true",
+                   help="bound decode steps that return at once (stub_bound_steps): kvq's host work alone, any device")
     p.add_argument("--out", default="cache_step.json")
     args = p.parse_args()
     H, Hq, D, dtype = 8, 32, 128, mx.bfloat16
     methods = args.methods.split(",")
+    if args.stub_kernels:
+        stub_bound_steps(methods)
     all_caches = {}
     for m in methods:
         caches = make_caches(m, args.layers, args.flush)
@@ -122,6 +149,7 @@ def main() -> None:
                 print(row["profile"])
     with open(args.out, "w") as f:
         json.dump({"device": str(mx.default_device()), "mlx": mx.__version__, "context": args.context,
+                   "stub_kernels": args.stub_kernels,
                    "layers": args.layers, "steps": args.steps, "flush": args.flush, "rows": rows}, f, indent=1)
 
 
