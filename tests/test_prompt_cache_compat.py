@@ -1,0 +1,54 @@
+"""Prompt-cache files written before the attention engine (kvq at bc13595) load and decode as a fresh run does.
+
+``tests/data/prompt_cache_bc13595_{plain,rotating}.safetensors`` were written by kvq at commit bc13595 (the last
+commit before issue #49's move) for the tiny random llama of ``conftest.tiny_llama()``: a 60-token prompt fed in
+chunks of 16 to turboquant:3 caches (2 sinks, window 8, flush 8), plain and with ``max_kv_size=40`` (rotating
+caches whose rings have wrapped). Today's kvq must read them, hold exactly what a fresh cache fed the same chunks
+holds, and decode the same greedy tokens with bit-identical logits.
+"""
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvq.cache import load_prompt_cache, make_prompt_cache
+
+from conftest import cache_state, same_state, tiny_llama
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama()
+
+
+def _greedy(model, cache, logits, steps=3):
+    out = []
+    for _ in range(steps):
+        token = mx.argmax(logits[-1])
+        logits.append(model(token.reshape(1, 1), cache=cache)[0, -1].astype(mx.float32))
+        out.append(int(token))
+    return out
+
+
+@pytest.mark.parametrize("name, kw", [("plain", {}), ("rotating", {"max_kv_size": 40})])
+def test_a_file_written_before_the_engine_loads_and_decodes_as_a_fresh_run(model, name, kw):
+    prompt = mx.array([(7 * i + 3) % 256 for i in range(60)])[None]
+    fresh = make_prompt_cache(model, "turboquant", bits=3, sinks=2, window=8, flush=8, **kw)
+    for a in range(0, 60, 16):
+        last = model(prompt[:, a : a + 16], cache=fresh)[0, -1].astype(mx.float32)
+    loaded, metadata = load_prompt_cache(str(DATA / f"prompt_cache_bc13595_{name}.safetensors"),
+                                         return_metadata=True)
+    assert metadata["written_by"].startswith("kvq bc13595")
+    assert [type(c) for c in loaded] == [type(c) for c in fresh]
+    ring = name == "rotating"
+    assert all(same_state(cache_state(a, ring), cache_state(b, ring)) for a, b in zip(loaded, fresh))
+    want_logits, got_logits = [last], [last]
+    want = _greedy(model, fresh, want_logits)
+    got = _greedy(model, loaded, got_logits)
+    assert got == want
+    for a, b in zip(got_logits, want_logits):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
