@@ -1,6 +1,7 @@
 """Prompt-cache files (issue #24, items 9 and 10): kvq.save_prompt_cache writes checksums, and both loaders
 (kvq.load_prompt_cache and mlx-lm's own, through KVQCache.from_state) refuse a damaged file with one clear error
-and never change it; files without checksums still load; ``import kvq`` alone lets mlx-lm's loader read them."""
+and never change it; files without checksums still load; ``import kvq`` changes nothing of mlx-lm's, and after
+``kvq.register_with_mlx_lm()`` mlx-lm's loader reads them."""
 
 from __future__ import annotations
 
@@ -240,7 +241,7 @@ def test_missing_file_and_reserved_metadata_key(saved, tmp_path):
         kvq.save_prompt_cache(str(tmp_path / "x.safetensors"), saved[1], {"kvq_checksum": "mine"})
 
 
-# -- item 10: a bare `import kvq` ---------------------------------------------------------------------------
+# -- item 10: mlx-lm's loader in a fresh process (issue #50: after the documented call, not an import hook) ----
 FRESH = """
 import sys
 {first}
@@ -261,12 +262,15 @@ print([type(c).__name__ for c in loaded], [int(t) for t, _ in gen])
 """
 
 
-@pytest.mark.parametrize("first", ["import kvq", "import mlx_lm\nimport kvq"])
+REGISTER = "import kvq\nkvq.register_with_mlx_lm()"
+
+
+@pytest.mark.parametrize("first", [REGISTER, "import mlx_lm\n" + REGISTER])
 @pytest.mark.parametrize("saver", ["kvq", "mlx-lm"])
-def test_mlx_lms_loader_reads_kvq_files_after_a_bare_import_kvq(llama_model, saved, tmp_path, first, saver):
-    """A fresh process that only ran ``import kvq`` (before or after mlx-lm): mlx-lm's load_prompt_cache finds
-    kvq's classes, and generation from the loaded caches runs through kvq's attention (mlx-lm's would get the
-    caches' stand-ins and fail) and continues exactly as the original cache does."""
+def test_mlx_lms_loader_reads_kvq_files_after_register_with_mlx_lm(llama_model, saved, tmp_path, first, saver):
+    """A fresh process that only ran ``kvq.register_with_mlx_lm()`` (before or after importing mlx-lm): mlx-lm's
+    load_prompt_cache finds kvq's classes, and generation from the loaded caches runs through kvq's attention
+    (mlx-lm's would get the caches' stand-ins and fail) and continues exactly as the original cache does."""
     file, cache, tokens = saved
     if saver == "mlx-lm":
         file = tmp_path / "plain.safetensors"
@@ -282,10 +286,47 @@ def test_kvq_cache_is_an_attribute_and_import_kvq_stays_light():
     code = ("import sys, kvq\nprint('mlx_lm' in sys.modules, 'kvq.cache' in sys.modules)\n"
             "print(kvq.cache.__name__, kvq.cache.make_config is kvq.cache.make_config, kvq.models.__name__, "
             "kvq.distributed.__name__)\n"
-            "import mlx_lm.models.cache as c\nprint(c.KVQCache is kvq.KVQCache, c.BatchKVQCache.__module__)")
+            "import mlx_lm.models.cache as c\nprint(hasattr(c, 'KVQCache'))\n"
+            "kvq.register_with_mlx_lm()\nprint(c.KVQCache is kvq.KVQCache, c.BatchKVQCache.__module__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.splitlines() == ["False False", "kvq.cache True kvq.models kvq.distributed",
+    assert out.splitlines() == ["False False", "kvq.cache True kvq.models kvq.distributed", "False",
                                 "True kvq.cache.batch"]
+
+
+IMPORT_ONLY = """
+import sys
+{before}
+finders = list(sys.meta_path)
+import kvq
+assert sys.meta_path == finders, (finders, sys.meta_path)
+import kvq.cache  # imports mlx-lm, whose transformers adds a finder of its own
+import mlx_lm.models.cache as mlx_cache
+assert not [f for f in sys.meta_path if type(f).__module__.startswith("kvq")], sys.meta_path
+assert sys.meta_path == finders or not {before!r}, (finders, sys.meta_path)
+assert not [n for n in ("KVQCache", "RotatingKVQCache", "BatchKVQCache") if hasattr(mlx_cache, n)]
+from mlx_lm.models import base
+assert base.scaled_dot_product_attention.__module__.startswith("mlx_lm"), base.scaled_dot_product_attention
+try:
+    mlx_cache.load_prompt_cache(sys.argv[1])
+except KeyError as error:  # mlx-lm looks the class name up in its globals
+    print("refused:", error)
+kvq.register_with_mlx_lm()
+kvq.register_with_mlx_lm()  # idempotent
+print([type(c).__name__ for c in mlx_cache.load_prompt_cache(sys.argv[1])])
+"""
+
+
+@pytest.mark.parametrize("before", ["", "import mlx_lm.models.cache"])
+def test_import_kvq_changes_nothing_of_mlx_lms_until_the_documented_call(saved, before):
+    """Issue #50: ``import kvq`` and ``import kvq.cache`` (before or after mlx-lm's cache module) add no finder to
+    ``sys.meta_path`` (transformers, imported by mlx-lm, adds its own) and set nothing in mlx-lm, whose loader cannot read a kvq file then;
+    ``kvq.register_with_mlx_lm()`` (twice) lets it."""
+    done = subprocess.run([sys.executable, "-c", IMPORT_ONLY.format(before=before), str(saved[0])],
+                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    refused, loaded = done.stdout.strip().splitlines()
+    assert refused.startswith("refused:") and "KVQCache" in refused
+    assert loaded == "['KVQCache', 'KVQCache']"
 
 
 def test_patch_state_after_load_is_kvqs(llama_model, saved):

@@ -5,7 +5,9 @@
 
 Also :func:`patch_model` (so that ``mlx_lm.server`` and anything calling ``make_prompt_cache(model)`` get kvq
 caches), and :func:`save_prompt_cache` / :func:`load_prompt_cache` (mlx-lm's prompt-cache files with checksums and
-kvq's checks: :mod:`kvq.cache.files`). :func:`make_prompt_cache` is the only function that makes kvq caches for a
+kvq's checks: :mod:`kvq.cache.files`), and :func:`register_with_mlx_lm` (so that mlx-lm's own ``load_prompt_cache``
+reads kvq's files; every function here that makes, saves or loads kvq caches calls it, and importing this module
+does not). :func:`make_prompt_cache` is the only function that makes kvq caches for a
 model: per-layer parameters (VecInfer's codebooks) and a model sharded by mlx-lm (tensor or pipeline parallel,
 :mod:`kvq.cache.sharding`) are handled there.
 """
@@ -29,14 +31,10 @@ from .choice import block_implementation, has_attend, quantize_kernels
 from .config import CacheConfig
 from .layer import KVQCache
 from .views import CompressedView
+from .registration import register_with_mlx_lm
 from .rotating import RotatingKVQCache
 from .servable import UnservableModelWarning, unservable_reason
 from .sharding import first_layer, kv_head_range
-
-# mlx-lm's load_prompt_cache rebuilds caches by class name from its own module's globals
-mlx_cache.KVQCache = KVQCache
-mlx_cache.RotatingKVQCache = RotatingKVQCache
-mlx_cache.BatchKVQCache = BatchKVQCache
 
 
 def _params(method: str | None, overrides: dict | None, shared: dict, side: str):
@@ -127,7 +125,7 @@ def make_prompt_cache(model, method: str | None = "affine", *, max_kv_size: int 
     so parameters with per-layer state (:class:`kvq.contract.ForLayer`, VecInfer's codebooks) are bound to their
     layer. On a tensor-parallel model the configuration is also ``for_heads(start, stop)`` for this rank's KV heads
     (:func:`~kvq.cache.sharding.kv_head_range`, :class:`kvq.contract.ForHeads`). Also patches mlx-lm's attention
-    (:mod:`kvq.cache.patch`).
+    (:mod:`kvq.cache.patch`) and registers kvq's classes with mlx-lm (:func:`register_with_mlx_lm`).
 
     :param model: an mlx-lm model (``model.layers``; ``model.make_cache`` is used when present).
     :param method, kwargs: as :func:`make_config` (``bits=``, ``key_params=``, ``sinks=``, ``window=``,
@@ -148,6 +146,7 @@ def make_prompt_cache(model, method: str | None = "affine", *, max_kv_size: int 
     config = make_config(method, **kwargs)
     _check_model(config, model)
     _patch.patch()
+    register_with_mlx_lm()
     first = first_layer(model)
 
     def layer_cache(i: int, made) -> KVQCache:
@@ -226,4 +225,4 @@ def unpatch_model(model):
 
 __all__ = ["BatchKVQCache", "CacheConfig", "CompressedView", "DEFAULT_FLUSH", "KVQCache", "OutlierLayerWarning",
            "RotatingKVQCache", "UnservableModelWarning", "load_prompt_cache", "make_config", "make_prompt_cache",
-           "patch_model", "save_prompt_cache", "unpatch_model"]
+           "patch_model", "register_with_mlx_lm", "save_prompt_cache", "unpatch_model"]

@@ -29,6 +29,7 @@ from . import patch as _patch
 from .batch import BatchKVQCache
 from .guard import guarded, safe_params
 from .layer import CacheConfig, KVQCache
+from .registration import CLASSES, register_with_mlx_lm
 from .state import FILE_CHECKSUM, LAYER_CHECKSUM, as_stored, checksum, layer_checksum
 
 #: Where the file's checksum sits among the flattened metadata: the caller's metadata is entry 0.
@@ -38,7 +39,8 @@ _CHECKSUM_KEY = f"0.{FILE_CHECKSUM}"
 def save_prompt_cache(file_name: str, cache: list, metadata: dict[str, str] | None = None) -> None:
     """``mlx_lm.models.cache.save_prompt_cache`` with checksums (see the module docstring), for a list of caches of
     any kind, kvq's or mlx-lm's. The file loads with mlx-lm's ``load_prompt_cache`` as well as with
-    :func:`load_prompt_cache`. As mlx-lm's, it adds ``.safetensors`` to a name that does not end with it.
+    :func:`load_prompt_cache` (in this process too: it calls :func:`~kvq.cache.registration.register_with_mlx_lm`).
+    As mlx-lm's, it adds ``.safetensors`` to a name that does not end with it.
 
     Cost: every array is evaluated and hashed once (SHA-256, roughly 1 GB/s on one CPU core).
 
@@ -59,6 +61,7 @@ def save_prompt_cache(file_name: str, cache: list, metadata: dict[str, str] | No
     flat = dict(tree_flatten([metadata, [type(c).__name__ for c in cache], scalars]))
     flat[_CHECKSUM_KEY] = checksum(arrays.items(), flat.items(), digests)
     mx.save_safetensors(file_name, arrays, flat)
+    register_with_mlx_lm()
 
 
 def _file_state(cache, digests: dict):
@@ -78,8 +81,9 @@ def _kind(value) -> str:
 
 def load_prompt_cache(file_name: str, *, expect: CacheConfig | None = None, return_metadata: bool = False):
     """``mlx_lm.models.cache.load_prompt_cache`` with kvq's checks; the file is only read, and nothing in the
-    process changes when a check fails. Then patches mlx-lm's attention (:mod:`kvq.cache.patch`), as
-    :func:`kvq.make_prompt_cache` does, so the caches work in a fresh process.
+    process changes when a check fails. Then patches mlx-lm's attention (:mod:`kvq.cache.patch`) and registers
+    kvq's classes with mlx-lm (:func:`~kvq.cache.registration.register_with_mlx_lm`), as :func:`kvq.make_prompt_cache`
+    does, so the caches work in a fresh process.
 
     A file written by :func:`save_prompt_cache` is verified against its checksum first: any changed byte of its
     arrays or metadata is refused. Files without a checksum (saved with mlx-lm's ``save_prompt_cache``, or by kvq
@@ -107,6 +111,7 @@ def load_prompt_cache(file_name: str, *, expect: CacheConfig | None = None, retu
     if expect is not None:
         _check_expected(file_name, cache, expect)
     _patch.patch()
+    register_with_mlx_lm()
     return (cache, metadata) if return_metadata else cache
 
 
@@ -126,7 +131,7 @@ def _read(file_name: str):
     states = tree_unflatten(list(arrays.items()))
     if saved is not None:  # the file's checksum covered every layer: from_state need not hash them again
         states = [_without_layer_checksum(c, s) for c, s in zip(classes, states)]
-    return [getattr(mlx_cache, c).from_state(s) for c, s in zip(classes, states)], metadata
+    return [(CLASSES.get(c) or getattr(mlx_cache, c)).from_state(s) for c, s in zip(classes, states)], metadata
 
 
 def _restore(array: mx.array, kind: str):

@@ -36,11 +36,6 @@ _PATCHED: set[str] = set()
 _PATCHED_MAKE: set[str] = set()
 
 
-class MaxKVSizeWarning(UserWarning):
-    """Kept for code that filters it: kvq no longer warns about ``max_kv_size``, which now gives kvq's compressed
-    rotating caches (:class:`kvq.cache.RotatingKVQCache`)."""
-
-
 def mlx_lm_caches(model) -> list:
     """The caches mlx-lm makes for ``model`` without kvq: the model's own ``make_cache()`` (the one from before
     :func:`kvq.patch_model`, if it patched the model), else a ``KVCache`` per layer."""

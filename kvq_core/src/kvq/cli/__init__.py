@@ -67,6 +67,10 @@ def _dispatch(argv: list[str]) -> int:
     from ..install_hints import arm_blas_note
 
     arm_blas_note(name in MODEL_COMMANDS)  # printed where model work starts: not before a usage error
+    if name in MODEL_COMMANDS:  # mlx-lm code these commands run (its server, its loader) finds kvq's caches
+        from ..cache import register_with_mlx_lm
+
+        register_with_mlx_lm()
     module = importlib.import_module(COMMANDS[name][0])
     try:
         return module.main(rest) or 0
