@@ -195,7 +195,7 @@ def test_vecinfer_in_python_says_model_id_in_python_syntax(data_dir):
     assert "--param" not in plan.explain()
     with pytest.raises(CalibrationError, match="pass model_id=") as info:
         plan.quantize(mx.zeros((1, 2, 64, 64)), plan.params)
-    assert Path(traceback.extract_tb(info.tb)[-1].filename).name == "select.py"  # raised up front, not in storage
+    assert Path(traceback.extract_tb(info.tb)[-1].filename).name == "selection.py"  # raised up front, not in storage
 
 
 def test_vecinfer_model_id_as_a_path_says_what_it_is_stored_under(data_dir, model_folder):

@@ -13,7 +13,7 @@ Layers of ``kvq`` (:data:`LAYERS`), lowest first; a module may import its own la
 - contract: the contract's Protocols, hook specs, method declarations, Encoded, Problem and the device,
   validation, packing, cost model, attention helpers, text data, install hints, the cache folder (kvq.paths);
 - registry: kvq.plugins (entry points), kvq.tuning (stored autotune crossovers), kvq.provenance;
-- selection: kvq.select;
+- selection: kvq.selection (the module of the function kvq.select);
 - runtime: the baselines and the mlx-lm cache;
 - integration: distributed caches, quality measures, model loading and GGUF conversion;
 - api: the package ``kvq`` (its ``__init__`` re-exports the above);
@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 import tomllib
 from functools import cache
 from pathlib import Path
@@ -40,18 +42,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS = {
-    "contract": ("kvq.contract", "kvq.hookspecs", "kvq.methods", "kvq.encoded", "kvq.problem", "kvq.validate",
+    "contract": ("kvq.contract", "kvq.hookspecs", "kvq.declaration", "kvq.encoded", "kvq.problem", "kvq.validate",
                  "kvq.packing", "kvq.costmodel", "kvq.attention", "kvq.textdata", "kvq.install_hints", "kvq.paths",
                  "kvq.defaults"),
     "registry": ("kvq.plugins", "kvq.tuning", "kvq.provenance"),
-    "selection": ("kvq.select",),
+    "selection": ("kvq.selection",),
     "runtime": ("kvq.baselines", "kvq.cache"),
     "integration": ("kvq.distributed", "kvq.quality", "kvq.models"),
     "api": ("kvq",),
     "tools": ("kvq.bench", "kvq.evaluation", "kvq.cli"),
 }
 #: What docs/DESIGN.md's hot path needs ("The contract"): none of these may reach the tooling, even lazily.
-NOT_TOOLING = ("kvq", "kvq.select", "kvq.plugins", "kvq.hookspecs", "kvq.tuning", "kvq.cache", "kvq.baselines",
+NOT_TOOLING = ("kvq", "kvq.selection", "kvq.plugins", "kvq.hookspecs", "kvq.tuning", "kvq.cache", "kvq.baselines",
                "kvq.attention", "kvq.distributed")
 TOOLING = ("kvq.bench", "kvq.evaluation", "kvq.cli")
 KERNELS = "kvq_metal"
@@ -244,15 +246,15 @@ def _edges_to(packages: set[str], of: str) -> list[str]:
 def test_the_walk_sees_every_package_and_lazy_imports():
     assert {CORE, KERNELS, "kvq_backends_turboquant", "kvq_backends_qjl", "kvq_backends_vecinfer"} <= set(
         distributions())
-    assert "kvq.cli.calibrate_cmd" in modules() and "kvq.tuning" in graph()["kvq.select"]
+    assert "kvq.cli.calibrate_cmd" in modules() and "kvq.tuning" in graph()["kvq.selection"]
     assert "kvq.cache" in graph()["kvq"]  # kvq.__getattr__'s lazy `from . import cache`
     assert "kvq.cli.list_cmd" not in graph()["kvq.cli"]  # a dict of names is not an import (the CLI dispatcher)
 
 
 def test_the_walk_resolves_relative_lazy_by_name_and_type_checking_imports():
     tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import kvq_metal\n"
-                     "def f():\n    from . import select\n    return load('kvq_backends_x.calibrate')\n")
-    runs = {"typing", "kvq.select", "kvq_backends_x.calibrate"}
+                     "def f():\n    from . import selection\n    return load('kvq_backends_x.calibrate')\n")
+    runs = {"typing", "kvq.selection", "kvq_backends_x.calibrate"}
     assert _imported("kvq.plugins", tree, typing=False) == runs
     assert _imported("kvq.plugins", tree, typing=True) == runs | {"kvq_metal"}
 
@@ -316,3 +318,29 @@ def test_no_import_cycle():
     out (module docstring). The message lists every cycle's modules."""
     found = components(typing=True)
     assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+NAMES_ARE_MODULES = r"""
+import importlib, sys, types
+wrong = []
+for name in sys.argv[1:]:
+    parent, _, leaf = name.rpartition(".")
+    importlib.import_module(name)
+    value = getattr(importlib.import_module(parent), leaf)
+    if not isinstance(value, types.ModuleType):
+        wrong.append(f"{name} is {value!r}")
+print("\n".join(wrong))
+"""
+
+
+def test_every_submodule_name_gives_the_module():
+    """Issue #50: ``import kvq.selection as s`` (and every other submodule, of every workspace distribution) binds
+    the module, never a function of its package's ``__init__`` with the same name (``kvq.select`` and
+    ``kvq.methods`` are functions; their modules are kvq.selection and kvq.declaration). Imported in a fresh
+    process (``__main__`` modules, which run a command, left out)."""
+    ours = {p for p, d in distributions().items() if d["src"].parents[2] == ROOT}
+    names = sorted(m for m in modules() if "." in m and top(m) in ours and not m.endswith(".__main__"))
+    assert "kvq.selection" in names and "kvq.declaration" in names
+    done = subprocess.run([sys.executable, "-c", NAMES_ARE_MODULES, *names], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == ""

@@ -10,7 +10,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 import kvq
-from kvq.select import KERNELS
+from kvq.selection import KERNELS
 
 from conftest import tiny_llama
 

@@ -25,7 +25,7 @@ def patched(llama_model):
 
 def test_a_bounded_request_gets_compressed_rotating_caches(patched):
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no MaxKVSizeWarning any more
+        warnings.simplefilter("error")  # no warning about max_kv_size
         caches = mlx_cache.make_prompt_cache(patched, max_kv_size=64)
     assert all(type(c) is RotatingKVQCache and (c.max_size, c.keep) == (64, 4) for c in caches)
     assert caches[0].config.key_params == kvq.cache.make_config("affine", bits=4).key_params

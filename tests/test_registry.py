@@ -161,7 +161,7 @@ GOOD = """
 BROKEN_IMPORT = "import module_that_does_not_exist\n"
 BAD_HOOK = """
     from kvq.baselines import fp16
-    from kvq.methods import Method
+    from kvq.declaration import Method
     class P:
         method = "half"
     class Bad(fp16.Fp16MLX):

@@ -7,7 +7,7 @@ import pytest
 
 import kvq
 from kvq.baselines.affine import AffineMLX
-from kvq.select import shape_bucket
+from kvq.selection import shape_bucket
 
 
 class FastForLongContext(AffineMLX):

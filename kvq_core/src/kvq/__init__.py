@@ -19,13 +19,13 @@ from . import contract
 from .contract import Implementation, Params
 from .encoded import Encoded
 from .hookspecs import OPS, hookimpl
-from .methods import BitsAccounting, Method
+from .declaration import BitsAccounting, Method
 from .problem import Problem
 from .plugins import (PluginLoadWarning, RegistrationError, all_implementations, make_params, methods,
                        plugin_manager, register, registry, unregister)
-from .select import Plan, select
+from .selection import Plan, select
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _CACHE_API = ("make_prompt_cache", "patch_model", "unpatch_model", "load_prompt_cache", "save_prompt_cache",
               "register_with_mlx_lm", "KVQCache", "RotatingKVQCache")

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     import mlx.core as mx
 
     from .encoded import Encoded
-    from .methods import BitsAccounting
+    from .declaration import BitsAccounting
     from .problem import Problem
 
 
@@ -70,7 +70,7 @@ class Implementation(Protocol):
 
     :attr method: the method it serves (``"affine"``), or ``"*"`` for every method (bit packing).
     :attr backend: where it runs: ``"mlx"`` (pure MLX ops, any device) or a kernel back end (``"metal"``,
-        ``"cuda"``); :func:`kvq.select.is_kernel` is ``backend != "mlx"``.
+        ``"cuda"``); :func:`kvq.selection.is_kernel` is ``backend != "mlx"``.
     """
 
     method: str

@@ -23,7 +23,7 @@ import pluggy
 from . import hookspecs
 from .hookspecs import OPS
 from .install_hints import method_hint
-from .methods import Method
+from .declaration import Method
 
 GROUP = "kvq"
 #: kvq-core's own entry point (the ``fp16`` and ``affine`` baselines): loaded whatever ``KVQ_LOAD_PLUGINS`` names.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from kvq.attention import split_heads
-from kvq.select import MAX_DECODE_QUERIES
+from kvq.selection import MAX_DECODE_QUERIES
 
 from .attend import MAX_ROWS
 

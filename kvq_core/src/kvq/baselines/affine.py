@@ -23,7 +23,7 @@ import mlx.core as mx
 from ..attention import attend_encoded
 from ..costmodel import estimate
 from ..encoded import Encoded
-from ..methods import BitsAccounting, Method
+from ..declaration import BitsAccounting, Method
 from ..validate import attrs_one_of, float_array, head_dim_multiple
 
 BITS = (2, 3, 4, 5, 6, 8)

@@ -10,7 +10,7 @@ import mlx.core as mx
 from ..attention import check_query_dim, dense_attend
 from ..costmodel import estimate
 from ..encoded import Encoded
-from ..methods import BitsAccounting, Method
+from ..declaration import BitsAccounting, Method
 from ..validate import float_array
 
 

@@ -182,7 +182,7 @@ def attend_implementation(cache, model, settings: E2ESettings) -> str | None:
     if not own_attend(config):
         return f"{kp.method}+{vp.method}:mlx (block protocol)"
     label = kp.method if kp.method == vp.method else f"{kp.method}+{vp.method}"
-    from ..select import select
+    from ..selection import select
 
     args = model.args
     head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads

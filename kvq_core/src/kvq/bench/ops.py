@@ -25,7 +25,7 @@ import mlx.core as mx
 from ..evaluation.spec import MLX_AFFINE, parse_method, split_methods
 from ..plugins import registry
 from ..problem import Problem, device_kind
-from ..select import select
+from ..selection import select
 from .measure import nbytes, peak_delta, time_call
 
 #: Ops ``kvq bench ops`` measures (``pack`` is generic bit packing, not a method's op).

@@ -24,7 +24,7 @@ from ..defaults import DEFAULT_FLUSH
 from ..plugins import registry
 from . import patch as _patch
 from .batch import BatchKVQCache
-from ..select import check_kernels, select
+from ..selection import check_kernels, select
 from .files import load_prompt_cache, save_prompt_cache
 from .guard import OutlierLayerWarning
 from .choice import block_implementation, has_attend, quantize_kernels

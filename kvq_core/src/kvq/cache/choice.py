@@ -11,7 +11,7 @@ from ..attention import attend_encoded
 from ..contract import ScoresKeys, WeightsValues, member_name, optional_hook
 from ..encoded import Encoded
 from ..plugins import implemented_ops, registry
-from ..select import MAX_DECODE_QUERIES, is_kernel, select
+from ..selection import MAX_DECODE_QUERIES, is_kernel, select
 from .config import CacheConfig
 
 

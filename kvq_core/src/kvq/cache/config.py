@@ -10,7 +10,7 @@ import attrs
 
 from ..contract import EncodesBlocks, ForHeads, ForLayer, optional_hook
 from ..defaults import DEFAULT_FLUSH
-from ..select import check_kernels
+from ..selection import check_kernels
 from .guard import check_policy
 
 
@@ -30,7 +30,7 @@ class CacheConfig:
         one launch; a step that compresses costs several times more on the host (on an H200 at 32K: 14 ms of
         graph building against 4, ``benchmarks/results/host/README.md``). 1 compresses one token every decode
         step (the window then holds exactly ``window`` tokens).
-    :param kernels: ``"auto"`` (default), ``"require"`` or ``"off"`` (:data:`kvq.select.KERNELS`): which
+    :param kernels: ``"auto"`` (default), ``"require"`` or ``"off"`` (:data:`kvq.selection.KERNELS`): which
         implementations the cache's hot path may use. ``require``: attention must run in a kernel (checked by
         :func:`kvq.make_prompt_cache` at construction) and quantize runs in a kernel wherever the method has
         one. A run-time preference of this process: it is not written to prompt-cache files.

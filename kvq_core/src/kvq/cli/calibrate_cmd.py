@@ -14,7 +14,7 @@ import argparse
 import importlib
 from pathlib import Path
 
-from ..methods import Method
+from ..declaration import Method
 from ..plugins import registry
 
 #: ``dest`` of the options every calibration shares; the others are the method's own (passed on by name).

@@ -29,7 +29,7 @@ import numpy as np
 
 from .. import quality
 from ..defaults import DEFAULT_FLUSH
-from ..select import KERNELS
+from ..selection import KERNELS
 from .select_cmd import parse_param
 
 #: The reference cache: every token stored as a 16-bit float (no sinks or window held in the model's dtype).

