@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from test_imports import CORE, ROOT, distributions
@@ -94,16 +95,43 @@ def _uv_install(python: str, requirements: list[str]) -> None:
     assert done.returncode == 0, done.stderr
 
 
-@pytest.mark.skipif(UV is None, reason="uv is not on PATH (these environments are made with uv: pip install uv)")
-@pytest.mark.parametrize("package", sorted(p for p, d in distributions().items() if d["src"].parents[2] == ROOT))
-def test_installs_and_imports_alone(package, tmp_path):
+def _venv(tmp_path, package: str) -> tuple[str, dict]:
+    """A fresh environment holding :func:`folders` ``(package)``: its interpreter, and the environment variables to
+    run it with (strict plugin loading, a cache folder of its own)."""
     venv = tmp_path / "venv"
     subprocess.run([UV, "venv", "--quiet", "--python", sys.executable, str(venv)], check=True, cwd=tmp_path)
     python = str(venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python"))
     _uv_install(python, folders(package))
-    (tmp_path / "check.py").write_text(CHECK)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "KVQ_LOAD_PLUGINS")}
     env.update(KVQ_STRICT_PLUGINS="1", KVQ_CACHE_DIR=str(tmp_path / "cache"))
+    return python, env
+
+
+@pytest.mark.skipif(UV is None, reason="uv is not on PATH (these environments are made with uv: pip install uv)")
+@pytest.mark.parametrize("package", sorted(p for p, d in distributions().items() if d["src"].parents[2] == ROOT))
+def test_installs_and_imports_alone(package, tmp_path):
+    python, env = _venv(tmp_path, package)
+    (tmp_path / "check.py").write_text(CHECK)
     done = subprocess.run([python, "check.py"], capture_output=True, text=True, cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     print(f"{package}: {done.stdout}")
+
+
+INSTALLED = "from importlib import metadata; print(sorted(d.metadata['Name'].lower() for d in metadata.distributions()))"
+
+
+@pytest.mark.skipif(UV is None, reason="uv is not on PATH (these environments are made with uv: pip install uv)")
+def test_core_alone_has_no_tooling_extras_and_kvq_demo_names_the_one_it_needs(tmp_path):
+    """Issue #50: kvq-core (with its back-end extra) installs neither gguf (its ``convert`` extra) nor matplotlib
+    (``plots``); ``kvq demo``, whose default model is converted from GGUF, then fails before any download with one
+    line naming the ``convert`` extra and the command that installs it, not a traceback."""
+    python, env = _venv(tmp_path, CORE)
+    installed = subprocess.run([python, "-c", INSTALLED], capture_output=True, text=True, check=True).stdout
+    assert "kvq-core" in installed and "numpy" in installed
+    assert "gguf" not in installed and "matplotlib" not in installed, installed
+    kvq = str(Path(python).parent / "kvq")
+    done = subprocess.run([kvq, "demo"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    (error,) = [line for line in done.stderr.splitlines() if line.startswith("kvq demo: error:")]
+    assert "gguf" in error and "'convert' extra" in error and "kvq_core[convert]" in error, error

@@ -57,9 +57,6 @@ from kvq.paths import cache_root
 
 BACKENDS = ("metal", "cuda")
 
-#: Simdgroup / warp width the kernels assume (Apple GPUs and NVIDIA GPUs both run 32 lanes).
-SIMD_WIDTH = 32
-
 _TOKENS = {
     "metal": {
         "KVQ_TG_X": "threadgroup_position_in_grid.x",
