@@ -117,7 +117,7 @@ def test_installs_and_imports_alone(package, tmp_path):
     print(f"{package}: {done.stdout}")
 
 
-INSTALLED = "from importlib import metadata; print(sorted(d.metadata['Name'].lower() for d in metadata.distributions()))"
+INSTALLED = "from importlib import metadata as m; print(sorted(d.metadata['Name'].lower() for d in m.distributions()))"
 
 
 @pytest.mark.skipif(UV is None, reason="uv is not on PATH (these environments are made with uv: pip install uv)")

@@ -304,8 +304,9 @@ import mlx_lm.models.cache as mlx_cache
 assert not [f for f in sys.meta_path if type(f).__module__.startswith("kvq")], sys.meta_path
 assert sys.meta_path == finders or not {before!r}, (finders, sys.meta_path)
 assert not [n for n in ("KVQCache", "RotatingKVQCache", "BatchKVQCache") if hasattr(mlx_cache, n)]
-from mlx_lm.models import base
-assert base.scaled_dot_product_attention.__module__.startswith("mlx_lm"), base.scaled_dot_product_attention
+from mlx_lm.models import base, llama
+assert llama.scaled_dot_product_attention is base.scaled_dot_product_attention  # attention not patched
+assert mlx_cache.make_prompt_cache.__module__ == "mlx_lm.models.cache", mlx_cache.make_prompt_cache
 try:
     mlx_cache.load_prompt_cache(sys.argv[1])
 except KeyError as error:  # mlx-lm looks the class name up in its globals
@@ -319,8 +320,8 @@ print([type(c).__name__ for c in mlx_cache.load_prompt_cache(sys.argv[1])])
 @pytest.mark.parametrize("before", ["", "import mlx_lm.models.cache"])
 def test_import_kvq_changes_nothing_of_mlx_lms_until_the_documented_call(saved, before):
     """Issue #50: ``import kvq`` and ``import kvq.cache`` (before or after mlx-lm's cache module) add no finder to
-    ``sys.meta_path`` (transformers, imported by mlx-lm, adds its own) and set nothing in mlx-lm, whose loader cannot read a kvq file then;
-    ``kvq.register_with_mlx_lm()`` (twice) lets it."""
+    ``sys.meta_path`` (transformers, imported by mlx-lm, adds its own) and set nothing in mlx-lm, whose loader
+    cannot read a kvq file then; ``kvq.register_with_mlx_lm()`` (twice) lets it."""
     done = subprocess.run([sys.executable, "-c", IMPORT_ONLY.format(before=before), str(saved[0])],
                           capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent)
     assert done.returncode == 0, done.stderr[-3000:]
