@@ -35,7 +35,8 @@ def load(path: Path) -> dict | None:
         model = f"{doc['model']['name']} ({doc['model']['dtype']})"
         key = (kind, env["device"], model, s.get("batch", 1) if kind == "e2e" else None)
         title = model + (f", {s['batch']} sequences at once" if s.get("batch", 1) > 1 else "")
-        return dict(kind=kind, key=key, title=title, date=env["date"], command=env["command"], device=env["device"],
+        device = f"CPU ({env['device']})" if env["device_kind"] == "cpu" else env["device"]
+        return dict(kind=kind, key=key, title=title, date=env["date"], command=env["command"], device=device,
                     mlx=env["mlx"], methods=set(s["methods"]), docs=[doc], paths=[path])
     if "meta" in doc and str(doc["meta"].get("command", "")).startswith("kvq eval"):
         m, s = doc["meta"], doc["runs"][0]["settings"]
@@ -45,6 +46,12 @@ def load(path: Path) -> dict | None:
         return dict(kind="eval", key=key, title=title, date=m["date"], command=m["command"], device=m["versions"]["mlx_device"],
                     mlx=m["versions"]["mlx"], methods=methods, docs=[doc], paths=[path])
     command = str(doc.get("command", ""))
+    if doc.get("benchmark") == "distributed_decode":
+        device = f"{doc['group_size']} x {doc['device_info']['device_name']}"
+        return dict(kind="distributed", key=("distributed", device, doc["settings"]["context"]),
+                    title=f"tensor parallel, {doc['model']['preset']} shape, {doc['settings']['context']} tokens",
+                    date=day, command=command, device=device, mlx=doc["versions"]["mlx"],
+                    methods=set(doc["settings"]["methods"].split(",")), docs=[doc], paths=[path])
     if command.startswith("benchmarks/kernel_durations.py") and not re.search(r"--(?!out)\w", command):
         device = "NVIDIA H200" if "-h200-" in path.name else path.name.split("-")[3]
         methods = {r["method"] for r in doc["rows"]}
@@ -175,6 +182,15 @@ def kernels(run: dict) -> str:
     return table(heads, out)
 
 
+def distributed(run: dict) -> str:
+    heads = ["cache", "KV MiB per rank (x fp16)", *[f"tokens/s {r}".strip() for r in reps(run)]]
+    first = run["docs"][0]["summary"]
+    rows = [[r["method"], ratio(f"{max(r['active_memory_growth_per_rank']) / MIB:,.0f}", r["kv_bytes_ratio"]),
+             *[f"{doc['summary'][i]['tokens_per_second']:.1f}" for doc in run["docs"]]]
+            for i, r in enumerate(first) if not r["error"]]
+    return table(heads, rows)
+
+
 SECTIONS = {  # kind: (title, renderer, what the table shows)
     "eval": ("Quality (`kvq eval`)", quality,
              "Perplexity change, KL divergence and top-1 agreement against the fp16 cache on the same tokens, "
@@ -194,12 +210,14 @@ SECTIONS = {  # kind: (title, renderer, what the table shows)
                 "GPU microseconds per call (Nsight Compute), B 1, H_q 32, H_kv 8, D 128, one query: compressed "
                 "tokens only / with 4 sinks and a 128-token window in the same launch / the bound decode step a "
                 "`KVQCache` replays."),
+    "distributed": ("Across GPUs (`mlx.launch --backend nccl`, `benchmarks/distributed_decode.py`)", distributed,
+                    "Each rank holds half the KV heads; tokens/s over few timed steps are noisy."),
 }
 
 
 def section(run: dict) -> str:
     files = ", ".join(f"[{p.name}](../{p.relative_to(ROOT).as_posix()})" for p in run["paths"])
-    device = "CPU" if "cpu" in run["device"] else run["device"]
+    device = "CPU" if run["device"] == "Device(cpu, 0)" else run["device"]
     return "\n".join([f"### {run['title']} on {device}", "",
                       f"{run['date'][:10]} · MLX {run['mlx']} · `{run['command']}` · {files}", "",
                       SECTIONS[run["kind"]][1](run), ""])
