@@ -11,7 +11,7 @@ the result is evaluated so the graph stays small), 32 query / 8 KV heads, head_d
   whole buffer (a kernel that reads the valid length from ``n`` would need no slice; SDPA stands in for its cost);
 - ``compiled``: the same function under ``mx.compile`` (one trace: ``n`` is an input array).
 
-    python benchmarks/decode_ops_compile.py [--reps 2000] [--rounds 3] [--out decode_ops_compile.json]
+    python benchmarks/investigations/decode_ops_compile.py [--reps 2000] [--rounds 3] [--out decode_ops_compile.json]
 
 Prints the median microseconds per call of each, per round; writes JSON. Not part of the library.
 """

@@ -12,7 +12,7 @@ shape: for each method string it fills every layer's cache to ``--context`` toke
 ``--batch B`` decodes B sequences together through the batch caches mlx-lm's ``BatchGenerator`` makes (kvq:
 ``BatchKVQCache``, packed for decode; fp16: ``BatchKVCache``), ``--ragged R`` with sequence i R tokens shorter.
 
-    python benchmarks/profile_host.py --model random:llama3-8b --context 4096 \
+    python benchmarks/investigations/profile_host.py --model random:llama3-8b --context 4096 \
         --methods fp16,affine:4,turboquant:4 --out host.json [--profile]
 
 Writes the JSON to ``--out`` (one row per method: context, ms/token median and mean, host ms per step, host us per

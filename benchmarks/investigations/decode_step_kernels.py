@@ -8,7 +8,7 @@ under ncu (``--ncu``): the script re-runs itself there, then groups the launches
 ``--out`` (JSON): per step, whether the window flushed (compressed tokens grew), the summed GPU time and each
 kernel's name and microseconds.
 
-    python benchmarks/decode_step_kernels.py --out steps.json --context 32768 --layers 2 \
+    python benchmarks/investigations/decode_step_kernels.py --out steps.json --context 32768 --layers 2 \
         --methods fp16,turboquant:4 --steps 36
 """
 
@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).parents[1]  # benchmarks/, for kernel_durations
 sys.path.insert(0, str(HERE))
 
 MARKER = "kvq_step_marker"

@@ -1,6 +1,6 @@
 """Plot a benchmarks/kernels.py result: decode attention time against context, quantize speed-up against N.
 
-    python benchmarks/plot_kernels.py benchmarks/results/kernels/2026-11-30-h200.json   # writes the .png beside it
+    python benchmarks/investigations/plot_kernels.py benchmarks/results/kernels/2026-11-30-h200.json   # writes the .png beside it
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Saves the tiny random llama of ``tests/test_distributed.py``, then starts ``mlx_lm.server`` under ``mlx.launch``,
 ``mlx_lm.server`` alone, and ``kvq serve`` (turboquant 2 bits) under ``mlx.launch``, asks each for 8 greedy tokens
 and prints OK with the token ids or FAILED with the reply, followed by the server's stderr. Run from the
-repository root: ``python benchmarks/diagnose_serve_launch.py`` (``KVQ_TEST_DISTRIBUTED_BACKEND=ring`` for TCP).
+repository root: ``python benchmarks/investigations/diagnose_serve_launch.py`` (``KVQ_TEST_DISTRIBUTED_BACKEND=ring`` for TCP).
 Result on 2 H200s: ``benchmarks/results/distributed/2026-11-30-h200x2-nccl-serve-diagnosis.log``.
 """
 
@@ -14,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).parents[2] / "tests"))
 os.environ.setdefault("KVQ_TEST_DISTRIBUTED_BACKEND", "nccl")
 
 import test_distributed as t  # noqa: E402  (its launch helpers and tiny model)

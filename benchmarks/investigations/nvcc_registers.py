@@ -9,8 +9,8 @@ sm_90 -cubin -Xptxas -v`` compiles it. No kernel runs; the outputs are zeros. ``
 decode kernel of turboquant instead (``decode_attend_tc.cu``, a bound decode step with sinks and window: bits 4 and 3
 at head_dim 128, bits 4 at 256).
 
-    python benchmarks/nvcc_registers.py --tuning '{"nt": 1}' [--keep DIR]
-    python benchmarks/nvcc_registers.py --turboquant --tuning '{"qsh": true}' [--keep DIR]
+    python benchmarks/investigations/nvcc_registers.py --tuning '{"nt": 1}' [--keep DIR]
+    python benchmarks/investigations/nvcc_registers.py --turboquant --tuning '{"qsh": true}' [--keep DIR]
 
 ``--tuning`` overrides the launch knobs (:mod:`kvq_metal.knobs`; of the streams kernel, or with ``--turboquant``
 of the tensor-core decode kernel) through ``benchmarks/knobs.py``.
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))  # benchmarks/: knobs, profile_streams
 from knobs import knobs_arg, tuned  # noqa: E402
 from profile_streams import B, D, HKV, HQ, dense_tokens, encode, random_inputs  # noqa: E402  (their shared setup)
 from streams_kernel_times import METHODS  # noqa: E402
