@@ -1,7 +1,7 @@
 """Host cost of one MLX custom-kernel launch on this GPU, against the size of its source and its argument count.
 
 A decode step of a kvq layer launches custom kernels where mlx-lm's KVCache calls one SDPA, and decode on a big GPU
-is limited by the host (``benchmarks/profile_host.py``). MLX's CUDA back end formats a custom kernel's whole source
+is limited by the host (``benchmarks/investigations/profile_host.py``). MLX's CUDA back end formats a custom kernel's whole source
 (header included) into a new string on every call and hashes it again when the graph is evaluated
 (``mlx/backend/cuda/custom_kernel.cpp`` in MLX 0.32), so the host cost of a launch may grow with the text of the
 kernel. This script measures, for a chain of ``--calls`` dependent launches of a one-line kernel:

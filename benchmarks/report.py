@@ -1,0 +1,248 @@
+"""Write ``docs/results.md`` from the committed result JSON under ``benchmarks/results``.
+
+    uv run python benchmarks/report.py            # rewrites docs/results.md
+    uv run python benchmarks/report.py --out F    # writes F instead (tests/test_results_doc.py compares the two)
+
+Each benchmark gets one table: its latest run. Runs are grouped by what they measured (the benchmark, the device,
+the model and, for decode, the batch); within a group a newer run replaces every older run whose caches it covers,
+so a new result file replaces its table instead of adding prose. Files of one run differ only in a ``-repN`` or
+``-runN`` suffix and are shown side by side. Reads JSON only: no model, no MLX.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+OUT = ROOT / "docs" / "results.md"
+MIB = 2**20
+REP = re.compile(r"-(rep|run)\d+$")
+
+
+def load(path: Path) -> dict | None:
+    """A result file as a run record (kind, group key, date, methods, documents), or None for other JSON."""
+    doc = json.loads(path.read_text())
+    if not isinstance(doc, dict):
+        return None
+    day = path.name[:10]
+    kind = str(doc.get("benchmark", "")).removeprefix("kvq bench ")
+    if kind in ("e2e", "prefill", "batch", "capacity"):
+        env, s = doc["environment"], doc["settings"]
+        model = f"{doc['model']['name']} ({doc['model']['dtype']})"
+        key = (kind, env["device"], model, s.get("batch", 1) if kind == "e2e" else None)
+        title = model + (f", {s['batch']} sequences at once" if s.get("batch", 1) > 1 else "")
+        device = f"CPU ({env['device']})" if env["device_kind"] == "cpu" else env["device"]
+        return dict(kind=kind, key=key, title=title, date=env["date"], command=env["command"], device=device,
+                    mlx=env["mlx"], methods=set(s["methods"]), docs=[doc], paths=[path])
+    if "meta" in doc and str(doc["meta"].get("command", "")).startswith("kvq eval"):
+        m, s = doc["meta"], doc["runs"][0]["settings"]
+        methods = {r["method"] for run in doc["runs"] for r in run["rows"]}
+        key = ("eval", m["model"], s["context"], s["windows"])
+        title = f"{m['model']}, {s['context']:,} tokens, {s['windows']} window{'s' * (s['windows'] > 1)}"
+        return dict(kind="eval", key=key, title=title, date=m["date"], command=m["command"], device=m["versions"]["mlx_device"],
+                    mlx=m["versions"]["mlx"], methods=methods, docs=[doc], paths=[path])
+    command = str(doc.get("command", ""))
+    if doc.get("benchmark") == "distributed_decode":
+        device = f"{doc['group_size']} x {doc['device_info']['device_name']}"
+        return dict(kind="distributed", key=("distributed", device, doc["settings"]["context"]),
+                    title=f"tensor parallel, {doc['model']['preset']} shape, {doc['settings']['context']} tokens",
+                    date=day, command=command, device=device, mlx=doc["versions"]["mlx"],
+                    methods=set(doc["settings"]["methods"].split(",")), docs=[doc], paths=[path])
+    if command.startswith("benchmarks/kernel_durations.py") and not re.search(r"--(?!out)\w", command):
+        device = "NVIDIA H200" if "-h200-" in path.name else path.name.split("-")[3]
+        methods = {r["method"] for r in doc["rows"]}
+        return dict(kind="kernels", key=("kernels", device), title="one sequence", date=day, command=command, device=device, mlx="-",
+                    methods=methods, docs=[doc], paths=[path])
+    return None
+
+
+def runs(results: Path = RESULTS) -> list[dict]:
+    """Every run in ``results``, the files of one run (``-repN``) merged, newest first."""
+    merged: dict[tuple, dict] = {}
+    for path in sorted(results.rglob("*.json")):
+        run = load(path)
+        if run is None:
+            continue
+        stem = (path.parent, REP.sub("", path.stem), run["key"])
+        if stem in merged:
+            merged[stem]["docs"] += run["docs"]
+            merged[stem]["paths"] += run["paths"]
+            merged[stem]["date"] = max(merged[stem]["date"], run["date"])
+        else:
+            merged[stem] = run
+    return sorted(merged.values(), key=lambda r: (r["date"], str(r["paths"][0])), reverse=True)
+
+
+def latest(all_runs: list[dict]) -> list[dict]:
+    """The runs no newer run of the same group covers (a newer run covers an older one holding no other cache)."""
+    kept: list[dict] = []
+    for run in all_runs:  # newest first
+        if not any(k["key"] == run["key"] and run["methods"] <= k["methods"] for k in kept):
+            kept.append(run)
+    return kept
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def ratio(text: str, value: float | None) -> str:
+    return text if value is None or abs(value - 1) < 1e-9 else f"{text} ({value:.2f})"
+
+
+def reps(run: dict) -> list[str]:
+    return [f"rep {i + 1}" for i in range(len(run["docs"]))] if len(run["docs"]) > 1 else [""]
+
+
+def e2e(run: dict) -> str:
+    first = run["docs"][0]["rows"]
+    heads = ["context", "cache", "bits/coord", "KV MiB measured (x fp16)"]
+    heads += [f"ms/token mean, tokens/s (x fp16) {r}".strip() for r in reps(run)]
+    rows = []
+    for i, r in enumerate(first):
+        cells = [f"{r['context']:,}", r["method"] + ("" if r["cache"].startswith("kvq") else f" ({r['cache']})"),
+                 f"{r['bits_per_coordinate']:.3g}"]
+        if r["error"]:
+            rows.append(cells + ["error: " + r["error"][:80]] + ["-"] * len(run["docs"]))
+            continue
+        cells.append(ratio(f"{r['active_memory_growth'] / MIB:,.1f}", r["memory_ratio"]))
+        for doc in run["docs"]:
+            o = doc["rows"][i]
+            cells.append(ratio(f"{o['latency_ms']['mean']:.3g}, {o['tokens_per_second']:,.1f}", o["speed_vs_fp16"]))
+        rows.append(cells)
+    return table(heads, rows)
+
+
+def prefill(run: dict) -> str:
+    doc = run["docs"][-1]
+    last = max(r["rep"] for r in doc["rows"])
+    heads = ["context", "cache", *[f"tokens/s rep {n + 1} (x fp16)" for n in range(last + 1)],
+             f"peak MiB above the model, rep {last + 1} (x fp16)"]
+    rows = []
+    for r in (r for r in doc["rows"] if r["rep"] == last):
+        same = [o for o in doc["rows"] if o["context"] == r["context"] and o["method"] == r["method"]]
+        speeds = [ratio(f"{o['tokens_per_second']:,.0f}", o["speed_vs_fp16"]) for o in same]
+        rows.append([f"{r['context']:,}", r["method"], *speeds,
+                     ratio(f"{r['peak_memory_growth'] / MIB:,.0f}", r["peak_vs_fp16"])])
+    return table(heads, rows)
+
+
+def batch(run: dict) -> str:
+    heads = ["sequences", "cache", "rep", "decode tokens/s, all sequences (x fp16)", "prefill speed x fp16",
+             "peak MiB above the model (x fp16)"]
+    rows = [[str(r["batch"]), r["method"], str(r["rep"] + 1),
+             ratio(f"{r['decode_tokens_per_second']:,.1f}", r["decode_vs_fp16"]),
+             "-" if r["prefill_vs_fp16"] is None else f"{r['prefill_vs_fp16']:.2f}",
+             ratio(f"{r['peak_memory_growth'] / MIB:,.0f}", r["peak_vs_fp16"])]
+            for doc in run["docs"] for r in doc["rows"] if not r["error"]]
+    return table(heads, rows)
+
+
+def capacity(run: dict) -> str:
+    heads = ["cache", "sequences that fit (x fp16)", "MiB per sequence", "decode tokens/s, all sequences (x fp16)",
+             "ms/step"]
+    rows = [[r["method"], ratio(str(r["max_batch"]), r["batch_vs_fp16"]), f"{r['per_sequence_bytes'] / MIB:,.0f}",
+             ratio(f"{r['tokens_per_second']:,.0f}", r["tokens_vs_fp16"]), f"{r['row']['latency_ms']['mean']:.1f}"]
+            for doc in run["docs"] for r in doc["rows"] if not r["error"]]
+    return table(heads, rows)
+
+
+def quality(run: dict) -> str:
+    heads = ["cache", "bits/coord", "PPL change", "KL(fp16 ‖ cache)", "top-1", "needles", "KV MiB (x fp16)"]
+    rows = []
+    for r in (r for doc in run["docs"] for one in doc["runs"] for r in one["rows"]):
+        trials = r["needle"]["trials"]
+        key, value = r["key_bits_per_coordinate"], r["value_bits_per_coordinate"]
+        bits = f"{key:.3g}" if key == value else f"{key:.3g} / {value:.3g}"
+        rows.append([r["method"] + ("" if r["cache"].startswith("kvq") else f" ({r['cache']})"), bits,
+                     f"{100 * r['ppl_change']:+.1f}%", f"{r['kl']:.3f}", f"{100 * r['top1_agreement']:.1f}%",
+                     f"{sum(t['match'] for t in trials)}/{len(trials)}" if trials else "-",
+                     ratio(f"{r['kv_bytes'] / MIB:.1f}", r["kv_bytes_ratio"])])
+    return table(heads, rows)
+
+
+def kernels(run: dict) -> str:
+    rows = run["docs"][0]["rows"]
+    methods = list(dict.fromkeys(r["method"] for r in rows if r["method"] != "fp16_sdpa"))
+    heads = ["tokens", "fp16 SDPA", *methods]
+
+    def us(t: int, method: str, **flags) -> str:
+        hit = [r for r in rows if r["T"] == t and r["method"] == method
+               and all(r.get(k, False) == v for k, v in flags.items())]
+        return f"{hit[0]['gpu_us']:.1f}" if hit else "-"
+
+    out = [[f"{t:,}", us(t, "fp16_sdpa"),
+            *[" / ".join(us(t, m, dense=d, bound=b) for d, b in ((False, False), (True, False), (False, True)))
+              for m in methods]] for t in sorted({r["T"] for r in rows})]
+    return table(heads, out)
+
+
+def distributed(run: dict) -> str:
+    heads = ["cache", "KV MiB per rank (x fp16)", *[f"tokens/s {r}".strip() for r in reps(run)]]
+    first = run["docs"][0]["summary"]
+    rows = [[r["method"], ratio(f"{max(r['active_memory_growth_per_rank']) / MIB:,.0f}", r["kv_bytes_ratio"]),
+             *[f"{doc['summary'][i]['tokens_per_second']:.1f}" for doc in run["docs"]]]
+            for i, r in enumerate(first) if not r["error"]]
+    return table(heads, rows)
+
+
+SECTIONS = {  # kind: (title, renderer, what the table shows)
+    "eval": ("Quality (`kvq eval`)", quality,
+             "Perplexity change, KL divergence and top-1 agreement against the fp16 cache on the same tokens, "
+             "every token scored as token-by-token decoding sees it; KV MiB at the context's end. Runs dated "
+             "before 2026-12-01 scored their tokens in one forward pass that read compressed copies of their own "
+             "recent neighbours (pessimistic for kvq)."),
+    "e2e": ("Decode (`kvq bench e2e`)", e2e,
+            "One decode step after a filled context; tokens/s = sequences / mean step (window flushes included); "
+            "KV measured = growth of `mx.get_active_memory()`; fp16 = mlx-lm's KVCache in the model's dtype."),
+    "prefill": ("Prefill (`kvq bench prefill`)", prefill,
+                "The prompt prefilled in chunks as `mlx_lm.generate` does; the first repetition includes compiling."),
+    "batch": ("Concurrent sequences (`kvq bench batch`, mlx-lm's BatchGenerator)", batch,
+              "Aggregate decode tokens/s of every sequence, as a server under concurrent load gives."),
+    "capacity": ("Capacity (`kvq bench capacity`)", capacity,
+                 "The largest batch of equal-length sequences whose measured peak fits the device's memory."),
+    "kernels": ("Fused decode-attention kernels (`benchmarks/kernel_durations.py`)", kernels,
+                "GPU microseconds per call (Nsight Compute), B 1, H_q 32, H_kv 8, D 128, one query: compressed "
+                "tokens only / with 4 sinks and a 128-token window in the same launch / the bound decode step a "
+                "`KVQCache` replays."),
+    "distributed": ("Across GPUs (`mlx.launch --backend nccl`, `benchmarks/distributed_decode.py`)", distributed,
+                    "Each rank holds half the KV heads; tokens/s over few timed steps are noisy."),
+}
+
+
+def section(run: dict) -> str:
+    files = ", ".join(f"[{p.name}](../{p.relative_to(ROOT).as_posix()})" for p in run["paths"])
+    device = "CPU" if run["device"] == "Device(cpu, 0)" else run["device"]
+    return "\n".join([f"### {run['title']} on {device}", "",
+                      f"{run['date'][:10]} · MLX {run['mlx']} · `{run['command']}` · {files}", "",
+                      SECTIONS[run["kind"]][1](run), ""])
+
+
+def document(results: Path = RESULTS) -> str:
+    kept = latest(runs(results))
+    parts = ["# Results", "",
+             "Written by `uv run python benchmarks/report.py` from the JSON under `benchmarks/results` (do not edit "
+             "by hand): the latest run of each benchmark, on each device and model. Ratios in parentheses are against "
+             "fp16 (mlx-lm's `KVCache` in the model's dtype) in the same run. Older runs are in git history.", ""]
+    for kind, (title, _, what) in SECTIONS.items():
+        mine = [r for r in kept if r["kind"] == kind]
+        if mine:
+            parts += [f"## {title}", "", what, ""] + [section(r) for r in mine]
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=OUT, help="where to write (default docs/results.md)")
+    args = parser.parse_args()
+    args.out.write_text(document())
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
