@@ -12,8 +12,8 @@ shapes and dtypes, its template arguments, grid, thread group and output shapes 
 every kernel source built (and the source itself). Two runs (before and after a change) are compared with
 ``--compare``:
 
-    python benchmarks/investigations/record_kernel_calls.py before.json
-    python benchmarks/investigations/record_kernel_calls.py after.json --compare before.json
+    python benchmarks/record_kernel_calls.py before.json
+    python benchmarks/record_kernel_calls.py after.json --compare before.json
 
 The verdict is one of: identical (same kernel names, so byte-identical sources, and the same calls); identical up
 to kernel names, where every renamed kernel's source preprocesses (``clang++ -E -P``, whitespace normalised) to the
