@@ -160,7 +160,9 @@ def attend(queries: mx.array, scale: float, parts: list[Part], config: CacheConf
     :param sink_logits: learned attention-sink logits ``[H_q]`` (gpt-oss), joined to the softmax, or ``None``.
     :param on_device: attend through :func:`kvq.cache.prefill.attend_dequantized` (a prefill chunk on a GPU; the
         parts must be contiguous: sinks, one compressed part, one dense part).
-    :return: ``[B, H_q, T_q, D_v]`` in the queries' dtype.
+    :return: ``[B, H_q, T_q, D_v]`` in the queries' dtype (rows that see no token: zeros).
+    :raises ValueError: queries whose head_dim is not the keys' or whose ``H_q`` is not a multiple of ``H_kv``, or a
+        compressed part no installed implementation can attend (:func:`kvq.cache.choice.attend_fn`).
     """
     if on_device:
         from .prefill import attend_dequantized

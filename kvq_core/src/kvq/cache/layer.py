@@ -316,7 +316,13 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
         query rows at positions ``start_q ...`` sees: its causal past in the cache as it is; or, for the rows of the
         chunk just stored (``fresh``), what a token-by-token run showed each (:func:`kvq.cache.schedule.visible`):
         the sinks before it, the tokens compressed by then, and the rest up to itself uncompressed (the window
-        before the chunk followed by the chunk's tokens)."""
+        before the chunk followed by the chunk's tokens).
+
+        :param count: query rows (``T_q``). :param start_q: the first row's position (tokens before it).
+        :param fresh: the chunk the last update stored (:class:`kvq.cache.schedule.Fresh`), or ``None``.
+        :return: the parts in order, those of no tokens left out (a chunk's dense part is always there); intervals
+            are int64 ``[count]`` or ``None`` (every row sees every column).
+        """
         positions = np.arange(start_q, start_q + count)
         n_sinks, n_compressed = self.sinks.length, self.compressed_keys.length
         parts = []
