@@ -55,7 +55,7 @@ MLX_LM_RELIES_ON = {
     "ResponseGenerator.stop_and_join": ("self",),
     "ResponseGenerator.join": ("self",),
     "ModelProvider._load": ("self", "model_path", "adapter_path", "draft_model_path"),
-    "LRUPromptCache.__init__": ("self", "max_size"),
+    "LRUPromptCache.__init__": ("self", "max_size", "max_bytes"),
     "get_system_fingerprint": (),
     "run": ("host", "port", "model_provider", "server_class", "handler_class"),
 }
