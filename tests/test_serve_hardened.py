@@ -304,7 +304,7 @@ def one_case(port: int, case: tuple) -> tuple:
         assert status == 200, reply
         usage = reply["usage"]
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] > usage["prompt_tokens"]
-        return kind, payload["messages"][0]["content"], reply["choices"][0]["message"]["content"]
+        return kind, payload["messages"][0]["content"], reply["choices"][0]["message"]["content"] or ""
     if kind == "text":
         status, reply = call(port, "POST", "/v1/completions", payload)
         assert status == 200 and reply["usage"]["completion_tokens"] >= 1, reply
@@ -380,11 +380,20 @@ def test_a_completion_stops_where_the_context_ends(served):
     """A prompt that leaves fewer tokens than ``max_tokens`` in the 128-token context stops there (``length``)."""
     status, reply = call(served.port, "POST", "/v1/completions",
                          {"prompt": "the hello world " * 7, "max_tokens": CAP, "temperature": 0,
-                          "logit_bias": {"2": -100}})
+                          "logit_bias": {"2": -100}})  # token 2 is the end of sequence
     assert status == 200, reply
     usage = reply["usage"]
-    assert usage["prompt_tokens"] + usage["completion_tokens"] == CONTEXT, usage
+    assert usage["prompt_tokens"] > CONTEXT - CAP, usage  # the context, not max_tokens, ends this completion
+    assert usage["completion_tokens"] == CONTEXT - usage["prompt_tokens"], usage
     assert reply["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.slow
+def test_the_cap_is_the_default_max_tokens(served):
+    """With ``--max-tokens-cap 48``, a request that names no ``max_tokens`` gets at most 48 (not mlx-lm's 512)."""
+    status, reply = call(served.port, "POST", "/v1/completions",
+                         {"prompt": "hello", "temperature": 0, "logit_bias": {"2": -100}})
+    assert status == 200 and reply["usage"]["completion_tokens"] == CAP, reply
 
 
 @pytest.mark.slow
@@ -406,6 +415,24 @@ def test_the_official_client_shows_kvqs_messages(served, tiny_folder):
     chunks = list(client.chat.completions.create(model=str(tiny_folder), messages=[USER], max_tokens=4,
                                                  temperature=0, stream=True))
     assert chunks and chunks[0].model == str(tiny_folder)
+
+
+@pytest.mark.slow
+def test_a_draft_model_server_answers_and_refuses_alike(tiny_folder):
+    """``--draft-model`` (speculative decoding, which mlx-lm serves one request at a time, not batched): it answers
+    plain and streamed requests, refuses a prompt beyond the context in OpenAI's shape, and logs no traceback."""
+    process = Server(tiny_folder, "--draft-model", str(tiny_folder))
+    try:
+        status, reply = call(process.port, "POST", "/v1/chat/completions", chat("the hello"))
+        assert status == 200 and reply["usage"]["completion_tokens"] >= 1, reply
+        got = stream(process.port, "/v1/chat/completions", chat("the hello"))
+        assert got["done"] and not got["errors"], got
+        assert got["text"] == (reply["choices"][0]["message"]["content"] or ""), (got, reply)
+        status, reply = call(process.port, "POST", "/v1/chat/completions", chat(LONG))
+        assert status == 400 and is_openai_error(reply, 400, "context_length_exceeded"), reply
+    finally:
+        process.stop()
+    assert "Traceback" not in process.text(), process.text()[-4000:]
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ Pure functions of the request body and a :class:`ServePolicy`; nothing here touc
 
 from __future__ import annotations
 
+import json
 import math
 
 import attrs
@@ -101,6 +102,17 @@ def context_length_error(prompt_tokens: int, context_length: int, param: str) ->
     """The refusal of a prompt that leaves no room in the model's context (code ``context_length_exceeded``)."""
     return RequestError(f"This model's maximum context length is {context_length} tokens, and the prompt has "
                         f"{prompt_tokens} tokens: shorten the {param}.", param=param, code="context_length_exceeded")
+
+
+def parse_body(raw: bytes) -> dict:
+    """A request body's JSON object. :raises RequestError: not JSON, or not an object."""
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:  # also bytes that are not UTF-8
+        raise RequestError(f"the request body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise RequestError(f"the request body must be a JSON object, not {type(body).__name__}")
+    return body
 
 
 def checked_request(body: dict, chat: bool, policy: ServePolicy) -> dict:

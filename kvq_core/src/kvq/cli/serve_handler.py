@@ -33,7 +33,7 @@ from http.server import ThreadingHTTPServer
 
 from mlx_lm import server
 
-from .serve_api import RequestError, ServePolicy, checked_request, context_length_error
+from .serve_api import MAX_BODY_BYTES, RequestError, ServePolicy, checked_request, context_length_error, parse_body
 
 #: mlx-lm versions whose server these subclasses were written and tested against (version prefixes)
 MLX_LM_VERSIONS = ("0.32.",)
@@ -181,13 +181,12 @@ class KVQHandler(server.APIHandler):
             "You didn't provide an API key: send the header 'Authorization: Bearer KEY'"
         raise RequestError(message, status=401, code="invalid_api_key")
 
-    def read_body(self) -> dict:
-        """The request's JSON object.
+    def read_body(self) -> bytes:
+        """The request's body, read by its Content-Length.
 
-        :raises RequestError: no Content-Length (411), a body above ``MAX_BODY_BYTES`` (413), not a JSON object.
+        :raises RequestError: no Content-Length (411), one that is not a byte count (400) or above
+            ``MAX_BODY_BYTES`` (413).
         """
-        from .serve_api import MAX_BODY_BYTES
-
         length = self.headers.get("Content-Length")
         if length is None:
             raise RequestError("the request needs a Content-Length header", status=411)
@@ -195,22 +194,16 @@ class KVQHandler(server.APIHandler):
             raise RequestError(f"Content-Length {length!r} is not a byte count")
         if int(length) > MAX_BODY_BYTES:
             raise RequestError(f"the request body of {length} bytes is above {MAX_BODY_BYTES}", status=413)
-        raw = self.rfile.read(int(length))
-        self.check_api_key()
-        try:
-            body = json.loads(raw)
-        except ValueError as exc:
-            raise RequestError(f"the request body is not JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise RequestError("the request body must be a JSON object")
-        return body
+        return self.rfile.read(int(length))
 
     def do_POST(self):
         """A completion: checked here, then answered by mlx-lm's ``do_POST`` from the checked body."""
         try:
             if self.path not in CHAT_PATHS + TEXT_PATHS:
                 raise RequestError(f"Invalid URL (POST {self.path})", status=404, code="unknown_url")
-            body = checked_request(self.read_body(), self.path in CHAT_PATHS, self.policy)
+            raw = self.read_body()
+            self.check_api_key()
+            body = checked_request(parse_body(raw), self.path in CHAT_PATHS, self.policy)
         except RequestError as error:
             return self.send_refusal(error)
         data = json.dumps(body).encode()
