@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import http.client
 import inspect
+import io
 import json
 import os
 import re
@@ -25,12 +26,15 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from mlx_lm import server
 
-from kvq.cli.serve_api import RequestError, ServePolicy, checked_request, config_context_length
-from kvq.cli.serve_handler import MLX_LM_RELIES_ON, MLX_LM_VERSIONS, check_mlx_lm_version
+from kvq.cli.serve_api import (RequestError, ServePolicy, checked_request, config_context_length,
+                               context_length_error)
+from kvq.cli.serve_handler import (MLX_LM_RELIES_ON, MLX_LM_VERSIONS, Refusal, check_mlx_lm_version,
+                                   handler_class)
 
 KEY = "test-key"
 CONTEXT = 128
@@ -138,6 +142,69 @@ def test_context_length_from_config():
     assert config_context_length({"max_position_embeddings": 8192, "n_positions": 1}) == 8192
     assert config_context_length({"text_config": {"max_position_embeddings": 4096}}) == 4096
     assert config_context_length({"hidden_size": 8}) is None
+
+
+# -- the handler's answers to failures (in process, no socket) -----------------------------------------------------
+
+def bare_handler(stream: bool):
+    """A :class:`KVQHandler` for :data:`POLICY` with no socket: it writes to a ``BytesIO`` and has sent nothing."""
+    handler = object.__new__(handler_class(POLICY))
+    handler.stream, handler.wfile, handler.path, handler.command = stream, io.BytesIO(), "/v1/completions", "POST"
+    handler.request_version, handler.requestline, handler.client_address = "HTTP/1.1", "POST /v1/completions", ("-", 0)
+    handler.headers, handler.log_request = {}, lambda *args: None
+    handler.response_generator = SimpleNamespace(cli_args=SimpleNamespace(allowed_origins=["*"]))
+    return handler
+
+
+def written(handler) -> tuple[int | None, list]:
+    """The HTTP status and the JSON values (a body, or each ``data:`` event) that ``handler`` wrote."""
+    head, _, rest = handler.wfile.getvalue().decode().partition("\r\n\r\n")
+    lines = [line[len("data: "):] for line in rest.splitlines() if line.startswith("data: ")] or [rest]
+    return int(head.split()[1]) if head.startswith("HTTP/") else None, [json.loads(v) for v in lines if v]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_failure_mid_answer_is_a_server_error_in_openais_shape(stream, monkeypatch):
+    """A generation that fails after the answer began: an SSE error event closing a stream (the ``openai`` client
+    raises ``APIError`` with its message), or a 500 in place of the 200 not yet sent."""
+    def fails_midway(self, request, stop_words):
+        if self.stream:
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b'data: {"choices": []}\n\n')
+        else:
+            self.send_response(200)  # mlx-lm's status line waits in the header buffer until the answer is ready
+        raise RuntimeError("the cache broke")
+
+    monkeypatch.setattr(server.APIHandler, "handle_completion", fails_midway)
+    handler = bare_handler(stream)
+    handler.handle_completion(None, [])
+    status, values = written(handler)
+    error = {"error": {"message": "generation failed: the cache broke", "type": "server_error", "param": None,
+                       "code": None}}
+    assert values[-1] == error
+    assert status == (200 if stream else 500)
+
+
+def test_a_refusal_and_a_client_gone_answer_no_500(monkeypatch):
+    """A :class:`Refusal` from the generator (a prompt over the context) is answered with its status; a client that
+    went away is logged, and nothing is written."""
+    def refused(self, request, stop_words):
+        raise Refusal(context_length_error(300, CONTEXT, "prompt"))
+
+    monkeypatch.setattr(server.APIHandler, "handle_completion", refused)
+    handler = bare_handler(False)
+    handler.handle_completion(None, [])
+    status, values = written(handler)
+    assert status == 400 and values[0]["error"]["code"] == "context_length_exceeded"
+
+    def gone(self, request, stop_words):
+        raise BrokenPipeError
+
+    monkeypatch.setattr(server.APIHandler, "handle_completion", gone)
+    handler = bare_handler(True)
+    handler.handle_completion(None, [])
+    assert handler.wfile.getvalue() == b""
 
 
 # -- one server under load and bad requests ------------------------------------------------------------------------
