@@ -150,7 +150,7 @@ def main(argv: list[str]) -> int:
 
     from .. import models
     from ..cache import make_config
-    from . import serve_handler
+    from . import serve_handler, serve_run
     from .generate_cmd import cache_options
 
     args, rest = build_parser().parse_known_args(argv)
@@ -159,7 +159,7 @@ def main(argv: list[str]) -> int:
     make_config(**options)  # bad methods and parameters fail before the model is loaded
     path = models.resolve_model(args.model)
     check_sharding(path, args.pipeline, mx.distributed.init().size())
-    run = functools.partial(serve_handler.run, policy=serve_policy(args, path), drain_seconds=args.drain_seconds)
+    run = functools.partial(serve_run.run, policy=serve_policy(args, path), drain_seconds=args.drain_seconds)
     saved = server.ModelProvider, server.scan_cache_dir, server.run, sys.argv
     server.ModelProvider, server.run = provider_class(options), run
     server.scan_cache_dir = scan_or_empty(server.scan_cache_dir)

@@ -1,5 +1,4 @@
-"""``kvq serve``'s HTTP side: subclasses of mlx-lm's request handler and response generator, and the loop that runs
-them (in place of ``mlx_lm.server.run``).
+"""``kvq serve``'s HTTP side: subclasses of mlx-lm's request handler and response generator.
 
 What they add to mlx-lm's server (issue #54):
 
@@ -10,26 +9,23 @@ What they add to mlx-lm's server (issue #54):
 - a prompt that does not fit the model's context refused (``context_length_exceeded``), and a completion stopped
   where the context ends (``finish_reason`` ``length``);
 - ``--api-key``: a Bearer token on every request but ``/health`` (401 otherwise);
-- SIGTERM (or Ctrl-C): stop accepting, let the requests in flight finish (``--drain-seconds``), then stop; a client
-  that disconnects mid-stream stops its generation (mlx-lm's ``ctx.stop()``) and is logged in one line.
+- a count of the requests in flight, which SIGTERM lets finish (:mod:`kvq.cli.serve_run`); a client that
+  disconnects mid-stream stops its generation (mlx-lm's ``ctx.stop()``) and is logged in one line.
 
 It subclasses mlx-lm 0.32's server: :data:`MLX_LM_RELIES_ON` lists what it overrides or calls there, and
-``tests/test_serve_hardened.py`` fails when an installed mlx-lm no longer has it.
+``tests/test_serve_hardened.py`` fails when an installed mlx-lm no longer has it. :mod:`kvq.cli.serve_run` runs
+them.
 """
 
 from __future__ import annotations
 
 import hmac
 import io
-import ipaddress
 import json
 import logging
 import os
-import signal
-import socket
 import threading
 import urllib.parse
-from http.server import ThreadingHTTPServer
 
 from mlx_lm import server
 
@@ -278,75 +274,3 @@ class KVQHandler(server.APIHandler):
 def handler_class(policy: ServePolicy) -> type[KVQHandler]:
     """A :class:`KVQHandler` subclass enforcing ``policy``, with its own in-flight count."""
     return type("KVQHandler", (KVQHandler,), {"policy": policy, "in_flight": InFlight()})
-
-
-def listens_beyond_loopback(host: str) -> bool:
-    """Whether a server bound to ``host`` can be reached from other machines (any address not loopback)."""
-    try:
-        infos = socket.getaddrinfo(host or None, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except OSError:
-        return True
-    return any(not ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
-
-
-def run(host: str, port: int, model_provider, *, policy: ServePolicy, drain_seconds: float) -> None:
-    """``mlx_lm.server.run`` with kvq's response generator and handler: rank 0 serves HTTP until SIGTERM or
-    Ctrl-C, then drains; other ranks (under ``mlx.launch``) run the generation loop."""
-    import mlx.core as mx
-
-    cli_args = model_provider.cli_args
-    if policy.max_tokens_cap is not None:
-        cli_args.max_tokens = min(cli_args.max_tokens, policy.max_tokens_cap)
-    generator = KVQResponseGenerator(model_provider, server.LRUPromptCache(cli_args.prompt_cache_size),
-                                     policy.context_length)
-    if mx.distributed.init().rank() != 0:
-        return generator.join()
-    if policy.api_key is None and listens_beyond_loopback(host):
-        logging.warning(f"kvq serve: listening on {host}, beyond this machine, without --api-key: anyone who can "
-                        "reach the port can use the model")
-    serve_http(host, port, generator, handler_class(policy), drain_seconds)
-
-
-def serve_http(host: str, port: int, generator, handler: type[KVQHandler], drain_seconds: float) -> None:
-    """Serve HTTP on ``host:port`` until SIGTERM or Ctrl-C; then close the port, wait up to ``drain_seconds`` for the
-    requests in flight and stop ``generator`` (a second SIGTERM kills at once)."""
-    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-    server_class = type("KVQHTTPServer", (ThreadingHTTPServer,), {"address_family": family})
-    fingerprint = server.get_system_fingerprint()
-    httpd = server_class(address, lambda *a, **kw: handler(generator, *a, system_fingerprint=fingerprint, **kw))
-    logging.info(f"Starting httpd at {host} on port {port}...")
-    previous = install_sigterm()
-    try:
-        httpd.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-        httpd.server_close()
-    logging.info(f"kvq serve: stopping; {handler.in_flight.count} requests in flight get {drain_seconds} s")
-    if not handler.in_flight.wait_idle(drain_seconds):
-        logging.warning(f"kvq serve: {handler.in_flight.count} requests still in flight after {drain_seconds} s")
-    stop_generation(generator)
-
-
-def install_sigterm():
-    """Make SIGTERM end ``serve_forever`` as Ctrl-C does (main thread only); the handler it replaced, or None."""
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(signal.SIGTERM, interrupt)
-
-
-def stop_generation(generator, seconds: float = 10) -> None:
-    """Stop the generation thread; if it has not stopped after ``seconds`` (a rank under ``mlx.launch`` waiting for
-    a peer that is gone), leave the process at once, since that thread would keep it alive."""
-    stopper = threading.Thread(target=generator.stop_and_join, daemon=True)
-    stopper.start()
-    stopper.join(seconds)
-    if stopper.is_alive():
-        logging.warning(f"kvq serve: the generation thread did not stop within {seconds} s; exiting without it")
-        logging.shutdown()
-        os._exit(0)
