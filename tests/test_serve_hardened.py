@@ -476,10 +476,12 @@ def test_the_official_client_shows_kvqs_messages(served, tiny_folder):
     openai = pytest.importorskip("openai")
 
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{served.port}/v1", api_key=KEY, max_retries=0, timeout=60)
-    with pytest.raises(openai.BadRequestError, match="messages must be a non-empty list"):
+    with pytest.raises(openai.BadRequestError, match="Error code: 400 - messages must be a non-empty list") as info:
         client.chat.completions.create(model=str(tiny_folder), messages=[])
-    with pytest.raises(openai.NotFoundError, match="The model 'nosuch' does not exist"):
+    assert info.value.param == "messages"
+    with pytest.raises(openai.NotFoundError, match="The model 'nosuch' does not exist") as info:
         client.chat.completions.create(model="nosuch", messages=[USER])
+    assert info.value.code == "model_not_found"
     bad_key = openai.OpenAI(base_url=f"http://127.0.0.1:{served.port}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError, match="Incorrect API key"):
         bad_key.models.list()
