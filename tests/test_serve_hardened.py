@@ -35,6 +35,7 @@ from kvq.cli.serve_api import (RequestError, ServePolicy, checked_request, confi
                                context_length_error)
 from kvq.cli.serve_handler import (MLX_LM_RELIES_ON, MLX_LM_VERSIONS, Refusal, check_mlx_lm_version,
                                    handler_class)
+from kvq.cli.serve_run import listens_beyond_loopback, serve_http
 
 KEY = "test-key"
 CONTEXT = 128
@@ -136,6 +137,24 @@ def test_a_good_request_reaches_mlx_lm_pointed_at_the_served_model():
     assert checked_request({"prompt": "x", "model": "gpt-4o"}, False, any_model)["model"] == "default_model"
     with pytest.raises(RequestError, match="prompt must be a non-empty string"):
         checked_request({"prompt": ["x"]}, False, POLICY)
+
+
+def test_binding_beyond_loopback_is_told_apart():
+    assert not listens_beyond_loopback("127.0.0.1") and not listens_beyond_loopback("localhost")
+    assert listens_beyond_loopback("0.0.0.0") and listens_beyond_loopback("")
+
+
+def test_a_port_in_use_is_an_error_that_stops_the_generation_thread():
+    """Binding fails after the generation thread started: it is stopped (else the process would never exit) and the
+    failure is a ValueError, which ``kvq`` prints as one line."""
+    stopped = []
+    generator = SimpleNamespace(stop_and_join=lambda: stopped.append(True))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(ValueError, match="cannot listen on 127.0.0.1:"):
+            serve_http("127.0.0.1", taken.getsockname()[1], generator, handler_class(POLICY), 1)
+    assert stopped == [True]
 
 
 def test_context_length_from_config():

@@ -49,11 +49,19 @@ def run(host: str, port: int, model_provider, *, policy: ServePolicy, drain_seco
 
 def serve_http(host: str, port: int, generator, handler: type[KVQHandler], drain_seconds: float) -> None:
     """Serve HTTP on ``host:port`` until SIGTERM or Ctrl-C; then close the port, wait up to ``drain_seconds`` for the
-    requests in flight and stop ``generator`` (a second SIGTERM kills at once)."""
-    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-    server_class = type("KVQHTTPServer", (ThreadingHTTPServer,), {"address_family": family})
+    requests in flight and stop ``generator`` (a second SIGTERM kills at once).
+
+    :raises ValueError: the port cannot be bound (in use, or a host that is not this machine's).
+    """
     fingerprint = server.get_system_fingerprint()
-    httpd = server_class(address, lambda *a, **kw: handler(generator, *a, system_fingerprint=fingerprint, **kw))
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+        server_class = type("KVQHTTPServer", (ThreadingHTTPServer,), {"address_family": family})
+        httpd = server_class(address, lambda *a, **kw: handler(generator, *a, system_fingerprint=fingerprint, **kw))
+    except OSError as exc:  # the generation thread is running: without it stopped the process would never exit
+        stop_generation(generator)
+        raise ValueError(f"cannot listen on {host}:{port}: {exc}") from None
     logging.info(f"Starting httpd at {host} on port {port}...")
     previous = install_sigterm()
     try:
