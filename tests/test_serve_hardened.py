@@ -33,8 +33,8 @@ from mlx_lm import server
 
 from kvq.cli.serve_api import (RequestError, ServePolicy, checked_request, config_context_length,
                                context_length_error)
-from kvq.cli.serve_handler import (MLX_LM_RELIES_ON, MLX_LM_VERSIONS, Refusal, check_mlx_lm_version,
-                                   handler_class)
+from kvq.cli.serve_handler import (CHAT_PATHS, MLX_LM_RELIES_ON, MLX_LM_VERSIONS, TEXT_PATHS, Refusal,
+                                   check_mlx_lm_version, handler_class)
 from kvq.cli.serve_run import listens_beyond_loopback, serve_http
 
 KEY = "test-key"
@@ -79,6 +79,15 @@ def test_mlx_lm_main_builds_its_server_through_the_names_kvq_replaces():
     assert callable(server.scan_cache_dir)
     assert "max_tokens" in server.GenerationArguments.__dataclass_fields__
     assert issubclass(server.APIHandler, server.BaseHTTPRequestHandler)
+
+
+def test_mlx_lm_do_post_reads_what_kvq_checks():
+    """kvq checks a body and hands mlx-lm's ``do_POST`` the checked one: that method must still route kvq's paths
+    and read the fields kvq rewrites (``model`` to ``default_model``, ``stream_options`` completed)."""
+    source = inspect.getsource(server.APIHandler.do_POST)
+    for literal in (*CHAT_PATHS, *TEXT_PATHS, '"model", "default_model"', '"max_completion_tokens"',
+                    '"stream_options"', '"draft_model", "default_model"', '"adapters"'):
+        assert literal in source, literal
 
 
 # -- request checks (no server) ------------------------------------------------------------------------------------
