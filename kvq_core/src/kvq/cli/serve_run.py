@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 from http.server import ThreadingHTTPServer
 
@@ -45,6 +46,7 @@ def run(host: str, port: int, model_provider, *, policy: ServePolicy, drain_seco
         logging.warning(f"kvq serve: listening on {host}, beyond this machine, without --api-key: anyone who can "
                         "reach the port can use the model")
     serve_http(host, port, generator, handler_class(policy), drain_seconds)
+    exit_now()
 
 
 def serve_http(host: str, port: int, generator, handler: type[KVQHandler], drain_seconds: float) -> None:
@@ -96,5 +98,15 @@ def stop_generation(generator, seconds: float = 10) -> None:
     stopper.join(seconds)
     if stopper.is_alive():
         logging.warning(f"kvq serve: the generation thread did not stop within {seconds} s; exiting without it")
-        logging.shutdown()
-        os._exit(0)
+        exit_now()
+
+
+def exit_now() -> None:
+    """End the process with status 0 once the server has stopped, skipping the interpreter's teardown: after a
+    generation thread has run, MLX 0.32 aborts in its exit-time destructors ("terminate called without an active
+    exception", status -6; ``mlx_lm.server`` 0.32.2 does the same after Ctrl-C)."""
+    logging.info("kvq serve: stopped")
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
