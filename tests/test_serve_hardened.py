@@ -40,6 +40,7 @@ from kvq.cli.serve_run import listens_beyond_loopback, serve_http
 KEY = "test-key"
 CONTEXT = 128
 CAP = 48
+CLIENTS = 16
 #: kvq serve's options for the server under test (a cache that compresses within a short prompt)
 OPTIONS = ["--method", "turboquant", "--bits", "4", "--sinks", "4", "--window", "8", "--flush", "8",
            "--api-key", KEY, "--max-tokens-cap", str(CAP), "--drain-seconds", "20"]
@@ -426,9 +427,10 @@ def one_case(port: int, case: tuple) -> tuple:
     return kind, path, status
 
 
-def load_cases(model: str) -> list[tuple]:
-    """48 requests: identical chats (plain, streamed, and one naming the served ``model``), different text
-    completions, clients that leave mid-stream, and every malformed request of :data:`MALFORMED`, interleaved."""
+def load_cases(model: str, copies: int) -> list[tuple]:
+    """``copies`` times 48 requests: identical chats (plain, streamed, and one naming the served ``model``),
+    different text completions, clients that leave mid-stream, and every malformed request of :data:`MALFORMED`,
+    interleaved."""
     same = chat("the the hello")
     cases = [("chat", same)] * 8 + [("stream", same)] * 6
     cases += [("text", {"prompt": f"hello {i} world", "max_tokens": 8 + i % 5, "temperature": 0}) for i in range(10)]
@@ -436,18 +438,19 @@ def load_cases(model: str) -> list[tuple]:
     cases += [("bad", case) for case in MALFORMED]
     cases += [("chat", chat(f"different {i}")) for i in range(3)]
     cases.append(("chat", chat("the the hello", model=model)))
-    return [cases[(7 * i) % len(cases)] for i in range(len(cases))]  # 7 is prime to 48: a permutation
+    cases *= copies
+    return [cases[(7 * i) % len(cases)] for i in range(len(cases))]  # 7 is prime to 48 * 2^k: a permutation
 
 
 @pytest.mark.slow
 def test_load_and_faults(served, tiny_folder):
-    """8 clients, 48 requests at once: every well-formed request answered, identical requests (temperature 0)
+    """16 clients, 96 requests at once: every well-formed request answered, identical requests (temperature 0)
     identical, streamed and plain alike; every malformed one refused in OpenAI's shape with its status; clients
     that leave mid-stream cost nothing; the model is loaded once; no traceback and no 5xx in the server's log."""
-    cases = load_cases(str(tiny_folder))
-    assert len(cases) == 48
+    cases = load_cases(str(tiny_folder), copies=2)
+    assert len(cases) == CLIENTS * 6
     started = time.monotonic()
-    with ThreadPoolExecutor(max_workers=8) as pool:
+    with ThreadPoolExecutor(max_workers=CLIENTS) as pool:
         results = list(pool.map(lambda case: one_case(served.port, case), cases, timeout=120))
     seconds = time.monotonic() - started
     answers = {}
@@ -458,8 +461,9 @@ def test_load_and_faults(served, tiny_folder):
     assert call(served.port, "GET", "/health")[0] == 200
     log = served.text()
     statuses = [int(s) for s in re.findall(r'"(?:GET|POST) \S+ HTTP/1\.\d" (\d{3}) ', log)]
-    print(f"\nload: 8 clients, {len(cases)} requests in {seconds:.1f} s (server start {served.start_seconds:.1f} s); "
-          f"statuses {sorted(set(statuses))}; 5xx: {sum(s >= 500 for s in statuses)}")
+    print(f"\nload: {CLIENTS} clients, {len(cases)} requests in {seconds:.1f} s (server start {served.start_seconds:.1f} s); "
+          f"answered 200: {statuses.count(200)}, 4xx: {sum(400 <= s < 500 for s in statuses)}, "
+          f"5xx: {sum(s >= 500 for s in statuses)}; clients gone mid-stream: {log.count('went away')}")
     assert "Traceback" not in log and not [s for s in statuses if s >= 500], log[-4000:]
     assert log.count("kvq serve: kvq caches (") == 1, log[-4000:]  # the model was never unloaded and reloaded
     assert log.count("went away") >= 1, log[-4000:]
