@@ -461,7 +461,8 @@ def test_load_and_faults(served, tiny_folder):
     assert call(served.port, "GET", "/health")[0] == 200
     log = served.text()
     statuses = [int(s) for s in re.findall(r'"(?:GET|POST) \S+ HTTP/1\.\d" (\d{3}) ', log)]
-    print(f"\nload: {CLIENTS} clients, {len(cases)} requests in {seconds:.1f} s (server start {served.start_seconds:.1f} s); "
+    print(f"\nload: {CLIENTS} clients, {len(cases)} requests in {seconds:.1f} s "
+          f"(server start {served.start_seconds:.1f} s); "
           f"answered 200: {statuses.count(200)}, 4xx: {sum(400 <= s < 500 for s in statuses)}, "
           f"5xx: {sum(s >= 500 for s in statuses)}; clients gone mid-stream: {log.count('went away')}")
     assert "Traceback" not in log and not [s for s in statuses if s >= 500], log[-4000:]
@@ -478,6 +479,27 @@ def test_models_lists_the_served_model_alone_and_needs_the_key(served, tiny_fold
     assert status == 404 and is_openai_error(reply, "model_not_found")
     status, reply = call(served.port, "GET", "/v1/models", key=None)
     assert status == 401 and is_openai_error(reply, "invalid_api_key")
+
+
+def raw_exchange(port: int, head: str) -> tuple[int, dict]:
+    """Send ``head`` (request line and headers, no body) on a bare socket; the status and JSON answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+        conn.sendall(head.encode())
+        reply = b""
+        while chunk := conn.recv(65536):
+            reply += chunk
+    status_line, _, rest = reply.partition(b"\r\n")
+    return int(status_line.split()[1]), json.loads(rest.partition(b"\r\n\r\n")[2])
+
+
+@pytest.mark.slow
+def test_a_body_without_length_or_too_long_is_refused_unread(served):
+    """No Content-Length: 411; one above 32 MiB: 413, answered before a byte of the body is read."""
+    auth = f"Authorization: Bearer {KEY}\r\n"
+    status, reply = raw_exchange(served.port, f"POST /v1/chat/completions HTTP/1.1\r\n{auth}\r\n")
+    assert status == 411 and is_openai_error(reply), reply
+    status, reply = raw_exchange(served.port, f"POST /v1/completions HTTP/1.1\r\n{auth}Content-Length: {2**40}\r\n\r\n")
+    assert status == 413 and is_openai_error(reply), reply
 
 
 @pytest.mark.slow
