@@ -33,8 +33,8 @@ from mlx_lm import server
 
 from kvq.cli.serve_api import (RequestError, ServePolicy, checked_request, config_context_length,
                                context_length_error)
-from kvq.cli.serve_handler import (CHAT_PATHS, MLX_LM_RELIES_ON, MLX_LM_VERSIONS, TEXT_PATHS, Refusal,
-                                   check_mlx_lm_version, handler_class)
+from kvq.cli.serve_handler import (CHAT_PATHS, MLX_LM_RELIES_ON, MLX_LM_VERSIONS, TEXT_PATHS, ClientWatch, Refusal,
+                                   check_mlx_lm_version, client_gone, handler_class)
 from kvq.cli.serve_run import listens_beyond_loopback, serve_http
 
 KEY = "test-key"
@@ -213,6 +213,25 @@ def test_a_failure_mid_answer_is_a_server_error_in_openais_shape(stream, monkeyp
                        "code": None}}
     assert values[-1] == error
     assert status == (200 if stream else 500)
+
+
+def test_client_watch_stops_an_answer_when_the_client_has_gone():
+    """:class:`ClientWatch` passes tokens on while the client is there (also one that sent more bytes), and raises
+    ``ConnectionResetError`` at its next check once the client closed: mlx-lm's ``handle_completion`` then stops that
+    generation (``ctx.stop()``) though nothing was written to the client yet."""
+    ours, theirs = socket.socketpair()
+    generator = SimpleNamespace(generate=lambda *args: ("ctx", iter(range(10))), cli_args="passed through")
+    watch = ClientWatch(generator, ours, every=4)
+    ctx, responses = watch.generate(None, None)
+    assert watch.cli_args == "passed through" and [next(responses) for _ in range(4)] == [0, 1, 2, 3]
+    theirs.sendall(b"x")
+    assert not client_gone(ours) and next(responses) == 4
+    ours.recv(1)
+    theirs.close()
+    assert client_gone(ours)
+    with pytest.raises(ConnectionResetError):
+        list(responses)  # the check at the 9th token
+    ours.close()
 
 
 def test_a_refusal_and_a_client_gone_answer_no_500(monkeypatch):
@@ -500,6 +519,23 @@ def test_a_body_without_length_or_too_long_is_refused_unread(served):
     assert status == 411 and is_openai_error(reply), reply
     status, reply = raw_exchange(served.port, f"POST /v1/completions HTTP/1.1\r\n{auth}Content-Length: {2**40}\r\n\r\n")
     assert status == 413 and is_openai_error(reply), reply
+
+
+@pytest.mark.slow
+def test_a_client_gone_before_its_plain_answer_frees_its_slot(served):
+    """A client that sends a plain (not streamed) request and closes at once: logged in one line, no traceback, and
+    the server goes on answering. (On this tiny model the answer is done before anyone notices; that the watch
+    stops a generation within a few tokens is :func:`test_client_watch_stops_an_answer_when_the_client_has_gone`.)"""
+    before = served.text().count("went away")
+    body = json.dumps(chat("the the world", max_tokens=CAP, logit_bias={"2": -100})).encode()
+    with socket.create_connection(("127.0.0.1", served.port), timeout=30) as conn:
+        conn.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nAuthorization: Bearer {KEY}\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    deadline = time.monotonic() + 20
+    while served.text().count("went away") == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert served.text().count("went away") == before + 1, served.text()[-3000:]
+    assert call(served.port, "POST", "/v1/chat/completions", chat("hello"))[0] == 200
 
 
 @pytest.mark.slow

@@ -10,7 +10,8 @@ What they add to mlx-lm's server (issue #54):
   where the context ends (``finish_reason`` ``length``);
 - ``--api-key``: a Bearer token on every request but ``/health`` (401 otherwise);
 - a count of the requests in flight, which SIGTERM lets finish (:mod:`kvq.cli.serve_run`); a client that
-  disconnects mid-stream stops its generation (mlx-lm's ``ctx.stop()``) and is logged in one line.
+  disconnects stops its generation within a few tokens, streamed or not (:class:`ClientWatch`, then mlx-lm's
+  ``ctx.stop()``), logged in one line.
 
 It subclasses mlx-lm 0.32's server: :data:`MLX_LM_RELIES_ON` lists what it overrides or calls there, and
 ``tests/test_serve_hardened.py`` fails when an installed mlx-lm no longer has it. :mod:`kvq.cli.serve_run` runs
@@ -24,6 +25,8 @@ import io
 import json
 import logging
 import os
+import select
+import socket
 import threading
 import urllib.parse
 
@@ -139,6 +142,40 @@ class KVQResponseGenerator(server.ResponseGenerator):
             raise Refusal(RequestError(f"generation failed: {exc}", status=500, type="server_error")) from exc
 
 
+def client_gone(connection: socket.socket) -> bool:
+    """Whether the client closed ``connection`` (end of file or reset waiting, without blocking). A client that only
+    shut its sending side counts as gone too: HTTP clients do not do that while they wait for an answer."""
+    try:
+        if not select.select([connection], [], [], 0)[0]:
+            return False
+        return connection.recv(1, socket.MSG_PEEK) == b""
+    except (ConnectionError, OSError):
+        return True
+
+
+class ClientWatch:
+    """The response generator as one request's handler sees it: every ``every`` tokens its answer checks that the
+    client is still there, and raises ``ConnectionResetError`` if not (mlx-lm then stops that generation), so a
+    client that leaves frees its slot before the first write fails, also when not streaming."""
+
+    def __init__(self, generator, connection: socket.socket, every: int = 4):
+        self._generator, self._connection, self._every = generator, connection, every
+
+    def __getattr__(self, name):
+        return getattr(self._generator, name)
+
+    def generate(self, request, generation_args, progress_callback=None):
+        """The generator's ``(ctx, responses)``, the responses watched."""
+        ctx, responses = self._generator.generate(request, generation_args, progress_callback)
+        return ctx, self._watched(responses)
+
+    def _watched(self, responses):
+        for i, response in enumerate(responses):
+            if i % self._every == 0 and client_gone(self._connection):
+                raise ConnectionResetError("the client closed the connection")
+            yield response
+
+
 class KVQHandler(server.APIHandler):
     """mlx-lm's request handler with kvq serve's checks; ``policy`` and ``in_flight`` are set by
     :func:`handler_class`."""
@@ -205,11 +242,13 @@ class KVQHandler(server.APIHandler):
         data = json.dumps(body).encode()
         socket_file, self.rfile = self.rfile, io.BytesIO(data)
         self.headers.replace_header("Content-Length", str(len(data)))
+        generator, self.response_generator = self.response_generator, ClientWatch(self.response_generator,
+                                                                                  self.connection)
         try:
             with self.in_flight:
                 super().do_POST()
         finally:
-            self.rfile = socket_file
+            self.rfile, self.response_generator = socket_file, generator
 
     def handle_completion(self, request, stop_words):
         """mlx-lm's ``handle_completion``; a refusal is answered in OpenAI's shape, a client gone is logged in a
