@@ -232,10 +232,10 @@ class KVQHandler(server.APIHandler):
     def do_POST(self):
         """A completion: checked here, then answered by mlx-lm's ``do_POST`` from the checked body."""
         try:
+            raw = self.read_body()  # first: a body left unread makes the closing socket reset the client's
+            self.check_api_key()
             if self.path not in CHAT_PATHS + TEXT_PATHS:
                 raise RequestError(f"Invalid URL (POST {self.path})", status=404, code="unknown_url")
-            raw = self.read_body()
-            self.check_api_key()
             body = checked_request(parse_body(raw), self.path in CHAT_PATHS, self.policy)
         except RequestError as error:
             return self.send_refusal(error)

@@ -21,6 +21,10 @@ from .serve_api import ServePolicy
 from .serve_handler import KVQHandler, KVQResponseGenerator, handler_class
 
 
+#: Connections the kernel holds for ``accept`` (socketserver's default is 5: a burst of clients overflows it)
+LISTEN_BACKLOG = 128
+
+
 def listens_beyond_loopback(host: str) -> bool:
     """Whether a server bound to ``host`` can be reached from other machines (any address not loopback)."""
     try:
@@ -59,7 +63,8 @@ def serve_http(host: str, port: int, generator, handler: type[KVQHandler], drain
     try:
         family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                       flags=socket.AI_PASSIVE)[0]
-        server_class = type("KVQHTTPServer", (ThreadingHTTPServer,), {"address_family": family})
+        server_class = type("KVQHTTPServer", (ThreadingHTTPServer,),
+                            {"address_family": family, "request_queue_size": LISTEN_BACKLOG})
         httpd = server_class(address, lambda *a, **kw: handler(generator, *a, system_fingerprint=fingerprint, **kw))
     except OSError as exc:  # the generation thread is running: without it stopped the process would never exit
         stop_generation(generator)
