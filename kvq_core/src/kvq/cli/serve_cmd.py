@@ -139,8 +139,9 @@ def main(argv: list[str]) -> int:
     """Run ``kvq serve`` until interrupted; returns 0.
 
     :raises ValueError: an mlx-lm whose server kvq was not written for
-        (:func:`kvq.cli.serve_handler.check_mlx_lm_version`), bad method or parameters, an unknown model, a sharding that cannot work (see :func:`check_sharding`), or a
-        port that cannot be bound; the dispatcher prints it as one line and exits 1.
+        (:func:`kvq.cli.serve_handler.check_mlx_lm_version`), bad method or parameters, an unknown model, a
+        sharding that cannot work (see :func:`check_sharding`), or a port that cannot be bound; the dispatcher
+        prints it as one line and exits 1.
     :raises TypeError: an unknown parameter name.
     """
     import functools
