@@ -12,9 +12,13 @@ the loaded model's ``make_cache()`` return kvq caches (:func:`kvq.patch_model`),
 request loop, ``BatchGenerator`` and prompt-cache reuse then use. Under ``mlx.launch`` mlx-lm shards the model
 (tensor parallel, or ``--pipeline``), rank 0 serves HTTP and every rank builds its kvq caches.
 
-Requests leave ``model`` out (or name the served model as ``GET /v1/models`` lists it: mlx-lm tries to load any
-other name from the Hugging Face Hub). Identical requests get identical answers, also when the server reuses a
-stored prompt cache (``kvq.cache.reuse``).
+The HTTP side is mlx-lm's request handler subclassed (:mod:`kvq.cli.serve_handler`, for mlx-lm 0.32): requests
+are checked before mlx-lm sees them and refused in OpenAI's error shape (``{"error": {"message", "type", "param",
+"code"}}``, which the official ``openai`` client shows); the server serves its one model (``GET /v1/models`` lists
+it; a request naming another gets 404 ``model_not_found``, or with ``--any-model`` the served model's answer, and
+never unloads it); a prompt beyond the model's context is refused (``context_length_exceeded``); ``--api-key`` asks
+every request but ``/health`` for ``Authorization: Bearer KEY``; SIGTERM lets the requests in flight finish.
+Identical requests get identical answers, also when the server reuses a stored prompt cache (``kvq.cache.reuse``).
 """
 
 from __future__ import annotations
@@ -22,11 +26,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 from .generate_cmd import add_cache_arguments
+from .serve_api import DEFAULT_MODEL, ServePolicy, config_context_length
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,7 +42,37 @@ def build_parser() -> argparse.ArgumentParser:
     add_cache_arguments(p)
     p.add_argument("--pipeline", action="store_true",
                    help="under mlx.launch: pipeline parallel (each rank its own layers), not tensor parallel")
+    p.add_argument("--api-key", default=os.environ.get("KVQ_SERVE_API_KEY"),
+                   help="requests must send 'Authorization: Bearer KEY' (default: $KVQ_SERVE_API_KEY; none: no check)")
+    p.add_argument("--any-model", action="store_true",
+                   help="answer a request naming any model with the served one (default: 404 model_not_found)")
+    p.add_argument("--max-tokens-cap", type=positive_int, default=None, metavar="N",
+                   help="refuse requests for more than N tokens (and lower mlx-lm's --max-tokens default to N)")
+    p.add_argument("--drain-seconds", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM or Ctrl-C, wait up to S seconds for the requests in flight (default 30)")
     return p
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def serve_policy(args: argparse.Namespace, path: Path) -> ServePolicy:
+    """What the server enforces, from ``kvq serve``'s options and the model folder ``path``'s config.json: the
+    served model's id (``--model`` as given, or the default model's name) and every name that means it."""
+    from .. import models
+
+    config = json.loads((path / "config.json").read_text())
+    model_id = args.model or models.DEFAULT_MODEL
+    names = {model_id, DEFAULT_MODEL, str(path), str(path.resolve()), path.name}
+    vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    return ServePolicy(model_id=model_id, names=frozenset(names), any_model=args.any_model, api_key=args.api_key,
+                       max_tokens_cap=args.max_tokens_cap, context_length=config_context_length(config),
+                       vocab_size=vocab if isinstance(vocab, int) else None)
 
 
 def check_sharding(path: Path, pipeline: bool, num_ranks: int) -> None:
@@ -102,27 +138,36 @@ def scan_or_empty(scan):
 def main(argv: list[str]) -> int:
     """Run ``kvq serve`` until interrupted; returns 0.
 
-    :raises ValueError: bad method or parameters, an unknown model, or a sharding that cannot work (see
-        :func:`check_sharding`); the dispatcher prints it as one line and exits 1.
+    :raises ValueError: an mlx-lm whose server kvq was not written for
+        (:func:`kvq.cli.serve_handler.check_mlx_lm_version`), bad method or parameters, an unknown model, a
+        sharding that cannot work (see :func:`check_sharding`), or a port that cannot be bound; the dispatcher
+        prints it as one line and exits 1.
     :raises TypeError: an unknown parameter name.
     """
+    import functools
+
     import mlx.core as mx
+    import mlx_lm
     from mlx_lm import server
 
     from .. import models
     from ..cache import make_config
+    from . import serve_handler, serve_run
     from .generate_cmd import cache_options
 
     args, rest = build_parser().parse_known_args(argv)
+    serve_handler.check_mlx_lm_version(mlx_lm.__version__)
     options = cache_options(args)
     make_config(**options)  # bad methods and parameters fail before the model is loaded
     path = models.resolve_model(args.model)
     check_sharding(path, args.pipeline, mx.distributed.init().size())
-    original, server.ModelProvider = server.ModelProvider, provider_class(options)
-    scan, server.scan_cache_dir = server.scan_cache_dir, scan_or_empty(server.scan_cache_dir)
-    saved_argv, sys.argv = sys.argv, ["kvq serve", "--model", str(path), *(["--pipeline"] * args.pipeline), *rest]
+    run = functools.partial(serve_run.run, policy=serve_policy(args, path), drain_seconds=args.drain_seconds)
+    saved = server.ModelProvider, server.scan_cache_dir, server.run, sys.argv
+    server.ModelProvider, server.run = provider_class(options), run
+    server.scan_cache_dir = scan_or_empty(server.scan_cache_dir)
+    sys.argv = ["kvq serve", "--model", str(path), *(["--pipeline"] * args.pipeline), *rest]
     try:
         server.main()
     finally:
-        server.ModelProvider, server.scan_cache_dir, sys.argv = original, scan, saved_argv
+        server.ModelProvider, server.scan_cache_dir, server.run, sys.argv = saved
     return 0
