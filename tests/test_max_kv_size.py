@@ -74,3 +74,19 @@ def test_unpatch_restores_mlx_lm_function():
     patch.unpatch()
     assert mlx_cache.make_prompt_cache is patch._ORIGINAL_MAKE
     patch.patch()
+
+
+def test_a_make_prompt_cache_bound_before_the_patch_is_honoured_too(llama_model):
+    """``from mlx_lm.models.cache import make_prompt_cache`` before ``kvq.patch_model``: that copy is mlx-lm's own,
+    which calls ``model.make_cache()`` without ``max_kv_size``; the patched ``make_cache`` reads it from that call
+    (before: kvq's unbounded caches, 604 tokens held after a 600-token prompt with ``max_kv_size=64``)."""
+    bound_before = kvq.cache.patch._ORIGINAL_MAKE  # mlx-lm's function, as a script bound it before any patch
+    kvq.patch_model(llama_model, "affine", bits=4, window=16)
+    try:
+        assert bound_before is not mlx_cache.make_prompt_cache  # the module's name was replaced, this copy not
+        caches = bound_before(llama_model, max_kv_size=64)
+        assert all(type(c) is RotatingKVQCache and (c.max_size, c.keep) == (64, 4) for c in caches)
+        assert all(type(c) is KVQCache for c in bound_before(llama_model))  # no bound asked: unbounded
+        assert all(type(c) is KVQCache for c in llama_model.make_cache())  # a direct call is not mlx-lm's
+    finally:
+        kvq.unpatch_model(llama_model)

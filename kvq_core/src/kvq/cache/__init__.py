@@ -204,8 +204,11 @@ def patch_model(model, method: str | None = "affine", **kwargs: Any):
         model._kvq_original_make_cache = getattr(model, "make_cache", None)
 
     def make_cache(max_kv_size: int | None = None) -> list:
-        """This model's kvq caches (``max_kv_size``: mlx-lm's ``make_prompt_cache`` passes it through
-        :mod:`kvq.cache.patch`)."""
+        """This model's kvq caches (``max_kv_size``: kvq's replacement of mlx-lm's ``make_prompt_cache`` passes it;
+        mlx-lm's own, bound before the patch, calls this without it, and its ``max_kv_size`` is read from that call:
+        :func:`kvq.cache.patch.caller_max_kv_size`)."""
+        if max_kv_size is None:
+            max_kv_size = _patch.caller_max_kv_size()
         return make_prompt_cache(model, method, max_kv_size=max_kv_size, **kwargs)
 
     model.make_cache = make_cache

@@ -61,6 +61,17 @@ def make_prompt_cache(model, max_kv_size=None):
     return model.make_cache(max_kv_size=max_kv_size)
 
 
+def caller_max_kv_size() -> int | None:
+    """The ``max_kv_size`` that mlx-lm's own ``make_prompt_cache`` was called with, when it is what called the
+    function calling this (``model.make_cache()``, which mlx-lm calls without passing ``max_kv_size`` on); else
+    ``None``. So a copy of mlx-lm's function bound before :func:`kvq.patch_model` (``from mlx_lm.models.cache import
+    make_prompt_cache`` at the top of a script), which :func:`patch` cannot replace, still gets bounded caches."""
+    frame = sys._getframe(2)  # [0] this function, [1] model.make_cache, [2] its caller
+    if frame.f_code is not _ORIGINAL_MAKE.__code__:
+        return None
+    return frame.f_locals.get("max_kv_size")
+
+
 def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
     """mlx-lm's attention entry point, with kvq caches served by kvq (same signature as mlx-lm's
     ``mlx_lm.models.base.scaled_dot_product_attention``).
