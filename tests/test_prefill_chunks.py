@@ -229,3 +229,16 @@ def test_visible_bounds_are_leaving_of_each_row(flush, window):
             rows = [compressed + leaving(held, min(max(p - start + 1, 0), new), window, flush)
                     for p in range(first, first + count)]
             assert visible(fresh, first, count, window, flush).tolist() == rows
+
+
+def test_a_mask_array_needs_every_part_to_say_where_it_sits():
+    """The engine applies mlx-lm's mask by each part's ``column``; a part without one (a ring, packed rows) and a
+    mask array is an error naming the argument, not a mask silently skipped."""
+    from kvq.cache import engine
+    from kvq.cache.centring import KeyMean
+
+    keys = mx.zeros((1, 1, 4, 8))
+    part = engine.Part(keys, keys, False)  # no column
+    with pytest.raises(ValueError, match="user_mask: every part"):
+        engine.attend(mx.zeros((1, 1, 1, 8)), 1.0, [part], make_config("affine", bits=4), KeyMean(),
+                      user_mask=mx.ones((1, 1, 1, 4), mx.bool_))

@@ -109,7 +109,7 @@ def _compressed(part: Part, queries, scale, config: CacheConfig, key_mean: KeyMe
         visible, mask = rows_mask(part.index, part.size, part.lo, part.hi)
         if not visible:
             return None
-    if user_mask is not None and part.column is not None:
+    if user_mask is not None:
         window = _user_columns(user_mask, part.column, 0, part.size)
         mask = window if mask is None else mask & window
     keys, values = part.keys, part.values
@@ -161,9 +161,13 @@ def attend(queries: mx.array, scale: float, parts: list[Part], config: CacheConf
     :param on_device: attend through :func:`kvq.cache.prefill.attend_dequantized` (a prefill chunk on a GPU; the
         parts must be contiguous: sinks, one compressed part, one dense part).
     :return: ``[B, H_q, T_q, D_v]`` in the queries' dtype (rows that see no token: zeros).
-    :raises ValueError: queries whose head_dim is not the keys' or whose ``H_q`` is not a multiple of ``H_kv``, or a
-        compressed part no installed implementation can attend (:func:`kvq.cache.choice.attend_fn`).
+    :raises ValueError: queries whose head_dim is not the keys' or whose ``H_q`` is not a multiple of ``H_kv``, a
+        compressed part no installed implementation can attend (:func:`kvq.cache.choice.attend_fn`), or a
+        ``user_mask`` with a part whose ``column`` is ``None``.
     """
+    if user_mask is not None and any(part.column is None for part in parts):
+        raise ValueError("user_mask: every part must say where its columns sit on mlx-lm's mask (Part.column); a "
+                         "rotating cache or packed rows take no mask array")
     if on_device:
         from .prefill import attend_dequantized
 
