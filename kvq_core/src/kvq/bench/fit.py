@@ -15,8 +15,8 @@ The prediction, in bytes, for ``batch`` sequences of ``tokens`` tokens each:
   method's bits per token (:meth:`kvq.BitsAccounting.bytes_for`), in steps of the store's ``step`` tokens.
   Sliding-window layers (``layer_types`` in the model's config) hold at most ``sliding_window`` tokens.
 - ``transient``: what storing a chunk of ``chunk`` tokens in one layer adds on top for a moment: the chunk's keys
-  and values as they arrive and the cache's copy of them (model dtype), the float32 work of encoding them (kvq
-  caches), and the copy of that layer's buffer that growing it makes (mlx-lm's ``KVCache`` and kvq's store both
+  and values as they arrive and the cache's copy of them (model dtype), the work of encoding them (kvq caches:
+  :data:`ENCODE_WORK`), and the copy of that layer's buffer that growing it makes (mlx-lm's ``KVCache`` and kvq's store both
   grow by concatenation).
 
 ``safety`` is :class:`kvq.bench.capacity.CapacitySettings`' fraction: the caches may use that fraction of what is
@@ -38,9 +38,15 @@ from .rows import REFERENCE
 #: Bytes counted once whatever the caches hold, beyond the weights and the methods' shared constants: an allowance
 #: for the decode step's batch-1 activations, RoPE frequencies and kernels' first-use check inputs (the H200
 #: capacity runs measured 3 KiB above the weights before any cache existed: this is a margin, not a measurement).
-FIXED_OVERHEAD = 4 * 2**20
+FIXED_OVERHEAD = 2**20
 #: Tokens per growth step of mlx-lm's ``KVCache`` (``KVCache.step``).
 MLX_LM_STEP = 256
+#: Work of encoding a chunk, bytes per coordinate of its keys and values (``CacheCost.work``), above the chunk and
+#: its copy, per device and method (``None``: any other method): the CPU's pure-MLX encoders hold float32
+#: intermediates (measured on a 2-core x86-64 CPU, head_dim 64, float32 model: 20-28 for TurboQuant, 8 for affine;
+#: tests/test_fit.py), a GPU's fused encoders about a float32 copy (4; the H200 capacity runs' fill peaks were
+#: 115 MB per sequence above the caches for turboquant:3, this predicts 93 MB).
+ENCODE_WORK = {"cpu": {"affine": 8, None: 24}, "gpu": {None: 4}}
 #: Tokens per cache update assumed for the transient term (``kvq bench``'s fill chunk).
 DEFAULT_CHUNK = 4096
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "F32": 4, "F16": 2, "BF16": 2}
@@ -141,6 +147,7 @@ class CacheCost:
     :param bits_per_token: compressed bits per token and KV head, keys plus values (mlx-lm: the dtype's or
         QuantizedKVCache's). :param sinks, window, flush, step: kvq caches' layout (tokens; 0 for mlx-lm's).
     :param shared_bytes: constants per layer, both sides (bytes).
+    :param work: bytes of encoding work per coordinate of a chunk's keys and values (:data:`ENCODE_WORK`).
     """
 
     label: str
@@ -151,6 +158,7 @@ class CacheCost:
     flush: int = 1
     step: int = MLX_LM_STEP
     shared_bytes: int = 0
+    work: int = 0
 
     def compressed_tokens(self, tokens: int) -> int:
         """Tokens a layer holding ``tokens`` keeps compressed: those that left the window in blocks of ``flush``
@@ -178,7 +186,7 @@ class CacheCost:
         of the layer's buffer that growing it makes."""
         n = min(chunk, tokens)
         chunk_bytes = 2 * kv_heads * n * head_dim * dtype_bytes
-        work = 2 * kv_heads * n * head_dim * 4 if self.kind == "kvq" else 0
+        work = 2 * kv_heads * n * head_dim * self.work
         grown = self.resident(tokens, kv_heads, head_dim)
         if self.kind == "kvq":  # only the compressed store is copied when it grows
             grown -= CacheCost(self.label, self.kind, 0, self.sinks, self.window, self.flush, self.step).resident(
@@ -186,9 +194,10 @@ class CacheCost:
         return 2 * chunk_bytes + work + grown
 
 
-def cache_cost(spec, shape: ModelShape, sinks: int, window: int, flush: int | None) -> CacheCost:
+def cache_cost(spec, shape: ModelShape, sinks: int, window: int, flush: int | None, device: str = "gpu") -> CacheCost:
     """The :class:`CacheCost` of a method spec (:func:`kvq.evaluation.spec.parse_method`) on ``shape``, from the
-    methods' bits accounting (``accounting(head_dim)``) and kvq's cache configuration (sinks, window, flush)."""
+    methods' bits accounting (``accounting(head_dim)``) and kvq's cache configuration (sinks, window, flush);
+    ``device`` (``"cpu"`` or ``"gpu"``) chooses the encoding work (:data:`ENCODE_WORK`)."""
     D = shape.head_dim
     if spec.label == REFERENCE:
         return CacheCost(f"{REFERENCE} ({shape.dtype})", "mlx-lm", 2 * D * shape.dtype_bytes * 8)
@@ -199,8 +208,10 @@ def cache_cost(spec, shape: ModelShape, sinks: int, window: int, flush: int | No
 
     config = make_config(**spec.cache_kwargs(sinks, window, flush))
     key, value = config.key_params.accounting(D), config.value_params.accounting(D)
+    work = ENCODE_WORK[device]
+    work = max(work.get(p.method, work[None]) for p in (config.key_params, config.value_params))
     return CacheCost(spec.label, "kvq", key.bits_per_token + value.bits_per_token, config.sinks, config.window,
-                     config.flush_tokens, config.step, key.shared_bytes + value.shared_bytes)
+                     config.flush_tokens, config.step, key.shared_bytes + value.shared_bytes, work)
 
 
 @attrs.frozen

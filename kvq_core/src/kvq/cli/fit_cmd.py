@@ -18,7 +18,7 @@ their window) and each method's bits accounting (Method.accounting: codes, norms
 caches laid out as they really are (sinks and the window buffer of window + flush - 1 tokens in 16 bits, the
 compressed store in steps of 256 tokens) and mlx-lm's KVCache in the model's dtype in steps of 256 tokens.
 Per sequence, storing one chunk of --chunk tokens in one layer adds a moment's transient (the chunk, its copy,
-float32 encoding work, the layer's buffer copied as it grows); a fixed 4 MiB allowance and the methods' shared
+the encoders' float32 work (--device: a CPU's pure-MLX encoders hold more), the layer's buffer copied as it grows); a fixed 1 MiB allowance and the methods' shared
 constants are added once. The caches may use --safety (default 0.9, as kvq bench capacity) of what the weights
 and the fixed term leave.
 
@@ -50,6 +50,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--flush", type=int, default=None, help="kvq caches: tokens per compression (default kvq's)")
     p.add_argument("--safety", type=float, default=0.9, help="fraction of the free memory caches may use (0.9)")
     p.add_argument("--chunk", type=int, default=4096, help="tokens per cache update, for the transient (4096)")
+    p.add_argument("--device", choices=("cpu", "gpu"), default=None,
+                   help="whose encoders the transient counts (default: this device's kind)")
     p.add_argument("--out", default="kvq-fit", help="output folder (default ./kvq-fit)")
     p.add_argument("--name", default=None, help="file name stem (default fit-DATE-MODEL-MEMORY)")
     p.add_argument("--no-plot", action="store_true", help="write no PNG (matplotlib is not needed then)")
@@ -97,7 +99,10 @@ def check(args) -> dict:
     name, config, path = _model_config(args)
     shape = fit.model_shape(name, config, path, args.dtype)
     specs = bench_specs(args, config, is_random(args.model), DEFAULT_METHODS)
-    return {"shape": shape, "budget": fit.Budget(shape, memory, args.safety, args.chunk), "specs": specs,
+    from ..problem import device_kind
+
+    device = args.device or ("cpu" if device_kind() == "cpu" else "gpu")
+    return {"device": device, "shape": shape, "budget": fit.Budget(shape, memory, args.safety, args.chunk), "specs": specs,
             "context": context, "memory_source": source}
 
 
@@ -109,10 +114,11 @@ def document(args, checked: dict, argv: list[str]) -> dict:
     from ..bench.measure import environment
 
     budget, context = checked["budget"], checked["context"]
-    costs = [fit.cache_cost(s, budget.shape, args.sinks, args.window, args.flush) for s in checked["specs"]]
+    costs = [fit.cache_cost(s, budget.shape, args.sinks, args.window, args.flush, checked["device"])
+             for s in checked["specs"]]
     return {"benchmark": "kvq fit", "environment": environment(f"kvq fit {shlex.join(argv)}"),
             "settings": {"memory": budget.memory, "memory_source": checked["memory_source"], "context": context,
-                         "batch": args.batch, "safety": budget.safety, "chunk": budget.chunk,
+                         "batch": args.batch, "device": checked["device"], "safety": budget.safety, "chunk": budget.chunk,
                          "fixed_overhead": fit.FIXED_OVERHEAD},
             "model": attrs.asdict(budget.shape),
             "rows": [fit_report.row(budget, c, context, args.batch) for c in costs]}
