@@ -16,8 +16,8 @@ The prediction, in bytes, for ``batch`` sequences of ``tokens`` tokens each:
   Sliding-window layers (``layer_types`` in the model's config) hold at most ``sliding_window`` tokens.
 - ``transient``: what storing a chunk of ``chunk`` tokens in one layer adds on top for a moment: the chunk's keys
   and values as they arrive and the cache's copy of them (model dtype), the work of encoding them (kvq caches:
-  :data:`ENCODE_WORK`), and the copy of that layer's buffer that growing it makes (mlx-lm's ``KVCache`` and kvq's store both
-  grow by concatenation).
+  :data:`ENCODE_WORK`), and the copy of that layer's buffer that growing it makes (mlx-lm's ``KVCache`` and kvq's
+  store both grow by concatenation).
 
 ``safety`` is :class:`kvq.bench.capacity.CapacitySettings`' fraction: the caches may use that fraction of what is
 left after the weights and the fixed term, so ``kvq fit`` answers what ``kvq bench capacity`` measures.

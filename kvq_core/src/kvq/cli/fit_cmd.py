@@ -18,13 +18,14 @@ their window) and each method's bits accounting (Method.accounting: codes, norms
 caches laid out as they really are (sinks and the window buffer of window + flush - 1 tokens in 16 bits, the
 compressed store in steps of 256 tokens) and mlx-lm's KVCache in the model's dtype in steps of 256 tokens.
 Per sequence, storing one chunk of --chunk tokens in one layer adds a moment's transient (the chunk, its copy,
-the encoders' float32 work (--device: a CPU's pure-MLX encoders hold more), the layer's buffer copied as it grows); a fixed 1 MiB allowance and the methods' shared
-constants are added once. The caches may use --safety (default 0.9, as kvq bench capacity) of what the weights
-and the fixed term leave.
+the encoders' float32 work (--device: a CPU's pure-MLX encoders hold more), the layer's buffer copied as it
+grows); a fixed 1 MiB allowance and the methods' shared constants (codebooks, rotations) are added once. The
+caches may use --safety (default 0.9, as kvq bench capacity) of what the weights and the fixed term leave.
 
 --memory: bytes in all, with K, M, G, T suffixes (powers of 1024: 24G, 141G); default: this device's memory as
 MLX reports it (a GPU's total memory, an Apple GPU's recommended working set) or the machine's RAM on the CPU.
---context: tokens per sequence for the sequences column (K suffix; default 32K). The PNG needs matplotlib,
+--context: tokens per sequence for the sequences column (K suffix; default 32K, or the model's maximum if less).
+--device gpu predicts for a GPU from another machine (the encoders' transient differs; the memory is --memory's). The PNG needs matplotlib,
 kvq-core's plots extra (or pass --no-plot).
 """
 
@@ -38,7 +39,8 @@ def parser() -> argparse.ArgumentParser:
                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model name, folder, Hub id, or random:PRESET (default model)")
     p.add_argument("--memory", default=None, help="bytes in all, K/M/G/T suffixes (default: this device's)")
-    p.add_argument("--context", default="32K", help="tokens per sequence for the sequences column (default 32K)")
+    p.add_argument("--context", default=None,
+                   help="tokens per sequence for the sequences column (default 32K, or the model's maximum if less)")
     p.add_argument("--batch", type=int, default=1, help="sequences for the longest-context column (default 1)")
     p.add_argument("--methods", default=None,
                    help=f"comma-separated method strings (default: {','.join(DEFAULT_METHODS)}, if installed)")
@@ -75,7 +77,7 @@ def device_memory() -> tuple[int, str]:
 
 
 def check(args) -> dict:
-    """Every input check; returns ``{"shape", "budget", "specs", "context", "memory_source"}``.
+    """Every input check; returns ``{"device", "shape", "budget", "specs", "context", "memory_source"}``.
 
     :raises ValueError: the first bad input, naming the option and what it allows.
     """
@@ -91,19 +93,21 @@ def check(args) -> dict:
         return sizes[0]
 
     memory, source = (one(args.memory, "--memory"), "--memory") if args.memory else device_memory()
-    context = one(args.context, "--context")
+    context = one(args.context, "--context") if args.context else None
     at_least(("--batch", args.batch, 1), ("--sinks", args.sinks, 0), ("--window", args.window, 0),
              ("--chunk", args.chunk, 1), ("--flush", args.flush or 1, 1))
     if not 0 < args.safety <= 1:
         raise ValueError(f"--safety must be in (0, 1]; got {args.safety}")
     name, config, path = _model_config(args)
     shape = fit.model_shape(name, config, path, args.dtype)
+    context = context or min(32768, shape.max_context or 32768)
     specs = bench_specs(args, config, is_random(args.model), DEFAULT_METHODS)
     from ..problem import device_kind
 
     device = args.device or ("cpu" if device_kind() == "cpu" else "gpu")
-    return {"device": device, "shape": shape, "budget": fit.Budget(shape, memory, args.safety, args.chunk), "specs": specs,
-            "context": context, "memory_source": source}
+    budget = fit.Budget(shape, memory, args.safety, args.chunk)
+    return {"device": device, "shape": shape, "budget": budget, "specs": specs, "context": context,
+            "memory_source": source}
 
 
 def document(args, checked: dict, argv: list[str]) -> dict:
@@ -118,7 +122,8 @@ def document(args, checked: dict, argv: list[str]) -> dict:
              for s in checked["specs"]]
     return {"benchmark": "kvq fit", "environment": environment(f"kvq fit {shlex.join(argv)}"),
             "settings": {"memory": budget.memory, "memory_source": checked["memory_source"], "context": context,
-                         "batch": args.batch, "device": checked["device"], "safety": budget.safety, "chunk": budget.chunk,
+                         "batch": args.batch, "device": checked["device"], "safety": budget.safety,
+                         "chunk": budget.chunk,
                          "fixed_overhead": fit.FIXED_OVERHEAD},
             "model": attrs.asdict(budget.shape),
             "rows": [fit_report.row(budget, c, context, args.batch) for c in costs]}
