@@ -136,3 +136,37 @@ def test_bad_input_is_named(capsys, argv, message):
 
     assert main(["fit", "--model", "random:tiny", "--no-plot", *argv]) == 1
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_a_model_folder_is_read_from_its_safetensors_without_loading(tmp_path, capsys):
+    """Weights' bytes from the files (headers included: within 1%), the dtype from the key projection's header,
+    sliding layers from layer_types; --memory too small for the weights fits nothing."""
+    from mlx.utils import tree_flatten
+
+    config = random_config("random:tiny")
+    model = build_random_model(config, mx.bfloat16)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), weights)
+    config.update(layer_types=["sliding_attention", "full_attention"], sliding_window=256)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shape = fit.model_shape("m", config, tmp_path, None)
+    assert shape.dtype == "bfloat16" and shape.sliding == (256, None)
+    assert 1 <= shape.weight_bytes / sum(v.nbytes for v in weights.values()) < 1.01
+    assert shape.layer_tokens(1000) == [256, 1000]
+    assert main(["fit", "--model", str(tmp_path), "--memory", "1M", "--methods", "fp16", "--out", str(tmp_path),
+                 "--name", "f", "--no-plot"]) == 0
+    rows = json.loads((tmp_path / "f.json").read_text())["rows"]
+    assert rows[0]["method"] == "fp16 (bfloat16)" and rows[0]["longest"] == rows[0]["sequences"] == 0
+
+
+def test_the_plot_is_written_and_without_matplotlib_the_hint_comes_first(tmp_path, monkeypatch, capsys):
+    import sys
+
+    argv = ["fit", "--model", "random:tiny", "--memory", "64M", "--methods", "fp16", "--out", str(tmp_path),
+            "--name", "p"]
+    assert main(argv) == 0 and (tmp_path / "p.png").stat().st_size > 0
+    for name in [n for n in sys.modules if n.split(".")[0] == "matplotlib"]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main([*argv[:-1], "q"]) == 1
+    assert "plots" in capsys.readouterr().err and not (tmp_path / "q.json").exists()

@@ -49,7 +49,8 @@ MLX_LM_STEP = 256
 ENCODE_WORK = {"cpu": {"affine": 8, None: 24}, "gpu": {None: 4}}
 #: Tokens per cache update assumed for the transient term (``kvq bench``'s fill chunk).
 DEFAULT_CHUNK = 4096
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "F32": 4, "F16": 2, "BF16": 2}
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}  # safetensors' dtype names
 
 
 @attrs.frozen
@@ -97,7 +98,8 @@ def llama_parameters(config: dict) -> int:
 
 def safetensors_info(folder: Path) -> tuple[int, str | None]:
     """``(bytes, dtype)`` of a model folder's ``*.safetensors`` files: their sizes summed (headers included, a few
-    KiB) and the dtype of the first key projection found in their headers (``None`` if none)."""
+    KiB) and the dtype the keys are computed in: the first key projection's weight, or its scales for a quantized
+    model (``None`` if neither is found)."""
     total, dtype = 0, None
     for path in sorted(Path(folder).glob("*.safetensors")):
         total += path.stat().st_size
@@ -105,8 +107,8 @@ def safetensors_info(folder: Path) -> tuple[int, str | None]:
             (length,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(length))
         for name, entry in header.items():
-            if dtype is None and name.endswith("k_proj.weight") and entry["dtype"] in _DTYPE_BYTES:
-                dtype = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}[entry["dtype"]]
+            if dtype is None and name.endswith(("k_proj.weight", "k_proj.scales")) and entry["dtype"] in _NAMES:
+                dtype = _NAMES[entry["dtype"]]
     return total, dtype
 
 
@@ -120,7 +122,8 @@ def _sliding(config: dict) -> tuple[int | None, ...]:
 def model_shape(name: str, config: dict, path: Path | None, dtype: str | None) -> ModelShape:
     """The :class:`ModelShape` of a model from its config (``path``: its folder, ``None`` for ``random:PRESET``).
 
-    :param dtype: the dtype it runs in; ``None``: as stored (random models: float32).
+    :param dtype: the dtype it runs in (an unquantized model's weights are scaled to it); ``None``: as stored
+        (random models: float32).
     :raises ValueError: a real model folder without safetensors files.
     """
     q_heads = config["num_attention_heads"]
@@ -134,7 +137,9 @@ def model_shape(name: str, config: dict, path: Path | None, dtype: str | None) -
             raise ValueError(f"--model {name}: no .safetensors files in {path} to read the weights' size from")
         stored = stored or "float32"
         dtype = dtype or stored
-        weight_bytes = stored_bytes * _DTYPE_BYTES[dtype] // _DTYPE_BYTES[stored]
+        # a quantized model's weights keep their width whatever dtype its activations run in
+        scale = 1 if "quantization" in config else _DTYPE_BYTES[dtype] / _DTYPE_BYTES[stored]
+        weight_bytes = int(stored_bytes * scale)
     return ModelShape(name, config["num_hidden_layers"], config.get("num_key_value_heads", q_heads), head_dim,
                       dtype, weight_bytes, config.get("max_position_embeddings"), _sliding(config))
 

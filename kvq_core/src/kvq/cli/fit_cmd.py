@@ -45,7 +45,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default=None,
                    help=f"comma-separated method strings (default: {','.join(DEFAULT_METHODS)}, if installed)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
-                   help="the model's dtype (default: real models as stored, random models float32)")
+                   help="the model's dtype (default as kvq bench: real models as stored, random models bfloat16 "
+                        "on a GPU, float32 on the CPU)")
     p.add_argument("--layers", type=int, default=None, help="random models: keep this many layers")
     p.add_argument("--sinks", type=int, default=4, help="kvq caches: uncompressed first tokens (default 4)")
     p.add_argument("--window", type=int, default=128, help="kvq caches: uncompressed last tokens (default 128)")
@@ -84,7 +85,7 @@ def check(args) -> dict:
     from ..bench import fit
     from ..bench.ops import parse_sizes
     from ..bench.random_model import is_random
-    from .bench_cmd import _model_config, at_least, bench_specs
+    from .bench_cmd import _model_config, at_least, bench_specs, default_dtype
 
     def one(text, option):
         sizes = parse_sizes(text, option)
@@ -99,7 +100,7 @@ def check(args) -> dict:
     if not 0 < args.safety <= 1:
         raise ValueError(f"--safety must be in (0, 1]; got {args.safety}")
     name, config, path = _model_config(args)
-    shape = fit.model_shape(name, config, path, args.dtype)
+    shape = fit.model_shape(name, config, path, default_dtype(args, is_random(args.model)))
     context = context or min(32768, shape.max_context or 32768)
     specs = bench_specs(args, config, is_random(args.model), DEFAULT_METHODS)
     from ..problem import device_kind
