@@ -1,5 +1,5 @@
-"""``kvq fit``: the longest context one sequence can hold, and the most sequences of --context tokens, that fit in
-this device's memory (or --memory) with fp16 and with each installed kvq cache; predicted, nothing is allocated.
+"""``kvq fit``: the longest context one sequence (or --batch) can hold, and the most sequences of --context tokens,
+that fit in this device's memory (or --memory) with fp16 and each installed kvq cache; predicted, nothing allocated.
 
 Writes OUT/NAME.json and OUT/NAME.png and prints the table.
 """
@@ -25,8 +25,9 @@ caches may use --safety (default 0.9, as kvq bench capacity) of what the weights
 --memory: bytes in all, with K, M, G, T suffixes (powers of 1024: 24G, 141G); default: this device's memory as
 MLX reports it (a GPU's total memory, an Apple GPU's recommended working set) or the machine's RAM on the CPU.
 --context: tokens per sequence for the sequences column (K suffix; default 32K, or the model's maximum if less).
---device gpu predicts for a GPU from another machine (the encoders' transient differs; the memory is --memory's). The PNG needs matplotlib,
-kvq-core's plots extra (or pass --no-plot).
+An NVIDIA H200 (sold as 141 GB) reports 150,754,820,096 bytes (140.4 GiB) to MLX: --memory 141G is 0.4% more.
+--device gpu predicts for a GPU from another machine (the encoders' transient differs; give --memory).
+The PNG needs matplotlib, kvq-core's plots extra (or pass --no-plot).
 """
 
 #: Method strings predicted without --methods (those installed), fp16 (mlx-lm's KVCache) first.
