@@ -170,3 +170,15 @@ def test_the_plot_is_written_and_without_matplotlib_the_hint_comes_first(tmp_pat
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert main([*argv[:-1], "q"]) == 1
     assert "plots" in capsys.readouterr().err and not (tmp_path / "q.json").exists()
+
+
+def test_longest_is_the_last_length_that_fits_for_a_batch():
+    shape = fit.model_shape("random:llama3-8b", random_config("random:llama3-8b"), None, "bfloat16")
+    budget = fit.Budget(shape, 24 * 2**30, 0.9)
+    for _, cost in _costs(shape, "fp16,turboquant:3", "gpu"):
+        for batch in (1, 4):
+            n = budget.longest(cost, batch)
+            assert batch * budget.per_sequence(cost, n) <= budget.room(cost)
+            assert batch * budget.per_sequence(cost, n + 1) > budget.room(cost)
+        assert budget.longest(cost, 4) < budget.longest(cost, 1) / 3.9
+    assert fit.Budget(shape, 2**30).longest(cost) == fit.Budget(shape, 2**30).sequences(cost, 1) == 0

@@ -165,38 +165,37 @@ class CacheCost:
     shared_bytes: int = 0
     work: int = 0
 
-    def compressed_tokens(self, tokens: int) -> int:
-        """Tokens a layer holding ``tokens`` keeps compressed: those that left the window in blocks of ``flush``
-        (the window holds ``window`` to ``window + flush - 1`` tokens)."""
+    def coded_tokens(self, tokens: int) -> int:
+        """Tokens a layer holding ``tokens`` keeps at ``bits_per_token``: every token for mlx-lm's caches; for kvq's,
+        those that left the window in blocks of ``flush`` (the window holds ``window`` to ``window + flush - 1``)."""
         if self.kind != "kvq":
             return tokens
         rest = tokens - self.sinks - (self.window + self.flush - 1)
         return max(0, -(-rest // self.flush) * self.flush)
 
+    def store_bytes(self, tokens: int, kv_heads: int) -> int:
+        """Bytes of one layer's coded tokens at ``tokens`` tokens, allocated in steps of ``step`` tokens."""
+        allocated = -(-self.coded_tokens(tokens) // self.step) * self.step
+        return math.ceil(self.bits_per_token * kv_heads * allocated / 8)
+
     def resident(self, tokens: int, kv_heads: int, head_dim: int) -> int:
-        """Bytes one layer's cache of one sequence holds at ``tokens`` tokens (``nbytes``)."""
+        """Bytes one layer's cache of one sequence holds at ``tokens`` tokens (``nbytes``): the coded tokens, and
+        for kvq's caches the sinks' and the window's buffers (16 bits, allocated whole at their first token)."""
         if tokens <= 0:
             return 0
-        stored = self.compressed_tokens(tokens)
-        allocated = -(-stored // self.step) * self.step
-        total = math.ceil(self.bits_per_token * kv_heads * allocated / 8)
+        dense = 0
         if self.kind == "kvq":
-            dense = (min(tokens, self.sinks) and self.sinks) + (self.window + self.flush - 1) * (tokens > self.sinks)
-            total += 2 * kv_heads * dense * head_dim * DENSE_BITS // 8
-        return total
+            dense = self.sinks + (self.window + self.flush - 1 if tokens > self.sinks else 0)
+        return self.store_bytes(tokens, kv_heads) + 2 * kv_heads * dense * head_dim * DENSE_BITS // 8
 
     def transient(self, tokens: int, chunk: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
         """Bytes storing the last ``min(chunk, tokens)`` tokens adds for a moment in one layer of one sequence:
-        the chunk as given and the cache's copy (model dtype), float32 encoding work (kvq caches), and the copy
-        of the layer's buffer that growing it makes."""
+        the chunk as given and the cache's copy (model dtype), the encoding work (``work`` per coordinate), and
+        the copy of the layer's coded tokens that growing their buffer makes."""
         n = min(chunk, tokens)
         chunk_bytes = 2 * kv_heads * n * head_dim * dtype_bytes
         work = 2 * kv_heads * n * head_dim * self.work
-        grown = self.resident(tokens, kv_heads, head_dim)
-        if self.kind == "kvq":  # only the compressed store is copied when it grows
-            grown -= CacheCost(self.label, self.kind, 0, self.sinks, self.window, self.flush, self.step).resident(
-                tokens, kv_heads, head_dim)
-        return 2 * chunk_bytes + work + grown
+        return 2 * chunk_bytes + work + self.store_bytes(tokens, kv_heads)
 
 
 def cache_cost(spec, shape: ModelShape, sinks: int, window: int, flush: int | None, device: str = "gpu") -> CacheCost:
