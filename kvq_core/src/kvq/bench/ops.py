@@ -37,7 +37,7 @@ ATTEND_BATCH, ATTEND_Q_HEADS, ATTEND_KV_HEADS = 1, 32, 8
 CODEC_HEADS = 8
 #: The implementation name of the fp16 reference line in attend rows.
 SDPA = "mx.fast.sdpa"
-_SUFFIX = {"K": 2**10, "M": 2**20, "G": 2**30}
+_SUFFIX = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 @attrs.frozen
@@ -109,14 +109,14 @@ def parse_ops(text: str | None) -> tuple[str, ...]:
 
 
 def parse_sizes(text: str, name: str = "--sizes") -> tuple[int, ...]:
-    """``"256,4K,1M"`` -> ``(256, 4096, 1048576)`` (K, M, G are powers of 1024), sorted, unique.
+    """``"256,4K,1M"`` -> ``(256, 4096, 1048576)`` (K, M, G, T are powers of 1024), sorted, unique.
     :raises ValueError: not positive integers (``name`` is the option named in the message)."""
     values = []
     for item in (t.strip().upper() for t in text.split(",") if t.strip()):
         scale = _SUFFIX.get(item[-1:], 1)
         digits = item[:-1] if scale > 1 else item
         if not digits.isdigit() or int(digits) < 1:
-            raise ValueError(f"{name} must be positive integers separated by commas (K, M, G suffixes allowed, "
+            raise ValueError(f"{name} must be positive integers separated by commas (K, M, G, T suffixes allowed, "
                              f"e.g. 1K,64K,1M); got {text!r}")
         values.append(int(digits) * scale)
     if not values:

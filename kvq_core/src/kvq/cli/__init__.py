@@ -13,6 +13,7 @@ COMMANDS = {
     "demo": ("kvq.cli.demo_cmd", "the main job, no arguments: a 1,100-token prompt, the best ~3-bit cache against fp16"),
     "calibrate": ("kvq.cli.calibrate_cmd", "codebooks and smoothing factors from a model's keys/values (vecinfer)"),
     "bench": ("kvq.cli.bench_cmd", "benchmarks: e2e (decode), prefill, batch (BatchGenerator), capacity, ops (each op); JSON + PNG"),
+    "fit": ("kvq.cli.fit_cmd", "the longest context and the most sequences that fit in memory per cache (predicted)"),
     "autotune": ("kvq.cli.autotune_cmd", "measure kernel vs pure-MLX crossovers on this device; selection uses them"),
     "serve": ("kvq.cli.serve_cmd", "mlx-lm's HTTP server with kvq caches (also under mlx.launch)"),
 }
