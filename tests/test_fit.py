@@ -126,8 +126,12 @@ def test_kvq_fit_prints_a_table_and_writes_json(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--memory", "24X"], "--memory must be positive integers"),
-    (["--memory", "1G,2G"], "--memory takes one size"),
+    (["--memory", "24X"], "--memory takes one positive size in bytes"),
+    (["--memory", "lots"], "--memory takes one positive size in bytes"),
+    (["--memory", "0"], "--memory takes one positive size in bytes"),
+    (["--memory", ""], "--memory takes one size in bytes"),
+    (["--memory", "1G,2G"], "--memory takes one size in bytes"),
+    (["--context", "abc"], "--context takes one positive size in tokens"),
     (["--safety", "0"], r"--safety must be in \(0, 1\]"),
     (["--batch", "0"], "--batch must be >= 1"),
 ])
@@ -182,3 +186,24 @@ def test_longest_is_the_last_length_that_fits_for_a_batch():
             assert batch * budget.per_sequence(cost, n + 1) > budget.room(cost)
         assert budget.longest(cost, 4) < budget.longest(cost, 1) / 3.9
     assert fit.Budget(shape, 2**30).longest(cost) == fit.Budget(shape, 2**30).sequences(cost, 1) == 0
+
+
+def test_memory_takes_gb_and_gib_as_g_and_device_gpu_predicts_a_random_model_in_bfloat16(tmp_path, capsys):
+    """``24GB`` and ``24GiB`` mean ``24G`` (what people type); ``--device gpu`` on this CPU predicts a random model
+    as kvq bench runs it on a GPU, in bfloat16 (a new user planning for an H200 got float32's half)."""
+    import json
+
+    docs = []
+    for memory in ("24G", "24GB", "24GiB"):
+        assert main(["fit", "--model", "random:tiny", "--no-plot", "--memory", memory, "--out", str(tmp_path),
+                     "--name", f"m{len(docs)}"]) == 0
+        docs.append(json.loads((tmp_path / f"m{len(docs)}.json").read_text()))
+    assert docs[0]["rows"] == docs[1]["rows"] == docs[2]["rows"]
+    assert main(["fit", "--model", "random:tiny", "--no-plot", "--memory", "24G", "--device", "gpu", "--out",
+                 str(tmp_path), "--name", "gpu"]) == 0
+    assert "fp16 (bfloat16)" in capsys.readouterr().out
+
+
+def test_memory_below_the_weights_says_so(tmp_path, capsys):
+    assert main(["fit", "--model", "random:llama3-1b", "--no-plot", "--memory", "100M", "--out", str(tmp_path)]) == 0
+    assert "NOTE: the weights alone" in capsys.readouterr().out

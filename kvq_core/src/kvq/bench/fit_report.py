@@ -41,6 +41,11 @@ def markdown(document: dict) -> str:
              f"weights {m['weight_bytes'] / GIB:,.2f} GiB. Memory {s['memory'] / GIB:,.2f} GiB ({s['memory_source']}), "
              f"safety {s['safety']}, chunk {s['chunk']} tokens; fixed term {FIXED_OVERHEAD / MIB:g} MiB plus the "
              "methods' shared constants."]
+    if m["weight_bytes"] >= s["memory"]:
+        lines.append(f"NOTE: the weights alone ({m['weight_bytes'] / GIB:,.2f} GiB) do not fit in "
+                     f"{s['memory'] / GIB:,.2f} GiB: no cache fits (give --memory the memory of the machine to run on).")
+    elif not any(r["longest"] for r in rows):
+        lines.append("NOTE: no cache fits one token beside the weights and the fixed term in this memory.")
     if m["max_context"] and any(r["longest"] > m["max_context"] for r in rows):
         lines.append(f"The model's max_position_embeddings is {m['max_context']:,} tokens: longer contexts fit in "
                      "memory but the model was not trained for them.")

@@ -47,7 +47,7 @@ def parser() -> argparse.ArgumentParser:
                    help=f"comma-separated method strings (default: {','.join(DEFAULT_METHODS)}, if installed)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                    help="the model's dtype (default as kvq bench: real models as stored, random models bfloat16 "
-                        "on a GPU, float32 on the CPU)")
+                        "for a GPU, float32 for a CPU: the --device predicted for)")
     p.add_argument("--layers", type=int, default=None, help="random models: keep this many layers")
     p.add_argument("--sinks", type=int, default=4, help="kvq caches: uncompressed first tokens (default 4)")
     p.add_argument("--window", type=int, default=128, help="kvq caches: uncompressed last tokens (default 128)")
@@ -88,25 +88,46 @@ def check(args) -> dict:
     from ..bench.random_model import is_random
     from .bench_cmd import _model_config, at_least, bench_specs, default_dtype
 
-    def one(text, option):
-        sizes = parse_sizes(text, option)
-        if len(sizes) != 1:
-            raise ValueError(f"{option} takes one size; got {text!r}")
-        return sizes[0]
+    def one(text, option, unit):
+        item = text.strip().upper()
+        if unit == "bytes":  # 24GB and 24GiB as 24G
+            for suffix in ("IB", "B"):
+                head = item[: -len(suffix)]
+                if item.endswith(suffix) and len(head) > 1 and head[-1] in "KMGT":
+                    item = head
+                    break
+        if "," in item or not item:
+            raise ValueError(f"{option} takes one size in {unit}, with an optional K, M, G or T suffix (powers of "
+                             f"1024: 24G, 141G{'; 24GB and 24GiB mean 24G' if unit == 'bytes' else ''}); "
+                             f"got {text!r}")
+        try:
+            (size,) = parse_sizes(item, option)
+        except ValueError:
+            raise ValueError(f"{option} takes one positive size in {unit}, with an optional K, M, G or T suffix "
+                             f"(powers of 1024: {'24G, 141G' if unit == 'bytes' else '8K, 32K'}); got {text!r}") \
+                from None
+        return size
 
-    memory, source = (one(args.memory, "--memory"), "--memory") if args.memory else device_memory()
-    context = one(args.context, "--context") if args.context else None
+    if args.memory is not None:
+        memory, source = one(args.memory, "--memory", "bytes"), "--memory"
+    else:
+        memory, source = device_memory()
+    context = one(args.context, "--context", "tokens") if args.context is not None else None
     at_least(("--batch", args.batch, 1), ("--sinks", args.sinks, 0), ("--window", args.window, 0),
              ("--chunk", args.chunk, 1), ("--flush", args.flush or 1, 1))
     if not 0 < args.safety <= 1:
         raise ValueError(f"--safety must be in (0, 1]; got {args.safety}")
-    name, config, path = _model_config(args)
-    shape = fit.model_shape(name, config, path, default_dtype(args, is_random(args.model)))
-    context = context or min(32768, shape.max_context or 32768)
-    specs = bench_specs(args, config, is_random(args.model), DEFAULT_METHODS)
     from ..problem import device_kind
 
     device = args.device or ("cpu" if device_kind() == "cpu" else "gpu")
+    name, config, path = _model_config(args)
+    random = is_random(args.model)
+    # a random model's dtype follows the device predicted for (--device gpu from a CPU: bfloat16, as kvq bench runs it
+    # on a GPU), not the machine this runs on
+    dtype = args.dtype or (("float32" if device == "cpu" else "bfloat16") if random else default_dtype(args, False))
+    shape = fit.model_shape(name, config, path, dtype)
+    context = context or min(32768, shape.max_context or 32768)
+    specs = bench_specs(args, config, random, DEFAULT_METHODS)
     budget = fit.Budget(shape, memory, args.safety, args.chunk)
     return {"device": device, "shape": shape, "budget": budget, "specs": specs, "context": context,
             "memory_source": source}

@@ -27,6 +27,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -35,9 +36,14 @@ from .generate_cmd import add_cache_arguments
 from .serve_api import DEFAULT_MODEL, ServePolicy, config_context_length
 
 
+def plain_text(doc: str) -> str:
+    """``doc`` (reStructuredText) as ``--help`` shows it: ``:func:`name``` and ````name```` as name."""
+    return re.sub(r"``([^`]+)``", r"\1", re.sub(r":\w+:`~?([^`]+)`", r"\1", doc))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvq serve`` argument parser (kvq's options only; the others are passed on to mlx-lm)."""
-    p = argparse.ArgumentParser(prog="kvq serve", description=__doc__,
+    p = argparse.ArgumentParser(prog="kvq serve", description=plain_text(__doc__),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_cache_arguments(p)
     p.add_argument("--pipeline", action="store_true",
