@@ -31,6 +31,7 @@ from ..contract import AttendsDense, BindsDense, BindsRaggedDense, optional_hook
 from .centring import KeyMean
 from .choice import attend_fn, attend_plan, own_attend
 from .config import CacheConfig
+from .prefill import attend_dequantized
 
 #: Query rows per slice of a dense part (each slice reads only the keys its rows may see).
 CHUNK_ROWS = 256
@@ -169,8 +170,6 @@ def attend(queries: mx.array, scale: float, parts: list[Part], config: CacheConf
         raise ValueError("user_mask: every part must say where its columns sit on mlx-lm's mask (Part.column); a "
                          "rotating cache or packed rows take no mask array")
     if on_device:
-        from .prefill import attend_dequantized
-
         return attend_dequantized(queries, scale, parts, config, key_mean, user_mask, sink_logits)
     results = []
     for part in parts:

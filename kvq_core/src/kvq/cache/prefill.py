@@ -23,6 +23,8 @@ import collections
 import mlx.core as mx
 import numpy as np
 
+from .choice import dequantize
+
 
 #: Bytes of one call's additive mask (query rows x keys, in the queries' dtype) in :func:`attend_dequantized`; a larger
 #: chunk is attended in slices of rows.
@@ -73,10 +75,10 @@ def interval_mask(parts: list, r0: int, r1: int, end: int, dtype: mx.Dtype, user
         a, b = max(always, first) - first, min(end, first + part.size) - first
         if b <= a:
             continue
-        index = mx.arange(part.index + a, part.index + b)[None]
         if part.lo is None:
             pieces.append(mx.ones((r1 - r0, b - a), mx.bool_))
         else:
+            index = mx.arange(part.index + a, part.index + b)[None]
             lo, hi = mx.array(part.lo[r0:r1])[:, None], mx.array(part.hi[r0:r1])[:, None]
             pieces.append((index >= lo) & (index < hi))
     visible = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=1)
@@ -130,8 +132,6 @@ def columns(parts: list, config, key_mean, dtype: mx.Dtype, centre: bool, user: 
     compressed part decoded by the implementation :func:`kvq.select` picks: a fused kernel where one serves); with
     ``centre``, keys less the layer's mean (the compressed ones as stored), else as the model gave them. With
     ``user``, also each column's position on mlx-lm's mask (the parts' ``column``), else ``None``."""
-    from .choice import dequantize
-
     parts_k, parts_v, cols = [], [], []
     for part in parts:
         if part.compressed:

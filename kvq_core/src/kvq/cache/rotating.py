@@ -149,8 +149,7 @@ class RotatingKVQCache(KVQCache):
         n = self.sinks.length
         if n:
             keys, values = self.sinks.view()
-            hi = None if positions[0] >= n - 1 else np.clip(positions + 1, 0, n)
-            parts.append(engine.Part(keys, values, False, 0, None if hi is None else np.zeros_like(hi), hi))
+            parts.append(engine.Part(keys, values, False, 0, *engine.causal(n, 0, positions)))
         if fresh is None:
             ring = self.compressed_keys
             if ring.length:

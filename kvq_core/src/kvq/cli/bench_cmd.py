@@ -232,10 +232,12 @@ def checked_bench(model: tuple, settings, specs: list, args, random: bool) -> di
             "dtype": default_dtype(args, random)}
 
 
-def default_dtype(args, random: bool) -> str | None:
-    """``--dtype``, else random models' default: float32 on the CPU, bfloat16 on a GPU; real models as stored
-    (``None``)."""
-    return args.dtype or (("float32" if _on_cpu() else "bfloat16") if random else None)
+def default_dtype(args, random: bool, cpu: bool | None = None) -> str | None:
+    """``--dtype``, else random models' default: float32 on the CPU, bfloat16 on a GPU (``cpu``: for which kind of
+    device; ``None``: this machine's); real models as stored (``None``)."""
+    if args.dtype or not random:
+        return args.dtype
+    return "float32" if (_on_cpu() if cpu is None else cpu) else "bfloat16"
 
 
 def _on_cpu() -> bool:

@@ -124,8 +124,7 @@ def check(args) -> dict:
     random = is_random(args.model)
     # a random model's dtype follows the device predicted for (--device gpu from a CPU: bfloat16, as kvq bench runs it
     # on a GPU), not the machine this runs on
-    dtype = args.dtype or (("float32" if device == "cpu" else "bfloat16") if random else default_dtype(args, False))
-    shape = fit.model_shape(name, config, path, dtype)
+    shape = fit.model_shape(name, config, path, default_dtype(args, random, cpu=device == "cpu"))
     context = context or min(32768, shape.max_context or 32768)
     specs = bench_specs(args, config, random, DEFAULT_METHODS)
     budget = fit.Budget(shape, memory, args.safety, args.chunk)
