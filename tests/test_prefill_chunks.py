@@ -52,7 +52,7 @@ def run(model, label: str, chunk: int, **options) -> np.ndarray:
 @pytest.mark.parametrize("label, flush", [
     ("fp16", 1), ("affine:4", 1), ("affine:4", 8), ("turboquant:4", 1), ("turboquant:3", 8),
     ("turboquant_prod:4", 1), ("turboquant_rvq[bits=2,residual_bits=2]", 1), ("qjl+affine:4", 1),
-    ("qjl+affine:4", 8),
+    ("qjl+affine:4", 8), ("turboquant:3.5", 8),
 ])
 def test_every_chunking_matches_token_by_token(model32, label, flush):
     """KL between a chunked prefill and the token-by-token run, over every position: below 1e-4 for chunks of 16,

@@ -78,6 +78,39 @@ class _Params:
             raise ValueError(f"outlier_channels must be at most {power_of_two_dim(head_dim)}, the next power of two "
                              f"of head_dim {head_dim}; got {self.outlier_channels}")
 
+    def budget_options(self, head_dim: int) -> list:
+        """The settings a bits budget may pick at ``head_dim`` (:class:`kvq.contract.SpendsBudget`,
+        :mod:`kvq.cache.budget`), fewest bits first: each stores more bits per token (whole packed words) than the
+        one before and has a smaller expected error, ``(k * D_mse(outlier_bits) + (D_pad - k) * D_mse(bits)) /
+        D_pad`` (the module docstring; settings that store more for no less error are left out). They are every
+        ``bits`` of :data:`BITS` alone, and ``bits`` with the first ``k`` rotated coordinates one bit wider or
+        narrower, ``k`` a multiple of 8: mixed precision that costs no index bits (rotated coordinates are
+        exchangeable). Other fields as in ``self``.
+
+        :raises ValueError: a head_dim these parameters do not support, or ``outlier_select="data"`` (its channel
+            sets are fitted from data, which a budget chosen at construction cannot know).
+        """
+        if getattr(self, "outlier_select", "rotated") != "rotated":
+            raise ValueError(f"{self.method}: a bits budget chooses rotated coordinates (outlier_select='rotated'); "
+                             f"got outlier_select={self.outlier_select!r}")
+        self.check_head_dim(head_dim)
+        scored = []
+        for k in range(0, power_of_two_dim(head_dim), 8):
+            for bits in BITS:
+                for other in ((bits - 1, bits + 1) if k else (bits,)):
+                    if other not in BITS:
+                        continue
+                    option = attrs.evolve(self, bits=bits, outlier_bits=other, outlier_channels=k)
+                    dim = option.rotated_dim(head_dim)
+                    error = sum(n * _unit_mse(dim, b) for _, n, b in option.groups(head_dim)) / dim
+                    scored.append((option.accounting(head_dim).bits_per_token, error, k, option))
+        options, best = [], float("inf")
+        for _, error, _, option in sorted(scored, key=lambda s: s[:3]):
+            if error < best:
+                options.append(option)
+                best = error
+        return options
+
     def rotated_dim(self, head_dim: int) -> int:
         """``D_pad``, the coordinates of the rotated vector: the smallest Hadamard size ``m · 2^k >= head_dim`` (``m``
         in 1, 12, 20, 28; 80, 96 and 112 are their own), unless the next power of two stores no more words per
@@ -114,6 +147,11 @@ class _Params:
         tables = {b for _, n, b in self.groups(head_dim) if n and b}
         return rotation(self.rotation, dim, self.seed).nbytes + sum(
             codebook_module.codebook(dim, b).nbytes for b in tables)
+
+
+def _unit_mse(dim: int, bits: int) -> float:
+    """``D_mse`` of a unit vector at rotation size ``dim`` with ``bits``-bit codes (1.0 for 0 bits: nothing kept)."""
+    return codebook_module.codebook(dim, bits).mse if bits else 1.0
 
 
 @lru_cache(maxsize=1024)

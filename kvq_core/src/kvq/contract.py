@@ -23,7 +23,7 @@ H_kv`` (:func:`kvq.attention.split_heads`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol, Sequence, runtime_checkable
 
 import attrs
 
@@ -399,6 +399,19 @@ class Unfits(Protocol):
 
 
 @runtime_checkable
+class SpendsBudget(Protocol):
+    """Optional: the parameter settings of this method a bits budget may choose from (TurboQuant's bits with a
+    share of rotated coordinates at other bits: fractional bits per coordinate). :mod:`kvq.cache.budget` picks,
+    per layer and side, one of them by its :meth:`accounting` at the layer's head_dim (``kvq.make_prompt_cache(
+    model, "turboquant", bits=3.5)``, method string ``turboquant:3.5``)."""
+
+    def budget_options(self, head_dim: int) -> Sequence[Any]:
+        """:return: parameters of the same class (every field not about bits as in ``self``), each a setting the
+            budget may pick at ``head_dim``; ``self``'s own bits need not be among them. :raises ValueError: a
+            head_dim, or parameters (e.g. data-chosen outlier channels), that a budget cannot serve."""
+
+
+@runtime_checkable
 class EncodesBlocks(Protocol):
     """Optional: an encoding that depends on which tokens are encoded together (QJL chooses outlier channels per
     group of tokens). The cache then compresses only whole, aligned blocks: its flush becomes the least common
@@ -414,7 +427,8 @@ class EncodesBlocks(Protocol):
 IMPLEMENTATION_OPTIONS = (Explains, AttendsDense, BindsDense, BindsRaggedDense, PreparesQueries, ScoresKeys,
                           WeightsValues, FinishesValues, ReportsSources)
 #: The optional single-member Protocols of parameter objects (:class:`SideDefaults` is read from the class).
-PARAMS_OPTIONS = (SideDefaults, ChecksReady, ForLayer, ForHeads, ForHeadDim, Fits, Unfits, EncodesBlocks)
+PARAMS_OPTIONS = (SideDefaults, ChecksReady, ForLayer, ForHeads, ForHeadDim, Fits, Unfits, SpendsBudget,
+                  EncodesBlocks)
 
 
 def member_name(protocol: type) -> str:
@@ -441,5 +455,4 @@ __all__ = ["AttendsDense", "Attends", "BindsDense", "BindsRaggedDense", "ChecksR
            "Explains", "FinishesValues",
            "Fits", "ForHeadDim", "ForHeads", "ForLayer", "IMPLEMENTATION_OPTIONS", "Implementation", "OP_PROTOCOLS",
            "PARAMS_OPTIONS", "EncodesBlocks", "Packs", "Params", "PreparesQueries", "Quantizes", "ReportsSources",
-           "ScoresKeys",
-           "SideDefaults", "Unfits", "WeightsValues", "member_name", "optional_hook"]
+           "ScoresKeys", "SideDefaults", "SpendsBudget", "Unfits", "WeightsValues", "member_name", "optional_hook"]

@@ -28,6 +28,7 @@ from ..selection import check_kernels, select
 from .files import load_prompt_cache, save_prompt_cache
 from .guard import OutlierLayerWarning
 from .choice import block_implementation, has_attend, quantize_kernels
+from .budget import spender
 from .config import CacheConfig
 from .layer import KVQCache
 from .views import CompressedView
@@ -55,7 +56,9 @@ def make_config(method: str | None = "affine", *, key_method: str | None = None,
 
     :param method: method for keys and values (``key_method``/``value_method`` override it per side).
     :param key_params: parameters for the keys only (merged over ``params``); ``value_params`` likewise.
-    :param params: parameters shared by both sides (``bits=4``).
+    :param params: parameters shared by both sides (``bits=4``). A ``bits`` that is not a whole number (``bits=3.5``)
+        is a budget in bits per coordinate: each layer stores the key and value settings it buys at its head_dims
+        (:mod:`kvq.cache.budget`; methods with budget settings only, such as ``turboquant``).
     :param kernels: ``"auto"``, ``"require"`` or ``"off"`` (see :class:`CacheConfig`).
     :param flush: tokens leave the residual window in blocks of ``flush`` (default :data:`DEFAULT_FLUSH`, 128; see
         :class:`CacheConfig`).
@@ -68,6 +71,13 @@ def make_config(method: str | None = "affine", *, key_method: str | None = None,
     :raises TypeError: unknown parameter name.
     """
     check_kernels(kernels)
+    budget = params.get("bits")
+    if isinstance(budget, float) and not budget.is_integer():
+        params = {k: v for k, v in params.items() if k != "bits"}  # kvq.cache.budget chooses the bits per layer
+    else:
+        budget = None
+        if isinstance(params.get("bits"), float):
+            params = {**params, "bits": int(params["bits"])}
     kp = _params(key_method or method, key_params, params, "keys")
     vp = _params(value_method or method, value_params, params, "values")
     if registry().method(vp.method).keys_only:
@@ -77,7 +87,10 @@ def make_config(method: str | None = "affine", *, key_method: str | None = None,
     for p, side in ((kp, "keys"), (vp, "values")):
         if kp.method != vp.method or not has_attend(p.method):
             block_implementation(p.method, side)  # how the cache will attend: raises now if it cannot
-    return CacheConfig(kp, vp, sinks, window, step, kernels, flush, outlier_layers)
+    if budget is not None:
+        for p in (kp, vp):
+            spender(p)  # a method without budget settings is named now
+    return CacheConfig(kp, vp, sinks, window, step, kernels, flush, outlier_layers, budget=budget)
 
 
 def check_required_kernels(config: CacheConfig, num_kv_heads: int, head_dim: int, num_q_heads: int) -> None:
@@ -144,6 +157,9 @@ def make_prompt_cache(model, method: str | None = "affine", *, max_kv_size: int 
     if max_kv_size is not None and (not isinstance(max_kv_size, int) or max_kv_size <= 4):
         raise ValueError(f"max_kv_size must be an int above 4 (mlx-lm keeps the first 4 tokens); got {max_kv_size!r}")
     config = make_config(method, **kwargs)
+    dims = _head_dims(model)
+    if dims is not None:
+        config = config.within_budget(*dims)  # a bits budget's settings, chosen now that head_dims are known
     _check_model(config, model)
     _patch.patch()
     register_with_mlx_lm()

@@ -11,6 +11,7 @@ import attrs
 from ..contract import EncodesBlocks, ForHeads, ForLayer, optional_hook
 from ..defaults import DEFAULT_FLUSH
 from ..selection import check_kernels
+from .budget import check_budget, spend
 from .guard import check_policy
 
 
@@ -42,6 +43,10 @@ class CacheConfig:
         compared (two layers' equal configurations are equal).
     :param outlier_layer: set by the guard when this layer's first compressed block showed outlier channels
         (whatever the policy did about it); written to prompt-cache files.
+    :param budget: bits per coordinate the layer's keys and values may store together (:mod:`kvq.cache.budget`),
+        or ``None``: the parameters are used as given. With a budget, :meth:`within_budget` replaces both sides'
+        parameters by the settings the budget buys at the layer's head_dims (once they are known); written to
+        prompt-cache files with the settings chosen.
     """
 
     key_params: Any
@@ -54,6 +59,12 @@ class CacheConfig:
     outlier_layers: str = attrs.field(default="upgrade", validator=lambda i, a, v: check_policy(v))
     layer: int | None = attrs.field(default=None, eq=False)
     outlier_layer: bool = attrs.field(default=False)
+    budget: float | None = attrs.field(default=None)
+
+    @budget.validator
+    def _budget(self, attribute, value):
+        if value is not None:
+            check_budget(value)
 
     @flush.validator
     @sinks.validator
@@ -75,6 +86,15 @@ class CacheConfig:
             if hook is not None:
                 blocks.append(hook())
         return math.lcm(*blocks)
+
+    def within_budget(self, key_head_dim: int, value_head_dim: int) -> "CacheConfig":
+        """This configuration with the settings :attr:`budget` buys at these head_dims
+        (:func:`kvq.cache.budget.spend`; ``self`` without a budget). The same head_dims give the same settings, so
+        calling it again changes nothing. :raises ValueError: as :func:`~kvq.cache.budget.spend`."""
+        if self.budget is None:
+            return self
+        kp, vp = spend(self.budget, self.key_params, self.value_params, (key_head_dim, value_head_dim))
+        return attrs.evolve(self, key_params=kp, value_params=vp)
 
     def for_layer(self, layer: int) -> "CacheConfig":
         """This configuration for layer ``layer`` (its index in the whole model): parameters with the optional

@@ -161,6 +161,13 @@ def _check_expected(file_name: str, cache: list, expect: CacheConfig) -> None:
     safe = safe_params()
     for i, c in enumerate(cache):
         got, want = getattr(c, "config", None), expect.for_layer(i)
+        if got is not None and want.budget is not None:  # a bits budget: the settings it buys (kvq.cache.budget)
+            if got.budget != want.budget:
+                raise ValueError(f"{file_name}: layer {i} does not hold what expect= asks: bits budget "
+                                 f"{got.budget}, expected {want.budget}")
+            if c.layout is None:
+                continue
+            want = want.within_budget(c.layout[2], c.layout[3])
         if got is not None and got.outlier_layer and guarded(want.key_params) and _declared(got) == (safe, safe):
             continue  # an outlier layer the guard stored at 8 bits (kvq.cache.guard) where it expected fewer
         if got is not None and _declared(got) != _declared(want):

@@ -114,6 +114,7 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
             raise TypeError(f"keys ({keys.dtype}) and values ({values.dtype}) must have the same dtype")
         layout = (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3], keys.dtype)
         if self._layout is None:
+            self.config = self.config.within_budget(keys.shape[3], values.shape[3])  # kvq.cache.budget
             self.config.key_params.check_head_dim(keys.shape[3])
             self.config.value_params.check_head_dim(values.shape[3])
             self._layout = layout

@@ -42,7 +42,7 @@ def config_to_json(config, layout) -> str:
         "key_method": config.key_params.method, "key_params": attrs.asdict(config.key_params),
         "value_method": config.value_params.method, "value_params": attrs.asdict(config.value_params),
         "sinks": config.sinks, "window": config.window, "step": config.step, "flush": config.flush,
-        "outlier_layer": config.outlier_layer,
+        "outlier_layer": config.outlier_layer, "budget": config.budget,
         "layout": None if layout is None else [*layout[:4], str(layout[4]).split(".")[-1]],
     }, sort_keys=True)
 
@@ -68,7 +68,8 @@ def config_from_json(text: str):
     if layout is not None:
         layout = (*layout[:4], getattr(mx, layout[4]))
     return CacheConfig(key_params, value_params, data["sinks"], data["window"], data["step"],
-                       flush=data.get("flush", 1), outlier_layer=data.get("outlier_layer", False)), layout
+                       flush=data.get("flush", 1), outlier_layer=data.get("outlier_layer", False),
+                       budget=data.get("budget")), layout
 
 
 def describe(text: str) -> dict:

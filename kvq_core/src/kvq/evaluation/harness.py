@@ -203,7 +203,8 @@ def layer_methods(cache: list, head_dim: int) -> dict:
     """What the layers of ``cache`` ended up storing, after a prefill: ``{"layer_bits": (keys, values) bits per
     coordinate averaged over the layers, "outlier_layers": indices of the layers kvq's outlier-layer guard flagged
     (:mod:`kvq.cache.guard`; stored with affine:8 under its default policy), "centred_layers": indices of the
-    layers whose keys are stored centred}``; empty for caches that are not kvq's. A centred layer's mean (32 bits
+    layers whose keys are stored centred}``, and for a bits budget (:mod:`kvq.cache.budget`) ``"layer_bits_each"``:
+    each layer's ``[keys, values]`` bits per coordinate; empty for caches that are not kvq's. A centred layer's mean (32 bits
     per key channel and head) is counted in its keys' bits, spread over the tokens it holds."""
     from ..cache import KVQCache
 
@@ -215,6 +216,7 @@ def layer_methods(cache: list, head_dim: int) -> dict:
         mean_bits = 0.0 if c.key_mean is None else 32 / max(c.offset, 1)
         bits.append((c.config.key_params.accounting(head_dim).bits_per_coordinate + mean_bits,
                      c.config.value_params.accounting(head_dim).bits_per_coordinate))
-    return {"layer_bits": (sum(b[0] for b in bits) / len(bits), sum(b[1] for b in bits) / len(bits)),
+    budgeted = {"layer_bits_each": [list(b) for b in bits]} if any(c.config.budget for c in layers) else {}
+    return {"layer_bits": (sum(b[0] for b in bits) / len(bits), sum(b[1] for b in bits) / len(bits)), **budgeted,
             "outlier_layers": [i for i, c in enumerate(layers) if c.config.outlier_layer],
             "centred_layers": [i for i, c in enumerate(layers) if c.key_mean is not None]}

@@ -67,11 +67,31 @@ def markdown(document: dict) -> str:
             if r.get("outlier_layers"):
                 parts.append(f"{r['method']}: layers {', '.join(map(str, r['outlier_layers']))} stored with affine:8 "
                              "(outlier layers, kvq.cache.guard); bits/coord averages every layer.\n")
+            if r.get("layer_bits_each"):
+                parts.append(f"{r['method']}: bits/coord of keys / values per layer (a bits budget, kvq.cache.budget): "
+                             f"{_per_layer(r['layer_bits_each'])}.\n")
             if r.get("centred_layers"):
                 parts.append(f"{r['method']}: keys of layers {', '.join(map(str, r['centred_layers']))} stored "
                              "centred (kvq.cache.guard; the mean counted in bits/coord).\n")
     parts.append(NOTES)
     return "\n".join(parts)
+
+
+def _per_layer(bits: list) -> str:
+    """``[[k, v], ...]`` per layer -> ``"0-3, 5: 4.06 / 2.94; 4: 8.5 / 8.5"`` (layers of one setting together)."""
+    groups: dict[str, list[int]] = {}
+    for i, (k, v) in enumerate(bits):
+        groups.setdefault(f"{k:.3g} / {v:.3g}", []).append(i)
+    return "; ".join(f"layer{'s' * (len(ix) > 1)} {_ranges(ix)}: {label}" for label, ix in groups.items())
+
+
+def _ranges(indices: list[int]) -> str:
+    spans, start = [], indices[0]
+    for a, b in zip(indices, indices[1:] + [None]):
+        if b != a + 1:
+            spans.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return ", ".join(spans)
 
 
 NOTES = """Columns: bits/coord = stored bits per coordinate of compressed tokens (codes + norms + scales; sinks and \

@@ -6,6 +6,9 @@ Grammar (``METHODS`` is what ``--methods`` takes; commas inside ``[...]`` do not
     SPEC    := SIDE [ "+" SIDE ]            keys "+" values: qjl+affine:2 = keys qjl, values affine 2-bit
     SIDE    := NAME [ ":" BITS ] [ "[" OPTIONS "]" ]
     BITS    := INT | "k" INT "v" INT         affine:k8v4 = keys 8-bit, values 4-bit (one NAME only)
+             | DECIMAL                      turboquant:3.5 = a budget of 3.5 bits per coordinate, keys and
+                                            values together: each layer's settings chosen for it
+                                            (kvq.cache.budget)
     OPTIONS := KEY "=" VALUE { "," KEY "=" VALUE }
                                             method parameters (qjl[sketch_dim=64]); sinks=, window= and
                                             flush= set the cache's uncompressed first/last tokens and
@@ -14,7 +17,7 @@ Grammar (``METHODS`` is what ``--methods`` takes; commas inside ``[...]`` do not
                QuantizedKVCache (group_size 64 unless given), a baseline with no sinks and no window
 
 Examples: ``fp16``, ``affine:4``, ``affine:k8v4``, ``turboquant:3[rotation=qr]``, ``qjl[sketch_dim=128]+affine:4``,
-``affine:8[sinks=0,window=0,flush=1]``, ``mlx-affine:4[group_size=32]``.
+``affine:8[sinks=0,window=0,flush=1]``, ``mlx-affine:4[group_size=32]``, ``turboquant:3.5``.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ CACHE_OPTIONS = ("sinks", "window", "flush")
 MODEL_ID = "model_id"
 _SIDE = re.compile(r"^(?P<name>[A-Za-z_][\w-]*)(?::(?P<bits>[^\[\]]+))?(?:\[(?P<options>[^\[\]]*)\])?$")
 _SPLIT_BITS = re.compile(r"^k(\d+)v(\d+)$")
+_BUDGET_BITS = re.compile(r"^\d*\.\d+$")
 
 
 @attrs.frozen
@@ -46,7 +50,8 @@ class MethodSpec:
     :param value_method: method of the values.
     :param key_params: keyword parameters of the keys' method (``{"bits": 4}``).
     :param value_params: keyword parameters of the values' method.
-    :param cache_options: ``sinks``/``window``/``flush`` overrides of the run's defaults (kvq caches only).
+    :param cache_options: ``sinks``/``window``/``flush`` overrides of the run's defaults, and a budget ``bits``
+        (``turboquant:3.5``; kvq caches only).
     """
 
     label: str
@@ -142,8 +147,14 @@ def _side(text: str, spec: str) -> tuple[str, dict, dict, dict]:
             key_params["bits"], value_params["bits"] = int(split[1]), int(split[2])
         elif bits.isdigit():
             key_params["bits"] = value_params["bits"] = int(bits)
+        elif _BUDGET_BITS.match(bits) and float(bits) > 0:
+            if float(bits).is_integer():
+                key_params["bits"] = value_params["bits"] = int(float(bits))
+            else:
+                cache["bits"] = float(bits)  # a budget: kvq.cache.make_config's bits=3.5
         else:
-            raise ValueError(f"method {spec!r}: bits {bits!r} must be an integer (affine:4) or kNvM (affine:k8v4)")
+            raise ValueError(f"method {spec!r}: bits {bits!r} must be an integer (affine:4), kNvM (affine:k8v4) or "
+                             "a budget in bits per coordinate (turboquant:3.5)")
     return match["name"], key_params, value_params, cache
 
 
@@ -241,10 +252,10 @@ def bits_per_coordinate(spec: MethodSpec, head_dim: int) -> tuple[float, float]:
     if spec.is_mlx:
         bits, group_size = spec.mlx_settings()
         return (bits + 32 / group_size,) * 2
-    from ..plugins import make_params
+    from ..cache import make_config
 
-    kp = make_params(spec.key_method, **spec.key_params)
-    vp = make_params(spec.value_method, **spec.value_params)
+    config = make_config(**spec.cache_kwargs(0, 0)).within_budget(head_dim, head_dim)
+    kp, vp = config.key_params, config.value_params
     return kp.accounting(head_dim).bits_per_coordinate, vp.accounting(head_dim).bits_per_coordinate
 
 
