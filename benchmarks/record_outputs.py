@@ -30,7 +30,7 @@ import numpy as np
 
 METHODS = ("fp16", "affine:4", "affine:k8v4", "turboquant:4", "turboquant:3", "turboquant:k4v3",
            "turboquant_prod:4", "turboquant_rvq[bits=2,residual_bits=2]", "qjl+affine:4",
-           "turboquant:4[outlier_channels=8]", "vecinfer[model_id=record-outputs]")
+           "turboquant:4[outlier_channels=8]", "turboquant:3.5", "vecinfer[model_id=record-outputs]")
 
 
 def _model(name: str):

@@ -157,7 +157,7 @@ def test_interval_mask_is_the_visibility_rule(start_q, n_sinks, n_compressed, co
     zeros and computes the rest from the parts' intervals) equals the rule written column by column: a sink before
     the row, a compressed token among the row's first ``bound``, a dense token from ``n_sinks + bound`` up to the
     row's own position; with and without a user mask."""
-    from kvq.cache import engine
+    from kvq.cache.parts import Part, causal
     from kvq.cache.prefill import interval_mask
 
     rows = r1
@@ -168,11 +168,11 @@ def test_interval_mask_is_the_visibility_rule(start_q, n_sinks, n_compressed, co
     zeros = (lambda n: (mx.zeros((1, 1, n, 1)),) * 2)
     parts = []
     if n_sinks:
-        parts.append(engine.Part(*zeros(n_sinks), False, 0, *engine.causal(n_sinks, 0, pos), column=0))
+        parts.append(Part(*zeros(n_sinks), False, 0, *causal(n_sinks, 0, pos), column=0))
     if n_compressed:
-        parts.append(engine.Part(*zeros(n_compressed), False, 0, np.zeros_like(bounds), bounds, n_sinks))
-    parts.append(engine.Part(*zeros(n_dense), False, 0, bounds - compressed_before,
-                             np.clip(pos - first + 1, 0, n_dense), first))
+        parts.append(Part(*zeros(n_compressed), False, 0, np.zeros_like(bounds), bounds, n_sinks))
+    parts.append(Part(*zeros(n_dense), False, 0, bounds - compressed_before, np.clip(pos - first + 1, 0, n_dense),
+                      first))
     end = n_sinks + n_compressed + n_dense
     positions = list(range(n_sinks)) + list(range(n_sinks, n_sinks + n_compressed)) + [first + i for i in
                                                                                        range(n_dense)]
@@ -236,9 +236,10 @@ def test_a_mask_array_needs_every_part_to_say_where_it_sits():
     mask array is an error naming the argument, not a mask silently skipped."""
     from kvq.cache import engine
     from kvq.cache.centring import KeyMean
+    from kvq.cache.parts import Part
 
     keys = mx.zeros((1, 1, 4, 8))
-    part = engine.Part(keys, keys, False)  # no column
+    part = Part(keys, keys, False)  # no column
     with pytest.raises(ValueError, match="user_mask: every part"):
         engine.attend(mx.zeros((1, 1, 1, 8)), 1.0, [part], make_config("affine", bits=4), KeyMean(),
                       user_mask=mx.ones((1, 1, 1, 4), mx.bool_))

@@ -59,6 +59,13 @@ class KeyMean:
             self.cast = self.mean.astype(keys.dtype)
         return keys - self.cast
 
+    def uncentred(self, keys: mx.array) -> mx.array:
+        """Decoded compressed ``keys`` with the mean added back (in float32, returned in ``keys``' dtype): the keys
+        as the model gave them; ``keys`` itself where the layer is not centred."""
+        if self.mean is None:
+            return keys
+        return (keys.astype(mx.float32) + self.mean).astype(keys.dtype)
+
     def uncentre(self, part: tuple, queries: mx.array, scale: float) -> tuple:
         """A compressed part's ``(out, lse)`` with the mean's logits (:func:`mean_logits`) added to its log-sum-exp;
         the part itself where the layer is not centred."""

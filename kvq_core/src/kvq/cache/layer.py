@@ -26,6 +26,7 @@ from ..encoded import Encoded
 from ..plugins import implemented_ops, registry
 from ..validate import float_array
 from . import engine
+from .parts import Part, causal
 from .centring import KeyMean
 from .choice import dequantize, encode_tokens
 from .config import CacheConfig
@@ -312,7 +313,7 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
         return engine.attend(queries, scale, self.parts(Tq, start_q, chunk), self.config, self._mean,
                              user_mask=bool_mask(mask), sink_logits=sink_logits, on_device=on_device)
 
-    def parts(self, count: int, start_q: int, fresh: Fresh | None = None) -> list[engine.Part]:
+    def parts(self, count: int, start_q: int, fresh: Fresh | None = None) -> list[Part]:
         """This cache's tokens as the engine's parts ``[sinks | compressed | dense]``, with what each of ``count``
         query rows at positions ``start_q ...`` sees: its causal past in the cache as it is; or, for the rows of the
         chunk just stored (``fresh``), what a token-by-token run showed each (:func:`kvq.cache.schedule.visible`):
@@ -329,25 +330,25 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
         parts = []
         if n_sinks:
             sink_keys, sink_values = self.sinks.view()
-            lo, hi = engine.causal(n_sinks, 0, positions)
-            parts.append(engine.Part(sink_keys, sink_values, False, 0, lo, hi, column=0))
+            lo, hi = causal(n_sinks, 0, positions)
+            parts.append(Part(sink_keys, sink_values, False, 0, lo, hi, column=0))
         if fresh is None:  # the cache as it is: each row sees its causal past
             for start, n, buffers, compressed in (
                     (n_sinks, n_compressed, (self.compressed_keys, self.compressed_values), True),
                     (n_sinks + n_compressed, self.window.length, None, False)):
                 if n:
                     keys, values = self.window.view() if buffers is None else (buffers[0].view(), buffers[1].view())
-                    lo, hi = engine.causal(n, start, positions)
-                    parts.append(engine.Part(keys, values, compressed, 0, lo, hi, column=start))
+                    lo, hi = causal(n, start, positions)
+                    parts.append(Part(keys, values, compressed, 0, lo, hi, column=start))
             return parts
         bounds = visible(fresh, start_q, count, self.config.window, self._flush)
         if n_compressed and bounds[-1]:
             lo, hi = (None, None) if bounds[0] >= n_compressed else (np.zeros_like(bounds), bounds)
-            parts.append(engine.Part(self.compressed_keys.view(), self.compressed_values.view(), True, 0, lo, hi,
+            parts.append(Part(self.compressed_keys.view(), self.compressed_values.view(), True, 0, lo, hi,
                                      column=n_sinks))
         first = n_sinks + fresh.compressed  # position of the first uncompressed token after the sinks
         dense_k, dense_v = fresh.dense
-        parts.append(engine.Part(dense_k, dense_v, False, 0, bounds - fresh.compressed,
+        parts.append(Part(dense_k, dense_v, False, 0, bounds - fresh.compressed,
                                  np.clip(positions - first + 1, 0, dense_k.shape[2]), column=first))
         return parts
 
@@ -376,9 +377,7 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
         """
         if not self.compressed_keys.length:
             raise ValueError("this cache holds no compressed tokens to decode")
-        keys = dequantize(self.config, self.config.key_params, self.compressed_keys.view(), dtype)
-        if self.key_mean is not None:
-            keys = (keys.astype(mx.float32) + self.key_mean).astype(dtype)
+        keys = self._mean.uncentred(dequantize(self.config, self.config.key_params, self.compressed_keys.view(), dtype))
         return keys, dequantize(self.config, self.config.value_params, self.compressed_values.view(), dtype)
 
     def _fused_attend(self, queries, scale):

@@ -30,6 +30,7 @@ import numpy as np
 from ..encoded import Encoded
 from ..plugins import registry
 from . import engine
+from .parts import Part
 from .centring import KeyMean, centred
 from .choice import encode_tokens
 from .views import plain_mask
@@ -382,12 +383,12 @@ class PackedRows:
         rows = np.zeros((self.batch, 1), np.int64)
         parts = []
         if self.sink_keys is not None:
-            parts.append(engine.Part(self.sink_keys, self.sink_values, False))
+            parts.append(Part(self.sink_keys, self.sink_values, False))
         longest = max(self.compressed)
         if longest:  # rows kept by a filter may all have compressed nothing yet
-            parts.append(engine.Part(self._encoded(0, longest), self._encoded(1, longest), True, 0, rows,
+            parts.append(Part(self._encoded(0, longest), self._encoded(1, longest), True, 0, rows,
                                      np.array(self.compressed)[:, None]))
-        parts.append(engine.Part(self.window_keys, self.window_values, False, 0, rows,
+        parts.append(Part(self.window_keys, self.window_values, False, 0, rows,
                                  np.array(self.window_lengths)[:, None]))
         return engine.attend(queries, scale, parts, self.config, self.mean, sink_logits=sink_logits)
 

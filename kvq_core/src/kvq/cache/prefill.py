@@ -24,6 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from .choice import dequantize
+from .parts import visible
 
 
 #: Bytes of one call's additive mask (query rows x keys, in the queries' dtype) in :func:`attend_dequantized`; a larger
@@ -40,8 +41,8 @@ PREFILL_INFLIGHT_BYTES = 1 << 29
 def interval_mask(parts: list, r0: int, r1: int, end: int, dtype: mx.Dtype, user_mask: mx.array | None = None,
                   user_cols: mx.array | None = None) -> mx.array:
     """Additive mask (``0`` visible, ``finfo(dtype).min`` hidden) of query rows ``r0 .. r1`` over the first ``end``
-    columns of ``parts`` laid side by side (contiguous parts: :class:`kvq.cache.engine.Part`), from the parts'
-    intervals: row ``r`` sees a part's column of index ``i`` where ``lo[r] <= i < hi[r]``.
+    columns of ``parts`` laid side by side (contiguous parts: :class:`kvq.cache.parts.Part`), from the parts'
+    intervals (:func:`kvq.cache.parts.visible`).
 
     Intervals never decrease along the rows, so the leading columns that every row of the slice sees (all of the
     sinks past the first rows, the first compressed tokens) are written as zeros and only the rest is computed.
@@ -78,14 +79,12 @@ def interval_mask(parts: list, r0: int, r1: int, end: int, dtype: mx.Dtype, user
         if part.lo is None:
             pieces.append(mx.ones((r1 - r0, b - a), mx.bool_))
         else:
-            index = mx.arange(part.index + a, part.index + b)[None]
-            lo, hi = mx.array(part.lo[r0:r1])[:, None], mx.array(part.hi[r0:r1])[:, None]
-            pieces.append((index >= lo) & (index < hi))
-    visible = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=1)
+            pieces.append(visible(mx.arange(part.index + a, part.index + b), part.lo[r0:r1], part.hi[r0:r1]))
+    shown = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=1)
     if user_mask is not None:
         rows_mask = user_mask[..., r0:r1, :] if user_mask.shape[-2] > 1 else user_mask
-        visible = visible & mx.take(rows_mask, user_cols[:end], axis=-1)
-    mask = mx.where(visible, mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))
+        shown = shown & mx.take(rows_mask, user_cols[:end], axis=-1)
+    mask = mx.where(shown, mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))
     if always:
         mask = mx.concatenate([mx.zeros((r1 - r0, always), dtype), mask], axis=1)
     return mask
@@ -93,7 +92,7 @@ def interval_mask(parts: list, r0: int, r1: int, end: int, dtype: mx.Dtype, user
 
 def attend_dequantized(queries: mx.array, scale: float, parts: list, config, key_mean, user_mask=None,
                        sink_logits=None) -> mx.array:
-    """A chunk's attention over ``parts`` (:class:`kvq.cache.engine.Part`: contiguous, in order; the compressed one
+    """A chunk's attention over ``parts`` (:class:`kvq.cache.parts.Part`: contiguous, in order; the compressed one
     decoded to the queries' dtype) in ``mx.fast.scaled_dot_product_attention`` with the additive mask of
     :func:`interval_mask`, one call per chunk unless :func:`rows_per_call` cuts it. Each slice of rows reads only
     the columns up to the last one its rows may see. The decoded copy is transient: the call is queued on the device
@@ -136,8 +135,7 @@ def columns(parts: list, config, key_mean, dtype: mx.Dtype, centre: bool, user: 
     for part in parts:
         if part.compressed:
             keys = dequantize(config, config.key_params, part.keys, dtype)
-            if key_mean.mean is not None and not centre:
-                keys = (keys.astype(mx.float32) + key_mean.mean).astype(dtype)
+            keys = keys if centre else key_mean.uncentred(keys)
             values = dequantize(config, config.value_params, part.values, dtype)
         else:
             keys = (key_mean.centred_dense(part.keys) if centre else part.keys).astype(dtype)

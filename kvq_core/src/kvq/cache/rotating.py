@@ -22,6 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import engine
+from .parts import Part, causal
 from .config import CacheConfig
 from .layer import KVQCache
 from .reuse import check_trim, trimmable_now
@@ -134,7 +135,7 @@ class RotatingKVQCache(KVQCache):
         return engine.attend(queries, scale, self.parts(Tq, start_q, fresh), self.config, self._mean,
                              sink_logits=sink_logits)
 
-    def parts(self, count: int, start_q: int, fresh: Fresh | None = None) -> list[engine.Part]:
+    def parts(self, count: int, start_q: int, fresh: Fresh | None = None) -> list[Part]:
         """The engine's parts (:meth:`KVQCache.parts`) of ``count`` query rows at positions ``start_q ...``: the
         ``keep`` tokens, causal among themselves; the compressed tokens (the ring as it is, indexed by its slots'
         ranks; or, for the chunk just stored, the ring before it followed by the tokens it compressed, up to what
@@ -149,16 +150,16 @@ class RotatingKVQCache(KVQCache):
         n = self.sinks.length
         if n:
             keys, values = self.sinks.view()
-            parts.append(engine.Part(keys, values, False, 0, *engine.causal(n, 0, positions)))
+            parts.append(Part(keys, values, False, 0, *causal(n, 0, positions)))
         if fresh is None:
             ring = self.compressed_keys
             if ring.length:
                 index = self.left - ring.length + ring.ranks()
-                parts.append(engine.Part(ring.view(), self.compressed_values.view(), True, index, lo,
+                parts.append(Part(ring.view(), self.compressed_values.view(), True, index, lo,
                                          np.minimum(top, self.left)))
             window_k, window_v = self.window.view()
             if window_k is not None:
-                parts.append(engine.Part(window_k, window_v, False, self.left, lo, top))
+                parts.append(Part(window_k, window_v, False, self.left, lo, top))
             return parts
         compressed = visible(fresh, start_q, count, self.config.window, self._flush)  # per row: left by then
         if fresh.encoded is not None:
@@ -166,11 +167,11 @@ class RotatingKVQCache(KVQCache):
             total = keys.num_tokens
             a = min(total, max(0, int(lo[0]) - fresh.encoded_first))  # tokens before every row's window are skipped
             if a < total:
-                parts.append(engine.Part(keys.tokens(a, total), values.tokens(a, total), True,
+                parts.append(Part(keys.tokens(a, total), values.tokens(a, total), True,
                                          fresh.encoded_first + a + np.arange(total - a), lo,
                                          np.minimum(compressed, top)))
         dense_k, dense_v = fresh.dense
-        parts.append(engine.Part(dense_k, dense_v, False, fresh.compressed, np.maximum(lo, compressed), top))
+        parts.append(Part(dense_k, dense_v, False, fresh.compressed, np.maximum(lo, compressed), top))
         return parts
 
     # -- mlx-lm cache protocol ------------------------------------------------------------------------
