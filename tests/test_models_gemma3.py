@@ -128,10 +128,9 @@ def test_tiny_gemma3_gguf_converts_to_mlx_lm_gemma3_text(tmp_path, cache):
                                 ("attn_norm", "input_layernorm"), ("post_attention_norm", "post_attention_layernorm"),
                                 ("ffn_norm", "pre_feedforward_layernorm"),
                                 ("post_ffw_norm", "post_feedforward_layernorm")):
-        stored = expected[f"blk.1.{gguf_name}.weight"] + np.float32(1)
-        np.testing.assert_array_equal(np.array(weights[f"{layer}{mlx_name}.weight"]), stored - np.float32(1))
-        np.testing.assert_allclose(np.array(weights[f"{layer}{mlx_name}.weight"]), expected[f"blk.1.{gguf_name}.weight"],
-                                   atol=1e-7)
+        hf, converted = expected[f"blk.1.{gguf_name}.weight"], np.array(weights[f"{layer}{mlx_name}.weight"])
+        np.testing.assert_array_equal(converted, (hf + np.float32(1)) - np.float32(1))  # what was stored, - 1
+        np.testing.assert_allclose(converted, hf, atol=1e-7)
     for kind, name in (("attn_q", "q_proj"), ("attn_k", "k_proj")):
         np.testing.assert_array_equal(np.array(weights[f"{layer}self_attn.{name}.weight"]),
                                       expected[f"blk.1.{kind}.weight"])
