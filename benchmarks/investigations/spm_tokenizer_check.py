@@ -61,8 +61,9 @@ def main() -> None:
     back = sum(tokenizer.decode(tokenizer.encode(s, add_special_tokens=False).ids) == s for s in samples)
     print(f"{len(samples)} samples: {same} encode as sentencepiece does, {back} decode back to themselves")
     ids = tokenizer.encode(text, add_special_tokens=False).ids
+    same, back = ids == spm.encode(text), tokenizer.decode(ids) == text
     print(f"Python language reference: {len(text)} characters, {len(ids)} tokens ({len(text) / len(ids):.2f} a "
-          f"token), same ids as sentencepiece: {ids == spm.encode(text)}, decodes back: {tokenizer.decode(ids) == text}")
+          f"token), same ids as sentencepiece: {same}, decodes back: {back}")
 
 
 if __name__ == "__main__":
