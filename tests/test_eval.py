@@ -284,3 +284,50 @@ def test_long_reference_text_is_encoded_without_transformers_length_warning():
         assert [m for m in handler.messages if "longer than the specified maximum" in m]
     finally:
         logging.get_logger("transformers").removeHandler(handler)
+
+
+# -- BOS at the start of each window ----------------------------------------------------------------------
+
+
+def word_tokenizer(bos: bool):
+    """mlx-lm's wrapper of a word-level Hugging Face tokenizer over "w0".."w199"; with ``bos``, its post-processor
+    puts "<s>" (id 200) in front of every text, as Gemma's does (and its ``add_bos_token`` attribute says False)."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(200)} | {"<s>": 200, "</s>": 201, "<unk>": 202}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    if bos:
+        core.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 200)])
+    return TokenizerWrapper(PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>",
+                                                    unk_token="<unk>"))
+
+
+@pytest.mark.parametrize("bos", [True, False])
+def test_windows_and_needles_start_with_bos_where_the_tokenizer_adds_one(bos):
+    """Each window is [BOS] + the text from its offset, one text token fewer, so its length stays
+    context + scored + 1 and the BOS is prefilled, never a scored target; needle prompts start with it too and keep
+    ``context`` tokens. A tokenizer that adds no BOS (SmolLM2's, Qwen2's) leaves windows as they were."""
+    from conftest import tiny_llama
+
+    from kvq.evaluation import EvalSettings, Evaluation
+    from kvq.textdata import bos_ids
+
+    tokenizer = word_tokenizer(bos)
+    assert bos_ids(tokenizer) == ([200] if bos else [])
+    text_ids = [i % 200 for i in range(3000)]
+    settings = EvalSettings(64, windows=2, score_tokens=16, needle_depths=(0.5,), progress=False)
+    evaluation = Evaluation(tiny_llama(vocab=203, dtype=mx.float32), tokenizer, text_ids, settings)
+    for offset, window in zip(evaluation.offsets, evaluation.windows):
+        ids = window.tolist()
+        assert len(ids) == 64 + 16 + 1
+        if bos:
+            assert ids == [200] + text_ids[offset : offset + 80] and 200 not in ids[65:]  # scored targets
+        else:
+            assert ids == text_ids[offset : offset + 81]
+    (needle,) = evaluation.needles
+    assert len(needle) == 64 and (needle[0] == 200) == bos and needle.count(200) == int(bos)
+    row = evaluation.run([parse_method("fp16")])[0]
+    assert row["ppl_change"] == 0.0 and 1 < row["ppl"]

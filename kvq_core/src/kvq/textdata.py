@@ -39,3 +39,23 @@ def encode_text(tokenizer, text: str, special_tokens: bool = False) -> list[int]
         return list(tokenizer.encode(text, add_special_tokens=special_tokens))
     finally:
         logging.set_verbosity(level)
+
+
+def bos_ids(tokenizer) -> list[int]:
+    """The tokens the tokenizer puts in front of a text it encodes: ``[bos_token_id]`` where it adds a BOS token
+    (Gemma's, Llama's), else ``[]`` (SmolLM2's and Qwen2's add none).
+
+    Asked of the tokenizer by encoding a short text with and without special tokens, since that is what a user's
+    prompt gets; transformers' ``add_bos_token`` attribute does not always say it (a tokenizer.json whose
+    post-processor adds the BOS reports False).
+
+    :param tokenizer: an mlx-lm tokenizer or a Hugging Face one.
+    :return: one id, or none.
+    """
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return []
+    with_special = encode_text(tokenizer, "a", special_tokens=True)
+    plain = encode_text(tokenizer, "a")
+    adds = with_special[:1] == [bos] and plain[:1] != [bos]
+    return [int(bos)] if adds else []

@@ -1,9 +1,11 @@
 """``kvq eval --methods fp16,affine:4,...``: quality and memory of methods on a model, against the fp16 cache.
 
 Protocol (the one of the published KV-quantization perplexity tables): windows of the text at fixed offsets; each
-window's context is prefilled in chunks of 512, then the next --score-tokens are scored by teacher forcing. Per method, against the fp16 cache
-on the same tokens in the same run: perplexity and its change, mean KL(fp16 || method), top-1 agreement,
-attention-output error per layer, needle retrieval, bits per coordinate, KV bytes (nbytes and measured).
+window's context is prefilled in chunks of 512, then the next --score-tokens are scored by teacher forcing. Where the
+model's tokenizer adds a BOS token to a text (Gemma's; SmolLM2's and Qwen2's add none), each window and needle prompt
+starts with it, in place of the window's first text token (same length; the BOS is never scored). Per method,
+against the fp16 cache on the same tokens in the same run: perplexity and its change, mean KL(fp16 || method), top-1
+agreement, attention-output error per layer, needle retrieval, bits per coordinate, KV bytes (nbytes and measured).
 """
 
 from __future__ import annotations
@@ -137,7 +139,7 @@ def main(argv: list[str]) -> int:
 
     from ..evaluation import EvalSettings, Evaluation, report
     from ..models import load
-    from ..textdata import encode_text
+    from ..textdata import bos_ids, encode_text
 
     model, tokenizer = load(path)
     _check_mlx_sinks(specs, model)
@@ -151,7 +153,8 @@ def main(argv: list[str]) -> int:
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": "kvq eval " + " ".join(argv), "model": args.model or "SmolLM2-135M-Instruct",
         "model_path": str(path), "model_dtype": str(model.layers[0].self_attn.q_proj.weight.dtype),
-        "text": source, "text_tokens": len(text_ids), "versions": report.versions(), "notes": notes,
+        "text": source, "text_tokens": len(text_ids), "bos": bos_ids(tokenizer), "versions": report.versions(),
+        "notes": notes,
     }, "runs": []}
     for context in contexts:
         settings = EvalSettings(context, args.windows, args.score_tokens, args.chunk, args.sinks, args.window,

@@ -15,6 +15,7 @@ import mlx.core as mx
 from tqdm import tqdm
 
 from ..defaults import DEFAULT_FLUSH
+from ..textdata import bos_ids
 from .attention_error import AttentionHook, InputRecorder, LayerReference, sliding_windows
 from .needle import CODES, greedy_answer, is_match, needle_prompt
 from .perplexity import prefill, score, summarize, token_metrics, window_offsets
@@ -67,10 +68,14 @@ class Evaluation:
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
         s = settings
         self.head_dim = _head_dim(model)
-        self.offsets = window_offsets(len(text_ids), s.context + s.score_tokens + 1, s.windows)
-        self.windows = [mx.array(text_ids[o : o + s.context + s.score_tokens + 1]) for o in self.offsets]
+        length = s.context + s.score_tokens + 1
+        self.offsets = window_offsets(len(text_ids), length, s.windows)
+        # A window starts as any text the model reads does: with the BOS token where the tokenizer adds one (in
+        # place of the window's first text token, so windows keep their length; the BOS is prefilled, never scored)
+        self.bos = bos_ids(tokenizer)
+        self.windows = [mx.array(self.bos + text_ids[o : o + length - len(self.bos)]) for o in self.offsets]
         self.needles = [needle_prompt(tokenizer, text_ids[self.offsets[i % s.windows]:], s.context, depth,
-                                      CODES[i % len(CODES)]) for i, depth in enumerate(s.needle_depths)]
+                                      CODES[i % len(CODES)], self.bos) for i, depth in enumerate(s.needle_depths)]
         self.reference_logprobs: list[mx.array] = []
         self.reference_nll: list[mx.array] = []
         self.layers: LayerReference | None = None

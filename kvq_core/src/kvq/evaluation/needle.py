@@ -2,9 +2,9 @@
 
 The haystack is text of the evaluation (tokens taken at a window's offset); the needle "The secret code is
 NNNN." goes in after the first sentence or line end at or past the depth, the question follows the haystack,
-and the whole is wrapped in the model's chat template (plain text when the tokenizer has none). The prompt is
-``context`` tokens long. The answer is generated greedily; it counts as a match when the first number in it is
-the code.
+and the whole is wrapped in the model's chat template (plain text when the tokenizer has none), behind the BOS
+token where the tokenizer adds one (and the template does not write it). The prompt is ``context`` tokens long.
+The answer is generated greedily; it counts as a match when the first number in it is the code.
 """
 
 from __future__ import annotations
@@ -45,14 +45,19 @@ def _snap(tokenizer, hay: list[int], position: int) -> int:
     return position
 
 
-def needle_prompt(tokenizer, text_ids: list[int], context: int, depth: float, code: str) -> list[int]:
-    """Token ids of one trial: chat head, haystack with the needle at ``depth`` (0..1), question, chat tail.
+def needle_prompt(tokenizer, text_ids: list[int], context: int, depth: float, code: str,
+                  bos: list[int] = ()) -> list[int]:
+    """Token ids of one trial: BOS, chat head, haystack with the needle at ``depth`` (0..1), question, chat tail.
 
     :param text_ids: tokens of the text to take the haystack from (at least ``context`` of them).
+    :param bos: the tokens the tokenizer puts in front of a text (:func:`kvq.textdata.bos_ids`); left out where the
+        chat template writes them itself.
     :return: a prompt of ``context`` tokens (the haystack is cut to fit).
     """
     head, tail = chat_parts(tokenizer)
     head_ids, question_ids = _encode(tokenizer, head), _encode(tokenizer, QUESTION + tail)
+    if head_ids[: len(bos)] != list(bos):
+        head_ids = list(bos) + head_ids
     needle_ids = _encode(tokenizer, f" The secret code is {code}. ")
     size = context - len(head_ids) - len(question_ids) - len(needle_ids)
     if size < 1:

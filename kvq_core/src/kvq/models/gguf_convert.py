@@ -1,9 +1,10 @@
-"""Convert a llama- or qwen2-architecture GGUF file into an mlx-lm model folder.
+"""Convert a llama-, qwen2- or gemma3-architecture GGUF file into an mlx-lm model folder.
 
 The folder holds `config.json`, `model.safetensors` (dequantized weights), `tokenizer.json` and
 `tokenizer_config.json`. Tensors are dequantized with the `gguf` library's own numpy dequantizer (MLX's GGUF loader
-decodes some formats, Q4_1 among them, wrongly), and the row permutation that llama.cpp's converter applies to the Q
-and K projections is undone, so the weights are laid out as in the Hugging Face checkpoint.
+decodes some formats, Q4_1 among them, wrongly), and what llama.cpp's converter (convert_hf_to_gguf.py) changed is
+undone, so the weights are laid out as in the Hugging Face checkpoint: the row permutation of llama's Q and K
+projections, and the 1 that it adds to every Gemma RMSNorm weight.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from . import CONVERSION_VERSION, ModelError
 from .tokenizer import write_tokenizer
 
 #: GGUF architectures converted, each to the mlx-lm model type of the same name (same parameter names; llama.cpp
-#: permutes llama's Q/K rows for its interleaved rotary embedding, not qwen2's, which has biases on Q, K and V)
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+#: permutes llama's Q/K rows for its interleaved rotary embedding, not qwen2's, which has biases on Q, K and V),
+#: except gemma3, whose text-only model is mlx-lm's gemma3_text
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3")
+MODEL_TYPES = {"gemma3": "gemma3_text"}
 
 # GGUF tensor names -> mlx-lm llama parameter names
 LAYER_TENSORS = {
@@ -36,7 +39,21 @@ LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# Gemma 3 normalises each sublayer's input and output, and Q and K per head (llama.cpp's gguf tensor_mapping.py)
+GEMMA3_LAYER_TENSORS = LAYER_TENSORS | {
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 MODEL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+#: Gemma 3's RoPE base on its sliding-window layers: llama.cpp does not write it into the GGUF (it sets 10000 for
+#: gemma3 in llama-model.cpp), and the Hugging Face configs give rope_local_base_freq 10000 for every size
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+#: One global layer after five sliding-window ones (llama.cpp's set_swa_pattern(6) for gemma3; Hugging Face's
+#: sliding_window_pattern 6)
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
 
 
 def _field_value(field: gguf.ReaderField) -> Any:
@@ -77,7 +94,7 @@ def open_gguf(path: Path) -> tuple[gguf.GGUFReader, dict[str, Any]]:
 
 
 def model_config(metadata: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
-    """The mlx-lm `config.json` for a llama- or qwen2-architecture GGUF.
+    """The mlx-lm `config.json` for a llama-, qwen2- or gemma3-architecture GGUF.
 
     Args:
         metadata: GGUF metadata as plain values.
@@ -105,7 +122,7 @@ def model_config(metadata: dict[str, Any], tensor_names: set[str]) -> dict[str, 
     if metadata.get(key("rope.scaling.type"), "none") != "none" or "rope_freqs.weight" in tensor_names:
         raise ModelError("unsupported GGUF: rotary embedding scaling is not converted")
     config = {
-        "model_type": architecture,
+        "model_type": MODEL_TYPES.get(architecture, architecture),
         "hidden_size": hidden_size,
         "num_hidden_layers": metadata[key("block_count")],
         "intermediate_size": metadata[key("feed_forward_length")],
@@ -122,24 +139,53 @@ def model_config(metadata: dict[str, Any], tensor_names: set[str]) -> dict[str, 
         "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
         "kvq_conversion": {"source": metadata.get("general.name", ""), "version": CONVERSION_VERSION},
     }
+    if architecture == "gemma3":
+        config |= _gemma3_config(metadata, config)
     return {name: value for name, value in config.items() if value is not None}
 
 
-def mlx_name(gguf_name: str) -> str:
-    """The mlx-lm llama parameter name of a GGUF tensor name.
-
-    Example: blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight.
+def _gemma3_config(metadata: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """mlx-lm gemma3_text's extra settings: sliding window and its layer pattern, local RoPE base, query scale.
 
     Raises:
-        ModelError: the tensor name is not part of a llama model.
+        ModelError: the GGUF's sliding-window layers do not follow a pattern of one global layer every n.
     """
+    pattern = metadata.get("gemma3.attention.sliding_window_pattern", GEMMA3_SLIDING_WINDOW_PATTERN)
+    if isinstance(pattern, list):  # one flag per layer, True for a sliding-window layer
+        period = pattern.index(False) + 1 if False in pattern else len(pattern) + 1
+        if pattern != [(i + 1) % period != 0 for i in range(len(pattern))]:
+            raise ModelError("unsupported GGUF: sliding-window layers are not one global layer every n")
+        pattern = period
+    # llama.cpp scales queries by 1/sqrt(head_dim), except Gemma 3 27B (62 layers): 1/sqrt(hidden / heads)
+    scalar = config["head_dim"]
+    if config["num_hidden_layers"] == 62:
+        scalar = config["hidden_size"] // config["num_attention_heads"]
+    return {
+        "sliding_window": metadata["gemma3.attention.sliding_window"],
+        "sliding_window_pattern": pattern,
+        "rope_local_base_freq": GEMMA3_LOCAL_ROPE_BASE,
+        "query_pre_attn_scalar": scalar,
+        "attention_bias": None,
+    }
+
+
+def mlx_name(gguf_name: str, model_type: str = "llama") -> str:
+    """The mlx-lm parameter name of a GGUF tensor name.
+
+    Example: blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight; for gemma3_text,
+    blk.3.ffn_norm.weight -> model.layers.3.pre_feedforward_layernorm.weight.
+
+    Raises:
+        ModelError: the tensor name is not part of a model of this type.
+    """
+    layer_tensors = GEMMA3_LAYER_TENSORS if model_type == "gemma3_text" else LAYER_TENSORS
     base, _, suffix = gguf_name.rpartition(".")
     parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{LAYER_TENSORS[parts[2]]}.{suffix}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_tensors:
+        return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}.{suffix}"
     if base in MODEL_TENSORS:
         return f"{MODEL_TENSORS[base]}.{suffix}"
-    raise ModelError(f"unexpected tensor {gguf_name!r} in a llama GGUF")
+    raise ModelError(f"unexpected tensor {gguf_name!r} in a {model_type} GGUF")
 
 
 def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -174,21 +220,28 @@ def tensor_array(tensor: gguf.ReaderTensor) -> np.ndarray:
 
 def convert_tensors(reader: gguf.GGUFReader, config: dict[str, Any], dtype: mx.Dtype,
                     progress: bool) -> dict[str, mx.array]:
-    """Dequantize, unpermute and rename every tensor of a llama GGUF.
+    """Dequantize, undo llama.cpp's changes (llama's Q/K row permutation, Gemma's norm weights + 1) and rename every
+    tensor of a GGUF.
 
     Returns:
         mlx-lm parameter name -> array of `dtype`.
     """
+    model_type = config["model_type"]
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
-    if config["model_type"] != "llama":
-        heads = {}  # llama.cpp permutes only llama's Q/K rows
+    if model_type != "llama":
+        heads = {}  # llama.cpp permutes only llama's Q/K rows (gemma3 uses NeoX RoPE, the Hugging Face layout)
+    # Gemma's RMSNorm scales by (1 + weight); llama.cpp's plain RMSNorm scales by weight, so its converter stores
+    # weight + 1 for every norm (q/k norms included), and mlx-lm's gemma3_text adds the 1 itself
+    norm_shift = 1.0 if model_type == "gemma3_text" else 0.0
     weights = {}
     for tensor in tqdm(reader.tensors, desc="converting GGUF tensors", unit="tensor", disable=not progress):
         values = tensor_array(tensor)
         kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
         if kind in heads:
             values = unpermute_rows(values, heads[kind])
-        weights[mlx_name(tensor.name)] = mx.array(values).astype(dtype)
+        if norm_shift and tensor.name.endswith("norm.weight"):
+            values = values - norm_shift
+        weights[mlx_name(tensor.name, model_type)] = mx.array(values).astype(dtype)
     return weights
 
 
@@ -200,6 +253,7 @@ def _check_parameters(config: dict[str, Any], weights: dict[str, mx.array]) -> N
 
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     model = module.Model(module.ModelArgs.from_dict(config))
+    weights = model.sanitize(dict(weights))  # as mlx_lm.load does: gemma3_text drops lm_head when tied here
     expected = {name: value.shape for name, value in tree_flatten(model.parameters())}
     mismatched = sorted(expected.keys() ^ weights.keys())
     if mismatched:
@@ -212,7 +266,7 @@ def _check_parameters(config: dict[str, Any], weights: dict[str, mx.array]) -> N
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, *, dtype: mx.Dtype = mx.float32, progress: bool = True) -> Path:
-    """Convert a llama- or qwen2-architecture GGUF file into an mlx-lm model folder.
+    """Convert a llama-, qwen2- or gemma3-architecture GGUF file into an mlx-lm model folder.
 
     Args:
         gguf_path: the `.gguf` file.
