@@ -17,6 +17,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import attrs
+
 import mlx_lm.models.cache as mlx_cache
 
 from ..contract import ChecksReady, SideDefaults, optional_hook
@@ -36,6 +38,7 @@ from .registration import register_with_mlx_lm
 from .rotating import RotatingKVQCache
 from .servable import UnservableModelWarning, unservable_reason
 from .sharding import first_layer, kv_head_range
+from .still import layer_still_channels
 
 
 def _params(method: str | None, overrides: dict | None, shared: dict, side: str):
@@ -164,9 +167,12 @@ def make_prompt_cache(model, method: str | None = "affine", *, max_kv_size: int 
     _patch.patch()
     register_with_mlx_lm()
     first = first_layer(model)
+    still: dict[int, list] = {}  # the layers' still channels (kvq.cache.still), found at the first call
 
-    def layer_cache(i: int, made) -> KVQCache:
-        layer = config.for_layer(first + i)
+    def layer_cache(i: int, made, made_all: list) -> KVQCache:
+        if not still:
+            still[0] = layer_still_channels(model, [_horizon(c, max_kv_size) for c in made_all])
+        layer = attrs.evolve(config.for_layer(first + i), still_channels=still[0][i])
         layer = layer if heads is None else layer.for_heads(*heads)
         if type(made) is mlx_cache.RotatingKVCache:
             return RotatingKVQCache(layer, made.max_size, made.keep)
@@ -176,8 +182,9 @@ def make_prompt_cache(model, method: str | None = "affine", *, max_kv_size: int 
         return _patch.mlx_lm_caches(model)
 
     def kvq_caches() -> list:
-        return [layer_cache(i, c) if type(c) in (mlx_cache.KVCache, mlx_cache.RotatingKVCache) else c
-                for i, c in enumerate(mlx_caches())]
+        made = mlx_caches()
+        return [layer_cache(i, c, made) if type(c) in (mlx_cache.KVCache, mlx_cache.RotatingKVCache) else c
+                for i, c in enumerate(made)]
 
     if heads is None and first == 0:  # (a sharded model's forward pass talks to other ranks: not probed)
         reason = unservable_reason(model, kvq_caches, mlx_caches)
@@ -188,6 +195,16 @@ def make_prompt_cache(model, method: str | None = "affine", *, max_kv_size: int 
                           UnservableModelWarning, stacklevel=2)
             return mlx_caches()
     return kvq_caches()
+
+
+def _horizon(made, max_kv_size: int | None) -> int | None:
+    """The most tokens a layer whose model-made cache is ``made`` can hold (a sliding window's size, ``max_kv_size``;
+    0: the model's context length), or ``None`` for a cache kvq does not replace."""
+    if type(made) is mlx_cache.RotatingKVCache:
+        return made.max_size
+    if type(made) is mlx_cache.KVCache:
+        return max_kv_size or 0
+    return None
 
 
 def _check_model(config: CacheConfig, model) -> None:

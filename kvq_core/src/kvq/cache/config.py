@@ -43,6 +43,9 @@ class CacheConfig:
         compared (two layers' equal configurations are equal).
     :param outlier_layer: set by the guard when this layer's first compressed block showed outlier channels
         (whatever the policy did about it); written to prompt-cache files.
+    :param still_channels: the key channels the layer's RoPE keeps still over the tokens it can hold (ascending;
+        :mod:`kvq.cache.still`, set by :func:`kvq.make_prompt_cache` from the model), the only ones a centred layer
+        subtracts a mean from (:mod:`kvq.cache.guard`); ``None``: unknown (the guard's whole-mean rule).
     :param budget: bits per coordinate the layer's keys and values may store together (:mod:`kvq.cache.budget`),
         or ``None``: the parameters are used as given. With a budget, :meth:`within_budget` replaces both sides'
         parameters by the settings the budget buys at the layer's head_dims (once they are known); written to
@@ -60,6 +63,8 @@ class CacheConfig:
     layer: int | None = attrs.field(default=None, eq=False)
     outlier_layer: bool = attrs.field(default=False)
     budget: float | None = attrs.field(default=None)
+    still_channels: tuple | None = attrs.field(default=None, converter=lambda v: None if v is None else tuple(v),
+                                               repr=lambda v: "None" if v is None else f"<{len(v)} channels>")
 
     @budget.validator
     def _budget(self, attribute, value):

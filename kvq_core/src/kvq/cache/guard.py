@@ -9,15 +9,24 @@ only what varies between keys: on Qwen2.5-Coder-0.5B-Instruct, turboquant:4 make
 Two remedies, chosen per layer from the keys of the first block it compresses (the tokens a token-by-token run
 holds at its first compression, so the choice does not depend on how a prompt was chunked):
 
-- **Centring** (when :func:`offset_energy`, the share of the keys' energy in their per-channel mean over the block,
-  is at least :data:`CENTER_LIMIT`): the layer stores ``k - mu`` for its compressed tokens, ``mu`` the block's
-  per-channel mean ``[B, H_kv, 1, D]`` (float32, kept with the cache and its files), and adds ``q . mu`` back to
-  the compressed tokens' scores. Exact, not an approximation: a score's softmax is unchanged by a term every key
-  shares, so attention is as if the keys were stored whole; only the quantization error shrinks (with the norm).
-  Qwen2.5's layers 1, 2, 4 and 8 go from 0.45-0.76 attention error at turboquant:4 to 0.08-0.22, like ordinary
-  layers. Below the limit centring is not used: the offset's share of a key's quantization error is then largely
-  common to all keys, which softmax cancels, and centring measured no better (SmolLM2-135M, every layer < 0.76).
-  The mean costs ``32 / T`` bits per key coordinate for ``T`` tokens held (0.016 at 2K).
+- **Centring**: the layer stores ``k - mu`` for its compressed tokens, ``mu`` a per-channel mean of the block
+  ``[B, H_kv, 1, D]`` (float32, kept with the cache and its files), and adds ``q . mu`` back to the compressed
+  tokens' scores. Exact, not an approximation: a score's softmax is unchanged by a term every key shares, so
+  attention is as if the keys were stored whole; only the quantization error shrinks, with the norm: a quantizer's
+  error on each key grows with the whole vector (TurboQuant's with its norm), and is each key's own, so softmax
+  does not cancel it. Qwen2.5's layers 1, 2, 4 and 8 go from 0.45-0.76 attention error at turboquant:4 to
+  0.08-0.22, like ordinary layers; gemma-3-270m's global layers 5 and 11 from 0.19 and 0.13 to 0.10 and 0.05
+  (turboquant:3: 0.40 and 0.64 to 0.19 and 0.14). The mean costs ``32 / T`` bits per key coordinate for ``T``
+  tokens held (0.016 at 2K).
+
+  The mean must stay the keys' mean for every token the layer will hold, and RoPE turns the keys' channel pairs
+  with position (:mod:`kvq.cache.still`). Where the layer's RoPE is known (:attr:`CacheConfig.still_channels`, set
+  by :func:`kvq.make_prompt_cache` from the model), ``mu`` keeps only the channels that turn less than half a
+  radian over the layer's horizon, and the layer is centred when that mean holds at least
+  :data:`STILL_CENTER_LIMIT` of the block's energy (:func:`offset_energy` of the still channels). Otherwise the
+  whole mean is used, and only at :data:`CENTER_LIMIT` of the energy and above: an offset that large was, on every
+  model measured, in slow channels, while smaller whole means drift (SmolLM2-135M's first-block means *add*
+  energy to keys 4-8K tokens later, in all 30 layers: ``benchmarks/investigations/centring_drift.py``).
 - **8 bits** (when, after centring, one channel of one head holds at least :data:`CONCENTRATION_LIMIT` of the keys'
   varying energy, :func:`channel_concentration`): an outlier layer. Qwen2.5's layer 0 (0.40; every other layer of
   Qwen2.5 and SmolLM2 at most 0.14) stays 0.90 wrong at turboquant:4 even centred. With
@@ -33,9 +42,14 @@ import warnings
 
 import attrs
 import mlx.core as mx
+import numpy as np
 
-#: Share of the keys' energy in their per-channel mean at or above which a layer's keys are centred.
+#: Share of the keys' energy in their whole per-channel mean at or above which a layer's keys are centred, where
+#: the layer's still channels are unknown.
 CENTER_LIMIT = 0.8
+#: Share of the keys' energy in the mean of their still channels (:mod:`kvq.cache.still`) at or above which a layer's
+#: keys are centred: the quantization error's energy falls by that share (0.16 bits at 0.2), for ``32 / T`` bits.
+STILL_CENTER_LIMIT = 0.2
 #: Share of the centred keys' energy in one channel of one head at or above which a layer is an outlier layer.
 CONCENTRATION_LIMIT = 0.25
 #: Tokens the first compressed block must hold for the checks (with fewer, ``1 / T`` of independent keys' energy is
@@ -64,24 +78,30 @@ def _finite32(keys: mx.array) -> mx.array:
     return mx.where(mx.isfinite(x), x, 0.0)
 
 
-def offset_energy(keys: mx.array) -> float:
+def offset_energy(keys: mx.array, channels: tuple[int, ...] | None = None) -> float:
     """The share of ``keys``' energy that is their per-channel mean over tokens: ``sum_h |mean_t k_h|^2 /
     sum_h mean_t |k_h|^2`` for ``keys`` ``[B, H_kv, T, D]`` (float32, non-finite values as 0); 0 for no tokens.
-    1 means every key is the same vector; independent zero-mean keys give about ``1 / T``."""
+    1 means every key is the same vector; independent zero-mean keys give about ``1 / T``. With ``channels``, the
+    mean's energy in those channels only (the whole keys' energy below the line)."""
     if keys.shape[2] == 0:
         return 0.0
     x = _finite32(keys)
-    mean = mx.mean(x, axis=2)
+    mean = key_mean(keys, channels)
     total = mx.sum(mx.mean(mx.sum(x * x, axis=-1), axis=2))
     return float(mx.sum(mean * mean) / mx.maximum(total, 1e-30))
 
 
-def key_mean(keys: mx.array) -> mx.array:
+def key_mean(keys: mx.array, channels: tuple[int, ...] | None = None) -> mx.array:
     """The per-channel mean of ``keys`` ``[B, H_kv, T, D]`` over tokens: float32 ``[B, H_kv, 1, D]`` (non-finite
-    values as 0). :raises ValueError: no tokens."""
+    values as 0); with ``channels``, zero outside them. :raises ValueError: no tokens."""
     if keys.shape[2] == 0:
         raise ValueError("keys: a mean needs at least one token")
-    return mx.mean(_finite32(keys), axis=2, keepdims=True)
+    mean = mx.mean(_finite32(keys), axis=2, keepdims=True)
+    if channels is None:
+        return mean
+    keep = np.zeros(keys.shape[-1], bool)
+    keep[list(channels)] = True
+    return mx.where(mx.array(keep), mean, 0.0)
 
 
 def channel_concentration(keys: mx.array) -> float:
@@ -115,8 +135,9 @@ def safe_params():
 def guard_layer(config, keys: mx.array):
     """What a layer does about the keys ``[B, H_kv, T, D]`` of the first block it compresses: ``(config, mean)``.
 
-    ``mean`` is :func:`key_mean` where the keys are to be centred (:func:`offset_energy` >= :data:`CENTER_LIMIT`),
-    else ``None``. ``config`` (a :class:`kvq.cache.CacheConfig`) is unchanged unless the layer is an outlier layer
+    ``mean`` is :func:`key_mean` (of ``config.still_channels`` where known) where the keys are to be centred
+    (:func:`offset_energy` of those channels at least :data:`STILL_CENTER_LIMIT`; of the whole mean, without them,
+    at least :data:`CENTER_LIMIT`), else ``None``. ``config`` (a :class:`kvq.cache.CacheConfig`) is unchanged unless the layer is an outlier layer
     (:func:`channel_concentration` >= :data:`CONCENTRATION_LIMIT`); then an :class:`OutlierLayerWarning` naming
     the layer, ``outlier_layer`` set, and under ``"upgrade"`` both sides' parameters replaced by
     :func:`safe_params`. Nothing is done under ``outlier_layers="off"``, for keys stored at 8 bits or more
@@ -124,7 +145,9 @@ def guard_layer(config, keys: mx.array):
     """
     if config.outlier_layers == "off" or not guarded(config.key_params) or keys.shape[2] < MIN_TOKENS:
         return config, None
-    mean = key_mean(keys) if offset_energy(keys) >= CENTER_LIMIT else None
+    still = config.still_channels
+    limit = CENTER_LIMIT if still is None else STILL_CENTER_LIMIT
+    mean = key_mean(keys, still) if offset_energy(keys, still) >= limit else None
     share = channel_concentration(keys)
     if share < CONCENTRATION_LIMIT:
         return config, mean

@@ -39,9 +39,10 @@ from .views import plain_mask
 def _same_settings(a, b) -> bool:
     """Whether two layers' configurations agree on everything but what a layer's first compression fits (its
     parameters, the outlier-layer mark): a row that has compressed nothing yet may join rows that have."""
-    return (a.sinks, a.window, a.step, a.flush, a.kernels, a.outlier_layers, a.budget, a.key_params.method,
-            a.value_params.method) == (b.sinks, b.window, b.step, b.flush, b.kernels, b.outlier_layers, b.budget,
-                                       b.key_params.method, b.value_params.method)
+    return (a.sinks, a.window, a.step, a.flush, a.kernels, a.outlier_layers, a.budget, a.still_channels,
+            a.key_params.method, a.value_params.method) == (
+        b.sinks, b.window, b.step, b.flush, b.kernels, b.outlier_layers, b.budget, b.still_channels,
+        b.key_params.method, b.value_params.method)
 
 
 def packable(rows: list, minimum: int = 2, template: "PackedRows | None" = None) -> bool:

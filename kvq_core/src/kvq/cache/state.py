@@ -43,6 +43,7 @@ def config_to_json(config, layout) -> str:
         "value_method": config.value_params.method, "value_params": attrs.asdict(config.value_params),
         "sinks": config.sinks, "window": config.window, "step": config.step, "flush": config.flush,
         "outlier_layer": config.outlier_layer, "budget": config.budget,
+        "still_channels": None if config.still_channels is None else list(config.still_channels),
         "layout": None if layout is None else [*layout[:4], str(layout[4]).split(".")[-1]],
     }, sort_keys=True)
 
@@ -69,7 +70,7 @@ def config_from_json(text: str):
         layout = (*layout[:4], getattr(mx, layout[4]))
     return CacheConfig(key_params, value_params, data["sinks"], data["window"], data["step"],
                        flush=data.get("flush", 1), outlier_layer=data.get("outlier_layer", False),
-                       budget=data.get("budget")), layout
+                       budget=data.get("budget"), still_channels=data.get("still_channels")), layout
 
 
 def describe(text: str) -> dict:

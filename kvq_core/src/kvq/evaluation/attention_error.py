@@ -127,6 +127,12 @@ def sliding_windows(caches: list) -> list[tuple[int, int] | None]:
     return [(c.max_size, c.keep) if isinstance(c, RotatingKVQCache) else None for c in caches]
 
 
+def layer_still_channels(caches: list) -> list[tuple | None]:
+    """Per layer of a kvq run, the key channels its RoPE keeps still (:mod:`kvq.cache.still`; what the layer's
+    centring may use), ``None`` where unknown or the cache is not kvq's."""
+    return [getattr(getattr(c, "config", None), "still_channels", None) for c in caches]
+
+
 def window_mask(num_queries: int, num_keys: int, max_size: int, keep: int) -> mx.array:
     """Which keys each of the last ``num_queries`` of ``num_keys`` tokens sees through mlx-lm's
     ``RotatingKVCache(max_size, keep)`` in token-by-token decode: the first ``keep`` tokens and the newest
@@ -145,13 +151,16 @@ class LayerReference:
     :param windows: per layer ``(max_size, keep)`` of a sliding-window layer, or ``None`` (:func:`sliding_windows`);
         default: no layer slides.
     :param sinks: per layer learned attention-sink logits ``[H_q]`` (gpt-oss) or ``None``; default: none.
+    :param still: per layer the key channels RoPE keeps still, as the model run's caches had them
+        (:func:`layer_still_channels`), given to each replayed cache; default: unknown.
     """
 
-    def __init__(self, kv, queries, scales, context: int, chunk: int, windows=None, sinks=None) -> None:
+    def __init__(self, kv, queries, scales, context: int, chunk: int, windows=None, sinks=None, still=None) -> None:
         self.kv, self.queries, self.scales = kv, queries, scales
         self.context, self.chunk = context, chunk
         self.windows = list(windows) if windows is not None else [None] * len(kv)
         self.sinks = list(sinks) if sinks is not None else [None] * len(kv)
+        self.still = list(still) if still is not None else [None] * len(kv)
         self.outputs = [
             mx.fast.scaled_dot_product_attention(q, k, v, scale=s, mask=self._mask(q, k, w),
                                                  sinks=None if z is None else z.astype(mx.float32))
@@ -170,7 +179,7 @@ class LayerReference:
 
     def _layer_error(self, layer, spec, attend, sinks, window) -> float:
         keys, values = self.kv[layer]
-        cache = make_layer_cache(spec, sinks, window, layer, sliding=self.windows[layer])
+        cache = make_layer_cache(spec, sinks, window, layer, sliding=self.windows[layer], still=self.still[layer])
         for start in range(0, self.context, self.chunk):  # the prefill chunks of the model run
             stop = min(start + self.chunk, self.context)
             cache.update_and_fetch(keys[:, :, start:stop], values[:, :, start:stop])

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from ..defaults import DEFAULT_FLUSH
 from ..textdata import bos_ids
-from .attention_error import AttentionHook, InputRecorder, LayerReference, sliding_windows
+from .attention_error import AttentionHook, InputRecorder, LayerReference, layer_still_channels, sliding_windows
 from .needle import CODES, greedy_answer, is_match, needle_prompt
 from .perplexity import prefill, score, summarize, token_metrics, window_offsets
 from .spec import MethodSpec, bits_per_coordinate, make_cache
@@ -164,7 +164,8 @@ class Evaluation:
             recorder.detach()
         kv = recorder.kv()
         mx.eval(queries, kv)
-        self.layers = LayerReference(kv, queries, scales, s.context, s.chunk, sliding_windows(cache), sinks)
+        self.layers = LayerReference(kv, queries, scales, s.context, s.chunk, sliding_windows(cache), sinks,
+                                     layer_still_channels(cache))
 
     def _needles(self, spec, bar) -> dict:
         s, trials = self.settings, []

@@ -381,13 +381,15 @@ def make_cache(model, spec: MethodSpec, sinks: int, window: int) -> list:
 
 
 def make_layer_cache(spec: MethodSpec, sinks: int, window: int, layer: int = 0,
-                     sliding: tuple[int, int] | None = None):
+                     sliding: tuple[int, int] | None = None, still: tuple | None = None):
     """The cache of layer ``layer`` for ``spec`` (used to replay one layer's keys and values): parameters bound to
     that layer as :func:`kvq.make_prompt_cache` binds them (VecInfer's per-layer codebooks).
 
     :param sliding: ``(max_size, keep)`` of a sliding-window layer: a :class:`~kvq.cache.RotatingKVQCache` of that
         size (mlx-affine: mlx-lm's ``RotatingKVCache``, which mlx-lm cannot quantize), as :func:`make_cache` gives
         that layer.
+    :param still: the key channels the layer's RoPE keeps still (:mod:`kvq.cache.still`), as
+        :func:`kvq.make_prompt_cache` found them for the model run, or ``None``.
     """
     if spec.is_mlx:
         from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
@@ -398,5 +400,5 @@ def make_layer_cache(spec: MethodSpec, sinks: int, window: int, layer: int = 0,
         return QuantizedKVCache(group_size=group_size, bits=bits)
     from ..cache import KVQCache, RotatingKVQCache, make_config
 
-    config = make_config(**spec.cache_kwargs(sinks, window)).for_layer(layer)
+    config = attrs.evolve(make_config(**spec.cache_kwargs(sinks, window)).for_layer(layer), still_channels=still)
     return KVQCache(config) if sliding is None else RotatingKVQCache(config, *sliding)
