@@ -37,7 +37,8 @@ import mlx.core as mx
 from tqdm import tqdm
 
 from ..defaults import DEFAULT_FLUSH
-from ..evaluation.spec import MethodSpec, bits_per_coordinate, checked_with_reference, parse_method, split_methods
+from ..evaluation.spec import (MethodSpec, bits_per_coordinate, checked_with_reference, model_dtype, parse_method,
+                               split_methods)
 from .fill import RandomKV, ReplayKV, decode, fill, host_summary, latency_summary, prefill
 from .measure import error_text, release
 from .rows import REFERENCE
@@ -194,13 +195,6 @@ def attend_implementation(cache, model, settings: E2ESettings) -> str | None:
         return f"unknown ({exc})"
     choice = plan.choices.get("attend")
     return None if choice is None else f"{label}:{choice.backend}"
-
-
-def model_dtype(model) -> mx.Dtype:
-    """The dtype the model computes its keys and values in: its key projection's weight dtype, or for a
-    quantized model (``QuantizedLinear``, integer weights) the dtype of its scales."""
-    projection = model.layers[0].self_attn.k_proj
-    return getattr(projection, "scales", projection.weight).dtype
 
 
 class E2EBench:

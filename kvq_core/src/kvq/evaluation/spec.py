@@ -33,6 +33,14 @@ CACHE_OPTIONS = ("sinks", "window", "flush")
 #: The parameter naming the calibrated model, in a method that declares a calibration (``kvq.Method(calibrate=)``):
 #: the name ``kvq calibrate --model-id`` and the calibration module's ``run(model_id=)`` give it too.
 MODEL_ID = "model_id"
+#: The method string of the reference cache in every command: mlx-lm's own caches for the model (``KVCache``;
+#: ``RotatingKVCache`` on sliding-window layers) in the model's dtype, which kvq does not touch.
+REFERENCE = "kvcache"
+#: Older names of the reference: accepted in method strings, and read from older result files (``kvq bench``
+#: wrote ``fp16`` for mlx-lm's KVCache in the model's dtype).
+REFERENCE_ALIASES = ("fp16",)
+#: kvq's own 16-bit cache (the ``fp16`` method: KVQCache with 16-bit parts), as a method string.
+KVQ_FP16 = "kvq-fp16"
 _SIDE = re.compile(r"^(?P<name>[A-Za-z_][\w-]*)(?::(?P<bits>[^\[\]]+))?(?:\[(?P<options>[^\[\]]*)\])?$")
 _SPLIT_BITS = re.compile(r"^k(\d+)v(\d+)$")
 
@@ -80,6 +88,19 @@ class MethodSpec:
             return 0, 0
         options = {"sinks": sinks, "window": window, **self.cache_options}
         return options["sinks"], options["window"]
+
+
+def reference_label(dtype) -> str:
+    """``"kvcache (float32)"``: the reference and the dtype it holds keys and values in (an ``mx.Dtype`` or its
+    name)."""
+    return f"{REFERENCE} ({str(dtype).removeprefix('mlx.core.')})"
+
+
+def model_dtype(model):
+    """The dtype the model computes its keys and values in (the reference cache's): its key projection's weight
+    dtype, or for a quantized model (``QuantizedLinear``, integer weights) the dtype of its scales."""
+    projection = model.layers[0].self_attn.k_proj
+    return getattr(projection, "scales", projection.weight).dtype
 
 
 def split_methods(text: str) -> list[str]:
