@@ -46,6 +46,12 @@ def load(path: Path) -> dict | None:
         return dict(kind="eval", key=key, title=title, date=m["date"], command=m["command"], device=m["versions"]["mlx_device"],
                     mlx=m["versions"]["mlx"], methods=methods, docs=[doc], paths=[path])
     command = str(doc.get("command", ""))
+    if doc.get("benchmark") == "serve load":
+        env, f = doc["environment"], doc["figures"]
+        device = env["device"]
+        return dict(kind="serve", key=("serve", device, f["clients"], f["requests"]),
+                    title=f"{f['clients']} clients, {f['runs']} runs of {f['requests']} requests", date=env["date"],
+                    command=doc["command"], device=device, mlx=env["mlx"], methods=set(), docs=[doc], paths=[path])
     if doc.get("benchmark") == "distributed_decode":
         device = f"{doc['group_size']} x {doc['device_info']['device_name']}"
         return dict(kind="distributed", key=("distributed", device, doc["settings"]["context"]),
@@ -191,6 +197,20 @@ def distributed(run: dict) -> str:
     return table(heads, rows)
 
 
+def serve(run: dict) -> str:
+    doc = run["docs"][0]
+    f = doc["figures"]
+    mib = ", ".join(f"{m / MIB:.1f}" for m in f["active_memory"])
+    rows = [["clients; requests per run; runs", f"{f['clients']}; {f['requests']}; {f['runs']}"],
+            ["seconds per run", ", ".join(f"{s:.1f}" for s in f["seconds"])],
+            ["answered 200; refused 4xx; 5xx", f"{f['status_200']}; {f['status_4xx']}; {f['status_5xx']}"],
+            ["clients gone mid-stream; tracebacks in the log", f"{f['clients_gone']}; {f['tracebacks']}"],
+            ["distinct answers to the identical chat (all runs)", str(f["identical_answers"])],
+            ["active MiB after clearing the prompt cache: before, after each run", mib],
+            ["checks", ", ".join(f"{name}: {'yes' if ok else 'NO'}" for name, ok in doc["checks"].items())]]
+    return table(["figure", "value"], rows)
+
+
 SECTIONS = {  # kind: (title, renderer, what the table shows)
     "eval": ("Quality (`kvq eval`)", quality,
              "Perplexity change, KL divergence and top-1 agreement against the fp16 cache on the same tokens, "
@@ -212,6 +232,12 @@ SECTIONS = {  # kind: (title, renderer, what the table shows)
                 "`KVQCache` replays."),
     "distributed": ("Across GPUs (`mlx.launch --backend nccl`, `benchmarks/distributed_decode.py`)", distributed,
                     "Each rank holds half the KV heads; tokens/s over few timed steps are noisy."),
+    "serve": ("`kvq serve` under load (`benchmarks/serve_load.py`, `tests/test_serve_hardened.py`)", serve,
+              "Concurrent clients on 127.0.0.1 against `kvq serve` (turboquant 4-bit caches) on a tiny random "
+              "llama with a 128-token context: identical chats plain and streamed, different completions, clients "
+              "that leave mid-stream, malformed and over-long requests (each refused in OpenAI's error shape), the "
+              "whole load three times. Memory: the server's `mx.get_active_memory()` after clearing its prompt "
+              "cache (`GET /kvq/memory`). The test runs the 16-client size; the larger one is this script's default."),
 }
 
 
