@@ -1,6 +1,6 @@
 """Attention-output error per layer, and the hook that sits in front of the model's attention.
 
-The reference run (fp16) records, at window 0, every layer's queries of the scored tokens and every key and value
+The reference run (kvcache) records, at window 0, every layer's queries of the scored tokens and every key and value
 its caches were given (:class:`InputRecorder`), as kvq's 16-bit buffers hold them. Each method is then measured
 layer by layer on exactly those inputs: a fresh single-layer cache of the method is filled with the same keys and
 values in the same chunks as the model run (context in prefill chunks, then the scored tokens), the recorded
@@ -120,11 +120,12 @@ class InputRecorder:
 
 
 def sliding_windows(caches: list) -> list[tuple[int, int] | None]:
-    """Per layer of a kvq run, ``(max_size, keep)`` of a sliding-window layer (a
-    :class:`~kvq.cache.RotatingKVQCache`), ``None`` for a layer that sees every token."""
+    """Per layer of a run, ``(max_size, keep)`` of a sliding-window layer (a :class:`~kvq.cache.RotatingKVQCache`,
+    or mlx-lm's ``RotatingKVCache`` in the reference run), ``None`` for a layer that sees every token."""
     from ..cache import RotatingKVQCache
 
-    return [(c.max_size, c.keep) if isinstance(c, RotatingKVQCache) else None for c in caches]
+    rotating = (RotatingKVQCache, RotatingKVCache)
+    return [(c.max_size, c.keep) if isinstance(c, rotating) else None for c in caches]
 
 
 def window_mask(num_queries: int, num_keys: int, max_size: int, keep: int) -> mx.array:
