@@ -60,32 +60,33 @@ def one_line_error(capsys, command: str) -> str:
 @pytest.mark.slow
 def test_generate_reports_speed_bytes_and_agreement(default_folder, capsys):
     argv = ["generate", "--model", str(default_folder), "--method", "turboquant", "--bits", "3", "--sinks", "4",
-            "--window", "16", "--prompt", PROMPT, "--max-tokens", "6", "--compare", "fp16"]
+            "--window", "16", "--prompt", PROMPT, "--max-tokens", "6", "--compare", "kvcache"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "--- fp16 ---" in out and "--- turboquant bits=3 ---" in out
+    assert "--- kvcache (float32) ---" in out and "--- turboquant bits=3 ---" in out
     for label in ("prompt tokens/s", "generation tokens/s"):
         assert all(float(cell) > 0 for cell in row(out, label))
-    assert row(out, "bits/coordinate (K / V)") == ["16 / 16", "3.25 / 3.25"]
+    assert row(out, "cache") == ["kvcache (float32)", "turboquant bits=3"]  # the reference: mlx-lm's KVCache
+    assert row(out, "bits/coordinate (K / V)") == ["32 / 32", "3.25 / 3.25"]
     fp16_bytes, method_bytes = (float(cell.split()[0]) for cell in row(out, "KV bytes (nbytes)"))
     measured = [float(cell.split()[0]) for cell in row(out, "KV bytes (measured)")]
     assert method_bytes < fp16_bytes and measured[1] < measured[0]
-    assert float(row(out, "compression vs fp16 (nbytes)")[1].rstrip("x")) > 1.5
+    assert float(row(out, "compression vs kvcache (nbytes)")[1].rstrip("x")) > 3
     assert method_bytes == pytest.approx(measured[1], rel=0.1)  # nbytes is what is really resident
-    agreed, total = map(int, row(out, "top-1 agreement (fp16 tokens)")[1].split("/"))
+    agreed, total = map(int, row(out, "top-1 agreement (kvcache tokens)")[1].split("/"))
     assert total >= 1 and 0 <= agreed <= total
-    assert float(row(out, "mean KL(fp16 || method)")[1].split()[0]) >= 0
+    assert float(row(out, "mean KL(kvcache || method)")[1].split()[0]) >= 0
 
 
 @pytest.mark.slow
-def test_generate_without_compare_measures_an_fp16_cache_of_the_same_length(default_folder, capsys):
+def test_generate_without_compare_measures_a_kvcache_of_the_same_length(default_folder, capsys):
     argv = ["generate", "--model", str(default_folder), "--key-method", "qjl", "--value-method", "affine",
             "--value-param", "bits=3", "--window", "16", "--prompt", PROMPT, "--max-tokens", "3", "--no-chat"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "K qjl" in out and "V affine bits=3" in out
-    assert "fp16 bytes: of an fp16 cache holding this run's" in out and "agreement" not in out
-    assert float(row(out, "compression vs fp16 (nbytes)")[1].rstrip("x")) > 1.5
+    assert "kvcache bytes: of mlx-lm's KVCache holding this run's" in out and "agreement" not in out
+    assert float(row(out, "compression vs kvcache (nbytes)")[1].rstrip("x")) > 3
 
 
 @pytest.mark.slow
@@ -192,14 +193,15 @@ def test_generate_counts_the_tokens_a_flush_waits_for(tiny_gguf, cache, capsys):
 
 
 def test_teacher_forcing_replays_the_reference_and_leaves_the_cache_alone(tmp_path, cache):
-    from kvq.cli.generate_cmd import FP16, run_cache
+    from kvq.cli.generate_cmd import REFERENCE, run_cache
 
     source = tmp_path / "tiny.gguf"
     write_tiny_gguf(source)
     model, tokenizer = models.load(source, progress=False)
     ids = tokenizer.encode("the the the the the")
-    reference = run_cache(model, tokenizer, ids, FP16, 6, record=True)
-    again = run_cache(model, tokenizer, ids, FP16, 6, reference=reference)
+    reference = run_cache(model, tokenizer, ids, REFERENCE, 6, record=True)
+    again = run_cache(model, tokenizer, ids, REFERENCE, 6, reference=reference)
+    assert reference.label == "kvcache (float32)"
     assert again.comparison.agreement == len(reference.tokens) == len(again.comparison)
     assert again.comparison.mean_kl == pytest.approx(0, abs=1e-6)  # the same cache, forced or free
     options = {"method": "turboquant", "bits": 2, "sinks": 0, "window": 0}
