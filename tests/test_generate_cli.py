@@ -71,7 +71,7 @@ def test_generate_reports_speed_bytes_and_agreement(default_folder, capsys):
     fp16_bytes, method_bytes = (float(cell.split()[0]) for cell in row(out, "KV bytes (nbytes)"))
     measured = [float(cell.split()[0]) for cell in row(out, "KV bytes (measured)")]
     assert method_bytes < fp16_bytes and measured[1] < measured[0]
-    assert float(row(out, "compression vs kvcache (nbytes)")[1].rstrip("x")) > 3
+    assert float(row(out, "compression vs kvcache (nbytes)")[1].rstrip("x")) > 2
     assert method_bytes == pytest.approx(measured[1], rel=0.1)  # nbytes is what is really resident
     agreed, total = map(int, row(out, "top-1 agreement (kvcache tokens)")[1].split("/"))
     assert total >= 1 and 0 <= agreed <= total
@@ -86,7 +86,7 @@ def test_generate_without_compare_measures_a_kvcache_of_the_same_length(default_
     out = capsys.readouterr().out
     assert "K qjl" in out and "V affine bits=3" in out
     assert "kvcache bytes: of mlx-lm's KVCache holding this run's" in out and "agreement" not in out
-    assert float(row(out, "compression vs kvcache (nbytes)")[1].rstrip("x")) > 3
+    assert float(row(out, "compression vs kvcache (nbytes)")[1].rstrip("x")) > 2
 
 
 @pytest.mark.slow

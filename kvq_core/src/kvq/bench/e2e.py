@@ -211,7 +211,7 @@ class E2EBench:
         self.text = None if text_ids is None else mx.array(text_ids)
 
     def run(self, specs: list[MethodSpec], on_row: Callable[[dict], None] | None = None) -> list[dict]:
-        """Every context (in settings order) times every spec (fp16 first); ``on_row(row)`` after each row (with
+        """Every context (in settings order) times every spec (the reference first); ``on_row(row)`` after each row (with
         ``rounds`` > 1, after the last round of the context)."""
         s, rows = self.settings, []
         bar = tqdm(total=len(s.contexts) * len(specs), desc="kvq bench e2e", unit="row",
