@@ -141,7 +141,8 @@ def main() -> None:
     rows = []
     for r in range(args.rounds):
         for m in methods:
-            row = run_round(all_caches[m], tokens, args.steps, scale, args.profile and r == 0 and m not in ("kvcache", "fp16"))
+            profile = args.profile and r == 0 and m not in ("kvcache", "fp16")
+            row = run_round(all_caches[m], tokens, args.steps, scale, profile)
             row.update(method=m, round=r + 1)
             rows.append(row)
             print(f"round {r + 1} {m:<14} build {row['build_us']:6.1f} us/layer (p90 {row['build_p90_us']:6.1f})  "

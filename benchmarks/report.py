@@ -164,7 +164,8 @@ def batch(run: dict) -> str:
 def capacity(run: dict) -> str:
     heads = ["cache", "sequences that fit (x kvcache)", "MiB per sequence",
              "decode tokens/s, all sequences (x kvcache)", "ms/step"]
-    rows = [[cache_name(r, doc["model"]["dtype"]), ratio(str(r["max_batch"]), r["batch_vs_fp16"]), f"{r['per_sequence_bytes'] / MIB:,.0f}",
+    rows = [[cache_name(r, doc["model"]["dtype"]), ratio(str(r["max_batch"]), r["batch_vs_fp16"]),
+             f"{r['per_sequence_bytes'] / MIB:,.0f}",
              ratio(f"{r['tokens_per_second']:,.0f}", r["tokens_vs_fp16"]), f"{r['row']['latency_ms']['mean']:.1f}"]
             for doc in run["docs"] for r in doc["rows"] if not r["error"]]
     return table(heads, rows)
@@ -204,9 +205,9 @@ def kernels(run: dict) -> str:
 
 
 def distributed(run: dict) -> str:
-    heads = ["cache", "KV MiB per rank (x fp16)", *[f"tokens/s {r}".strip() for r in reps(run)]]
-    first = run["docs"][0]["summary"]
-    rows = [[r["method"], ratio(f"{max(r['active_memory_growth_per_rank']) / MIB:,.0f}", r["kv_bytes_ratio"]),
+    heads = ["cache", "KV MiB per rank (x kvcache)", *[f"tokens/s {r}".strip() for r in reps(run)]]
+    first, dtype = run["docs"][0]["summary"], run["docs"][0]["model"]["dtype"]
+    rows = [[cache_name(r, dtype), ratio(f"{max(r['active_memory_growth_per_rank']) / MIB:,.0f}", r["kv_bytes_ratio"]),
              *[f"{doc['summary'][i]['tokens_per_second']:.1f}" for doc in run["docs"]]]
             for i, r in enumerate(first) if not r["error"]]
     return table(heads, rows)

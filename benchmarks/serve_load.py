@@ -78,7 +78,8 @@ def main() -> None:
                 "environment": {"date": date, "device": str(mx.default_device()), "machine": platform.machine(),
                                 "cpus": os.cpu_count(), "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
                                 "kvq": __version__, "commit": commit.stdout.strip()},
-                "settings": {"server": " ".join(o for o in load.OPTIONS if o not in ("--api-key", load.KEY)), "model": "tiny random llama (2 layers, 128 positions)",
+                "settings": {"server": " ".join(o for o in load.OPTIONS if o not in ("--api-key", load.KEY)),
+                             "model": "tiny random llama (2 layers, 128 positions)",
                              "clients": args.clients, "copies": args.copies, "runs": args.runs},
                 "server_start_seconds": round(start_seconds, 2), "figures": figures, "checks": checks}
     out = args.out or ROOT / "benchmarks" / "results" / "serve" / (
