@@ -37,10 +37,10 @@ def load(path: Path) -> dict | None:
         title = model + (f", {s['batch']} sequences at once" if s.get("batch", 1) > 1 else "")
         device = f"CPU ({env['device']})" if env["device_kind"] == "cpu" else env["device"]
         return dict(kind=kind, key=key, title=title, date=env["date"], command=env["command"], device=device,
-                    mlx=env["mlx"], methods=set(s["methods"]), docs=[doc], paths=[path])
+                    mlx=env["mlx"], methods=renamed(s["methods"]), docs=[doc], paths=[path])
     if "meta" in doc and str(doc["meta"].get("command", "")).startswith("kvq eval"):
         m, s = doc["meta"], doc["runs"][0]["settings"]
-        methods = {r["method"] for run in doc["runs"] for r in run["rows"]}
+        methods = renamed(r["method"] for run in doc["runs"] for r in run["rows"])
         key = ("eval", m["model"], s["context"], s["windows"])
         title = f"{m['model']}, {s['context']:,} tokens, {s['windows']} window{'s' * (s['windows'] > 1)}"
         return dict(kind="eval", key=key, title=title, date=m["date"], command=m["command"], device=m["versions"]["mlx_device"],
@@ -57,13 +57,20 @@ def load(path: Path) -> dict | None:
         return dict(kind="distributed", key=("distributed", device, doc["settings"]["context"]),
                     title=f"tensor parallel, {doc['model']['preset']} shape, {doc['settings']['context']} tokens",
                     date=day, command=command, device=device, mlx=doc["versions"]["mlx"],
-                    methods=set(doc["settings"]["methods"].split(",")), docs=[doc], paths=[path])
+                    methods=renamed(doc["settings"]["methods"].split(",")), docs=[doc], paths=[path])
     if command.startswith("benchmarks/kernel_durations.py") and not re.search(r"--(?!out)\w", command):
         device = "NVIDIA H200" if "-h200-" in path.name else path.name.split("-")[3]
         methods = {r["method"] for r in doc["rows"]}
         return dict(kind="kernels", key=("kernels", device), title="one sequence", date=day, command=command, device=device, mlx="-",
                     methods=methods, docs=[doc], paths=[path])
     return None
+
+
+def renamed(methods) -> set[str]:
+    """The method strings of a run, the reference by its name since 2026-12-05 (``fp16`` before): a newer run with
+    ``kvcache`` replaces an older one with ``fp16`` (in kvq eval files that was kvq's 16-bit cache: the newer run
+    measures against mlx-lm's KVCache instead, and the older stays in git history)."""
+    return {"kvcache" if m == "fp16" else m for m in methods}
 
 
 def runs(results: Path = RESULTS) -> list[dict]:

@@ -69,7 +69,7 @@ def test_the_readme_recommends_what_kvq_defaults_names_and_shows_the_demos_quest
     from kvq.defaults import RECOMMENDED, RECOMMENDED_CORE, THREE_BIT
 
     text = README.read_text()
-    which = re.search(r"Which to use \(`kvq.defaults.RECOMMENDED`\):\s+`([^`]+)`.*?`([^`]+)` for a ~3-bit cache, "
+    which = re.search(r"Which to use \(`kvq.defaults.RECOMMENDED`\):\s+`([^`]+)`.*?`([^`]+)` for a ~3-bit cache,\s+"
                       r"`([^`]+)` with\s+`kvq-core` alone", text, re.S)
     assert which and which.groups() == (RECOMMENDED, THREE_BIT, RECOMMENDED_CORE)
     shown = text.split("```text\nkvq demo:")[1].split("```")[0]
