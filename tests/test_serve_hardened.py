@@ -7,7 +7,8 @@ shows as ``Error code: 400`` alone; ``"messages": "hello"`` answered ``'str' obj
 
 The server tests start one ``kvq serve`` on 127.0.0.1 with a tiny random llama (2 layers, byte-level tokenizer,
 128 positions: seconds to start on a 2-core CPU) and talk to it with ``http.client``; every request has a timeout
-and the load has a fixed size, so the module ends by itself (12-13 s there, the two servers included).
+and the load has a fixed size, so the module ends by itself (about 25 s there, the two servers and the load's three
+runs included).
 """
 
 from __future__ import annotations
