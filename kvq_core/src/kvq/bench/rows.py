@@ -8,7 +8,7 @@ from typing import Any, Callable, Sequence
 
 from tqdm import tqdm
 
-from ..evaluation.spec import REFERENCE  # noqa: F401  (the reference row's method string: mlx-lm's own caches)
+from ..evaluation.spec import REFERENCE
 
 
 def repeated_rows(groups: Sequence[Any], reps: int, specs: Sequence, prepare: Callable[[Any], Any],
