@@ -99,7 +99,7 @@ def main() -> None:
     if args.interleave:
         for rep in range(args.reps):
             for spec in e2e.parse_methods(args.methods, config["head_dim"]):
-                if spec.label == "fp16":  # the reference, decoding beside each method
+                if spec.is_reference:  # mlx-lm's caches, decoding beside each method
                     continue
                 ref, ours = interleaved(model, spec, settings, prompts, args.tokens, args.chunk)
                 a, b = sum(ref[:-1]), sum(ours[:-1])  # the steps both ran (the last reports the end)
@@ -115,12 +115,12 @@ def main() -> None:
     for rep in range(args.reps):
         for spec in e2e.parse_methods("fp16," + args.methods, config["head_dim"]):
             target = model
-            if spec.label != "fp16":
+            if not spec.is_reference:
                 target = patch_model(model, **spec.cache_kwargs(settings.sinks, settings.window, settings.flush))
             try:
                 times = steps(target, prompts, args.tokens, args.chunk)
             finally:
-                if spec.label != "fp16":
+                if not spec.is_reference:
                     unpatch_model(model)
             ms = [1e3 * t for t in times]
             rows.append({"method": spec.label, "rep": rep + 1, "ms": ms})

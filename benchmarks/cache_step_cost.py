@@ -35,8 +35,9 @@ from kvq.bench.fill import RandomKV, fill
 
 
 def make_caches(method: str, layers: int, flush: int) -> list:
-    """``layers`` empty caches of ``method`` (``fp16``: mlx-lm's KVCache; else a kvq spec ``name:bits``)."""
-    if method == "fp16":
+    """``layers`` empty caches of ``method`` (``kvcache``, or ``fp16`` its older name: mlx-lm's KVCache; else a
+    kvq spec ``name:bits``)."""
+    if method in ("kvcache", "fp16"):
         return [KVCache() for _ in range(layers)]
     from kvq.cache import KVQCache, make_config
 
@@ -94,7 +95,7 @@ def stub_bound_steps(methods) -> None:
     from kvq.plugins import registry
 
     for m in methods:
-        if m == "fp16":
+        if m in ("kvcache", "fp16"):
             continue
         impl = registry().implementations[(m.partition(":")[0], "mlx")]
 
@@ -140,7 +141,8 @@ def main() -> None:
     rows = []
     for r in range(args.rounds):
         for m in methods:
-            row = run_round(all_caches[m], tokens, args.steps, scale, args.profile and r == 0 and m != "fp16")
+            profile = args.profile and r == 0 and m not in ("kvcache", "fp16")
+            row = run_round(all_caches[m], tokens, args.steps, scale, profile)
             row.update(method=m, round=r + 1)
             rows.append(row)
             print(f"round {r + 1} {m:<14} build {row['build_us']:6.1f} us/layer (p90 {row['build_p90_us']:6.1f})  "

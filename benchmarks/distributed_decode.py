@@ -1,4 +1,5 @@
-"""Decode speed and KV memory per rank of a tensor-parallel random-weight Llama-3-8B-shaped model, fp16 vs kvq.
+"""Decode speed and KV memory per rank of a tensor-parallel random-weight Llama-3-8B-shaped model, mlx-lm's KVCache
+(kvcache) against kvq's caches.
 
     # 2 NVIDIA GPUs (issue #10): 64K context, 32 layers
     mlx.launch --backend nccl -n 2 -- python benchmarks/distributed_decode.py --context 65536 \\
@@ -10,8 +11,9 @@
 Every rank builds the same random-weight model of ``kvq.bench.random_model`` preset shape (default ``llama3-8b``:
 32 layers, 32 query heads, 8 KV heads of 128, vocab 128256; ``--layers`` keeps the first N), lazily, then shards it
 (``model.shard``: each rank holds ``8 / N`` KV heads) before its weights are materialised, so no rank ever holds the
-whole model. Then, per method string (``kvq.evaluation.spec``; ``fp16`` is mlx-lm's own ``KVCache``, ``affine:4``,
-``turboquant:4``, ``turboquant:3`` kvq caches), ``kvq.bench.e2e.E2EBench`` (the measuring part of ``kvq bench e2e``):
+whole model. Then, per method string (``kvq.evaluation.spec``; ``kvcache``, or ``fp16`` its older name, is mlx-lm's
+own ``KVCache``, ``affine:4``, ``turboquant:4``, ``turboquant:3`` kvq caches), ``kvq.bench.e2e.E2EBench`` (the
+measuring part of ``kvq bench e2e``):
 
 1. fills every layer's cache to ``--context`` tokens by ``update_and_fetch`` of random normal keys and values in
    chunks of ``--chunk`` (this rank's KV heads; not a real prefill: attention over a long cache is what is timed,
@@ -38,7 +40,7 @@ import mlx.core as mx
 import numpy as np
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
-DEFAULT_METHODS = "fp16,affine:4,turboquant:4,turboquant:3"
+DEFAULT_METHODS = "kvcache,affine:4,turboquant:4,turboquant:3"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -83,7 +83,10 @@ def method_kwargs(spec: str, sinks: int, window: int, flush: int) -> dict:
 
     if spec == BASELINE:
         return None
-    parsed = parse_method(spec)
+    if spec == "kvcache":
+        raise ValueError(f"{spec!r} is mlx-lm's own cache: run --method {BASELINE} (nothing swapped)")
+    # fp16 names kvq's 16-bit cache here, as in the result files of this runner (kvq-fp16 in other commands)
+    parsed = parse_method("kvq-fp16" if spec == "fp16" else spec)
     if parsed.is_mlx:
         raise ValueError(f"{spec!r} is mlx-lm's own quantized cache; this runner swaps in kvq's caches")
     kwargs = parsed.cache_kwargs(sinks, window)

@@ -37,27 +37,40 @@ def load(path: Path) -> dict | None:
         title = model + (f", {s['batch']} sequences at once" if s.get("batch", 1) > 1 else "")
         device = f"CPU ({env['device']})" if env["device_kind"] == "cpu" else env["device"]
         return dict(kind=kind, key=key, title=title, date=env["date"], command=env["command"], device=device,
-                    mlx=env["mlx"], methods=set(s["methods"]), docs=[doc], paths=[path])
+                    mlx=env["mlx"], methods=renamed(s["methods"]), docs=[doc], paths=[path])
     if "meta" in doc and str(doc["meta"].get("command", "")).startswith("kvq eval"):
         m, s = doc["meta"], doc["runs"][0]["settings"]
-        methods = {r["method"] for run in doc["runs"] for r in run["rows"]}
+        methods = renamed(r["method"] for run in doc["runs"] for r in run["rows"])
         key = ("eval", m["model"], s["context"], s["windows"])
         title = f"{m['model']}, {s['context']:,} tokens, {s['windows']} window{'s' * (s['windows'] > 1)}"
         return dict(kind="eval", key=key, title=title, date=m["date"], command=m["command"], device=m["versions"]["mlx_device"],
                     mlx=m["versions"]["mlx"], methods=methods, docs=[doc], paths=[path])
     command = str(doc.get("command", ""))
+    if doc.get("benchmark") == "serve load":
+        env, f = doc["environment"], doc["figures"]
+        device = env["device"]
+        return dict(kind="serve", key=("serve", device, f["clients"], f["requests"]),
+                    title=f"{f['clients']} clients, {f['runs']} runs of {f['requests']} requests", date=env["date"],
+                    command=doc["command"], device=device, mlx=env["mlx"], methods=set(), docs=[doc], paths=[path])
     if doc.get("benchmark") == "distributed_decode":
         device = f"{doc['group_size']} x {doc['device_info']['device_name']}"
         return dict(kind="distributed", key=("distributed", device, doc["settings"]["context"]),
                     title=f"tensor parallel, {doc['model']['preset']} shape, {doc['settings']['context']} tokens",
                     date=day, command=command, device=device, mlx=doc["versions"]["mlx"],
-                    methods=set(doc["settings"]["methods"].split(",")), docs=[doc], paths=[path])
+                    methods=renamed(doc["settings"]["methods"].split(",")), docs=[doc], paths=[path])
     if command.startswith("benchmarks/kernel_durations.py") and not re.search(r"--(?!out)\w", command):
         device = "NVIDIA H200" if "-h200-" in path.name else path.name.split("-")[3]
         methods = {r["method"] for r in doc["rows"]}
         return dict(kind="kernels", key=("kernels", device), title="one sequence", date=day, command=command, device=device, mlx="-",
                     methods=methods, docs=[doc], paths=[path])
     return None
+
+
+def renamed(methods) -> set[str]:
+    """The method strings of a run, the reference by its name since 2026-12-05 (``fp16`` before): a newer run with
+    ``kvcache`` replaces an older one with ``fp16`` (in kvq eval files that was kvq's 16-bit cache: the newer run
+    measures against mlx-lm's KVCache instead, and the older stays in git history)."""
+    return {"kvcache" if m == "fp16" else m for m in methods}
 
 
 def runs(results: Path = RESULTS) -> list[dict]:
@@ -86,6 +99,18 @@ def latest(all_runs: list[dict]) -> list[dict]:
     return kept
 
 
+def cache_name(r: dict, dtype: str) -> str:
+    """A row's cache as every table names it: the reference, mlx-lm's caches in the model's dtype, as ``kvcache
+    (dtype)`` (files before 2026-12-05 wrote ``fp16`` for it in kvq bench); kvq's 16-bit cache as ``kvq-fp16`` (the
+    reference of kvq eval files before then wrote ``fp16`` for it); other mlx-lm caches with their class."""
+    cache = r.get("cache") or ("mlx-lm KVCache" if r["method"] in ("kvcache", "fp16") else "kvq")  # capacity rows
+    if r["method"] in ("kvcache", "fp16") and cache == "mlx-lm KVCache":
+        return f"kvcache ({dtype.removeprefix('mlx.core.')})"
+    if r["method"] == "fp16":
+        return "kvq-fp16"
+    return r["method"] + ("" if cache.startswith("kvq") else f" ({cache})")
+
+
 def table(headers: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
@@ -100,12 +125,12 @@ def reps(run: dict) -> list[str]:
 
 
 def e2e(run: dict) -> str:
-    first = run["docs"][0]["rows"]
-    heads = ["context", "cache", "bits/coord", "KV MiB measured (x fp16)"]
-    heads += [f"ms/token mean, tokens/s (x fp16) {r}".strip() for r in reps(run)]
+    first, dtype = run["docs"][0]["rows"], run["docs"][0]["model"]["dtype"]
+    heads = ["context", "cache", "bits/coord", "KV MiB measured (x kvcache)"]
+    heads += [f"ms/token mean, tokens/s (x kvcache) {r}".strip() for r in reps(run)]
     rows = []
     for i, r in enumerate(first):
-        cells = [f"{r['context']:,}", r["method"] + ("" if r["cache"].startswith("kvq") else f" ({r['cache']})"),
+        cells = [f"{r['context']:,}", cache_name(r, dtype),
                  f"{r['bits_per_coordinate']:.3g}"]
         if r["error"]:
             rows.append(cells + ["error: " + r["error"][:80]] + ["-"] * len(run["docs"]))
@@ -121,21 +146,21 @@ def e2e(run: dict) -> str:
 def prefill(run: dict) -> str:
     doc = run["docs"][-1]
     last = max(r["rep"] for r in doc["rows"])
-    heads = ["context", "cache", *[f"tokens/s rep {n + 1} (x fp16)" for n in range(last + 1)],
-             f"peak MiB above the model, rep {last + 1} (x fp16)"]
+    heads = ["context", "cache", *[f"tokens/s rep {n + 1} (x kvcache)" for n in range(last + 1)],
+             f"peak MiB above the model, rep {last + 1} (x kvcache)"]
     rows = []
     for r in (r for r in doc["rows"] if r["rep"] == last):
         same = [o for o in doc["rows"] if o["context"] == r["context"] and o["method"] == r["method"]]
         speeds = [ratio(f"{o['tokens_per_second']:,.0f}", o["speed_vs_fp16"]) for o in same]
-        rows.append([f"{r['context']:,}", r["method"], *speeds,
+        rows.append([f"{r['context']:,}", cache_name(r, doc["model"]["dtype"]), *speeds,
                      ratio(f"{r['peak_memory_growth'] / MIB:,.0f}", r["peak_vs_fp16"])])
     return table(heads, rows)
 
 
 def batch(run: dict) -> str:
-    heads = ["sequences", "cache", "rep", "decode tokens/s, all sequences (x fp16)", "prefill speed x fp16",
-             "peak MiB above the model (x fp16)"]
-    rows = [[str(r["batch"]), r["method"], str(r["rep"] + 1),
+    heads = ["sequences", "cache", "rep", "decode tokens/s, all sequences (x kvcache)", "prefill speed x kvcache",
+             "peak MiB above the model (x kvcache)"]
+    rows = [[str(r["batch"]), cache_name(r, doc["model"]["dtype"]), str(r["rep"] + 1),
              ratio(f"{r['decode_tokens_per_second']:,.1f}", r["decode_vs_fp16"]),
              "-" if r["prefill_vs_fp16"] is None else f"{r['prefill_vs_fp16']:.2f}",
              ratio(f"{r['peak_memory_growth'] / MIB:,.0f}", r["peak_vs_fp16"])]
@@ -144,22 +169,26 @@ def batch(run: dict) -> str:
 
 
 def capacity(run: dict) -> str:
-    heads = ["cache", "sequences that fit (x fp16)", "MiB per sequence", "decode tokens/s, all sequences (x fp16)",
-             "ms/step"]
-    rows = [[r["method"], ratio(str(r["max_batch"]), r["batch_vs_fp16"]), f"{r['per_sequence_bytes'] / MIB:,.0f}",
+    heads = ["cache", "sequences that fit (x kvcache)", "MiB per sequence",
+             "decode tokens/s, all sequences (x kvcache)", "ms/step"]
+    rows = [[cache_name(r, doc["model"]["dtype"]), ratio(str(r["max_batch"]), r["batch_vs_fp16"]),
+             f"{r['per_sequence_bytes'] / MIB:,.0f}",
              ratio(f"{r['tokens_per_second']:,.0f}", r["tokens_vs_fp16"]), f"{r['row']['latency_ms']['mean']:.1f}"]
             for doc in run["docs"] for r in doc["rows"] if not r["error"]]
     return table(heads, rows)
 
 
 def quality(run: dict) -> str:
-    heads = ["cache", "bits/coord", "PPL change", "KL(fp16 ‖ cache)", "top-1", "needles", "KV MiB (x fp16)"]
+    dtype = run["docs"][0]["meta"]["model_dtype"]
+    reference = cache_name(run["docs"][0]["runs"][0]["rows"][0], dtype).split(" (")[0]  # kvq-fp16 before 2026-12-05
+    heads = ["cache", "bits/coord", "PPL change", f"KL({reference} ‖ cache)", "top-1", "needles",
+             f"KV MiB (x {reference})"]
     rows = []
     for r in (r for doc in run["docs"] for one in doc["runs"] for r in one["rows"]):
         trials = r["needle"]["trials"]
         key, value = r["key_bits_per_coordinate"], r["value_bits_per_coordinate"]
         bits = f"{key:.3g}" if key == value else f"{key:.3g} / {value:.3g}"
-        rows.append([r["method"] + ("" if r["cache"].startswith("kvq") else f" ({r['cache']})"), bits,
+        rows.append([cache_name(r, dtype), bits,
                      f"{100 * r['ppl_change']:+.1f}%", f"{r['kl']:.3f}", f"{100 * r['top1_agreement']:.1f}%",
                      f"{sum(t['match'] for t in trials)}/{len(trials)}" if trials else "-",
                      ratio(f"{r['kv_bytes'] / MIB:.1f}", r["kv_bytes_ratio"])])
@@ -183,23 +212,39 @@ def kernels(run: dict) -> str:
 
 
 def distributed(run: dict) -> str:
-    heads = ["cache", "KV MiB per rank (x fp16)", *[f"tokens/s {r}".strip() for r in reps(run)]]
-    first = run["docs"][0]["summary"]
-    rows = [[r["method"], ratio(f"{max(r['active_memory_growth_per_rank']) / MIB:,.0f}", r["kv_bytes_ratio"]),
+    heads = ["cache", "KV MiB per rank (x kvcache)", *[f"tokens/s {r}".strip() for r in reps(run)]]
+    first, dtype = run["docs"][0]["summary"], run["docs"][0]["model"]["dtype"]
+    rows = [[cache_name(r, dtype), ratio(f"{max(r['active_memory_growth_per_rank']) / MIB:,.0f}", r["kv_bytes_ratio"]),
              *[f"{doc['summary'][i]['tokens_per_second']:.1f}" for doc in run["docs"]]]
             for i, r in enumerate(first) if not r["error"]]
     return table(heads, rows)
 
 
+def serve(run: dict) -> str:
+    doc = run["docs"][0]
+    f = doc["figures"]
+    mib = ", ".join(f"{m / MIB:.1f}" for m in f["active_memory"])
+    rows = [["clients; requests per run; runs", f"{f['clients']}; {f['requests']}; {f['runs']}"],
+            ["seconds per run", ", ".join(f"{s:.1f}" for s in f["seconds"])],
+            ["answered 200; refused 4xx; 5xx", f"{f['status_200']}; {f['status_4xx']}; {f['status_5xx']}"],
+            ["clients gone mid-stream; tracebacks in the log", f"{f['clients_gone']}; {f['tracebacks']}"],
+            ["distinct answers to the identical chat (all runs)", str(f["identical_answers"])],
+            ["active MiB after clearing the prompt cache: before, after each run", mib],
+            ["checks", ", ".join(f"{name}: {'yes' if ok else 'NO'}" for name, ok in doc["checks"].items())]]
+    return table(["figure", "value"], rows)
+
+
 SECTIONS = {  # kind: (title, renderer, what the table shows)
     "eval": ("Quality (`kvq eval`)", quality,
-             "Perplexity change, KL divergence and top-1 agreement against the fp16 cache on the same tokens, "
+             "Perplexity change, KL divergence and top-1 agreement against the run's reference on the same tokens "
+             "(its name in the header: kvcache, mlx-lm's KVCache in the model's dtype, since 2026-12-05; kvq-fp16, "
+             "kvq's 16-bit cache, in runs before then), "
              "every token scored as token-by-token decoding sees it; KV MiB at the context's end. Runs dated "
              "before 2026-12-01 scored their tokens in one forward pass that read compressed copies of their own "
              "recent neighbours (pessimistic for kvq)."),
     "e2e": ("Decode (`kvq bench e2e`)", e2e,
             "One decode step after a filled context; tokens/s = sequences / mean step (window flushes included); "
-            "KV measured = growth of `mx.get_active_memory()`; fp16 = mlx-lm's KVCache in the model's dtype."),
+            "KV measured = growth of `mx.get_active_memory()`; kvcache = mlx-lm's KVCache in the model's dtype."),
     "prefill": ("Prefill (`kvq bench prefill`)", prefill,
                 "The prompt prefilled in chunks as `mlx_lm.generate` does; the first repetition includes compiling."),
     "batch": ("Concurrent sequences (`kvq bench batch`, mlx-lm's BatchGenerator)", batch,
@@ -212,6 +257,12 @@ SECTIONS = {  # kind: (title, renderer, what the table shows)
                 "`KVQCache` replays."),
     "distributed": ("Across GPUs (`mlx.launch --backend nccl`, `benchmarks/distributed_decode.py`)", distributed,
                     "Each rank holds half the KV heads; tokens/s over few timed steps are noisy."),
+    "serve": ("`kvq serve` under load (`benchmarks/serve_load.py`, `tests/test_serve_hardened.py`)", serve,
+              "Concurrent clients on 127.0.0.1 against `kvq serve` (turboquant 4-bit caches) on a tiny random "
+              "llama with a 128-token context: identical chats plain and streamed, different completions, clients "
+              "that leave mid-stream, malformed and over-long requests (each refused in OpenAI's error shape), the "
+              "whole load three times. Memory: the server's `mx.get_active_memory()` after clearing its prompt "
+              "cache (`GET /kvq/memory`). The test runs the 16-client size; the larger one is this script's default."),
 }
 
 
@@ -228,7 +279,9 @@ def document(results: Path = RESULTS) -> str:
     parts = ["# Results", "",
              "Written by `uv run python benchmarks/report.py` from the JSON under `benchmarks/results` (do not edit "
              "by hand): the latest run of each benchmark, on each device and model. Ratios in parentheses are against "
-             "fp16 (mlx-lm's `KVCache` in the model's dtype) in the same run. Older runs are in git history.", ""]
+             "the reference of the same run: kvcache, mlx-lm's `KVCache` in the model's dtype (result files "
+             "before 2026-12-05 call it fp16), except in quality tables of runs before 2026-12-05, whose reference "
+             "was kvq-fp16 (kvq's 16-bit cache), as their headers say. Older runs are in git history.", ""]
     for kind, (title, _, what) in SECTIONS.items():
         mine = [r for r in kept if r["kind"] == kind]
         if mine:

@@ -14,7 +14,7 @@ from mlx_lm.models.cache import KVCache
 from kvq.bench import e2e, fill, random_model
 from kvq.cli import main
 
-METHODS = ("fp16", "affine:4", "turboquant:4")
+METHODS = ("kvcache", "affine:4", "turboquant:4")
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ def test_a_batch_decodes_every_sequence_in_each_step(run, tmp_path):
 def test_kv_bytes_follow_the_bits_accounting(run):
     _, doc = run
     by = {(r["context"], r["method"]): r for r in doc["rows"]}
-    assert by[64, "fp16"]["bits_per_coordinate"] == 16
+    assert by[64, "kvcache"]["bits_per_coordinate"] == 16
     assert by[64, "affine:4"]["bits_per_coordinate"] == 4.5  # 4-bit codes + fp16 scale and bias per 64
     assert by[64, "turboquant:4"]["bits_per_coordinate"] == 4.25  # 4-bit codes + an fp16 norm per 64
     for (context, method), r in by.items():
@@ -77,7 +77,7 @@ def test_kv_bytes_follow_the_bits_accounting(run):
         assert r["kv_bytes_ratio"] == pytest.approx(expected, rel=0.03)
         assert r["memory_ratio"] == pytest.approx(expected, rel=0.1)  # measured with mx.get_active_memory
     # tiny: 2 layers x (K, V) x 2 heads x 256 preallocated tokens x 64 dims x 2 bytes
-    assert by[64, "fp16"]["kv_bytes"] == 2 * 2 * 2 * 256 * 64 * 2
+    assert by[64, "kvcache"]["kv_bytes"] == 2 * 2 * 2 * 256 * 64 * 2
 
 
 def test_files_and_environment(run):
@@ -103,7 +103,7 @@ def test_a_failing_method_is_recorded_and_the_run_goes_on(monkeypatch):
     monkeypatch.setattr(e2e, "make_cache", make_cache)
     settings = e2e.E2ESettings((32,), steps=1, warmup=0, progress=False)
     rows = e2e.E2EBench(model, settings).run(e2e.parse_methods("affine:4,turboquant:4", 64))
-    assert [r["method"] for r in rows] == ["fp16", "affine:4", "turboquant:4"]
+    assert [r["method"] for r in rows] == ["kvcache", "affine:4", "turboquant:4"]
     assert rows[1]["error"] == "RuntimeError: [quantized_matmul] No implementation for problem shape"
     assert rows[1]["kv_bytes_ratio"] is None
     assert rows[2]["error"] is None and rows[2]["tokens_per_second"] > 0
@@ -199,7 +199,7 @@ def test_replay_serves_the_real_prefill_as_new_memory():
 
 def test_methods_defaults_and_names():
     labels = [s.label for s in e2e.parse_methods(None, 128, installed={"fp16", "affine", "turboquant"})]
-    assert labels == ["fp16", "mlx-affine:4", "mlx-affine:8", "affine:4", "turboquant:4", "turboquant:k4v3",
+    assert labels == ["kvcache", "mlx-affine:4", "mlx-affine:8", "affine:4", "turboquant:4", "turboquant:k4v3",
                       "turboquant:3"]
     specs = e2e.parse_methods("kvq-fp16,mlx-affine:4", 64)
     assert [e2e.cache_kind(s) for s in specs] == ["mlx-lm KVCache", "kvq KVQCache", "mlx-lm QuantizedKVCache"]

@@ -12,7 +12,7 @@ import pytest
 from kvq.bench import batch, e2e, random_model
 from kvq.cli import main
 
-METHODS = ("fp16", "affine:4", "turboquant:4")
+METHODS = ("kvcache", "affine:4", "turboquant:4")
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def test_every_batch_repetition_and_method_generates_every_token(run):
         assert r["tokens"] == 6 * r["batch"]
         assert r["decode_tokens_per_second"] == pytest.approx(5 * r["batch"] / r["decode_seconds"])
         assert r["prefill_seconds"] > 0 and r["peak_memory_growth"] > 0
-        reference = next(x for x in rows if (x["batch"], x["rep"], x["method"]) == (r["batch"], r["rep"], "fp16"))
+        reference = next(x for x in rows if (x["batch"], x["rep"], x["method"]) == (r["batch"], r["rep"], "kvcache"))
         assert r["decode_vs_fp16"] == pytest.approx(r["decode_tokens_per_second"]
                                                     / reference["decode_tokens_per_second"])
         assert r["prefill_vs_fp16"] == pytest.approx(reference["prefill_seconds"] / r["prefill_seconds"])

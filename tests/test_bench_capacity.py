@@ -72,14 +72,14 @@ def test_kvq_caches_fit_more_sequences_within_the_budget(tmp_path, capsys):
                  "--out", str(tmp_path), "--name", "cap"]) == 0
     document = json.loads((tmp_path / "cap.json").read_text())
     fp16, tq3 = document["rows"]
-    assert fp16["method"] == "fp16" and not fp16["error"] and not tq3["error"]
+    assert fp16["method"] == "kvcache" and not fp16["error"] and not tq3["error"]
     for row in (fp16, tq3):
         assert row["peak_memory"] <= document["settings"]["budget"] and row["tokens_per_second"] > 0
         assert row["row"]["batch"] == row["max_batch"] >= 1
     # a 3.25-bit cache with a 16-token window holds a 1K-token sequence in far fewer bytes than fp16 does
     assert tq3["per_sequence_bytes"] < 0.6 * fp16["per_sequence_bytes"]
     assert tq3["max_batch"] > fp16["max_batch"] and tq3["batch_vs_fp16"] == tq3["max_batch"] / fp16["max_batch"]
-    assert "sequences that fit (x fp16)" in (tmp_path / "cap.md").read_text()
+    assert "sequences that fit (x kvcache)" in (tmp_path / "cap.md").read_text()
 
 
 @pytest.mark.parametrize("argv, message", [

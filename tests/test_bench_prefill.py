@@ -13,7 +13,7 @@ from kvq.bench import prefill
 from kvq.cli import main
 from kvq.problem import device_kind
 
-METHODS = ("fp16", "affine:4", "turboquant:3")
+METHODS = ("kvcache", "affine:4", "turboquant:3")
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def test_every_context_repetition_and_method_has_a_measured_row(run):
         assert r["error"] is None
         assert r["tokens_per_second"] == pytest.approx(r["context"] / r["seconds"])
         assert r["peak_memory_growth"] >= r["kv_bytes"] > 0  # the caches exist at the end of the prefill
-        reference = next(x for x in rows if (x["context"], x["rep"], x["method"]) == (r["context"], r["rep"], "fp16"))
+        reference = next(x for x in rows if (x["context"], x["rep"], x["method"]) == (r["context"], r["rep"], "kvcache"))
         assert r["speed_vs_fp16"] == pytest.approx(r["tokens_per_second"] / reference["tokens_per_second"])
         assert r["peak_vs_fp16"] == pytest.approx(r["peak_memory_growth"] / reference["peak_memory_growth"])
     assert [r["cache"] for r in rows[:3]] == ["mlx-lm KVCache", "kvq KVQCache", "kvq KVQCache"]
@@ -47,7 +47,7 @@ def test_compressed_caches_hold_fewer_bytes(run):
     the method's bits, the compressed store preallocated in steps of 256 tokens."""
     _, doc = run
     by = {(r["context"], r["rep"], r["method"]): r for r in doc["rows"]}
-    fp16 = by[256, 1, "fp16"]["kv_bytes"]
+    fp16 = by[256, 1, "kvcache"]["kv_bytes"]
     assert fp16 == 2 * 2 * 2 * 256 * 64 * 2  # tiny: 2 layers x (K, V) x 2 heads x 256 tokens x 64 dims x 2 bytes
     for method, bits in (("affine:4", 4.5), ("turboquant:3", 3.25)):
         ratio = by[256, 1, method]["kv_bytes_ratio"]

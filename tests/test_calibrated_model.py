@@ -145,7 +145,7 @@ def test_eval_names_the_calibration_after_the_model(toy, model_folder, capsys):
     CALIBRATED.add("my-model")
     specs = eval_cmd.check(args)[0]
     assert [(s.label, s.key_params, s.value_params) for s in specs] == [
-        ("fp16", {}, {}), ("toy_per_model", {"model_id": "my-model"}, {"model_id": "my-model"})]
+        ("kvcache", {}, {}), ("toy_per_model", {"model_id": "my-model"}, {"model_id": "my-model"})]
 
 
 def test_bench_names_the_calibration_after_the_model_and_asks_for_one_on_random_models(toy, model_folder):

@@ -60,3 +60,18 @@ def test_architecture_paths_are_exact_from_the_repository_root():
     text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
     paths = {t for t in re.findall(r"`([^`\s<>]+)`", text) if "/" in t.rstrip("/").strip("/")}
     assert len(paths) > 20 and not [p for p in sorted(paths) if not (ROOT / p).exists()]
+
+
+def test_the_readme_recommends_what_kvq_defaults_names_and_shows_the_demos_questions():
+    """The README's "Which to use" names :data:`kvq.defaults.RECOMMENDED` (the one place it is defined), its ~3-bit
+    and kvq-core-alone caches; its demo output asks the demo's questions of the demo's caches."""
+    from kvq.cli.demo_cmd import QUESTIONS
+    from kvq.defaults import RECOMMENDED, RECOMMENDED_CORE, THREE_BIT
+
+    text = README.read_text()
+    which = re.search(r"Which to use \(`kvq.defaults.RECOMMENDED`\):\s+`([^`]+)`.*?`([^`]+)` for a ~3-bit cache,\s+"
+                      r"`([^`]+)` with\s+`kvq-core` alone", text, re.S)
+    assert which and which.groups() == (RECOMMENDED, THREE_BIT, RECOMMENDED_CORE)
+    shown = text.split("```text\nkvq demo:")[1].split("```")[0]
+    assert all(f"Q{i + 1}. {q}" in shown for i, q in enumerate(QUESTIONS))
+    assert all(f"\n{label} " in shown for label in ("kvcache (float32)", RECOMMENDED, THREE_BIT))

@@ -19,7 +19,10 @@ from kvq.evaluation.spec import bits_per_coordinate, split_methods
 
 
 @pytest.mark.parametrize("text, keys, values, cache", [
-    ("fp16", ("fp16", {}), ("fp16", {}), {}),
+    ("kvcache", ("kvcache", {}), ("kvcache", {}), {}),
+    ("kvq-fp16", ("fp16", {}), ("fp16", {}), {}),
+    ("kvq-fp16[window=0]", ("fp16", {}), ("fp16", {}), {"window": 0}),
+    ("affine:4+fp16", ("affine", {"bits": 4}), ("fp16", {}), {}),
     ("affine:4", ("affine", {"bits": 4}), ("affine", {"bits": 4}), {}),
     ("affine:k8v4", ("affine", {"bits": 8}), ("affine", {"bits": 4}), {}),
     ("qjl+affine:2", ("qjl", {}), ("affine", {"bits": 2}), {}),
@@ -40,17 +43,29 @@ def test_method_strings_parse(text, keys, values, cache):
     assert spec.cache_options == cache
 
 
-def test_methods_split_outside_brackets_and_fp16_comes_first():
+def test_methods_split_outside_brackets_and_the_reference_comes_first():
     assert split_methods("affine:4,qjl[sketch_dim=64,seed=1]+affine:4,fp16") == [
         "affine:4", "qjl[sketch_dim=64,seed=1]+affine:4", "fp16"]
-    assert [s.label for s in parse_methods("affine:4,fp16")] == ["fp16", "affine:4"]
-    assert [s.label for s in parse_methods("turboquant:3")] == ["fp16", "turboquant:3"]
+    assert [s.label for s in parse_methods("affine:4,kvcache")] == ["kvcache", "affine:4"]
+    assert [s.label for s in parse_methods("turboquant:3")] == ["kvcache", "turboquant:3"]
+
+
+def test_fp16_alone_is_the_reference_by_its_older_name():
+    """Issue #54: ``fp16`` meant mlx-lm's KVCache in kvq bench and kvq's 16-bit cache in kvq eval; it is now the
+    reference, mlx-lm's KVCache, everywhere (accepted as before), and ``kvq-fp16`` is kvq's 16-bit cache."""
+    assert parse_method("fp16") == parse_method("kvcache") and parse_method("fp16").is_reference
+    assert [s.label for s in parse_methods("affine:4,fp16")] == ["kvcache", "affine:4"]
+    with pytest.raises(ValueError, match="more than once"):
+        parse_methods("fp16,kvcache")
+    assert not parse_method("kvq-fp16").is_reference
 
 
 def test_bits_per_coordinate_of_specs():
     assert bits_per_coordinate(parse_method("mlx-affine:4"), 64) == (4.5, 4.5)
     assert bits_per_coordinate(parse_method("affine:k8v4"), 64) == (8.5, 4.5)
-    assert bits_per_coordinate(parse_method("fp16"), 64) == (16, 16)
+    assert bits_per_coordinate(parse_method("kvq-fp16"), 64) == (16, 16)
+    assert bits_per_coordinate(parse_method("kvcache"), 64, mx.float32) == (32, 32)
+    assert bits_per_coordinate(parse_method("kvcache"), 64, mx.bfloat16) == (16, 16)
 
 
 @pytest.mark.parametrize("text, message", [
@@ -203,7 +218,7 @@ def test_dequantized_attention_equals_mlx_lm_quantized_attention():
 
 @pytest.mark.slow
 def test_small_evaluation_on_the_default_model(tmp_path, capsys):
-    """512 tokens of context, 64 scored, 1 window: fp16, kvq affine 8-bit (no sinks/window, every token compressed
+    """512 tokens of context, 64 scored, 1 window: the reference (mlx-lm's KVCache, float32), kvq affine 8-bit (no sinks/window, every token compressed
     as it arrives: flush 1), mlx-lm's own.
 
     Why kvq affine:8 and mlx-affine:8 agree to 1e-2 here, not 1e-3: quantization is discontinuous, so float-order
@@ -218,16 +233,17 @@ def test_small_evaluation_on_the_default_model(tmp_path, capsys):
             "--score-tokens", "64", "--windows", "1", "--needle-depths", "none", "--no-progress",
             "--json", str(out), "--plot", str(tmp_path / "eval.png"), "--markdown", str(tmp_path / "eval.md")]
     assert main(args) == 0
-    assert "| fp16 | 16 (16) |" in capsys.readouterr().out
+    assert "| kvcache | 32 (32) |" in capsys.readouterr().out
     rows = {r["method"]: r for r in json.loads(out.read_text())["runs"][0]["rows"]}
-    fp16, kvq8, mlx8 = rows["fp16"], rows["affine:8[sinks=0,window=0,flush=1]"], rows["mlx-affine:8"]
+    assert rows["kvcache"]["cache"] == "mlx-lm KVCache"
+    fp16, kvq8, mlx8 = rows["kvcache"], rows["affine:8[sinks=0,window=0,flush=1]"], rows["mlx-affine:8"]
     assert fp16["ppl_change"] == 0.0 and fp16["kl"] == 0.0 and fp16["top1_agreement"] == 1.0
     assert 1 < fp16["ppl"] < 100
     assert kvq8["kl"] < 0.01 and mlx8["kl"] < 0.01
     assert abs(kvq8["ppl"] / mlx8["ppl"] - 1) < 1e-2
     assert abs(kvq8["attention_error"]["mean"] / mlx8["attention_error"]["mean"] - 1) < 0.05
     assert kvq8["bits_per_coordinate"] == mlx8["bits_per_coordinate"] == 8.5
-    assert 0.2 < kvq8["kv_bytes_ratio"] < 0.6 and 0.2 < kvq8["memory_ratio"] < 0.6
+    assert 0.2 < kvq8["kv_bytes_ratio"] < 0.35 and 0.2 < kvq8["memory_ratio"] < 0.35  # 8.5 bits of 32
     assert (tmp_path / "eval.png").stat().st_size > 10_000 and "mlx-affine:8" in (tmp_path / "eval.md").read_text()
 
 

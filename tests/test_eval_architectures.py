@@ -46,7 +46,7 @@ def test_attention_error_of_sliding_and_sink_layers(name):
     model = tiny(name)
     methods = "fp16,turboquant:4,affine:4" + (",mlx-affine:4" if name == "gemma3_text" else "")
     rows = evaluate(model, methods)
-    fp16 = rows["fp16"]["attention_error"]["per_layer"]
+    fp16 = rows["kvcache"]["attention_error"]["per_layer"]
     assert len(fp16) == len(model.layers) and max(fp16) < 1e-5, fp16  # float32 summation order (measured 1.5e-7)
     for label in ("turboquant:4", "affine:4"):
         errors = rows[label]["attention_error"]["per_layer"]

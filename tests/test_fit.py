@@ -120,7 +120,7 @@ def test_kvq_fit_prints_a_table_and_writes_json(tmp_path, capsys):
     assert main(["fit", "--model", "random:llama3-8b", "--dtype", "bfloat16", "--memory", "24G", "--context", "8K",
                  "--methods", "fp16,turboquant:3", "--out", str(tmp_path), "--name", "f", "--no-plot"]) == 0
     out = capsys.readouterr().out
-    assert "fp16 (bfloat16)" in out and "turboquant:3" in out
+    assert "kvcache (bfloat16)" in out and "turboquant:3" in out
     rows = json.loads((tmp_path / "f.json").read_text())["rows"]
     assert rows[0]["sequences"] < rows[1]["sequences"] and rows[0]["longest"] < rows[1]["longest"]
 
@@ -160,7 +160,7 @@ def test_a_model_folder_is_read_from_its_safetensors_without_loading(tmp_path, c
     assert main(["fit", "--model", str(tmp_path), "--memory", "1M", "--methods", "fp16", "--out", str(tmp_path),
                  "--name", "f", "--no-plot"]) == 0
     rows = json.loads((tmp_path / "f.json").read_text())["rows"]
-    assert rows[0]["method"] == "fp16 (bfloat16)" and rows[0]["longest"] == rows[0]["sequences"] == 0
+    assert rows[0]["method"] == "kvcache (bfloat16)" and rows[0]["longest"] == rows[0]["sequences"] == 0
 
 
 def test_the_plot_is_written_and_without_matplotlib_the_hint_comes_first(tmp_path, monkeypatch, capsys):
@@ -201,7 +201,7 @@ def test_memory_takes_gb_and_gib_as_g_and_device_gpu_predicts_a_random_model_in_
     assert docs[0]["rows"] == docs[1]["rows"] == docs[2]["rows"]
     assert main(["fit", "--model", "random:tiny", "--no-plot", "--memory", "24G", "--device", "gpu", "--out",
                  str(tmp_path), "--name", "gpu"]) == 0
-    assert "fp16 (bfloat16)" in capsys.readouterr().out
+    assert "kvcache (bfloat16)" in capsys.readouterr().out
 
 
 def test_memory_below_the_weights_says_so(tmp_path, capsys):

@@ -8,13 +8,17 @@ import sys
 import time
 from pathlib import Path
 
+import mlx.core as mx
+import mlx_lm
 import numpy as np
 import pytest
 from test_models import leftovers, write_tiny_gguf
 
 from kvq import models, quality
 from kvq.cli import main
-from kvq.cli.demo_cmd import demo_prompt
+from kvq.cli.demo_cmd import MAX_TOKENS, QUESTIONS, answer, demo_prompt, make_cache, question_ids
+from kvq.cli.generate_cmd import prefill
+from kvq.defaults import RECOMMENDED, THREE_BIT
 
 # About 190 tokens: with a 16-token window most of them are compressed
 PROMPT = demo_prompt('The "raise" statement', "What does raise do?")[:800]
@@ -56,46 +60,75 @@ def one_line_error(capsys, command: str) -> str:
 @pytest.mark.slow
 def test_generate_reports_speed_bytes_and_agreement(default_folder, capsys):
     argv = ["generate", "--model", str(default_folder), "--method", "turboquant", "--bits", "3", "--sinks", "4",
-            "--window", "16", "--prompt", PROMPT, "--max-tokens", "6", "--compare", "fp16"]
+            "--window", "16", "--prompt", PROMPT, "--max-tokens", "6", "--compare", "kvcache"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "--- fp16 ---" in out and "--- turboquant bits=3 ---" in out
+    assert "--- kvcache (float32) ---" in out and "--- turboquant bits=3 ---" in out
     for label in ("prompt tokens/s", "generation tokens/s"):
         assert all(float(cell) > 0 for cell in row(out, label))
-    assert row(out, "bits/coordinate (K / V)") == ["16 / 16", "3.25 / 3.25"]
+    assert row(out, "cache") == ["kvcache (float32)", "turboquant bits=3"]  # the reference: mlx-lm's KVCache
+    assert row(out, "bits/coordinate (K / V)") == ["32 / 32", "3.25 / 3.25"]
     fp16_bytes, method_bytes = (float(cell.split()[0]) for cell in row(out, "KV bytes (nbytes)"))
     measured = [float(cell.split()[0]) for cell in row(out, "KV bytes (measured)")]
     assert method_bytes < fp16_bytes and measured[1] < measured[0]
-    assert float(row(out, "compression vs fp16 (nbytes)")[1].rstrip("x")) > 1.5
+    assert float(row(out, "compression vs kvcache (nbytes)")[1].rstrip("x")) > 2
     assert method_bytes == pytest.approx(measured[1], rel=0.1)  # nbytes is what is really resident
-    agreed, total = map(int, row(out, "top-1 agreement (fp16 tokens)")[1].split("/"))
+    agreed, total = map(int, row(out, "top-1 agreement (kvcache tokens)")[1].split("/"))
     assert total >= 1 and 0 <= agreed <= total
-    assert float(row(out, "mean KL(fp16 || method)")[1].split()[0]) >= 0
+    assert float(row(out, "mean KL(kvcache || method)")[1].split()[0]) >= 0
 
 
 @pytest.mark.slow
-def test_generate_without_compare_measures_an_fp16_cache_of_the_same_length(default_folder, capsys):
+def test_generate_without_compare_measures_a_kvcache_of_the_same_length(default_folder, capsys):
     argv = ["generate", "--model", str(default_folder), "--key-method", "qjl", "--value-method", "affine",
             "--value-param", "bits=3", "--window", "16", "--prompt", PROMPT, "--max-tokens", "3", "--no-chat"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "K qjl" in out and "V affine bits=3" in out
-    assert "fp16 bytes: of an fp16 cache holding this run's" in out and "agreement" not in out
-    assert float(row(out, "compression vs fp16 (nbytes)")[1].rstrip("x")) > 1.5
+    assert "kvcache bytes: of mlx-lm's KVCache holding this run's" in out and "agreement" not in out
+    assert float(row(out, "compression vs kvcache (nbytes)")[1].rstrip("x")) > 2
 
 
 @pytest.mark.slow
-def test_demo_prints_answers_and_table(capsys):
+def test_demo_prints_answers_side_by_side_and_a_table(capsys):
     start = time.perf_counter()
     assert main(["demo"]) == 0
     seconds = time.perf_counter() - start
     out = capsys.readouterr().out
-    assert "fp16 cache answers:" in out and "kvq cache (turboquant bits=3) answers:" in out
-    for label in ("bits/coordinate (K / V)", "prompt tokens/s", "generation tokens/s", "KV bytes (nbytes)",
-                  "KV bytes (measured)", "top-1 agreement (fp16 tokens)", "mean KL(fp16 || method)"):
-        assert len(row(out, label)) == 2, label
-    assert float(row(out, "compression vs fp16 (nbytes)")[1].rstrip("x")) > 2.5
+    labels = ["kvcache (float32)", RECOMMENDED, THREE_BIT]
+    for i, question in enumerate(QUESTIONS):
+        block = out.split(f"Q{i + 1}. {question}\n")[1].split("\n\n")[0].splitlines()
+        assert [line.split()[0] for line in block] == [label.split()[0] for label in labels], block
+    reference, recommended, three_bit = (row(out, label) for label in labels)
+    nbytes, measured = map(float, re.findall(r"[\d.]+(?= MB)", reference[1]))
+    assert reference[0] == "32" and measured == pytest.approx(nbytes, rel=0.02)  # float32: nbytes is resident
+    assert reference[2:4] == ["1.00x", f"{len(QUESTIONS)}/{len(QUESTIONS)}"]
+    assert recommended[0] == "4.25" and float(recommended[2].rstrip("x")) > 4
+    assert three_bit[0] == "3.25" and float(three_bit[2].rstrip("x")) > float(recommended[2].rstrip("x"))
+    # the questions are those on which the recommended cache and the reference agree (demo_cmd.QUESTIONS)
+    same, asked = map(int, recommended[3].split("/"))
+    assert asked == len(QUESTIONS) and same >= asked - 1
     print(f"kvq demo took {seconds:.1f} s")  # shown with pytest -s; the target is under a minute on 2 CPU cores
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", [None, RECOMMENDED], ids=["kvcache", RECOMMENDED])
+def test_demo_answers_from_a_reused_document_cache_as_from_a_fresh_prefill(default_folder, method):
+    """The demo's structure: the document is prefilled once and each question answered from a copy. A question
+    answered after another one was answered from the same prefilled cache gets the answer a fresh cache gives
+    when the whole prompt is prefilled at once (mlx-lm's generate, its own prefill chunks), token for token."""
+    model, tokenizer = models.load(default_folder, progress=False)
+    document, suffixes = question_ids(tokenizer, QUESTIONS[:2])
+    cache = make_cache(model, method)
+    prefill(model, cache, document)
+    offsets = [c.offset for c in cache]
+    first = answer(model, tokenizer, cache, suffixes[0])
+    reused = answer(model, tokenizer, cache, suffixes[1])
+    assert [c.offset for c in cache] == offsets  # the answers grew copies, not the document's cache
+    fresh = [r.token for r in mlx_lm.stream_generate(model, tokenizer, mx.array(document + suffixes[1]),
+                                                      max_tokens=MAX_TOKENS, prompt_cache=make_cache(model, method))]
+    assert first != reused and len(reused) > 5
+    assert reused == fresh, (tokenizer.decode(reused), tokenizer.decode(fresh))
 
 
 # A tiny random GGUF model: the whole pipeline, fast -------------------------------------------------------------
@@ -160,14 +193,15 @@ def test_generate_counts_the_tokens_a_flush_waits_for(tiny_gguf, cache, capsys):
 
 
 def test_teacher_forcing_replays_the_reference_and_leaves_the_cache_alone(tmp_path, cache):
-    from kvq.cli.generate_cmd import FP16, run_cache
+    from kvq.cli.generate_cmd import REFERENCE, run_cache
 
     source = tmp_path / "tiny.gguf"
     write_tiny_gguf(source)
     model, tokenizer = models.load(source, progress=False)
     ids = tokenizer.encode("the the the the the")
-    reference = run_cache(model, tokenizer, ids, FP16, 6, record=True)
-    again = run_cache(model, tokenizer, ids, FP16, 6, reference=reference)
+    reference = run_cache(model, tokenizer, ids, REFERENCE, 6, record=True)
+    again = run_cache(model, tokenizer, ids, REFERENCE, 6, reference=reference)
+    assert reference.label == "kvcache (float32)"
     assert again.comparison.agreement == len(reference.tokens) == len(again.comparison)
     assert again.comparison.mean_kl == pytest.approx(0, abs=1e-6)  # the same cache, forced or free
     options = {"method": "turboquant", "bits": 2, "sinks": 0, "window": 0}

@@ -344,3 +344,22 @@ def test_every_submodule_name_gives_the_module():
     done = subprocess.run([sys.executable, "-c", NAMES_ARE_MODULES, *names], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == ""
+
+
+DIR_LISTS_LAZY_NAMES = r"""
+import sys, kvq
+names = dir(kvq)
+print(int("mlx_lm" in sys.modules))  # dir() lists the lazy names without loading them
+print(" ".join(n for n in [*kvq.__all__, "cache", "models", "distributed"] if n not in names))
+print(" ".join(n for n in names if not hasattr(kvq, n)))
+"""
+
+
+def test_dir_lists_the_lazily_exported_api():
+    """``dir(kvq)`` names what ``kvq.__getattr__`` loads on first use (the cache API, ``models``, ``distributed``),
+    as tab completion and ``help()`` read it, without importing mlx-lm; every name it lists resolves."""
+    done = subprocess.run([sys.executable, "-c", DIR_LISTS_LAZY_NAMES], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    loaded, missing, unresolved = (done.stdout.split("\n") + ["", ""])[:3]
+    assert loaded == "0" and missing == "", missing
+    assert unresolved == "", unresolved

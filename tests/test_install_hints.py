@@ -60,15 +60,15 @@ def test_without_a_clone_the_hint_says_how_to_get_one_and_never_names_pypi(monke
 
 
 def test_demo_falls_back_before_model_work_when_turboquant_is_absent():
-    code = ("from kvq.cli.demo_cmd import demo_method; m, note = demo_method(); print(m['method'], m['bits']); "
+    code = ("from kvq.cli.demo_cmd import demo_methods; *shown, note = demo_methods(); print(*shown); "
             "print(note)")
     env = {**os.environ, "KVQ_LOAD_PLUGINS": "baselines"}  # only kvq-core's own methods
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
     first, note = out.split("\n", 1)
-    assert first == "affine 3"
+    assert first == "affine:4 affine:3"  # kvq.defaults.RECOMMENDED_CORE, THREE_BIT_CORE
     assert "kvq-backends-turboquant" in note and "uv pip install" in note and "instead" in note
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.startswith("turboquant 3\n")
+    assert out.startswith("turboquant:4 turboquant:3\n")
 
 
 def test_extras_and_kernel_hints_use_the_same_commands():

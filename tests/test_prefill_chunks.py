@@ -50,7 +50,7 @@ def run(model, label: str, chunk: int, **options) -> np.ndarray:
 
 
 @pytest.mark.parametrize("label, flush", [
-    ("fp16", 1), ("affine:4", 1), ("affine:4", 8), ("turboquant:4", 1), ("turboquant:3", 8),
+    ("kvq-fp16", 1), ("affine:4", 1), ("affine:4", 8), ("turboquant:4", 1), ("turboquant:3", 8),
     ("turboquant_prod:4", 1), ("turboquant_rvq[bits=2,residual_bits=2]", 1), ("qjl+affine:4", 1),
     ("qjl+affine:4", 8), ("turboquant:3.5", 8),
 ])
@@ -66,8 +66,8 @@ def test_every_chunking_matches_token_by_token(model32, label, flush):
 
 def test_fp16_cache_chunked_equals_token_by_token_closely(model32):
     """The uncompressed method, where only summation order differs: logits within 1e-3 relative."""
-    reference = run(model32, "fp16", 1)
-    got = run(model32, "fp16", 64)
+    reference = run(model32, "kvq-fp16", 1)
+    got = run(model32, "kvq-fp16", 64)
     assert np.max(np.abs(got - reference)) < 1e-3 * np.max(np.abs(reference))
 
 
@@ -138,7 +138,7 @@ def test_default_model_same_answer_whatever_the_chunking():
         assert mean_kl(logits[0], logits[2]) < whole_bound, label
 
 
-@pytest.mark.parametrize("label", ["affine:4", "turboquant:4", "turboquant_prod:4", "qjl+affine:4", "fp16"])
+@pytest.mark.parametrize("label", ["affine:4", "turboquant:4", "turboquant_prod:4", "qjl+affine:4", "kvq-fp16"])
 def test_gpu_prefill_path_sees_what_token_by_token_sees(model32, label, monkeypatch):
     """The GPU's prefill path (MLX's fused attention over a transient dequantized copy, with the same per-row
     visibility as an additive mask), forced on the CPU: KL to the token-by-token run < 1e-4 (measured 2e-10 ..

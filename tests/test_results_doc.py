@@ -25,3 +25,22 @@ def test_every_file_the_docs_link_exists():
         for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text()):
             if "://" not in target:
                 assert (doc.parent / target).exists(), f"{doc.name} links {target}, which does not exist"
+
+
+def test_every_table_names_the_reference_as_the_commands_now_do():
+    """Issue #54: result files before 2026-12-05 wrote ``fp16`` for mlx-lm's KVCache (kvq bench) and for kvq's
+    16-bit cache (the reference of kvq eval); the tables name the first ``kvcache (dtype)``, as every command now
+    does, and the second ``kvq-fp16``, without rewriting the files."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import report
+
+    name = report.cache_name
+    assert name({"method": "fp16", "cache": "mlx-lm KVCache"}, "bfloat16") == "kvcache (bfloat16)"
+    assert name({"method": "kvcache", "cache": "mlx-lm KVCache"}, "mlx.core.float32") == "kvcache (float32)"
+    assert name({"method": "fp16"}, "bfloat16") == "kvcache (bfloat16)"  # capacity rows name no cache
+    assert name({"method": "fp16", "cache": "kvq KVQCache"}, "mlx.core.float32") == "kvq-fp16"
+    assert name({"method": "mlx-affine:4", "cache": "mlx-lm QuantizedKVCache"}, "bfloat16") == (
+        "mlx-affine:4 (mlx-lm QuantizedKVCache)")
+    assert name({"method": "turboquant:3"}, "bfloat16") == "turboquant:3"
+    text = (ROOT / "docs" / "results.md").read_text()
+    assert "| fp16 |" not in text and "x fp16" not in text  # ("fp16 SDPA": mx.fast attention on 16-bit data)

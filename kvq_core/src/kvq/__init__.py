@@ -44,6 +44,11 @@ def __getattr__(name):
     raise AttributeError(f"module 'kvq' has no attribute {name!r}")
 
 
+def __dir__():
+    # the module's own names plus those __getattr__ loads on first use (dir() sees neither until then)
+    return sorted({*globals(), *__all__, "cache", "models", "distributed"})
+
+
 __all__ = [
     "OPS", "BitsAccounting", "Encoded", "Implementation", "Method", "Params", "Plan", "PluginLoadWarning",
     "Problem", "RegistrationError", "all_implementations", "contract", "hookimpl", "make_params", "methods",

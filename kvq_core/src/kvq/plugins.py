@@ -5,7 +5,7 @@ its own guard: a plugin that fails to import, has no ``kvq_register``, registers
 whose hooks have the wrong signature is named in a :class:`PluginLoadWarning` and skipped (all of what it
 registered is rolled back). ``KVQ_STRICT_PLUGINS=1`` (or ``load(strict=True)``) turns that into an error.
 ``KVQ_LOAD_PLUGINS=a,b`` loads only the named entry points (empty: none), like llm's ``LLM_LOAD_PLUGINS``, and
-kvq-core's own (:data:`CORE_ENTRY_POINT`: ``fp16``, the reference every command compares with, and ``affine``).
+kvq-core's own (:data:`CORE_ENTRY_POINT`: ``fp16``, kvq's 16-bit cache, and ``affine``).
 """
 
 from __future__ import annotations

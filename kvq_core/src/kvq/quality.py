@@ -1,9 +1,9 @@
-"""How close a compressed cache stays to fp16, and how many bytes it really holds.
+"""How close a compressed cache stays to the reference (mlx-lm's KVCache), and how many bytes it really holds.
 
 Shared by ``kvq generate``, ``kvq demo`` and evaluation code:
 
 * :func:`teacher_forced_logprobs`: next-token log-probabilities of a model with a given cache along a fixed token
-  sequence (the fp16 cache's greedy output), one decode step per token, as generation would run them;
+  sequence (the reference cache's greedy output), one decode step per token, as generation would run them;
 * :func:`kl_divergence` and :func:`compare_to_reference`: KL(reference || method) and top-1 agreement on those
   same tokens;
 * :func:`settle`, :func:`cache_nbytes` and :func:`filled_cache_bytes`: bytes resident, measured with
@@ -33,7 +33,7 @@ def log_softmax(logits: mx.array) -> mx.array:
 def kl_divergence(reference: mx.array | np.ndarray, other: mx.array | np.ndarray) -> np.ndarray:
     """KL(reference || other) in nats, per row, from log-probabilities.
 
-    :param reference: ``[..., V]`` log-probabilities of the reference (fp16 cache).
+    :param reference: ``[..., V]`` log-probabilities of the reference (mlx-lm's KVCache).
     :param other: ``[..., V]`` log-probabilities of the method under test, same shape.
     :return: float64 ``[...]`` array (>= 0 up to rounding).
     :raises ValueError: the shapes differ.
@@ -87,7 +87,7 @@ def teacher_forced_logprobs(model, cache: list, first_token: int, tokens: Sequen
     a compressed cache sees exactly what it would see while generating those tokens itself.
 
     :param model: an mlx-lm model. :param cache: its prompt cache (updated in place).
-    :param tokens: the forced tokens (e.g. the fp16 cache's greedy output).
+    :param tokens: the forced tokens (e.g. the reference cache's greedy output).
     :return: an iterator of evaluated float32 ``[V]`` log-probabilities, one per token of ``tokens``.
     """
     inputs = [first_token, *tokens[:-1]] if len(tokens) else []

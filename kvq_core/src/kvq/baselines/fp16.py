@@ -28,7 +28,8 @@ class Fp16Params:
         """Every head_dim >= 1 is supported."""
 
 
-METHOD = Method("fp16", Fp16Params, "uncompressed 16-bit keys and values (the reference)",
+METHOD = Method("fp16", Fp16Params, "uncompressed 16-bit keys and values (kvq-fp16 in method strings; the "
+                "reference, kvcache, is mlx-lm's KVCache)",
                 source="mlx-lm KVCache")
 
 

@@ -3,13 +3,13 @@ cache: the measuring part of ``kvq bench batch`` (#22).
 
 Each row inserts ``batch`` prompts of ``prompt`` random tokens into one ``BatchGenerator`` (greedy, no stop token,
 ``tokens`` new tokens each) and runs it to the end, as a server does under concurrent load: prefill of the prompts in
-chunks, then batched decode with the generator's cache merges, filters and extracts. fp16 is mlx-lm's own caches
+chunks, then batched decode with the generator's cache merges, filters and extracts. kvcache is mlx-lm's own caches
 (the model unpatched); a kvq method patches the model (:func:`kvq.patch_model`), so the generator makes kvq caches
 and batches them as :class:`kvq.cache.BatchKVQCache`. Reported: the seconds until every sequence has its first token
 (prefill), the aggregate decode tokens/s after that (every sequence's tokens, over the time from the last first
 token to the end), the peak memory above the level before the generator was made, and the tokens (identical
 prompts give the same count for every method: the run is checked to have produced ``batch * tokens`` of them).
-Every repetition measures fp16 first, so each ratio compares rows of one repetition in one process.
+Every repetition measures kvcache first, so each ratio compares rows of one repetition in one process.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from .measure import error_text, release
 from .rows import REFERENCE, repeated_rows
 
 #: Method strings measured when ``--methods`` is not given (those whose methods are installed).
-DEFAULT_METHODS = ("fp16", "affine:4", "turboquant:4", "turboquant:3")
+DEFAULT_METHODS = ("kvcache", "affine:4", "turboquant:4", "turboquant:3")
 
 
 @attrs.frozen
@@ -125,7 +125,7 @@ class BatchBench:
         self.model, self.settings, self.vocab_size = model, settings, vocab_size
 
     def run(self, specs: list[MethodSpec], on_row: Callable[[dict], None] | None = None) -> list[dict]:
-        """Every batch size, then every repetition, then every spec (fp16 first); ``on_row(row)`` after each."""
+        """Every batch size, then every repetition, then every spec (the reference, kvcache, first); ``on_row(row)`` after each."""
         s = self.settings
         return repeated_rows(s.batches, s.reps, specs, lambda batch: prompts(batch, s.prompt, self.vocab_size, s.seed),
                              self._measure, add_ratios, desc="kvq bench batch",
@@ -154,8 +154,8 @@ class BatchBench:
 
 
 def add_ratios(row: dict, reference: dict | None) -> None:
-    """Add ``decode_vs_fp16``, ``prefill_vs_fp16`` (speed: fp16's seconds / this row's) and ``peak_vs_fp16``
-    (method / fp16 of the same batch and repetition; ``None`` when either row failed)."""
+    """Add ``decode_vs_fp16``, ``prefill_vs_fp16`` (speed: the reference's seconds / this row's) and ``peak_vs_fp16``
+    (method / kvcache of the same batch and repetition; ``None`` when either row failed)."""
     ok = reference is not None and not row["error"]
     row["decode_vs_fp16"] = (row["decode_tokens_per_second"] / reference["decode_tokens_per_second"]
                              if ok and row["decode_tokens_per_second"] and reference["decode_tokens_per_second"]

@@ -7,12 +7,12 @@ from pathlib import Path
 from .output import cache_style, header_lines, markdown_table, pyplot, with_ratio
 
 MIB = 2**20
-COLUMNS = ("method", "cache", "rep", "prefill s; speed x fp16", "decode tokens/s, all sequences (x fp16)",
-           "peak MiB above (x fp16)")
+COLUMNS = ("method", "cache", "rep", "prefill s; speed x kvcache", "decode tokens/s, all sequences (x kvcache)",
+           "peak MiB above (x kvcache)")
 NOTES = """Columns: prefill s = from inserting the prompts into mlx-lm's BatchGenerator until every sequence has its \
-first token (speed x fp16 = fp16's seconds / these); decode tokens/s = every sequence's tokens after its first, over the time from then to the last token \
+first token (speed x kvcache = the reference's seconds / these); decode tokens/s = every sequence's tokens after its first, over the time from then to the last token \
 (the aggregate a server under concurrent load gives); peak = mx.get_peak_memory() during the run minus the active \
-memory before the generator was made (caches, prefill and decode temporaries). Ratios compare with fp16 (mlx-lm's \
+memory before the generator was made (caches, prefill and decode temporaries). Ratios compare with kvcache (mlx-lm's \
 own caches, the model unpatched) in the same repetition; the first repetition includes compiling. kvq rows patch \
 the model (kvq.patch_model), so the generator batches kvq caches (BatchKVQCache)."""
 
@@ -49,7 +49,7 @@ def markdown_file(document: dict) -> str:
 
 def plot(document: dict, path: str | Path) -> None:
     """Two panels against batch size (log 2): aggregate decode tokens/s and peak memory above the model, the last
-    repetition of each row; one line per method (fp16 dashed black).
+    repetition of each row; one line per method (kvcache dashed black).
 
     :raises ValueError: matplotlib is missing (the message says how to install it).
     """
@@ -64,7 +64,7 @@ def plot(document: dict, path: str | Path) -> None:
         for method in dict.fromkeys(r["method"] for r in rows):
             points = sorted((r["batch"], r[key] / scale) for r in rows if r["method"] == method)
             cache = next(r["cache"] for r in rows if r["method"] == method)
-            name = f"{method} (mlx-lm's caches, {document['model']['dtype']})" if method == "fp16" else method
+            name = f"{method} (mlx-lm's caches, {document['model']['dtype']})" if method in ("kvcache", "fp16") else method
             ax.plot([p[0] for p in points], [p[1] for p in points], label=name, **cache_style(cache))
         ax.set(ylabel=label, xlabel="sequences at once (BatchGenerator)")
         ax.set_xscale("log", base=2)

@@ -1,7 +1,7 @@
 """``kvq bench capacity``: the largest batch of equal-length sequences that fits in one device's memory with each
 cache, and its aggregate decode tokens/s (issue #22's capacity benchmark: the number a server operator cares about).
 
-Per method (fp16, mlx-lm's KVCache, first): two probes of :class:`kvq.bench.e2e.E2EBench` rows at 1 and 2 sequences
+Per method (kvcache, mlx-lm's KVCache, first): two probes of :class:`kvq.bench.e2e.E2EBench` rows at 1 and 2 sequences
 give the peak memory above the model as ``a + b * B`` (``b``: one more sequence's cache and decode temporaries);
 the largest ``B`` whose predicted peak stays within the budget, times a safety factor, is then measured like a
 ``kvq bench e2e --batch B`` row (random keys and values in every row, one token per sequence per step, flushes
@@ -10,7 +10,7 @@ most :data:`MAX_TRIES` times). A batch that fits at once gives a third point: th
 its measured peak predicts again (the slope of two probes at 1 and 2 sequences is noisy: one more sequence's bytes
 moved by half between two runs on a CPU), and a larger prediction is measured too and kept if it fits, so a cautious
 first prediction does not understate a cache. A batch at ``max_batch`` is marked (``at_max_batch``): more might
-fit. Every ratio compares with the fp16 row of the same run.
+fit. Every ratio compares with the kvcache row of the same run.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def predicted_batch(probes: dict[int, int], headroom: int, safety: float, max_ba
 
 
 class CapacityBench:
-    """Measures one row per method on one model (``run``), fp16 first.
+    """Measures one row per method on one model (``run``), kvcache first.
 
     :param model: an mlx-lm llama-family model (as :class:`kvq.bench.e2e.E2EBench`).
     :param settings: :class:`CapacitySettings`.
@@ -96,8 +96,8 @@ class CapacityBench:
         self.model, self.settings = model, settings
 
     def run(self, specs: list, on_row: Callable[[dict], None] | None = None) -> list[dict]:
-        """A row per spec (in order; fp16 first): ``method``, ``max_batch``, ``per_sequence_bytes``, the measured
-        row at that batch (``tokens_per_second`` for all sequences, ``peak_memory``, ...) and ratios to fp16."""
+        """A row per spec (in order; kvcache first): ``method``, ``max_batch``, ``per_sequence_bytes``, the measured
+        row at that batch (``tokens_per_second`` for all sequences, ``peak_memory``, ...) and ratios to kvcache."""
         rows, reference = [], None
         for spec in tqdm(specs, desc="kvq bench capacity", unit="method", disable=not self.settings.progress):
             row = self._measure(spec)
@@ -168,7 +168,7 @@ class CapacityBench:
 
 
 def add_ratios(row: dict, reference: dict | None) -> None:
-    """Add ``batch_vs_fp16`` and ``tokens_vs_fp16`` (method / fp16; ``None`` when either row failed)."""
+    """Add ``batch_vs_fp16`` and ``tokens_vs_fp16`` (method / kvcache; ``None`` when either row failed)."""
     ok = reference is not None and not row["error"]
     row["batch_vs_fp16"] = row["max_batch"] / reference["max_batch"] if ok else None
     row["tokens_vs_fp16"] = row["tokens_per_second"] / reference["tokens_per_second"] if ok else None

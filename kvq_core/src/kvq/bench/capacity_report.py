@@ -7,14 +7,14 @@ from pathlib import Path
 from .output import header_lines, markdown_table, pyplot, with_ratio
 
 MIB = 2**20
-COLUMNS = ("method", "sequences that fit (x fp16)", "per sequence MiB", "peak MiB / budget",
-           "decode tokens/s, all sequences (x fp16)", "ms/step")
+COLUMNS = ("method", "sequences that fit (x kvcache)", "per sequence MiB", "peak MiB / budget",
+           "decode tokens/s, all sequences (x kvcache)", "ms/step")
 NOTES = """Columns: sequences that fit = the largest batch of sequences of this length measured whose peak (model, \
 caches, decode temporaries) stayed within the budget, the batches tried being those a line through measured peaks \
 predicts within the safety fraction of the headroom (the tries are in the JSON); ">= N" where --max-batch capped \
 it; per sequence = the peak's growth from 1 to 2 sequences (one \
 more sequence's cache and temporaries); tokens/s = sequences / mean step over the timed steps (flushes included), \
-as kvq bench e2e --batch. Every row holds random keys and values; ratios compare with fp16 (mlx-lm's KVCache) in \
+as kvq bench e2e --batch. Every row holds random keys and values; ratios compare with kvcache (mlx-lm's KVCache) in \
 the same run."""
 
 
@@ -54,7 +54,7 @@ def plot(document: dict, path: str | Path) -> None:
     names = [r["method"] for r in rows]
     for ax, key, label in ((axes[0], "max_batch", "sequences that fit"),
                            (axes[1], "tokens_per_second", "decode tokens/s, all sequences")):
-        ax.bar(names, [r[key] for r in rows], color=["black" if n == "fp16" else "tab:blue" for n in names])
+        ax.bar(names, [r[key] for r in rows], color=["black" if n in ("kvcache", "fp16") else "tab:blue" for n in names])
         ax.set(ylabel=label)
         ax.tick_params(axis="x", rotation=20)
         ax.grid(True, axis="y", alpha=0.3)

@@ -1,7 +1,8 @@
 """``kvq bench e2e``: decode speed and memory of whole-model generation against context length, per cache.
 
-For each context length and each method string (:mod:`kvq.evaluation.spec`; ``fp16`` here is mlx-lm's own
-``KVCache``, ``mlx-affine:N`` its ``QuantizedKVCache``, ``kvq-fp16`` kvq's 16-bit store), in one process:
+For each context length and each method string (:mod:`kvq.evaluation.spec`; ``kvcache``, the reference, is
+mlx-lm's own ``KVCache`` in the model's dtype (``fp16`` is its older name), ``mlx-affine:N`` its
+``QuantizedKVCache``, ``kvq-fp16`` kvq's 16-bit store), in one process:
 
 1. fill: every layer's cache is brought to ``context`` tokens, in one of three ways (:data:`FILLS`):
    ``random`` calls ``cache.update_and_fetch`` with random normal keys and values in chunks (prefill memory stays
@@ -37,17 +38,16 @@ import mlx.core as mx
 from tqdm import tqdm
 
 from ..defaults import DEFAULT_FLUSH
-from ..evaluation.spec import MethodSpec, bits_per_coordinate, checked_with_reference, parse_method, split_methods
+from ..evaluation.spec import (MethodSpec, bits_per_coordinate, checked_with_reference, model_dtype, parse_method,
+                               split_methods)
 from .fill import RandomKV, ReplayKV, decode, fill, host_summary, latency_summary, prefill
 from .measure import error_text, release
 from .rows import REFERENCE
 
 #: How caches are brought to the context length.
 FILLS = ("random", "replay", "prefill")
-#: kvq's fp16 method (KVQCache with 16-bit parts); ``fp16`` (REFERENCE) is mlx-lm's KVCache, the reference.
-KVQ_FP16 = "kvq-fp16"
 #: Method strings measured when ``--methods`` is not given (those whose methods are installed).
-DEFAULT_METHODS = ("fp16", "mlx-affine:4", "mlx-affine:8", "affine:4", "turboquant:4", "turboquant:k4v3",
+DEFAULT_METHODS = (REFERENCE, "mlx-affine:4", "mlx-affine:8", "affine:4", "turboquant:4", "turboquant:k4v3",
                    "turboquant:3", "turboquant_prod:4", "qjl+turboquant:4")
 #: Bits of the uncompressed sinks and window of a kvq cache (kept in 16 bits even for float32 models).
 DENSE_BITS = 16
@@ -104,7 +104,7 @@ class E2ESettings:
 
 def parse_methods(text: str | None, head_dim: int | None = None, sinks: int = 4, window: int = 128,
                   installed: set[str] | None = None, defaults: tuple[str, ...] = DEFAULT_METHODS) -> list[MethodSpec]:
-    """``--methods`` (``None``: the installed ``defaults``), validated; ``fp16`` first, added if missing.
+    """``--methods`` (``None``: the installed ``defaults``), validated; the reference first, added if missing.
 
     :param installed: installed method names (for the defaults; default: the registry's).
     :param defaults: the method strings measured without ``--methods`` (default :data:`DEFAULT_METHODS`).
@@ -116,17 +116,12 @@ def parse_methods(text: str | None, head_dim: int | None = None, sinks: int = 4,
 
         installed = set(registry().methods) if installed is None else installed
         text = ",".join(m for m in defaults if _names(m) <= installed | {"mlx-affine"})
-    specs = []
-    for part in split_methods(text):
-        if part == KVQ_FP16 or part.startswith(KVQ_FP16 + "["):
-            specs.append(attrs.evolve(parse_method("fp16" + part[len(KVQ_FP16):]), label=part))
-        else:
-            specs.append(parse_method(part))
+    specs = [parse_method(part) for part in split_methods(text)]
     return checked_with_reference(specs, head_dim, sinks, window, REFERENCE)
 
 
 def _names(text: str) -> set[str]:
-    return {side.split(":")[0].split("[")[0] for side in text.split("+")}
+    return {side.split(":")[0].split("[")[0] for side in text.split("+")} - {REFERENCE}
 
 
 def cache_kind(spec: MethodSpec) -> str:
@@ -196,13 +191,6 @@ def attend_implementation(cache, model, settings: E2ESettings) -> str | None:
     return None if choice is None else f"{label}:{choice.backend}"
 
 
-def model_dtype(model) -> mx.Dtype:
-    """The dtype the model computes its keys and values in: its key projection's weight dtype, or for a
-    quantized model (``QuantizedLinear``, integer weights) the dtype of its scales."""
-    projection = model.layers[0].self_attn.k_proj
-    return getattr(projection, "scales", projection.weight).dtype
-
-
 class E2EBench:
     """Measures rows (one per context and method string) on one model.
 
@@ -223,7 +211,7 @@ class E2EBench:
         self.text = None if text_ids is None else mx.array(text_ids)
 
     def run(self, specs: list[MethodSpec], on_row: Callable[[dict], None] | None = None) -> list[dict]:
-        """Every context (in settings order) times every spec (fp16 first); ``on_row(row)`` after each row (with
+        """Every context (in settings order) times every spec (the reference first); ``on_row(row)`` after each row (with
         ``rounds`` > 1, after the last round of the context)."""
         s, rows = self.settings, []
         bar = tqdm(total=len(s.contexts) * len(specs), desc="kvq bench e2e", unit="row",

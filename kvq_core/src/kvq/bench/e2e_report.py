@@ -7,8 +7,8 @@ from pathlib import Path
 from .output import cache_style, context_axis, header_lines, pyplot, tables_by_context, with_ratio
 
 MIB = 2**20
-COLUMNS = ("method", "cache", "bits/coord (eff.)", "KV MiB (x fp16)", "measured MiB (x fp16)", "decode peak MiB",
-           "ms/step mean, median [p10, p90]", "host ms/step median", "tokens/s (x fp16)", "attend")
+COLUMNS = ("method", "cache", "bits/coord (eff.)", "KV MiB (x kvcache)", "measured MiB (x kvcache)", "decode peak MiB",
+           "ms/step mean, median [p10, p90]", "host ms/step median", "tokens/s (x kvcache)", "attend")
 NOTES = """Columns: bits/coord = stored bits per coordinate of compressed tokens (codes + norms + scales), keys and \
 values averaged; eff. = over the whole context with a kvq cache's sinks and window at 16 bits. KV MiB = the caches' \
 nbytes after the fill (allocated, preallocation included); measured = growth of mx.get_active_memory() from before \
@@ -19,7 +19,7 @@ host ms/step = the time Python spent building the next step's graph and MLX queu
 on MLX's CUDA back end encodes it into CUDA graphs): where it is about the whole step, the host set the pace \
 (benchmarks/decode_host_split.py splits it; on the CPU the two come out equal); tokens/s = sequences / mean step \
 (a kvq cache's window flush, once every flush steps, counts). \
-fp16 = mlx-lm's KVCache in the model's dtype; mlx-affine:N = mlx-lm's QuantizedKVCache (kv_bits N, group 64); the \
+kvcache = mlx-lm's KVCache in the model's dtype, the reference (fp16 in older files); mlx-affine:N = mlx-lm's QuantizedKVCache (kv_bits N, group 64); the \
 others are kvq caches."""
 
 
@@ -77,7 +77,7 @@ def markdown_file(document: dict) -> str:
 
 def plot(document: dict, path: str | Path) -> None:
     """Three panels against context length (log 2): decode tokens/s, measured KV memory, decode peak memory;
-    one line per method (fp16 dashed black, mlx-lm caches with squares).
+    one line per method (kvcache dashed black, mlx-lm caches with squares).
 
     :raises ValueError: matplotlib is missing (the message says how to install it).
     """

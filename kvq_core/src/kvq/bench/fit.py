@@ -148,7 +148,7 @@ def model_shape(name: str, config: dict, path: Path | None, dtype: str | None) -
 class CacheCost:
     """The bytes one cache kind costs per layer of one sequence (see the module's docstring).
 
-    :param label: the method string (``fp16`` is mlx-lm's KVCache). :param kind: ``"mlx-lm"`` or ``"kvq"``.
+    :param label: the method string (``kvcache`` is mlx-lm's KVCache). :param kind: ``"mlx-lm"`` or ``"kvq"``.
     :param bits_per_token: compressed bits per token and KV head, keys plus values (mlx-lm: the dtype's or
         QuantizedKVCache's). :param sinks, window, flush, step: kvq caches' layout (tokens; 0 for mlx-lm's).
     :param shared_bytes: constants per layer, both sides (bytes).

@@ -32,7 +32,7 @@ def _cells(r: dict, reference: dict) -> list[str]:
 
 
 def markdown(document: dict) -> str:
-    """The table (ratios to fp16 in brackets), then what the numbers are made of."""
+    """The table (ratios to kvcache in brackets), then what the numbers are made of."""
     s, rows = document["settings"], document["rows"]
     headers = [c.format(batch=s["batch"], context=s["context"]) for c in COLUMNS]
     m = document["model"]

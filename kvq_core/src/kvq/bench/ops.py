@@ -22,7 +22,7 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
-from ..evaluation.spec import MLX_AFFINE, parse_method, split_methods
+from ..evaluation.spec import KVQ_FP16, MLX_AFFINE, parse_method, split_methods
 from ..plugins import registry
 from ..problem import Problem, device_kind
 from ..selection import select
@@ -76,7 +76,8 @@ def parse_methods(text: str | None, head_dim: int = 128) -> tuple[BenchMethod, .
         text = ",".join(m for m in DEFAULT_METHODS if m.split(":")[0] in installed)
     methods = []
     for part in split_methods(text):
-        spec = parse_method(part)
+        # ops are kvq methods': fp16 is kvq's 16-bit method here (mlx-lm's KVCache has none; SDPA is the reference)
+        spec = parse_method(KVQ_FP16 if part.strip() == "fp16" else part)
         if (spec.key_method != spec.value_method or spec.key_params != spec.value_params or spec.cache_options
                 or spec.is_mlx):
             raise ValueError(f"--methods: {part!r}: kvq bench ops measures one method's ops; write NAME[:BITS]"

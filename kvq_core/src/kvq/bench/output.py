@@ -56,7 +56,7 @@ def write_json(document: dict[str, Any], path: str | Path) -> None:
 
 def with_ratio(text: str, ratio: float | None) -> str:
     """A table cell: ``text``, followed by `` (ratio)`` to two decimals unless ``ratio`` is ``None`` (a row or its
-    fp16 reference failed)."""
+    reference failed)."""
     return text if ratio is None else f"{text} ({ratio:.2f})"
 
 
@@ -99,7 +99,7 @@ def context_axis(ax, label: str = "context length (tokens)") -> None:
 
 
 def cache_style(cache: str) -> dict[str, str]:
-    """matplotlib line style of a row's ``cache`` kind: mlx-lm's KVCache (fp16, the reference) dashed black,
+    """matplotlib line style of a row's ``cache`` kind: mlx-lm's KVCache (kvcache, the reference) dashed black,
     mlx-lm's other caches with squares, kvq's with dots."""
     if cache == "mlx-lm KVCache":
         return dict(color="black", linestyle="--", marker="o")

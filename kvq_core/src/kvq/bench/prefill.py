@@ -4,7 +4,7 @@ Each row prefills one prompt of ``context`` tokens into fresh caches, in chunks 
 cache state evaluated before the next (as ``mlx_lm.generate_step`` prefills: the logits are never computed), and
 reports the seconds, prefill tokens/s, the peak memory above the level before the caches were made
 (``mx.get_peak_memory`` after ``mx.reset_peak_memory``) and the caches' bytes afterwards. Every repetition measures
-every method after fp16 (mlx-lm's KVCache), so each ratio compares rows of one repetition in one process.
+every method after kvcache (mlx-lm's KVCache), so each ratio compares rows of one repetition in one process.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from .measure import error_text, release
 from .rows import repeated_rows
 
 #: Method strings measured when ``--methods`` is not given (those whose methods are installed).
-DEFAULT_METHODS = ("fp16", "mlx-affine:4", "affine:4", "turboquant:4", "turboquant:3")
+DEFAULT_METHODS = ("kvcache", "mlx-affine:4", "affine:4", "turboquant:4", "turboquant:3")
 
 
 @attrs.frozen
@@ -82,7 +82,7 @@ class PrefillBench:
         self.model, self.settings, self.vocab_size, self.text_ids = model, settings, vocab_size, text_ids
 
     def run(self, specs: list[MethodSpec], on_row: Callable[[dict], None] | None = None) -> list[dict]:
-        """Every context, then every repetition, then every spec (fp16 first); ``on_row(row)`` after each."""
+        """Every context, then every repetition, then every spec (the reference, kvcache, first); ``on_row(row)`` after each."""
         s = self.settings
         return repeated_rows(s.contexts, s.reps, specs,
                              lambda context: prompt(context, self.vocab_size, self.text_ids, s.seed), self._measure,
@@ -106,7 +106,7 @@ class PrefillBench:
 
 
 def add_ratios(row: dict, reference: dict | None) -> None:
-    """Add ``speed_vs_fp16``, ``peak_vs_fp16`` and ``kv_bytes_ratio`` (method / fp16 of the same context and
+    """Add ``speed_vs_fp16``, ``peak_vs_fp16`` and ``kv_bytes_ratio`` (method / kvcache of the same context and
     repetition; ``None`` when either row failed)."""
     ok = reference is not None and not row["error"]
     row["speed_vs_fp16"] = row["tokens_per_second"] / reference["tokens_per_second"] if ok else None

@@ -7,11 +7,11 @@ from pathlib import Path
 from .output import cache_style, context_axis, header_lines, pyplot, tables_by_context, with_ratio
 
 MIB = 2**20
-COLUMNS = ("method", "cache", "rep", "s", "tokens/s (x fp16)", "peak MiB above (x fp16)", "KV MiB (x fp16)")
+COLUMNS = ("method", "cache", "rep", "s", "tokens/s (x kvcache)", "peak MiB above (x kvcache)", "KV MiB (x kvcache)")
 NOTES = """Columns: s = wall time of the whole prefill (chunks of the settings' size, each chunk's cache state \
 evaluated before the next, as mlx_lm.generate_step prefills; logits never computed); tokens/s = context / s; peak \
 = mx.get_peak_memory() during the prefill minus the active memory before the caches were made; KV = the caches' \
-nbytes afterwards (allocated, preallocation included). Ratios compare with fp16 (mlx-lm's KVCache in the model's \
+nbytes afterwards (allocated, preallocation included). Ratios compare with kvcache (mlx-lm's KVCache in the model's \
 dtype) in the same repetition; the first repetition includes compiling. mlx-affine:N = mlx-lm's QuantizedKVCache \
 (kv_bits N, group 64); the others are kvq caches."""
 
@@ -41,7 +41,7 @@ def markdown_file(document: dict) -> str:
 
 def plot(document: dict, path: str | Path) -> None:
     """Two panels against prompt length (log 2): prefill tokens/s and peak memory above the model, the last
-    repetition of each row; one line per method (fp16 dashed black, mlx-lm caches with squares).
+    repetition of each row; one line per method (kvcache dashed black, mlx-lm caches with squares).
 
     :raises ValueError: matplotlib is missing (the message says how to install it).
     """

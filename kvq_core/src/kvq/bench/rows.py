@@ -1,6 +1,6 @@
 """The row loop the repeated benchmarks share (``kvq bench prefill``, ``kvq bench batch``): every group (a prompt
-length, a batch size), then every repetition, then every method string with fp16 first, each row compared with
-the fp16 row of its own repetition."""
+length, a batch size), then every repetition, then every method string with the reference first (``kvcache``:
+mlx-lm's own caches), each row compared with the reference row of its own repetition."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from typing import Any, Callable, Sequence
 
 from tqdm import tqdm
 
-#: The method string of the reference row (mlx-lm's own caches).
-REFERENCE = "fp16"
+from ..evaluation.spec import REFERENCE
 
 
 def repeated_rows(groups: Sequence[Any], reps: int, specs: Sequence, prepare: Callable[[Any], Any],
@@ -20,8 +19,8 @@ def repeated_rows(groups: Sequence[Any], reps: int, specs: Sequence, prepare: Ca
 
     :param prepare: ``prepare(group)``: what every row of the group shares (the prompt ids), made once.
     :param measure: ``measure(spec, group, rep, prepared, bar)`` -> the row (``row["error"]`` set when it failed).
-    :param add_ratios: ``add_ratios(row, reference)`` with the repetition's fp16 row (``None`` until one
-        succeeded: specs list fp16 first).
+    :param add_ratios: ``add_ratios(row, reference)`` with the repetition's reference row (``None`` until one
+        succeeded: specs list the reference first).
     :param desc: the progress bar's title; :param what: ``what(group)``, the group in the bar's text.
     :param on_row: called with every row as it is measured (results files are written after each).
     :return: the rows.

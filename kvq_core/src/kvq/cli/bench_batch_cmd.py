@@ -1,8 +1,8 @@
-"""``kvq bench batch``: batched generation through mlx-lm's BatchGenerator (the server's path), per cache, fp16 in the
+"""``kvq bench batch``: batched generation through mlx-lm's BatchGenerator (the server's path), per cache, kvcache in the
 same run: prefill time, aggregate decode tokens/s and peak memory against the number of sequences.
 
 Every row inserts the same random prompts into one BatchGenerator and runs it to the end; each repetition measures
-fp16 (mlx-lm's own caches) first, so every ratio compares rows of one repetition in one process. Writes
+kvcache (mlx-lm's own caches) first, so every ratio compares rows of one repetition in one process. Writes
 OUT/NAME.json (after every row), OUT/NAME.md and OUT/NAME.png.
 """
 
@@ -17,7 +17,7 @@ models: the default model (SmolLM2-135M-Instruct), any --model kvq eval takes, o
 llama of a real shape (random:llama3-8b, random:llama3-3b, random:llama3-1b, random:tiny; --layers cuts its layer
 count). Prompts are random token ids.
 
-methods: kvq eval's method strings for kvq caches; fp16 is mlx-lm's own caches (always measured first, the
+methods: kvq eval's method strings for kvq caches; kvcache is mlx-lm's own caches (fp16 its older name; always measured first, the
 reference). mlx-lm's QuantizedKVCache (mlx-affine:N) is not measured: BatchGenerator cannot batch it.
 
 Defaults: --batches 1,8 and --prompt 2048 on a GPU, --batches 1,4 and --prompt 256 on the CPU.
@@ -78,7 +78,7 @@ def check(args) -> dict:
     mlx = [s.label for s in specs if s.is_mlx]
     if mlx:
         raise ValueError(f"--methods: {', '.join(mlx)}: mlx-lm's BatchGenerator cannot batch its QuantizedKVCache; "
-                         "choose fp16 and kvq methods")
+                         "choose kvcache and kvq methods")
     settings = batch.BatchSettings(batches, prompt, args.tokens, args.reps, args.chunk, args.sinks, args.window,
                                    args.flush, args.kernels, args.seed, not args.no_progress)
     return checked_bench((name, config, path), settings, specs, args, random)

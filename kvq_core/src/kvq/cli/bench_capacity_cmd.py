@@ -1,5 +1,5 @@
 """``kvq bench capacity``: the largest batch of equal-length sequences that fits in the device's memory with each
-cache, and its aggregate decode tokens/s, fp16 in the same run (the number a server operator cares about).
+cache, and its aggregate decode tokens/s, kvcache in the same run (the number a server operator cares about).
 
 Writes OUT/NAME.json (after every row), OUT/NAME.md and OUT/NAME.png.
 """
@@ -12,7 +12,7 @@ from .bench_cmd import _model_config, add_model_and_cache_options, at_least, ben
 
 EPILOG = """
 models: as kvq bench e2e (random:PRESET random-weight llamas are the usual choice: random keys and values fill every
-sequence). methods: kvq bench e2e's method strings; fp16 is mlx-lm's KVCache (always measured first).
+sequence). methods: kvq bench e2e's method strings; kvcache is mlx-lm's KVCache (fp16 its older name; always measured first).
 
 --budget: bytes the run may hold in all (model, caches, decode temporaries), with K, M, G suffixes (powers of 1024);
 default: the device's memory (mx.device_info()), required on the CPU. Defaults: --context 32K on a GPU, 1K on the
@@ -20,7 +20,7 @@ CPU. Without --name, NAME is capacity-DATE-DEVICE-MODEL, with -2, -3 ... added w
 that name. The PNG needs matplotlib, kvq-core's plots extra (or pass --no-plot).
 """
 
-DEFAULT_METHODS = ("fp16", "turboquant:3", "turboquant:4", "affine:4")
+DEFAULT_METHODS = ("kvcache", "turboquant:3", "turboquant:4", "affine:4")
 
 
 def parser() -> argparse.ArgumentParser:

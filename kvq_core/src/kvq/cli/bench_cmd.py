@@ -53,7 +53,7 @@ random-weight llama of a real shape (random:llama3-8b, random:llama3-3b, random:
 cuts its layer count). Random models are filled with random keys and values; real models by default with the
 keys and values of one real prefill of the Python language reference per context (--fill replay).
 
-methods: kvq eval's method strings; fp16 is mlx-lm's KVCache (always measured first, the reference),
+methods: kvq eval's method strings; kvcache is mlx-lm's KVCache (fp16 its older name; always measured first, the reference),
 mlx-affine:N mlx-lm's QuantizedKVCache (kv_bits N, group 64), kvq-fp16 kvq's own 16-bit cache. A method
 calibrated per model (vecinfer) uses --model's calibration unless [model_id=...] names another.
 
@@ -201,7 +201,7 @@ def e2e_check(args) -> dict:
 
 def bench_specs(args, config: dict, random: bool, defaults: tuple[str, ...]) -> list:
     """``--methods`` of a bench (``None``: the installed ``defaults``), validated for the head_dim of ``config``
-    (the model's llama config, :func:`_model_config`), fp16 first; a method calibrated per model (vecinfer) uses
+    (the model's llama config, :func:`_model_config`), kvcache first; a method calibrated per model (vecinfer) uses
     ``--model``'s calibration unless ``[model_id=...]`` names another.
 
     :raises ValueError: an unknown method or bad parameters (the message names them)."""

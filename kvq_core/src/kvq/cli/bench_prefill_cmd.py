@@ -1,7 +1,7 @@
-"""``kvq bench prefill``: prefill tokens/s and peak memory against prompt length, per cache, fp16 in the same run.
+"""``kvq bench prefill``: prefill tokens/s and peak memory against prompt length, per cache, kvcache in the same run.
 
 Every cache prefills the same prompt in chunks (mlx-lm's 2048 by default), each chunk's cache state evaluated before
-the next as ``mlx_lm.generate`` does; each repetition measures fp16 (mlx-lm's KVCache) first, so every ratio compares
+the next as ``mlx_lm.generate`` does; each repetition measures kvcache (mlx-lm's KVCache) first, so every ratio compares
 rows of one repetition in one process. Writes OUT/NAME.json (after every row), OUT/NAME.md and OUT/NAME.png.
 """
 
@@ -17,7 +17,7 @@ llama of a real shape (random:llama3-8b, random:llama3-3b, random:llama3-1b, ran
 count). Real models prefill the Python language reference (repeated to the prompt length); random models random
 token ids.
 
-methods: kvq eval's method strings; fp16 is mlx-lm's KVCache (always measured first, the reference),
+methods: kvq eval's method strings; kvcache is mlx-lm's KVCache (fp16 its older name; always measured first, the reference),
 mlx-affine:N mlx-lm's QuantizedKVCache (kv_bits N, group 64).
 
 Default prompt lengths: random models 1K,4K on the CPU, 8K,32K,128K on a GPU; real models 1K,2K,4K on the CPU,

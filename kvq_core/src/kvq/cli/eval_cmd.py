@@ -1,11 +1,12 @@
-"""``kvq eval --methods fp16,affine:4,...``: quality and memory of methods on a model, against the fp16 cache.
+"""``kvq eval --methods kvcache,affine:4,...``: quality and memory of methods on a model, against mlx-lm's KVCache.
 
 Protocol (the one of the published KV-quantization perplexity tables): windows of the text at fixed offsets; each
 window's context is prefilled in chunks of 512, then the next --score-tokens are scored by teacher forcing. Where the
 model's tokenizer adds a BOS token to a text (Gemma's; SmolLM2's and Qwen2's add none), each window and needle prompt
 starts with it, in place of the window's first text token (same length; the BOS is never scored). Per method,
-against the fp16 cache on the same tokens in the same run: perplexity and its change, mean KL(fp16 || method), top-1
-agreement, attention-output error per layer, needle retrieval, bits per coordinate, KV bytes (nbytes and measured).
+against the reference (kvcache: mlx-lm's KVCache in the model's dtype) on the same tokens in the same run:
+perplexity and its change, mean KL(kvcache || method), top-1 agreement, attention-output error per layer, needle
+retrieval, bits per coordinate, KV bytes (nbytes and measured).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from ..evaluation import spec as spec_module
 
 EPILOG = "method strings:\n" + spec_module.__doc__.split("Grammar", 1)[1].split("\n", 1)[1] + """
 A method calibrated per model (vecinfer) uses the calibration of --model unless [model_id=...] names another.
-The fp16 cache is always run first as the reference (added if not listed). kvq caches keep --sinks first and
+The reference, kvcache (mlx-lm's KVCache in the model's dtype; fp16 is its older name, kvq-fp16 kvq's 16-bit cache),
+is always run first (added if not listed). kvq caches keep --sinks first and
 --window last tokens uncompressed; their bits per coordinate exclude those tokens (the table also gives the
 effective bits at the context length); the window grows to --window + flush - 1 tokens before its oldest flush
 tokens are compressed together (--flush, 128 by default: kvq.defaults.DEFAULT_FLUSH; per method with [flush=N],
@@ -113,7 +115,7 @@ def check(args) -> tuple[list, list[int], str, str, Path, dict]:
     # validated for this model; a method calibrated per model (vecinfer) uses --model's calibration by default
     specs = [spec_module.spec_for_model(spec, args.model, head_dim, args.sinks, args.window) for spec in specs]
     for spec in specs:
-        if args.flush is not None and not spec.is_mlx:
+        if args.flush is not None and not (spec.is_mlx or spec.is_reference):
             spec.cache_options.setdefault("flush", args.flush)  # the method string's own [flush=N] wins
     return specs, contexts, text, source, path, config
 

@@ -1,5 +1,5 @@
 """``kvq fit``: the longest context one sequence (or --batch) can hold, and the most sequences of --context tokens,
-that fit in this device's memory (or --memory) with fp16 and each installed kvq cache; predicted, nothing allocated.
+that fit in this device's memory (or --memory) with mlx-lm's KVCache (kvcache) and each installed kvq cache; predicted, nothing allocated.
 
 Writes OUT/NAME.json and OUT/NAME.png and prints the table.
 """
@@ -30,8 +30,8 @@ An NVIDIA H200 (sold as 141 GB) reports 150,754,820,096 bytes (140.4 GiB) to MLX
 The PNG needs matplotlib, kvq-core's plots extra (or pass --no-plot).
 """
 
-#: Method strings predicted without --methods (those installed), fp16 (mlx-lm's KVCache) first.
-DEFAULT_METHODS = ("fp16", "affine:4", "turboquant:4", "turboquant:k4v3", "turboquant:3")
+#: Method strings predicted without --methods (those installed), kvcache (mlx-lm's KVCache) first.
+DEFAULT_METHODS = ("kvcache", "affine:4", "turboquant:4", "turboquant:k4v3", "turboquant:3")
 
 
 def parser() -> argparse.ArgumentParser:

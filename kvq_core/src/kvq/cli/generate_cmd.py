@@ -1,11 +1,12 @@
 """``kvq generate``: generate text with a real model and a compressed KV cache, and say what it cost.
 
-    kvq generate --method turboquant --bits 3 --prompt "Why is the sky blue?" --compare fp16
+    kvq generate --method turboquant --bits 3 --prompt "Why is the sky blue?" --compare kvcache
 
 Streams the generated text (``mlx_lm.stream_generate`` with a cache from ``kvq.make_prompt_cache``), then prints
-prompt and generation tokens/s, the KV bytes resident for the compressed cache and for fp16 (``nbytes`` and the
-measured growth of ``mx.get_active_memory``), the ratio, and with ``--compare fp16`` how well the method follows
-the fp16 cache: top-1 agreement and mean KL(fp16 || method) on the fp16 cache's greedy tokens, teacher-forced.
+prompt and generation tokens/s, the KV bytes resident for the compressed cache and for the reference, mlx-lm's
+``KVCache`` in the model's dtype (``nbytes`` and the measured growth of ``mx.get_active_memory``), the ratio, and
+with ``--compare kvcache`` (or ``fp16``, its older name) how well the method follows the reference: top-1 agreement
+and mean KL(kvcache || method) on the reference's greedy tokens, teacher-forced.
 
 Under ``mlx.launch`` every rank loads its shard of the model (tensor parallel, or ``--pipeline``) and its own kvq
 caches (:mod:`kvq.distributed`); only rank 0 prints, and bytes are those of rank 0's caches.
@@ -32,8 +33,8 @@ from ..defaults import DEFAULT_FLUSH
 from ..selection import KERNELS
 from .select_cmd import parse_param
 
-#: The reference cache: every token stored as a 16-bit float (no sinks or window held in the model's dtype).
-FP16 = {"method": "fp16", "sinks": 0, "window": 0}
+#: The reference cache's options: mlx-lm's own caches for the model, in its dtype (:data:`kvq.evaluation.spec.REFERENCE`).
+REFERENCE = {"method": "kvcache"}
 #: Prompt tokens per prefill step (mlx-lm uses 2048; on a 2-core CPU 512 was as fast, and holds less memory).
 PREFILL_STEP = 512
 
@@ -205,14 +206,15 @@ def prefill(model, cache: list, ids: list[int], step: int = PREFILL_STEP, label:
 def run_cache(model, tokenizer, ids: list[int], options: dict, max_tokens: int, *, record: bool = False,
               reference: Run | None = None, on_text: Callable[[str], None] | None = None,
               sampling: dict | None = None) -> Run:
-    """Generate from ``ids`` with a fresh kvq cache (greedily unless ``sampling`` says otherwise), measuring
+    """Generate from ``ids`` with a fresh cache (greedily unless ``sampling`` says otherwise), measuring
     speed and bytes.
 
     The prompt except its last token is prefilled here (timed); ``mlx_lm.stream_generate`` then runs on the last
     token, as ``generate_step`` itself would. With ``reference``, a copy of the prefilled cache first replays the
     reference's tokens (:func:`kvq.quality.compare_to_reference`); the copy is freed before bytes are measured.
 
-    :param options: ``kvq.make_prompt_cache`` keyword arguments (``method=``, ``bits=``, ``sinks=`` ...).
+    :param options: ``kvq.make_prompt_cache`` keyword arguments (``method=``, ``bits=``, ``sinks=`` ...), or
+        :data:`REFERENCE` for mlx-lm's own caches.
     :param record: keep every generated token's log-probabilities (for use as a reference).
     :param on_text: called with each new piece of text as it is generated.
     :param sampling: ``{"temp": float, "top_p": float, "seed": int}`` for ``mlx_lm.sample_utils.make_sampler``
@@ -222,10 +224,7 @@ def run_cache(model, tokenizer, ids: list[int], options: dict, max_tokens: int, 
     """
     import mlx_lm
 
-    from ..cache import make_prompt_cache  # this rank's caches under mlx.launch
-
-    cache = make_prompt_cache(model, **options)
-    label = cache_label(options)
+    cache, label = _make_cache(model, options)
     before = quality.settle()
     prefill_seconds = prefill(model, cache, ids[:-1], label=label)
     comparison = None
@@ -256,18 +255,46 @@ def run_cache(model, tokenizer, ids: list[int], options: dict, max_tokens: int, 
                _most_compressed(cache))
 
 
-def fp16_bytes(model, run: Run, reference: Run | None) -> tuple[int, int, str]:
-    """``(nbytes, measured, note)`` of an fp16 cache holding as many tokens as ``run``'s cache.
+def _make_cache(model, options: dict) -> tuple[list, str]:
+    """The caches of ``options`` and their label: mlx-lm's own for :data:`REFERENCE` (``"kvcache (float32)"``),
+    else kvq's (this rank's under mlx.launch)."""
+    from ..cache import make_prompt_cache
+    from ..cache.patch import mlx_lm_caches
+    from ..evaluation.spec import model_dtype, reference_label
 
-    The reference run's own bytes when it holds that many tokens; otherwise an fp16 cache filled with zeros to
-    that length (:func:`kvq.quality.filled_cache_bytes`), which the note says.
+    if options == REFERENCE:
+        return mlx_lm_caches(model), reference_label(model_dtype(model))
+    return make_prompt_cache(model, **options), cache_label(options)
+
+
+def filled_reference_bytes(model, num_tokens: int) -> tuple[int, int]:
+    """``(nbytes, measured)`` of the reference caches filled with ``num_tokens`` zeros in the model's dtype (sizes
+    do not depend on the values)."""
+    from ..evaluation.spec import model_dtype
+
+    kv_heads, key_dim, value_dim = quality.kv_layout(model)
+    cache, _ = _make_cache(model, REFERENCE)
+    dtype = model_dtype(model)
+    before = quality.settle()
+    for layer in cache:
+        layer.update_and_fetch(mx.zeros((1, kv_heads, num_tokens, key_dim), dtype),
+                               mx.zeros((1, kv_heads, num_tokens, value_dim), dtype))
+        mx.eval(layer.state)
+    return quality.cache_nbytes(cache), quality.settle() - before
+
+
+def reference_bytes(model, run: Run, reference: Run | None) -> tuple[int, int, str]:
+    """``(nbytes, measured, note)`` of the reference caches holding as many tokens as ``run``'s cache.
+
+    The reference run's own bytes when it holds that many tokens; otherwise the reference caches filled with zeros
+    to that length (:func:`filled_reference_bytes`), which the note says.
     """
     if reference is not None and reference.cached_tokens == run.cached_tokens:
         return reference.nbytes, reference.measured, ""
-    nbytes, measured = quality.filled_cache_bytes(model, run.cached_tokens, **FP16)
-    why = "" if reference is None else (f"; the fp16 run stopped at {reference.cached_tokens} tokens, and its "
-                                        f"answer and speeds are its own")
-    return nbytes, measured, (f"fp16 bytes: of an fp16 cache holding this run's {run.cached_tokens} tokens "
+    nbytes, measured = filled_reference_bytes(model, run.cached_tokens)
+    why = "" if reference is None else (f"; the reference run stopped at {reference.cached_tokens} tokens, and "
+                                        f"its answer and speeds are its own")
+    return nbytes, measured, (f"kvcache bytes: of mlx-lm's KVCache holding this run's {run.cached_tokens} tokens "
                               f"(filled with zeros{why})")
 
 
@@ -284,13 +311,17 @@ def megabytes(n: int) -> str:
 
 
 def summary_rows(model, run: Run, reference: Run | None) -> tuple[list[list[str]], list[str]]:
-    """Table rows (label, fp16, method) comparing ``run`` with fp16, and footnotes."""
-    ref_nbytes, ref_measured, note = fp16_bytes(model, run, reference)
+    """Table rows (label, reference, method) comparing ``run`` with the reference (mlx-lm's KVCache), and
+    footnotes."""
+    from ..evaluation.spec import model_dtype, reference_label
+
+    ref_nbytes, ref_measured, note = reference_bytes(model, run, reference)
     kb, vb = bits_per_coordinate(run.options, model)
+    width = model_dtype(model).size * 8
     dash = "-"
     rows = [
-        ["cache", "fp16", run.label],
-        ["bits/coordinate (K / V)", "16 / 16", f"{kb:.2f} / {vb:.2f}"],
+        ["cache", reference_label(model_dtype(model)), run.label],
+        ["bits/coordinate (K / V)", f"{width} / {width}", f"{kb:.2f} / {vb:.2f}"],
         ["prompt tokens/s", dash if reference is None else f"{reference.prompt_tps:.1f}", f"{run.prompt_tps:.1f}"],
         ["generation tokens/s", dash if reference is None else f"{reference.generation_tps:.1f}",
          f"{run.generation_tps:.1f}"],
@@ -299,13 +330,13 @@ def summary_rows(model, run: Run, reference: Run | None) -> tuple[list[list[str]
                                    else f" ({run.compressed_tokens} compressed)")],
         ["KV bytes (nbytes)", megabytes(ref_nbytes), megabytes(run.nbytes)],
         ["KV bytes (measured)", megabytes(ref_measured), megabytes(run.measured)],
-        ["compression vs fp16 (nbytes)", "1.00x", f"{ref_nbytes / run.nbytes:.2f}x"],
-        ["compression vs fp16 (measured)", "1.00x", f"{ref_measured / max(run.measured, 1):.2f}x"],
+        ["compression vs kvcache (nbytes)", "1.00x", f"{ref_nbytes / run.nbytes:.2f}x"],
+        ["compression vs kvcache (measured)", "1.00x", f"{ref_measured / max(run.measured, 1):.2f}x"],
     ]
     if reference is not None and run.comparison is not None:
         c = run.comparison
-        rows += [["top-1 agreement (fp16 tokens)", dash, f"{c.agreement}/{len(c)}"],
-                 ["mean KL(fp16 || method)", dash, f"{max(c.mean_kl, 0.0):.4f} nats"],  # -0.0000: rounding
+        rows += [["top-1 agreement (kvcache tokens)", dash, f"{c.agreement}/{len(c)}"],
+                 ["mean KL(kvcache || method)", dash, f"{max(c.mean_kl, 0.0):.4f} nats"],  # -0.0000: rounding
                  ["identical prefix of the outputs", dash,
                   f"{quality.common_prefix(reference.tokens, run.tokens)}/{len(reference.tokens)} tokens"]]
     notes = [note] if note else []
@@ -325,7 +356,7 @@ def summary_rows(model, run: Run, reference: Run | None) -> tuple[list[list[str]
 def run_and_report(model, tokenizer, ids: list[int], options: dict, max_tokens: int, reference,
                    sampling: dict | None = None) -> None:
     """Generate with the cache ``options`` (streaming the text), then print the summary table against
-    ``reference`` (the fp16 run, or None) and its notes. Shared by ``kvq generate`` and ``kvq demo``."""
+    ``reference`` (the reference run, or None) and its notes. Shared by ``kvq generate`` and ``kvq demo``."""
     run = run_cache(model, tokenizer, ids, options, max_tokens, reference=reference, on_text=stream_to_stdout,
                     sampling=sampling)
     rows, notes = summary_rows(model, run, reference)
@@ -381,8 +412,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     p.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling threshold (default 0: off)")
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling (the same for every cache)")
-    p.add_argument("--compare", choices=["fp16"], default=None,
-                   help="also generate with an fp16 cache; report agreement and KL(fp16 || method)")
+    p.add_argument("--compare", choices=["kvcache", "fp16"], default=None,
+                   help="also generate with the reference, mlx-lm's KVCache in the model's dtype (fp16: its older "
+                        "name); report agreement and KL(kvcache || method)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap the prompt in the chat template (default: when the tokenizer has one)")
     p.add_argument("--pipeline", action="store_true",
@@ -399,6 +431,7 @@ def main(argv: list[str]) -> int:
     """
     from .. import distributed
     from ..cache import make_config, make_prompt_cache
+    from ..evaluation.spec import model_dtype, reference_label
 
     args = build_parser().parse_args(argv)
     if args.max_tokens < 1:
@@ -415,8 +448,8 @@ def main(argv: list[str]) -> int:
     with distributed.rank0_stdout():  # every rank computes, rank 0 prints
         reference = None
         if args.compare:
-            print("--- fp16 ---", flush=True)
-            reference = run_cache(model, tokenizer, ids, FP16, args.max_tokens, record=True,
+            print(f"--- {reference_label(model_dtype(model))} ---", flush=True)
+            reference = run_cache(model, tokenizer, ids, REFERENCE, args.max_tokens, record=True,
                                   on_text=stream_to_stdout, sampling=sampling)
             print()
         print(f"--- {cache_label(options)} ---", flush=True)

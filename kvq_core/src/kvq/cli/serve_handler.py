@@ -11,7 +11,9 @@ What they add to mlx-lm's server (issue #54):
 - ``--api-key``: a Bearer token on every request but ``/health`` (401 otherwise);
 - a count of the requests in flight, which SIGTERM lets finish (:mod:`kvq.cli.serve_run`); a client that
   disconnects stops its generation within a few tokens, streamed or not (:class:`ClientWatch`, then mlx-lm's
-  ``ctx.stop()``), logged in one line.
+  ``ctx.stop()``), logged in one line;
+- with ``KVQ_SERVE_MEMORY_PROBE=1`` in its environment (load tests and benchmarks only), ``GET /kvq/memory``: the
+  prompt cache cleared and MLX's active memory in the server process (:meth:`KVQHandler.send_memory`).
 
 It subclasses mlx-lm 0.32's server: :data:`MLX_LM_RELIES_ON` lists what it overrides or calls there, and
 ``tests/test_serve_hardened.py`` fails when an installed mlx-lm no longer has it. :mod:`kvq.cli.serve_run` runs
@@ -20,6 +22,7 @@ them.
 
 from __future__ import annotations
 
+import gc
 import hmac
 import io
 import json
@@ -30,6 +33,7 @@ import socket
 import threading
 import urllib.parse
 
+import mlx.core as mx
 from mlx_lm import server
 
 from .serve_api import MAX_BODY_BYTES, RequestError, ServePolicy, checked_request, context_length_error, parse_body
@@ -55,6 +59,7 @@ MLX_LM_RELIES_ON = {
     "ResponseGenerator.join": ("self",),
     "ModelProvider._load": ("self", "model_path", "adapter_path", "draft_model_path"),
     "LRUPromptCache.__init__": ("self", "max_size", "max_bytes"),
+    "LRUPromptCache.trim_to": ("self", "n_sequences", "n_bytes"),
     "get_system_fingerprint": (),
     "run": ("host", "port", "model_provider", "server_class", "handler_class"),
 }
@@ -62,6 +67,9 @@ MLX_LM_RELIES_ON = {
 SOCKET_TIMEOUT = 120
 CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
 TEXT_PATHS = ("/v1/completions",)
+#: The environment variable that turns ``GET /kvq/memory`` on (off unless it is ``1``)
+MEMORY_PROBE = "KVQ_SERVE_MEMORY_PROBE"
+MEMORY_PATH = "/kvq/memory"
 
 
 def check_mlx_lm_version(version: str) -> None:
@@ -287,7 +295,8 @@ class KVQHandler(server.APIHandler):
         return {**response, "model": self.policy.model_id, "object": kind}
 
     def do_GET(self):
-        """``/health`` (no key needed), ``/v1/models`` and ``/v1/models/ID`` (the served model alone)."""
+        """``/health`` (no key needed), ``/v1/models`` and ``/v1/models/ID`` (the served model alone); ``/kvq/memory``
+        when :data:`MEMORY_PROBE` is ``1``."""
         path = urllib.parse.urlsplit(self.path).path
         if path == "/health":
             return self.handle_health_check()
@@ -295,6 +304,8 @@ class KVQHandler(server.APIHandler):
             self.check_api_key()
             if path == "/v1/models":
                 return self.send_json(200, {"object": "list", "data": [self.model_object()]})
+            if path == MEMORY_PATH and os.environ.get(MEMORY_PROBE) == "1":
+                return self.send_memory()
             if path.startswith("/v1/models/"):
                 name = urllib.parse.unquote(path[len("/v1/models/"):])
                 if name in self.policy.names:
@@ -304,6 +315,25 @@ class KVQHandler(server.APIHandler):
             raise RequestError(f"Invalid URL (GET {self.path})", status=404, code="unknown_url")
         except RequestError as error:
             self.send_refusal(error)
+
+    def send_memory(self) -> None:
+        """``GET /kvq/memory``: once no request is in flight (up to a minute; else 409 ``busy``), the prompt cache is
+        cleared and MLX's buffer cache emptied; answers ``active_memory`` (bytes of MLX arrays alive in the server
+        then: the model, and whatever requests left behind), ``peak_memory``, ``prompt_cache_cleared`` (entries) and
+        ``prompt_cache_bytes`` (what they held).
+
+        :raises RequestError: requests still in flight after a minute.
+        """
+        if not self.in_flight.wait_idle(60):
+            raise RequestError("requests are in flight: try again", status=409, code="busy")
+        cache = self.response_generator.prompt_cache
+        cleared, held = len(cache), cache.nbytes
+        cache.trim_to(n_sequences=0)
+        gc.collect()
+        mx.synchronize()
+        mx.clear_cache()
+        self.send_json(200, {"active_memory": mx.get_active_memory(), "peak_memory": mx.get_peak_memory(),
+                             "prompt_cache_cleared": cleared, "prompt_cache_bytes": held})
 
     def model_object(self) -> dict:
         """The served model as OpenAI's model object."""

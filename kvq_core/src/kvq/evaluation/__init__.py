@@ -1,4 +1,4 @@
-"""``kvq eval``: quality and memory of KV-cache methods on a real model, against the fp16 cache.
+"""``kvq eval``: quality and memory of KV-cache methods on a real model, against the reference, mlx-lm's KVCache in the model's dtype.
 
 Perplexity and its change, KL divergence and top-1 agreement of next-token distributions, attention-output
 error per layer, needle retrieval, bits per coordinate and measured cache memory, per method string

@@ -1,6 +1,6 @@
 """Attention-output error per layer, and the hook that sits in front of the model's attention.
 
-The reference run (fp16) records, at window 0, every layer's queries of the scored tokens and every key and value
+The reference run (kvcache) records, at window 0, every layer's queries of the scored tokens and every key and value
 its caches were given (:class:`InputRecorder`), as kvq's 16-bit buffers hold them. Each method is then measured
 layer by layer on exactly those inputs: a fresh single-layer cache of the method is filled with the same keys and
 values in the same chunks as the model run (context in prefill chunks, then the scored tokens), the recorded
@@ -120,17 +120,12 @@ class InputRecorder:
 
 
 def sliding_windows(caches: list) -> list[tuple[int, int] | None]:
-    """Per layer of a kvq run, ``(max_size, keep)`` of a sliding-window layer (a
-    :class:`~kvq.cache.RotatingKVQCache`), ``None`` for a layer that sees every token."""
+    """Per layer of a run, ``(max_size, keep)`` of a sliding-window layer (a :class:`~kvq.cache.RotatingKVQCache`,
+    or mlx-lm's ``RotatingKVCache`` in the reference run), ``None`` for a layer that sees every token."""
     from ..cache import RotatingKVQCache
 
-    return [(c.max_size, c.keep) if isinstance(c, RotatingKVQCache) else None for c in caches]
-
-
-def layer_still_channels(caches: list) -> list[tuple | None]:
-    """Per layer of a kvq run, the key channels its RoPE keeps still (:mod:`kvq.cache.still`; what the layer's
-    centring may use), ``None`` where unknown or the cache is not kvq's."""
-    return [getattr(getattr(c, "config", None), "still_channels", None) for c in caches]
+    rotating = (RotatingKVQCache, RotatingKVCache)
+    return [(c.max_size, c.keep) if isinstance(c, rotating) else None for c in caches]
 
 
 def window_mask(num_queries: int, num_keys: int, max_size: int, keep: int) -> mx.array:
@@ -152,7 +147,7 @@ class LayerReference:
         default: no layer slides.
     :param sinks: per layer learned attention-sink logits ``[H_q]`` (gpt-oss) or ``None``; default: none.
     :param still: per layer the key channels RoPE keeps still, as the model run's caches had them
-        (:func:`layer_still_channels`), given to each replayed cache; default: unknown.
+        (:func:`kvq.cache.still.layer_still_channels`), given to each replayed cache; default: unknown.
     """
 
     def __init__(self, kv, queries, scales, context: int, chunk: int, windows=None, sinks=None, still=None) -> None:

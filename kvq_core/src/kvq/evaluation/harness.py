@@ -1,6 +1,6 @@
-"""One evaluation at one context length: every method on the same windows, against the fp16 reference run.
+"""One evaluation at one context length: every method on the same windows, against the reference run.
 
-The reference (``fp16``) runs first; its log-probabilities, and at window 0 its keys, values and queries, are kept
+The reference (``kvcache``: mlx-lm's own caches in the model's dtype) runs first; its log-probabilities, and at window 0 its keys, values and queries, are kept
 so that every later method is compared on the same tokens in the same process.
 """
 
@@ -16,10 +16,11 @@ from tqdm import tqdm
 
 from ..defaults import DEFAULT_FLUSH
 from ..textdata import bos_ids
-from .attention_error import AttentionHook, InputRecorder, LayerReference, layer_still_channels, sliding_windows
+from ..cache.still import layer_still_channels
+from .attention_error import AttentionHook, InputRecorder, LayerReference, sliding_windows
 from .needle import CODES, greedy_answer, is_match, needle_prompt
 from .perplexity import prefill, score, summarize, token_metrics, window_offsets
-from .spec import MethodSpec, bits_per_coordinate, make_cache
+from .spec import MethodSpec, bits_per_coordinate, make_cache, model_dtype
 
 #: Bits of an uncompressed coordinate (sinks, window) when quoting effective bits: a float16 model's.
 DENSE_BITS = 16
@@ -61,8 +62,13 @@ def _eos_ids(tokenizer) -> set[int]:
     return {int(i) for i in ids}
 
 
+def cache_kind(spec: MethodSpec) -> str:
+    """``"mlx-lm KVCache"`` (the reference), ``"mlx-lm QuantizedKVCache"`` or ``"kvq KVQCache"``."""
+    return "mlx-lm KVCache" if spec.is_reference else "mlx-lm QuantizedKVCache" if spec.is_mlx else "kvq KVQCache"
+
+
 class Evaluation:
-    """Runs :class:`MethodSpec` rows one after the other (the first must be the fp16 reference)."""
+    """Runs :class:`MethodSpec` rows one after the other (the first must be the reference: mlx-lm's KVCache)."""
 
     def __init__(self, model, tokenizer, text_ids: list[int], settings: EvalSettings) -> None:
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
@@ -86,7 +92,7 @@ class Evaluation:
         return self.settings.windows + 1 + len(self.settings.needle_depths)
 
     def run(self, specs: list[MethodSpec], on_row: Callable[[dict], None] | None = None) -> list[dict]:
-        """Evaluate ``specs`` (fp16 first); ``on_row`` is called with each finished row."""
+        """Evaluate ``specs`` (the reference first); ``on_row`` is called with each finished row."""
         rows = []
         bar = tqdm(total=len(specs) * self.steps_per_method, desc=f"kvq eval {self.settings.context}",
                    unit="step", disable=not self.settings.progress, dynamic_ncols=True)
@@ -164,8 +170,9 @@ class Evaluation:
             recorder.detach()
         kv = recorder.kv()
         mx.eval(queries, kv)
-        self.layers = LayerReference(kv, queries, scales, s.context, s.chunk, sliding_windows(cache), sinks,
-                                     layer_still_channels(cache))
+        windows = sliding_windows(cache)
+        still = layer_still_channels(self.model, [0 if w is None else w[0] for w in windows])
+        self.layers = LayerReference(kv, queries, scales, s.context, s.chunk, windows, sinks, still)
 
     def _needles(self, spec, bar) -> dict:
         s, trials = self.settings, []
@@ -184,16 +191,17 @@ class Evaluation:
         return {"rate": rate, "trials": trials}
 
     def _row(self, spec, sinks, window, quality, errors, needle, memory) -> dict:
-        key_bits, value_bits = memory.pop("layer_bits", None) or bits_per_coordinate(spec, self.head_dim)
+        key_bits, value_bits = memory.pop("layer_bits", None) or bits_per_coordinate(spec, self.head_dim,
+                                                                                      model_dtype(self.model))
         bits = (key_bits + value_bits) / 2
         dense = min(sinks + window, self.settings.context)
         effective = ((self.settings.context - dense) * bits + dense * DENSE_BITS) / self.settings.context
         ref = self.reference_row or {**memory}
         return {
-            "method": spec.label, "cache": "mlx-lm QuantizedKVCache" if spec.is_mlx else "kvq KVQCache",
+            "method": spec.label, "cache": cache_kind(spec),
             "key_method": spec.key_method, "value_method": spec.value_method,
             "key_params": spec.key_params, "value_params": spec.value_params, "sinks": sinks, "window": window,
-            "flush": None if spec.is_mlx else spec.cache_options.get("flush", DEFAULT_FLUSH),
+            "flush": None if spec.is_mlx or spec.is_reference else spec.cache_options.get("flush", DEFAULT_FLUSH),
             "bits_per_coordinate": bits, "key_bits_per_coordinate": key_bits,
             "value_bits_per_coordinate": value_bits, "effective_bits_per_coordinate": effective,
             **quality,

@@ -12,7 +12,7 @@ from ..install_hints import install_command
 
 MIB = 2**20
 COLUMNS = ("method", "bits/coord K, V (eff.)", "PPL", "ΔPPL", "KL", "top-1", "attn err mean / max", "needle",
-           "KV MiB (ratio)", "measured MiB (ratio)", "s / window")
+           "KV MiB (x kvcache)", "measured MiB (x kvcache)", "s / window")
 
 
 def versions() -> dict:
@@ -48,7 +48,7 @@ def _row(r: dict) -> list[str]:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """The rows of one context as a markdown table (the reference, fp16, first)."""
+    """The rows of one context as a markdown table (the reference, kvcache, first)."""
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(_row(r)) + " |" for r in rows]
     return "\n".join(lines)
@@ -96,10 +96,11 @@ def _ranges(indices: list[int]) -> str:
 
 NOTES = """Columns: bits/coord = stored bits per coordinate of compressed tokens (codes + norms + scales; sinks and \
 window excluded), for keys and values; eff. = averaged over the context with sinks and window counted at 16 bits. \
-ΔPPL and KL(fp16 || method) are against the fp16 cache on the same tokens; top-1 = argmax agreement with it. \
-attn err = relative error of each layer's attention output on the fp16 run's keys, values and queries (window 0, \
+ΔPPL and KL(kvcache || method) are against the reference, kvcache (mlx-lm's KVCache in the model's dtype; before \
+2026-12-05 the reference was fp16, kvq's 16-bit cache), on the same tokens; top-1 = argmax agreement with it. \
+attn err = relative error of each layer's attention output on the reference run's keys, values and queries (window 0, \
 scored tokens), mean and max over layers. needle = greedy exact matches. KV MiB = the caches' nbytes after \
-prefill; measured = growth of mx.get_active_memory() while filling; ratios are to fp16. s / window = prefill + \
+prefill; measured = growth of mx.get_active_memory() while filling; ratios are to the reference. s / window = prefill + \
 scoring seconds per window."""
 
 
@@ -142,9 +143,9 @@ def plot(document: dict, path: str | Path) -> None:
                 ax.scatter(x, y, marker=marker)
                 ax.annotate(r["method"], (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
         context = run["settings"]["context"]
-        ax_ppl.set(xlabel="bits per coordinate (K, V mean; sinks/window excluded)", ylabel="PPL change vs fp16 (%)",
+        ax_ppl.set(xlabel="bits per coordinate (K, V mean; sinks/window excluded)", ylabel="PPL change vs kvcache (%)",
                    title=f"perplexity change, {context} context", yscale="symlog")
-        ax_kl.set(xlabel="bits per coordinate (K, V mean; sinks/window excluded)", ylabel="mean KL(fp16 || method)",
+        ax_kl.set(xlabel="bits per coordinate (K, V mean; sinks/window excluded)", ylabel="mean KL(kvcache || method)",
                   title=f"KL divergence, {context} context", yscale="symlog")
         ax_kl.set_yscale("symlog", linthresh=1e-4)
         for ax in (ax_ppl, ax_kl):

@@ -13,10 +13,13 @@ Grammar (``METHODS`` is what ``--methods`` takes; commas inside ``[...]`` do not
                                             method parameters (qjl[sketch_dim=64]); sinks=, window= and
                                             flush= set the cache's uncompressed first/last tokens and
                                             its flush block (kvq.cache.CacheConfig) instead
-    NAME    := an installed method (fp16, affine, turboquant, ...) or mlx-affine: mlx-lm's own
+    NAME    := an installed method (affine, turboquant, ...) or mlx-affine: mlx-lm's own
                QuantizedKVCache (group_size 64 unless given), a baseline with no sinks and no window
 
-Examples: ``fp16``, ``affine:4``, ``affine:k8v4``, ``turboquant:3[rotation=qr]``, ``qjl[sketch_dim=128]+affine:4``,
+The whole string ``kvcache`` (or ``fp16``, its older name) is the reference: mlx-lm's own caches in the model's
+dtype (:data:`REFERENCE`); ``kvq-fp16`` is kvq's 16-bit cache (the ``fp16`` method, with sinks and window).
+
+Examples: ``kvcache``, ``affine:4``, ``affine:k8v4``, ``turboquant:3[rotation=qr]``, ``qjl[sketch_dim=128]+affine:4``,
 ``affine:8[sinks=0,window=0,flush=1]``, ``mlx-affine:4[group_size=32]``, ``turboquant:3.5``.
 """
 
@@ -36,6 +39,14 @@ CACHE_OPTIONS = ("sinks", "window", "flush")
 #: The parameter naming the calibrated model, in a method that declares a calibration (``kvq.Method(calibrate=)``):
 #: the name ``kvq calibrate --model-id`` and the calibration module's ``run(model_id=)`` give it too.
 MODEL_ID = "model_id"
+#: The method string of the reference cache in every command: mlx-lm's own caches for the model (``KVCache``;
+#: ``RotatingKVCache`` on sliding-window layers) in the model's dtype, which kvq does not touch.
+REFERENCE = "kvcache"
+#: Older names of the reference: accepted in method strings, and read from older result files (``kvq bench``
+#: wrote ``fp16`` for mlx-lm's KVCache in the model's dtype).
+REFERENCE_ALIASES = ("fp16",)
+#: kvq's own 16-bit cache (the ``fp16`` method: KVQCache with 16-bit parts), as a method string.
+KVQ_FP16 = "kvq-fp16"
 _SIDE = re.compile(r"^(?P<name>[A-Za-z_][\w-]*)(?::(?P<bits>[^\[\]]+))?(?:\[(?P<options>[^\[\]]*)\])?$")
 _SPLIT_BITS = re.compile(r"^k(\d+)v(\d+)$")
 _BUDGET_BITS = re.compile(r"^\d*\.\d+$")
@@ -62,6 +73,11 @@ class MethodSpec:
     cache_options: dict = attrs.field(factory=dict)
 
     @property
+    def is_reference(self) -> bool:
+        """True for the reference, mlx-lm's own caches in the model's dtype (:data:`REFERENCE`)."""
+        return self.key_method == REFERENCE
+
+    @property
     def is_mlx(self) -> bool:
         """True for mlx-lm's own QuantizedKVCache."""
         return self.key_method == MLX_AFFINE
@@ -80,11 +96,24 @@ class MethodSpec:
                     key_params=dict(self.key_params), value_params=dict(self.value_params), **options)
 
     def sinks_window(self, sinks: int, window: int) -> tuple[int, int]:
-        """Uncompressed first and last tokens of this spec's cache (0, 0 for mlx-affine)."""
-        if self.is_mlx:
+        """Uncompressed first and last tokens of this spec's cache (0, 0 for mlx-lm's caches)."""
+        if self.is_mlx or self.is_reference:
             return 0, 0
         options = {"sinks": sinks, "window": window, **self.cache_options}
         return options["sinks"], options["window"]
+
+
+def reference_label(dtype) -> str:
+    """``"kvcache (float32)"``: the reference and the dtype it holds keys and values in (an ``mx.Dtype`` or its
+    name)."""
+    return f"{REFERENCE} ({str(dtype).removeprefix('mlx.core.')})"
+
+
+def model_dtype(model):
+    """The dtype the model computes its keys and values in (the reference cache's): its key projection's weight
+    dtype, or for a quantized model (``QuantizedLinear``, integer weights) the dtype of its scales."""
+    projection = model.layers[0].self_attn.k_proj
+    return getattr(projection, "scales", projection.weight).dtype
 
 
 def split_methods(text: str) -> list[str]:
@@ -103,7 +132,7 @@ def split_methods(text: str) -> list[str]:
         raise ValueError(f"--methods: unclosed '[' in {text!r}")
     parts.append(current.strip())
     if not any(parts) or not all(parts):
-        raise ValueError(f"--methods: empty method in {text!r} (write e.g. fp16,affine:4)")
+        raise ValueError(f"--methods: empty method in {text!r} (write e.g. kvcache,affine:4)")
     return parts
 
 
@@ -163,6 +192,15 @@ def parse_method(spec: str) -> MethodSpec:
 
     :raises ValueError: the string does not follow the grammar (the message quotes it and shows the form).
     """
+    if spec.strip() in (REFERENCE, *REFERENCE_ALIASES):
+        return MethodSpec(REFERENCE, REFERENCE, REFERENCE)
+    if spec == KVQ_FP16 or spec.startswith(KVQ_FP16 + "["):
+        return attrs.evolve(_parse_sides("fp16" + spec[len(KVQ_FP16):]), label=spec)
+    return _parse_sides(spec)
+
+
+def _parse_sides(spec: str) -> MethodSpec:
+    """:func:`parse_method` of a string naming methods (not the reference)."""
     sides = spec.split("+")
     if len(sides) > 2:
         raise ValueError(f"method {spec!r}: at most one '+' (keys+values)")
@@ -207,6 +245,8 @@ def validate(spec: MethodSpec, head_dim: int | None = None, sinks: int = 4, wind
     :raises ValueError: unknown method (the installed ones are listed), parameter out of range, or a head_dim
         the method does not support; the message starts with the method string.
     """
+    if spec.is_reference:
+        return None
     if spec.is_mlx or spec.value_method == MLX_AFFINE:
         return _check_mlx(spec, head_dim)
     from ..cache import make_config
@@ -220,7 +260,7 @@ def validate(spec: MethodSpec, head_dim: int | None = None, sinks: int = 4, wind
 
 
 def parse_methods(text: str, head_dim: int | None = None, sinks: int = 4, window: int = 128) -> list[MethodSpec]:
-    """Parse and validate ``--methods``; ``fp16`` (the reference) is put first, added if missing.
+    """Parse and validate ``--methods``; the reference (:data:`REFERENCE`) is put first, added if missing.
 
     :raises ValueError: a string that does not parse, an unknown method or parameter, a duplicate label.
     """
@@ -228,7 +268,7 @@ def parse_methods(text: str, head_dim: int | None = None, sinks: int = 4, window
 
 
 def checked_with_reference(specs: list[MethodSpec], head_dim: int | None, sinks: int, window: int,
-                           reference: str = "fp16") -> list[MethodSpec]:
+                           reference: str = REFERENCE) -> list[MethodSpec]:
     """``specs`` validated (:func:`validate`), with the ``reference`` method first (added if missing).
 
     :raises ValueError: a label given more than once, or a spec :func:`validate` rejects.
@@ -243,12 +283,15 @@ def checked_with_reference(specs: list[MethodSpec], head_dim: int | None, sinks:
     return first + [s for s in specs if s.label != reference]
 
 
-def bits_per_coordinate(spec: MethodSpec, head_dim: int) -> tuple[float, float]:
+def bits_per_coordinate(spec: MethodSpec, head_dim: int, dtype=None) -> tuple[float, float]:
     """``(keys, values)`` bits per coordinate of the compressed tokens (sinks and window excluded).
 
-    ``mlx-affine`` counts a 16-bit scale and bias per group, as mlx-lm stores them in a float16 model (a float32
-    model stores 32-bit ones: the measured bytes show it).
+    The reference counts the width of ``dtype``, the model's (16 bits when not given). ``mlx-affine`` counts a
+    16-bit scale and bias per group, as mlx-lm stores them in a float16 model (a float32 model stores 32-bit ones:
+    the measured bytes show it).
     """
+    if spec.is_reference:
+        return (float(dtype.size * 8 if dtype is not None else 16),) * 2
     if spec.is_mlx:
         bits, group_size = spec.mlx_settings()
         return (bits + 32 / group_size,) * 2
@@ -313,7 +356,7 @@ def spec_for_model(spec: MethodSpec, model: str | None, head_dim: int | None = N
         method calibrated per model must then name one in the method string (``vecinfer[model_id=M]``).
     :raises ValueError: as :func:`for_model` and :func:`validate`, the message starting with the method string.
     """
-    if spec.is_mlx or spec.value_method == MLX_AFFINE:
+    if spec.is_reference or spec.is_mlx or spec.value_method == MLX_AFFINE:
         validate(spec, head_dim, sinks, window)
         return spec
     ids = model_ids(spec.cache_kwargs(sinks, window), model)
@@ -363,10 +406,15 @@ def _as_given(message: str, model: str | None, ids) -> str:
 
 
 def make_cache(model, spec: MethodSpec, sinks: int, window: int) -> list:
-    """One cache per layer of ``model`` for ``spec``: kvq's (:func:`kvq.make_prompt_cache`), or for mlx-affine
+    """One cache per layer of ``model`` for ``spec``: kvq's (:func:`kvq.make_prompt_cache`), for the reference the
+    caches mlx-lm makes for the model (``KVCache``; ``RotatingKVCache`` on sliding-window layers), or for mlx-affine
     mlx-lm's ``QuantizedKVCache`` where the model's own cache is a plain ``KVCache``; mlx-lm cannot quantize its
     other caches (``RotatingKVCache.to_quantized``: "RotatingKVCache Quantization NYI"), so a sliding-window layer
     keeps mlx-lm's ``RotatingKVCache`` in the model's dtype, as ``generate --kv-bits`` would need it to."""
+    if spec.is_reference:
+        from ..cache.patch import mlx_lm_caches
+
+        return mlx_lm_caches(model)
     if spec.is_mlx:
         from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
@@ -391,6 +439,10 @@ def make_layer_cache(spec: MethodSpec, sinks: int, window: int, layer: int = 0,
     :param still: the key channels the layer's RoPE keeps still (:mod:`kvq.cache.still`), as
         :func:`kvq.make_prompt_cache` found them for the model run, or ``None``.
     """
+    if spec.is_reference:
+        from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+        return KVCache() if sliding is None else RotatingKVCache(*sliding)
     if spec.is_mlx:
         from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
 
