@@ -129,3 +129,17 @@ def test_eval_prints_each_layers_bits_grouped():
 
     bits = [[4.0625, 2.9375]] * 4 + [[8.5, 8.5]] + [[4.0625, 2.9375]] * 2
     assert _per_layer(bits) == "layers 0-3, 5-6: 4.06 / 2.94; layer 4: 8.5 / 8.5"
+
+
+def test_kvq_fit_and_generate_count_a_budget_as_stored():
+    """kvq fit predicts a budget's bytes from the settings it buys (not the placeholder parameters), and kvq
+    generate takes --bits 3.5."""
+    from kvq.bench import fit
+    from kvq.bench.random_model import random_config
+    from kvq.cli.generate_cmd import _bits
+
+    shape = fit.model_shape("random:tiny", random_config("random:tiny"), None, "float32")
+    spec = parse_method("turboquant:3.5")
+    cost = fit.cache_cost(spec, shape, 4, 128, None, "cpu")
+    assert cost.bits_per_token == pytest.approx(2 * 3.5 * shape.head_dim)
+    assert _bits("3.5") == 3.5 and _bits("4") == 4 and isinstance(_bits("4.0"), int)

@@ -210,7 +210,7 @@ def cache_cost(spec, shape: ModelShape, sinks: int, window: int, flush: int | No
         return CacheCost(spec.label, "mlx-lm", 2 * D * (bits + 2 * shape.dtype_bytes * 8 / group_size))
     from ..cache import make_config
 
-    config = make_config(**spec.cache_kwargs(sinks, window, flush))
+    config = make_config(**spec.cache_kwargs(sinks, window, flush)).within_budget(D, D)  # kvq.cache.budget
     key, value = config.key_params.accounting(D), config.value_params.accounting(D)
     work = ENCODE_WORK[device]
     work = max(work.get(p.method, work[None]) for p in (config.key_params, config.value_params))

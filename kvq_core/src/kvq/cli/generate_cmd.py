@@ -141,12 +141,23 @@ def cache_label(options: dict) -> str:
     return keys if keys == values else f"K {keys} / V {values}"
 
 
+def _bits(text: str) -> int | float:
+    """``--bits``: ``"4"`` -> 4, ``"3.5"`` -> 3.5 (a budget: :mod:`kvq.cache.budget`).
+    :raises argparse.ArgumentTypeError: not a number."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--bits must be a number (4, or a budget such as 3.5); got {text!r}") \
+            from None
+    return int(value) if value.is_integer() else value
+
+
 def bits_per_coordinate(options: dict, model) -> tuple[float, float]:
     """``(keys, values)`` bits per coordinate of the compressed tokens (``accounting(head_dim)``)."""
     from ..cache import make_config
 
-    config = make_config(**options)
     _, key_dim, value_dim = quality.kv_layout(model)
+    config = make_config(**options).within_budget(key_dim, value_dim)  # a bits budget's settings (kvq.cache.budget)
     return (config.key_params.accounting(key_dim).bits_per_coordinate,
             config.value_params.accounting(value_dim).bits_per_coordinate)
 
@@ -384,7 +395,9 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default="affine",
                    help="method for keys and values (see 'kvq list'; default affine), or a kvq eval method string "
                         "such as turboquant:4, affine:k8v4, qjl+affine:4")
-    p.add_argument("--bits", type=int, default=None, help="shorthand for --param bits=B")
+    p.add_argument("--bits", type=_bits, default=None,
+                   help="shorthand for --param bits=B; a number with a fraction (3.5) is a bits budget per layer "
+                        "(turboquant)")
     p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="method parameter, repeatable")
     p.add_argument("--key-method", default=None, help="method for the keys only (e.g. qjl)")
     p.add_argument("--value-method", default=None, help="method for the values only")
