@@ -350,7 +350,7 @@ DIR_LISTS_LAZY_NAMES = r"""
 import sys, kvq
 names = dir(kvq)
 print(int("mlx_lm" in sys.modules))  # dir() lists the lazy names without loading them
-print(" ".join(n for n in [*kvq.__all__, "cache", "models", "distributed"] if n not in names))
+print(" ".join(n for n in [*kvq.__all__, "cache", "models", "distributed", "defaults"] if n not in names))
 print(" ".join(n for n in names if not hasattr(kvq, n)))
 """
 

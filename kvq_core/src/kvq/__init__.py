@@ -8,8 +8,8 @@ exported here); :func:`plugin_manager` is the pluggy manager that validated it. 
 the names used throughout.
 
 ``import kvq`` does not import mlx-lm (seconds: it imports transformers), patches nothing and installs no import
-hook. The cache API, :mod:`kvq.cache`, :mod:`kvq.models` and :mod:`kvq.distributed` are attributes loaded on first
-use. mlx-lm's own ``load_prompt_cache`` reads kvq's prompt-cache files once :func:`register_with_mlx_lm` has run:
+hook. The cache API, :mod:`kvq.cache`, :mod:`kvq.models`, :mod:`kvq.distributed` and :mod:`kvq.defaults` (the
+recommended setting, the flush) are attributes loaded on first use. mlx-lm's own ``load_prompt_cache`` reads kvq's prompt-cache files once :func:`register_with_mlx_lm` has run:
 kvq's cache functions call it; code that only calls mlx-lm's loader calls it first.
 """
 
@@ -39,14 +39,15 @@ def __getattr__(name):
         return cache if name == "cache" else getattr(cache, name)
     if name == "models":
         return importlib.import_module("kvq.models")
-    if name == "distributed":
-        return importlib.import_module("kvq.distributed")
+    if name in ("distributed", "defaults"):
+        return importlib.import_module(f"kvq.{name}")
     raise AttributeError(f"module 'kvq' has no attribute {name!r}")
 
 
 def __dir__():
     # the module's own names plus those __getattr__ loads on first use (dir() sees neither until then)
-    return sorted({*globals(), *__all__, "cache", "models", "distributed"})
+    return sorted({*(n for n in globals() if n != "importlib"), *__all__, "cache", "models", "distributed",
+                   "defaults"})
 
 
 __all__ = [

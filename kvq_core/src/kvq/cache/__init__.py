@@ -75,6 +75,8 @@ def make_config(method: str | None = "affine", *, key_method: str | None = None,
     """
     check_kernels(kernels)
     budget = params.get("bits")
+    if isinstance(budget, bool):
+        raise ValueError(f"bits must be a number (whole bits, or a budget such as 3.5); got {budget!r}")
     if isinstance(budget, float) and not budget.is_integer():
         params = {k: v for k, v in params.items() if k != "bits"}  # kvq.cache.budget chooses the bits per layer
     else:

@@ -15,7 +15,7 @@ coordinates, are the most that fit the budget; among those, the pair whose keys 
 multiplies their error by the query and exponentiates it (a key error moves every weight; a value error is
 averaged by the weights): KIVI (arXiv 2402.02750) and KVQuant (arXiv 2401.18079) quantize keys more finely for
 that reason, and on gemma-3-270m turboquant keys at 4 bits with values at 3 found 3/3 needles where 3 bits on
-both sides found none (issue #53's table).
+both sides found none (kvq issue #53; ``benchmarks/results/eval/2026-12-05-gemma-3-270m-2k-*``).
 
 The choice depends only on the budget, the method's parameters and the head_dims, never on data: a prompt gives the
 same settings whatever its chunking, every row of a batch has the same settings (so rows pack together), and a
@@ -36,9 +36,9 @@ KEY_LEAD = 1.0
 
 
 def check_budget(bits) -> float:
-    """``bits``, a budget in bits per coordinate, as a float.
+    """Check a budget in bits per coordinate (keys and values together, per token).
 
-    :raises ValueError: not a finite number above 0 (named ``bits``).
+    :return: ``bits`` as a float. :raises ValueError: not a finite number above 0 (the message names ``bits``).
     """
     if isinstance(bits, bool) or not isinstance(bits, (int, float)) or not math.isfinite(bits) or bits <= 0:
         raise ValueError(f"bits must be a number above 0 (a budget in bits per coordinate, e.g. 3.5); got {bits!r}")
@@ -46,9 +46,10 @@ def check_budget(bits) -> float:
 
 
 def spender(params):
-    """``params``' ``budget_options`` (:class:`kvq.contract.SpendsBudget`).
+    """The method's list of settings a budget may choose from: ``params.budget_options``, a callable
+    ``(head_dim) -> [params, ...]`` (:class:`kvq.contract.SpendsBudget`).
 
-    :raises ValueError: the method offers no settings for a budget (naming it).
+    :raises ValueError: the method offers no settings for a budget (the message names it).
     """
     hook = optional_hook(params, SpendsBudget)
     if hook is None:

@@ -163,8 +163,9 @@ def _check_expected(file_name: str, cache: list, expect: CacheConfig) -> None:
         got, want = getattr(c, "config", None), expect.for_layer(i)
         if got is not None and want.budget is not None:  # a bits budget: the settings it buys (kvq.cache.budget)
             if got.budget != want.budget:
-                raise ValueError(f"{file_name}: layer {i} does not hold what expect= asks: bits budget "
-                                 f"{got.budget}, expected {want.budget}")
+                held = "no bits budget" if got.budget is None else f"bits budget {got.budget:g}"
+                raise ValueError(f"{file_name}: layer {i} does not hold what expect= asks: {held}, expected bits "
+                                 f"budget {want.budget:g}")
             if c.layout is None:
                 continue
             want = want.within_budget(c.layout[2], c.layout[3])

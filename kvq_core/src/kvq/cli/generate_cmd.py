@@ -137,6 +137,9 @@ def cache_label(options: dict) -> str:
     from ..cache import make_config
 
     config = make_config(**options)
+    if config.budget is not None:  # each layer's settings are chosen at its head_dims (kvq.cache.budget)
+        method = config.key_params.method
+        return f"{method} bits={config.budget:g} (a budget)"
     keys, values = params_label(config.key_params, "keys"), params_label(config.value_params, "values")
     return keys if keys == values else f"K {keys} / V {values}"
 
