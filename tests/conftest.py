@@ -78,6 +78,20 @@ def config_folder(folder, **config):
     return folder
 
 
+def gguf_block_weights(i: int, normal, hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int) -> dict:
+    """The attention and MLP tensors of GGUF block ``i`` of a llama-family model, named as llama.cpp writes them
+    (norms left to the caller: each architecture has its own), each ``normal(*shape)``."""
+    return {
+        f"blk.{i}.attn_q.weight": normal(heads * head_dim, hidden),
+        f"blk.{i}.attn_k.weight": normal(kv_heads * head_dim, hidden),
+        f"blk.{i}.attn_v.weight": normal(kv_heads * head_dim, hidden),
+        f"blk.{i}.attn_output.weight": normal(hidden, heads * head_dim),
+        f"blk.{i}.ffn_gate.weight": normal(ffn, hidden),
+        f"blk.{i}.ffn_up.weight": normal(ffn, hidden),
+        f"blk.{i}.ffn_down.weight": normal(hidden, ffn),
+    }
+
+
 def tiny_llama(hidden=256, layers=2, heads=4, kv_heads=2, vocab=256, dtype=mx.float16, seed=0, head_dim=None):
     """A random llama from an mlx-lm config dict (no download); head_dim defaults to hidden // heads."""
     from mlx_lm.models import llama

@@ -13,6 +13,7 @@ import pytest
 
 from kvq import models
 from kvq.models import ModelError, fetch
+from conftest import gguf_block_weights
 
 TEXT = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is Rome."
 # Mean next-token cross-entropy (nats) of a float32 transformers conversion of the same GGUF, no BOS token
@@ -82,17 +83,8 @@ def tiny_weights(vocab_size: int) -> dict[str, np.ndarray]:
 
     weights = {"token_embd.weight": normal(vocab_size, HIDDEN), "output_norm.weight": 1 + normal(HIDDEN)}
     for i in range(LAYERS):
-        weights |= {
-            f"blk.{i}.attn_q.weight": normal(HEADS * HEAD_DIM, HIDDEN),
-            f"blk.{i}.attn_k.weight": normal(KV_HEADS * HEAD_DIM, HIDDEN),
-            f"blk.{i}.attn_v.weight": normal(KV_HEADS * HEAD_DIM, HIDDEN),
-            f"blk.{i}.attn_output.weight": normal(HIDDEN, HEADS * HEAD_DIM),
-            f"blk.{i}.ffn_gate.weight": normal(FFN, HIDDEN),
-            f"blk.{i}.ffn_up.weight": normal(FFN, HIDDEN),
-            f"blk.{i}.ffn_down.weight": normal(HIDDEN, FFN),
-            f"blk.{i}.attn_norm.weight": 1 + normal(HIDDEN),
-            f"blk.{i}.ffn_norm.weight": 1 + normal(HIDDEN),
-        }
+        weights |= gguf_block_weights(i, normal, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN)
+        weights |= {f"blk.{i}.attn_norm.weight": 1 + normal(HIDDEN), f"blk.{i}.ffn_norm.weight": 1 + normal(HIDDEN)}
     return weights
 
 

@@ -15,6 +15,7 @@ import pytest
 from kvq import models
 from kvq.models import fetch
 from kvq.models.gguf_convert import _gemma3_config
+from conftest import gguf_block_weights
 from kvq.models.tokenizer import build_tokenizer, spm_merges
 
 # Six layers: mlx-lm's gemma3_text needs one global layer (the sixth)
@@ -47,15 +48,7 @@ def hf_weights() -> dict[str, np.ndarray]:
 
     weights = {"token_embd.weight": normal(len(TOKENS), HIDDEN), "output_norm.weight": normal(HIDDEN, scale=0.3)}
     for i in range(LAYERS):
-        weights |= {
-            f"blk.{i}.attn_q.weight": normal(HEADS * HEAD_DIM, HIDDEN),
-            f"blk.{i}.attn_k.weight": normal(KV_HEADS * HEAD_DIM, HIDDEN),
-            f"blk.{i}.attn_v.weight": normal(KV_HEADS * HEAD_DIM, HIDDEN),
-            f"blk.{i}.attn_output.weight": normal(HIDDEN, HEADS * HEAD_DIM),
-            f"blk.{i}.ffn_gate.weight": normal(FFN, HIDDEN),
-            f"blk.{i}.ffn_up.weight": normal(FFN, HIDDEN),
-            f"blk.{i}.ffn_down.weight": normal(HIDDEN, FFN),
-        }
+        weights |= gguf_block_weights(i, normal, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN)
         for norm, size in (("attn_norm", HIDDEN), ("post_attention_norm", HIDDEN), ("ffn_norm", HIDDEN),
                            ("post_ffw_norm", HIDDEN), ("attn_q_norm", HEAD_DIM), ("attn_k_norm", HEAD_DIM)):
             weights[f"blk.{i}.{norm}.weight"] = normal(size, scale=0.3)
