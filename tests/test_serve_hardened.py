@@ -652,6 +652,17 @@ def test_a_draft_model_server_answers_and_refuses_alike(tiny_folder):
 
 
 @pytest.mark.slow
+def test_the_memory_probe_needs_the_key_and_clears_the_prompt_cache(served):
+    """``GET /kvq/memory`` (on in this server through ``KVQ_SERVE_MEMORY_PROBE=1``) needs the key, and leaves the
+    prompt cache empty: a second probe clears nothing."""
+    status, reply = call(served.port, "GET", MEMORY_PATH, key=None)
+    assert status == 401 and is_openai_error(reply, "invalid_api_key"), reply
+    assert call(served.port, "POST", "/v1/chat/completions", chat("the hello"))[0] == 200
+    assert clear_and_measure(served.port)["prompt_cache_cleared"] >= 1
+    assert clear_and_measure(served.port)["prompt_cache_cleared"] == 0
+
+
+@pytest.mark.slow
 def test_sigterm_lets_the_requests_in_flight_finish(served):
     """SIGTERM while 4 streams are in flight: each ends with ``[DONE]``, the port closes, the server exits 0.
     (Last in the module: it ends the shared server.)"""
@@ -673,14 +684,3 @@ def test_sigterm_lets_the_requests_in_flight_finish(served):
     assert in_flight and int(in_flight[1]) >= 1, served.text()[-4000:]
     with pytest.raises(OSError):
         call(served.port, "GET", "/health", timeout=2)
-
-
-@pytest.mark.slow
-def test_the_memory_probe_needs_the_key_and_clears_the_prompt_cache(served):
-    """``GET /kvq/memory`` (on in this server through ``KVQ_SERVE_MEMORY_PROBE=1``) needs the key, and leaves the
-    prompt cache empty: a second probe clears nothing."""
-    status, reply = call(served.port, "GET", MEMORY_PATH, key=None)
-    assert status == 401 and is_openai_error(reply, "invalid_api_key"), reply
-    assert call(served.port, "POST", "/v1/chat/completions", chat("the hello"))[0] == 200
-    assert clear_and_measure(served.port)["prompt_cache_cleared"] >= 1
-    assert clear_and_measure(served.port)["prompt_cache_cleared"] == 0

@@ -45,7 +45,9 @@ class CacheConfig:
         (whatever the policy did about it); written to prompt-cache files.
     :param still_channels: the key channels the layer's RoPE keeps still over the tokens it can hold (ascending;
         :mod:`kvq.cache.still`, set by :func:`kvq.make_prompt_cache` from the model), the only ones a centred layer
-        subtracts a mean from (:mod:`kvq.cache.guard`); ``None``: unknown (the guard's whole-mean rule).
+        subtracts a mean from (:mod:`kvq.cache.guard`); ``None``: unknown (the guard's whole-mean rule). A property
+        of the model, not a setting: not compared (packed rows compare it where it still matters, before a row's
+        first compression: :func:`kvq.cache.packed._same_settings`).
     :param budget: bits per coordinate the layer's keys and values may store together (:mod:`kvq.cache.budget`),
         or ``None``: the parameters are used as given. With a budget, :meth:`within_budget` replaces both sides'
         parameters by the settings the budget buys at the layer's head_dims (once they are known); written to
@@ -64,7 +66,8 @@ class CacheConfig:
     outlier_layer: bool = attrs.field(default=False)
     budget: float | None = attrs.field(default=None)
     still_channels: tuple | None = attrs.field(default=None, converter=lambda v: None if v is None else tuple(v),
-                                               repr=lambda v: "None" if v is None else f"<{len(v)} channels>")
+                                               repr=lambda v: "None" if v is None else f"<{len(v)} channels>",
+                                               eq=False)
 
     @budget.validator
     def _budget(self, attribute, value):
