@@ -214,9 +214,12 @@ def test_the_command_lines_method_spelling_in_python_says_how_to_write_it():
     """``make_prompt_cache(model, "turboquant:3")``, the CLI's spelling, names the Python one (a new user tried)."""
     from kvq.cache import make_config
 
-    with pytest.raises(ValueError, match=r"got 'turboquant:3' \('turboquant:3' is the command line's spelling; in "
-                                         r"Python pass the bits apart: method='turboquant', bits=3\)"):
+    with pytest.raises(ValueError, match=r"got 'turboquant:3' \('turboquant:3' is a method string \(kvq eval, kvq "
+                                         r"generate --method\); here give the method and its bits apart: "
+                                         r"method='turboquant', bits=3 \(kvq select: turboquant --param bits=3\)\)"):
         make_config("turboquant:3")
+    with pytest.raises(ValueError, match=r"method='turboquant', bits=3.5 "):
+        make_config("turboquant:3.5")
     with pytest.raises(ValueError, match=r"method='affine', \.\.\.\)"):
         make_config("affine:k4v3")
     with pytest.raises(ValueError, match=r"got 'nope:3'$"):

@@ -234,10 +234,12 @@ class Registry:
             hint = method_hint(name) if isinstance(name, str) else ""
             base, colon, bits = name.partition(":") if isinstance(name, str) else ("", "", "")
             if colon and base in self.methods and not hint:  # the CLI's spelling, "turboquant:3"
-                hint = (f"{name!r} is the command line's spelling; in Python pass the bits apart: "
-                        f"method={base!r}, bits={bits}" if bits.isdigit() else
-                        f"{name!r} is the command line's spelling; in Python pass the method and its parameters "
-                        f"apart (method={base!r}, ...)")
+                numeric = bits.replace(".", "", 1).isdigit()
+                hint = (f"{name!r} is a method string (kvq eval, kvq generate --method); here give the method and "
+                        f"its bits apart: method={base!r}, bits={bits} (kvq select: {base} --param bits={bits})"
+                        if numeric else
+                        f"{name!r} is a method string (kvq eval, kvq generate --method); here give the method and "
+                        f"its parameters apart (method={base!r}, ...)")
             raise UnknownMethodError(f"method must be one of {known}; got {name!r}" + (f" ({hint})" if hint else ""))
         return self.methods[name]
 
