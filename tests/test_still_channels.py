@@ -108,3 +108,32 @@ def test_make_prompt_cache_asks_each_layers_rope():
     rotating = kvq.make_prompt_cache(model, "turboquant", bits=4, max_kv_size=512)
     assert rotating[0].config.still_channels == still_channels(model.layers[0].self_attn.rope, 64, 512)
     assert rotating[0].config.still_channels == expected(64, 64, 10000.0, 512, False)  # the 7 slowest pairs
+
+
+def test_a_models_rope_is_probed_once_while_it_lives():
+    """A server makes caches for every request: the probe runs once per model and horizons, and is forgotten with
+    the model."""
+    import gc
+
+    from kvq.cache import still
+
+    model = tiny_llama(hidden=128, layers=2, heads=2, kv_heads=1, dtype=mx.float32)
+    calls = []
+    rope = model.layers[0].self_attn.rope
+
+    class Counting(nn.Module):
+        def __call__(self, x, offset=0):
+            calls.append(offset)
+            return rope(x, offset=offset)
+
+    for layer in model.layers:
+        layer.self_attn.rope = Counting()
+    first = still.layer_still_channels(model, [512, 512])
+    probes = len(calls)
+    assert probes > 0 and still.layer_still_channels(model, [512, 512]) == first and len(calls) == probes
+    still.layer_still_channels(model, [1024, 1024])
+    assert len(calls) > probes  # other horizons: probed again
+    key = id(model)
+    del model, first
+    gc.collect()
+    assert not [k for k in still._FOUND if k[0] == key]

@@ -19,6 +19,7 @@ whose mean holds for every token the layer can hold.
 from __future__ import annotations
 
 import math
+import weakref
 
 import mlx.core as mx
 import numpy as np
@@ -65,7 +66,30 @@ def layer_still_channels(model, horizons: list[int | None]) -> list[tuple[int, .
     ``model.args``), over its horizon in ``horizons``: an int (a sliding window's size, ``max_kv_size``), ``0`` for
     the model's context length (``args.max_position_embeddings``, else :data:`DEFAULT_HORIZON`), ``None`` for a
     layer not asked about. ``None`` for a layer whose RoPE or head_dim is not found, and for every layer where the
-    model's layers and ``horizons`` do not pair up."""
+    model's layers and ``horizons`` do not pair up. Asked once per model and horizons while the model lives (each
+    layer's probe is about 20 small RoPE calls read back to the host)."""
+    key = (id(model), tuple(horizons))
+    if key in _FOUND:  # a server makes caches for every request: the model's RoPE is probed once
+        return list(_FOUND[key])
+    found = _probe_layers(model, horizons)
+    try:
+        weakref.finalize(model, _forget, id(model))  # a later model at the same address starts afresh
+    except TypeError:
+        return found
+    _FOUND[key] = tuple(found)
+    return found
+
+
+#: :func:`layer_still_channels`' answers, by ``(id(model), horizons)`` while the model lives.
+_FOUND: dict[tuple, tuple] = {}
+
+
+def _forget(model_id: int) -> None:
+    for key in [k for k in _FOUND if k[0] == model_id]:
+        del _FOUND[key]
+
+
+def _probe_layers(model, horizons: list[int | None]) -> list[tuple[int, ...] | None]:
     layers = getattr(model, "layers", None)
     args = getattr(model, "args", None)
     if layers is None or len(layers) != len(horizons):
