@@ -169,12 +169,9 @@ def make_prompt_cache(model, method: str | None = "affine", *, max_kv_size: int 
     _patch.patch()
     register_with_mlx_lm()
     first = first_layer(model)
-    still: dict[int, list] = {}  # the layers' still channels (kvq.cache.still), found at the first call
 
-    def layer_cache(i: int, made, made_all: list) -> KVQCache:
-        if not still:
-            still[0] = layer_still_channels(model, [_horizon(c, max_kv_size) for c in made_all])
-        layer = attrs.evolve(config.for_layer(first + i), still_channels=still[0][i])
+    def layer_cache(i: int, made, still: tuple | None) -> KVQCache:
+        layer = attrs.evolve(config.for_layer(first + i), still_channels=still)
         layer = layer if heads is None else layer.for_heads(*heads)
         if type(made) is mlx_cache.RotatingKVCache:
             return RotatingKVQCache(layer, made.max_size, made.keep)
@@ -185,7 +182,9 @@ def make_prompt_cache(model, method: str | None = "affine", *, max_kv_size: int 
 
     def kvq_caches() -> list:
         made = mlx_caches()
-        return [layer_cache(i, c, made) if type(c) in (mlx_cache.KVCache, mlx_cache.RotatingKVCache) else c
+        # each layer's still key channels (kvq.cache.still), over the tokens its cache can hold
+        still = layer_still_channels(model, [_horizon(c, max_kv_size) for c in made])
+        return [layer_cache(i, c, still[i]) if type(c) in (mlx_cache.KVCache, mlx_cache.RotatingKVCache) else c
                 for i, c in enumerate(made)]
 
     if heads is None and first == 0:  # (a sharded model's forward pass talks to other ranks: not probed)
