@@ -110,7 +110,7 @@ def test_eval_method_string_is_a_budget():
 
 def test_rows_with_one_budget_pack():
     """Rows of one budget have one set of settings (the choice uses no data), so they pack."""
-    from kvq.cache.packed import packable
+    from kvq.cache.packable import packable
 
     rows = []
     for seed in (0, 1):

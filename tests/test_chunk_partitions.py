@@ -10,7 +10,9 @@ sinks, window and flush so that every few tokens cross a boundary. For every par
 - each chunk's queries (one per new token, as a model asks them) get the token-by-token run's attention rows,
   within float rounding: max error relative to the output's largest element below 2e-4 on the CPU's path
   (measured 0 for affine and turboquant, 8.9e-5 for qjl, whose keys are scored in another grouping) and 2e-3 on
-  the GPU's (measured 3.5e-4 to 7.1e-4: the fused call's float16 output, one ulp is 4.9e-4). One query shown one
+  the GPU's (measured 3.5e-4 to 7.1e-4: the fused call's float16 output, one ulp is 4.9e-4). On a GPU the
+  token-by-token reference itself decodes through the fused kernel, so the CPU's path is held to 2e-3 there too
+  (measured 3.5e-4 on the H200 for all three methods). One query shown one
   token more or less in the compressed part (``KVQCache._visible`` off by one) errs by 1.2e-2 to 4.6e-2.
 
 Both chunk paths run: the CPU's (each part attended over the codes) and the GPU's (the compressed tokens decoded to
@@ -96,4 +98,6 @@ def test_any_partition_stores_and_attends_as_one_token_at_a_time(label, on_devic
         for name, array in ref_store.view().data.items():
             assert mx.array_equal(array, store.view().data[name]).item(), (sizes, name)
     error = np.max(np.abs(rows - ref_rows)) / np.max(np.abs(ref_rows))
-    assert error < (2e-3 if on_device else 2e-4), f"chunks {sizes}: relative max error {error:.2e}"
+    # on a GPU the token-by-token reference decodes through the fused kernel, whatever path the chunks take
+    fused = on_device or mx.default_device() == mx.gpu
+    assert error < (2e-3 if fused else 2e-4), f"chunks {sizes}: relative max error {error:.2e}"

@@ -9,7 +9,8 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from kvq.cache import BatchKVQCache, KVQCache, make_config, make_prompt_cache, patch_model, unpatch_model
-from kvq.cache.packed import PackedRows, packable
+from kvq.cache.packable import packable
+from kvq.cache.packed import PackedRows
 
 from conftest import batch_greedy
 

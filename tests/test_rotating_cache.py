@@ -81,7 +81,8 @@ def test_each_query_sees_what_mlx_lm_decode_shows_it(max_size, keep, window, flu
 def test_compressed_tokens_are_those_a_kvq_cache_compresses(method, params, max_size, keep, window, flush, chunks):
     """The ring holds what KVQCache (sinks = keep) compresses, and each query sees its window of it: equal to a
     KVQCache fed token by token with the window given as a mask, up to float16 rounding of the outputs (at most
-    4.9e-4 measured; a token too many or too few in the window gives errors above 0.01)."""
+    4.9e-4 measured on the CPU; on the H200 one output of 15,360 for turboquant_prod, -2.2539 against -2.2559, one
+    float16 ulp at that size; a token too many or too few in the window gives errors above 0.01)."""
     k, v, q = (mx.random.normal((1, h, 60, 64)).astype(mx.float16) for h in (2, 2, 4))
     reference, outs = kvq.KVQCache(make_config(method, sinks=keep, window=window, flush=flush, **params)), []
     for t in range(60):
@@ -96,7 +97,7 @@ def test_compressed_tokens_are_those_a_kvq_cache_compresses(method, params, max_
         ours.append(cache.attend(q[:, :, start : start + n], 0.125))
         start += n
     np.testing.assert_allclose(np.array(mx.concatenate(ours, axis=2).astype(mx.float32)),
-                               np.array(mx.concatenate(outs, axis=2).astype(mx.float32)), atol=1e-3)
+                               np.array(mx.concatenate(outs, axis=2).astype(mx.float32)), atol=1e-3, rtol=1e-3)
 
 
 @pytest.mark.parametrize("method, mean, worst", [("affine", 0.15, 0.3), ("turboquant", 0.15, 0.3)])
@@ -204,11 +205,12 @@ def _settle() -> int:
     return mx.get_active_memory()
 
 
-def _fill(cache, tokens: int, start: int, chunk: int = 512, heads: int = 2, head_dim: int = 256) -> None:
+def _fill(cache, tokens: int, start: int, chunk: int = 512, heads: int = 2, head_dim: int = 256,
+          prompt: int = 1100) -> None:
     """Store random float16 tokens ``start .. tokens`` (chunks of ``chunk``, then single tokens past the prompt of
-    ``1100``), attending after each update as a model does."""
+    ``prompt``), attending after each update as a model does."""
     while start < tokens:
-        n = min(chunk if start < 1100 else 1, tokens - start)
+        n = min(chunk if start < prompt else 1, tokens - start)
         k, v = (mx.random.normal((1, heads, n, head_dim)).astype(mx.float16) for _ in range(2))
         cache.update_and_fetch(k, v)
         out = cache.attend(mx.random.normal((1, 2 * heads, n, head_dim)).astype(mx.float16), head_dim ** -0.5)
@@ -223,7 +225,8 @@ def test_memory_is_bounded_by_the_window_and_a_third_of_mlx_lm_rotating_cache():
     (0.60 MiB, 0.30x; 0.35x with a window of 128), the same after 1100 tokens as after 1300. With a flush of 32: the
     window's buffer holds 64 + 31 tokens (the default flush, 128, makes it 64 + 127: 0.42x)."""
     config = make_config("turboquant", bits=4, window=64, flush=32)
-    _fill(RotatingKVQCache(config, 1024, 0), 200, 0)  # what a method makes once per process (rotation, codebook)
+    # what a method makes once per process (rotation, codebook; on a GPU the decode kernel's constants too)
+    _fill(RotatingKVQCache(config, 1024, 0), 203, 0, prompt=200)
     before = _settle()
     ours = RotatingKVQCache(config, 1024, 0)
     _fill(ours, 1100, 0)

@@ -47,7 +47,7 @@ class CacheConfig:
         :mod:`kvq.cache.still`, set by :func:`kvq.make_prompt_cache` from the model), the only ones a centred layer
         subtracts a mean from (:mod:`kvq.cache.guard`); ``None``: unknown (the guard's whole-mean rule). A property
         of the model, not a setting: not compared (packed rows compare it where it still matters, before a row's
-        first compression: :func:`kvq.cache.packed._same_settings`).
+        first compression: :func:`kvq.cache.packable._same_settings`).
     :param budget: bits per coordinate the layer's keys and values may store together (:mod:`kvq.cache.budget`),
         or ``None``: the parameters are used as given. With a budget, :meth:`within_budget` replaces both sides'
         parameters by the settings the budget buys at the layer's head_dims (once they are known); written to
