@@ -33,6 +33,7 @@ from .choice import block_implementation, has_attend, quantize_kernels
 from .budget import spender
 from .config import CacheConfig
 from .layer import KVQCache
+from .model_args import head_dims
 from .views import CompressedView
 from .registration import register_with_mlx_lm
 from .rotating import RotatingKVQCache
@@ -117,15 +118,6 @@ def check_required_kernels(config: CacheConfig, num_kv_heads: int, head_dim: int
                kernels=quantize_kernels(params.method, "require"))
 
 
-def _head_dims(model) -> tuple[int, int] | None:
-    args = getattr(model, "args", None)
-    if args is None:
-        return None
-    heads = getattr(args, "num_attention_heads", None)
-    head_dim = getattr(args, "head_dim", None) or (heads and args.hidden_size // heads)
-    return (head_dim, getattr(args, "v_head_dim", None) or head_dim) if head_dim else None
-
-
 def make_prompt_cache(model, method: str | None = "affine", *, max_kv_size: int | None = None,
                       **kwargs: Any) -> list:
     """One kvq cache per attention layer of an mlx-lm model (drop-in for ``mlx_lm``'s function), on one process or
@@ -162,7 +154,7 @@ def make_prompt_cache(model, method: str | None = "affine", *, max_kv_size: int 
     if max_kv_size is not None and (not isinstance(max_kv_size, int) or max_kv_size <= 4):
         raise ValueError(f"max_kv_size must be an int above 4 (mlx-lm keeps the first 4 tokens); got {max_kv_size!r}")
     config = make_config(method, **kwargs)
-    dims = _head_dims(model)
+    dims = head_dims(model)
     if dims is not None:
         config = config.within_budget(*dims)  # a bits budget's settings, chosen now that head_dims are known
     _check_model(config, model)
@@ -210,7 +202,7 @@ def _horizon(made, max_kv_size: int | None) -> int | None:
 
 def _check_model(config: CacheConfig, model) -> None:
     """What :func:`make_prompt_cache` checks before making caches: head_dims, readiness, required kernels."""
-    dims = _head_dims(model)
+    dims = head_dims(model)
     if dims is not None:
         config.key_params.check_head_dim(dims[0])
         config.value_params.check_head_dim(dims[1])

@@ -24,6 +24,8 @@ import weakref
 import mlx.core as mx
 import numpy as np
 
+from .model_args import head_dims
+
 #: Largest angle (radians) a channel may turn between position 0 and the horizon to count as still: a mean turned
 #: by ``a`` leaves ``2 (1 - cos a)`` of its energy, 0.24 at 0.5 rad (the mean still removes three quarters).
 MAX_ANGLE = 0.5
@@ -94,8 +96,7 @@ def _probe_layers(model, horizons: list[int | None]) -> list[tuple[int, ...] | N
     args = getattr(model, "args", None)
     if layers is None or len(layers) != len(horizons):
         return [None] * len(horizons)
-    heads = getattr(args, "num_attention_heads", None)
-    head_dim = getattr(args, "head_dim", None) or (heads and getattr(args, "hidden_size", 0) // heads)
+    head_dim = (head_dims(model) or (None,))[0]
     context = getattr(args, "max_position_embeddings", None) or DEFAULT_HORIZON
     found = []
     for layer, horizon in zip(layers, horizons):
