@@ -4,9 +4,11 @@
 # steps: smoke tests bench (default: these three), sweep, ops (kvq bench ops + kvq autotune from it),
 #        e2e (kvq bench e2e on a random-weight Llama-3-8B shape), dist (2 GPUs: NCCL tests + 64K decode benchmark),
 #        durations (GPU time per decode-attention call, read by Nsight Compute), profile (ncu --set full at 128K),
-#        batch (kvq bench batch: BatchGenerator, 1 and 8 sequences of 2K prompts), e2e-batch (kvq bench e2e --batch:
+#        batch (kvq bench batch: BatchGenerator, 1 and 8 sequences of 2K prompts, 1 warm-up then $BATCH_REPS (3)
+#        timed repetitions, their median and min-max reported), e2e-batch (kvq bench e2e --batch:
 #        8 sequences at 8K, 32 at 4K), hostsplit (building vs mx.async_eval of a decode step at 4K),
-#        capacity (kvq bench capacity: the most 32K-token sequences that fit per cache, and their tokens/s),
+#        capacity (kvq bench capacity: the most 32K-token sequences that fit per cache, and their tokens/s, the median
+#        of $CAPACITY_REPS (2) timed decodes at that batch),
 #        streams (the streams kernel's GPU tests, a vecinfer calibration of random:llama3-8b, then kvq bench e2e for
 #        qjl+affine:4, turboquant_prod:4 and vecinfer),
 #        profile-streams (ncu --set full of the streams kernel at 128K: occupancy, stall reasons, DRAM throughput),
@@ -61,8 +63,9 @@ for name, fn in [("quantize", lambda: k.kvq_quantize(x, p).data["codes"]),
     batch) mkdir -p "$OUT/batch"
            timeout ${BATCH_TIMEOUT:-500} python3 -m kvq.cli bench batch --model random:llama3-8b --dtype bfloat16 \
              --methods fp16,turboquant:3,turboquant:4,affine:4 --batches ${BATCHES:-1,8} --prompt 2048 --tokens 64 \
-             --no-progress --out "$OUT/batch" --name "$(date +%F)-h200-batch" > "$OUT/batch.log" 2>&1
-           grep -E "^(###|\| (fp16|turbo|affine))" "$OUT/batch.log" || tail -c 2000 "$OUT/batch.log";;
+             --warmup 1 --reps ${BATCH_REPS:-3} --no-progress --out "$OUT/batch" --name "$(date +%F)-h200-batch" \
+             > "$OUT/batch.log" 2>&1
+           grep -E "^(###|\| (kvcache|fp16|turbo|affine))" "$OUT/batch.log" || tail -c 2000 "$OUT/batch.log";;
     e2e-batch) mkdir -p "$OUT/e2e"
            for bc in 8:8K 32:4K; do
              timeout ${E2E_TIMEOUT:-270} python3 -m kvq.cli bench e2e --model random:llama3-8b --dtype bfloat16 \
@@ -72,9 +75,9 @@ for name, fn in [("quantize", lambda: k.kvq_quantize(x, p).data["codes"]),
            done;;
     capacity) mkdir -p "$OUT/capacity"
            timeout ${CAPACITY_TIMEOUT:-560} python3 -m kvq.cli bench capacity --model random:llama3-8b --dtype bfloat16 \
-             --methods fp16,turboquant:3,turboquant:4,affine:4 --context 32K --no-progress --out "$OUT/capacity" \
-             --name "$(date +%F)-h200-capacity" > "$OUT/capacity.log" 2>&1
-           grep -E "^\| (fp16|turbo|affine)" "$OUT/capacity.log" || tail -c 2000 "$OUT/capacity.log";;
+             --methods fp16,turboquant:3,turboquant:4,affine:4 --context 32K --reps ${CAPACITY_REPS:-2} --no-progress \
+             --out "$OUT/capacity" --name "$(date +%F)-h200-capacity" > "$OUT/capacity.log" 2>&1
+           grep -E "^\| (kvcache|fp16|turbo|affine)" "$OUT/capacity.log" || tail -c 2000 "$OUT/capacity.log";;
     streams) MLX_ENABLE_TF32=0 timeout 200 python3 -m pytest tests/test_kernels_gpu.py -m gpu -q -k streams --tb=short \
                -p no:cacheprovider > "$OUT/gpu_streams.log" 2>&1; tail -c 1500 "$OUT/gpu_streams.log"
              mkdir -p "$OUT/streams"

@@ -1,14 +1,17 @@
 """kvq bench capacity (#22's capacity benchmark): the batch chosen from two probes, measured within the budget, kvq's
-caches fitting more sequences than fp16's; bad input refused before any model work."""
+caches fitting more sequences than fp16's, the chosen batch's decode timed --reps times and reported as their median
+and range; bad input refused before any model work."""
 
 from __future__ import annotations
 
 import json
 import re
+import statistics
 
 import pytest
 
 from kvq.bench.capacity import CapacitySettings, predicted_batch
+from kvq.bench.output import median_range
 from kvq.cli import main
 
 
@@ -22,10 +25,13 @@ def test_predicted_batch_follows_the_line_through_the_probes():
         predicted_batch({1: 10}, 100, 1.0, 8)
     with pytest.raises(ValueError, match=r"safety must be in \(0, 1\]; got 1.5"):
         CapacitySettings(context=64, budget=1, safety=1.5)
+    with pytest.raises(ValueError, match="reps must be >= 1; got 0"):
+        CapacitySettings(context=64, budget=1, reps=0)
 
 
 def _fake_rows(monkeypatch, peak_of):
-    """CapacityBench rows without a model: batch B peaks at ``peak_of(B)`` bytes above a base of 0."""
+    """CapacityBench rows without a model: batch B peaks at ``peak_of(B)`` bytes above a base of 0; the n-th row
+    decodes B * n tokens/s in steps of 1000 / n ms (host 0.1 ms), so repetitions differ."""
     import mlx.core as mx
 
     from kvq.bench import capacity
@@ -34,7 +40,9 @@ def _fake_rows(monkeypatch, peak_of):
 
     def row(self, spec, batch, steps):
         tried.append(batch)
-        return {"error": None, "peak_memory": peak_of(batch), "tokens_per_second": float(batch), "kv_bytes": 1}
+        n = len(tried)
+        return {"error": None, "peak_memory": peak_of(batch), "tokens_per_second": float(batch * n), "kv_bytes": 1,
+                "latency_ms": {"mean": 1000 / n}, "host_ms": {"median": 0.1}}
 
     monkeypatch.setattr(capacity.CapacityBench, "_row", row)
     monkeypatch.setattr(mx, "get_active_memory", lambda: 0)
@@ -46,18 +54,38 @@ def test_a_cautious_first_prediction_is_measured_again_from_its_own_peak(monkeyp
     """Probes at 1 and 2 sequences overstate one more sequence (the noise a new user saw: 1.5 against 2.3 MiB per
     sequence in two runs); the batch predicted from them fits at once, so the line through the probe at 1 and that
     batch's measured peak predicts again, and the larger batch is measured and kept. A batch at --max-batch is
-    marked."""
+    marked. The chosen batch is timed once more (--reps 2), after the search."""
     from kvq.bench.capacity import CapacityBench
 
     tried = _fake_rows(monkeypatch, lambda b: 100 + 10 * b + (30 if b == 2 else 0))  # probe at 2 reads 30 high
     settings = CapacitySettings(context=64, budget=1000, safety=1.0, max_batch=1024)
     (result,) = CapacityBench(None, settings).run([_spec("fp16")])
     # probes: 110 and 150 -> 40 per sequence -> 23; measured 330 at 23 -> 10 per sequence -> 90 fits (1000)
-    assert tried == [1, 2, 23, 90] and result["max_batch"] == 90 and not result["at_max_batch"]
+    assert tried == [1, 2, 23, 90, 90] and result["max_batch"] == 90 and not result["at_max_batch"]
     tried = _fake_rows(monkeypatch, lambda b: 100 + 10 * b)
     (result,) = CapacityBench(None, CapacitySettings(context=64, budget=1000, safety=1.0, max_batch=50)).run(
         [_spec("fp16")])
-    assert tried == [1, 2, 50] and result["max_batch"] == 50 and result["at_max_batch"]
+    assert tried == [1, 2, 50, 50] and result["max_batch"] == 50 and result["at_max_batch"]
+
+
+def test_the_chosen_batch_is_timed_reps_times_and_reported_as_their_median(monkeypatch):
+    """--reps 3: the row that showed the batch fits (the 3rd row measured), then two more at that batch (the 4th
+    and 5th); tokens/s is their median, the range and every repetition beside it, ratios from the medians."""
+    from kvq.bench.capacity import CapacityBench
+
+    tried = _fake_rows(monkeypatch, lambda b: 100 + 10 * b)
+    settings = CapacitySettings(context=64, budget=1000, safety=1.0, max_batch=50, reps=3)
+    fp16, tq3 = CapacityBench(None, settings).run([_spec("fp16"), _spec("turboquant:3")])
+    assert tried == [1, 2, 50, 50, 50] * 2
+    assert [r["tokens_per_second"] for r in fp16["reps"]] == [150.0, 200.0, 250.0]
+    assert fp16["tokens_per_second"] == 200.0 and fp16["row"]["tokens_per_second"] == 150.0
+    assert fp16["tokens_per_second_spread"] == {"median": 200.0, "min": 150.0, "max": 250.0,
+                                                "all": [150.0, 200.0, 250.0]}
+    assert fp16["step_ms"] == {"median": 250.0, "min": 200.0, "max": 1000 / 3, "all": [1000 / 3, 250.0, 200.0]}
+    assert fp16["host_ms"]["all"] == [0.1] * 3 and [r["error"] for r in fp16["reps"]] == [None] * 3
+    # turboquant:3's rows are the 6th to 10th: 50 * (8, 9, 10) tokens/s at the chosen batch
+    assert tq3["tokens_per_second"] == 450.0 and tq3["tokens_vs_fp16"] == 450.0 / 200.0
+    assert statistics.median(r["tokens_per_second"] for r in tq3["reps"]) == tq3["tokens_per_second"]
 
 
 def _spec(label):
@@ -76,10 +104,19 @@ def test_kvq_caches_fit_more_sequences_within_the_budget(tmp_path, capsys):
     for row in (fp16, tq3):
         assert row["peak_memory"] <= document["settings"]["budget"] and row["tokens_per_second"] > 0
         assert row["row"]["batch"] == row["max_batch"] >= 1
+        # two timed decodes at the chosen batch (--reps' default), the reported speed their median
+        speeds = [r["tokens_per_second"] for r in row["reps"]]
+        assert len(speeds) == 2 and row["tokens_per_second"] == statistics.median(speeds)
+        assert speeds[0] == row["row"]["tokens_per_second"]
+        assert row["step_ms"]["all"] == [r["step_ms"] for r in row["reps"]]
+        assert all(r["host_ms"] > 0 for r in row["reps"])
+        assert row["peak_memory"] == max(r["peak_memory"] for r in row["reps"])
     # a 3.25-bit cache with a 16-token window holds a 1K-token sequence in far fewer bytes than fp16 does
     assert tq3["per_sequence_bytes"] < 0.6 * fp16["per_sequence_bytes"]
     assert tq3["max_batch"] > fp16["max_batch"] and tq3["batch_vs_fp16"] == tq3["max_batch"] / fp16["max_batch"]
-    assert "sequences that fit (x kvcache)" in (tmp_path / "cap.md").read_text()
+    text = (tmp_path / "cap.md").read_text()
+    assert "sequences that fit (x kvcache)" in text and "2 timed decodes at the chosen batch" in text
+    assert median_range(tq3["tokens_per_second_spread"], ",.1f") in text and document["settings"]["reps"] == 2
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -87,6 +124,7 @@ def test_kvq_caches_fit_more_sequences_within_the_budget(tmp_path, capsys):
     (["--model", "random:tiny", "--budget", "1G", "--context", "1K,2K"], "--context takes one length"),
     (["--model", "random:tiny", "--budget", "1G", "--safety", "0"], r"--safety must be in \(0, 1\]; got 0.0"),
     (["--model", "random:tiny", "--budget", "lots"], "--budget must be positive integers"),
+    (["--model", "random:tiny", "--budget", "1G", "--reps", "0"], "--reps must be >= 1; got 0"),
 ])
 def test_bad_input_is_refused_before_model_work(argv, message, capsys, no_model_work):
     assert main(["bench", "capacity", *argv, "--no-plot"]) == 1

@@ -7,13 +7,25 @@ chunks, then batched decode with the generator's cache merges, filters and extra
 (the model unpatched); a kvq method patches the model (:func:`kvq.patch_model`), so the generator makes kvq caches
 and batches them as :class:`kvq.cache.BatchKVQCache`. Reported: the seconds until every sequence has its first token
 (prefill), the aggregate decode tokens/s after that (every sequence's tokens, over the time from the last first
-token to the end), the peak memory above the level before the generator was made, and the tokens (identical
-prompts give the same count for every method: the run is checked to have produced ``batch * tokens`` of them).
-Every repetition measures kvcache first, so each ratio compares rows of one repetition in one process.
+token to the end), the decode steps' milliseconds (step ms: the decode seconds over the generator's decode steps;
+host ms: each step's time on the host before its work is queued, below), the peak memory above the level before the
+generator was made, and the tokens (identical prompts give the same count for every method: the run is checked to
+have produced ``batch * tokens`` of them). Every repetition measures kvcache first, so each ratio compares rows of
+one repetition in one process; ``warmup`` untimed repetitions of every row come first (they compile kernels), and
+:func:`summarize` gives each (batch, method)'s median and range over the timed ones.
+
+Host ms per step is measured as ``kvq bench e2e`` measures it (:func:`kvq.bench.fill.decode`): from the previous
+step's tokens reaching Python to this step's graph being queued (``mx.async_eval`` returning). ``BatchGenerator``
+does both inside ``GenerationBatch._step``, so while the generator runs, ``mlx_lm.generate``'s ``mx`` is a stand-in
+(:class:`StepClock`) that notes when its ``mx.eval`` (the step's tokens) and ``mx.async_eval`` (the next step
+queued) return; the time in between is the generator's bookkeeping, this loop's, the model's graph building and
+MLX queueing it (on CUDA, encoding its graphs). A step whose interval is about its host time was bound by the host.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import time
 from typing import Callable
 
@@ -22,8 +34,9 @@ import mlx.core as mx
 
 from ..defaults import DEFAULT_FLUSH
 from ..evaluation.spec import MethodSpec
+from .fill import host_summary
 from .measure import error_text, release
-from .rows import REFERENCE, repeated_rows
+from .rows import REFERENCE, repeated_rows, spread
 
 #: Method strings measured when ``--methods`` is not given (those whose methods are installed).
 DEFAULT_METHODS = ("kvcache", "affine:4", "turboquant:4", "turboquant:3")
@@ -36,7 +49,9 @@ class BatchSettings:
     :param batches: sequences generated together (each >= 1), measured in this order.
     :param prompt: tokens of each (random) prompt (>= 1).
     :param tokens: new tokens per sequence (>= 2: one comes from the prefill, the rest are decoded).
-    :param reps: repetitions of every (batch, method) row (>= 1; the first includes compiling kernels).
+    :param reps: timed repetitions of every (batch, method) row (>= 1); reports give their median and range.
+    :param warmup: untimed repetitions of every row of a batch size before its timed ones (>= 0; they compile the
+        kernels, and their rows are not kept).
     :param chunk: the generator's ``prefill_step_size`` (mlx-lm's default 2048).
     :param sinks, window, flush, kernels: kvq caches' settings (:class:`kvq.cache.CacheConfig`).
     :param seed: seed of the random prompts.
@@ -46,7 +61,8 @@ class BatchSettings:
     batches: tuple[int, ...]
     prompt: int
     tokens: int = 64
-    reps: int = 2
+    reps: int = 3
+    warmup: int = 1
     chunk: int = 2048
     sinks: int = 4
     window: int = 128
@@ -73,12 +89,57 @@ def prompts(batch: int, length: int, vocab_size: int, seed: int) -> list[list[in
     return ids.tolist()
 
 
+class StepClock:
+    """Stands in for ``mlx.core`` in one module (:func:`clocked`): every attribute is mlx.core's, but it notes when
+    that module's ``mx.eval`` returns (a generator step's tokens have reached Python) and, at each ``mx.async_eval``
+    after one, the seconds from then until the queueing returned (``host``, one entry per step).
+
+    Only calls made through the module it stands in for are seen: the model's and kvq's own ``mx`` are untouched.
+    """
+
+    def __init__(self, real) -> None:
+        self._real, self.ready, self.host = real, None, []
+
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)
+
+    def eval(self, *args) -> None:
+        self._real.eval(*args)
+        self.ready = time.perf_counter()
+
+    def async_eval(self, *args) -> None:
+        self._real.async_eval(*args)
+        if self.ready is not None:
+            self.host.append(time.perf_counter() - self.ready)
+            self.ready = None
+
+
+@contextlib.contextmanager
+def clocked(module_name: str = "mlx_lm.generate"):
+    """Put a :class:`StepClock` in place of ``module_name``'s ``mx`` while the block runs (restored after it);
+    yields the clock, or ``None`` where that module has no ``mx`` that is mlx.core (host time is then not
+    measured)."""
+    module = importlib.import_module(module_name)
+    if getattr(module, "mx", None) is not mx:
+        yield None
+        return
+    clock = StepClock(mx)
+    module.mx = clock
+    try:
+        yield clock
+    finally:
+        module.mx = mx
+
+
 def generate(model, prompts_: list[list[int]], tokens: int, chunk: int) -> dict:
     """Run one ``BatchGenerator`` over ``prompts_`` to the end (greedy, ``tokens`` each) and time it.
 
-    :return: ``{"prefill_seconds", "decode_seconds", "tokens", "decode_tokens_per_second", "peak_memory_growth"}``:
-        prefill = from insertion until every sequence has its first token, decode = from then to the last token;
-        decode tokens/s = the tokens after each sequence's first, over the decode seconds.
+    :return: ``{"prefill_seconds", "decode_seconds", "decode_steps", "tokens", "decode_tokens_per_second",
+        "step_ms", "host_ms", "peak_memory_growth"}``: prefill = from insertion until every sequence has its first
+        token, decode = from then to the last token over ``decode_steps`` generator steps; decode tokens/s = the
+        tokens after each sequence's first, over the decode seconds; step ms = decode milliseconds / decode steps;
+        host ms = :func:`kvq.bench.fill.host_summary` of the decode steps' host times (module docstring; every
+        entry ``None`` where they could not be measured).
     :raises RuntimeError: the generator stopped before ``tokens`` tokens per sequence.
     """
     from mlx_lm.generate import BatchGenerator
@@ -86,31 +147,35 @@ def generate(model, prompts_: list[list[int]], tokens: int, chunk: int) -> dict:
     mx.synchronize()
     mx.reset_peak_memory()
     before = mx.get_active_memory()
-    gen = BatchGenerator(model, stop_tokens=[], sampler=lambda x: mx.argmax(x, -1), prefill_step_size=chunk,
-                         completion_batch_size=max(32, len(prompts_)))
-    tic = time.perf_counter()
-    uids = gen.insert(prompts_, [tokens] * len(prompts_))
-    counts = {u: 0 for u in uids}
-    first_all = None
-    try:
-        for _ in range(10 * tokens * len(prompts_) + 100):  # bounded, whatever the generator does
-            responses = gen.next_generated()
-            if not responses:
-                break
-            for r in responses:
-                counts[r.uid] += 1
-            if first_all is None and all(counts.values()):
-                first_all = time.perf_counter()
-    finally:
-        gen.close()
-    end = time.perf_counter()
+    with clocked() as clock:
+        gen = BatchGenerator(model, stop_tokens=[], sampler=lambda x: mx.argmax(x, -1), prefill_step_size=chunk,
+                             completion_batch_size=max(32, len(prompts_)))
+        tic = time.perf_counter()
+        uids = gen.insert(prompts_, [tokens] * len(prompts_))
+        counts = {u: 0 for u in uids}
+        first_all, steps, mark = None, 0, 0
+        try:
+            for _ in range(10 * tokens * len(prompts_) + 100):  # bounded, whatever the generator does
+                responses = gen.next_generated()
+                if not responses:
+                    break
+                steps += first_all is not None
+                for r in responses:
+                    counts[r.uid] += 1
+                if first_all is None and all(counts.values()):
+                    first_all, mark = time.perf_counter(), len(clock.host) if clock is not None else 0
+        finally:
+            gen.close()
+        end = time.perf_counter()
     total = sum(counts.values())
     if total != tokens * len(prompts_) or first_all is None:
         raise RuntimeError(f"BatchGenerator gave {total} tokens for {len(prompts_)} sequences of {tokens}")
     decoded = total - len(prompts_)
     decode_seconds = end - first_all
-    return {"prefill_seconds": first_all - tic, "decode_seconds": decode_seconds, "tokens": total,
-            "decode_tokens_per_second": decoded / decode_seconds if decode_seconds > 0 else None,
+    return {"prefill_seconds": first_all - tic, "decode_seconds": decode_seconds, "decode_steps": steps,
+            "tokens": total, "decode_tokens_per_second": decoded / decode_seconds if decode_seconds > 0 else None,
+            "step_ms": 1e3 * decode_seconds / steps if steps else None,
+            "host_ms": host_summary(clock.host[mark:] if clock is not None else []),
             "peak_memory_growth": mx.get_peak_memory() - before}
 
 
@@ -125,13 +190,14 @@ class BatchBench:
         self.model, self.settings, self.vocab_size = model, settings, vocab_size
 
     def run(self, specs: list[MethodSpec], on_row: Callable[[dict], None] | None = None) -> list[dict]:
-        """Every batch size, then every repetition, then every spec (the reference, kvcache, first); ``on_row(row)`` after each."""
+        """Every batch size, then its warm-up and timed repetitions, then every spec (the reference, kvcache,
+        first); returns the timed rows, ``on_row(row)`` after each (warm-up rows are neither)."""
         s = self.settings
         return repeated_rows(s.batches, s.reps, specs, lambda batch: prompts(batch, s.prompt, self.vocab_size, s.seed),
-                             self._measure, add_ratios, desc="kvq bench batch",
-                             what=lambda batch: f"{batch} sequences", progress=s.progress, on_row=on_row)
+                             self._measure, add_ratios, desc="kvq bench batch", what=lambda batch: f"{batch} sequences",
+                             progress=s.progress, on_row=on_row, warmup=s.warmup)
 
-    def _measure(self, spec: MethodSpec, batch: int, rep: int, ids: list[list[int]], bar) -> dict:
+    def _measure(self, spec: MethodSpec, batch: int, rep: int | None, ids: list[list[int]], bar) -> dict:
         from ..cache import patch_model, unpatch_model
 
         s = self.settings
@@ -145,7 +211,8 @@ class BatchBench:
             row.update(generate(self.model, ids, s.tokens, s.chunk))
         except Exception as exc:  # noqa: BLE001 - one failing method must not end the run: the row says why
             row["error"] = error_text(exc)
-            bar.write(f"kvq bench batch: {spec.label} with {batch} sequences failed: {row['error']}")
+            when = "warm-up" if rep is None else f"rep {rep + 1}"
+            bar.write(f"kvq bench batch: {spec.label} with {batch} sequences ({when}) failed: {row['error']}")
         finally:
             if patched:
                 unpatch_model(self.model)
@@ -162,3 +229,31 @@ def add_ratios(row: dict, reference: dict | None) -> None:
                              else None)
     row["prefill_vs_fp16"] = reference["prefill_seconds"] / row["prefill_seconds"] if ok else None
     row["peak_vs_fp16"] = row["peak_memory_growth"] / max(reference["peak_memory_growth"], 1) if ok else None
+
+
+#: Per-repetition quantities :func:`summarize` gives the median and range of: summary key -> how a row gives it.
+SUMMARY = {"prefill_seconds": lambda r: r.get("prefill_seconds"),
+           "prefill_vs_fp16": lambda r: r.get("prefill_vs_fp16"),
+           "decode_tokens_per_second": lambda r: r.get("decode_tokens_per_second"),
+           "decode_vs_fp16": lambda r: r.get("decode_vs_fp16"),
+           "step_ms": lambda r: r.get("step_ms"),
+           "host_ms": lambda r: (r.get("host_ms") or {}).get("median"),
+           "peak_memory_growth": lambda r: r.get("peak_memory_growth"),
+           "peak_vs_fp16": lambda r: r.get("peak_vs_fp16")}
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """One entry per (batch, method), in the rows' order: ``batch``, ``method``, ``cache``, ``reps`` (its timed
+    rows), ``errors`` (their error texts, in order) and, for every :data:`SUMMARY` key, :func:`kvq.bench.rows.spread`
+    over the rows that succeeded (ratios: each repetition's own, against kvcache of that repetition; host ms: each
+    repetition's median step)."""
+    out = []
+    for batch, method in dict.fromkeys((r["batch"], r["method"]) for r in rows):
+        same = [r for r in rows if r["batch"] == batch and r["method"] == method]
+        ok = [r for r in same if not r["error"]]
+        entry = {"batch": batch, "method": method, "cache": same[0]["cache"], "reps": len(same),
+                 "errors": [r["error"] for r in same if r["error"]]}
+        for key, value in SUMMARY.items():
+            entry[key] = spread([v for v in map(value, ok) if v is not None])
+        out.append(entry)
+    return out

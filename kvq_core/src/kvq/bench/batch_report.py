@@ -4,35 +4,48 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .output import cache_style, header_lines, markdown_table, pyplot, with_ratio
+from .batch import summarize
+from .output import cache_style, header_lines, markdown_table, median_range, pyplot, with_ratio
 
 MIB = 2**20
-COLUMNS = ("method", "cache", "rep", "prefill s; speed x kvcache", "decode tokens/s, all sequences (x kvcache)",
+COLUMNS = ("method", "cache", "timed reps", "prefill s", "prefill speed x kvcache",
+           "decode tokens/s, all sequences", "decode x kvcache", "step ms", "host ms/step",
            "peak MiB above (x kvcache)")
-NOTES = """Columns: prefill s = from inserting the prompts into mlx-lm's BatchGenerator until every sequence has its \
-first token (speed x kvcache = the reference's seconds / these); decode tokens/s = every sequence's tokens after its first, over the time from then to the last token \
-(the aggregate a server under concurrent load gives); peak = mx.get_peak_memory() during the run minus the active \
-memory before the generator was made (caches, prefill and decode temporaries). Ratios compare with kvcache (mlx-lm's \
-own caches, the model unpatched) in the same repetition; the first repetition includes compiling. kvq rows patch \
-the model (kvq.patch_model), so the generator batches kvq caches (BatchKVQCache)."""
+NOTES = """Every cell: the median over the timed repetitions, then (min–max) where they differ, so the spread is the \
+noise; the untimed warm-up repetitions (they compile kernels) are in neither. Columns: prefill s = from inserting the \
+prompts into mlx-lm's BatchGenerator until every sequence has its first token (speed x kvcache = the reference's \
+seconds / these); decode tokens/s = every sequence's tokens after its first, over the time from then to the last \
+token (the aggregate a server under concurrent load gives); step ms = that time over the generator's decode steps; \
+host ms/step = the median over a repetition's steps of the time from a step's tokens reaching Python to the next \
+step being queued (the generator's and the model's Python, graph building and mx.async_eval, which on MLX's CUDA back \
+end encodes it into CUDA graphs): where it is about the whole step, the host set the pace; peak = \
+mx.get_peak_memory() during the run minus the active memory before the generator was made (caches, prefill and \
+decode temporaries). Ratios compare with kvcache (mlx-lm's own caches, the model unpatched) in the same \
+repetition, measured first in each; the x kvcache columns are the medians of those per-repetition ratios. kvq rows \
+patch the model (kvq.patch_model), so the generator batches kvq caches (BatchKVQCache)."""
 
 
 def _cells(r: dict) -> list[str]:
-    head = [r["method"], r["cache"], str(r["rep"] + 1)]
-    if r["error"]:
-        return head + ["-", "-", f"error: {r['error'][:120]}"]
-    speed = r["decode_tokens_per_second"]
-    prefill = f"{r['prefill_seconds']:.3g}" + ("" if r["prefill_vs_fp16"] is None else f"; {r['prefill_vs_fp16']:.2f}x")
-    return head + [prefill, with_ratio("-" if speed is None else f"{speed:,.1f}", r["decode_vs_fp16"]),
-                   with_ratio(f"{r['peak_memory_growth'] / MIB:.1f}", r["peak_vs_fp16"])]
+    ok = r["reps"] - len(r["errors"])
+    reps = str(ok) if not r["errors"] else f"{ok} of {r['reps']}; error: {r['errors'][0][:120]}"
+    head = [r["method"], r["cache"], reps]
+    if not ok:
+        return head + ["-"] * (len(COLUMNS) - len(head))
+    peak, ratio = r["peak_memory_growth"]["median"], r["peak_vs_fp16"]["median"]
+    return head + [median_range(r["prefill_seconds"]), median_range(r["prefill_vs_fp16"], ".2f"),
+                   median_range(r["decode_tokens_per_second"], ",.1f"), median_range(r["decode_vs_fp16"], ".2f"),
+                   median_range(r["step_ms"]), median_range(r["host_ms"]),
+                   with_ratio(f"{peak / MIB:.1f}", ratio)]
 
 
 def markdown(rows: list[dict]) -> str:
-    """One table per batch size (smallest first), then :data:`NOTES`."""
+    """One table per batch size (smallest first) of :func:`kvq.bench.batch.summarize`'s medians and ranges over
+    ``rows`` (the timed repetitions), then :data:`NOTES`."""
+    summary = summarize(rows)
     parts = []
-    for batch in sorted({r["batch"] for r in rows}):
+    for batch in sorted({r["batch"] for r in summary}):
         parts.append(f"### {batch} sequence{'' if batch == 1 else 's'} at once\n")
-        parts.append(markdown_table(COLUMNS, [_cells(r) for r in rows if r["batch"] == batch]) + "\n")
+        parts.append(markdown_table(COLUMNS, [_cells(r) for r in summary if r["batch"] == batch]) + "\n")
     return "\n".join(parts + [NOTES])
 
 
@@ -41,39 +54,42 @@ def markdown_file(document: dict) -> str:
     s = document["settings"]
     lines = [*header_lines("kvq bench batch", document),
              f"Prompts: {s['prompt']} random tokens each, {s['tokens']} new tokens per sequence (greedy, no stop "
-             f"token), prefill_step_size {s['chunk']}, {s['reps']} repetitions; kvq caches: sinks {s['sinks']}, "
+             f"token), prefill_step_size {s['chunk']}, {s.get('warmup', 0)} untimed warm-up and {s['reps']} timed "
+             f"repetitions; kvq caches: sinks {s['sinks']}, "
              f"window {s['window']}, flush {s['flush']}, kernels {s['kernels']}.",
              *(f"Note: {n}" for n in document.get("notes", [])), "", markdown(document["rows"])]
     return "\n".join(lines) + "\n"
 
 
 def plot(document: dict, path: str | Path) -> None:
-    """Two panels against batch size (log 2): aggregate decode tokens/s and peak memory above the model, the last
-    repetition of each row; one line per method (kvcache dashed black).
+    """Two panels against batch size (log 2): aggregate decode tokens/s and peak memory above the model, the median
+    over the timed repetitions with a bar from their min to their max; one line per method (kvcache dashed black).
 
     :raises ValueError: matplotlib is missing (the message says how to install it).
     """
     plt = pyplot()
-    rows = [r for r in document["rows"] if not r["error"] and r["decode_tokens_per_second"]]
-    last = max((r["rep"] for r in rows), default=0)
-    rows = [r for r in rows if r["rep"] == last]
+    summary = [r for r in summarize(document["rows"]) if r["decode_tokens_per_second"]["median"]]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     panels = (("decode_tokens_per_second", 1, "decode tokens/s, all sequences"),
               ("peak_memory_growth", MIB, "peak MiB above the model"))
     for ax, (key, scale, label) in zip(axes, panels):
-        for method in dict.fromkeys(r["method"] for r in rows):
-            points = sorted((r["batch"], r[key] / scale) for r in rows if r["method"] == method)
-            cache = next(r["cache"] for r in rows if r["method"] == method)
+        for method in dict.fromkeys(r["method"] for r in summary):
+            points = sorted((r["batch"], r[key]) for r in summary if r["method"] == method)
+            x, values = [p[0] for p in points], [p[1] for p in points]
+            y = [v["median"] / scale for v in values]
+            bars = [[m - v["min"] / scale for m, v in zip(y, values)],
+                    [v["max"] / scale - m for m, v in zip(y, values)]]
+            cache = next(r["cache"] for r in summary if r["method"] == method)
             name = f"{method} (mlx-lm's caches, {document['model']['dtype']})" if method in ("kvcache", "fp16") else method
-            ax.plot([p[0] for p in points], [p[1] for p in points], label=name, **cache_style(cache))
+            ax.errorbar(x, y, yerr=bars, capsize=3, label=name, **cache_style(cache))
         ax.set(ylabel=label, xlabel="sequences at once (BatchGenerator)")
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(lambda v, _: f"{v:g}")
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=8)
-    env, m = document["environment"], document["model"]
+    env, m, s = document["environment"], document["model"], document["settings"]
     fig.suptitle(f"kvq bench batch: {m['name']} ({m['dtype']}) on {env['device']}, MLX {env['mlx']}, "
-                 f"{document['settings']['prompt']}-token prompts, repetition {last + 1}")
+                 f"{s['prompt']}-token prompts, median of {s['reps']} repetitions (bars: min-max)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

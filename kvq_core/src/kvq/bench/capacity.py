@@ -10,7 +10,11 @@ most :data:`MAX_TRIES` times). A batch that fits at once gives a third point: th
 its measured peak predicts again (the slope of two probes at 1 and 2 sequences is noisy: one more sequence's bytes
 moved by half between two runs on a CPU), and a larger prediction is measured too and kept if it fits, so a cautious
 first prediction does not understate a cache. A batch at ``max_batch`` is marked (``at_max_batch``): more might
-fit. Every ratio compares with the kvcache row of the same run.
+fit. The chosen batch's decode is timed ``reps`` times (the row that showed it fits, then ``reps - 1`` more rows
+at that batch): each repetition's tokens/s, ms per step (the timed steps' mean) and host ms per step (their
+median, as :func:`kvq.bench.fill.host_summary`) are in ``reps``, and their medians and ranges beside them. Every
+ratio compares with the kvcache row of the same run (the medians'; kvcache's repetitions ran before the method's,
+minutes apart, not in turn).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from tqdm import tqdm
 from ..defaults import DEFAULT_FLUSH
 from .e2e import REFERENCE, E2EBench, E2ESettings
 from .measure import release
+from .rows import spread
 
 #: Batches measured per method after the probes, at most (each a tenth below the last that did not fit).
 MAX_TRIES = 3
@@ -38,6 +43,7 @@ class CapacitySettings:
         CLI's default is the device's memory, ``mx.device_info()``).
     :param safety: fraction of the predicted headroom the chosen batch may use (0 < safety <= 1).
     :param max_batch: the largest batch tried (>= 1).
+    :param reps: timed rows at the chosen batch (>= 1; the first is the one that showed it fits).
     :param steps, warmup, chunk, sinks, window, kernels, flush, seed: as :class:`kvq.bench.e2e.E2ESettings`.
     :param progress: show a tqdm bar on stderr.
     """
@@ -47,6 +53,7 @@ class CapacitySettings:
     safety: float = 0.9
     max_batch: int = 1024
     steps: int = 16
+    reps: int = 2
     warmup: int = 1
     chunk: int = 4096
     sinks: int = 4
@@ -58,7 +65,7 @@ class CapacitySettings:
 
     def __attrs_post_init__(self) -> None:
         for name, value, low in (("context", self.context, 1), ("budget", self.budget, 1),
-                                 ("max_batch", self.max_batch, 1), ("steps", self.steps, 1)):
+                                 ("max_batch", self.max_batch, 1), ("steps", self.steps, 1), ("reps", self.reps, 1)):
             if value < low:
                 raise ValueError(f"{name} must be >= {low}; got {value}")
         if not 0 < self.safety <= 1:
@@ -96,8 +103,11 @@ class CapacityBench:
         self.model, self.settings = model, settings
 
     def run(self, specs: list, on_row: Callable[[dict], None] | None = None) -> list[dict]:
-        """A row per spec (in order; kvcache first): ``method``, ``max_batch``, ``per_sequence_bytes``, the measured
-        row at that batch (``tokens_per_second`` for all sequences, ``peak_memory``, ...) and ratios to kvcache."""
+        """A row per spec (in order; kvcache first): ``method``, ``max_batch``, ``per_sequence_bytes``, the first
+        measured row at that batch (``row``), its repetitions (``reps``: ``tokens_per_second`` for all sequences,
+        ``step_ms``, ``host_ms``, ``peak_memory``, ``error`` each), their medians and ranges (``tokens_per_second``
+        the median, ``tokens_per_second_spread``, ``step_ms``, ``host_ms``), ``peak_memory`` (the largest of the
+        repetitions') and ratios to kvcache."""
         rows, reference = [], None
         for spec in tqdm(specs, desc="kvq bench capacity", unit="method", disable=not self.settings.progress):
             row = self._measure(spec)
@@ -138,6 +148,7 @@ class CapacityBench:
             if row is not None:
                 if attempt == 0 and 2 < batch < s.max_batch:  # fitted at once: predict again from it
                     self._try_larger(spec, batch, row, peaks[1], headroom, result)
+                self._repeat(spec, result)
                 return result
             if batch == 1:
                 break
@@ -167,8 +178,33 @@ class CapacityBench:
             self._try(spec, larger, result)
 
 
+    def _repeat(self, spec, result: dict) -> None:
+        """Time the chosen batch ``reps - 1`` more times; put every repetition (``result["row"]`` first) and their
+        medians and ranges in ``result``."""
+        s = self.settings
+        rows = [result["row"], *(self._row(spec, result["max_batch"], s.steps) for _ in range(s.reps - 1))]
+        reps = [repetition(r) for r in rows]
+        ok = [r for r in reps if not r["error"]]
+        result.update(reps=reps, tokens_per_second_spread=spread([r["tokens_per_second"] for r in ok]),
+                      step_ms=spread([r["step_ms"] for r in ok]),
+                      host_ms=spread([r["host_ms"] for r in ok if r["host_ms"] is not None]),
+                      peak_memory=max(r["peak_memory"] for r in ok))
+        result["tokens_per_second"] = result["tokens_per_second_spread"]["median"]
+
+
+def repetition(row: dict) -> dict:
+    """What one timed row at the chosen batch contributes: ``tokens_per_second``, ``step_ms`` (the mean step),
+    ``host_ms`` (the median step's host time; ``None`` where not measured), ``peak_memory`` and ``error``."""
+    if row["error"]:
+        return {"tokens_per_second": None, "step_ms": None, "host_ms": None, "peak_memory": None,
+                "error": row["error"]}
+    return {"tokens_per_second": row["tokens_per_second"], "step_ms": row["latency_ms"]["mean"],
+            "host_ms": (row.get("host_ms") or {}).get("median"), "peak_memory": row["peak_memory"], "error": None}
+
+
 def add_ratios(row: dict, reference: dict | None) -> None:
-    """Add ``batch_vs_fp16`` and ``tokens_vs_fp16`` (method / kvcache; ``None`` when either row failed)."""
+    """Add ``batch_vs_fp16`` and ``tokens_vs_fp16`` (method / kvcache, tokens/s the medians of their repetitions;
+    ``None`` when either row failed)."""
     ok = reference is not None and not row["error"]
     row["batch_vs_fp16"] = row["max_batch"] / reference["max_batch"] if ok else None
     row["tokens_vs_fp16"] = row["tokens_per_second"] / reference["tokens_per_second"] if ok else None

@@ -4,28 +4,34 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .output import header_lines, markdown_table, pyplot, with_ratio
+from .output import header_lines, markdown_table, median_range, pyplot, with_ratio
 
 MIB = 2**20
 COLUMNS = ("method", "sequences that fit (x kvcache)", "per sequence MiB", "peak MiB / budget",
-           "decode tokens/s, all sequences (x kvcache)", "ms/step")
+           "decode tokens/s, all sequences (x kvcache)", "ms/step", "host ms/step")
 NOTES = """Columns: sequences that fit = the largest batch of sequences of this length measured whose peak (model, \
 caches, decode temporaries) stayed within the budget, the batches tried being those a line through measured peaks \
 predicts within the safety fraction of the headroom (the tries are in the JSON); ">= N" where --max-batch capped \
 it; per sequence = the peak's growth from 1 to 2 sequences (one \
-more sequence's cache and temporaries); tokens/s = sequences / mean step over the timed steps (flushes included), \
-as kvq bench e2e --batch. Every row holds random keys and values; ratios compare with kvcache (mlx-lm's KVCache) in \
-the same run."""
+more sequence's cache and temporaries); peak = the largest of the repetitions at that batch; tokens/s = sequences / \
+mean step over the timed steps (flushes included), as kvq bench e2e --batch, and ms/step that mean step; host \
+ms/step = the median step's time from its tokens reaching Python to the next step being queued (where it is about \
+the whole step, the host set the pace). The decode at the chosen batch is timed --reps times (the row that showed \
+it fits, then more at that batch): each speed cell is the median, then (min–max) where they differ, so the spread \
+is the noise; every repetition is in the JSON. Every row holds random keys and values; ratios compare medians with \
+kvcache (mlx-lm's KVCache) in the same run."""
 
 
 def _cells(r: dict) -> list[str]:
     if r["error"]:
-        return [r["method"], "-", "-", "-", f"error: {r['error'][:160]}", "-"]
-    ms = r["row"]["latency_ms"]["mean"]
+        return [r["method"], "-", "-", "-", f"error: {r['error'][:160]}", "-", "-"]
     fit = (">= " if r.get("at_max_batch") else "") + str(r["max_batch"])
+    failed = [x["error"] for x in r["reps"] if x["error"]]
+    speed = median_range(r["tokens_per_second_spread"], ",.1f")
+    speed += f"; {len(failed)} of {len(r['reps'])} reps failed: {failed[0][:80]}" if failed else ""
     return [r["method"], with_ratio(fit, r["batch_vs_fp16"]),
             f"{r['per_sequence_bytes'] / MIB:,.1f}", f"{r['peak_memory'] / MIB:,.0f} / {r['budget'] / MIB:,.0f}",
-            with_ratio(f"{r['tokens_per_second']:,.1f}", r["tokens_vs_fp16"]), f"{ms:.2f}"]
+            with_ratio(speed, r["tokens_vs_fp16"]), median_range(r["step_ms"], ".2f"), median_range(r["host_ms"])]
 
 
 def markdown(rows: list[dict]) -> str:
@@ -38,13 +44,15 @@ def markdown_file(document: dict) -> str:
     s = document["settings"]
     lines = [*header_lines("kvq bench capacity", document),
              f"Sequences of {s['context']} tokens, budget {s['budget'] / MIB:,.0f} MiB, safety {s['safety']}, "
-             f"{s['steps']} timed steps; kvq caches: sinks {s['sinks']}, window {s['window']}, flush {s['flush']}, "
-             f"kernels {s['kernels']}.", "", markdown(document["rows"])]
+             f"{s['steps']} timed steps, {s.get('reps', 1)} timed decodes at the chosen batch; kvq caches: sinks "
+             f"{s['sinks']}, window {s['window']}, flush {s['flush']}, kernels {s['kernels']}.", "",
+             markdown(document["rows"])]
     return "\n".join(lines) + "\n"
 
 
 def plot(document: dict, path: str | Path) -> None:
-    """Two bar panels per method: sequences that fit, and their aggregate decode tokens/s.
+    """Two bar panels per method: sequences that fit, and their aggregate decode tokens/s (the median of the
+    repetitions, a line from their min to their max).
 
     :raises ValueError: matplotlib is missing (the message says how to install it).
     """
@@ -52,9 +60,12 @@ def plot(document: dict, path: str | Path) -> None:
     rows = [r for r in document["rows"] if not r["error"]]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     names = [r["method"] for r in rows]
-    for ax, key, label in ((axes[0], "max_batch", "sequences that fit"),
-                           (axes[1], "tokens_per_second", "decode tokens/s, all sequences")):
-        ax.bar(names, [r[key] for r in rows], color=["black" if n in ("kvcache", "fp16") else "tab:blue" for n in names])
+    colors = ["black" if n in ("kvcache", "fp16") else "tab:blue" for n in names]
+    spreads = [r["tokens_per_second_spread"] for r in rows]
+    bars = [[v["median"] - v["min"] for v in spreads], [v["max"] - v["median"] for v in spreads]]
+    axes[0].bar(names, [r["max_batch"] for r in rows], color=colors)
+    axes[1].bar(names, [r["tokens_per_second"] for r in rows], color=colors, yerr=bars, capsize=4, ecolor="tab:red")
+    for ax, label in ((axes[0], "sequences that fit"), (axes[1], "decode tokens/s, all sequences (median, min-max)")):
         ax.set(ylabel=label)
         ax.tick_params(axis="x", rotation=20)
         ax.grid(True, axis="y", alpha=0.3)

@@ -2,8 +2,10 @@
 same run: prefill time, aggregate decode tokens/s and peak memory against the number of sequences.
 
 Every row inserts the same random prompts into one BatchGenerator and runs it to the end; each repetition measures
-kvcache (mlx-lm's own caches) first, so every ratio compares rows of one repetition in one process. Writes
-OUT/NAME.json (after every row), OUT/NAME.md and OUT/NAME.png.
+kvcache (mlx-lm's own caches) first, so every ratio compares rows of one repetition in one process. --warmup untimed
+repetitions of every row come first, then --reps timed ones; the tables give each (batch, method)'s median and
+min-max over the timed ones. Writes OUT/NAME.json (every timed row, after each; at the end the medians as
+"summary"), OUT/NAME.md and OUT/NAME.png.
 """
 
 from __future__ import annotations
@@ -40,7 +42,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=64, help="new tokens per sequence (default 64)")
     p.add_argument("--chunk", type=int, default=2048,
                    help="BatchGenerator's prefill_step_size (default 2048, mlx-lm's)")
-    p.add_argument("--reps", type=int, default=2, help="repetitions of every row (default 2; the first compiles)")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed repetitions of every row before the timed ones (default 1; they compile kernels)")
+    p.add_argument("--reps", type=int, default=3,
+                   help="timed repetitions of every row (default 3; the tables show their median and min-max)")
     add_model_and_cache_options(p)
     p.add_argument("--seed", type=int, default=0, help="seed of random weights and prompts (default 0)")
     p.add_argument("--out", default="bench-batch", help="output folder (default ./bench-batch)")
@@ -65,8 +70,8 @@ def check(args) -> dict:
     on_cpu = device_kind() == "cpu"
     prompt = args.prompt if args.prompt is not None else 256 if on_cpu else 2048
     at_least(("--prompt", prompt, 1), ("--tokens", args.tokens, 2), ("--chunk", args.chunk, 1),
-              ("--reps", args.reps, 1), ("--sinks", args.sinks, 0), ("--window", args.window, 0),
-              ("--flush", args.flush, 1))
+              ("--warmup", args.warmup, 0), ("--reps", args.reps, 1), ("--sinks", args.sinks, 0),
+              ("--window", args.window, 0), ("--flush", args.flush, 1))
     batches = parse_sizes(args.batches, "--batches") if args.batches else (1, 4) if on_cpu else (1, 8)
     random = is_random(args.model)
     name, config, path = _model_config(args)
@@ -79,8 +84,9 @@ def check(args) -> dict:
     if mlx:
         raise ValueError(f"--methods: {', '.join(mlx)}: mlx-lm's BatchGenerator cannot batch its QuantizedKVCache; "
                          "choose kvcache and kvq methods")
-    settings = batch.BatchSettings(batches, prompt, args.tokens, args.reps, args.chunk, args.sinks, args.window,
-                                   args.flush, args.kernels, args.seed, not args.no_progress)
+    settings = batch.BatchSettings(batches, prompt, tokens=args.tokens, reps=args.reps, warmup=args.warmup,
+                                   chunk=args.chunk, sinks=args.sinks, window=args.window, flush=args.flush,
+                                   kernels=args.kernels, seed=args.seed, progress=not args.no_progress)
     return checked_bench((name, config, path), settings, specs, args, random)
 
 
@@ -93,6 +99,7 @@ def main(argv: list[str]) -> int:
 
     settings = checked["settings"]
     return run_bench("kvq bench batch", argv, args, checked, "batch-",
-                     ("batches", "prompt", "tokens", "reps", "chunk", "sinks", "window", "flush", "kernels", "seed"),
+                     ("batches", "prompt", "tokens", "warmup", "reps", "chunk", "sinks", "window", "flush", "kernels",
+                      "seed"),
                      lambda model, info, text_ids: batch.BatchBench(model, settings, info["vocab_size"]),
-                     batch_report, notes=lambda info: batch.notes(settings))
+                     batch_report, notes=lambda info: batch.notes(settings), summary=batch.summarize)

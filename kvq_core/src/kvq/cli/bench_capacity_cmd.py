@@ -1,7 +1,8 @@
 """``kvq bench capacity``: the largest batch of equal-length sequences that fits in the device's memory with each
 cache, and its aggregate decode tokens/s, kvcache in the same run (the number a server operator cares about).
 
-Writes OUT/NAME.json (after every row), OUT/NAME.md and OUT/NAME.png.
+The chosen batch's decode is timed --reps times; the table gives the median and min-max of their tokens/s and ms
+per step. Writes OUT/NAME.json (after every row, each repetition's figures in it), OUT/NAME.md and OUT/NAME.png.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None,
                    help="timed decode steps at the chosen batch (default: --flush, one whole flush period, as kvq "
                         "bench e2e)")
+    p.add_argument("--reps", type=int, default=2,
+                   help="timed decodes at the chosen batch (default 2; the table shows their median and min-max)")
     p.add_argument("--chunk", type=int, default=4096, help="tokens per cache update when filling (default 4096)")
     add_model_and_cache_options(p)
     p.add_argument("--seed", type=int, default=0, help="seed of random weights and keys/values (default 0)")
@@ -79,7 +82,7 @@ def check(args) -> dict:
     else:
         (budget,) = parse_sizes(args.budget, "--budget")
     steps = args.flush if args.steps is None else args.steps
-    at_least(("--max-batch", args.max_batch, 1), ("--steps", steps, 1),
+    at_least(("--max-batch", args.max_batch, 1), ("--steps", steps, 1), ("--reps", args.reps, 1),
               ("--chunk", args.chunk, 1), ("--sinks", args.sinks, 0), ("--window", args.window, 0),
               ("--flush", args.flush, 1))
     if not 0 < args.safety <= 1:
@@ -88,9 +91,10 @@ def check(args) -> dict:
     name, config, path = _model_config(args)
     specs = bench_specs(args, config, random, DEFAULT_METHODS)
     warmup = 1 if _on_cpu() else args.flush + 1
-    settings = capacity.CapacitySettings(context[0], budget, args.safety, args.max_batch, steps, warmup,
-                                         args.chunk, args.sinks, args.window, args.kernels, args.flush, args.seed,
-                                         not args.no_progress)
+    settings = capacity.CapacitySettings(context[0], budget, safety=args.safety, max_batch=args.max_batch,
+                                         steps=steps, reps=args.reps, warmup=warmup, chunk=args.chunk,
+                                         sinks=args.sinks, window=args.window, kernels=args.kernels, flush=args.flush,
+                                         seed=args.seed, progress=not args.no_progress)
     return checked_bench((name, config, path), settings, specs, args, random)
 
 
@@ -103,6 +107,6 @@ def main(argv: list[str]) -> int:
 
     settings = checked["settings"]
     return run_bench("kvq bench capacity", argv, args, checked, "capacity-",
-                     ("context", "budget", "safety", "max_batch", "steps", "warmup", "chunk", "sinks", "window",
+                     ("context", "budget", "safety", "max_batch", "steps", "reps", "warmup", "chunk", "sinks", "window",
                       "kernels", "flush", "seed"),
                      lambda model, info, text_ids: capacity.CapacityBench(model, settings), capacity_report)

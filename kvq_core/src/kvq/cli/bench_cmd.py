@@ -323,7 +323,7 @@ def e2e_main(argv: list[str]) -> int:
 
 
 def run_bench(title: str, argv: list[str], args, checked: dict, prefix: str, keys: tuple[str, ...], make_bench,
-              report, extra: dict | None = None, notes=None) -> int:
+              report, extra: dict | None = None, notes=None, summary=None) -> int:
     """The part every ``kvq bench`` subcommand with a model shares, after its input checks: matplotlib checked
     (for the plot) before any model work, the result files chosen (``prefix`` DATE-DEVICE-MODEL without
     ``--name``), the model loaded or built, then a JSON document written after every row and the reports at the
@@ -336,6 +336,8 @@ def run_bench(title: str, argv: list[str], args, checked: dict, prefix: str, key
     :param make_bench: ``make_bench(model, model_info, text_ids)`` -> an object whose ``run(specs, on_row=)``
         measures the rows. :param report: the subcommand's report module (:func:`write_reports`).
     :param notes: ``notes(model_info)`` -> lines saved as the document's ``notes``.
+    :param summary: ``summary(rows)`` -> what is saved as the document's ``summary`` once every row is measured
+        (the medians of repeated rows).
     :return: the exit code (0).
     """
     from ..bench import measure, output
@@ -358,6 +360,9 @@ def run_bench(title: str, argv: list[str], args, checked: dict, prefix: str, key
         output.write_json(document, paths[".json"])
 
     make_bench(model, info, text_ids).run(checked["specs"], on_row=save)
+    if summary is not None:
+        document["summary"] = summary(document["rows"])
+        output.write_json(document, paths[".json"])
     return write_reports(document, paths, report, plot=not args.no_plot)
 
 
