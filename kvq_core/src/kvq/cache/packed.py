@@ -265,7 +265,8 @@ class PackedRows:
     def _flush_rows(self, rows: list) -> None:
         """Compress the oldest ``flush`` window tokens of the full-window ``rows`` into their compressed tokens, as
         each row alone would: one encoding call for these rows (``[len(rows), H, flush, D]``; quantizers encode
-        every token on its own), whole-batch writes where every row flushes at the same count."""
+        every token on its own), whole-batch writes where every row flushes at the same count and otherwise one scatter
+        per code field and one per window buffer (issue #52: no per-row host work in a decode step)."""
         f, full = self._flush, self.window_keys.shape[2]
         every = len(rows) == self.batch
         take = None if every else mx.array(rows)
@@ -277,21 +278,22 @@ class PackedRows:
         if max(counts) + f > self.capacity:
             self._grow(max(counts) + f)
         same = every and all(c == counts[0] for c in counts)
+        if not same:  # each row's codes go to its own count: one scatter per field, [rows, f] token positions
+            row_index = mx.array(rows)[:, None]
+            positions = mx.array(counts)[:, None] + mx.arange(f)[None]
         for side, enc in zip(self.sides, encoded):
             for name, array in enc.data.items():
                 if same:
                     side[name][:, :, counts[0] : counts[0] + f] = array
-                else:
-                    for j, (b, n) in enumerate(zip(rows, counts)):
-                        side[name][b : b + 1, :, n : n + f] = array[j : j + 1]
+                else:  # [n, H, f, W] written at [n, f] (advanced indices first, then the heads and words)
+                    side[name][row_index, :, positions] = mx.swapaxes(array, 1, 2)
         # the tokens that stay move to the front (a new array: a slice assignment from the same buffer could
         # overlap its own source)
         for buffer in (self.window_keys, self.window_values):
             if every:
                 buffer[:, :, : full - f] = mx.array(buffer[:, :, f:full])
             else:
-                for b in rows:
-                    buffer[b : b + 1, :, : full - f] = mx.array(buffer[b : b + 1, :, f:full])
+                buffer[take, :, : full - f] = mx.take(buffer, take, axis=0)[:, :, f:full]
         for b in rows:
             self.compressed[b] += f
             self.window_lengths[b] = full - f
