@@ -12,7 +12,10 @@ Window flushes happen as in decode (every ``flush`` steps); ``--profile`` adds c
         [--rounds 3] [--out cache_step.json]
 
 ``--stub-kernels`` replaces the kernels' bound steps by stubs that return at once (:func:`stub_bound_steps`): kvq's
-host work of a bound decode step alone, on any machine.
+host work of a bound decode step alone, on any machine. ``--batch B`` measures a batch of ``B`` sequences per layer:
+kvq's packed rows (:class:`kvq.cache.BatchKVQCache` over rows of different lengths, which flush at different steps:
+the p90 shows the steps where some row flushes and the ragged step is bound again) against one mlx-lm KVCache of
+``B`` rows (issue #52: no per-row host work in a batched decode step).
 
 Prints, per method and round, the median and p90 microseconds per layer of building and of ``async_eval``; writes
 JSON. Not part of the library.
@@ -43,6 +46,29 @@ def make_caches(method: str, layers: int, flush: int) -> list:
 
     name, _, bits = method.partition(":")
     return [KVQCache(make_config(name, bits=int(bits), flush=flush)) for _ in range(layers)]
+
+
+def make_batch(method: str, layers: int, flush: int, batch: int, context: int, source) -> list:
+    """``layers`` caches of ``batch`` sequences filled with ``source``: mlx-lm's KVCache of ``batch`` rows of
+    ``context`` tokens (the reference: one array per layer, no per-row work), or kvq's
+    :class:`kvq.cache.BatchKVQCache` over single-sequence rows of ``context + 7 i`` tokens (rows of different
+    lengths, as a server's; they pack at the first decode step and flush at different steps)."""
+    H, D, dtype = source.kv_heads, source.head_dim, source.dtype
+    if method in ("kvcache", "fp16"):
+        caches = [KVCache() for _ in range(layers)]
+        for cache in caches:
+            k = mx.random.normal((batch, H, context, D)).astype(dtype)
+            cache.update_and_fetch(k, k * 0.5)
+            mx.eval(cache.keys, cache.values)
+        return caches
+    from kvq.cache import BatchKVQCache
+
+    rows = []
+    for i in range(batch):
+        row = make_caches(method, layers, flush)
+        fill(row, source, context + 7 * i, 4096)
+        rows.append(row)
+    return [BatchKVQCache([rows[i][layer] for i in range(batch)]) for layer in range(layers)]
 
 
 def attend(cache, q, k, v, scale):
@@ -104,7 +130,13 @@ def stub_bound_steps(methods) -> None:
             mx.eval(out)
             return lambda q, wk, wv: out
 
+        def bind_ragged_dense(queries, keys, values, scale, sink_keys, sink_values, window_keys, window_values):
+            out = mx.zeros((*queries.shape[:3], values.head_dim), queries.dtype)
+            mx.eval(out)
+            return lambda q, wk, wv, lengths: out
+
         impl.bind_dense = bind_dense
+        impl.bind_ragged_dense = bind_ragged_dense
 
 
 def main() -> None:
@@ -118,21 +150,29 @@ def main() -> None:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--stub-kernels", action="store_true",
                    help="bound decode steps that return at once (stub_bound_steps): kvq's host work alone, any device")
+    p.add_argument("--batch", type=int, default=1,
+                   help="sequences per cache (> 1: kvq's BatchKVQCache over rows of different lengths, packed)")
     p.add_argument("--out", default="cache_step.json")
     args = p.parse_args()
-    H, Hq, D, dtype = 8, 32, 128, mx.bfloat16
+    if args.batch < 1:
+        p.error(f"--batch must be >= 1; got {args.batch}")
+    H, Hq, D, dtype, B = 8, 32, 128, mx.bfloat16, args.batch
     methods = args.methods.split(",")
     if args.stub_kernels:
         stub_bound_steps(methods)
     all_caches = {}
     for m in methods:
-        caches = make_caches(m, args.layers, args.flush)
-        fill(caches, RandomKV(H, D, dtype), args.context, 4096)
+        source = RandomKV(H, D, dtype)
+        if B > 1:
+            caches = make_batch(m, args.layers, args.flush, B, args.context, source)
+        else:
+            caches = make_caches(m, args.layers, args.flush)
+            fill(caches, source, args.context, 4096)
         all_caches[m] = caches
     tokens = []
     for _ in range(4):
-        q = mx.random.normal((1, Hq, 1, D)).astype(dtype)
-        k = mx.random.normal((1, H, 1, D)).astype(dtype)
+        q = mx.random.normal((B, Hq, 1, D)).astype(dtype)
+        k = mx.random.normal((B, H, 1, D)).astype(dtype)
         tokens.append((q, k, k * 0.5))
     mx.eval(tokens)
     scale = D ** -0.5
@@ -151,7 +191,7 @@ def main() -> None:
                 print(row["profile"])
     with open(args.out, "w") as f:
         json.dump({"device": str(mx.default_device()), "mlx": mx.__version__, "context": args.context,
-                   "stub_kernels": args.stub_kernels,
+                   "stub_kernels": args.stub_kernels, "batch": B,
                    "layers": args.layers, "steps": args.steps, "flush": args.flush, "rows": rows}, f, indent=1)
 
 
