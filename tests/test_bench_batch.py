@@ -75,7 +75,7 @@ def test_the_summary_is_the_median_and_range_of_the_timed_repetitions(run):
             assert s["decode_vs_fp16"]["all"] == [1.0, 1.0, 1.0]
         # the table's cells are these medians, with the range where the repetitions differ
         decode = median_range(s["decode_tokens_per_second"], ",.1f")
-        assert f"{s['decode_tokens_per_second']['median']:,.1f} (" in decode
+        assert f"{s['decode_tokens_per_second']['median']:,.1f} [" in decode
         assert f"| {s['method']} | {s['cache']} | 3 | {median_range(s['prefill_seconds'])} |" in text
         assert decode in text
 

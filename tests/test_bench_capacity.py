@@ -121,9 +121,10 @@ def test_kvq_caches_fit_more_sequences_within_the_budget(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--model", "random:tiny"], "--budget is required here: this device reports no memory size"),
-    (["--model", "random:tiny", "--budget", "1G", "--context", "1K,2K"], "--context takes one length"),
+    (["--model", "random:tiny", "--budget", "1G", "--context", "1K,2K"], "--context takes one size in tokens"),
     (["--model", "random:tiny", "--budget", "1G", "--safety", "0"], r"--safety must be in \(0, 1\]; got 0.0"),
-    (["--model", "random:tiny", "--budget", "lots"], "--budget must be positive integers"),
+    (["--model", "random:tiny", "--budget", "lots"], "--budget takes one positive size in bytes"),
+    (["--model", "random:tiny", "--budget", "16M,32M"], "--budget takes one size in bytes"),
     (["--model", "random:tiny", "--budget", "1G", "--reps", "0"], "--reps must be >= 1; got 0"),
 ])
 def test_bad_input_is_refused_before_model_work(argv, message, capsys, no_model_work):

@@ -11,14 +11,15 @@ MIB = 2**20
 COLUMNS = ("method", "cache", "timed reps", "prefill s", "prefill speed x kvcache",
            "decode tokens/s, all sequences", "decode x kvcache", "step ms", "host ms/step",
            "peak MiB above (x kvcache)")
-NOTES = """Every cell: the median over the timed repetitions, then (min–max) where they differ, so the spread is the \
+NOTES = """Every cell: the median over the timed repetitions, then [min–max] where they differ, so the spread is the \
 noise; the untimed warm-up repetitions (they compile kernels) are in neither. Columns: prefill s = from inserting the \
 prompts into mlx-lm's BatchGenerator until every sequence has its first token (speed x kvcache = the reference's \
 seconds / these); decode tokens/s = every sequence's tokens after its first, over the time from then to the last \
-token (the aggregate a server under concurrent load gives); step ms = that time over the generator's decode steps; \
-host ms/step = the median over a repetition's steps of the time from a step's tokens reaching Python to the next \
+token (the aggregate a server under concurrent load gives); step ms = that time over the generator's decode steps \
+(a mean); host ms/step = the median over a repetition's steps of the time from a step's tokens reaching Python to the next \
 step being queued (the generator's and the model's Python, graph building and mx.async_eval, which on MLX's CUDA back \
-end encodes it into CUDA graphs): where it is about the whole step, the host set the pace; peak = \
+end encodes it into CUDA graphs): where it is about the whole step, the host set the pace (on the CPU, where the \
+host also computes the step, it is the step, and a median can exceed the mean); peak = \
 mx.get_peak_memory() during the run minus the active memory before the generator was made (caches, prefill and \
 decode temporaries). Ratios compare with kvcache (mlx-lm's own caches, the model unpatched) in the same \
 repetition, measured first in each; the x kvcache columns are the medians of those per-repetition ratios. kvq rows \

@@ -17,7 +17,7 @@ more sequence's cache and temporaries); peak = the largest of the repetitions at
 mean step over the timed steps (flushes included), as kvq bench e2e --batch, and ms/step that mean step; host \
 ms/step = the median step's time from its tokens reaching Python to the next step being queued (where it is about \
 the whole step, the host set the pace). The decode at the chosen batch is timed --reps times (the row that showed \
-it fits, then more at that batch): each speed cell is the median, then (min–max) where they differ, so the spread \
+it fits, then more at that batch): each speed cell is the median, then [min–max] where they differ, so the spread \
 is the noise; every repetition is in the JSON. Every row holds random keys and values; ratios compare medians with \
 kvcache (mlx-lm's KVCache) in the same run."""
 

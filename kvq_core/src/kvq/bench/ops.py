@@ -125,6 +125,32 @@ def parse_sizes(text: str, name: str = "--sizes") -> tuple[int, ...]:
     return tuple(sorted(set(values)))
 
 
+def parse_size(text: str, option: str, unit: str) -> int:
+    """One size, ``"24G"`` -> ``25769803776`` (K, M, G, T are powers of 1024; for ``unit="bytes"`` also ``24GB`` and
+    ``24GiB``), as one option takes it (``--budget``, ``--context``).
+
+    :raises ValueError: not one positive size (a list, a fraction, text); the message names ``option`` and ``unit``.
+    """
+    item = text.strip().upper()
+    if unit == "bytes":  # 24GB and 24GiB as 24G
+        for suffix in ("IB", "B"):
+            head = item[: -len(suffix)]
+            if item.endswith(suffix) and len(head) > 1 and head[-1] in "KMGT":
+                item = head
+                break
+    if "," in item or not item:
+        raise ValueError(f"{option} takes one size in {unit}, with an optional K, M, G or T suffix (powers of "
+                         f"1024: 24G, 141G{'; 24GB and 24GiB mean 24G' if unit == 'bytes' else ''}); "
+                         f"got {text!r}")
+    try:
+        (size,) = parse_sizes(item, option)
+    except ValueError:
+        raise ValueError(f"{option} takes one positive size in {unit}, with an optional K, M, G or T suffix "
+                         f"(powers of 1024: {'24G, 141G' if unit == 'bytes' else '8K, 32K'}); got {text!r}") \
+            from None
+    return size
+
+
 def default_sizes(kind: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(sizes, contexts)`` for a device kind: 1K..4M vectors and 1K..128K tokens on a GPU; small on the CPU."""
     if kind == "cpu":

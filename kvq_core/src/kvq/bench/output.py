@@ -62,12 +62,12 @@ def with_ratio(text: str, ratio: float | None) -> str:
 
 def median_range(values: dict[str, Any], spec: str = ".3g", scale: float = 1.0) -> str:
     """A table cell of repeated measurements (:func:`kvq.bench.rows.spread`'s ``{"median", "min", "max"}``, each
-    divided by ``scale``, formatted with ``spec``): ``median (min–max)``, the median alone when all are equal, ``-``
-    without any value."""
+    divided by ``scale``, formatted with ``spec``): ``median [min–max]`` (brackets: the parentheses of a table are
+    its ratios), the median alone when all are equal, ``-`` without any value."""
     if values["median"] is None:
         return "-"
     median, low, high = (format(values[k] / scale, spec) for k in ("median", "min", "max"))
-    return median if low == high else f"{median} ({low}–{high})"
+    return median if low == high else f"{median} [{low}–{high}]"
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

@@ -68,19 +68,17 @@ def check(args) -> dict:
     :raises ValueError: the first bad input, naming the option and what it allows.
     """
     from ..bench import capacity
-    from ..bench.ops import parse_sizes
+    from ..bench.ops import parse_size
     from ..bench.random_model import is_random
     from .bench_cmd import _on_cpu
 
-    context = parse_sizes(args.context, "--context") if args.context else ((1024,) if _on_cpu() else (32768,))
-    if len(context) != 1:
-        raise ValueError(f"--context takes one length; got {args.context!r}")
+    context = parse_size(args.context, "--context", "tokens") if args.context else 1024 if _on_cpu() else 32768
     if args.budget is None:
         budget = device_memory()
         if budget is None:
             raise ValueError("--budget is required here: this device reports no memory size (e.g. --budget 2G)")
     else:
-        (budget,) = parse_sizes(args.budget, "--budget")
+        budget = parse_size(args.budget, "--budget", "bytes")
     steps = args.flush if args.steps is None else args.steps
     at_least(("--max-batch", args.max_batch, 1), ("--steps", steps, 1), ("--reps", args.reps, 1),
               ("--chunk", args.chunk, 1), ("--sinks", args.sinks, 0), ("--window", args.window, 0),
@@ -91,7 +89,7 @@ def check(args) -> dict:
     name, config, path = _model_config(args)
     specs = bench_specs(args, config, random, DEFAULT_METHODS)
     warmup = 1 if _on_cpu() else args.flush + 1
-    settings = capacity.CapacitySettings(context[0], budget, safety=args.safety, max_batch=args.max_batch,
+    settings = capacity.CapacitySettings(context, budget, safety=args.safety, max_batch=args.max_batch,
                                          steps=steps, reps=args.reps, warmup=warmup, chunk=args.chunk,
                                          sinks=args.sinks, window=args.window, kernels=args.kernels, flush=args.flush,
                                          seed=args.seed, progress=not args.no_progress)

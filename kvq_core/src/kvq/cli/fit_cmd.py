@@ -84,35 +84,16 @@ def check(args) -> dict:
     :raises ValueError: the first bad input, naming the option and what it allows.
     """
     from ..bench import fit
-    from ..bench.ops import parse_sizes
+    from ..bench.ops import parse_size
     from ..bench.random_model import is_random
     from .bench_cmd import _model_config, at_least, bench_specs, default_dtype
 
-    def one(text, option, unit):
-        item = text.strip().upper()
-        if unit == "bytes":  # 24GB and 24GiB as 24G
-            for suffix in ("IB", "B"):
-                head = item[: -len(suffix)]
-                if item.endswith(suffix) and len(head) > 1 and head[-1] in "KMGT":
-                    item = head
-                    break
-        if "," in item or not item:
-            raise ValueError(f"{option} takes one size in {unit}, with an optional K, M, G or T suffix (powers of "
-                             f"1024: 24G, 141G{'; 24GB and 24GiB mean 24G' if unit == 'bytes' else ''}); "
-                             f"got {text!r}")
-        try:
-            (size,) = parse_sizes(item, option)
-        except ValueError:
-            raise ValueError(f"{option} takes one positive size in {unit}, with an optional K, M, G or T suffix "
-                             f"(powers of 1024: {'24G, 141G' if unit == 'bytes' else '8K, 32K'}); got {text!r}") \
-                from None
-        return size
 
     if args.memory is not None:
-        memory, source = one(args.memory, "--memory", "bytes"), "--memory"
+        memory, source = parse_size(args.memory, "--memory", "bytes"), "--memory"
     else:
         memory, source = device_memory()
-    context = one(args.context, "--context", "tokens") if args.context is not None else None
+    context = parse_size(args.context, "--context", "tokens") if args.context is not None else None
     at_least(("--batch", args.batch, 1), ("--sinks", args.sinks, 0), ("--window", args.window, 0),
              ("--chunk", args.chunk, 1), ("--flush", args.flush or 1, 1))
     if not 0 < args.safety <= 1:
