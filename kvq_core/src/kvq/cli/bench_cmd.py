@@ -338,7 +338,7 @@ def run_bench(title: str, argv: list[str], args, checked: dict, prefix: str, key
     :param notes: ``notes(model_info)`` -> lines saved as the document's ``notes``.
     :param summary: ``summary(rows)`` -> what is saved as the document's ``summary`` once every row is measured
         (the medians of repeated rows).
-    :return: the exit code (0).
+    :return: the exit code (:func:`write_reports`: 1 where every row failed, else 0).
     """
     from ..bench import measure, output
     from ..problem import device_kind
@@ -368,7 +368,9 @@ def run_bench(title: str, argv: list[str], args, checked: dict, prefix: str, key
 
 def write_reports(document: dict, paths: dict, report, plot: bool) -> int:
     """After a bench's rows: ``NAME.md`` (and with ``plot`` ``NAME.png``) from ``report`` (a module with
-    ``markdown_file``, ``plot`` and ``markdown``), the tables on stdout, a summary on stderr; returns 0."""
+    ``markdown_file``, ``plot`` and ``markdown``), the tables on stdout, a summary on stderr; returns the exit code:
+    0, or 1 where every row failed (nothing was measured: a script running the benchmark must not read success;
+    the files still say why each row failed)."""
     paths[".md"].write_text(report.markdown_file(document))
     wrote = [paths[".json"], paths[".md"]]
     if plot:
@@ -379,4 +381,7 @@ def write_reports(document: dict, paths: dict, report, plot: bool) -> int:
         print(f"Note: {note}", file=sys.stderr)
     failed = sum(bool(r["error"]) for r in document["rows"])
     print(f"\n{len(document['rows'])} rows ({failed} failed); wrote {', '.join(map(str, wrote))}", file=sys.stderr)
+    if document["rows"] and failed == len(document["rows"]):
+        print("error: every row failed (see each row's error above and in the files)", file=sys.stderr)
+        return 1
     return 0
