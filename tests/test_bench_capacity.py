@@ -90,13 +90,17 @@ def test_the_chosen_batch_is_timed_reps_times_and_reported_as_their_median(monke
 
 def test_a_run_whose_every_row_fails_exits_1(tmp_path, capsys):
     """A budget below the model itself: every row fails, each saying why, and the command exits 1 (a script must
-    not read success); the files are still written."""
+    not read success); the files are still written. Sequences this short compress nothing: a note says so."""
     assert main(["bench", "capacity", "--model", "random:tiny", "--context", "64", "--budget", "1M", "--steps", "2",
                  "--methods", "kvcache,turboquant:3", "--no-progress", "--no-plot", "--out", str(tmp_path),
                  "--name", "cap"]) == 1
     document = json.loads((tmp_path / "cap.json").read_text())
     assert len(document["rows"]) == 2 and all("more than the budget" in row["error"] for row in document["rows"])
-    assert "every row failed" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "every row failed" in err
+    # 64 tokens + 2 steps stay within the default sinks and window: said before the run, and in the files
+    assert err.count("nothing is compressed") == 2 and "nothing is compressed" in document["notes"][0]
+    assert "Note: sequences of 64 tokens" in (tmp_path / "cap.md").read_text()
 
 
 def _spec(label):

@@ -78,6 +78,17 @@ class CapacitySettings:
                            progress=False, flush=self.flush, batch=batch)
 
 
+def notes(settings: CapacitySettings) -> list[str]:
+    """What a reader of the results must know about ``settings``: sequences that never grow past a kvq cache's
+    sinks and window (with the steps decoded) compress nothing, so its rows then measure 16-bit caches."""
+    held = settings.sinks + settings.window + settings.flush - 1
+    if settings.context + settings.steps <= held:
+        return [f"sequences of {settings.context} tokens (+ {settings.steps} decoded) stay within the kvq caches' "
+                f"{settings.sinks} sinks and {settings.window}-token window (+ {settings.flush - 1} before a flush): "
+                "nothing is compressed; use a longer --context or a smaller --window"]
+    return []
+
+
 def predicted_batch(probes: dict[int, int], headroom: int, safety: float, max_batch: int) -> int:
     """The largest batch whose peak, on the line through the probes' peaks (``{batch: peak bytes}`` at two batch
     sizes), stays within ``safety * headroom`` bytes; at least 1, at most ``max_batch``.

@@ -45,8 +45,8 @@ def markdown_file(document: dict) -> str:
     lines = [*header_lines("kvq bench capacity", document),
              f"Sequences of {s['context']} tokens, budget {s['budget'] / MIB:,.0f} MiB, safety {s['safety']}, "
              f"{s['steps']} timed steps, {s.get('reps', 1)} timed decodes at the chosen batch; kvq caches: sinks "
-             f"{s['sinks']}, window {s['window']}, flush {s['flush']}, kernels {s['kernels']}.", "",
-             markdown(document["rows"])]
+             f"{s['sinks']}, window {s['window']}, flush {s['flush']}, kernels {s['kernels']}.",
+             *(f"Note: {n}" for n in document.get("notes", [])), "", markdown(document["rows"])]
     return "\n".join(lines) + "\n"
 
 

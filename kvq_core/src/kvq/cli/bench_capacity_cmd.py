@@ -107,4 +107,5 @@ def main(argv: list[str]) -> int:
     return run_bench("kvq bench capacity", argv, args, checked, "capacity-",
                      ("context", "budget", "safety", "max_batch", "steps", "reps", "warmup", "chunk", "sinks", "window",
                       "kernels", "flush", "seed"),
-                     lambda model, info, text_ids: capacity.CapacityBench(model, settings), capacity_report)
+                     lambda model, info, text_ids: capacity.CapacityBench(model, settings), capacity_report,
+                     notes=lambda info: capacity.notes(settings))

@@ -354,6 +354,8 @@ def run_bench(title: str, argv: list[str], args, checked: dict, prefix: str, key
                 "settings": {**{k: getattr(settings, k) for k in keys}, **(extra or {}),
                              "methods": [s.label for s in checked["specs"]]},
                 "model": info, **({} if notes is None else {"notes": notes(info)}), "rows": []}
+    for note in document.get("notes", []):  # before the run too: a reader may stop a run that measures nothing
+        print(f"Note: {note}", file=sys.stderr)
 
     def save(row: dict) -> None:
         document["rows"].append(row)
