@@ -36,6 +36,7 @@ from ..defaults import DEFAULT_FLUSH
 from ..evaluation.spec import MethodSpec
 from .fill import host_summary
 from .measure import error_text, release
+from .output import uncompressed_note
 from .rows import REFERENCE, repeated_rows, spread
 
 #: Method strings measured when ``--methods`` is not given (those whose methods are installed).
@@ -75,12 +76,9 @@ class BatchSettings:
 def notes(settings: BatchSettings) -> list[str]:
     """What a reader of the results must know about ``settings``: a run whose sequences never grow past a kvq
     cache's sinks and window compresses nothing (its kvq rows then measure 16-bit caches)."""
-    held = settings.sinks + settings.window + settings.flush - 1
-    if settings.prompt + settings.tokens <= held:
-        return [f"prompts of {settings.prompt} tokens + {settings.tokens} new ones stay within the kvq caches' "
-                f"{settings.sinks} sinks and {settings.window}-token window (+ {settings.flush - 1} before a flush): "
-                "nothing is compressed; use a longer --prompt or a smaller --window"]
-    return []
+    return uncompressed_note(f"prompts of {settings.prompt} tokens + {settings.tokens} new ones",
+                             settings.prompt + settings.tokens, settings.sinks, settings.window, settings.flush,
+                             "--prompt")
 
 
 def prompts(batch: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:

@@ -28,6 +28,7 @@ from tqdm import tqdm
 from ..defaults import DEFAULT_FLUSH
 from .e2e import REFERENCE, E2EBench, E2ESettings
 from .measure import release
+from .output import uncompressed_note
 from .rows import spread
 
 #: Batches measured per method after the probes, at most (each a tenth below the last that did not fit).
@@ -81,12 +82,9 @@ class CapacitySettings:
 def notes(settings: CapacitySettings) -> list[str]:
     """What a reader of the results must know about ``settings``: sequences that never grow past a kvq cache's
     sinks and window (with the steps decoded) compress nothing, so its rows then measure 16-bit caches."""
-    held = settings.sinks + settings.window + settings.flush - 1
-    if settings.context + settings.steps <= held:
-        return [f"sequences of {settings.context} tokens (+ {settings.steps} decoded) stay within the kvq caches' "
-                f"{settings.sinks} sinks and {settings.window}-token window (+ {settings.flush - 1} before a flush): "
-                "nothing is compressed; use a longer --context or a smaller --window"]
-    return []
+    return uncompressed_note(f"sequences of {settings.context} tokens (+ {settings.steps} decoded)",
+                             settings.context + settings.steps, settings.sinks, settings.window, settings.flush,
+                             "--context")
 
 
 def predicted_batch(probes: dict[int, int], headroom: int, safety: float, max_batch: int) -> int:

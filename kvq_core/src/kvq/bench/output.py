@@ -60,6 +60,16 @@ def with_ratio(text: str, ratio: float | None) -> str:
     return text if ratio is None else f"{text} ({ratio:.2f})"
 
 
+def uncompressed_note(what: str, tokens: int, sinks: int, window: int, flush: int, option: str) -> list[str]:
+    """The note a run needs when its sequences (``what``, ``tokens`` long at the end) never grow past a kvq cache's
+    ``sinks`` and ``window`` (+ ``flush - 1`` before a flush): nothing is compressed, so its kvq rows measure
+    16-bit caches; ``option`` is the length option to raise. ``[]`` otherwise."""
+    if tokens > sinks + window + flush - 1:
+        return []
+    return [f"{what} stay within the kvq caches' {sinks} sinks and {window}-token window (+ {flush - 1} before a "
+            f"flush): nothing is compressed; use a longer {option} or a smaller --window"]
+
+
 def median_range(values: dict[str, Any], spec: str = ".3g", scale: float = 1.0) -> str:
     """A table cell of repeated measurements (:func:`kvq.bench.rows.spread`'s ``{"median", "min", "max"}``, each
     divided by ``scale``, formatted with ``spec``): ``median [min–max]`` (brackets: the parentheses of a table are
