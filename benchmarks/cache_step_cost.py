@@ -125,18 +125,12 @@ def stub_bound_steps(methods) -> None:
             continue
         impl = registry().implementations[(m.partition(":")[0], "mlx")]
 
-        def bind_dense(queries, keys, values, scale, sink_keys, sink_values, window_keys, window_values):
+        def bind(queries, keys, values, scale, sink_keys, sink_values, window_keys, window_values):
             out = mx.zeros((*queries.shape[:3], values.head_dim), queries.dtype)
             mx.eval(out)
-            return lambda q, wk, wv: out
+            return lambda q, wk, wv, lengths=None: out  # a single stream's step, or a batch's (with lengths)
 
-        def bind_ragged_dense(queries, keys, values, scale, sink_keys, sink_values, window_keys, window_values):
-            out = mx.zeros((*queries.shape[:3], values.head_dim), queries.dtype)
-            mx.eval(out)
-            return lambda q, wk, wv, lengths: out
-
-        impl.bind_dense = bind_dense
-        impl.bind_ragged_dense = bind_ragged_dense
+        impl.bind_dense = impl.bind_ragged_dense = bind
 
 
 def main() -> None:

@@ -269,8 +269,8 @@ class PackedRows:
         per code field and one per window buffer (issue #52: no per-row host work in a decode step)."""
         f, full = self._flush, self.window_keys.shape[2]
         every = len(rows) == self.batch
-        take = None if every else mx.array(rows)
-        pick = (lambda x: x) if every else (lambda x: mx.take(x, take, axis=0))
+        index = None if every else mx.array(rows)  # the flushing rows: their gathers, and scatters where counts differ
+        pick = (lambda x: x) if every else (lambda x: mx.take(x, index, axis=0))
         keys, values = pick(self.window_keys[:, :, :f]), pick(self.window_values[:, :, :f])
         mean = None if self.key_mean is None else pick(self.key_mean)
         encoded = encode_tokens(self.config, centred(keys, mean), values)
@@ -279,7 +279,7 @@ class PackedRows:
             self._grow(max(counts) + f)
         same = every and all(c == counts[0] for c in counts)
         if not same:  # each row's codes go to its own count: one scatter per field, [rows, f] token positions
-            row_index = mx.array(rows)[:, None]
+            row_index = (mx.arange(self.batch) if index is None else index)[:, None]
             positions = mx.array(counts)[:, None] + mx.arange(f)[None]
         for side, enc in zip(self.sides, encoded):
             for name, array in enc.data.items():
@@ -293,7 +293,7 @@ class PackedRows:
             if every:
                 buffer[:, :, : full - f] = mx.array(buffer[:, :, f:full])
             else:
-                buffer[take, :, : full - f] = mx.take(buffer, take, axis=0)[:, :, f:full]
+                buffer[index, :, : full - f] = pick(buffer)[:, :, f:full]
         for b in rows:
             self.compressed[b] += f
             self.window_lengths[b] = full - f
