@@ -15,6 +15,13 @@ from kvq.cache.packed import PackedRows
 from conftest import batch_greedy
 
 
+#: Packed rows against the rows alone. On a GPU a row that has compressed nothing attends in pure MLX alone but
+#: through the fused ragged kernel in the pack, whose float32 outputs differ by kernel precision (H100 and H200: up
+#: to 4.2e-4 absolute at outputs of magnitude 1-2.4, in the steps before every row has compressed; 0.0 after, when
+#: both sides run kernels): atol 1e-3 there, 2e-5 elsewhere.
+TOL = {"atol": 1e-3 if mx.default_device() == mx.gpu else 2e-5, "rtol": 1e-4}
+
+
 def config(method, window=4):
     bits = {"affine": {"bits": 4}, "turboquant": {"bits": 3}, "fp16": {}}[method]
     return attrs.evolve(make_config(method, sinks=2, window=window, **bits), flush=4, step=16)
@@ -73,7 +80,7 @@ def test_packed_decode_matches_rows_alone(method, lengths):
     attention equals the unpacked batch's, and the stored codes are identical after 13 steps."""
     packed, plain = batch_pair(config(method), lengths)
     for got, want in decode((packed, plain), 13):
-        assert mx.allclose(got, want, atol=2e-5, rtol=1e-4).item()
+        assert mx.allclose(got, want, **TOL).item()
     assert packed.packed
     assert packed.offset.tolist() == plain.offset.tolist() == [n + 13 for n in lengths]
     for ours, theirs in zip(codes(packed), codes(plain)):
@@ -89,7 +96,7 @@ def test_packed_centred_layer_matches_rows():
     packed, plain = batch_pair(cfg, (19, 25, 33), offset=40.0)
     assert all(r.key_mean is not None for r in plain.rows)
     for got, want in decode((packed, plain), 9):
-        assert mx.allclose(got, want, atol=2e-5, rtol=1e-4).item()
+        assert mx.allclose(got, want, **TOL).item()
 
 
 def test_filter_while_packed_keeps_the_chosen_rows():
@@ -99,7 +106,7 @@ def test_filter_while_packed_keeps_the_chosen_rows():
     plain.filter([2, 0])
     assert packed.packed and packed.offset.tolist() == [25, 12]
     for got, want in decode((packed, plain), 6, B=2):
-        assert mx.allclose(got, want, atol=2e-5, rtol=1e-4).item()
+        assert mx.allclose(got, want, **TOL).item()
 
 
 def test_pack_unpack_round_trip_keeps_every_row():
@@ -165,7 +172,7 @@ def test_extract_and_extend_keep_the_rows_packed():
     plain.extend(more_plain)
     assert packed.packed and packed.offset.tolist() == [16, 17, 20, 30, 21]
     for got, want in decode((packed, plain), 9, seed=40, B=5):
-        assert mx.allclose(got, want, atol=2e-5, rtol=1e-4).item()
+        assert mx.allclose(got, want, **TOL).item()
 
 
 @pytest.mark.parametrize("method", ["affine", "turboquant"])
@@ -176,7 +183,7 @@ def test_rows_that_have_compressed_nothing_pack_and_compress_as_alone(method):
     packed, plain = batch_pair(config(method), (30, 6, 9))
     assert [r.compressed_keys.length for r in plain.rows] == [24, 0, 0]
     for got, want in decode((packed, plain), 13):
-        assert mx.allclose(got, want, atol=2e-5, rtol=1e-4).item()
+        assert mx.allclose(got, want, **TOL).item()
     assert packed.packed
     for ours, theirs in zip(codes(packed), codes(plain)):
         for side_ours, side_theirs in zip(ours, theirs):
@@ -189,7 +196,7 @@ def test_centred_and_plain_rows_pack_together():
     packed, plain = batch_pair(config("turboquant", window=12), (19, 25, 33), offsets=[40.0, 0.0, 40.0])
     assert [r.key_mean is not None for r in plain.rows] == [True, False, True]
     for got, want in decode((packed, plain), 9):
-        assert mx.allclose(got, want, atol=2e-5, rtol=1e-4).item()
+        assert mx.allclose(got, want, **TOL).item()
     assert packed.packed and [r.key_mean is not None for r in packed.rows] == [True, False, True]
 
 
@@ -211,7 +218,7 @@ def test_a_first_compression_that_differs_unpacks_the_rows():
     assert not packed.packed
     assert [r.config.key_params.method for r in packed.rows] == ["turboquant", "affine", "turboquant"]
     for got, want in first + steps:
-        assert mx.allclose(got, want, atol=2e-5, rtol=1e-4).item()
+        assert mx.allclose(got, want, **TOL).item()
     assert packed.offset.tolist() == plain.offset.tolist() == [47, 23, 37]
 
 
@@ -225,7 +232,7 @@ def test_a_copy_of_a_packed_batch_is_independent():
     twin, plain_twin = copy.deepcopy(packed), copy.deepcopy(plain)
     assert packed.packed and not twin.packed and twin.offset.tolist() == packed.offset.tolist() == [15, 16, 19]
     for got, want in decode((packed, plain), 3):
-        assert mx.allclose(got, want, atol=2e-5, rtol=1e-4).item()
+        assert mx.allclose(got, want, **TOL).item()
     for got, want in decode((twin, plain_twin), 5, seed=70):
-        assert mx.allclose(got, want, atol=2e-5, rtol=1e-4).item()
+        assert mx.allclose(got, want, **TOL).item()
     assert packed.offset.tolist() == [18, 19, 22] and twin.offset.tolist() == [20, 21, 24]

@@ -222,16 +222,18 @@ def test_memory_is_bounded_by_the_window_and_a_third_of_mlx_lm_rotating_cache():
     """Gemma 3's sliding layers: window 1024, head_dim 256 (2 KV heads here; the ratio does not depend on them).
     Measured with mx.get_active_memory: mlx-lm's RotatingKVCache holds 1024 float16 tokens (2.00 MiB); kvq's with
     turboquant:4 (4.06 bits per coordinate) and a residual window of 64 holds 64 float16 and 960 compressed tokens
-    (0.60 MiB, 0.30x; 0.35x with a window of 128), the same after 1100 tokens as after 1300. With a flush of 32: the
-    window's buffer holds 64 + 31 tokens (the default flush, 128, makes it 64 + 127: 0.42x)."""
+    (0.60 MiB, 0.30x; 0.35x with a window of 128), the same after a 1100-token prompt and 64 decode steps as 200
+    steps later. With a flush of 32: the window's buffer holds 64 + 31 tokens (the default flush, 128, makes it
+    64 + 127: 0.42x). The decode steps before the first measure make the cache's bound decode step (on a GPU it holds
+    8 bytes of its own once a flush has rebound it: H100 and H200, 696,320 bytes after one step, 696,328 after 200)."""
     config = make_config("turboquant", bits=4, window=64, flush=32)
     # what a method makes once per process (rotation, codebook; on a GPU the decode kernel's constants too)
     _fill(RotatingKVQCache(config, 1024, 0), 203, 0, prompt=200)
     before = _settle()
     ours = RotatingKVQCache(config, 1024, 0)
-    _fill(ours, 1100, 0)
+    _fill(ours, 1164, 0, prompt=1100)
     after_prompt = _settle() - before
-    _fill(ours, 1300, 1100)
+    _fill(ours, 1364, 1164)
     after_decode = _settle() - before
     assert after_decode == after_prompt  # 200 more tokens, not a byte more
     assert after_decode == pytest.approx(ours.nbytes, rel=0.02)
