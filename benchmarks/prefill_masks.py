@@ -36,7 +36,7 @@ def chunk_inputs(cache, queries, k_new, v_new):
     """The keys, values and full additive mask that the cache's GPU prefill path builds for this chunk
     (:func:`kvq.cache.prefill.columns`, :func:`kvq.cache.prefill.interval_mask` over the chunk's parts,
     :meth:`kvq.cache.KVQCache.parts`), and the per-row count of compressed tokens seen (``bounds``)."""
-    from kvq.cache.centring import KeyMean
+    from kvq.cache.centring import KeyTransform
     from kvq.cache.prefill import columns, interval_mask, last_column
     from kvq.cache.schedule import visible
 
@@ -46,7 +46,7 @@ def chunk_inputs(cache, queries, k_new, v_new):
     start_q = cache.offset - Tq
     bounds = visible(fresh, start_q, Tq, cache.config.window, cache.config.flush_tokens).tolist()
     parts = cache.parts(Tq, start_q, fresh)
-    mean = KeyMean(cache.key_mean)
+    mean = KeyTransform(cache.key_mean, cache.key_scale)
     keys, values, _ = columns(parts, cache.config, mean, dtype, centre=cache.key_mean is not None)
     end = last_column(parts, 0, Tq)
     return keys[:, :, :end], values[:, :, :end], interval_mask(parts, 0, Tq, end, dtype), bounds

@@ -114,7 +114,7 @@ def test_loading_a_file_of_another_method_or_format_fails_cleanly(llama_model, t
     with pytest.raises(ValueError, match=r"keys method 'affine', expected 'turboquant'"):
         load_prompt_cache(file, expect=make_config("turboquant", bits=4))
     arrays, meta = mx.load(file, return_metadata=True)
-    config = cache[0].state["config"].replace('"format": 2', '"format": 99')
+    config = cache[0].state["config"].replace('"format": 3', '"format": 99')
     bad = copy.copy(cache[0])
     with pytest.raises(ValueError, match="file format 99 .* not supported"):
         KVQCache.from_state({**bad.state, "config": config})

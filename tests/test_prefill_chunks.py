@@ -235,11 +235,11 @@ def test_a_mask_array_needs_every_part_to_say_where_it_sits():
     """The engine applies mlx-lm's mask by each part's ``column``; a part without one (a ring, packed rows) and a
     mask array is an error naming the argument, not a mask silently skipped."""
     from kvq.cache import engine
-    from kvq.cache.centring import KeyMean
+    from kvq.cache.centring import KeyTransform
     from kvq.cache.parts import Part
 
     keys = mx.zeros((1, 1, 4, 8))
     part = Part(keys, keys, False)  # no column
     with pytest.raises(ValueError, match="user_mask: every part"):
-        engine.attend(mx.zeros((1, 1, 1, 8)), 1.0, [part], make_config("affine", bits=4), KeyMean(),
+        engine.attend(mx.zeros((1, 1, 1, 8)), 1.0, [part], make_config("affine", bits=4), KeyTransform(),
                       user_mask=mx.ones((1, 1, 1, 4), mx.bool_))

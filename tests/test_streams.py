@@ -165,7 +165,7 @@ def test_cache_attends_qjl_keys_with_qjl_attention_same_numbers():
     on the CPU that is the same blockwise computation as the per-side block protocol it used before."""
     from kvq.attention import attend_encoded
     from kvq.cache import KVQCache, engine, make_config
-    from kvq.cache.centring import KeyMean
+    from kvq.cache.centring import KeyTransform
     from kvq.cache.choice import attend_fn, block_implementation, own_attend
 
     cache = KVQCache(make_config("qjl", value_method="affine", value_params={"bits": 4}, window=16, flush=8, sinks=2))
@@ -180,7 +180,7 @@ def test_cache_attends_qjl_keys_with_qjl_attention_same_numbers():
                           block_implementation("affine", "values"))
     assert mx.array_equal(got[0], want[0]).item() and mx.array_equal(got[1], want[1]).item()
     out = cache.attend(q, 0.125)
-    parts = engine.attend(q, 0.125, cache.parts(1, cache.offset - 1), cache.config, KeyMean(cache.key_mean))
+    parts = engine.attend(q, 0.125, cache.parts(1, cache.offset - 1), cache.config, KeyTransform(cache.key_mean, cache.key_scale))
     assert relative_error(out, parts) < 1e-3
 
 

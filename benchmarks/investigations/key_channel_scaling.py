@@ -58,7 +58,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gemma-3-270m")
     p.add_argument("--bits", default="4,3")
+    p.add_argument("--method", default="turboquant")
     p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--block", type=int, default=0,
+                   help="also try key-only scales from tokens 4..4+BLOCK: per channel, rounded to 2^k, per RoPE pair, rounded")
+    p.add_argument("--key-alpha", type=float, nargs="*", default=[0.5],
+                   help="also try key-only scales s_c = (E k_c^2)^(alpha/2) (no query statistics)")
     args = p.parse_args()
     model, tokenizer = load(args.model)
     tokens = encode_text(tokenizer, language_reference())
@@ -68,11 +73,12 @@ def main() -> None:
     if bos:
         ids[0] = bos[0]
     caught = capture(model, ids)
-    impl = registry().implementations[("turboquant", "mlx")]
+    impl = registry().implementations[(args.method, "mlx")]
     bits = [int(b) for b in args.bits.split(",")]
     print(f"{args.model}, {args.context} tokens; per layer: R per KV head, then attention error of turboquant keys "
-          f"plain -> scaled at {', '.join(map(str, bits))} bits")
-    totals = {b: [[], []] for b in bits}
+          f"plain -> scaled at {', '.join(map(str, bits))} bits; "
+          f"columns: plain, query-aware, key-only alpha {args.key_alpha}")
+    totals = {b: {} for b in bits}
     for layer, (q, k, v, scale) in enumerate(caught):
         mean = mx.mean(k[:, :, 4:260], axis=2, keepdims=True)
         centred = k - mean
@@ -84,27 +90,39 @@ def main() -> None:
         Ek = mx.maximum(Ek, 1e-4 * mx.mean(Ek, axis=-1, keepdims=True))
         Eq = mx.maximum(Eq, 1e-4 * mx.mean(Eq, axis=-1, keepdims=True))
         R = np.array(mx.sum(mx.sqrt(Ek * Eq), -1) ** 2 / (mx.sum(Ek, -1) * mx.sum(Eq, -1))).ravel()
-        s = mx.power(Ek / Eq, 0.25)
-        s = s / mx.exp(mx.mean(mx.log(s), axis=-1, keepdims=True))
+        def normed(s):
+            return s / mx.exp(mx.mean(mx.log(s), axis=-1, keepdims=True))
+
+        scales = [normed(mx.power(Ek / Eq, 0.25))] + [normed(mx.power(Ek, a / 2)) for a in args.key_alpha]
+        if args.block:  # key-only alpha 0.5 from the first compressed block: per channel, per RoPE pair, pow2
+            Eb = mx.mean(centred[:, :, 4 : 4 + args.block] ** 2, axis=2, keepdims=True)
+            Eb = mx.maximum(Eb, 1e-4 * mx.mean(Eb, axis=-1, keepdims=True))
+            half = D // 2
+            pair = (Eb[..., :half] + Eb[..., half:]) / 2
+            Ep = mx.concatenate([pair, pair], axis=-1)
+            sp = normed(mx.power(Ep, 0.25))
+            spread = np.array(D * mx.sum(Eb, -1) / mx.sum(mx.sqrt(Eb), -1) ** 2).ravel()
+            sc = normed(mx.power(Eb, 0.25))
+            scales += [sc, mx.power(2.0, mx.round(mx.log2(sc))), sp, mx.power(2.0, mx.round(mx.log2(sp)))]
         rows = q[:, :, T // 2 :]
         ref = causal_attention(rows, k, v, scale)
-        line = [f"layer {layer:2d}: R {np.round(R, 3)}"]
+        line = [f"layer {layer:2d}: R {np.round(R, 3)}" + (f" spread {np.round(spread, 2)}" if args.block else "")]
         for b in bits:
-            params = kvq.make_params("turboquant", bits=b)
+            params = kvq.make_params(args.method, bits=b)
 
             def decoded(x):
                 return impl.kvq_dequantize(impl.kvq_quantize(x, params), mx.float32)
 
             errors = []
-            for keys in (decoded(centred) + mean, decoded(centred / s) * s + mean):
+            for keys in [decoded(centred) + mean] + [decoded(centred / s) * s + mean for s in scales]:
                 out = causal_attention(rows, keys, v, scale)
                 errors.append(float(mx.sqrt(mx.sum((out - ref) ** 2) / mx.sum(ref**2))))
-            totals[b][0].append(errors[0])
-            totals[b][1].append(errors[1])
-            line.append(f"{b} bits {errors[0]:.4f} -> {errors[1]:.4f}")
+            for i, e in enumerate(errors):
+                totals[b].setdefault(i, []).append(e)
+            line.append(f"{b} bits " + " -> ".join(f"{e:.4f}" for e in errors))
         print("  ".join(line), flush=True)
     for b in bits:
-        print(f"mean over layers, {b} bits: {np.mean(totals[b][0]):.4f} -> {np.mean(totals[b][1]):.4f}")
+        print(f"mean over layers, {b} bits: " + " -> ".join(f"{np.mean(v):.4f}" for v in totals[b].values()))
 
 
 if __name__ == "__main__":

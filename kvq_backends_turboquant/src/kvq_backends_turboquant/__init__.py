@@ -39,7 +39,8 @@ SOURCE = "Zandieh et al., TurboQuant, arXiv 2504.19874"
 
 TURBOQUANT = kvq.Method(
     "turboquant", TurboQuantParams,
-    "random rotation + Lloyd-Max codebook per coordinate + norm (TurboQuant-mse), bits 1-4", source=SOURCE)
+    "random rotation + Lloyd-Max codebook per coordinate + norm (TurboQuant-mse), bits 1-4", source=SOURCE,
+    scale_keys=True)
 TURBOQUANT_PROD = kvq.Method(
     "turboquant_prod", TurboQuantProdParams,
     "TurboQuant-mse at bits-1 + 1-bit QJL sketch of the residual: unbiased inner products, bits 1-4",

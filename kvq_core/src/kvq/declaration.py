@@ -57,6 +57,9 @@ class Method:
     :param needs_calibration: ``True`` when parameters come from calibration data (``kvq calibrate``).
     :param keys_only: ``True`` for a key method that cannot serve values (QJL's sign sketch estimates inner
         products, not vectors); a cache refuses it on the values' side.
+    :param scale_keys: ``True`` where the key guard may scale key channels before this method quantizes keys
+        (:func:`kvq.cache.guard.key_scales`): a method whose error is isotropic in the vector (TurboQuant, after its
+        rotation), measured to gain from it.
     :param calibrate: how ``kvq calibrate --method NAME`` calibrates it: the import path of a module (or
         ``"module:attribute"``) that is imported only when that command runs and offers
         ``add_arguments(parser)`` (the method's own options, optional) and ``run(model, *, text, text_name,
@@ -71,6 +74,7 @@ class Method:
     needs_calibration: bool = False
     keys_only: bool = False
     calibrate: str | None = None
+    scale_keys: bool = False
 
     def make_params(self, **kwargs: Any):
         """Build validated parameters, naming the allowed parameters when one is unknown.

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..attention import DenseTokens, dense_attend, empty_part, merge_parts, sink_logits_part
 from ..contract import AttendsDense, BindsDense, BindsRaggedDense, optional_hook
-from .centring import KeyMean
+from .centring import KeyTransform
 from .choice import attend_fn, attend_plan, own_attend
 from .config import CacheConfig
 from .parts import Part, rows_mask
@@ -42,9 +42,9 @@ def _user_columns(user_mask: mx.array, column: int, a: int, b: int, r0: int | No
     return user_mask[..., column + a : column + b]
 
 
-def _compressed(part: Part, queries, scale, config: CacheConfig, key_mean: KeyMean, user_mask):
-    """``(out, lse)`` of a compressed part (the mean's logits added back for a centred layer), or ``None`` where no
-    row sees any of it."""
+def _compressed(part: Part, queries, scale, config: CacheConfig, transform: KeyTransform, user_mask):
+    """``(out, lse)`` of a compressed part (scored from the layer's scaled queries against its keys as stored, the
+    mean's logits added back for a centred layer), or ``None`` where no row sees any of it."""
     mask = None
     if part.lo is not None:
         visible, mask = rows_mask(part.index, part.size, part.lo, part.hi)
@@ -54,7 +54,8 @@ def _compressed(part: Part, queries, scale, config: CacheConfig, key_mean: KeyMe
         window = _user_columns(user_mask, part.column, 0, part.size)
         mask = window if mask is None else mask & window
     keys, values = part.keys, part.values
-    return key_mean.uncentre(attend_fn(config, keys, queries)(queries, keys, values, scale, mask), queries, scale)
+    stored = transform.queries(queries)
+    return transform.uncentre(attend_fn(config, keys, stored)(stored, keys, values, scale, mask), queries, scale)
 
 
 def _dense(part: Part, queries, scale, user_mask):
@@ -88,14 +89,14 @@ def _dense(part: Part, queries, scale, user_mask):
     return mx.concatenate(outs, axis=2), mx.concatenate(lses, axis=2)
 
 
-def attend(queries: mx.array, scale: float, parts: list[Part], config: CacheConfig, key_mean: KeyMean, *,
+def attend(queries: mx.array, scale: float, parts: list[Part], config: CacheConfig, transform: KeyTransform, *,
            user_mask: mx.array | None = None, sink_logits: mx.array | None = None,
            on_device: bool = False) -> mx.array:
     """Attention of ``queries [B, H_q, T_q, D]`` over ``parts``, each query row over what its intervals give it.
 
     :param config: the layer's :class:`~kvq.cache.config.CacheConfig` (which implementation attends the codes).
-    :param key_mean: the layer's :class:`~kvq.cache.centring.KeyMean` (a centred layer's compressed keys are
-        stored less it).
+    :param transform: the layer's :class:`~kvq.cache.centring.KeyTransform` (a centred or scaled layer's compressed
+        keys are stored less its mean and divided by its scales).
     :param user_mask: mlx-lm's mask as booleans (batch padding) ``[..., T_q, columns]``, whose columns the parts'
         ``column`` locate; ``None``: the intervals alone.
     :param sink_logits: learned attention-sink logits ``[H_q]`` (gpt-oss), joined to the softmax, or ``None``.
@@ -110,11 +111,11 @@ def attend(queries: mx.array, scale: float, parts: list[Part], config: CacheConf
         raise ValueError("user_mask: every part must say where its columns sit on mlx-lm's mask (Part.column); a "
                          "rotating cache or packed rows take no mask array")
     if on_device:
-        return attend_dequantized(queries, scale, parts, config, key_mean, user_mask, sink_logits)
+        return attend_dequantized(queries, scale, parts, config, transform, user_mask, sink_logits)
     results = []
     for part in parts:
         if part.compressed:
-            result = _compressed(part, queries, scale, config, key_mean, user_mask)
+            result = _compressed(part, queries, scale, config, transform, user_mask)
         else:
             result = _dense(part, queries, scale, user_mask)
         if result is not None:
@@ -128,7 +129,7 @@ def attend(queries: mx.array, scale: float, parts: list[Part], config: CacheConf
 def bind_decode(config: CacheConfig, queries: mx.array, scale: float, keys, values, sink_keys, sink_values,
                 window_keys, window_values):
     """The bound decode step over a layer's compressed ``keys``/``values`` (:class:`kvq.Encoded`), its sinks
-    (already centred for a centred layer) and its window: the chosen attend implementation's
+    (already centred and scaled for such a layer, whose ``queries`` are scaled too) and its window: the chosen attend implementation's
     :class:`kvq.contract.BindsDense` step, else a call of its ``attend_dense`` per step, else ``None`` (the parts
     are attended instead: the same result). ``step(queries, window_keys, window_values) -> [B, H_q, 1, D_v]``."""
     if not own_attend(config):

@@ -27,6 +27,17 @@ holds at its first compression, so the choice does not depend on how a prompt wa
   whole mean is used, and only at :data:`CENTER_LIMIT` of the energy and above: an offset that large was, on every
   model measured, in slow channels, while smaller whole means drift (SmolLM2-135M's first-block means *add*
   energy to keys 4-8K tokens later, in all 30 layers: ``benchmarks/investigations/centring_drift.py``).
+- **Channel scales** (a head whose key channels hold very unequal energy, :func:`channel_spread` at least
+  :data:`SCALE_SPREAD_LIMIT`, for a method that declares ``scale_keys``: TurboQuant): the layer stores ``k / s`` and
+  attends with ``q * s``, the same scores, with ``s`` per channel the fourth root of the block's mean square,
+  rounded to a power of two (:func:`key_scales`). A quantizer whose error is isotropic in the vector (TurboQuant
+  after its rotation) gives scores an error that grows with ``|k|`` along every channel; dividing the loud
+  channels down moves its error towards the channels the scores weigh less (the lead: ``benchmarks/investigations/
+  key_channel_scaling.py``, ``benchmarks/results/key_scaling``). gemma-3-270m (q/k norms, head_dim 256) has such
+  heads in 14 of 18 layers: turboquant:4 goes from +1.8% to +0.6% PPL, turboquant:3 from +5.9% to +3.6%; on
+  SmolLM2-135M every head stays below the limit but one, where scaling every head would cost +2 points of PPL.
+  Powers of two keep it exact for the uncompressed tokens: the fused kernels score them scaled and get the same
+  products. The scales cost ``32 / T`` bits per key coordinate, as the mean.
 - **8 bits** (when, after centring, one channel of one head holds at least :data:`CONCENTRATION_LIMIT` of the keys'
   varying energy, :func:`channel_concentration`): an outlier layer. Qwen2.5's layer 0 (0.40; every other layer of
   Qwen2.5 and SmolLM2 at most 0.14) stays 0.90 wrong at turboquant:4 even centred. With
@@ -52,6 +63,10 @@ CENTER_LIMIT = 0.8
 STILL_CENTER_LIMIT = 0.2
 #: Share of the centred keys' energy in one channel of one head at or above which a layer is an outlier layer.
 CONCENTRATION_LIMIT = 0.25
+#: Key channel spread (:func:`channel_spread`) of a head at or above which its keys are scaled (:func:`key_scales`).
+#: Measured per layer (``benchmarks/investigations/key_channel_scaling.py``): gemma-3-270m's heads at 1.5-3.5 gain
+#: (attention error 0.07-0.37 -> 0.05-0.13 at turboquant:4), heads at 1.05-1.35 (SmolLM2, most of Qwen2.5) do not.
+SCALE_SPREAD_LIMIT = 1.5
 #: Tokens the first compressed block must hold for the checks (with fewer, ``1 / T`` of independent keys' energy is
 #: their mean already: a window + flush below this leaves the layer unchecked).
 MIN_TOKENS = 16
@@ -116,6 +131,49 @@ def channel_concentration(keys: mx.array) -> float:
     return float(mx.max(share))
 
 
+def channel_spread(keys: mx.array) -> mx.array:
+    """How unequal the energy of ``keys`` ``[B, H_kv, T, D]`` is over channels, per row and head: ``D * sum_c E_c /
+    (sum_c sqrt(E_c))^2``, ``E_c`` a channel's mean square over tokens (float32 ``[B, H_kv, 1, 1]``; non-finite
+    values as 0). 1 where every channel holds the same energy, ``D`` where one holds it all."""
+    energy = _channel_energy(keys)
+    root = mx.sum(mx.sqrt(energy), axis=-1, keepdims=True)
+    return keys.shape[-1] * mx.sum(energy, axis=-1, keepdims=True) / mx.maximum(root * root, 1e-30)
+
+
+def _channel_energy(keys: mx.array) -> mx.array:
+    """Each channel's mean square over tokens, float32 ``[B, H_kv, 1, D]``, at least ``1e-4`` of the head's mean
+    channel (a silent channel is scaled as a quiet one, not divided by 0)."""
+    x = _finite32(keys)
+    energy = mx.mean(x * x, axis=2, keepdims=True)
+    return mx.maximum(energy, 1e-4 * mx.mean(energy, axis=-1, keepdims=True) + 1e-30)
+
+
+def key_scales(keys: mx.array) -> mx.array | None:
+    """Per-channel scales of ``keys`` ``[B, H_kv, T, D]`` (a first block, centred where the layer is): float32
+    ``[B, H_kv, 1, D]``, powers of two, ``E_c ** (1/4)`` over its geometric mean per head, rounded in ``log2``, for
+    the heads whose :func:`channel_spread` is at least :data:`SCALE_SPREAD_LIMIT` and 1 for the others; ``None``
+    where no head is scaled. Dividing keys by it leaves each channel with about the square root of its energy
+    (SmoothQuant's migration, Xiao et al., arXiv 2211.10438, with alpha 1/2 of the keys' own energy)."""
+    energy = _channel_energy(keys)
+    root = mx.power(energy, 0.25)
+    root = root / mx.exp(mx.mean(mx.log(root), axis=-1, keepdims=True))
+    spread = channel_spread(keys) >= SCALE_SPREAD_LIMIT
+    if not bool(mx.any(spread)):
+        return None
+    return mx.where(spread, mx.power(2.0, mx.round(mx.log2(root))), 1.0).astype(mx.float32)
+
+
+def scales_keys(params) -> bool:
+    """Whether keys with ``params`` may be scaled (:func:`key_scales`): a guarded method (:func:`guarded`) whose
+    declaration says ``scale_keys`` (:class:`kvq.Method`)."""
+    if not guarded(params):
+        return False
+    from ..plugins import registry
+
+    method = registry().methods.get(params.method)
+    return bool(getattr(method, "scale_keys", False))
+
+
 def guarded(params) -> bool:
     """Whether the guard applies to keys with ``params``: a method below 8 bits (``bits`` under 8, or no
     ``bits`` at all, as QJL's sketch); not to ``fp16`` or 8-bit affine."""
@@ -163,3 +221,15 @@ def guard_layer(config, keys: mx.array):
                   f"outlier_layers='off' keeps {method}", OutlierLayerWarning, stacklevel=3)
     safe = safe_params()
     return attrs.evolve(config, key_params=safe, value_params=safe, outlier_layer=True), mean
+
+
+def guard_scales(config, keys: mx.array, mean: mx.array | None) -> mx.array | None:
+    """The channel scales of a layer configured by ``config`` (after :func:`guard_layer`) for the keys
+    ``[B, H_kv, T, D]`` of the first block it compresses, less their ``mean`` where it is centred: :func:`key_scales`
+    where the key method may be scaled (:func:`scales_keys`), else ``None``; ``None`` under
+    ``outlier_layers="off"`` or for a block of fewer than :data:`MIN_TOKENS` tokens."""
+    if config.outlier_layers == "off" or keys.shape[2] < MIN_TOKENS or not scales_keys(config.key_params):
+        return None
+    if mean is not None:
+        keys = _finite32(keys) - mean
+    return key_scales(keys)

@@ -27,11 +27,11 @@ from ..plugins import implemented_ops, registry
 from ..validate import float_array
 from . import engine
 from .parts import Part, causal
-from .centring import KeyMean
+from .centring import KeyTransform
 from .choice import dequantize, encode_tokens
 from .config import CacheConfig
 from .depends import DependencySlots
-from .guard import guard_layer
+from .guard import guard_layer, guard_scales
 from .schedule import Fresh, leaving, visible
 from .persist import PromptCacheState
 from .protocol import CacheProtocol
@@ -67,15 +67,22 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
         self._layout = None  # (B, H, D_k, D_v, dtype), fixed by the first update
         self._token_shapes = None  # ([B, H, 1, D_k], [B, H, 1, D_v], dtype) of a decode token, once checked
         self._fresh = None  # schedule.Fresh of the last update, until attend uses it
-        # the key mean (float32 [B, H, 1, D_k]) subtracted from compressed keys (kvq.cache.guard), or None
-        self._mean = KeyMean()
+        # the key mean subtracted from compressed keys and the channel scales divided out (kvq.cache.guard)
+        self._transform = KeyTransform()
         self._bound = None  # (compressed keys' view, signature, decode step): _fused_attend's binding
 
     @property
     def key_mean(self) -> mx.array | None:
         """A centred layer's key mean, float32 ``[B, H_kv, 1, D_k]`` (values of the sinks' and window's 16-bit
         dtype), subtracted from its keys before they are compressed (:mod:`kvq.cache.guard`); ``None`` otherwise."""
-        return self._mean.mean
+        return self._transform.mean
+
+    @property
+    def key_scale(self) -> mx.array | None:
+        """A scaled layer's per-channel key scales, float32 ``[B, H_kv, 1, D_k]`` (powers of two), by which its keys
+        are divided before they are compressed and its queries multiplied (:func:`kvq.cache.guard.key_scales`);
+        ``None`` otherwise."""
+        return self._transform.scale
 
     @property
     def layout(self) -> tuple | None:
@@ -197,7 +204,7 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
                 self._push_window(keys, values)
 
     def _parts_objects(self) -> tuple:
-        return self, self.sinks, self.window, self.compressed_keys, self.compressed_values, self._mean
+        return self, self.sinks, self.window, self.compressed_keys, self.compressed_values, self._transform
 
     def _snapshot(self) -> list[dict]:
         """:func:`kvq.cache.store.snapshot` of the cache and its parts (lazy: nothing is copied unless restored)."""
@@ -243,7 +250,7 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
     def _encode(self, keys, values) -> tuple[Encoded, Encoded]:
         """``keys`` (centred where the layer is) and ``values`` ``[B, H, T, D]`` quantized by the implementations
         :func:`kvq.select` picks: ``(Encoded keys, Encoded values)``."""
-        return encode_tokens(self.config, self._mean.centred(keys), values)
+        return encode_tokens(self.config, self._transform.centred(keys), values)
 
     def _fit_params(self, keys, values):
         """Parameters with the optional ``fit(block)`` (:class:`kvq.contract.Fits`: shared state chosen from data,
@@ -267,8 +274,9 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
             # a mean the sinks' and window's 16-bit dtype holds exactly: the fused kernel scores them centred in that
             # dtype (k - mu there is exact where the offsets dominate), with no rounded shift against the codes
             mean = mean.astype(mx.float16 if keys.dtype == mx.float32 else keys.dtype).astype(mx.float32)
-        self._mean.set(mean)
-        keys = self._mean.centred(keys)
+        # keys whose channels hold very unequal energy are scaled (powers of two), after centring
+        self._transform.set(mean, guard_scales(self.config, keys, mean))
+        keys = self._transform.centred(keys)
         self.config = attrs.evolve(self.config, key_params=fit(self.config.key_params, keys),
                                    value_params=fit(self.config.value_params, values))
         self._fitted = True
@@ -310,7 +318,7 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
         start_q = self.offset - Tq if query_start is None else query_start
         chunk = fresh if Tq > 1 else None
         on_device = chunk is not None and self._prefill_on_device(queries)
-        return engine.attend(queries, scale, self.parts(Tq, start_q, chunk), self.config, self._mean,
+        return engine.attend(queries, scale, self.parts(Tq, start_q, chunk), self.config, self._transform,
                              user_mask=bool_mask(mask), sink_logits=sink_logits, on_device=on_device)
 
     def parts(self, count: int, start_q: int, fresh: Fresh | None = None) -> list[Part]:
@@ -377,7 +385,7 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
         """
         if not self.compressed_keys.length:
             raise ValueError("this cache holds no compressed tokens to decode")
-        keys = self._mean.uncentred(dequantize(self.config, self.config.key_params, self.compressed_keys.view(), dtype))
+        keys = self._transform.uncentred(dequantize(self.config, self.config.key_params, self.compressed_keys.view(), dtype))
         return keys, dequantize(self.config, self.config.value_params, self.compressed_values.view(), dtype)
 
     def _fused_attend(self, queries, scale):
@@ -396,21 +404,23 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
         if bound is None or bound[0] is not keys or bound[1] != signature:
             sink_keys, sink_values = self.sinks.view()
             window_keys, window_values = self.window.view()
-            step = engine.bind_decode(self.config, queries, scale, keys, self.compressed_values.view(),
-                                      self._mean.centred_dense(sink_keys), sink_values, window_keys, window_values)
+            step = engine.bind_decode(self.config, self._transform.queries(queries), scale, keys,
+                                      self.compressed_values.view(),
+                                      self._transform.centred_dense(sink_keys), sink_values, window_keys, window_values)
             bound = self._bound = (keys, signature, step)
         step = bound[2]
         if step is None:
             return None
         window = self.window
-        # a centred layer scores its sinks and window from centred keys too: every score then lacks the same
-        # scale * q . mu, which the softmax does not see
-        return step(queries, self._mean.centred_dense(window.keys[:, :, :n]), window.values[:, :, :n])
+        # a centred (scaled) layer scores its sinks and window from centred (scaled) keys too, with scaled queries:
+        # every score then lacks the same scale * q . mu, which the softmax does not see
+        transform = self._transform
+        return step(transform.queries(queries), transform.centred_dense(window.keys[:, :, :n]), window.values[:, :, :n])
 
     @property
     def nbytes(self) -> int:
         """Bytes resident: sinks, window, the allocated compressed store (codes and side data) and a centred
-        layer's key mean."""
-        return self.sinks.nbytes + self.window.nbytes + self.compressed_keys.nbytes + \
-            self.compressed_values.nbytes + (0 if self.key_mean is None else self.key_mean.nbytes)
+        layer's key mean and a scaled layer's key scales."""
+        side = sum(x.nbytes for x in (self.key_mean, self.key_scale) if x is not None)
+        return self.sinks.nbytes + self.window.nbytes + self.compressed_keys.nbytes + self.compressed_values.nbytes + side
 

@@ -31,7 +31,7 @@ from ..encoded import Encoded
 from ..plugins import registry
 from . import engine
 from .parts import Part
-from .centring import KeyMean, centred
+from .centring import KeyTransform, centred, stacked
 from .choice import encode_tokens
 from .packable import packable
 from .views import plain_mask
@@ -99,10 +99,13 @@ class PackedRows:
         self.sink_values = cat([r.sinks.values for r in rows]) if self.config.sinks else None
         self.window_keys = cat([r.window.keys for r in rows])
         self.window_values = cat([r.window.values for r in rows])
-        #: per row: whether its keys are centred (kvq.cache.guard); key_mean holds zeros for the rows that are not
-        #: (subtracting zero changes no key, and adds no logit), None when no row is
+        #: per row: whether its keys are centred, whether scaled (kvq.cache.guard); key_mean holds zeros and key_scale
+        #: ones for the rows that are not (no key, score or logit changes), each None when no row is
         self.centred = [r.key_mean is not None for r in rows]
-        self.mean = KeyMean(cat([self._mean_of(r) for r in rows]) if any(self.centred) else None)
+        self.scaled = [r.key_scale is not None for r in rows]
+        shape = self.layout[1:3]
+        self.transform = KeyTransform(stacked([r.key_mean for r in rows], "mean", shape),
+                                      stacked([r.key_scale for r in rows], "scale", shape))
         self._bound = None  # (signature, step) of the fused ragged decode step, or (signature, None)
         self._lengths = None  # int32 [B, 2] of (compressed, window) counts on the device (lengths())
         self._offset = None  # int32 [B] of the rows' token counts on the device (offset())
@@ -112,13 +115,13 @@ class PackedRows:
     def key_mean(self) -> mx.array | None:
         """The rows' key means, float32 ``[B, H, 1, D_k]`` (zeros for rows that are not centred), or ``None`` where
         no row is centred."""
-        return self.mean.mean
+        return self.transform.mean
 
-    def _mean_of(self, row) -> mx.array:
-        """``row``'s key mean ``[1, H, 1, D_k]`` float32, zeros where it is not centred."""
-        if row.key_mean is not None:
-            return row.key_mean
-        return mx.zeros((1, self.layout[1], 1, self.layout[2]), mx.float32)
+    @property
+    def key_scale(self) -> mx.array | None:
+        """The rows' key scales, float32 ``[B, H, 1, D_k]`` (ones for rows that are not scaled), or ``None`` where
+        no row is scaled."""
+        return self.transform.scale
 
     @classmethod
     def pack(cls, rows: list, minimum: int = 2, template: "PackedRows | None" = None) -> "PackedRows | None":
@@ -144,7 +147,7 @@ class PackedRows:
 
     def _arrays(self) -> list:
         arrays = [*self.sides[0].values(), *self.sides[1].values(), self.window_keys, self.window_values]
-        return arrays + [x for x in (self.sink_keys, self.sink_values, self.key_mean) if x is not None]
+        return arrays + [x for x in (self.sink_keys, self.sink_values, self.key_mean, self.key_scale) if x is not None]
 
     @property
     def batch(self) -> int:
@@ -243,13 +246,16 @@ class PackedRows:
         self.window_keys[b : b + 1, :, :w] = row.window.keys[:, :, :w]
         self.window_values[b : b + 1, :, :w] = row.window.values[:, :, :w]
         self.compressed[b], self.window_lengths[b], self.offsets[b], self.fresh[b] = n, w, row.offset, None
-        if row.key_mean is not None:
-            mean = self.key_mean
-            if mean is None:
-                mean = mx.zeros((self.batch, self.layout[1], 1, self.layout[2]), mx.float32)
-            mean[b : b + 1] = row.key_mean
-            self.mean.set(mean)
-            self.centred[b] = True
+        if row.key_mean is not None or row.key_scale is not None:
+            new = []
+            for name, mine, theirs in (("mean", self.key_mean, row.key_mean), ("scale", self.key_scale, row.key_scale)):
+                if theirs is not None:
+                    mine = stacked([None] * self.batch, name, self.layout[1:3]) if mine is None else mine
+                    mine[b : b + 1] = theirs
+                new.append(mine)
+            self.transform.set(*new)
+            self.centred[b] = row.key_mean is not None
+            self.scaled[b] = row.key_scale is not None
         self._bound = self._lengths = self._offset = None
 
     def _grow(self, needed: int) -> None:
@@ -273,7 +279,8 @@ class PackedRows:
         pick = (lambda x: x) if every else (lambda x: mx.take(x, index, axis=0))
         keys, values = pick(self.window_keys[:, :, :f]), pick(self.window_values[:, :, :f])
         mean = None if self.key_mean is None else pick(self.key_mean)
-        encoded = encode_tokens(self.config, centred(keys, mean), values)
+        inverse = None if self.key_scale is None else pick(self.transform.inverse)
+        encoded = encode_tokens(self.config, centred(keys, mean, inverse), values)
         counts = [self.compressed[b] for b in rows]
         if max(counts) + f > self.capacity:
             self._grow(max(counts) + f)
@@ -324,7 +331,9 @@ class PackedRows:
         if sink_logits is None:
             step = self._step(queries, scale)
             if step is not None:
-                return step(queries, self.mean.centred_dense(self.window_keys), self.window_values, self.lengths())
+                transform = self.transform
+                return step(transform.queries(queries), transform.centred_dense(self.window_keys), self.window_values,
+                            self.lengths())
         return self._attend_parts(queries, scale, sink_logits)
 
     def _step(self, queries, scale):
@@ -336,7 +345,8 @@ class PackedRows:
 
     def _bind(self, queries, scale):
         keys, values = self._encoded(0, self.capacity), self._encoded(1, self.capacity)
-        return engine.bind_ragged(self.config, queries, scale, keys, values, self.mean.centred_dense(self.sink_keys),
+        return engine.bind_ragged(self.config, self.transform.queries(queries), scale, keys, values,
+                                  self.transform.centred_dense(self.sink_keys),
                                   self.sink_values, self.window_keys, self.window_values)
 
     def _attend_parts(self, queries, scale, sink_logits):
@@ -354,7 +364,7 @@ class PackedRows:
                                      np.array(self.compressed)[:, None]))
         parts.append(Part(self.window_keys, self.window_values, False, 0, rows,
                                  np.array(self.window_lengths)[:, None]))
-        return engine.attend(queries, scale, parts, self.config, self.mean, sink_logits=sink_logits)
+        return engine.attend(queries, scale, parts, self.config, self.transform, sink_logits=sink_logits)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """mlx-lm's mask hook for the packed rows (:func:`kvq.cache.views.plain_mask`)."""
@@ -371,9 +381,9 @@ class PackedRows:
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, mx.take(value, take, axis=0))
-        if self.key_mean is not None:
-            self.mean.set(mx.take(self.key_mean, take, axis=0))
-        for name in ("offsets", "compressed", "window_lengths", "fresh", "centred"):
+        if self.transform.active:
+            self.transform.set(*(None if x is None else mx.take(x, take, axis=0) for x in (self.key_mean, self.key_scale)))
+        for name in ("offsets", "compressed", "window_lengths", "fresh", "centred", "scaled"):
             setattr(self, name, [getattr(self, name)[i] for i in indices])
         self.layout = (len(indices), *self.layout[1:])
         self._bound = self._lengths = self._offset = None
@@ -394,10 +404,16 @@ class PackedRows:
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, mx.concatenate([value, getattr(other, name)]))
-        if self.key_mean is not None or other.key_mean is not None:
-            zeros = (lambda p: mx.zeros((p.batch, *p.layout[1:3]), mx.float32)[:, :, None])
-            self.mean.set(mx.concatenate([zeros(p) if p.key_mean is None else p.key_mean for p in (self, other)]))
-        for name in ("offsets", "compressed", "window_lengths", "fresh", "centred"):
+        if self.transform.active or other.transform.active:
+            def joined(name, mine, theirs):
+                if mine is None and theirs is None:
+                    return None
+                fill = (lambda p: stacked([None] * p.batch, name, p.layout[1:3]))
+                return mx.concatenate([fill(self) if mine is None else mine, fill(other) if theirs is None else theirs])
+
+            self.transform.set(joined("mean", self.key_mean, other.key_mean),
+                               joined("scale", self.key_scale, other.key_scale))
+        for name in ("offsets", "compressed", "window_lengths", "fresh", "centred", "scaled"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.layout = (self.batch, *self.layout[1:])
         self._bound = self._lengths = self._offset = None
@@ -417,8 +433,10 @@ class PackedRows:
         w = self.window_lengths[b]
         window = (self.window_keys[b : b + 1, :, :w], self.window_values[b : b + 1, :, :w]) if w else None
         mean = _copy(self.key_mean[b : b + 1]) if self.centred[b] else None
+        key_scale = _copy(self.key_scale[b : b + 1]) if self.scaled[b] else None
         return self.row_class.restore(self.fresh[b] or self.config, (1, *self.layout[1:]), self.offsets[b],
-                                      sinks=sinks, window=window, compressed=compressed, key_mean=mean)
+                                      sinks=sinks, window=window, compressed=compressed, key_mean=mean,
+                                      key_scale=key_scale)
 
     def unpack(self) -> list:
         """Every row as :meth:`row` gives it."""

@@ -20,14 +20,15 @@ class PromptCacheState:
     def state(self) -> dict:
         """Everything needed to rebuild this cache, for ``mlx_lm.models.cache.save_prompt_cache``: the compressed form.
 
-        A dict of arrays (compressed fields trimmed to the stored length; ``key_mean``, float32 ``[B, H, 1, D_k]``,
-        for a centred layer only), ints and one JSON string holding the configuration, the layout, the
+        A dict of arrays (compressed fields trimmed to the stored length; ``key_mean`` and ``key_scale``, float32
+        ``[B, H, 1, D_k]``, for a centred or scaled layer only), ints and one JSON string holding the configuration, the layout, the
         kvq version and the file-format version.
         """
         keys, values = self.compressed_keys.view(), self.compressed_values.view()
-        centred = {} if self.key_mean is None else {"key_mean": self.key_mean}
+        transform = {name: x for name, x in (("key_mean", self.key_mean), ("key_scale", self.key_scale))
+                     if x is not None}
         return {
-            **centred,
+            **transform,
             "config": config_to_json(self.config, self._layout),
             "offset": self.offset,
             "sink_keys": self.sink_keys, "sink_values": self.sink_values,
@@ -39,7 +40,7 @@ class PromptCacheState:
     @classmethod
     def restore(cls, config: CacheConfig, layout: tuple | None, offset: int, *, sinks: tuple | None = None,
                 window: tuple | None = None, compressed: tuple | None = None, key_mean: mx.array | None = None,
-                **kwargs):
+                key_scale: mx.array | None = None, **kwargs):
         """A cache holding the given tokens, as :meth:`from_state` and a batch's packed rows (:meth:`kvq.cache.
         packed.PackedRows.row`) rebuild one (copies: the cache keeps none of the arrays passed).
 
@@ -47,6 +48,7 @@ class PromptCacheState:
         :param sinks, window: ``(keys, values)`` ``[B, H_kv, n, D]`` of the held tokens, or ``None``.
         :param compressed: ``(keys, values)`` :class:`kvq.Encoded` of the compressed tokens, or ``None``.
         :param key_mean: a centred layer's key mean (float32 ``[B, H_kv, 1, D_k]``), or ``None``.
+        :param key_scale: a scaled layer's key scales (float32 ``[B, H_kv, 1, D_k]``, powers of two), or ``None``.
         :param kwargs: what a subclass's constructor takes besides ``config`` (a rotating cache's ``max_size``, ``keep``).
         """
         cache = cls(config, **kwargs)
@@ -55,7 +57,7 @@ class PromptCacheState:
             B, H, Dk, Dv, dtype = layout
             cache._token_shapes = ((B, H, 1, Dk), (B, H, 1, Dv), dtype)
         cache.offset = offset
-        cache._mean.set(key_mean)
+        cache._transform.set(key_mean, key_scale)
         for buffer, tokens in ((cache.sinks, sinks), (cache.window, window)):
             if tokens is not None and tokens[0] is not None:
                 buffer.replace(*tokens)
@@ -77,20 +79,13 @@ class PromptCacheState:
         """
         check_layer(state)
         config, layout = config_from_json(state["config"])
-        mean = state.get("key_mean")
-        if mean is not None and mean.size:
-            want = None if layout is None else (layout[0], layout[1], 1, layout[2])
-            if want is None or tuple(mean.shape) != want or mean.dtype != mx.float32:
-                raise ValueError(f"prompt cache: key_mean of shape {tuple(mean.shape)} ({mean.dtype}) does not fit the "
-                                 f"layout {want} (float32); the file is inconsistent")
-        else:
-            mean = None
+        mean, key_scale = (_transform_array(state, name, layout) for name in ("key_mean", "key_scale"))
         head_dims = (None, None) if layout is None else (layout[2], layout[3])
         compressed = None
         if state.get("keys"):
             compressed = (Encoded(config.key_params, dict(state["keys"]), head_dims[0]),
                           Encoded(config.value_params, dict(state["values"]), head_dims[1]))
-        cache = cls.restore(config, layout, int(state["offset"]), key_mean=mean,
+        cache = cls.restore(config, layout, int(state["offset"]), key_mean=mean, key_scale=key_scale,
                             sinks=(state.get("sink_keys"), state.get("sink_values")),
                             window=(state.get("window_keys"), state.get("window_values")), compressed=compressed,
                             **cls._state_arguments(state))
@@ -112,3 +107,24 @@ class PromptCacheState:
         if stored != self.offset:
             raise ValueError(f"prompt cache: {stored} tokens stored but offset is {self.offset}; the file is "
                              f"inconsistent")
+
+
+def _transform_array(state: dict, name: str, layout: tuple | None) -> mx.array | None:
+    """``state``'s ``key_mean`` or ``key_scale`` (``name``), checked against the layout; ``None`` where the file has
+    none (a layer that is not centred or scaled; files written before kvq scaled keys have no ``key_scale``).
+
+    :raises ValueError: an array whose shape or dtype does not fit the layout, or scales that are not positive
+        powers of two (a corrupt file)."""
+    array = state.get(name)
+    if array is None or not array.size:
+        return None
+    want = None if layout is None else (layout[0], layout[1], 1, layout[2])
+    if want is None or tuple(array.shape) != want or array.dtype != mx.float32:
+        raise ValueError(f"prompt cache: {name} of shape {tuple(array.shape)} ({array.dtype}) does not fit the "
+                         f"layout {want} (float32); the file is inconsistent")
+    if name == "key_scale":
+        exponent = mx.log2(array)
+        if not bool(mx.all((array > 0) & (exponent == mx.round(exponent)))):
+            raise ValueError("prompt cache: key_scale holds values that are not positive powers of two; the file "
+                             "is inconsistent")
+    return array

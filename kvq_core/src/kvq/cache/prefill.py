@@ -90,7 +90,7 @@ def interval_mask(parts: list, r0: int, r1: int, end: int, dtype: mx.Dtype, user
     return mask
 
 
-def attend_dequantized(queries: mx.array, scale: float, parts: list, config, key_mean, user_mask=None,
+def attend_dequantized(queries: mx.array, scale: float, parts: list, config, transform, user_mask=None,
                        sink_logits=None) -> mx.array:
     """A chunk's attention over ``parts`` (:class:`kvq.cache.parts.Part`: contiguous, in order; the compressed one
     decoded to the queries' dtype) in ``mx.fast.scaled_dot_product_attention`` with the additive mask of
@@ -100,17 +100,20 @@ def attend_dequantized(queries: mx.array, scale: float, parts: list, config, key
     at most :data:`PREFILL_INFLIGHT_BYTES` plus one layer's ``2 * T * H_kv * (D_k + D_v) * 2`` bytes of decoded keys
     and values (with their concatenation) and ``T_q * T * 2`` bytes of mask (16-bit queries), for ``T`` tokens held.
 
-    A centred layer attends centred keys throughout (as the fused decode kernel does): every score lacks the same
-    ``scale * q . mu``, which the softmax does not see, and 16-bit centred keys keep the bits that 16-bit keys with
-    offsets in the hundreds lose. Learned sink logits would see the shift: then the mean goes back on the keys.
+    A centred or scaled layer attends its keys as stored throughout (as the fused decode kernel does), with scaled
+    queries: every score lacks the same ``scale * q . mu``, which the softmax does not see, and 16-bit centred keys
+    keep the bits that 16-bit keys with offsets in the hundreds lose. Learned sink logits would see the shift: then
+    the mean and scales go back on the keys.
 
-    :param config, key_mean: the layer's configuration and :class:`kvq.cache.centring.KeyMean`.
+    :param config, transform: the layer's configuration and :class:`kvq.cache.centring.KeyTransform`.
     :param user_mask: mlx-lm's mask as booleans over the parts' ``column`` positions, or ``None``.
     :return: ``[B, H_q, T_q, D_v]`` in the queries' dtype.
     """
     Tq, dtype = queries.shape[2], queries.dtype
-    centre = key_mean.mean is not None and sink_logits is None
-    keys, values, user_cols = columns(parts, config, key_mean, dtype, centre, user_mask is not None)
+    centre = transform.active and sink_logits is None
+    keys, values, user_cols = columns(parts, config, transform, dtype, centre, user_mask is not None)
+    if centre:
+        queries = transform.queries(queries)
     sinks = None if sink_logits is None else sink_logits.astype(dtype)
     rows = rows_per_call(queries, keys.shape[2], PREFILL_MASK_BYTES, PREFILL_SCORES_BYTES)
     outs = []
@@ -126,19 +129,19 @@ def attend_dequantized(queries: mx.array, scale: float, parts: list, config, key
     return out
 
 
-def columns(parts: list, config, key_mean, dtype: mx.Dtype, centre: bool, user: bool = False) -> tuple:
+def columns(parts: list, config, transform, dtype: mx.Dtype, centre: bool, user: bool = False) -> tuple:
     """The key and value columns of ``parts`` side by side in ``dtype``, ``[B, H_kv, columns, D]`` each (the
     compressed part decoded by the implementation :func:`kvq.select` picks: a fused kernel where one serves); with
-    ``centre``, keys less the layer's mean (the compressed ones as stored), else as the model gave them. With
+    ``centre``, keys as the layer stores them (less its mean, divided by its scales), else as the model gave them. With
     ``user``, also each column's position on mlx-lm's mask (the parts' ``column``), else ``None``."""
     parts_k, parts_v, cols = [], [], []
     for part in parts:
         if part.compressed:
             keys = dequantize(config, config.key_params, part.keys, dtype)
-            keys = keys if centre else key_mean.uncentred(keys)
+            keys = keys if centre else transform.uncentred(keys)
             values = dequantize(config, config.value_params, part.values, dtype)
         else:
-            keys = (key_mean.centred_dense(part.keys) if centre else part.keys).astype(dtype)
+            keys = (transform.centred_dense(part.keys) if centre else part.keys).astype(dtype)
             values = part.values.astype(dtype)
         parts_k.append(keys)
         parts_v.append(values)

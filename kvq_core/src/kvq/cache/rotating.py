@@ -132,7 +132,7 @@ class RotatingKVQCache(KVQCache):
             fused = self._fused_attend(queries, scale)  # every held token is visible: KVQCache's fused decode
             if fused is not None:
                 return fused
-        return engine.attend(queries, scale, self.parts(Tq, start_q, fresh), self.config, self._mean,
+        return engine.attend(queries, scale, self.parts(Tq, start_q, fresh), self.config, self._transform,
                              sink_logits=sink_logits)
 
     def parts(self, count: int, start_q: int, fresh: Fresh | None = None) -> list[Part]:

@@ -15,10 +15,12 @@ from ..plugins import registry
 from .config import CacheConfig
 
 #: Bumped whenever the saved layout changes. 2: a layer may hold ``key_mean`` (centred keys, :mod:`kvq.cache.guard`),
-#: which a reader of format 1 would ignore and so misread.
-FORMAT = 2
-#: Formats this kvq reads (a format-1 file holds no centred layer); files of another format are refused.
-READABLE_FORMATS = (1, 2)
+#: which a reader of format 1 would ignore and so misread. 3: a layer may hold ``key_scale`` (scaled keys), which a
+#: reader of format 2 would ignore.
+FORMAT = 3
+#: Formats this kvq reads (a format-1 file holds no centred layer, a format-2 one no scaled layer); files of another
+#: format are refused.
+READABLE_FORMATS = (1, 2, 3)
 
 
 #: kvq's cache classes by name (:func:`row_class`): what a batch's file names its rows by.

@@ -216,10 +216,11 @@ class Evaluation:
 def layer_methods(cache: list, head_dim: int) -> dict:
     """What the layers of ``cache`` ended up storing, after a prefill: ``{"layer_bits": (keys, values) bits per
     coordinate averaged over the layers, "outlier_layers": indices of the layers kvq's outlier-layer guard flagged
-    (:mod:`kvq.cache.guard`; stored with affine:8 under its default policy), "centred_layers": indices of the
-    layers whose keys are stored centred}``, and for a bits budget (:mod:`kvq.cache.budget`) ``"layer_bits_each"``:
-    each layer's ``[keys, values]`` bits per coordinate; empty for caches that are not kvq's. A centred layer's mean (32 bits
-    per key channel and head) is counted in its keys' bits, spread over the tokens it holds."""
+    (:mod:`kvq.cache.guard`; stored with affine:8 under its default policy), "centred_layers", "scaled_layers":
+    indices of the layers whose keys are stored centred, scaled}``, and for a bits budget (:mod:`kvq.cache.budget`) ``"layer_bits_each"``:
+    each layer's ``[keys, values]`` bits per coordinate; empty for caches that are not kvq's. A centred layer's mean and a
+    scaled layer's scales (32 bits per key channel and head each) are counted in its keys' bits, spread over the tokens
+    it holds."""
     from ..cache import KVQCache
 
     layers = [c for c in cache if isinstance(c, KVQCache)]
@@ -227,10 +228,11 @@ def layer_methods(cache: list, head_dim: int) -> dict:
         return {}
     bits = []
     for c in layers:
-        mean_bits = 0.0 if c.key_mean is None else 32 / max(c.offset, 1)
+        mean_bits = sum(32 / max(c.offset, 1) for x in (c.key_mean, c.key_scale) if x is not None)
         bits.append((c.config.key_params.accounting(head_dim).bits_per_coordinate + mean_bits,
                      c.config.value_params.accounting(head_dim).bits_per_coordinate))
     budgeted = {"layer_bits_each": [list(b) for b in bits]} if any(c.config.budget for c in layers) else {}
     return {"layer_bits": (sum(b[0] for b in bits) / len(bits), sum(b[1] for b in bits) / len(bits)), **budgeted,
             "outlier_layers": [i for i, c in enumerate(layers) if c.config.outlier_layer],
-            "centred_layers": [i for i, c in enumerate(layers) if c.key_mean is not None]}
+            "centred_layers": [i for i, c in enumerate(layers) if c.key_mean is not None],
+            "scaled_layers": [i for i, c in enumerate(layers) if c.key_scale is not None]}

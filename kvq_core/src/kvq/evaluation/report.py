@@ -73,6 +73,9 @@ def markdown(document: dict) -> str:
             if r.get("centred_layers"):
                 parts.append(f"{r['method']}: keys of layers {', '.join(map(str, r['centred_layers']))} stored "
                              "centred (kvq.cache.guard; the mean counted in bits/coord).\n")
+            if r.get("scaled_layers"):
+                parts.append(f"{r['method']}: keys of layers {_ranges(r['scaled_layers'])} stored with channel scales "
+                             "(kvq.cache.guard; the scales counted in bits/coord).\n")
     parts.append(NOTES)
     return "\n".join(parts)
 
