@@ -114,8 +114,9 @@ def test_methods_that_do_not_declare_it_are_not_scaled():
 def test_chunked_prefill_of_a_scaled_layer_matches_token_by_token(device_path, monkeypatch):
     """The scales come from the tokens a token-by-token run holds at its first compression: chunks of 1, 16 and 320
     give the same attention (``dequantized``: the GPU's chunk path, on any device), centred and scaled at once.
-    Measured: parts 7e-7 relative; dequantized 1.3e-4 and 2.8e-4 (the same keys unscaled: 0.5e-4 and 1.5e-4; it sums
-    in another order). A query left unscaled against scaled keys is off by about 0.1."""
+    Measured: parts 7e-7 relative on the CPU (1.3e-4 on an H100, whose float16 sums round otherwise); dequantized
+    1.3e-4 and 2.8e-4 (the same keys unscaled: 0.5e-4 and 1.5e-4; it sums in another order). A query left unscaled
+    against scaled keys is off by about 0.1."""
     keys, values = profiled_keys()
     keys = keys + mx.zeros((D,)).at[40].add(60.0)  # an offset too: centred and scaled
     # float16 keys and values: a chunk's own tokens and the stored window are then the same numbers
@@ -135,7 +136,7 @@ def test_chunked_prefill_of_a_scaled_layer_matches_token_by_token(device_path, m
 
     reference = run(1)
     for chunk in (16, T):
-        assert relative(run(chunk), reference) < (1e-3 if device_path else 1e-5), chunk
+        assert relative(run(chunk), reference) < (1e-3 if device_path or mx.default_device() == mx.gpu else 1e-5), chunk
 
 
 def test_scales_in_a_prompt_cache_file(tmp_path):
