@@ -80,8 +80,7 @@ def test_transform_queries_and_dense_keys_are_exact():
     transform = KeyTransform(None, key_scales(keys))
     k = keys[:, :, :8].astype(mx.float16)
     q = mx.random.normal((B, 2 * H, 1, D)).astype(mx.float16)
-    np.testing.assert_array_equal(np.array(transform.centred_dense(k) * transform.casts[("inverse", mx.float16)] ** -1),
-                                  np.array(k))
+    np.testing.assert_array_equal(np.array(transform.centred_dense(k) * transform.scale.astype(mx.float16)), np.array(k))
     scaled = transform.queries(q).astype(mx.float32) * mx.repeat(transform.centred_dense(k), 2, axis=1).astype(mx.float32)[:, :, :1]
     plain = q.astype(mx.float32) * mx.repeat(k, 2, axis=1).astype(mx.float32)[:, :, :1]
     np.testing.assert_array_equal(np.array(scaled), np.array(plain))
@@ -159,13 +158,14 @@ def test_scales_in_a_prompt_cache_file(tmp_path):
         KVQCache.from_state(state)
 
 
-def test_scaled_and_plain_rows_pack_together():
-    """A scaled row, a plain one, and one whose first compression (scaled) comes during decode share a pack (the
-    plain row's scales are ones): decoding matches the same rows unpacked, and the rows keep their own scales."""
+@pytest.mark.parametrize("loud", [[(0, 1), (), (0, 1)], [(), (), (0, 1)]], ids=["pack-scaled", "pack-plain"])
+def test_scaled_and_plain_rows_pack_together(loud):
+    """A scaled row or not, a plain one, and one whose first compression (scaled) comes during decode share a pack
+    (the plain rows' scales are ones; with ``pack-plain`` the pack holds none until that compression): decoding
+    matches the same rows unpacked, and the rows keep their own scales."""
     from kvq.cache import BatchKVQCache
 
     config = make_config("turboquant", bits=4, window=12, flush=4, kernels="off").for_layer(0)
-    loud = [(0, 1), (), (0, 1)]  # per row: the KV heads with loud channels
     lengths = [40, 40, 14]  # the third row's window is not full yet: nothing compressed
     batches = []
     for _ in range(2):
@@ -179,7 +179,7 @@ def test_scaled_and_plain_rows_pack_together():
         batches.append(BatchKVQCache(rows))
     packed, plain = batches
     plain.pack = False
-    assert [r.key_scale is not None for r in plain.rows] == [True, False, False]
+    assert [r.key_scale is not None for r in plain.rows] == [bool(loud[0]), False, False]
     profile = [mx.stack([mx.where(mx.arange(D) < LOUD, 4.0, 1.0) if h in heads else mx.ones((D,))
                          for h in range(H)])[:, None, :] for heads in loud]
     for step in range(12):
@@ -193,7 +193,7 @@ def test_scaled_and_plain_rows_pack_together():
         np.testing.assert_allclose(np.array(outs[0]), np.array(outs[1]), atol=2e-5, rtol=1e-4)
     assert packed.packed
     assert [r.key_scale is not None for r in packed.rows] == [r.key_scale is not None for r in plain.rows] == \
-        [True, False, True]
+        [bool(loud[0]), False, True]
     for ours, theirs in zip(packed.rows, plain.rows):
         if theirs.key_scale is not None:
             np.testing.assert_array_equal(np.array(ours.key_scale), np.array(theirs.key_scale))
@@ -223,3 +223,37 @@ def test_a_scaled_layer_decodes_alike_through_the_fused_kernel(bits):
             outs["float32"] = cache.attend(q.astype(mx.float32), D**-0.5)
     assert relative(outs["auto"], outs["float32"]) < 2e-3
     assert relative(outs["off"], outs["float32"]) < 2e-3
+
+
+def test_packs_with_and_without_scales_extend_and_copy():
+    """Packed rows with scales extended by packed rows without (and the other way round) keep each row's scales;
+    a scaled cache that has attended deep-copies (mlx-lm copies caches for prompt reuse and batching)."""
+    import copy
+
+    from kvq.cache.packed import PackedRows
+
+    config = make_config("turboquant", bits=4, window=12, flush=4, kernels="off").for_layer(0)
+
+    def rows(heads_per_row):
+        out = []
+        for i, heads in enumerate(heads_per_row):
+            keys, values = profiled_keys(seed=i, heads=heads)
+            row = KVQCache(config)
+            row.update_and_fetch(keys[:, :, :40], values[:, :, :40])
+            row.release_chunk()
+            out.append(row)
+        return out
+
+    for first, second in (([(0, 1), ()], [(), ()]), ([(), ()], [(0,), (0, 1)])):
+        a, b = rows(first), rows(second)
+        pack = PackedRows.pack(a)
+        assert pack is not None and pack.extend(PackedRows.pack(b))
+        for got, want in zip(pack.unpack(), a + b):
+            assert (got.key_scale is None) == (want.key_scale is None)
+            if want.key_scale is not None:
+                np.testing.assert_array_equal(np.array(got.key_scale), np.array(want.key_scale))
+    cache = rows([(0, 1)])[0]
+    q = mx.random.normal((B, 2 * H, 1, D)).astype(mx.float16)
+    cache.attend(q, D**-0.5)
+    twin = copy.deepcopy(cache)
+    np.testing.assert_array_equal(np.array(twin.attend(q, D**-0.5)), np.array(cache.attend(q, D**-0.5)))

@@ -45,7 +45,8 @@ class KeyTransform:
     change (the decode hot path applies them every step).
 
     ``scale`` holds powers of two (:func:`kvq.cache.guard.key_scales`), so dividing by it and multiplying queries by
-    it round nothing: scores of uncompressed tokens are exactly as without it.
+    it round nothing short of float16's subnormals and overflow (scales stay within a few powers of two of 1): scores
+    of uncompressed tokens are exactly as without it.
 
     :param mean: the mean, or ``None``.
     :param scale: the channel scales, or ``None``.
@@ -66,7 +67,7 @@ class KeyTransform:
         return self.mean is not None or self.scale is not None
 
     def _cast(self, name: str, array: mx.array, dtype: mx.Dtype) -> mx.array:
-        key = (name, dtype)
+        key = (name, str(dtype))  # strings: a cache with its transform must deep-copy, and mx.Dtype does not
         if key not in self.casts:
             self.casts[key] = array.astype(dtype)
         return self.casts[key]
@@ -93,7 +94,7 @@ class KeyTransform:
         if self.scale is None:
             return queries
         B, Hq, Tq, D = queries.shape
-        key = ("queries", queries.dtype, Hq)
+        key = ("queries", str(queries.dtype), Hq)
         if key not in self.casts:
             Hkv = self.scale.shape[1]
             self.casts[key] = mx.repeat(self.scale, Hq // Hkv, axis=1).astype(queries.dtype)
@@ -125,12 +126,18 @@ class KeyTransform:
 NEUTRAL = {"mean": 0.0, "scale": 1.0}
 
 
+def neutral(name: str, rows: int, shape: tuple) -> mx.array:
+    """float32 ``[rows, H_kv, 1, D_k]`` of :data:`NEUTRAL` means or scales (``name``), ``shape`` a row's
+    ``(H_kv, D_k)``: what rows that are not centred (scaled) hold beside rows that are."""
+    H, D = shape
+    return mx.full((rows, H, 1, D), NEUTRAL[name], mx.float32)
+
+
 def stacked(arrays: list, name: str, shape: tuple) -> mx.array | None:
     """Rows' means or scales (``name``: ``"mean"`` or ``"scale"``), each float32 ``[1, H_kv, 1, D_k]`` or ``None``,
-    as one float32 ``[rows, H_kv, 1, D_k]`` with :data:`NEUTRAL` values for the rows without (``shape``: a row's
+    as one float32 ``[rows, H_kv, 1, D_k]`` with :func:`neutral` values for the rows without (``shape``: a row's
     ``(H_kv, D_k)``); ``None`` where no row has one."""
     if all(a is None for a in arrays):
         return None
-    H, D = shape
-    fill = mx.full((1, H, 1, D), NEUTRAL[name], mx.float32)
+    fill = neutral(name, 1, shape)
     return mx.concatenate([fill if a is None else a for a in arrays], axis=0)

@@ -1,4 +1,4 @@
-"""Keys with constant offsets and concentrated channels: centred, or stored at 8 bits, chosen from the first block.
+"""Keys with constant offsets, unequal channels or one loud channel: centred, scaled or stored at 8 bits, from the first block.
 
 Some models' keys carry large constant offsets in a few channels (Qwen2.5: the k_proj bias, kept nearly constant
 by slow RoPE frequencies; key norms near 280 in layer 0 against about 20 elsewhere). A quantizer's error scales
@@ -6,7 +6,7 @@ with the whole vector (TurboQuant normalises by the norm; affine's scales span t
 only what varies between keys: on Qwen2.5-Coder-0.5B-Instruct, turboquant:4 makes layer 0's attention output
 136% wrong and affine:4 86%, against 10-25% in ordinary layers (issue #20, ``benchmarks/results/outliers``).
 
-Two remedies, chosen per layer from the keys of the first block it compresses (the tokens a token-by-token run
+Three remedies, chosen per layer from the keys of the first block it compresses (the tokens a token-by-token run
 holds at its first compression, so the choice does not depend on how a prompt was chunked):
 
 - **Centring**: the layer stores ``k - mu`` for its compressed tokens, ``mu`` a per-channel mean of the block
@@ -33,17 +33,19 @@ holds at its first compression, so the choice does not depend on how a prompt wa
   rounded to a power of two (:func:`key_scales`). A quantizer whose error is isotropic in the vector (TurboQuant
   after its rotation) gives scores an error that grows with ``|k|`` along every channel; dividing the loud
   channels down moves its error towards the channels the scores weigh less (the lead: ``benchmarks/investigations/
-  key_channel_scaling.py``, ``benchmarks/results/key_scaling``). gemma-3-270m (q/k norms, head_dim 256) has such
-  heads in 14 of 18 layers: turboquant:4 goes from +1.8% to +0.6% PPL, turboquant:3 from +5.9% to +3.6%; on
-  SmolLM2-135M every head stays below the limit but one, where scaling every head would cost +2 points of PPL.
-  Powers of two keep it exact for the uncompressed tokens: the fused kernels score them scaled and get the same
-  products. The scales cost ``32 / T`` bits per key coordinate, as the mean.
+  key_channel_scaling.py``, ``benchmarks/results/key_scaling``). Measured with ``kvq eval`` at 2K on the CPU:
+  gemma-3-270m (q/k norms, head_dim 256; 15 of 18 layers scaled) turboquant:4 +1.8% -> +0.6% PPL, turboquant:3
+  +5.9% -> +3.3%; SmolLM2-135M (29 of 30 layers) turboquant:4 +0.8% -> +0.3%, turboquant:3 +3.1% -> +2.9%. Rounding
+  matters: only channels 4x louder or quieter than the head's geometric mean move, and scales left unrounded on
+  every head took SmolLM2's turboquant:4 to +2.8% instead (a prototype). Powers of two also keep it exact for the
+  uncompressed tokens: the fused kernels score them scaled and get the same products. The scales cost ``32 / T``
+  bits per key coordinate, as the mean.
 - **8 bits** (when, after centring, one channel of one head holds at least :data:`CONCENTRATION_LIMIT` of the keys'
   varying energy, :func:`channel_concentration`): an outlier layer. Qwen2.5's layer 0 (0.40; every other layer of
   Qwen2.5 and SmolLM2 at most 0.14) stays 0.90 wrong at turboquant:4 even centred. With
   ``CacheConfig.outlier_layers="upgrade"`` (the default) its keys and values are stored with affine 8-bit (values
   follow so the layer keeps one method and its fused kernels), with a warning naming the layer; ``"warn"`` only
-  warns; ``"off"`` turns both remedies off. The cost is in the bytes the cache reports and saves (the layer's
+  warns; ``"off"`` turns every remedy here off. The cost is in the bytes the cache reports and saves (the layer's
   parameters change), never hidden.
 """
 
@@ -63,9 +65,11 @@ CENTER_LIMIT = 0.8
 STILL_CENTER_LIMIT = 0.2
 #: Share of the centred keys' energy in one channel of one head at or above which a layer is an outlier layer.
 CONCENTRATION_LIMIT = 0.25
-#: Key channel spread (:func:`channel_spread`) of a head at or above which its keys are scaled (:func:`key_scales`).
-#: Measured per layer (``benchmarks/investigations/key_channel_scaling.py``): gemma-3-270m's heads at 1.5-3.5 gain
-#: (attention error 0.07-0.37 -> 0.05-0.13 at turboquant:4), heads at 1.05-1.35 (SmolLM2, most of Qwen2.5) do not.
+#: Key channel spread (:func:`channel_spread`, of the first block's keys as they are compressed: centred where the
+#: layer is) of a head at or above which its keys are scaled (:func:`key_scales`). Measured per layer on keys centred
+#: by their block mean (``benchmarks/investigations/key_channel_scaling.py``): gemma-3-270m's heads at 1.5-3.5 gain
+#: (attention error 0.07-0.37 -> 0.05-0.13 at turboquant:4), heads at 1.05-1.35 (most of SmolLM2 and Qwen2.5) gain
+#: nothing on average.
 SCALE_SPREAD_LIMIT = 1.5
 #: Tokens the first compressed block must hold for the checks (with fewer, ``1 / T`` of independent keys' energy is
 #: their mean already: a window + flush below this leaves the layer unchecked).

@@ -8,7 +8,7 @@ engine (:mod:`kvq.cache.engine`) attends and merges them with log-sum-exp, so no
 made.
 
 The layer's seams live beside it: its configuration (:mod:`~kvq.cache.config`), which implementation serves each op
-(:mod:`~kvq.cache.choice`), centred keys (:mod:`~kvq.cache.centring`), the window's schedule
+(:mod:`~kvq.cache.choice`), centred and scaled keys (:mod:`~kvq.cache.centring`), the window's schedule
 (:mod:`~kvq.cache.schedule`), the stand-ins handed to models (:mod:`~kvq.cache.views`), the ``keys``/``values``
 of pipeline parallelism (:mod:`~kvq.cache.depends`) and prompt-cache files (:mod:`~kvq.cache.state`).
 
@@ -248,8 +248,9 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
         self.compressed_values.append(encoded_values)
 
     def _encode(self, keys, values) -> tuple[Encoded, Encoded]:
-        """``keys`` (centred where the layer is) and ``values`` ``[B, H, T, D]`` quantized by the implementations
-        :func:`kvq.select` picks: ``(Encoded keys, Encoded values)``."""
+        """``keys`` (centred and scaled where the layer is: :class:`~kvq.cache.centring.KeyTransform`) and
+        ``values`` ``[B, H, T, D]`` quantized by the implementations :func:`kvq.select` picks: ``(Encoded keys,
+        Encoded values)``."""
         return encode_tokens(self.config, self._transform.centred(keys), values)
 
     def _fit_params(self, keys, values):
@@ -377,9 +378,9 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
                    for p in (kp, vp))
 
     def decoded(self, dtype=mx.float32) -> tuple[mx.array, mx.array]:
-        """The compressed tokens decoded to ``dtype``: keys ``[B, H, T, D_k]`` (a centred layer's :attr:`key_mean`
-        added back) and values ``[B, H, T, D_v]``, for ``T`` compressed tokens. A copy the cache does not keep
-        (``kvq eval``'s attention error).
+        """The compressed tokens decoded to ``dtype``: keys ``[B, H, T, D_k]`` (a scaled layer's :attr:`key_scale`
+        multiplied and a centred layer's :attr:`key_mean` added back) and values ``[B, H, T, D_v]``, for ``T``
+        compressed tokens. A copy the cache does not keep (``kvq eval``'s attention error).
 
         :raises ValueError: no compressed tokens.
         """

@@ -31,7 +31,7 @@ from ..encoded import Encoded
 from ..plugins import registry
 from . import engine
 from .parts import Part
-from .centring import KeyTransform, centred, stacked
+from .centring import KeyTransform, centred, neutral, stacked
 from .choice import encode_tokens
 from .packable import packable
 from .views import plain_mask
@@ -250,7 +250,7 @@ class PackedRows:
             new = []
             for name, mine, theirs in (("mean", self.key_mean, row.key_mean), ("scale", self.key_scale, row.key_scale)):
                 if theirs is not None:
-                    mine = stacked([None] * self.batch, name, self.layout[1:3]) if mine is None else mine
+                    mine = neutral(name, self.batch, self.layout[1:3]) if mine is None else mine
                     mine[b : b + 1] = theirs
                 new.append(mine)
             self.transform.set(*new)
@@ -408,7 +408,7 @@ class PackedRows:
             def joined(name, mine, theirs):
                 if mine is None and theirs is None:
                     return None
-                fill = (lambda p: stacked([None] * p.batch, name, p.layout[1:3]))
+                fill = (lambda p: neutral(name, p.batch, p.layout[1:3]))
                 return mx.concatenate([fill(self) if mine is None else mine, fill(other) if theirs is None else theirs])
 
             self.transform.set(joined("mean", self.key_mean, other.key_mean),

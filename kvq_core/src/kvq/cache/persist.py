@@ -42,7 +42,7 @@ class PromptCacheState:
                 window: tuple | None = None, compressed: tuple | None = None, key_mean: mx.array | None = None,
                 key_scale: mx.array | None = None, **kwargs):
         """A cache holding the given tokens, as :meth:`from_state` and a batch's packed rows (:meth:`kvq.cache.
-        packed.PackedRows.row`) rebuild one (copies: the cache keeps none of the arrays passed).
+        packed.PackedRows.row`) rebuild one (copies of the tokens: the cache keeps none of those arrays).
 
         :param layout: ``(B, H_kv, D_k, D_v, dtype)``, or ``None`` for an empty cache.
         :param sinks, window: ``(keys, values)`` ``[B, H_kv, n, D]`` of the held tokens, or ``None``.
@@ -50,6 +50,8 @@ class PromptCacheState:
         :param key_mean: a centred layer's key mean (float32 ``[B, H_kv, 1, D_k]``), or ``None``.
         :param key_scale: a scaled layer's key scales (float32 ``[B, H_kv, 1, D_k]``, powers of two), or ``None``.
         :param kwargs: what a subclass's constructor takes besides ``config`` (a rotating cache's ``max_size``, ``keep``).
+
+        ``key_mean`` and ``key_scale`` are kept as given (small and never written in place).
         """
         cache = cls(config, **kwargs)
         cache._layout = layout
@@ -124,7 +126,7 @@ def _transform_array(state: dict, name: str, layout: tuple | None) -> mx.array |
                          f"layout {want} (float32); the file is inconsistent")
     if name == "key_scale":
         exponent = mx.log2(array)
-        if not bool(mx.all((array > 0) & (exponent == mx.round(exponent)))):
+        if not bool(mx.all((array > 0) & mx.isfinite(array) & (exponent == mx.round(exponent)))):
             raise ValueError("prompt cache: key_scale holds values that are not positive powers of two; the file "
                              "is inconsistent")
     return array

@@ -203,6 +203,7 @@ class RotatingKVQCache(KVQCache):
         self.offset -= n
         if self.offset == 0:
             self.__init__(self.config, self.max_size, self.keep)  # a fresh cache accepts a new layout
+            self._fitted = False  # and fits its mean and scales again from its next first block
         return n
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):

@@ -228,8 +228,8 @@ def layer_methods(cache: list, head_dim: int) -> dict:
         return {}
     bits = []
     for c in layers:
-        mean_bits = sum(32 / max(c.offset, 1) for x in (c.key_mean, c.key_scale) if x is not None)
-        bits.append((c.config.key_params.accounting(head_dim).bits_per_coordinate + mean_bits,
+        side_bits = sum(32 / max(c.offset, 1) for x in (c.key_mean, c.key_scale) if x is not None)
+        bits.append((c.config.key_params.accounting(head_dim).bits_per_coordinate + side_bits,
                      c.config.value_params.accounting(head_dim).bits_per_coordinate))
     budgeted = {"layer_bits_each": [list(b) for b in bits]} if any(c.config.budget for c in layers) else {}
     return {"layer_bits": (sum(b[0] for b in bits) / len(bits), sum(b[1] for b in bits) / len(bits)), **budgeted,
