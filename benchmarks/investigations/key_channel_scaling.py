@@ -10,7 +10,14 @@ of a 2,048-token window (BOS first where the tokenizer adds one) over all its ke
 tokens 4..260 (as kvq's guard centres a layer), ``s`` estimated from tokens 4..512 of the same window. Pure MLX,
 no cache: it measures the lead, not an implementation.
 
-    uv run python benchmarks/investigations/key_channel_scaling.py [--model gemma-3-270m] [--bits 4,3]
+Columns after "plain": the query-aware ``s`` above; key-only ``s_c = (E k_c^2)^(alpha/2)`` for each ``--key-alpha``
+(no query statistics: what a cache can decide from its keys); with ``--block N``, key-only ``alpha = 1/2`` from the
+first ``N`` tokens after the sinks only (what kvq's first compression sees): per channel, per channel rounded to a
+power of two, per RoPE pair, per pair rounded, and each head's channel spread ``D sum E / (sum sqrt E)^2``. kvq ships
+the per-channel power-of-two scales for heads of spread >= 1.5 (:mod:`kvq.cache.guard`); the outputs of
+``--bits 4,3 --block 128`` are in ``benchmarks/results/key_scaling/``.
+
+    uv run python benchmarks/investigations/key_channel_scaling.py [--model gemma-3-270m] [--bits 4,3] [--block 128]
 """
 
 from __future__ import annotations
