@@ -139,9 +139,13 @@ def channel_spread(keys: mx.array) -> mx.array:
     """How unequal the energy of ``keys`` ``[B, H_kv, T, D]`` is over channels, per row and head: ``D * sum_c E_c /
     (sum_c sqrt(E_c))^2``, ``E_c`` a channel's mean square over tokens (float32 ``[B, H_kv, 1, 1]``; non-finite
     values as 0). 1 where every channel holds the same energy, ``D`` where one holds it all."""
-    energy = _channel_energy(keys)
+    return _spread(_channel_energy(keys))
+
+
+def _spread(energy: mx.array) -> mx.array:
+    """:func:`channel_spread` of per-channel energies ``[B, H_kv, 1, D]``."""
     root = mx.sum(mx.sqrt(energy), axis=-1, keepdims=True)
-    return keys.shape[-1] * mx.sum(energy, axis=-1, keepdims=True) / mx.maximum(root * root, 1e-30)
+    return energy.shape[-1] * mx.sum(energy, axis=-1, keepdims=True) / mx.maximum(root * root, 1e-30)
 
 
 def _channel_energy(keys: mx.array) -> mx.array:
@@ -161,7 +165,7 @@ def key_scales(keys: mx.array) -> mx.array | None:
     energy = _channel_energy(keys)
     root = mx.power(energy, 0.25)
     root = root / mx.exp(mx.mean(mx.log(root), axis=-1, keepdims=True))
-    spread = channel_spread(keys) >= SCALE_SPREAD_LIMIT
+    spread = _spread(energy) >= SCALE_SPREAD_LIMIT
     if not bool(mx.any(spread)):
         return None
     return mx.where(spread, mx.power(2.0, mx.round(mx.log2(root))), 1.0).astype(mx.float32)
