@@ -198,3 +198,28 @@ def same_state(a: tuple, b: tuple) -> bool:
         if (x is None) != (y is None) or (x is not None and not np.array_equal(x, y)):
             return False
     return all(p.keys() == q.keys() and all(np.array_equal(p[n], q[n]) for n in p) for p, q in zip(a[5:], b[5:]))
+
+
+def fused_and_parts_decode(method: str, bits: int, keys, values, queries, kept) -> dict:
+    """One decode step of ``queries`` (float16 ``[B, H_q, 1, D]``) over a layer that stored ``keys``/``values``
+    (``window=32``), through the fused kernel (``"auto"``) and the pure-MLX parts (``"off"``), and the parts from
+    float32 queries (``"float32"``, the reference), each float32. ``kept(cache)`` asserts what the layer must hold
+    (a key mean, key scales); a GPU back end must serve the fused path. Skips where kvq_metal has no GPU."""
+    kvq_metal = pytest.importorskip("kvq_metal")
+    if kvq_metal.gpu_backend() is None:
+        pytest.skip("no Metal or CUDA device")
+    from kvq.cache import KVQCache, make_config
+
+    scale = queries.shape[-1] ** -0.5
+    outs = {}
+    for kernels in ("auto", "off"):
+        cache = KVQCache(make_config(method, bits=bits, window=32, kernels=kernels).for_layer(0))
+        cache.update_and_fetch(keys, values)
+        cache.release_chunk()
+        kept(cache)
+        if kernels == "auto":
+            assert cache._fused_attend(queries, scale) is not None  # the fused path serves this layer
+        outs[kernels] = cache.attend(queries, scale).astype(mx.float32)
+        if kernels == "off":  # the parts merged in float32: the reference
+            outs["float32"] = cache.attend(queries.astype(mx.float32), scale)
+    return outs

@@ -15,6 +15,8 @@ from kvq.cache.centring import KeyTransform
 from kvq.cache.guard import SCALE_SPREAD_LIMIT, channel_spread, key_scales
 from kvq.evaluation.attention_error import dense_kv
 
+from conftest import fused_and_parts_decode
+
 B, H, D, T = 1, 2, 64, 320
 #: 16 loud channels at 4x the others' standard deviation: spread 64 * (16 * 16 + 48) / (16 * 4 + 48)^2 = 1.55
 LOUD = 16
@@ -205,22 +207,13 @@ def test_a_scaled_layer_decodes_alike_through_the_fused_kernel(bits):
     """On a GPU a decode step attends sinks, window and compressed tokens in one fused kernel, from the scaled queries
     and the window divided by the scales (exact: powers of two): within 2e-3 of the parts merged in pure MLX from
     float32 queries, as a centred layer's (``test_outlier_layers``); a query left unscaled is off by about 0.1."""
-    kvq_metal = pytest.importorskip("kvq_metal")
-    if kvq_metal.gpu_backend() is None:
-        pytest.skip("no Metal or CUDA device")
     keys, values = (x.astype(mx.float16) for x in profiled_keys())
     q = mx.random.normal((B, 2 * H, 1, D), key=mx.random.key(3)).astype(mx.float16)
-    outs = {}
-    for kernels in ("auto", "off"):
-        cache = KVQCache(make_config("turboquant", bits=bits, window=32, kernels=kernels).for_layer(0))
-        cache.update_and_fetch(keys, values)
-        cache.release_chunk()
+
+    def kept(cache):
         assert cache.key_scale is not None
-        if kernels == "auto":
-            assert cache._fused_attend(q, D**-0.5) is not None  # the fused path serves this layer
-        outs[kernels] = cache.attend(q, D**-0.5).astype(mx.float32)
-        if kernels == "off":
-            outs["float32"] = cache.attend(q.astype(mx.float32), D**-0.5)
+
+    outs = fused_and_parts_decode("turboquant", bits, keys, values, q, kept)
     assert relative(outs["auto"], outs["float32"]) < 2e-3
     assert relative(outs["off"], outs["float32"]) < 2e-3
 

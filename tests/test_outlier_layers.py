@@ -17,6 +17,8 @@ from kvq.cache.guard import (CENTER_LIMIT, CONCENTRATION_LIMIT, MIN_TOKENS, chan
                              offset_energy)
 from kvq.evaluation.attention_error import dense_kv
 
+from conftest import fused_and_parts_decode
+
 B, H, D, T = 1, 2, 64, 320
 
 
@@ -338,21 +340,12 @@ def test_a_centred_layer_decodes_alike_through_the_fused_kernel(method, bits):
     the window from centred keys as well; with float16 queries it is within 2e-3 of the parts merged in pure MLX from
     float32 queries (CUDA, H100 and H200: 1.1e-3 at turboquant-4, 1.0e-3 at turboquant-3, 4.9e-4 at affine-4; a
     wrong mean or a window scored uncentred is off by order 1), as the float16 parts are (measured 2.2e-4)."""
-    kvq_metal = pytest.importorskip("kvq_metal")
-    if kvq_metal.gpu_backend() is None:
-        pytest.skip("no Metal or CUDA device")
     keys, values = (x.astype(mx.float16) for x in keys_values("offsets"))
     q = mx.random.normal((B, 2 * H, 1, D), key=mx.random.key(3)).astype(mx.float16)
-    outs = {}
-    for kernels in ("auto", "off"):
-        cache = KVQCache(make_config(method, bits=bits, window=32, kernels=kernels).for_layer(0))
-        cache.update_and_fetch(keys, values)
-        cache.release_chunk()
+
+    def kept(cache):
         assert cache.key_mean is not None
-        if kernels == "auto":
-            assert cache._fused_attend(q, D**-0.5) is not None  # the fused path serves this layer
-        outs[kernels] = cache.attend(q, D**-0.5).astype(mx.float32)
-        if kernels == "off":  # the parts merged in float32: the reference
-            outs["float32"] = cache.attend(q.astype(mx.float32), D**-0.5)
+
+    outs = fused_and_parts_decode(method, bits, keys, values, q, kept)
     assert relative(outs["auto"], outs["float32"]) < 2e-3
     assert relative(outs["off"], outs["float32"]) < 2e-3
