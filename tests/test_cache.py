@@ -251,6 +251,10 @@ def test_make_prompt_cache_checks_the_model_head_dim():
         make_prompt_cache(model, "fp16", window=-1)
     with pytest.raises(TypeError, match="unknown parameter"):
         make_prompt_cache(model, "fp16", bits=4)
+    # a misspelt cache setting: both lists are named, the method's parameters and the cache's settings
+    with pytest.raises(TypeError, match=r"unknown parameter\(s\) windw for method 'affine'; allowed: bits, "
+                                        r"group_size; the cache's own settings: .*sinks, window, step"):
+        make_prompt_cache(model, "affine", windw=3)
 
 
 def test_separate_key_and_value_methods(llama_model):

@@ -224,6 +224,11 @@ def test_the_command_lines_method_spelling_in_python_says_how_to_write_it():
         make_config("affine:k4v3")
     with pytest.raises(ValueError, match=r"got 'nope:3'$"):
         make_config("nope:3")
+    # kvq eval's keys+values spelling names key_method / value_method
+    with pytest.raises(ValueError, match=r"got 'qjl\+affine:4' \('qjl\+affine:4' is a method string of kvq eval; here "
+                                         r"give each side its method: key_method='qjl', value_method='affine', with "
+                                         r"key_params / value_params"):
+        make_config("qjl+affine:4")
 
 
 def test_load_plugins_env_limits_discovery(tmp_path, monkeypatch):

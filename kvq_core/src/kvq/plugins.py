@@ -232,6 +232,11 @@ class Registry:
         if name not in self.methods:
             known = ", ".join(sorted(self.methods)) or "(none installed)"
             hint = method_hint(name) if isinstance(name, str) else ""
+            keys, plus, values = name.partition("+") if isinstance(name, str) else ("", "", "")
+            if plus and not hint:  # kvq eval's spelling of keys and values apart, "qjl+affine:4"
+                hint = (f"{name!r} is a method string of kvq eval; here give each side its method: "
+                        f"key_method={keys.partition(':')[0]!r}, value_method={values.partition(':')[0]!r}, with "
+                        f"key_params / value_params for their parameters (kvq generate: --key-method, --value-method)")
             base, colon, bits = name.partition(":") if isinstance(name, str) else ("", "", "")
             if colon and base in self.methods and not hint:  # the CLI's spelling, "turboquant:3"
                 numeric = bits.replace(".", "", 1).isdigit()

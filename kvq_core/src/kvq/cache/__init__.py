@@ -42,6 +42,11 @@ from .sharding import first_layer, kv_head_range
 from .still import layer_still_channels
 
 
+#: The keyword arguments of :func:`make_config` (and :func:`make_prompt_cache`) that are not method parameters.
+CACHE_SETTINGS = ("key_method", "value_method", "key_params", "value_params", "sinks", "window", "step", "kernels",
+                  "flush", "outlier_layers", "max_kv_size (make_prompt_cache)")
+
+
 def _params(method: str | None, overrides: dict | None, shared: dict, side: str):
     """The parameters of one side (``"keys"`` or ``"values"``): the method's ``side_defaults(side)`` (if its
     parameter class defines it: :class:`kvq.contract.SideDefaults`, e.g. VecInfer's ``role``), then the shared
@@ -72,7 +77,8 @@ def make_config(method: str | None = "affine", *, key_method: str | None = None,
     :raises ValueError: unknown method, parameter out of range, ``kernels`` not one of the three, a keys-only
         method (``qjl``) on the values' side, a method the cache cannot attend over (no ``kvq_attend`` and no
         ``kvq_dequantize``: :func:`kvq.cache.choice.block_implementation`).
-    :raises TypeError: unknown parameter name.
+    :raises TypeError: unknown parameter name (the message lists the method's parameters and
+        :data:`CACHE_SETTINGS`).
     """
     check_kernels(kernels)
     budget = params.get("bits")
@@ -84,8 +90,11 @@ def make_config(method: str | None = "affine", *, key_method: str | None = None,
         budget = None
         if isinstance(params.get("bits"), float):
             params = {**params, "bits": int(params["bits"])}
-    kp = _params(key_method or method, key_params, params, "keys")
-    vp = _params(value_method or method, value_params, params, "values")
+    try:
+        kp = _params(key_method or method, key_params, params, "keys")
+        vp = _params(value_method or method, value_params, params, "values")
+    except TypeError as exc:  # a misspelt cache setting reaches the method's parameters: name both lists
+        raise TypeError(f"{exc}; the cache's own settings: {', '.join(CACHE_SETTINGS)}") from None
     if registry().method(vp.method).keys_only:
         raise ValueError(f"{vp.method} compresses keys only (it estimates inner products, not vectors): give the "
                          f"values another method, e.g. value_method='affine' (CLI: --value-method affine; "
