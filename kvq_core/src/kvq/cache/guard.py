@@ -27,16 +27,26 @@ holds at its first compression, so the choice does not depend on how a prompt wa
   whole mean is used, and only at :data:`CENTER_LIMIT` of the energy and above: an offset that large was, on every
   model measured, in slow channels, while smaller whole means drift (SmolLM2-135M's first-block means *add*
   energy to keys 4-8K tokens later, in all 30 layers: ``benchmarks/investigations/centring_drift.py``).
-- **Channel scales** (a head whose key channels hold very unequal energy, :func:`channel_spread` at least
-  :data:`SCALE_SPREAD_LIMIT`, for a method that declares ``scale_keys``: TurboQuant): the layer stores ``k / s`` and
-  attends with ``q * s``, the same scores, with ``s`` per channel the fourth root of the block's mean square,
-  rounded to a power of two (:func:`key_scales`). A quantizer whose error is isotropic in the vector (TurboQuant
-  after its rotation) gives scores an error that grows with ``|k|`` along every channel; dividing the loud
-  channels down moves its error towards the channels the scores weigh less (the lead: ``benchmarks/investigations/
-  key_channel_scaling.py``, ``benchmarks/results/key_scaling``). Measured with ``kvq eval`` at 2K on the CPU:
-  gemma-3-270m (q/k norms, head_dim 256; 15 of 18 layers scaled) turboquant:4 +1.8% -> +0.6% PPL, turboquant:3
-  +5.9% -> +3.3%; SmolLM2-135M (29 of 30 layers) turboquant:4 +0.8% -> +0.3%, turboquant:3 +3.1% -> +2.9%. Rounding
-  matters: only channels 4x louder or quieter than the head's geometric mean move, and scales left unrounded on
+- **Channel scales** (a head whose key channels vary with very unequal energy: :func:`channel_spread` of the
+  block less its own mean, at least :data:`SCALE_SPREAD_LIMIT`, for a method that declares ``scale_keys``:
+  TurboQuant): the layer stores ``k / s`` and attends with ``q * s``, the same scores, with ``s`` per channel the
+  fourth root of the block's mean square as stored, rounded to a power of two (:func:`key_scales`). A quantizer
+  whose error is isotropic in the vector (TurboQuant after its rotation) gives scores an error that grows with
+  ``|k|`` along every channel; dividing the loud channels down moves its error towards the channels the scores weigh
+  less (the lead: ``benchmarks/investigations/key_channel_scaling.py``, ``benchmarks/results/key_scaling``). That
+  holds for queries that do not favour the loud channels. A per-channel offset of the keys (a layer not centred)
+  makes its channels loud too, but models' queries follow such offsets (on SmolLM2-135M the query and key channel
+  energies correlate at 0.2-0.8 in most heads), so scaling them moved the error onto the channels the scores weigh
+  most. The decision therefore reads only how the keys vary. Measured with ``kvq eval`` at 2K on the CPU, against
+  mlx-lm's float32 KVCache, unscaled / scaled:
+  - gemma-3-270m (q/k norms, head_dim 256; 11 of 18 layers scaled): turboquant:4 +1.8% / +0.9% PPL, KL 0.0063 /
+    0.0036; turboquant:3 +5.9% / +2.5%.
+  - SmolLM2-135M (one head of one layer): turboquant:4 KL 0.0056 / 0.0043, turboquant:3 0.022 / 0.019.
+
+  An earlier rule judged the spread of the keys as stored. It scaled 29 of SmolLM2's 30 layers and raised their
+  attention error by 17-22%.
+
+  Rounding matters: only channels 4x louder or quieter than the head's geometric mean move. Scales left unrounded on
   every head took SmolLM2's turboquant:4 to +2.8% instead (a prototype). Powers of two also keep it exact for the
   uncompressed tokens: the fused kernels score them scaled and get the same products. The scales cost ``32 / T``
   bits per key coordinate, as the mean.
@@ -65,9 +75,9 @@ CENTER_LIMIT = 0.8
 STILL_CENTER_LIMIT = 0.2
 #: Share of the centred keys' energy in one channel of one head at or above which a layer is an outlier layer.
 CONCENTRATION_LIMIT = 0.25
-#: Key channel spread (:func:`channel_spread`, of the first block's keys as they are compressed: centred where the
-#: layer is) of a head at or above which its keys are scaled (:func:`key_scales`). Measured per layer on keys centred
-#: by their block mean (``benchmarks/investigations/key_channel_scaling.py``): gemma-3-270m's heads at 1.5-3.5 gain
+#: Key channel spread (:func:`channel_spread` of the first block's keys less their own per-channel mean over the
+#: block: how they vary) of a head at or above which its keys are scaled (:func:`key_scales`). Measured per layer on
+#: keys centred by their block mean (``benchmarks/investigations/key_channel_scaling.py``): gemma-3-270m's heads at 1.5-3.5 gain
 #: (attention error 0.07-0.37 -> 0.05-0.13 at turboquant:4), heads at 1.05-1.35 (most of SmolLM2 and Qwen2.5) gain
 #: nothing on average.
 SCALE_SPREAD_LIMIT = 1.5
@@ -159,13 +169,15 @@ def _channel_energy(keys: mx.array) -> mx.array:
 def key_scales(keys: mx.array) -> mx.array | None:
     """Per-channel scales of ``keys`` ``[B, H_kv, T, D]`` (a first block, centred where the layer is): float32
     ``[B, H_kv, 1, D]``, powers of two, ``E_c ** (1/4)`` over its geometric mean per head, rounded in ``log2``, for
-    the heads whose :func:`channel_spread` is at least :data:`SCALE_SPREAD_LIMIT` and 1 for the others; ``None``
-    where no head is scaled. Dividing keys by it leaves each channel with about the square root of its energy
+    the heads whose keys *vary* with a :func:`channel_spread` (of the block less its per-channel mean over tokens) of
+    at least :data:`SCALE_SPREAD_LIMIT`, and 1 for the others; ``None`` where no head is scaled. A per-channel offset
+    alone scales nothing: queries follow such offsets (module docstring). Dividing keys by it leaves each channel with about the square root of its energy
     (SmoothQuant's migration, Xiao et al., arXiv 2211.10438, with alpha 1/2 of the keys' own energy)."""
     energy = _channel_energy(keys)
     root = mx.power(energy, 0.25)
     root = root / mx.exp(mx.mean(mx.log(root), axis=-1, keepdims=True))
-    spread = _spread(energy) >= SCALE_SPREAD_LIMIT
+    varying = _finite32(keys)
+    spread = channel_spread(varying - mx.mean(varying, axis=2, keepdims=True)) >= SCALE_SPREAD_LIMIT
     if not bool(mx.any(spread)):
         return None
     return mx.where(spread, mx.power(2.0, mx.round(mx.log2(root))), 1.0).astype(mx.float32)
