@@ -13,14 +13,15 @@ from __future__ import annotations
 #: more uncompressed tokens per layer at most (12 MB at Llama-3-8B's shape).
 DEFAULT_FLUSH = 128
 
-#: The cache kvq recommends (a method string of ``kvq eval``): perplexity within 1% of the reference on both models
-#: tested at 4.25 bits per coordinate (``docs/results.md``: +0.4% against mlx-lm's KVCache on SmolLM2-135M at 2K;
-#: +0.7% against kvq's 16-bit cache on Qwen2.5-Coder-0.5B). The README's "Which to use" and ``kvq demo`` name it
-#: from here.
+#: The cache kvq recommends (a method string of ``kvq eval``): perplexity within 1% of the reference on the three
+#: models tested, at 4.06-4.44 bits per coordinate (``docs/results.md``, against mlx-lm's float32 KVCache at 2K:
+#: +0.3% on SmolLM2-135M, +0.8% on Qwen2.5-Coder-0.5B, +0.9% on gemma-3-270m). The README's "Which to use" and
+#: ``kvq demo`` name it from here.
 RECOMMENDED = "turboquant:4"
-#: The recommended cache of kvq-core alone (without kvq-backends-turboquant): +1.3% perplexity, 4.5 bits.
+#: The recommended cache of kvq-core alone (without kvq-backends-turboquant): 4.5 bits, +1.7% perplexity on
+#: SmolLM2-135M at 2K.
 RECOMMENDED_CORE = "affine:4"
-#: The ~3-bit cache: +3.0% perplexity at 3.25 bits; ``kvq demo`` shows what it answers too.
+#: The ~3-bit cache: 3.25 bits, +2.7% perplexity on SmolLM2-135M at 2K; ``kvq demo`` shows what it answers too.
 THREE_BIT = "turboquant:3"
 #: The ~3-bit cache of kvq-core alone (3.5 bits).
 THREE_BIT_CORE = "affine:3"
