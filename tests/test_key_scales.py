@@ -63,8 +63,9 @@ def test_scales_are_powers_of_two_from_the_channel_energy():
 def test_an_offset_alone_scales_nothing():
     """Keys whose loud channels are a constant per-channel offset (16 channels at +6, every channel varying alike):
     spread 1.94 as stored (64 * (16 * 37 + 48) / (16 * 37 ** 0.5 + 48) ** 2), but the varying part's is 1, so no
-    head is scaled; the same variation on top of that offset still scales exactly the heads it scaled without it. (Models' queries follow such offsets: scaling by them moved
-    SmolLM2's error onto the channels its scores weigh most, module docstring of kvq.cache.guard.)"""
+    head is scaled; the same variation on top of that offset still scales exactly the heads it scaled without it.
+    (Models' queries follow such offsets: scaling by them moved SmolLM2's error onto the channels its scores weigh
+    most, module docstring of kvq.cache.guard.)"""
     offset = mx.where(mx.arange(D) < LOUD, 6.0, 0.0)
     flat = mx.random.normal((B, H, T, D), key=mx.random.key(3)) + offset
     assert float(mx.min(channel_spread(flat))) > 1.9  # as stored: well over the limit

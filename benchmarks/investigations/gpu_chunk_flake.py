@@ -12,6 +12,7 @@ the GPU (the failure rate grows with load: see gpu_chunk_flake.md)::
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import numpy as np
@@ -42,5 +43,10 @@ def main(method: str = "affine:4", kernels: str = "auto", n: int = 40, name: str
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    main(*(args[:2]), *(int(a) for a in args[2:3]), *(args[3:4]))
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("method", nargs="?", default="affine:4")
+    p.add_argument("kernels", nargs="?", default="auto", choices=("auto", "off", "require"))
+    p.add_argument("n", nargs="?", type=int, default=40)
+    p.add_argument("model", nargs="?", default="gpt_oss")
+    a = p.parse_args()
+    main(a.method, a.kernels, a.n, a.model)

@@ -14,6 +14,7 @@ model: per-layer parameters (VecInfer's codebooks) and a model sharded by mlx-lm
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Any
 
@@ -40,11 +41,6 @@ from .rotating import RotatingKVQCache
 from .servable import UnservableModelWarning, unservable_reason
 from .sharding import first_layer, kv_head_range
 from .still import layer_still_channels
-
-
-#: The keyword arguments of :func:`make_config` (and :func:`make_prompt_cache`) that are not method parameters.
-CACHE_SETTINGS = ("key_method", "value_method", "key_params", "value_params", "sinks", "window", "step", "kernels",
-                  "flush", "outlier_layers", "max_kv_size (make_prompt_cache)")
 
 
 def _params(method: str | None, overrides: dict | None, shared: dict, side: str):
@@ -77,8 +73,8 @@ def make_config(method: str | None = "affine", *, key_method: str | None = None,
     :raises ValueError: unknown method, parameter out of range, ``kernels`` not one of the three, a keys-only
         method (``qjl``) on the values' side, a method the cache cannot attend over (no ``kvq_attend`` and no
         ``kvq_dequantize``: :func:`kvq.cache.choice.block_implementation`).
-    :raises TypeError: unknown parameter name (the message lists the method's parameters and
-        :data:`CACHE_SETTINGS`).
+    :raises TypeError: unknown parameter name (the message lists the method's parameters and the cache's own
+        settings).
     """
     check_kernels(kernels)
     budget = params.get("bits")
@@ -94,7 +90,7 @@ def make_config(method: str | None = "affine", *, key_method: str | None = None,
         kp = _params(key_method or method, key_params, params, "keys")
         vp = _params(value_method or method, value_params, params, "values")
     except TypeError as exc:  # a misspelt cache setting reaches the method's parameters: name both lists
-        raise TypeError(f"{exc}; the cache's own settings: {', '.join(CACHE_SETTINGS)}") from None
+        raise TypeError(f"{exc}; the cache's own settings: {', '.join(_cache_settings())}") from None
     if registry().method(vp.method).keys_only:
         raise ValueError(f"{vp.method} compresses keys only (it estimates inner products, not vectors): give the "
                          f"values another method, e.g. value_method='affine' (CLI: --value-method affine; "
@@ -106,6 +102,14 @@ def make_config(method: str | None = "affine", *, key_method: str | None = None,
         for p in (kp, vp):
             spender(p)  # a method without budget settings is named now
     return CacheConfig(kp, vp, sinks, window, step, kernels, flush, outlier_layers, budget=budget)
+
+
+def _cache_settings() -> list[str]:
+    """The keyword arguments of :func:`make_config` (and :func:`make_prompt_cache`) that are not method parameters,
+    read from their signatures (for the error that names a misspelt one)."""
+    names = [name for name, p in inspect.signature(make_config).parameters.items()
+             if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    return names + ["max_kv_size (make_prompt_cache)"]
 
 
 def check_required_kernels(config: CacheConfig, num_kv_heads: int, head_dim: int, num_q_heads: int) -> None:

@@ -1,4 +1,4 @@
-"""Keys with constant offsets, unequal channels or one loud channel: centred, scaled or stored at 8 bits, from the first block.
+"""Keys with constant offsets, unequal channels or one loud channel: centred, scaled or stored at 8 bits.
 
 Some models' keys carry large constant offsets in a few channels (Qwen2.5: the k_proj bias, kept nearly constant
 by slow RoPE frequencies; key norms near 280 in layer 0 against about 20 elsewhere). A quantizer's error scales
@@ -77,9 +77,9 @@ STILL_CENTER_LIMIT = 0.2
 CONCENTRATION_LIMIT = 0.25
 #: Key channel spread (:func:`channel_spread` of the first block's keys less their own per-channel mean over the
 #: block: how they vary) of a head at or above which its keys are scaled (:func:`key_scales`). Measured per layer on
-#: keys centred by their block mean (``benchmarks/investigations/key_channel_scaling.py``): gemma-3-270m's heads at 1.5-3.5 gain
-#: (attention error 0.07-0.37 -> 0.05-0.13 at turboquant:4), heads at 1.05-1.35 (most of SmolLM2 and Qwen2.5) gain
-#: nothing on average.
+#: keys centred by their block mean (``benchmarks/investigations/key_channel_scaling.py``): gemma-3-270m's heads at
+#: 1.5-3.5 gain (attention error 0.07-0.37 -> 0.05-0.13 at turboquant:4), heads at 1.05-1.35 (most of SmolLM2 and
+#: Qwen2.5) gain nothing on average.
 SCALE_SPREAD_LIMIT = 1.5
 #: Tokens the first compressed block must hold for the checks (with fewer, ``1 / T`` of independent keys' energy is
 #: their mean already: a window + flush below this leaves the layer unchecked).
@@ -171,13 +171,13 @@ def key_scales(keys: mx.array) -> mx.array | None:
     ``[B, H_kv, 1, D]``, powers of two, ``E_c ** (1/4)`` over its geometric mean per head, rounded in ``log2``, for
     the heads whose keys *vary* with a :func:`channel_spread` (of the block less its per-channel mean over tokens) of
     at least :data:`SCALE_SPREAD_LIMIT`, and 1 for the others; ``None`` where no head is scaled. A per-channel offset
-    alone scales nothing: queries follow such offsets (module docstring). Dividing keys by it leaves each channel with about the square root of its energy
-    (SmoothQuant's migration, Xiao et al., arXiv 2211.10438, with alpha 1/2 of the keys' own energy)."""
+    alone scales nothing: queries follow such offsets (module docstring). Dividing keys by it leaves each channel
+    with about the square root of its energy (SmoothQuant's migration, Xiao et al., arXiv 2211.10438, with alpha 1/2
+    of the keys' own energy)."""
     energy = _channel_energy(keys)
     root = mx.power(energy, 0.25)
     root = root / mx.exp(mx.mean(mx.log(root), axis=-1, keepdims=True))
-    varying = _finite32(keys)
-    spread = channel_spread(varying - mx.mean(varying, axis=2, keepdims=True)) >= SCALE_SPREAD_LIMIT
+    spread = channel_spread(_finite32(keys) - key_mean(keys)) >= SCALE_SPREAD_LIMIT  # how the keys vary
     if not bool(mx.any(spread)):
         return None
     return mx.where(spread, mx.power(2.0, mx.round(mx.log2(root))), 1.0).astype(mx.float32)

@@ -79,7 +79,7 @@ class CacheProtocol:
         self.offset -= n
         if self.offset == 0:
             self.__init__(self.config)  # a fresh cache accepts a new layout
-            self._fitted = False  # and fits its mean and scales again from its next first block (as its transform is new)
+            self._fitted = False  # and fits its mean and scales again from its next first block
         return n
 
     @classmethod
