@@ -6,8 +6,9 @@
 For each context (tokens already held) and method, one layer's cache is filled with random keys and values, then
 the median seconds over ``--reps`` of: fp16's attention for the chunk (``mx.fast.scaled_dot_product_attention``,
 causal, over context + chunk keys; and with the same mask as a boolean and as an additive array), decoding the
-compressed tokens (keys and values), the whole chunk (``update_and_fetch`` and ``attend`` on a copy of the cache;
-and building its graph alone, nothing evaluated: the host's share) and the update alone.
+compressed tokens (keys and values), the whole chunk (``update_and_fetch`` and ``attend``; and building its graph
+alone, nothing evaluated: the host's share) and the update alone. Each repetition updates its own copy of the filled
+cache, made before its clock starts (until 2026-12-05 the copy was timed too).
 Writes OUT_DIR/prefill_parts.json.
 """
 
@@ -90,6 +91,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from kvq.bench.fill import cache_arrays, fill
+    from kvq.cache.choice import dequantize
     from kvq.evaluation.spec import make_layer_cache, parse_method
 
     dtype, source = layer_source(args)
@@ -112,13 +114,17 @@ def main(argv=None) -> int:
             cache = make_layer_cache(parse_method(label), sinks=4, window=128)
             fill([cache], source, context, C)
             row = {"context": context, "method": label}
-            row["decode_kv_s"] = timed(lambda: [cache._dequantized(cache.compressed_keys, cache.config.key_params,
-                                                                   dtype),
-                                                cache._dequantized(cache.compressed_values,
-                                                                   cache.config.value_params, dtype)], args.reps)
+            row["decode_kv_s"] = timed(lambda: [dequantize(cache.config, cache.config.key_params,
+                                                           cache.compressed_keys.view(), dtype),
+                                                dequantize(cache.config, cache.config.value_params,
+                                                           cache.compressed_values.view(), dtype)], args.reps)
+            # each repetition works on its own copy of the filled cache, made before the clock starts (the copy is
+            # the benchmark's, not the chunk's: a prefill updates the one cache it has)
+            copies = [copy.deepcopy(cache) for _ in range(2 * args.reps + 1)]
+            mx.eval([cache_arrays(c) for c in copies])
 
             def chunk():
-                c = copy.deepcopy(cache)
+                c = copies.pop()
                 c.update_and_fetch(k_new, v_new)
                 return [c.attend(q, scale)] + cache_arrays(c)
 
@@ -131,9 +137,11 @@ def main(argv=None) -> int:
                 builds.append(time.perf_counter() - tic)
                 mx.eval(built)
             row["chunk_build_s"] = statistics.median(builds)
+            copies = [copy.deepcopy(cache) for _ in range(args.reps + 1)]
+            mx.eval([cache_arrays(c) for c in copies])
 
             def update_only():
-                c = copy.deepcopy(cache)
+                c = copies.pop()
                 c.update_and_fetch(k_new, v_new)
                 c.release_chunk()
                 return cache_arrays(c)
