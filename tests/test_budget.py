@@ -69,6 +69,10 @@ def test_budget_errors_name_the_argument_and_the_method():
     with pytest.raises(ValueError, match="outlier_select='rotated'"):
         make_config("turboquant", bits=3.5, outlier_select="data", outlier_channels=8).within_budget(64, 64)
     assert make_config("turboquant", bits=4.0) == make_config("turboquant", bits=4)  # a whole number is bits
+    # a whole number out of range says where a fraction of a bit would go (a new user tried bits=5, then 4.5)
+    with pytest.raises(ValueError, match=r"got 5 \(turboquant's codes take whole bits; a number with a fraction, "
+                                         r"such as 3\.5, is a bits budget per layer"):
+        make_config("turboquant", bits=5)
 
 
 def test_a_budget_cache_stores_the_bytes_it_promises():

@@ -173,6 +173,24 @@ def test_generate_takes_eval_method_strings(tiny_gguf, cache, capsys):
     assert "--- K turboquant bits=4 / V turboquant bits=3 ---" in out
 
 
+def test_generate_names_kvqs_16_bit_cache_as_eval_does_and_sends_the_reference_to_compare():
+    """``kvq eval`` writes kvq's 16-bit cache ``kvq-fp16`` (``fp16`` there is the reference's older name); generate
+    takes that string too, as kvq's ``fp16`` method, and ``--method kvcache`` says where the reference goes."""
+    from kvq.cli.generate_cmd import build_parser, cache_options
+
+    def options(*argv):
+        return cache_options(build_parser().parse_args([*argv, "--prompt", "hi"]))
+
+    from kvq.cache import make_config
+
+    for method in ("kvq-fp16", "fp16"):
+        config = make_config(**options("--method", method, "--window", "16"))
+        assert (config.key_params.method, config.value_params.method, config.window) == ("fp16", "fp16", 16)
+    assert options("--method", "kvq-fp16[window=0]")["window"] == 0
+    with pytest.raises(ValueError, match="--method kvcache is the reference.*--compare kvcache.*--method fp16"):
+        options("--method", "kvcache")
+
+
 def test_generate_says_when_nothing_was_compressed(tiny_gguf, cache, capsys):
     """A prompt and answer that fit in sinks + window compress nothing: the report must say so, since its bytes
     then differ only by allocation (a new user read 1.9x 'compression' and 0 KL as a lossless 4-bit cache)."""

@@ -47,8 +47,25 @@ def _non_negative_int(instance, attribute, value):
         raise ValueError(f"{attribute.name} must be an int >= 0; got {value!r}")
 
 
+#: What :func:`_check_bits` adds to its error: where a fraction of a bit goes.
+BUDGET_HINT = ("; a number with a fraction, such as 3.5, is a bits budget per layer for a whole cache: "
+               "kvq.make_prompt_cache(model, 'turboquant', bits=3.5) or the method string turboquant:3.5")
+
+
+def _check_bits(value) -> None:
+    """:func:`kvq.validate.one_of` of ``bits``, naming the budget a fractional ``bits`` would have meant."""
+    try:
+        one_of("bits", value, BITS)
+    except ValueError as error:
+        raise ValueError(f"{error} (turboquant's codes take whole bits{BUDGET_HINT})") from None
+
+
+def _bits(instance, attribute, value) -> None:
+    _check_bits(value)
+
+
 def _default_outlier_bits(self) -> int:
-    one_of("bits", self.bits, BITS)  # made before the validators run: a bad bits gets their message, not a TypeError
+    _check_bits(self.bits)  # made before the validators run: a bad bits gets their message, not a TypeError
     return min(self.bits + 1, BITS[-1])
 
 
@@ -56,7 +73,7 @@ def _default_outlier_bits(self) -> int:
 class _Params:
     """Fields shared by both variants (see the subclasses for their meaning)."""
 
-    bits: int = attrs.field(default=4, validator=attrs_one_of(BITS))
+    bits: int = attrs.field(default=4, validator=_bits)
     rotation: str = attrs.field(default="hadamard", validator=attrs_one_of(ROTATIONS))
     seed: int = attrs.field(default=0, validator=_non_negative_int)
     outlier_channels: int = attrs.field(default=0, validator=_non_negative_int)

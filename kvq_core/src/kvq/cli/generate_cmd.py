@@ -76,13 +76,17 @@ def cache_options(args: argparse.Namespace) -> dict:
     :raises ValueError: such a combination, a string that does not parse, bad or unready parameters, ``--sinks``
         or ``--window`` below 0, ``--flush`` below 1.
     """
-    from ..evaluation.spec import for_model, parse_method
+    from ..evaluation.spec import KVQ_FP16, REFERENCE, for_model, parse_method
 
+    if args.method.strip() == REFERENCE:
+        raise ValueError(f"--method {REFERENCE} is the reference (mlx-lm's KVCache), which kvq does not compress: "
+                         f"compare against it with --compare {REFERENCE}; kvq's own 16-bit cache is --method fp16 "
+                         f"({KVQ_FP16} in method strings)")
     for name, low in (("sinks", 0), ("window", 0), ("flush", 1)):  # named as the command line spells them
         value = getattr(args, name, None)
         if value is not None and value < low:
             raise ValueError(f"--{name} must be an integer >= {low}; got {value}")
-    if any(c in args.method for c in ":+["):
+    if any(c in args.method for c in ":+[") or args.method.startswith(KVQ_FP16):
 
         given = [name for name, value in (("--bits", args.bits), ("--param", args.param),
                                           ("--key-method", args.key_method), ("--value-method", args.value_method),
@@ -397,7 +401,8 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="mlx-lm folder, .gguf file or Hub id (default: SmolLM2-135M-Instruct)")
     p.add_argument("--method", default="affine",
                    help="method for keys and values (see 'kvq list'; default affine), or a kvq eval method string "
-                        "such as turboquant:4, affine:k8v4, qjl+affine:4")
+                        "such as turboquant:4, affine:k8v4, qjl+affine:4. fp16 here is kvq's 16-bit cache (kvq-fp16 "
+                        "in kvq eval's strings, where fp16 names the reference, kvcache, that --compare takes)")
     p.add_argument("--bits", type=_bits, default=None,
                    help="shorthand for --param bits=B; a number with a fraction (3.5) is a bits budget per layer "
                         "(turboquant)")
