@@ -364,5 +364,8 @@ def test_masks_and_windows_it_cannot_honour_are_refused():
         cache.attend(mx.zeros((1, 1, 3, 16)), 1.0, mask=mx.ones((3, 3), mx.bool_))
     with pytest.raises(ValueError, match="keep must be"):
         RotatingKVQCache(make_config("fp16"), 4, 4)
+    # a full-attention cache on a sliding layer: most often another model's prompt-cache file, which the error asks
+    with pytest.raises(ValueError, match="not a sliding window .* made for another model"):
+        kvq.KVQCache(make_config("fp16")).make_mask(5, window_size=16)
     with pytest.raises(ValueError, match="max_kv_size must be"):
         kvq.make_prompt_cache(tiny("llama"), "fp16", max_kv_size=4)

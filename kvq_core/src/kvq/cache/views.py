@@ -39,7 +39,8 @@ def plain_mask(N: int, window_size: int | None = None):
     """
     if window_size is not None:
         raise ValueError("a KVQCache serves full-attention layers, not a sliding window (window_size); "
-                         "kvq.make_prompt_cache gives sliding-window layers a RotatingKVQCache")
+                         "kvq.make_prompt_cache gives sliding-window layers a RotatingKVQCache. Were these caches "
+                         "made for another model (a prompt-cache file of another model)?")
     return None if N == 1 else "causal"
 
 
