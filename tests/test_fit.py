@@ -195,13 +195,16 @@ def test_memory_takes_gb_and_gib_as_g_and_device_gpu_predicts_a_random_model_in_
 
     docs = []
     for memory in ("24G", "24GB", "24GiB"):
-        assert main(["fit", "--model", "random:tiny", "--no-plot", "--memory", memory, "--out", str(tmp_path),
-                     "--name", f"m{len(docs)}"]) == 0
+        assert main(["fit", "--model", "random:tiny", "--no-plot", "--memory", memory, "--device", "cpu", "--out",
+                     str(tmp_path), "--name", f"m{len(docs)}"]) == 0
         docs.append(json.loads((tmp_path / f"m{len(docs)}.json").read_text()))
     assert docs[0]["rows"] == docs[1]["rows"] == docs[2]["rows"]
+    cpu_out = capsys.readouterr().out  # the CPU's encoding work, which a new user read as a wrong table, is named
+    assert "Counted for the CPU: a chunk's encoding holds float32 work per sequence (turboquant 24 bytes" in cpu_out
     assert main(["fit", "--model", "random:tiny", "--no-plot", "--memory", "24G", "--device", "gpu", "--out",
                  str(tmp_path), "--name", "gpu"]) == 0
-    assert "kvcache (bfloat16)" in capsys.readouterr().out
+    gpu_out = capsys.readouterr().out
+    assert "kvcache (bfloat16)" in gpu_out and "Counted for the CPU" not in gpu_out
 
 
 def test_memory_below_the_weights_says_so(tmp_path, capsys):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .fit import FIXED_OVERHEAD, Budget, CacheCost
+from .fit import ENCODE_WORK, FIXED_OVERHEAD, Budget, CacheCost
 from .output import markdown_table, pyplot
 
 MIB, GIB = 2**20, 2**30
@@ -41,6 +41,11 @@ def markdown(document: dict) -> str:
              f"weights {m['weight_bytes'] / GIB:,.2f} GiB. Memory {s['memory'] / GIB:,.2f} GiB ({s['memory_source']}), "
              f"safety {s['safety']}, chunk {s['chunk']} tokens; fixed term {FIXED_OVERHEAD / MIB:g} MiB plus the "
              "methods' shared constants."]
+    if s.get("device") == "cpu":
+        cpu, gpu = ENCODE_WORK["cpu"], ENCODE_WORK["gpu"][None]
+        lines.append(f"Counted for the CPU: a chunk's encoding holds float32 work per sequence (turboquant {cpu[None]} "
+                     f"bytes per coordinate of the chunk, affine {cpu['affine']}), which can let a cache of fewer bits "
+                     f"fit fewer sequences here; --device gpu predicts for a GPU's fused encoders ({gpu}).")
     if m["weight_bytes"] >= s["memory"]:
         lines.append(f"NOTE: the weights alone ({m['weight_bytes'] / GIB:,.2f} GiB) do not fit in "
                      f"{s['memory'] / GIB:,.2f} GiB: no cache fits (give --memory the memory of the machine to run on).")
