@@ -8,7 +8,9 @@ stream that decodes as ``table[code] * scale + bias`` (:mod:`kvq_metal.attend`, 
 :mod:`kvq_metal.attend_tc`; pure-MLX reference :mod:`kvq_metal.reference`) and over code streams
 (:mod:`kvq_metal.streams`, planned by :mod:`kvq_metal.streams_plan`, implementations' base
 :mod:`kvq_metal.streams_impl`). Both families bind a cache's decode into one :class:`kvq_metal.step.DecodeStep`;
-their launch knobs are frozen defaults (:mod:`kvq_metal.knobs`). Methods' plugins write their own
+their launch knobs are frozen defaults (:mod:`kvq_metal.knobs`). A prefill chunk's attention over float16 or
+bfloat16 keys and values, each query row seeing its own column intervals (no mask array), runs on CUDA tensor cores
+in :mod:`kvq_metal.prefill` (issue #51; not yet wired into kvq's cache). Methods' plugins write their own
 kernels on these pieces and register them themselves (``kvq_backends_turboquant.kernels``). Implementations
 are registered for both back ends; each offers itself only on its own GPU, after a first-use check against the
 pure-MLX implementation, and kvq's selection ranks it by cost against pure MLX.
@@ -19,7 +21,7 @@ the baseline lives in kvq core, below kvq_metal, so its kernels cannot live with
 
 from __future__ import annotations
 
-from . import attend, attend_tc  # noqa: F401 - importing them loads (registers) kvq_metal's kernels
+from . import attend, attend_tc, prefill  # noqa: F401 - importing them loads (registers) kvq_metal's kernels
 from .base import KernelDisabledWarning, KernelImpl
 from .dialect import BACKENDS, gpu_backend
 from .kernel_files import TEMPLATE_BACKENDS, TEMPLATES, sources_hash

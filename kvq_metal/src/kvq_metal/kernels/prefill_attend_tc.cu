@@ -1,0 +1,257 @@
+// prefill_attend_tc: the attention of a prefill chunk's query rows over float16 or bfloat16 keys and values, each row
+// seeing the columns of its own intervals (computed here: no mask array), with FlashAttention-2's forward pass (Dao
+// 2023) on tensor cores (CUDA, mma.sync m16n8k16, fp32 accumulators, sm_80 and later). Design: kvq_metal.prefill.
+// Reference: kvq_metal.prefill.reference_attend
+// Launcher: kvq_metal.prefill.prefill_attend
+// Inputs: q [B, H_q, T_q, D], k [B, H_kv, N, D], v [B, H_kv, N, D] (one 16-bit dtype, row-contiguous), iv int32
+// [T_q, P, 2] (row r sees column c iff iv[r, p, 0] <= c < iv[r, p, 1] for some p), sink [H_q] (learned sink
+// logits, read with SINK only). Outputs: out [B, H_q, T_q, D] in q's dtype, lse float32 [B, H_q, T_q] (natural
+// log of the normaliser out was divided by, the sink logit included; a row that sees nothing: out 0, lse -inf or
+// its sink logit).
+// Template: kvq_metal.prefill.launch_plan (D, DV, BC, BR, P, SINK, BF16, SCALE: the softmax scale's float bits).
+// Blocks: y = b * H_kv + KV head; x a tile of BR of the group's rep * T_q rows (row m: query row m / rep of query
+// head KV head * rep + m % rep), the last tile first (it sees the most columns, so it should not start last);
+// z the slice of DV value coordinates the block writes (D / DV slices: at head_dim 256 two blocks of 128 each
+// compute the same scores, so that the output accumulators fit the registers).
+// Threads: BR / 16 warps, warp w the rows 16 w .. 16 w + 15 (a lane: rows g, g + 8, g = lane / 4, columns 2c, 2c + 1
+// of each 8, c = lane % 4); the query fragments are held in registers. The block steps over the tiles of BC columns
+// that some row of it sees; each tile's K and V rows are copied to shared memory by cp.async (V's copy overlaps the
+// scores, the next K tile's the values' product), 16-byte chunk j of row i at chunk j ^ (i & 7), so the 8 rows an
+// ldmatrix reads hit 8 bank groups.
+
+    constexpr int NWARP = BR / 16;
+    constexpr int THREADS = 32 * NWARP;
+    constexpr int CH = D / 8;    // 16-byte chunks per key row (D 16-bit elements)
+    constexpr int CHV = DV / 8;  // per value row slice (the block's DV of the D value coordinates)
+    constexpr int KS = D / 16;   // k-steps of the scores' product
+    constexpr int NS = BC / 8;   // n-tiles of a warp's scores (16 rows x BC columns)
+    constexpr int NO = DV / 8;   // n-tiles of a warp's output (16 rows x DV)
+    constexpr int BIG = 0x7fffffff;
+    constexpr float LOG2E = 1.4426950408889634f;
+    constexpr float LN2 = 0.6931471805599453f;
+    static_assert(BR % 16 == 0 && BC % 16 == 0 && DV % 16 == 0 && D % DV == 0 && CHV >= 8,
+                  "whole mma tiles, at least 8 chunks a row");
+
+    KVQ_SHARED __align__(16) uint4 k_s[BC * CH];   // the K tile
+    KVQ_SHARED __align__(16) uint4 v_s[BC * CHV];  // the V tile (the block's slice of coordinates)
+    KVQ_SHARED int2 iv_s[BR][P];                   // the block's rows' intervals, clamped to [0, N)
+    KVQ_SHARED int span_s[2][P];                   // their union per interval slot: (min lo, max hi)
+
+    const int tid = KVQ_TID;
+    const int lane = KVQ_LANE;
+    const int warp = KVQ_WARP;
+    const int g = lane >> 2, c = lane & 3;
+    const int Hq = q_shape[1], Tq = q_shape[2];
+    const int Hkv = k_shape[1], N = k_shape[2];
+    const int rep = Hq / Hkv;
+    const int rows = rep * Tq;
+    const int bk = KVQ_TG_Y;
+    const int b = bk / Hkv, kvh = bk - b * Hkv;
+    const int m0 = ((int)gridDim.x - 1 - (int)KVQ_TG_X) * BR;
+    const int zv = KVQ_TG_Z;  // the block's slice of value coordinates: zv * DV ...
+    const uint4* const kg = reinterpret_cast<const uint4*>(k) + (int64_t)bk * N * CH;
+    const uint4* const vg = reinterpret_cast<const uint4*>(v) + (int64_t)bk * N * CH + zv * CHV;
+
+    // the block's rows' intervals; a row past the group's end sees nothing (and is not written)
+    for (int i = tid; i < BR * P; i += THREADS) {
+        const int row = i / P, p = i - row * P;
+        const int m = m0 + row;
+        const int r = m / rep;
+        iv_s[row][p] = m < rows ? make_int2(max(iv[(r * P + p) * 2], 0), min(iv[(r * P + p) * 2 + 1], N))
+                                : make_int2(0, 0);
+    }
+    // this thread's rows: u = 0: 16 warp + g, u = 1: 16 warp + g + 8
+    bool valid[2];
+#pragma unroll
+    for (int u = 0; u < 2; ++u) valid[u] = m0 + 16 * warp + g + 8 * u < rows;
+
+    // the A fragments of the scores' product (k-step s: rows 16 warp + g, + 8, coordinates 16 s + 2c, + 1, + 8,
+    // + 9), read from global memory once and held in registers for the whole loop (zero for a row past the end)
+    uint qf[KS][4];
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+        const int m = m0 + 16 * warp + g + 8 * u;
+        const int r = valid[u] ? m / rep : 0;
+        const int h = kvh * rep + (valid[u] ? m - r * rep : 0);
+        const uint* const qrow = reinterpret_cast<const uint*>(q + (((int64_t)b * Hq + h) * Tq + r) * D);
+#pragma unroll
+        for (int s = 0; s < KS; ++s) {
+            qf[s][u] = valid[u] ? qrow[8 * s + c] : 0u;
+            qf[s][u + 2] = valid[u] ? qrow[8 * s + 4 + c] : 0u;
+        }
+    }
+    KVQ_BARRIER();  // iv_s is written
+    // the union of the block's non-empty intervals per slot, by the first warp (each lane BR / 32 rows)
+    if (warp == 0) {
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+            int a = BIG, z = 0;
+            for (int row = lane; row < BR; row += 32) {
+                const int2 x = iv_s[row][p];
+                if (x.x < x.y) { a = min(a, x.x); z = max(z, x.y); }
+            }
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) {
+                a = min(a, KVQ_SHFL_XOR(a, off));
+                z = max(z, KVQ_SHFL_XOR(z, off));
+            }
+            if (lane == 0) { span_s[0][p] = a; span_s[1][p] = z; }
+        }
+    }
+    KVQ_BARRIER();  // span_s is written
+
+    // the first tile at or after column c0 (a multiple of BC) that a row of the block sees, BIG if none: tiles
+    // between the intervals' unions (between a layer's sinks, compressed prefix and causal band) are never read
+    auto advance = [&](const int c0) -> int {
+        int t = BIG;
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+            const int a = span_s[0][p], z = span_s[1][p];
+            if (a < z && z > c0) t = min(t, max(c0, a / BC * BC));
+        }
+        return t;
+    };
+    // rows c0 .. c0 + BC - 1 of a KV head's keys (W = CH chunks) or values (W = CHV) into a tile; rows past N are
+    // zeros (their scores are masked, and a zero value times a zero probability stays zero)
+    auto load_tile = [&](auto width, uint4* dst, const uint4* src, const int c0) {
+        constexpr int W = decltype(width)::value;
+#pragma unroll
+        for (int i = tid; i < BC * W; i += THREADS) {
+            const int row = i / W, j = i - row * W;
+            const bool ok = c0 + row < N;
+            kvq_pf_cp16(dst + row * W + (j ^ (row & 7)), src + (int64_t)(ok ? c0 + row : 0) * CH + j, ok);
+        }
+        kvq_pf_cp_commit();
+    };
+    using KW = kvq_pf_int<CH>;
+    using VW = kvq_pf_int<CHV>;
+
+    float acc[NO][4];
+#pragma unroll
+    for (int i = 0; i < NO; ++i) { acc[i][0] = 0.0f; acc[i][1] = 0.0f; acc[i][2] = 0.0f; acc[i][3] = 0.0f; }
+    float mrow[2] = {-KVQ_INF, -KVQ_INF};  // the rows' running max of the scores, log2 units
+    float lrow[2] = {0.0f, 0.0f};          // this lane's part of the rows' sums (its 2 columns of each 8)
+    const float qk = KVQ_AS_FLOAT(SCALE) * LOG2E;
+
+    int c0 = advance(0);
+    if (c0 < BIG) load_tile(KW{}, k_s, kg, c0);
+    while (c0 < BIG) {
+        const int cn = advance(c0 + BC);
+        kvq_pf_cp_wait_all();
+        KVQ_BARRIER();  // K tile c0 landed; every warp is done with the previous V tile
+        load_tile(VW{}, v_s, vg, c0);
+        // which columns of the tile each of this thread's rows sees (bit x: column c0 + x); whether a row of this
+        // warp sees one (else the warp skips the tile) and whether every row sees all (else scores are masked)
+        kvq_u64 vis[2];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            vis[u] = 0;
+#pragma unroll
+            for (int p = 0; p < P; ++p) {
+                const int2 x = iv_s[16 * warp + g + 8 * u][p];
+                vis[u] |= kvq_pf_low_bits(min(max(x.y - c0, 0), BC)) & ~kvq_pf_low_bits(min(max(x.x - c0, 0), BC));
+            }
+        }
+        const kvq_u64 whole = kvq_pf_low_bits(BC);
+        const bool any = __any_sync(0xffffffffu, (vis[0] | vis[1]) != 0);
+        const bool all = __all_sync(0xffffffffu, (vis[0] == whole || !valid[0]) && (vis[1] == whole || !valid[1]));
+        float s[NS][4];
+        if (any) {
+            // ---- scores S = Q K^T (B operand: K rows, two n-tiles per ldmatrix)
+#pragma unroll
+            for (int nt = 0; nt < NS; ++nt) { s[nt][0] = 0.0f; s[nt][1] = 0.0f; s[nt][2] = 0.0f; s[nt][3] = 0.0f; }
+#pragma unroll
+            for (int ks = 0; ks < KS; ++ks) {
+#pragma unroll
+                for (int n2 = 0; n2 < NS / 2; ++n2) {
+                    const int row = 16 * n2 + (lane & 7) + ((lane >> 4) << 3), j = 2 * ks + ((lane >> 3) & 1);
+                    uint kb[4];
+                    kvq_pf_ldsm4<false>(kb, k_s + row * CH + (j ^ (row & 7)));
+                    kvq_pf_mma<BF16>(s[2 * n2], qf[ks], kb[0], kb[1]);
+                    kvq_pf_mma<BF16>(s[2 * n2 + 1], qf[ks], kb[2], kb[3]);
+                }
+            }
+            // ---- scale to log2 units, mask the columns a row does not see (this lane's columns 2c, 2c + 1 of each 8)
+            const kvq_u64 mine[2] = {vis[0] >> (2 * c), vis[1] >> (2 * c)};
+#pragma unroll
+            for (int nt = 0; nt < NS; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float x = s[nt][e] * qk;
+                    s[nt][e] = all || ((mine[e >> 1] >> (8 * nt + (e & 1))) & 1) ? x : -KVQ_INF;
+                }
+            }
+            // ---- online softmax: a row's max over its 4 lanes; z the new max (0 while still -inf, so exp2 stays
+            // finite), al the factor that rescales what was accumulated before
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+                float top = -KVQ_INF;
+#pragma unroll
+                for (int nt = 0; nt < NS; ++nt) top = KVQ_FMAX(top, KVQ_FMAX(s[nt][2 * u], s[nt][2 * u + 1]));
+                top = KVQ_FMAX(top, KVQ_SHFL_XOR(top, 1));
+                top = KVQ_FMAX(top, KVQ_SHFL_XOR(top, 2));
+                const float nm = KVQ_FMAX(mrow[u], top);
+                const float z = nm == -KVQ_INF ? 0.0f : nm;
+                const float al = kvq_pf_exp2(mrow[u] - z);
+                mrow[u] = nm;
+                lrow[u] *= al;
+#pragma unroll
+                for (int nt = 0; nt < NS; ++nt) {
+                    s[nt][2 * u] = kvq_pf_exp2(s[nt][2 * u] - z);
+                    s[nt][2 * u + 1] = kvq_pf_exp2(s[nt][2 * u + 1] - z);
+                    lrow[u] += s[nt][2 * u] + s[nt][2 * u + 1];
+                }
+#pragma unroll
+                for (int i = 0; i < NO; ++i) { acc[i][2 * u] *= al; acc[i][2 * u + 1] *= al; }
+            }
+        }
+        kvq_pf_cp_wait_all();
+        KVQ_BARRIER();  // V tile c0 landed; every warp is done with K tile c0
+        if (cn < BIG) load_tile(KW{}, k_s, kg, cn);
+        if (any) {
+            // ---- values O += P V: the scores' accumulators of n-tiles 2kk, 2kk + 1 are the A fragment of k-step kk
+            // (FlashAttention-2's register reuse); B operand: V rows transposed by ldmatrix, two n-tiles per load
+#pragma unroll
+            for (int kk = 0; kk < BC / 16; ++kk) {
+                const uint a[4] = {kvq_pf_pack<BF16>(s[2 * kk][0], s[2 * kk][1]),
+                                   kvq_pf_pack<BF16>(s[2 * kk][2], s[2 * kk][3]),
+                                   kvq_pf_pack<BF16>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                   kvq_pf_pack<BF16>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+                for (int d2 = 0; d2 < NO / 2; ++d2) {
+                    const int row = 16 * kk + (lane & 7) + (((lane >> 3) & 1) << 3), j = 2 * d2 + (lane >> 4);
+                    uint vb[4];
+                    kvq_pf_ldsm4<true>(vb, v_s + row * CHV + (j ^ (row & 7)));
+                    kvq_pf_mma<BF16>(acc[2 * d2], a, vb[0], vb[1]);
+                    kvq_pf_mma<BF16>(acc[2 * d2 + 1], a, vb[2], vb[3]);
+                }
+            }
+        }
+        c0 = cn;
+    }
+
+    // ---- the rows' sums over their 4 lanes, the sink logit joined to the normaliser, the output in its dtype
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+        float l = lrow[u];
+        l += KVQ_SHFL_XOR(l, 1);
+        l += KVQ_SHFL_XOR(l, 2);
+        if (!valid[u]) continue;
+        const int m = m0 + 16 * warp + g + 8 * u;
+        const int r = m / rep;
+        const int h = kvh * rep + (m - r * rep);
+        const float sk = SINK ? KVQ_F32(sink[h]) * LOG2E : -KVQ_INF;
+        const float top = KVQ_FMAX(mrow[u], sk);
+        float f = 0.0f, lse_r = -KVQ_INF;
+        if (top != -KVQ_INF) {
+            const float a = kvq_pf_exp2(mrow[u] - top);  // 0 for a row that saw no column
+            const float tot = l * a + (SINK ? kvq_pf_exp2(sk - top) : 0.0f);
+            f = a / tot;
+            lse_r = (top + log2f(tot)) * LN2;
+        }
+        const int64_t o = ((int64_t)b * Hq + h) * Tq + r;
+        uint* const orow = reinterpret_cast<uint*>(out + o * D + zv * DV);
+#pragma unroll
+        for (int i = 0; i < NO; ++i) orow[4 * i + c] = kvq_pf_pack<BF16>(acc[i][2 * u] * f, acc[i][2 * u + 1] * f);
+        if (c == 0 && zv == 0) lse[o] = lse_r;
+    }

@@ -1,0 +1,273 @@
+"""Fused prefill attention on tensor cores (CUDA, sm_80 and later): a chunk's query rows over float16 or bfloat16
+keys and values, each row seeing the columns of its own intervals, computed in the kernel (issue #51, phase 1).
+
+Why: a prefill chunk on a GPU attends ``[sinks | compressed | dense]`` columns with per-row visibility
+(:mod:`kvq.cache.parts`); through ``mx.fast.scaled_dot_product_attention`` that takes an additive mask array, and
+on CUDA cuDNN's attention with a bias runs at 1.5-1.9x causal time (:mod:`kvq.cache.prefill`). Here each row
+carries at most :data:`MAX_INTERVALS` column intervals (row ``r`` sees column ``c`` iff ``lo <= c < hi`` for one
+of them: :func:`kvq.cache.parts.visible`) and no mask exists.
+
+The kernel (``kvq_metal/kernels/prefill_attend_tc.cu``) is FlashAttention-2's forward pass (Dao 2023):
+
+* a thread block of 4 warps (128 threads) takes :data:`BLOCK_ROWS` = 64 rows, 16 per warp; each warp reads its
+  queries once from global memory into the ``mma.sync.m16n8k16`` A fragments and holds them in registers;
+* it steps over tiles of :data:`TILE_COLUMNS` key columns (64 at head_dim 64 and 128, 32 at 256): K and V tiles
+  are copied to shared memory by ``cp.async`` (V's copy overlaps the scores' product, the next K tile's the
+  values' product), 16-byte chunks swizzled so ldmatrix reads are free of bank conflicts; static shared memory
+  only (MLX's custom kernels here declare no dynamic shared memory): 17-18 KB per block at head_dim 64, 33-35 KB
+  at 128, 25-27 KB at 256 (:attr:`Launch.shared_bytes`);
+* scores ``S = Q K^T`` and ``O += P V`` run on tensor cores (16-bit in, float32 accumulators), ``P`` taken from the
+  scores' accumulators as the A operand without shared memory; the online softmax runs in registers in log2 units
+  (``exp2``), the sink logit joins the normaliser at the end;
+* visibility: the block's rows' intervals sit in shared memory. Their union per interval slot decides which tiles
+  are read at all: tiles between a layer's sinks, its compressed prefix and its causal band, and past the block's
+  last row, are skipped without a load. Per tile, each row's visible columns become a 64-bit mask (a few integer
+  operations per interval); a warp none of whose rows sees the tile skips its mma work, a warp whose rows see all
+  of it skips the masking, and otherwise each score is kept or set to -inf by one bit test;
+* head_dim 256: the float32 output accumulators of all 256 coordinates (128 registers per thread) with the query
+  fragments (64) spill, so two blocks (grid z, :data:`VALUE_SLICE`) compute the same scores and each writes 128
+  value coordinates: twice the score work at 256 only.
+
+GQA: the ``n_rep = H_q / H_kv`` query heads that share a KV head are packed into a block's rows (row ``m`` of a
+(batch, KV head) group is query row ``m // n_rep`` of head ``m % n_rep``), so one K/V tile serves every head of the
+group. For long chunks this costs the same tile reads as one head per block (the block count is the same) and its
+rows span fewer query positions (tighter tile skipping); for short chunks (decode-like ``T_q`` of 1 to 16) it reads
+each tile ``n_rep`` times less and fills the tensor cores' 16-row tiles.
+
+Registers per thread (nvcc 13.0, sm_90 and sm_80, ``benchmarks/investigations/nvcc_prefill.py``): 130-134 at
+head_dim 64, 170-174 at 128, 211-216 at 256, no spills: two or three blocks of 128 threads per SM. Not yet run on a
+GPU: parity is ``tests/test_prefill_kernel_gpu.py``'s, speed the GPU session's of issue #51.
+
+Precision: scores and the output accumulate in float32; the probabilities are rounded to the inputs' dtype for
+the values' product (FlashAttention's numerics: bfloat16 probabilities carry 8 significant bits). The output is
+divided by its normaliser in float32 and rounded once. :func:`reference_attend` is the float32 reference.
+
+Inputs are read as row-contiguous arrays (MLX copies others before the launch) with 16-byte ``cp.async`` copies,
+so each array's data must start on 16 bytes (MLX's allocations do; a view whose offset is not a multiple of 8
+elements would not). No sequence split: a launch has ``B * H_kv * D / VALUE_SLICE[D]`` times ``ceil(n_rep * T_q /
+64)`` blocks, so a very short chunk over few KV heads leaves most of a GPU idle (decode has its own kernels).
+"""
+
+from __future__ import annotations
+
+import attrs
+import mlx.core as mx
+import numpy as np
+
+from .dialect import float_bits, gpu_backend
+from .kernel_files import KERNELS, load
+
+#: The kernel and its header (kernel files in ``kvq_metal/kernels``).
+PREFILL_ATTEND_TC = load(KERNELS / "prefill_attend_tc.cu", header=KERNELS / "prefill_attend_tc.cuh")
+INPUTS = ("q", "k", "v", "iv", "sink")
+OUTPUTS = ("out", "lse")
+
+#: Rows (query rows x query heads of a GQA group) per thread block: 4 warps of 16 rows.
+BLOCK_ROWS = 64
+#: Key columns per tile, by head_dim: the K and V tiles (``columns * (head_dim + value slice) * 2`` bytes: 16 KB at
+#: 64, 32 KB at 128, 24 KB at 256) fit the 48 KB of static shared memory an MLX custom kernel may declare.
+TILE_COLUMNS = {64: 64, 128: 64, 256: 32}
+#: Value coordinates per block, by head_dim (at 256 two blocks write 128 each: the module docstring).
+VALUE_SLICE = {64: 64, 128: 128, 256: 128}
+#: Most intervals per row.
+MAX_INTERVALS = 4
+#: The dtypes of queries, keys and values the kernel reads.
+DTYPES = (mx.float16, mx.bfloat16)
+#: Static shared memory a CUDA thread block may declare, bytes.
+STATIC_SHARED_BYTES = 48 * 1024
+
+
+def supported(head_dim: int, value_dim: int, dtype: mx.Dtype, num_intervals: int = 1) -> bool:
+    """Whether the kernel serves this shape: ``head_dim`` a key of :data:`TILE_COLUMNS` (64, 128 or 256),
+    ``value_dim == head_dim``, ``dtype`` float16 or bfloat16, ``1 <= num_intervals <= MAX_INTERVALS``."""
+    return (head_dim in TILE_COLUMNS and value_dim == head_dim and dtype in DTYPES
+            and 1 <= num_intervals <= MAX_INTERVALS)
+
+
+@attrs.frozen
+class Launch:
+    """One launch of the kernel (:func:`launch_plan`).
+
+    :param template: the kernel's template arguments (the inputs' dtypes are appended when it is called).
+    :param grid: threads per axis, as MLX takes them: ``(blocks * threads, B * H_kv, value slices)``.
+    :param threadgroup: ``(threads, 1, 1)``.
+    :param output_shapes, output_dtypes: of ``out`` and ``lse``.
+    :param shared_bytes: the static shared memory the kernel declares per block for this template.
+    """
+
+    template: tuple
+    grid: tuple[int, int, int]
+    threadgroup: tuple[int, int, int]
+    output_shapes: tuple
+    output_dtypes: tuple
+    shared_bytes: int
+
+
+def launch_plan(queries_shape: tuple, keys_shape: tuple, dtype: mx.Dtype, num_intervals: int, scale: float,
+                sinks: bool) -> Launch:
+    """The launch of :func:`prefill_attend` for queries ``[B, H_q, T_q, D]`` and keys ``[B, H_kv, N, D]`` of
+    ``dtype``, ``num_intervals`` intervals per row, softmax ``scale``, with or without sink logits (``sinks``). The
+    arguments are assumed checked (:func:`check_inputs`).
+
+    Template: ``D`` (head_dim), ``DV`` (value coordinates per block, :data:`VALUE_SLICE`), ``BC`` (columns per
+    tile), ``BR`` (rows per block), ``P`` (intervals per row), ``SINK``, ``BF16`` (bfloat16 rather than float16
+    mma), ``SCALE`` (the scale's float32 bits, :func:`kvq_metal.dialect.float_bits`: one compiled kernel per
+    model's scale, no per-call scalar array)."""
+    B, Hq, Tq, D = queries_shape
+    Hkv = keys_shape[1]
+    BC, BR, DV = TILE_COLUMNS[D], BLOCK_ROWS, VALUE_SLICE[D]
+    threads = 2 * BR  # one warp per 16 rows
+    rows = Hq // Hkv * Tq  # of a (batch, KV head) group: its query heads' rows
+    blocks = -(-rows // BR)
+    template = (("D", D), ("DV", DV), ("BC", BC), ("BR", BR), ("P", num_intervals), ("SINK", bool(sinks)),
+                ("BF16", dtype == mx.bfloat16), ("SCALE", float_bits(scale)))
+    # K and V tiles (16-bit), the block's rows' intervals and their union (int32 pairs)
+    shared = BC * (D + DV) * 2 + 8 * num_intervals * (BR + 1)
+    return Launch(template, (blocks * threads, B * Hkv, D // DV), (threads, 1, 1), ((B, Hq, Tq, D), (B, Hq, Tq)),
+                  (dtype, mx.float32), shared)
+
+
+def check_inputs(queries, keys, values, intervals, scale, sink_logits=None) -> tuple[mx.array, mx.array | None]:
+    """Check :func:`prefill_attend`'s arguments; return ``intervals`` as an int32 MLX array and ``sink_logits`` as
+    float32 (or ``None``).
+
+    :raises TypeError: an argument of the wrong type or dtype (queries not float16 or bfloat16, keys or values not
+        the queries' dtype, intervals not int32, sink_logits not floating point, scale not a number).
+    :raises ValueError: shapes that do not fit (see :func:`prefill_attend`), a shape :func:`supported` rejects,
+        intervals not ``[T_q, P, 2]`` with ``1 <= P <= MAX_INTERVALS``, a scale that is not positive and finite
+        (its float bits name the compiled kernel).
+    """
+    for name, x in (("queries", queries), ("keys", keys), ("values", values)):
+        if not isinstance(x, mx.array):
+            raise TypeError(f"{name} must be an mlx array; got {type(x).__name__}")
+        if x.ndim != 4:
+            raise ValueError(f"{name} must be [B, heads, tokens, dim]; got shape {tuple(x.shape)}")
+    if queries.dtype not in DTYPES:
+        raise TypeError(f"queries must be float16 or bfloat16; got {queries.dtype}")
+    for name, x in (("keys", keys), ("values", values)):
+        if x.dtype != queries.dtype:
+            raise TypeError(f"{name} must have the queries' dtype {queries.dtype}; got {x.dtype}")
+    B, Hq, Tq, D = queries.shape
+    _, Hkv, N, Dk = keys.shape
+    if keys.shape[0] != B or Dk != D:
+        raise ValueError(f"keys must be [{B}, H_kv, N, {D}] for queries {tuple(queries.shape)}; got "
+                         f"{tuple(keys.shape)}")
+    if tuple(values.shape[:3]) != (B, Hkv, N):
+        raise ValueError(f"values must be [{B}, {Hkv}, {N}, D_v] for keys {tuple(keys.shape)}; got "
+                         f"{tuple(values.shape)}")
+    if Tq < 1 or N < 1:
+        raise ValueError(f"queries and keys need at least one token; got T_q {Tq}, N {N}")
+    if Hkv < 1 or Hq % Hkv:
+        raise ValueError(f"the query heads ({Hq}) must be a multiple of the key heads ({Hkv})")
+    if B * Hkv > 65535:
+        raise ValueError(f"B * H_kv must be at most 65535 (the grid's second axis); got {B * Hkv}")
+    intervals = _check_intervals(intervals, Tq)
+    if not supported(D, values.shape[3], queries.dtype, intervals.shape[1]):
+        raise ValueError(f"head_dim must be one of {sorted(TILE_COLUMNS)} with value_dim equal to it; got head_dim "
+                         f"{D}, value_dim {values.shape[3]}")
+    if not isinstance(scale, (int, float, np.floating)):
+        raise TypeError(f"scale must be a positive finite float; got {type(scale).__name__}")
+    if not (np.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite float; got {scale!r}")
+    return intervals, _check_sinks(sink_logits, Hq)
+
+
+def _check_intervals(intervals, Tq: int) -> mx.array:
+    """``intervals`` as an int32 MLX array ``[T_q, P, 2]`` (a numpy integer array is converted).
+
+    :raises TypeError, ValueError: as :func:`check_inputs`."""
+    if isinstance(intervals, np.ndarray):
+        if intervals.dtype.kind not in "iu":
+            raise TypeError(f"intervals must be int32; got numpy {intervals.dtype}")
+        intervals = mx.array(np.clip(intervals, -2**31, 2**31 - 1).astype(np.int32))
+    if not isinstance(intervals, mx.array):
+        raise TypeError(f"intervals must be an int32 mlx array [T_q, P, 2]; got {type(intervals).__name__}")
+    if intervals.dtype != mx.int32:
+        raise TypeError(f"intervals must be int32; got {intervals.dtype}")
+    if intervals.ndim != 3 or intervals.shape[0] != Tq or intervals.shape[2] != 2:
+        raise ValueError(f"intervals must be [T_q={Tq}, P, 2]; got shape {tuple(intervals.shape)}")
+    if not 1 <= intervals.shape[1] <= MAX_INTERVALS:
+        raise ValueError(f"intervals must hold 1 to {MAX_INTERVALS} intervals per row (P); got {intervals.shape[1]}")
+    return intervals
+
+
+def _check_sinks(sink_logits, Hq: int) -> mx.array | None:
+    """``sink_logits`` as float32 ``[H_q]``, or ``None``. :raises TypeError, ValueError: as :func:`check_inputs`."""
+    if sink_logits is None:
+        return None
+    if not isinstance(sink_logits, mx.array) or not mx.issubdtype(sink_logits.dtype, mx.floating):
+        raise TypeError(f"sink_logits must be a floating-point mlx array [H_q] or None; got "
+                        f"{getattr(sink_logits, 'dtype', type(sink_logits).__name__)}")
+    if tuple(sink_logits.shape) != (Hq,):
+        raise ValueError(f"sink_logits must be [H_q={Hq}]; got shape {tuple(sink_logits.shape)}")
+    return sink_logits.astype(mx.float32)
+
+
+def prefill_attend(queries: mx.array, keys: mx.array, values: mx.array, intervals, scale: float,
+                   sink_logits: mx.array | None = None, return_lse: bool = False):
+    """Attention of ``queries`` over ``keys``/``values`` where query row ``r`` sees column ``c`` iff
+    ``intervals[r, p, 0] <= c < intervals[r, p, 1]`` for some ``p`` (the same for every batch row and head), in one
+    launch of the tensor-core kernel (module docstring; FlashAttention-2, Dao 2023).
+
+    :param queries: ``[B, H_q, T_q, D]`` float16 or bfloat16.
+    :param keys: ``[B, H_kv, N, D]``, the queries' dtype; query head ``h`` reads KV head ``h // (H_q // H_kv)``.
+    :param values: ``[B, H_kv, N, D_v]``, the queries' dtype; ``D_v == D`` (:func:`supported`).
+    :param intervals: int32 ``[T_q, P, 2]``, ``1 <= P <= MAX_INTERVALS`` (an integer numpy array is converted):
+        ``[lo, hi)`` column ranges of the keys as given; an empty one (``lo >= hi``) shows nothing, and columns
+        outside ``[0, N)`` are ignored. Intervals may overlap (a column is seen once).
+    :param scale: the softmax scale applied to ``q . k`` (positive, finite).
+    :param sink_logits: ``[H_q]`` learned sink logits (gpt-oss; MLX's ``sinks=``): one unscaled logit per head that
+        joins the softmax normaliser and has no value; ``None`` for none.
+    :param return_lse: also return the log-sum-exp.
+    :return: ``out [B, H_q, T_q, D]`` in the queries' dtype; with ``return_lse`` ``(out, lse)``, ``lse`` float32
+        ``[B, H_q, T_q]``: the natural log of the normaliser ``out`` was divided by, i.e. of ``sum exp(scale q.k)``
+        over the visible columns plus ``exp(sink logit)`` where given, so ``(out, lse)`` merges with other parts by
+        log-sum-exp (:func:`kvq.attention.merge_parts`). A row that sees no column gets ``out`` 0 and ``lse`` -inf
+        (the sink logit with ``sink_logits``).
+    :raises TypeError, ValueError: bad arguments (:func:`check_inputs`; each message names the argument).
+    :raises RuntimeError: MLX's default device is not a CUDA GPU (the kernel is CUDA only).
+    """
+    intervals, sinks = check_inputs(queries, keys, values, intervals, scale, sink_logits)
+    if gpu_backend() != "cuda":
+        raise RuntimeError(f"prefill_attend runs on MLX's CUDA back end only; the default device is "
+                           f"{mx.default_device()} ({gpu_backend() or 'no GPU back end'})")
+    plan = launch_plan(tuple(queries.shape), tuple(keys.shape), queries.dtype, intervals.shape[1], scale,
+                       sinks is not None)
+    kernel = PREFILL_ATTEND_TC.kernel("cuda", INPUTS, OUTPUTS)
+    out, lse = kernel(inputs=[queries, keys, values, intervals, intervals if sinks is None else sinks],
+                      template=list(plan.template), grid=plan.grid, threadgroup=plan.threadgroup,
+                      output_shapes=list(plan.output_shapes), output_dtypes=list(plan.output_dtypes))
+    return (out, lse) if return_lse else out
+
+
+def visibility(intervals: mx.array, num_columns: int) -> mx.array:
+    """bool ``[T_q, num_columns]``: whether row ``r`` sees column ``c`` (``intervals[r, p, 0] <= c <
+    intervals[r, p, 1]`` for some ``p``; :func:`kvq.cache.parts.visible` for several intervals)."""
+    columns = mx.arange(num_columns)[None, None]
+    lo, hi = intervals[..., 0:1], intervals[..., 1:2]
+    return ((columns >= lo) & (columns < hi)).any(axis=1)
+
+
+def reference_attend(queries: mx.array, keys: mx.array, values: mx.array, intervals, scale: float,
+                     sink_logits: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    """Pure-MLX reference of :func:`prefill_attend` (same arguments), in float32: the masked scores of every head
+    materialised (``B * H_q * T_q * N`` floats: for tests).
+
+    :return: ``(out [B, H_q, T_q, D_v], lse [B, H_q, T_q])`` float32, as :func:`prefill_attend` with
+        ``return_lse`` (rows that see nothing: out 0, lse -inf or the sink logit).
+    """
+    intervals = mx.array(intervals) if isinstance(intervals, np.ndarray) else intervals
+    B, Hq, Tq, _ = queries.shape
+    rep = Hq // keys.shape[1]
+    k = mx.repeat(keys.astype(mx.float32), rep, axis=1)
+    v = mx.repeat(values.astype(mx.float32), rep, axis=1)
+    scores = (queries.astype(mx.float32) * scale) @ k.swapaxes(-1, -2)
+    scores = mx.where(visibility(intervals, keys.shape[2]), scores, -mx.inf)
+    if sink_logits is not None:
+        sink = mx.broadcast_to(sink_logits.astype(mx.float32)[None, :, None, None], (B, Hq, Tq, 1))
+        scores = mx.concatenate([sink, scores], axis=-1)
+    lse = mx.logsumexp(scores, axis=-1)
+    weights = mx.exp(scores - mx.where(lse == -mx.inf, 0.0, lse)[..., None])
+    if sink_logits is not None:
+        weights = weights[..., 1:]
+    return weights @ v, lse
