@@ -16,9 +16,11 @@ them on a GPU (``[sinks | compressed decoded | window and chunk]`` keys, the add
 - ``blocks_view``: the chunk's rows cut into blocks of ``flush`` rows that see the same compressed tokens, the
   blocks as the batch axis (keys and values broadcast over it), and the mask a strided view of one small
   ``[flush, keys + blocks * flush]`` buffer (block ``k`` reads it shifted by ``k * flush`` columns);
-- ``blocks_dense``: the same blocks with the mask written out ``[blocks, 1, flush, keys]``.
+- ``blocks_dense``: the same blocks with the mask written out ``[blocks, 1, flush, keys]``;
+- ``kernel``: kvq_metal's prefill kernel (:func:`kvq_metal.prefill.prefill_attend`, CUDA), each row's visibility
+  computed in the kernel from its column intervals (:func:`kvq.cache.prefill.column_intervals`): no mask array.
 
-Every variant's output is compared with ``full``'s (max absolute difference, in the JSON). Writes
+Every variant's output but ``causal``, ``none`` and ``row_broadcast`` is compared with ``full``'s (max absolute difference, in the JSON). Writes
 OUT_DIR/prefill_masks.json.
 """
 
@@ -35,9 +37,10 @@ from prefill_parts import _size, layer_inputs, layer_parser, layer_source, timed
 def chunk_inputs(cache, queries, k_new, v_new):
     """The keys, values and full additive mask that the cache's GPU prefill path builds for this chunk
     (:func:`kvq.cache.prefill.columns`, :func:`kvq.cache.prefill.interval_mask` over the chunk's parts,
-    :meth:`kvq.cache.KVQCache.parts`), and the per-row count of compressed tokens seen (``bounds``)."""
+    :meth:`kvq.cache.KVQCache.parts`), the per-row count of compressed tokens seen (``bounds``) and the rows'
+    column intervals (:func:`kvq.cache.prefill.column_intervals`)."""
     from kvq.cache.centring import KeyTransform
-    from kvq.cache.prefill import columns, interval_mask, last_column
+    from kvq.cache.prefill import column_intervals, columns, interval_mask, last_column
     from kvq.cache.schedule import visible
 
     dtype, Tq = queries.dtype, queries.shape[2]
@@ -49,7 +52,8 @@ def chunk_inputs(cache, queries, k_new, v_new):
     mean = KeyTransform(cache.key_mean, cache.key_scale)
     keys, values, _ = columns(parts, cache.config, mean, dtype, centre=cache.key_mean is not None)
     end = last_column(parts, 0, Tq)
-    return keys[:, :, :end], values[:, :, :end], interval_mask(parts, 0, Tq, end, dtype), bounds
+    return (keys[:, :, :end], values[:, :, :end], interval_mask(parts, 0, Tq, end, dtype), bounds,
+            mx.array(column_intervals(parts, 0, Tq)))
 
 
 def blocks_of(bounds, flush: int) -> tuple[int, int]:
@@ -108,6 +112,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from kvq.bench.fill import fill
+    from kvq_metal.prefill import prefill_attend
     from kvq.evaluation.spec import make_layer_cache, parse_method
 
     dtype, source = layer_source(args)
@@ -117,7 +122,7 @@ def main(argv=None) -> int:
         q, k_new, v_new, k_all, v_all = layer_inputs(args, source, context)
         cache = make_layer_cache(parse_method(args.method), sinks=4, window=128)
         fill([cache], source, context, C)
-        keys, values, mask, bounds = chunk_inputs(cache, q, k_new, v_new)
+        keys, values, mask, bounds, intervals = chunk_inputs(cache, q, k_new, v_new)
         mx.eval(q, k_all, v_all, keys, values, mask)
         scale = D ** -0.5
         sdpa = mx.fast.scaled_dot_product_attention
@@ -137,11 +142,12 @@ def main(argv=None) -> int:
             "row_broadcast": lambda: sdpa(q, keys, values, scale=scale, mask=mask[-1:]),
             "blocks_view": lambda: unblocked(sdpa(qb, kb, vb, scale=scale, mask=view), pad, C),
             "blocks_dense": lambda: unblocked(sdpa(qb, kb, vb, scale=scale, mask=dense), pad, C),
+            "kernel": lambda: prefill_attend(q, keys, values, intervals, scale),
         }
         for name, fn in variants.items():
             try:
                 row[f"{name}_s"] = timed(fn, args.reps)
-                if name.startswith("blocks") or name == "full":
+                if name.startswith("blocks") or name in ("full", "kernel"):
                     diff = mx.abs(fn().astype(mx.float32) - reference.astype(mx.float32)).max().item()
                     row[f"{name}_max_abs_diff"] = diff
             except Exception as exc:  # a layout MLX or cuDNN refuses: say so and go on

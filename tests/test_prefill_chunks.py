@@ -158,7 +158,7 @@ def test_interval_mask_is_the_visibility_rule(start_q, n_sinks, n_compressed, co
     the row, a compressed token among the row's first ``bound``, a dense token from ``n_sinks + bound`` up to the
     row's own position; with and without a user mask."""
     from kvq.cache.parts import Part, causal
-    from kvq.cache.prefill import interval_mask
+    from kvq.cache.prefill import column_intervals, interval_mask
 
     rows = r1
     bounds = np.minimum(n_compressed, compressed_before + np.maximum(0, (np.arange(rows) + 1 - 10) // flush * flush))
@@ -190,6 +190,13 @@ def test_interval_mask_is_the_visibility_rule(start_q, n_sinks, n_compressed, co
     mask = np.array(interval_mask(parts, r0, r1, end, mx.float16))
     assert mask.shape == expected.shape
     np.testing.assert_array_equal(mask, np.where(expected, 0.0, low))
+    # the same rule as per-row column intervals, the form a prefill kernel reads (kvq_metal.prefill)
+    intervals = column_intervals(parts, r0, r1)
+    seen = np.zeros_like(expected)
+    for r in range(r1 - r0):
+        for lo, hi in intervals[r]:
+            seen[r, lo:hi] = True
+    np.testing.assert_array_equal(seen, expected)
     # a user mask (batch padding: the first 3 positions hidden) is applied on top, per key position
     user = mx.array(np.arange(start_q + rows + 1)[None] >= 3)[None]  # [1, 1, all positions]
     cols = mx.array(positions)

@@ -90,6 +90,26 @@ def interval_mask(parts: list, r0: int, r1: int, end: int, dtype: mx.Dtype, user
     return mask
 
 
+def column_intervals(parts: list, r0: int, r1: int) -> np.ndarray:
+    """Each of rows ``r0 .. r1``'s visible columns of ``parts`` laid side by side, as one ``[lo, hi)`` interval per
+    part: int32 ``[r1 - r0, len(parts), 2]`` (an empty interval where a row sees none of a part). The same rule as
+    :func:`interval_mask` (:func:`kvq.cache.parts.visible` per part), in the form a kernel that computes
+    visibility itself reads (:func:`kvq_metal.prefill.prefill_attend`'s ``intervals``).
+
+    :param parts: contiguous :class:`kvq.cache.parts.Part` objects (an int ``index``), in order.
+    """
+    out = np.zeros((r1 - r0, len(parts), 2), np.int32)
+    first = 0
+    for p, part in enumerate(parts):
+        if part.lo is None:
+            out[:, p] = (first, first + part.size)
+        else:
+            out[:, p, 0] = first + np.clip(part.lo[r0:r1] - part.index, 0, part.size)
+            out[:, p, 1] = first + np.clip(part.hi[r0:r1] - part.index, 0, part.size)
+        first += part.size
+    return out
+
+
 def attend_dequantized(queries: mx.array, scale: float, parts: list, config, transform, user_mask=None,
                        sink_logits=None) -> mx.array:
     """A chunk's attention over ``parts`` (:class:`kvq.cache.parts.Part`: contiguous, in order; the compressed one
