@@ -19,7 +19,9 @@
 #        durations-batch (GPU time per call at 122 sequences of 32K: the capacity shape), ncu-source (ncu --set full of
 #        the bound turboquant-3 step at 4K and 128K, its SASS source counters summarised by
 #        benchmarks/ncu_source_summary.py), suite4 (every gpu test and the attention engine's tests on the GPU, 4 groups),
-#        records (record_outputs before/after a refactor, kernels on), stepcost (cache_step_cost before/after, twice)
+#        records (record_outputs before/after a refactor, kernels on), stepcost (cache_step_cost before/after, twice),
+#        prefill-kernel (#51: the prefill kernel's GPU parity tests, then its time beside MLX's masked and causal
+#        attention at 8K and 32K, benchmarks/prefill_masks.py, and the per-layer chunk breakdown, prefill_parts.py)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -164,5 +166,15 @@ for name, fn in [("quantize", lambda: k.kvq_quantize(x, p).data["codes"]),
                   python3 benchmarks/ncu_source_summary.py "/tmp/ncu$ctx.csv" > "$OUT/ncu-source-$ctx.txt" 2>&1
                   grep -E "Duration|Elapsed Cycles|SM Active Cycles" "$OUT/ncu-details-$ctx.txt"
                 done;;
+    prefill-kernel) MLX_ENABLE_TF32=0 timeout 300 python3 -m pytest tests/test_prefill_kernel_gpu.py -q --tb=short \
+                      -p no:cacheprovider > "$OUT/prefill_kernel_tests.log" 2>&1; tail -c 2500 "$OUT/prefill_kernel_tests.log"
+                    for rep in 1 2; do
+                      (cd benchmarks && timeout 240 python3 prefill_masks.py "$OUT/masks$rep" --contexts 8K,32K --reps 10 \
+                        > "$OUT/prefill_masks$rep.log" 2>&1)
+                      python3 -c 'import json,sys; [print({k: (round(v * 1e3, 3) if k.endswith("_s") else v) for k, v in r.items()}) for r in json.load(open(sys.argv[1]))["rows"]]' \
+                        "$OUT/masks$rep/prefill_masks.json" 2>/dev/null || tail -c 1500 "$OUT/prefill_masks$rep.log"
+                    done
+                    (cd benchmarks && timeout 240 python3 prefill_parts.py "$OUT/parts" --contexts 8K,32K \
+                      > "$OUT/prefill_parts.log" 2>&1); tail -c 2500 "$OUT/prefill_parts.log";;
   esac
 done
