@@ -1,6 +1,9 @@
 """``kvq generate``: generate text with a real model and a compressed KV cache, and say what it cost.
 
-    kvq generate --method turboquant --bits 3 --prompt "Why is the sky blue?" --compare kvcache
+    kvq generate --method turboquant --bits 3 --prompt "Why is the sky blue?" --compare kvcache --window 16 --flush 16
+
+A short chat compresses only with a small window and flush, as here: the defaults (4 sinks, window 128, flush 128)
+leave a conversation's first 259 tokens uncompressed.
 
 Streams the generated text (``mlx_lm.stream_generate`` with a cache from ``kvq.make_prompt_cache``), then prints
 prompt and generation tokens/s, the KV bytes resident for the compressed cache and for the reference, mlx-lm's
