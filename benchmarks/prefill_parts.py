@@ -85,6 +85,16 @@ def layer_inputs(args, source, context: int):
     return q, k_new, v_new, k_all, v_all
 
 
+def filled_copies(cache, n: int) -> list:
+    """``n`` copies of a filled cache, evaluated: each repetition updates its own, made before its clock starts (the
+    copy is the benchmark's, not the chunk's: a prefill updates the one cache it has)."""
+    from kvq.bench.fill import cache_arrays
+
+    copies = [copy.deepcopy(cache) for _ in range(n)]
+    mx.eval([cache_arrays(c) for c in copies])
+    return copies
+
+
 def main(argv=None) -> int:
     ap = layer_parser(__doc__, "8K,32K")
     ap.add_argument("--methods", default="turboquant:3,turboquant:4,affine:4")
@@ -118,10 +128,7 @@ def main(argv=None) -> int:
                                                            cache.compressed_keys.view(), dtype),
                                                 dequantize(cache.config, cache.config.value_params,
                                                            cache.compressed_values.view(), dtype)], args.reps)
-            # each repetition works on its own copy of the filled cache, made before the clock starts (the copy is
-            # the benchmark's, not the chunk's: a prefill updates the one cache it has)
-            copies = [copy.deepcopy(cache) for _ in range(2 * args.reps + 1)]
-            mx.eval([cache_arrays(c) for c in copies])
+            copies = filled_copies(cache, 2 * args.reps + 1)  # timed's warm-up and reps, then the builds
 
             def chunk():
                 c = copies.pop()
@@ -137,8 +144,7 @@ def main(argv=None) -> int:
                 builds.append(time.perf_counter() - tic)
                 mx.eval(built)
             row["chunk_build_s"] = statistics.median(builds)
-            copies = [copy.deepcopy(cache) for _ in range(args.reps + 1)]
-            mx.eval([cache_arrays(c) for c in copies])
+            copies = filled_copies(cache, args.reps + 1)
 
             def update_only():
                 c = copies.pop()

@@ -176,12 +176,11 @@ def test_generate_takes_eval_method_strings(tiny_gguf, cache, capsys):
 def test_generate_names_kvqs_16_bit_cache_as_eval_does_and_sends_the_reference_to_compare():
     """``kvq eval`` writes kvq's 16-bit cache ``kvq-fp16`` (``fp16`` there is the reference's older name); generate
     takes that string too, as kvq's ``fp16`` method, and ``--method kvcache`` says where the reference goes."""
+    from kvq.cache import make_config
     from kvq.cli.generate_cmd import build_parser, cache_options
 
     def options(*argv):
         return cache_options(build_parser().parse_args([*argv, "--prompt", "hi"]))
-
-    from kvq.cache import make_config
 
     for method in ("kvq-fp16", "fp16"):
         config = make_config(**options("--method", method, "--window", "16"))

@@ -139,21 +139,23 @@ def channel_concentration(keys: mx.array) -> float:
     ``1 / D`` when the varying energy is spread evenly; 1 when it is all in one channel."""
     if keys.shape[2] == 0:
         return 0.0
-    centred = _finite32(keys) - key_mean(keys)
+    centred = _varying(keys)
     per_channel = mx.sum(centred * centred, axis=(0, 2))  # [H_kv, D]
     share = mx.max(per_channel, axis=-1) / mx.maximum(mx.sum(per_channel, axis=-1), 1e-30)
     return float(mx.max(share))
+
+
+def _varying(keys: mx.array) -> mx.array:
+    """How ``keys`` ``[B, H_kv, T, D]`` vary: float32, less their per-channel mean over the block (:func:`key_mean`;
+    non-finite values as 0). The outlier and scale checks read this, not the offsets."""
+    return _finite32(keys) - key_mean(keys)
 
 
 def channel_spread(keys: mx.array) -> mx.array:
     """How unequal the energy of ``keys`` ``[B, H_kv, T, D]`` is over channels, per row and head: ``D * sum_c E_c /
     (sum_c sqrt(E_c))^2``, ``E_c`` a channel's mean square over tokens (float32 ``[B, H_kv, 1, 1]``; non-finite
     values as 0). 1 where every channel holds the same energy, ``D`` where one holds it all."""
-    return _spread(_channel_energy(keys))
-
-
-def _spread(energy: mx.array) -> mx.array:
-    """:func:`channel_spread` of per-channel energies ``[B, H_kv, 1, D]``."""
+    energy = _channel_energy(keys)
     root = mx.sum(mx.sqrt(energy), axis=-1, keepdims=True)
     return energy.shape[-1] * mx.sum(energy, axis=-1, keepdims=True) / mx.maximum(root * root, 1e-30)
 
@@ -177,7 +179,7 @@ def key_scales(keys: mx.array) -> mx.array | None:
     energy = _channel_energy(keys)
     root = mx.power(energy, 0.25)
     root = root / mx.exp(mx.mean(mx.log(root), axis=-1, keepdims=True))
-    spread = channel_spread(_finite32(keys) - key_mean(keys)) >= SCALE_SPREAD_LIMIT  # how the keys vary
+    spread = channel_spread(_varying(keys)) >= SCALE_SPREAD_LIMIT
     if not bool(mx.any(spread)):
         return None
     return mx.where(spread, mx.power(2.0, mx.round(mx.log2(root))), 1.0).astype(mx.float32)
