@@ -320,7 +320,9 @@ class KVQHandler(server.APIHandler):
         """``GET /kvq/memory``: once no request is in flight (up to a minute; else 409 ``busy``), the prompt cache is
         cleared and MLX's buffer cache emptied; answers ``active_memory`` (bytes of MLX arrays alive in the server
         then: the model, and whatever requests left behind), ``peak_memory``, ``prompt_cache_cleared`` (entries) and
-        ``prompt_cache_bytes`` (what they held).
+        ``prompt_cache_bytes`` (what they held). mlx-lm's generation thread keeps referencing the rows that
+        finished in its last step (its loop's variables) until it takes the next request: answer one fixed short
+        request before probing to make that part the same from probe to probe.
 
         :raises RequestError: requests still in flight after a minute.
         """
