@@ -236,3 +236,57 @@ def test_a_copy_of_a_packed_batch_is_independent():
     for got, want in decode((twin, plain_twin), 5, seed=70):
         assert mx.allclose(got, want, **TOL).item()
     assert packed.offset.tolist() == [18, 19, 22] and twin.offset.tolist() == [20, 21, 24]
+
+
+def reading_binding(impl, binds: list):
+    """A ``bind_ragged_dense`` for ``impl`` (pure MLX) that behaves as a kernel's bound step: each call reads the
+    compressed-token arrays it was bound with, as they are then, up to each row's counts in ``lengths`` (as the
+    ragged kernel does); ``binds`` gets each binding's capacity (compressed tokens per row)."""
+    from kvq.attention import dense_attend, merge_parts
+    from kvq.encoded import Encoded
+
+    def bind(queries, keys, values, scale, sink_keys, sink_values, window_keys, window_values):
+        binds.append(keys.num_tokens)
+
+        def row(encoded, b, n):
+            return Encoded(encoded.params, {k: v[b : b + 1, :, :n] for k, v in encoded.data.items()}, encoded.head_dim)
+
+        def step(q, wk, wv, lengths):
+            outs = []
+            for b, (c, w) in enumerate(lengths.tolist()):
+                qb = q[b : b + 1]
+                parts = [dense_attend(qb, wk[b : b + 1, :, :w], wv[b : b + 1, :, :w], scale)]
+                if c:
+                    parts.append(impl.kvq_attend(qb, row(keys, b, c), row(values, b, c), scale, None))
+                if sink_keys is not None:
+                    parts.append(dense_attend(qb, sink_keys[b : b + 1], sink_values[b : b + 1], scale))
+                outs.append(merge_parts(parts)[0])
+            return mx.concatenate(outs).astype(q.dtype)
+
+        return step
+
+    return bind
+
+
+@pytest.mark.parametrize("method", ["affine", "turboquant"])
+def test_the_ragged_step_stays_bound_across_flushes(method, monkeypatch):
+    """Issue #52: a flush writes the flushed rows' codes into the packed arrays in place, so the bound ragged step
+    (which reads those arrays at each call) is kept: the rows bind again only where the arrays are replaced (the
+    capacity grows). Rows of different lengths flush at different steps (most steps have one); every step's
+    attention equals the unpacked batch's."""
+    from kvq.plugins import registry
+
+    binds = []
+    monkeypatch.setattr(registry().implementations[(method, "mlx")], "bind_ragged_dense",
+                        reading_binding(registry().implementations[(method, "mlx")], binds), raising=False)
+    packed, plain = batch_pair(config(method), (9, 14, 22))
+    compressed, capacities = [], []
+    for t in range(24):
+        [(got, want)] = decode((packed, plain), 1, seed=7 + 3 * t)
+        assert mx.allclose(got, want, **TOL).item(), t
+        compressed.append(list(packed._packed.compressed))
+        capacities.append(packed._packed.capacity)
+    flushes = sum(a != b for before, after in zip(compressed, compressed[1:]) for a, b in zip(before, after))
+    grown = sorted(set(capacities))
+    assert flushes >= 12 and len(grown) >= 2  # flushes at most steps, and at least one growth of the arrays
+    assert binds == grown  # bound at the first step, then once per growth: never for a flush

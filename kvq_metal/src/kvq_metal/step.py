@@ -68,7 +68,9 @@ class DecodeStep:
     """One layer's decode attention, bound once and launched each step (:class:`kvq.contract.BindsDense`,
     :class:`kvq.contract.BindsRaggedDense`). Everything but the queries and the window is fixed at binding (the
     compressed tokens and their count, the sinks, the scale, the queries' shape and dtype, the window's dtype); a
-    cache binds again when any of them changes, and the steps of one binding run in order.
+    cache binds again when any of them changes, and the steps of one binding run in order. The code arrays are
+    passed to each launch as the objects bound, so a ragged step reads what a batch has written into them in place
+    since (its flushes; their counts come with each step).
 
     Call it as ``step(queries, window_keys, window_values, *extra) -> out``: ``queries [B, H_q, T_q, D]`` of the
     bound shape and dtype, the window ``[B, H_kv, n, D]`` (``n >= 1``, the bound dtype), ``extra`` the inputs a

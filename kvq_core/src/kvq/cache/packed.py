@@ -184,32 +184,41 @@ class PackedRows:
             raise ValueError(f"keys {tuple(keys.shape)} / values {tuple(values.shape)}: packed rows take one token "
                              f"per row, [{B}, {H}, 1, {Dk}] / [{B}, {H}, 1, {Dv}] of one dtype")
         full = self.window_keys.shape[2]
-        first = [b for b, n in enumerate(self.window_lengths) if n >= full and not self.compressed[b]]
-        if first:
-            unpacked = self._first_compressions(first, keys, values)
-            if unpacked is not None:
-                return unpacked, set(first)
+        done = set()
+        if max(self.window_lengths) >= full:  # some row's window is full (else no per-row scan: issue #52)
+            first = [b for b, n in enumerate(self.window_lengths) if n >= full and not self.compressed[b]]
+            if first:
+                unpacked = self._first_compressions(first, keys, values)
+                if unpacked is not None:
+                    return unpacked, set(first)
+            done = set(first)
+            flushing = [b for b, n in enumerate(self.window_lengths) if n >= full and b not in done]
+            if flushing:
+                self._flush_rows(flushing)
         if keys.dtype != self.window_keys.dtype:
             keys, values = keys.astype(self.window_keys.dtype), values.astype(self.window_values.dtype)
-        done = set(first)
-        flushing = [b for b, n in enumerate(self.window_lengths) if n >= full and b not in done]
-        if flushing:
-            self._flush_rows(flushing)
         lengths = self.window_lengths
         n = lengths[0]
         if not done and all(m == n for m in lengths):
             self.window_keys[:, :, n : n + 1] = keys
             self.window_values[:, :, n : n + 1] = values
+        elif not done:  # each row's token at its own window count, read on the device (no per-row host list)
+            rows, slots = mx.arange(B), self.lengths()[:, 1]
+            self.window_keys[rows, :, slots] = keys[:, :, 0]
+            self.window_values[rows, :, slots] = values[:, :, 0]
         elif len(done) < B:  # every row in done (each made its first compression this step): nothing to write
             rest = [b for b in range(B) if b not in done]
             rows, slots = mx.array(rest), mx.array([lengths[b] for b in rest])
-            k, v = (keys, values) if not done else (mx.take(keys, rows, axis=0), mx.take(values, rows, axis=0))
-            self.window_keys[rows, :, slots] = k[:, :, 0]
-            self.window_values[rows, :, slots] = v[:, :, 0]
-        for b in range(B):
-            if b not in done:
-                self.window_lengths[b] += 1
-                self.offsets[b] += 1
+            self.window_keys[rows, :, slots] = mx.take(keys, rows, axis=0)[:, :, 0]
+            self.window_values[rows, :, slots] = mx.take(values, rows, axis=0)[:, :, 0]
+        if not done:
+            self.window_lengths = [m + 1 for m in lengths]
+            self.offsets = [m + 1 for m in self.offsets]
+        else:
+            for b in range(B):
+                if b not in done:
+                    self.window_lengths[b] += 1
+                    self.offsets[b] += 1
         # the per-row counts on the device, advanced by one device operation each (rebuilt after a flush)
         if self._lengths is not None:
             self._lengths = self._lengths + _NEXT_WINDOW_TOKEN
@@ -304,11 +313,19 @@ class PackedRows:
         for b in rows:
             self.compressed[b] += f
             self.window_lengths[b] = full - f
-        self._bound = self._lengths = None
+        # the bound step keeps reading the code arrays it holds (written in place above; :meth:`_grow` replaces
+        # them and binds again); the counts on the device move by (+flush, -flush) for these rows
+        if self._lengths is not None:
+            delta = mx.array([[f, -f]], dtype=mx.int32)
+            self._lengths = self._lengths + delta if every else self._lengths.at[index].add(delta)
 
     def _encoded(self, side: int, tokens: int) -> Encoded:
-        return Encoded(self.params[side], {k: v[:, :, :tokens] for k, v in self.sides[side].items()},
-                       self.head_dims[side])
+        """The rows' compressed tokens of ``side`` (0 keys, 1 values) up to ``tokens``; at the capacity, the
+        stored arrays themselves (what a bound step holds: a flush writes into them in place)."""
+        data = self.sides[side]
+        if tokens != self.capacity:
+            data = {k: v[:, :, :tokens] for k, v in data.items()}
+        return Encoded(self.params[side], dict(data), self.head_dims[side])
 
     def lengths(self) -> mx.array:
         """int32 ``[B, 2]``: each row's compressed and window token counts (on the device: made from the counts
