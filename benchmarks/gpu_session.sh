@@ -21,7 +21,10 @@
 #        benchmarks/ncu_source_summary.py), suite4 (every gpu test and the attention engine's tests on the GPU, 4 groups),
 #        records (record_outputs before/after a refactor, kernels on), stepcost (cache_step_cost before/after, twice),
 #        prefill-kernel (#51: the prefill kernel's GPU parity tests, then its time beside MLX's masked and causal
-#        attention at 8K and 32K, benchmarks/prefill_masks.py, and the per-layer chunk breakdown, prefill_parts.py)
+#        attention at 8K and 32K, benchmarks/prefill_masks.py, and the per-layer chunk breakdown, prefill_parts.py),
+#        prefill-wired (#51: kvq bench prefill on random:llama3-8b, bfloat16, 8K and 32K, fp16 in the same run, with
+#        the prefill kernel on (benchmarks/knobs.py --prefill '{"tc": true}') and off, each an untimed warm-up and
+#        two timed repetitions)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -176,5 +179,12 @@ for name, fn in [("quantize", lambda: k.kvq_quantize(x, p).data["codes"]),
                     done
                     (cd benchmarks && timeout 240 python3 prefill_parts.py "$OUT/parts" --contexts 8K,32K \
                       > "$OUT/prefill_parts.log" 2>&1); tail -c 2500 "$OUT/prefill_parts.log";;
+    prefill-wired) for tc in true false; do
+                     MLX_ENABLE_TF32=0 timeout 280 python3 benchmarks/knobs.py --prefill "{\"tc\": $tc}" -- bench prefill \
+                       --model random:llama3-8b --dtype bfloat16 --contexts 8K,32K --reps 3 \
+                       --methods kvcache,turboquant:3,turboquant:4,affine:4 --out "$OUT/prefill" --name "prefill-tc-$tc" \
+                       --no-progress --no-plot > "$OUT/prefill_tc_$tc.log" 2>&1
+                     tail -c 2500 "$OUT/prefill_tc_$tc.log"
+                   done;;
   esac
 done

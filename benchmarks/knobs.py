@@ -24,20 +24,22 @@ import attrs
 
 
 @contextmanager
-def tuned(attend: dict | None = None, streams: dict | None = None) -> Iterator[None]:
-    """Run the block with ``attend`` knobs (:class:`kvq_metal.knobs.AttendKnobs` fields) and ``streams`` knobs
-    (:class:`kvq_metal.knobs.StreamsKnobs` fields) over the current ones; both put back afterwards.
+def tuned(attend: dict | None = None, streams: dict | None = None, prefill: dict | None = None) -> Iterator[None]:
+    """Run the block with ``attend`` knobs (:class:`kvq_metal.knobs.AttendKnobs` fields), ``streams`` knobs
+    (:class:`kvq_metal.knobs.StreamsKnobs` fields) and ``prefill`` knobs (:class:`kvq_metal.knobs.PrefillKnobs`)
+    over the current ones; all put back afterwards.
 
     :raises TypeError: a knob the family does not have."""
-    from kvq_metal import attend as attend_module, streams as streams_module
+    from kvq_metal import attend as attend_module, prefill as prefill_module, streams as streams_module
 
-    saved = attend_module.TUNING, streams_module.TUNING
+    saved = attend_module.TUNING, streams_module.TUNING, prefill_module.TUNING
     try:
         attend_module.TUNING = attrs.evolve(saved[0], **(attend or {}))
         streams_module.TUNING = attrs.evolve(saved[1], **(streams or {}))
+        prefill_module.TUNING = attrs.evolve(saved[2], **(prefill or {}))
         yield
     finally:
-        attend_module.TUNING, streams_module.TUNING = saved
+        attend_module.TUNING, streams_module.TUNING, prefill_module.TUNING = saved
 
 
 def knobs_arg(text: str) -> dict:
@@ -48,3 +50,26 @@ def knobs_arg(text: str) -> dict:
     if not isinstance(value, dict):
         raise ValueError(f"knob overrides must be a JSON object; got {text!r}")
     return value
+
+
+def main() -> int:
+    """``python benchmarks/knobs.py [--attend JSON] [--streams JSON] [--prefill JSON] -- KVQ ARGS...``: the ``kvq``
+    command ``KVQ ARGS`` run inside :func:`tuned` (``-- bench prefill --model random:llama3-8b`` with ``--prefill
+    '{"tc": true}'``: the prefill kernel on)."""
+    import argparse
+    import sys
+
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    p = argparse.ArgumentParser(description=main.__doc__.split("\n")[0])
+    for family in ("attend", "streams", "prefill"):
+        p.add_argument(f"--{family}", type=knobs_arg, default=None, help=f"{family} knob overrides (JSON object)")
+    args = p.parse_args(argv[:cut])
+    from kvq.cli import main as kvq_main
+
+    with tuned(attend=args.attend, streams=args.streams, prefill=args.prefill):
+        return kvq_main(argv[cut + 1:])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

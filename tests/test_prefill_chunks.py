@@ -250,3 +250,63 @@ def test_a_mask_array_needs_every_part_to_say_where_it_sits():
     with pytest.raises(ValueError, match="user_mask: every part"):
         engine.attend(mx.zeros((1, 1, 1, 8)), 1.0, [part], make_config("affine", bits=4), KeyTransform(),
                       user_mask=mx.ones((1, 1, 1, 4), mx.bool_))
+
+
+class ColumnsAttention:
+    """A stand-in :class:`kvq.contract.AttendsColumns` hook: kvq_metal's float32 reference of the prefill kernel
+    (:func:`kvq_metal.prefill.reference_attend`, pure MLX) in the queries' dtype, or ``None`` (not served) when
+    ``serve`` is false; ``calls`` counts the calls, ``widths`` the intervals per row each got."""
+
+    def __init__(self, serve: bool = True):
+        self.serve, self.calls, self.widths = serve, 0, set()
+
+    def __call__(self, queries, keys, values, intervals, scale, sink_logits=None):
+        from kvq_metal.prefill import reference_attend
+
+        self.calls += 1
+        self.widths.add(intervals.shape[1])
+        assert intervals.dtype == mx.int32 and intervals.shape[0] == queries.shape[2]
+        if not self.serve:
+            return None
+        return reference_attend(queries, keys, values, intervals, scale, sink_logits)[0].astype(queries.dtype)
+
+
+@pytest.mark.parametrize("label", ["affine:4", "turboquant:4", "turboquant:3.5"])
+@pytest.mark.parametrize("serve", [True, False])
+def test_a_columns_kernel_sees_what_token_by_token_sees(model32, label, serve, monkeypatch):
+    """Issue #51: where the implementation that decodes the layer's keys attends columns itself
+    (:class:`kvq.contract.AttendsColumns`, kvq_metal's prefill kernel on CUDA), the GPU's prefill path (forced on
+    the CPU) hands it the chunk's columns and each row's intervals (sinks, compressed, dense: 2 or 3 per row) and
+    no mask: KL to the token-by-token run < 1e-4 for chunks of 16, 100 and the whole prompt. A hook that does not
+    serve (``None``) leaves the masked attention to do it, with the same result."""
+    from kvq.plugins import registry
+
+    reference = run(model32, label, 1)
+    monkeypatch.setattr(KVQCache, "_prefill_on_device", lambda self, queries: self.compressed_keys.length > 0)
+    hook = ColumnsAttention(serve)
+    method = label.partition(":")[0]
+    monkeypatch.setattr(registry().implementations[(method, "mlx")], "attend_columns", hook, raising=False)
+    for chunk in (16, 100, PROMPT.shape[1]):
+        assert mean_kl(reference, run(model32, label, chunk)) < 1e-4, chunk
+    assert hook.calls >= 8 and hook.widths == {3}  # sinks, compressed, dense
+
+
+def test_the_prefill_kernel_serves_nothing_off_cuda_or_with_its_knob_off(monkeypatch):
+    """kvq_metal's implementations offer :class:`kvq.contract.AttendsColumns` on their CUDA object only, and it
+    serves only on a CUDA device with :data:`kvq_metal.prefill.TUNING` ``tc`` on: here (no CUDA device) it returns
+    ``None`` with the knob off and on, and the Metal object's too."""
+    import attrs
+    from kvq.contract import AttendsColumns, optional_hook
+    from kvq.plugins import registry
+    from kvq_metal import gpu_backend, prefill
+
+    q = mx.random.normal((1, 4, 8, 64)).astype(mx.float16)
+    kv = mx.random.normal((1, 2, 12, 64)).astype(mx.float16)
+    intervals = mx.array(np.tile(np.array([[[0, 12]]], np.int32), (8, 1, 1)))
+    for tc in (False, True):
+        monkeypatch.setattr(prefill, "TUNING", attrs.evolve(prefill.TUNING, tc=tc))
+        for backend in ("cuda", "metal"):
+            hook = optional_hook(registry().implementations[("turboquant", backend)], AttendsColumns)
+            assert hook is not None
+            if gpu_backend() != "cuda" or backend == "metal":
+                assert hook(q, kv, kv, intervals, 0.125) is None, (tc, backend)

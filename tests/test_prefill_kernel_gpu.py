@@ -169,3 +169,41 @@ def test_agrees_with_mlx_attention_with_a_mask():
     mask = mx.where(seen, mx.array(0, mx.float16), mx.array(mx.finfo(mx.float16).min, mx.float16))
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.1, mask=mask)
     assert _rel(prefill.prefill_attend(q, k, v, iv, 0.1), want) < 2e-3
+
+
+@pytest.mark.parametrize("label", ["turboquant:4", "turboquant:3", "affine:4"])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_a_cache_prefill_through_the_kernel_matches_the_masked_path(label, dtype, monkeypatch):
+    """Wired (issue #51): with :data:`kvq_metal.prefill.TUNING` ``tc`` on, a kvq cache's chunked prefill on the GPU
+    runs the kernel (its first-use check passes and every chunk after the first compression calls it) and the
+    logits of every position stay within KL 1e-3 of the masked path's (knob off; both 16-bit attention over the
+    same decoded columns), for chunks of 16 and 100."""
+    import attrs
+    from conftest import tiny_llama
+    from kvq.evaluation.spec import make_cache, parse_method
+    from kvq_metal.base import CHECKS
+
+    model = tiny_llama(dtype=dtype)
+    prompt = mx.array([(7 * i + 3) % 256 for i in range(240)])[None]
+    calls = []
+    real = prefill.prefill_attend
+    monkeypatch.setattr(prefill, "prefill_attend", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def logits(tc: bool, chunk: int) -> np.ndarray:
+        monkeypatch.setattr(prefill, "TUNING", attrs.evolve(prefill.TUNING, tc=tc))
+        cache = make_cache(model, parse_method(label), sinks=4, window=32)
+        outs = [model(prompt[:, s : s + chunk], cache=cache)[0].astype(mx.float32) for s in range(0, 240, chunk)]
+        return np.asarray(mx.concatenate(outs, axis=0))
+
+    def kl(p, q):
+        lp = p - np.log(np.exp(p - p.max(-1, keepdims=True)).sum(-1, keepdims=True)) - p.max(-1, keepdims=True)
+        lq = q - np.log(np.exp(q - q.max(-1, keepdims=True)).sum(-1, keepdims=True)) - q.max(-1, keepdims=True)
+        return float(np.mean(np.sum(np.exp(lp) * (lp - lq), -1)))
+
+    for chunk in (16, 100):
+        before = len(calls)
+        masked, fused = logits(False, chunk), logits(True, chunk)
+        assert len(calls) > before, chunk
+        assert kl(masked, fused) < 1e-3, chunk
+    assert [passed for (_, name, _), (passed, _) in CHECKS.items() if name == "prefill_attend"] and all(
+        passed for (_, name, _), (passed, _) in CHECKS.items() if name == "prefill_attend")

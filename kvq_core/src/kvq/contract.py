@@ -223,6 +223,35 @@ class BindsRaggedDense(Protocol):
             tokens (``0 .. n`` of the window ``[B, H_kv, n, D]`` passed); each row's output is what
             :meth:`BindsDense.bind_dense`'s step gives for that row alone (up to float32 rounding). ``None`` where
             it does not serve (the cache then attends the rows' parts with masks: the same result).
+
+        Unlike a single sequence's binding, this one outlives a window flush (issue #52: a batch's rows flush at
+        different steps, most steps one of them): the batch writes the flushed rows' codes into the arrays of
+        ``keys.data`` and ``values.data`` in place (MLX slice assignment) and binds again only where it replaces
+        them (more capacity, rows taken out or added). A step must therefore read those very arrays at each call,
+        as kernel inputs, and keep nothing derived from their contents at binding.
+        """
+
+
+@runtime_checkable
+class AttendsColumns(Protocol):
+    """Optional, on an implementation of ``dequantize``: a prefill chunk's attention over the layer's columns laid
+    side by side (sinks, the compressed tokens as this implementation decoded them, the uncompressed ones), each
+    query row seeing its own column intervals, with no mask array (issue #51: MLX's attention with a mask runs
+    cuDNN's bias kernel at 1.5-1.9x causal time). :func:`kvq.cache.prefill.attend_dequantized` calls it where
+    mlx-lm passes no mask of its own, and attends with the mask where it returns ``None``.
+    """
+
+    def attend_columns(self, queries: mx.array, keys: mx.array, values: mx.array, intervals: mx.array,
+                       scale: float, sink_logits: mx.array | None = None) -> mx.array | None:
+        """:param queries: ``[B, H_q, T_q, D]`` (a centred or scaled layer's already transformed, as its keys).
+        :param keys, values: ``[B, H_kv, N, D]`` columns in the queries' dtype. :param intervals: int32 ``[T_q, P,
+        2]``: row ``r`` sees column ``c`` iff ``intervals[r, p, 0] <= c < intervals[r, p, 1]`` for some ``p``
+        (:func:`kvq.cache.prefill.column_intervals`). :param scale: the softmax scale. :param sink_logits: ``[H_q]``
+        learned sink logits joined to the softmax, or ``None``.
+
+        :return: ``[B, H_q, T_q, D_v]`` in the queries' dtype (a row that sees nothing: zeros), what
+            ``mx.fast.scaled_dot_product_attention`` gives with the intervals as an additive mask; ``None`` where it
+            does not serve.
         """
 
 
@@ -424,8 +453,8 @@ class EncodesBlocks(Protocol):
 
 
 #: The optional single-member Protocols of implementation objects (entry-point modules: :class:`ReportsSources`).
-IMPLEMENTATION_OPTIONS = (Explains, AttendsDense, BindsDense, BindsRaggedDense, PreparesQueries, ScoresKeys,
-                          WeightsValues, FinishesValues, ReportsSources)
+IMPLEMENTATION_OPTIONS = (Explains, AttendsColumns, AttendsDense, BindsDense, BindsRaggedDense, PreparesQueries,
+                          ScoresKeys, WeightsValues, FinishesValues, ReportsSources)
 #: The optional single-member Protocols of parameter objects (:class:`SideDefaults` is read from the class).
 PARAMS_OPTIONS = (SideDefaults, ChecksReady, ForLayer, ForHeads, ForHeadDim, Fits, Unfits, SpendsBudget,
                   EncodesBlocks)
@@ -451,8 +480,8 @@ def optional_hook(obj: object, protocol: type) -> Callable[..., Any] | None:
     return getattr(obj, _MEMBER[protocol], None)
 
 
-__all__ = ["AttendsDense", "Attends", "BindsDense", "BindsRaggedDense", "ChecksReady", "Dequantizes", "EntryPoint",
-           "Explains", "FinishesValues",
-           "Fits", "ForHeadDim", "ForHeads", "ForLayer", "IMPLEMENTATION_OPTIONS", "Implementation", "OP_PROTOCOLS",
-           "PARAMS_OPTIONS", "EncodesBlocks", "Packs", "Params", "PreparesQueries", "Quantizes", "ReportsSources",
-           "ScoresKeys", "SideDefaults", "SpendsBudget", "Unfits", "WeightsValues", "member_name", "optional_hook"]
+__all__ = ["AttendsColumns", "AttendsDense", "Attends", "BindsDense", "BindsRaggedDense", "ChecksReady",
+           "Dequantizes", "EntryPoint", "Explains", "FinishesValues", "Fits", "ForHeadDim", "ForHeads", "ForLayer",
+           "IMPLEMENTATION_OPTIONS", "Implementation", "OP_PROTOCOLS", "PARAMS_OPTIONS", "EncodesBlocks", "Packs",
+           "Params", "PreparesQueries", "Quantizes", "ReportsSources", "ScoresKeys", "SideDefaults", "SpendsBudget",
+           "Unfits", "WeightsValues", "member_name", "optional_hook"]

@@ -10,7 +10,8 @@ stream that decodes as ``table[code] * scale + bias`` (:mod:`kvq_metal.attend`, 
 :mod:`kvq_metal.streams_impl`). Both families bind a cache's decode into one :class:`kvq_metal.step.DecodeStep`;
 their launch knobs are frozen defaults (:mod:`kvq_metal.knobs`). A prefill chunk's attention over float16 or
 bfloat16 keys and values, each query row seeing its own column intervals (no mask array), runs on CUDA tensor cores
-in :mod:`kvq_metal.prefill` (issue #51; not yet wired into kvq's cache). Methods' plugins write their own
+in :mod:`kvq_metal.prefill` (issue #51; offered to kvq's cache as every kernel implementation's
+``attend_columns``, off by its knob until measured on a GPU). Methods' plugins write their own
 kernels on these pieces and register them themselves (``kvq_backends_turboquant.kernels``). Implementations
 are registered for both back ends; each offers itself only on its own GPU, after a first-use check against the
 pure-MLX implementation, and kvq's selection ranks it by cost against pure MLX.

@@ -15,7 +15,7 @@ from typing import Any, Callable
 from kvq.costmodel import estimate
 from kvq.plugins import registry
 
-from . import attend
+from . import attend, prefill
 from .dialect import BACKENDS, gpu_backend
 
 
@@ -148,6 +148,28 @@ class KernelImpl:
             return None
         return attend.bind_decode(queries, scale, call, self.backend, sink_keys=sink_keys, sink_values=sink_values,
                                   window_keys=window_keys, window_values=window_values, ragged=ragged)
+
+    def attend_columns(self, queries, keys, values, intervals, scale, sink_logits=None):
+        """A prefill chunk's attention over 16-bit columns, each query row seeing its own column intervals
+        (:class:`kvq.contract.AttendsColumns`, issue #51): the tensor-core prefill kernel
+        (:func:`kvq_metal.prefill.prefill_attend`) where it serves (:func:`kvq_metal.prefill.serves`: its knob on,
+        CUDA, head_dim 64/128/256) and this implementation is the CUDA one, after the kernel variant's first-use
+        check (:func:`kvq_metal.prefill.check_parity`). The columns are this method's tokens decoded (by its
+        dequantize) beside uncompressed ones, so the kernel is the same for every method.
+
+        :param queries: ``[B, H_q, T_q, D]`` float16 or bfloat16. :param keys, values: ``[B, H_kv, N, D]`` of the
+            queries' dtype. :param intervals: int32 ``[T_q, P, 2]`` (:func:`kvq.cache.prefill.column_intervals`).
+        :param scale: the softmax scale. :param sink_logits: ``[H_q]`` learned sink logits, or ``None``.
+        :return: ``[B, H_q, T_q, D]`` in the queries' dtype, or ``None`` where it does not serve (the cache then
+            attends with a mask: the same result within 16-bit rounding).
+        """
+        P = intervals.shape[1]
+        if self.backend != "cuda" or not prefill.serves(queries, keys, values, P):
+            return None
+        key = (queries.shape[3], queries.dtype, P, sink_logits is not None)
+        if not first_use_check(self.backend, "prefill_attend", key, lambda: prefill.check_parity(*key)):
+            return None
+        return prefill.prefill_attend(queries, keys, values, intervals, scale, sink_logits)
 
     def check_heads(self, keys) -> int:
         """KV heads of the first-use checks' problems: 1 (a method whose parameters fix the head count, a

@@ -1,4 +1,4 @@
-"""The launch-shape knobs of the two decode-attention families, as frozen defaults.
+"""The launch knobs of the two decode-attention families and the prefill kernel, as frozen defaults.
 
 The library launches with these values only: nothing in it reads an environment variable or changes them. A
 benchmark that sweeps them swaps a family's whole object for an edited copy for the duration of its run
@@ -74,3 +74,18 @@ class StreamsKnobs:
     qsh: bool = True
     rep: bool | None = None
     minb: int = 0
+
+
+@attrs.frozen
+class PrefillKnobs:
+    """Knobs of :mod:`kvq_metal.prefill` (a prefill chunk's attention over 16-bit columns, issue #51).
+
+    ``tc``: whether the tensor-core prefill kernel serves the chunks it takes (:meth:`kvq_metal.KernelImpl.
+    attend_columns`; kvq's cache then attends a chunk without a mask array). Off until a GPU sitting has run its
+    parity tests and measured it against MLX's masked attention (``benchmarks/gpu_session.sh prefill-kernel``): the
+    kernel has been compiled by nvcc for every variant but not yet run on a GPU. Either setting gives the same
+    result within the tolerance of 16-bit attention (the kernel's first-use check compares it with the float32
+    reference); only the speed differs.
+    """
+
+    tc: bool = False

@@ -56,6 +56,10 @@ import numpy as np
 
 from .dialect import float_bits, gpu_backend
 from .kernel_files import KERNELS, load
+from .knobs import PrefillKnobs
+
+#: The knobs the library launches with (frozen defaults; benchmarks swap the object: benchmarks/knobs.py).
+TUNING = PrefillKnobs()
 
 #: The kernel and its header (kernel files in ``kvq_metal/kernels``).
 PREFILL_ATTEND_TC = load(KERNELS / "prefill_attend_tc.cu", header=KERNELS / "prefill_attend_tc.cuh")
@@ -238,6 +242,41 @@ def prefill_attend(queries: mx.array, keys: mx.array, values: mx.array, interval
                       template=list(plan.template), grid=plan.grid, threadgroup=plan.threadgroup,
                       output_shapes=list(plan.output_shapes), output_dtypes=list(plan.output_dtypes))
     return (out, lse) if return_lse else out
+
+
+def serves(queries: mx.array, keys: mx.array, values: mx.array, num_intervals: int) -> bool:
+    """Whether :func:`prefill_attend` takes this call as kvq's cache makes it: :data:`TUNING` ``tc`` on, MLX's
+    default device a CUDA GPU, a shape :func:`supported` takes (keys and values of the queries' dtype) and a grid
+    that fits (``B * H_kv <= 65535``, whole GQA groups)."""
+    B, Hq, _, D = queries.shape
+    Hkv = keys.shape[1]
+    return (TUNING.tc and gpu_backend() == "cuda" and keys.dtype == values.dtype == queries.dtype
+            and supported(D, values.shape[3], queries.dtype, num_intervals) and keys.shape[3] == D
+            and Hq % Hkv == 0 and B * Hkv <= 65535)
+
+
+def check_parity(head_dim: int, dtype: mx.Dtype, num_intervals: int, sinks: bool) -> tuple[bool, str]:
+    """The first-use check of one kernel variant (:func:`kvq_metal.base.first_use_check`): a chunk of 80 query
+    rows over 4 sinks, 116 compressed columns and its own causal band (with a fourth interval where asked, a
+    rotating cache's second piece of window), 8 query heads over 2 KV heads, against :func:`reference_attend`:
+    output within 2e-2 relative (16-bit probabilities: FlashAttention's rounding) and log-sum-exp within 1e-2.
+    :return: ``(passed, detail)``."""
+    Tq, n, key = 80, 200, mx.random.key(51)
+    kq, kk, kv, ks = mx.random.split(key, 4)
+    q = mx.random.normal((1, 8, Tq, head_dim), key=kq).astype(dtype)
+    k = mx.random.normal((1, 2, n, head_dim), key=kk).astype(dtype)
+    v = mx.random.normal((1, 2, n, head_dim), key=kv).astype(dtype)
+    rows = np.arange(Tq)
+    spans = [(np.zeros(Tq), np.full(Tq, 4)), (np.full(Tq, 4), 4 + np.minimum(116, 40 + rows)),
+             (np.full(Tq, 120), 121 + rows), (np.full(Tq, 120), 120 + rows // 2)][:num_intervals]
+    intervals = np.stack([np.stack(span, axis=-1) for span in spans], axis=1).astype(np.int32)
+    sink = mx.random.normal((8,), key=ks) if sinks else None
+    scale = head_dim ** -0.5
+    out, lse = prefill_attend(q, k, v, intervals, scale, sink, return_lse=True)
+    want, want_lse = reference_attend(q, k, v, intervals, scale, sink)
+    err = (mx.abs(out.astype(mx.float32) - want).max() / mx.maximum(mx.abs(want).max(), 1e-6)).item()
+    lse_err = mx.abs(lse - want_lse).max().item()
+    return err < 2e-2 and lse_err < 1e-2, f"relative error {err:.2e}, lse error {lse_err:.2e} vs float32 reference"
 
 
 def visibility(intervals: mx.array, num_columns: int) -> mx.array:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..attention import attend_encoded
-from ..contract import ScoresKeys, WeightsValues, member_name, optional_hook
+from ..contract import AttendsColumns, ScoresKeys, WeightsValues, member_name, optional_hook
 from ..encoded import Encoded
 from ..plugins import implemented_ops, registry
 from ..selection import MAX_DECODE_QUERIES, is_kernel, select
@@ -105,6 +105,17 @@ def attend_fn(config: CacheConfig, keys, queries):
     kp, vp = config.key_params, config.value_params
     k_impl, v_impl = block_implementation(kp.method, "keys"), block_implementation(vp.method, "values")
     return lambda q, k, v, s, m: attend_encoded(q, k, v, s, m, k_impl, v_impl)
+
+
+def columns_attention(config: CacheConfig, encoded: Encoded, dtype):
+    """The chunk attention over columns (:class:`kvq.contract.AttendsColumns`) of the implementation that decodes
+    the layer's compressed keys ``encoded`` to ``dtype`` (:func:`dequantize`'s choice under ``config.kernels``), or
+    ``None`` where it has none (the chunk is attended with a mask)."""
+    kp = config.key_params
+    plan = select(kp.method, encoded.shape, dtype=dtype, op="dequantize", params=kp,
+                  kernels=quantize_kernels(kp.method, config.kernels))
+    choice = plan.choices.get("dequantize")
+    return None if choice is None else optional_hook(choice.implementation, AttendsColumns)
 
 
 def dequantize(config: CacheConfig, params, encoded: Encoded, dtype) -> mx.array:

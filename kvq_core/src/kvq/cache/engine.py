@@ -8,8 +8,9 @@ once:
   the method's attention over its codes, :func:`kvq.cache.choice.attend_fn`; a dense part in slices of
   :data:`CHUNK_ROWS` rows that each read only the keys they may see), merged with log-sum-exp
   (:func:`kvq.attention.merge_parts`); or, for a prefill chunk on a GPU, MLX's fused attention over a transient
-  decoded copy with an additive mask made from the same intervals (:func:`kvq.cache.prefill.attend_dequantized`).
-  A fused prefill kernel over the codes goes there next.
+  decoded copy with an additive mask made from the same intervals (:func:`kvq.cache.prefill.attend_dequantized`),
+  or a fused kernel that reads the intervals themselves (:class:`kvq.contract.AttendsColumns`; next: one that
+  decodes the codes itself).
 - :func:`bind_decode` / :func:`bind_ragged`: one query row per sequence, every held token visible, bound once per
   layer and replayed each decode step (the implementation's :class:`kvq.contract.BindsDense` /
   :class:`kvq.contract.BindsRaggedDense`).

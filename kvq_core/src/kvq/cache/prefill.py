@@ -1,10 +1,12 @@
-"""A prefill chunk's attention on a GPU: MLX's fused attention over a transient decoded copy (issue #23).
+"""A prefill chunk's attention on a GPU: fused attention over a transient decoded copy (issues #23, #51).
 
 The attention engine (:mod:`kvq.cache.engine`) sends a chunk of many query rows here on a GPU. The compressed tokens of the layer
 are decoded to the queries' dtype (the method's ``dequantize``, a fused kernel where one serves), joined with the
 sinks and the chunk's uncompressed tokens, and attended in one ``mx.fast.scaled_dot_product_attention`` call with
 an additive mask made from the parts' per-row intervals (:func:`interval_mask`): every query row sees what a
-token-by-token run would have shown it. The decoded copy is freed once the call has run: :class:`InFlight` keeps only a bounded
+token-by-token run would have shown it. Where the implementation that decoded the tokens attends columns itself
+(:class:`kvq.contract.AttendsColumns`: kvq_metal's tensor-core prefill kernel on CUDA, once its knob is on), it
+gets the intervals instead (:func:`column_intervals`) and no mask is made. The decoded copy is freed once the call has run: :class:`InFlight` keeps only a bounded
 number of bytes of such copies queued on the device, so the cache never holds an fp16 copy of its tokens.
 
 Two facts about MLX 0.32's attention on CUDA shape this module (measured on an H200, ``benchmarks/prefill_parts.py``):
@@ -23,7 +25,7 @@ import collections
 import mlx.core as mx
 import numpy as np
 
-from .choice import dequantize
+from .choice import columns_attention, dequantize
 from .parts import visible
 
 
@@ -113,8 +115,10 @@ def column_intervals(parts: list, r0: int, r1: int) -> np.ndarray:
 def attend_dequantized(queries: mx.array, scale: float, parts: list, config, transform, user_mask=None,
                        sink_logits=None) -> mx.array:
     """A chunk's attention over ``parts`` (:class:`kvq.cache.parts.Part`: contiguous, in order; the compressed one
-    decoded to the queries' dtype) in ``mx.fast.scaled_dot_product_attention`` with the additive mask of
-    :func:`interval_mask`, one call per chunk unless :func:`rows_per_call` cuts it. Each slice of rows reads only
+    decoded to the queries' dtype): in one call of the decoding implementation's attention over columns where it
+    serves (:class:`kvq.contract.AttendsColumns`, given :func:`column_intervals`; no mask array), else in
+    ``mx.fast.scaled_dot_product_attention`` with the additive mask of :func:`interval_mask`, one call per chunk
+    unless :func:`rows_per_call` cuts it. Each slice of rows reads only
     the columns up to the last one its rows may see. The decoded copy is transient: the call is queued on the device
     (:data:`IN_FLIGHT`) and the copy freed once it has run; the cache keeps only the codes. Memory above the cache:
     at most :data:`PREFILL_INFLIGHT_BYTES` plus one layer's ``2 * T * H_kv * (D_k + D_v) * 2`` bytes of decoded keys
@@ -134,6 +138,14 @@ def attend_dequantized(queries: mx.array, scale: float, parts: list, config, tra
     keys, values, user_cols = columns(parts, config, transform, dtype, centre, user_mask is not None)
     if centre:
         queries = transform.queries(queries)
+    if user_mask is None:  # the intervals alone: a kernel that reads them needs no mask (issue #51)
+        encoded = next((p.keys for p in parts if p.compressed), None)
+        fused = None if encoded is None else columns_attention(config, encoded, dtype)
+        out = None if fused is None else fused(queries, keys, values, mx.array(column_intervals(parts, 0, Tq)),
+                                               scale, sink_logits)
+        if out is not None:
+            IN_FLIGHT.push(out, 2 * (keys.nbytes + values.nbytes), PREFILL_INFLIGHT_BYTES)
+            return out
     sinks = None if sink_logits is None else sink_logits.astype(dtype)
     rows = rows_per_call(queries, keys.shape[2], PREFILL_MASK_BYTES, PREFILL_SCORES_BYTES)
     outs = []
