@@ -238,10 +238,11 @@ def test_a_copy_of_a_packed_batch_is_independent():
     assert packed.offset.tolist() == [18, 19, 22] and twin.offset.tolist() == [20, 21, 24]
 
 
-def reading_binding(impl, binds: list):
+def reading_binding(impl, binds: list, in_place: bool = True):
     """A ``bind_ragged_dense`` for ``impl`` (pure MLX) that behaves as a kernel's bound step: each call reads the
     compressed-token arrays it was bound with, as they are then, up to each row's counts in ``lengths`` (as the
-    ragged kernel does); ``binds`` gets each binding's capacity (compressed tokens per row)."""
+    ragged kernel does), and says so (``reads_in_place``) where ``in_place``; ``binds`` gets each binding's
+    capacity (compressed tokens per row)."""
     from kvq.attention import dense_attend, merge_parts
     from kvq.encoded import Encoded
 
@@ -263,30 +264,38 @@ def reading_binding(impl, binds: list):
                 outs.append(merge_parts(parts)[0])
             return mx.concatenate(outs).astype(q.dtype)
 
+        step.reads_in_place = in_place
         return step
 
     return bind
 
 
 @pytest.mark.parametrize("method", ["affine", "turboquant"])
-def test_the_ragged_step_stays_bound_across_flushes(method, monkeypatch):
-    """Issue #52: a flush writes the flushed rows' codes into the packed arrays in place, so the bound ragged step
-    (which reads those arrays at each call) is kept: the rows bind again only where the arrays are replaced (the
-    capacity grows). Rows of different lengths flush at different steps (most steps have one); every step's
-    attention equals the unpacked batch's."""
+@pytest.mark.parametrize("lengths", [(9, 14, 22), (14, 14, 14)])
+@pytest.mark.parametrize("in_place", [True, False])
+def test_the_ragged_step_stays_bound_across_flushes(method, lengths, in_place, monkeypatch):
+    """Issue #52: a flush writes the flushed rows' codes into the packed arrays in place, so a bound ragged step
+    that reads those arrays at each call (``reads_in_place``, as kvq_metal's) is kept: the rows bind again only
+    where the arrays are replaced (the capacity grows). A step that does not say so is bound again after every
+    flush. Rows of different lengths flush at different steps (most steps have one), rows of one length all at
+    once; every step's attention equals the unpacked batch's."""
     from kvq.plugins import registry
 
     binds = []
-    monkeypatch.setattr(registry().implementations[(method, "mlx")], "bind_ragged_dense",
-                        reading_binding(registry().implementations[(method, "mlx")], binds), raising=False)
-    packed, plain = batch_pair(config(method), (9, 14, 22))
-    compressed, capacities = [], []
+    impl = registry().implementations[(method, "mlx")]
+    monkeypatch.setattr(impl, "bind_ragged_dense", reading_binding(impl, binds, in_place), raising=False)
+    packed, plain = batch_pair(config(method), lengths)
+    compressed, capacities, rebinds = [], [], 0
     for t in range(24):
+        before = list(packed._packed.compressed) if packed.packed else None
         [(got, want)] = decode((packed, plain), 1, seed=7 + 3 * t)
         assert mx.allclose(got, want, **TOL).item(), t
         compressed.append(list(packed._packed.compressed))
         capacities.append(packed._packed.capacity)
+        grew = len(capacities) > 1 and capacities[-1] != capacities[-2]
+        rebinds += before is None or grew or (not in_place and before != compressed[-1])
     flushes = sum(a != b for before, after in zip(compressed, compressed[1:]) for a, b in zip(before, after))
-    grown = sorted(set(capacities))
-    assert flushes >= 12 and len(grown) >= 2  # flushes at most steps, and at least one growth of the arrays
-    assert binds == grown  # bound at the first step, then once per growth: never for a flush
+    assert flushes >= 12 and len(set(capacities)) >= 2  # flushes at most steps, and at least one growth of the arrays
+    assert len(binds) == rebinds
+    if in_place:
+        assert binds == sorted(set(capacities))  # bound at the first step, then once per growth: never for a flush

@@ -199,3 +199,43 @@ def test_reference_rows_that_see_nothing():
     assert lse[0, :, 1].tolist() == [-np.inf] * 2
     out, lse = prefill.reference_attend(q, k, v, iv, 1.0, mx.array([0.5, -2.0]))
     assert float(mx.abs(out[:, :, 1]).max()) == 0.0 and lse[0, :, 1].tolist() == [0.5, -2.0]
+
+
+def test_the_first_use_checks_intervals_are_disjoint_parts_of_a_chunk():
+    """:func:`kvq_metal.prefill.check_intervals`: per row, up to four disjoint intervals inside the 260 columns (a
+    causal band that grows by one column a row, compressed columns, sinks, a second window piece), one row (row 0)
+    whose fourth interval is not empty."""
+    iv = prefill.check_intervals(4, 83)
+    assert iv.shape == (83, 4, 2) and iv.dtype == np.int32
+    assert (iv[..., 0] >= 0).all() and (iv[..., 1] <= 260).all() and (iv[..., 0] <= iv[..., 1]).all()
+    assert (np.diff(iv[:, 0, 1]) == 1).all()  # the causal band
+    for row in iv:
+        spans = sorted(map(tuple, row))
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # disjoint
+    assert [prefill.check_intervals(p, 83).shape[1] for p in (1, 2, 3)] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_the_first_use_check_passes_the_reference_and_fails_a_kernel_that_drops_an_interval(sinks, monkeypatch):
+    """:func:`kvq_metal.prefill.check_parity` with the kernel replaced by its float32 reference rounded to the
+    queries' dtype passes at every head_dim, with 1 to 4 intervals and GQA 1 and 4; a kernel that ignores the
+    fourth interval, or one that ignores the sink logits, fails (the check can fail where the kernel would be
+    wrong)."""
+    def reference(q, k, v, intervals, scale, sink_logits=None, return_lse=False):
+        out, lse = prefill.reference_attend(q, k, v, intervals, scale, sink_logits)
+        return (out.astype(q.dtype), lse) if return_lse else out.astype(q.dtype)
+
+    monkeypatch.setattr(prefill, "prefill_attend", reference)
+    for D, P, n_rep in ((64, 4, 1), (128, 3, 4), (256, 1, 4)):
+        ok, detail = prefill.check_parity(D, mx.bfloat16, P, sinks, n_rep)
+        assert ok, detail
+
+    def drops_the_fourth(q, k, v, intervals, scale, sink_logits=None, return_lse=False):
+        return reference(q, k, v, mx.array(np.asarray(intervals)[:, :3]), scale, sink_logits, return_lse)
+
+    monkeypatch.setattr(prefill, "prefill_attend", drops_the_fourth)
+    assert not prefill.check_parity(64, mx.float16, 4, sinks, 2)[0]
+    if sinks:
+        monkeypatch.setattr(prefill, "prefill_attend", lambda q, k, v, iv, scale, s=None, return_lse=False:
+                            reference(q, k, v, iv, scale, None, return_lse))
+        assert not prefill.check_parity(64, mx.float16, 3, sinks, 2)[0]

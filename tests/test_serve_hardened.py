@@ -542,10 +542,11 @@ def test_load_and_faults(served, tiny_folder):
 
 def not_growing(figures: dict) -> bool:
     """Whether the server's active memory after clearing its prompt cache grew from the second run to the third by
-    less than one request's cache (the largest prompt-cache entry). :func:`settle_and_measure` has the generation
-    thread answer the same chat last each time, so nothing of the load should stay: measured 6.1 MiB after the
-    second and the third run six times out of six (without that chat, what the thread's last step referenced varied
-    by up to 0.9 MiB); a leak of every answered request's cache would add about 70 entries per run (3.5 MiB here)."""
+    less than one request's cache (the most bytes per prompt-cache entry that a probe cleared).
+    :func:`settle_and_measure` has the generation thread answer the same chat last each time, so nothing of the
+    load should stay: measured 6.05 MiB after every run, 9 runs of 9 (without that chat, what the thread's last
+    step referenced varied by up to 0.9 MiB); a leak of every answered request's cache would add about 70 entries
+    per run (3.5 MiB here)."""
     second, third = figures["active_memory"][2:4]
     return third - second < max(figures["prompt_cache_entry_bytes"])
 

@@ -224,18 +224,19 @@ class BindsRaggedDense(Protocol):
             :meth:`BindsDense.bind_dense`'s step gives for that row alone (up to float32 rounding). ``None`` where
             it does not serve (the cache then attends the rows' parts with masks: the same result).
 
-        Unlike a single sequence's binding, this one outlives a window flush (issue #52: a batch's rows flush at
-        different steps, most steps one of them): the batch writes the flushed rows' codes into the arrays of
-        ``keys.data`` and ``values.data`` in place (MLX slice assignment) and binds again only where it replaces
-        them (more capacity, rows taken out or added). A step must therefore read those very arrays at each call,
-        as kernel inputs, and keep nothing derived from their contents at binding.
+        A step may outlive a window flush (issue #52: a batch's rows flush at different steps, most steps one of
+        them): the batch writes the flushed rows' codes into the arrays of ``keys.data`` and ``values.data`` in
+        place (MLX slice assignment) and keeps a step whose ``reads_in_place`` attribute is true, binding again
+        only where it replaces the arrays (more capacity, rows taken out or added). Such a step reads those very
+        arrays at each call, as kernel inputs, and keeps nothing derived from their contents at binding
+        (:class:`kvq_metal.step.DecodeStep`); a step without the attribute is bound again after every flush.
         """
 
 
 @runtime_checkable
 class AttendsColumns(Protocol):
-    """Optional, on an implementation of ``dequantize``: a prefill chunk's attention over the layer's columns laid
-    side by side (sinks, the compressed tokens as this implementation decoded them, the uncompressed ones), each
+    """Optional, on a kernel implementation of a method: a prefill chunk's attention over the layer's columns
+    laid side by side (sinks, the compressed tokens decoded, the uncompressed ones; 16-bit), each
     query row seeing its own column intervals, with no mask array (issue #51: MLX's attention with a mask runs
     cuDNN's bias kernel at 1.5-1.9x causal time). :func:`kvq.cache.prefill.attend_dequantized` calls it where
     mlx-lm passes no mask of its own, and attends with the mask where it returns ``None``.

@@ -154,8 +154,8 @@ class KernelImpl:
         (:class:`kvq.contract.AttendsColumns`, issue #51): the tensor-core prefill kernel
         (:func:`kvq_metal.prefill.prefill_attend`) where it serves (:func:`kvq_metal.prefill.serves`: its knob on,
         CUDA, head_dim 64/128/256) and this implementation is the CUDA one, after the kernel variant's first-use
-        check (:func:`kvq_metal.prefill.check_parity`). The columns are this method's tokens decoded (by its
-        dequantize) beside uncompressed ones, so the kernel is the same for every method.
+        check (:func:`kvq_metal.prefill.check_parity`, once per head_dim, dtype, intervals per row, sinks and GQA
+        ratio). The columns arrive decoded, so the kernel is the same for every method.
 
         :param queries: ``[B, H_q, T_q, D]`` float16 or bfloat16. :param keys, values: ``[B, H_kv, N, D]`` of the
             queries' dtype. :param intervals: int32 ``[T_q, P, 2]`` (:func:`kvq.cache.prefill.column_intervals`).
@@ -164,9 +164,9 @@ class KernelImpl:
             attends with a mask: the same result within 16-bit rounding).
         """
         P = intervals.shape[1]
-        if self.backend != "cuda" or not prefill.serves(queries, keys, values, P):
+        if self.backend != "cuda" or not prefill.serves(queries, keys, values, P, scale, sink_logits):
             return None
-        key = (queries.shape[3], queries.dtype, P, sink_logits is not None)
+        key = (queries.shape[3], queries.dtype, P, sink_logits is not None, queries.shape[1] // keys.shape[1])
         if not first_use_check(self.backend, "prefill_attend", key, lambda: prefill.check_parity(*key)):
             return None
         return prefill.prefill_attend(queries, keys, values, intervals, scale, sink_logits)

@@ -244,39 +244,57 @@ def prefill_attend(queries: mx.array, keys: mx.array, values: mx.array, interval
     return (out, lse) if return_lse else out
 
 
-def serves(queries: mx.array, keys: mx.array, values: mx.array, num_intervals: int) -> bool:
+def serves(queries: mx.array, keys: mx.array, values: mx.array, num_intervals: int, scale=None,
+           sink_logits: mx.array | None = None) -> bool:
     """Whether :func:`prefill_attend` takes this call as kvq's cache makes it: :data:`TUNING` ``tc`` on, MLX's
-    default device a CUDA GPU, a shape :func:`supported` takes (keys and values of the queries' dtype) and a grid
-    that fits (``B * H_kv <= 65535``, whole GQA groups)."""
+    default device a CUDA GPU, a shape :func:`supported` takes (keys and values of the queries' dtype), a grid that
+    fits (``B * H_kv <= 65535``, whole GQA groups), a positive finite number as ``scale`` (where given) and
+    ``sink_logits`` ``None`` or floating point ``[H_q]``: a call it would refuse (:func:`check_inputs`) is left to
+    the masked path instead."""
     B, Hq, _, D = queries.shape
     Hkv = keys.shape[1]
+    if scale is not None and not (isinstance(scale, (int, float, np.floating)) and np.isfinite(scale) and scale > 0):
+        return False
+    if sink_logits is not None and not (isinstance(sink_logits, mx.array) and tuple(sink_logits.shape) == (Hq,)
+                                        and mx.issubdtype(sink_logits.dtype, mx.floating)):
+        return False
     return (TUNING.tc and gpu_backend() == "cuda" and keys.dtype == values.dtype == queries.dtype
             and supported(D, values.shape[3], queries.dtype, num_intervals) and keys.shape[3] == D
-            and Hq % Hkv == 0 and B * Hkv <= 65535)
+            and Hkv >= 1 and Hq % Hkv == 0 and B * Hkv <= 65535)
 
 
-def check_parity(head_dim: int, dtype: mx.Dtype, num_intervals: int, sinks: bool) -> tuple[bool, str]:
-    """The first-use check of one kernel variant (:func:`kvq_metal.base.first_use_check`): a chunk of 80 query
-    rows over 4 sinks, 116 compressed columns and its own causal band (with a fourth interval where asked, a
-    rotating cache's second piece of window), 8 query heads over 2 KV heads, against :func:`reference_attend`:
-    output within 2e-2 relative (16-bit probabilities: FlashAttention's rounding) and log-sum-exp within 1e-2.
-    :return: ``(passed, detail)``."""
-    Tq, n, key = 80, 200, mx.random.key(51)
-    kq, kk, kv, ks = mx.random.split(key, 4)
-    q = mx.random.normal((1, 8, Tq, head_dim), key=kq).astype(dtype)
-    k = mx.random.normal((1, 2, n, head_dim), key=kk).astype(dtype)
-    v = mx.random.normal((1, 2, n, head_dim), key=kv).astype(dtype)
-    rows = np.arange(Tq)
-    spans = [(np.zeros(Tq), np.full(Tq, 4)), (np.full(Tq, 4), 4 + np.minimum(116, 40 + rows)),
-             (np.full(Tq, 120), 121 + rows), (np.full(Tq, 120), 120 + rows // 2)][:num_intervals]
-    intervals = np.stack([np.stack(span, axis=-1) for span in spans], axis=1).astype(np.int32)
-    sink = mx.random.normal((8,), key=ks) if sinks else None
-    scale = head_dim ** -0.5
+def check_intervals(num_intervals: int, rows: int) -> np.ndarray:
+    """The intervals of :func:`check_parity`'s chunk, int32 ``[rows, num_intervals, 2]`` over 260 columns, disjoint
+    as a cache's parts are: row ``r`` sees its causal band ``[160, 161 + r)``, then compressed columns ``[4, 4 +
+    min(96, 20 + r))``, the sinks ``[0, 4)`` and a second window piece ``[100, 100 + min(60, r // 2 + 1))`` (a
+    rotating cache's), the first ``num_intervals`` of these."""
+    r = np.arange(rows)
+    spans = [(160 + 0 * r, 161 + r), (4 + 0 * r, 4 + np.minimum(96, 20 + r)), (0 * r, 4 + 0 * r),
+             (100 + 0 * r, 100 + np.minimum(60, r // 2 + 1))][:num_intervals]
+    return np.stack([np.stack(span, axis=-1) for span in spans], axis=1).astype(np.int32)
+
+
+def check_parity(head_dim: int, dtype: mx.Dtype, num_intervals: int, sinks: bool, n_rep: int) -> tuple[bool, str]:
+    """The first-use check of one kernel variant (:func:`kvq_metal.base.first_use_check`): two batch rows of a chunk
+    of 83 query rows (so ``n_rep * 83`` block rows: a last block only partly filled) of ``2 * n_rep`` query heads
+    over 2 KV heads and 260 columns with :func:`check_intervals`, against :func:`reference_attend`: output within 2e-2
+    of the reference's largest value (16-bit probabilities: FlashAttention's rounding) and log-sum-exp within 1e-2
+    where a row sees anything. :return: ``(passed, detail)``."""
+    Tq, n = 83, 260
+    kq, kk, kv, ks = mx.random.split(mx.random.key(51), 4)
+    q = mx.random.normal((2, 2 * n_rep, Tq, head_dim), key=kq).astype(dtype)
+    k = mx.random.normal((2, 2, n, head_dim), key=kk).astype(dtype)
+    v = mx.random.normal((2, 2, n, head_dim), key=kv).astype(dtype)
+    sink = mx.random.normal((2 * n_rep,), key=ks) if sinks else None
+    intervals, scale = check_intervals(num_intervals, Tq), head_dim ** -0.5
     out, lse = prefill_attend(q, k, v, intervals, scale, sink, return_lse=True)
     want, want_lse = reference_attend(q, k, v, intervals, scale, sink)
     err = (mx.abs(out.astype(mx.float32) - want).max() / mx.maximum(mx.abs(want).max(), 1e-6)).item()
-    lse_err = mx.abs(lse - want_lse).max().item()
-    return err < 2e-2 and lse_err < 1e-2, f"relative error {err:.2e}, lse error {lse_err:.2e} vs float32 reference"
+    seen = mx.isfinite(want_lse)
+    lse_err = mx.where(seen, mx.abs(lse - want_lse), 0.0).max().item()
+    same_empty = mx.array_equal(seen, mx.isfinite(lse)).item()
+    ok = err < 2e-2 and lse_err < 1e-2 and same_empty
+    return ok, f"relative error {err:.2e}, lse error {lse_err:.2e} vs float32 reference (empty rows alike: {same_empty})"
 
 
 def visibility(intervals: mx.array, num_columns: int) -> mx.array:

@@ -88,6 +88,10 @@ class DecodeStep:
     :param tensor_cores: whether ``main`` is a tensor-core kernel.
     """
 
+    #: the code arrays are passed to each launch as the objects bound, so a batch's in-place writes are read
+    #: (:class:`kvq.contract.BindsRaggedDense`: the packed rows keep the step across their flushes)
+    reads_in_place = True
+
     __slots__ = ("_main", "_codes", "_sinks", "_counter", "_prepare", "_rows", "_flat", "_merge", "_finish",
                  "_out_shape", "ragged", "template_args", "tensor_cores")
 

@@ -107,15 +107,17 @@ def attend_fn(config: CacheConfig, keys, queries):
     return lambda q, k, v, s, m: attend_encoded(q, k, v, s, m, k_impl, v_impl)
 
 
-def columns_attention(config: CacheConfig, encoded: Encoded, dtype):
-    """The chunk attention over columns (:class:`kvq.contract.AttendsColumns`) of the implementation that decodes
-    the layer's compressed keys ``encoded`` to ``dtype`` (:func:`dequantize`'s choice under ``config.kernels``), or
-    ``None`` where it has none (the chunk is attended with a mask)."""
-    kp = config.key_params
-    plan = select(kp.method, encoded.shape, dtype=dtype, op="dequantize", params=kp,
-                  kernels=quantize_kernels(kp.method, config.kernels))
-    choice = plan.choices.get("dequantize")
-    return None if choice is None else optional_hook(choice.implementation, AttendsColumns)
+def columns_attention(config: CacheConfig) -> list:
+    """The chunk attentions over columns (:class:`kvq.contract.AttendsColumns`) of the layer's key method's kernel
+    implementations (whatever ops they serve), in the registry's order (each serves only on its own device, and returns ``None`` where it
+    does not serve); none under ``kernels="off"``. The columns reach them decoded, so it does not matter which
+    implementation decoded them (:func:`dequantize` may have chosen pure MLX)."""
+    if config.kernels == "off":
+        return []
+    method = config.key_params.method
+    hooks = (optional_hook(impl, AttendsColumns)
+             for (m, _), impl in sorted(registry().implementations.items()) if m == method and is_kernel(impl))
+    return [hook for hook in hooks if hook is not None]
 
 
 def dequantize(config: CacheConfig, params, encoded: Encoded, dtype) -> mx.array:

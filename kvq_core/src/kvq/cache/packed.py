@@ -219,7 +219,8 @@ class PackedRows:
                 if b not in done:
                     self.window_lengths[b] += 1
                     self.offsets[b] += 1
-        # the per-row counts on the device, advanced by one device operation each (rebuilt after a flush)
+        # the per-row counts on the device, advanced by one device operation each (moved by a flush, rebuilt after
+        # a change of rows)
         if self._lengths is not None:
             self._lengths = self._lengths + _NEXT_WINDOW_TOKEN
         if self._offset is not None:
@@ -313,8 +314,11 @@ class PackedRows:
         for b in rows:
             self.compressed[b] += f
             self.window_lengths[b] = full - f
-        # the bound step keeps reading the code arrays it holds (written in place above; :meth:`_grow` replaces
-        # them and binds again); the counts on the device move by (+flush, -flush) for these rows
+        # a bound step that reads the code arrays it holds at each call (written in place above; :meth:`_grow`
+        # replaces them and binds again) is kept; any other binds again. The counts on the device move by
+        # (+flush, -flush) for these rows
+        if self._bound is not None and not getattr(self._bound[1], "reads_in_place", False):
+            self._bound = None
         if self._lengths is not None:
             delta = mx.array([[f, -f]], dtype=mx.int32)
             self._lengths = self._lengths + delta if every else self._lengths.at[index].add(delta)

@@ -4,7 +4,7 @@ The attention engine (:mod:`kvq.cache.engine`) sends a chunk of many query rows 
 are decoded to the queries' dtype (the method's ``dequantize``, a fused kernel where one serves), joined with the
 sinks and the chunk's uncompressed tokens, and attended in one ``mx.fast.scaled_dot_product_attention`` call with
 an additive mask made from the parts' per-row intervals (:func:`interval_mask`): every query row sees what a
-token-by-token run would have shown it. Where the implementation that decoded the tokens attends columns itself
+token-by-token run would have shown it. Where a kernel implementation of the key method attends columns itself
 (:class:`kvq.contract.AttendsColumns`: kvq_metal's tensor-core prefill kernel on CUDA, once its knob is on), it
 gets the intervals instead (:func:`column_intervals`) and no mask is made. The decoded copy is freed once the call has run: :class:`InFlight` keeps only a bounded
 number of bytes of such copies queued on the device, so the cache never holds an fp16 copy of its tokens.
@@ -115,7 +115,7 @@ def column_intervals(parts: list, r0: int, r1: int) -> np.ndarray:
 def attend_dequantized(queries: mx.array, scale: float, parts: list, config, transform, user_mask=None,
                        sink_logits=None) -> mx.array:
     """A chunk's attention over ``parts`` (:class:`kvq.cache.parts.Part`: contiguous, in order; the compressed one
-    decoded to the queries' dtype): in one call of the decoding implementation's attention over columns where it
+    decoded to the queries' dtype): in one call of a kernel implementation's attention over columns where one
     serves (:class:`kvq.contract.AttendsColumns`, given :func:`column_intervals`; no mask array), else in
     ``mx.fast.scaled_dot_product_attention`` with the additive mask of :func:`interval_mask`, one call per chunk
     unless :func:`rows_per_call` cuts it. Each slice of rows reads only
@@ -138,11 +138,10 @@ def attend_dequantized(queries: mx.array, scale: float, parts: list, config, tra
     keys, values, user_cols = columns(parts, config, transform, dtype, centre, user_mask is not None)
     if centre:
         queries = transform.queries(queries)
-    if user_mask is None:  # the intervals alone: a kernel that reads them needs no mask (issue #51)
-        encoded = next((p.keys for p in parts if p.compressed), None)
-        fused = None if encoded is None else columns_attention(config, encoded, dtype)
-        out = None if fused is None else fused(queries, keys, values, mx.array(column_intervals(parts, 0, Tq)),
-                                               scale, sink_logits)
+    hooks = columns_attention(config) if user_mask is None else []  # no mask of mlx-lm's: the intervals alone
+    intervals = mx.array(column_intervals(parts, 0, Tq)) if hooks else None
+    for hook in hooks:  # a kernel that reads the intervals itself makes no mask (issue #51)
+        out = hook(queries, keys, values, intervals, scale, sink_logits)
         if out is not None:
             IN_FLIGHT.push(out, 2 * (keys.nbytes + values.nbytes), PREFILL_INFLIGHT_BYTES)
             return out
