@@ -109,9 +109,9 @@ def attend_fn(config: CacheConfig, keys, queries):
 
 def columns_attention(config: CacheConfig) -> list:
     """The chunk attentions over columns (:class:`kvq.contract.AttendsColumns`) of the layer's key method's kernel
-    implementations (whatever ops they serve), in the registry's order (each serves only on its own device, and returns ``None`` where it
-    does not serve); none under ``kernels="off"``. The columns reach them decoded, so it does not matter which
-    implementation decoded them (:func:`dequantize` may have chosen pure MLX)."""
+    implementations (whatever ops they serve), in the registry's order: each serves only on its own device and
+    returns ``None`` where it does not serve. None under ``kernels="off"``. The columns reach them decoded, so it
+    does not matter which implementation decoded them (:func:`dequantize` may have chosen pure MLX)."""
     if config.kernels == "off":
         return []
     method = config.key_params.method

@@ -1,12 +1,13 @@
 """A prefill chunk's attention on a GPU: fused attention over a transient decoded copy (issues #23, #51).
 
-The attention engine (:mod:`kvq.cache.engine`) sends a chunk of many query rows here on a GPU. The compressed tokens of the layer
-are decoded to the queries' dtype (the method's ``dequantize``, a fused kernel where one serves), joined with the
-sinks and the chunk's uncompressed tokens, and attended in one ``mx.fast.scaled_dot_product_attention`` call with
-an additive mask made from the parts' per-row intervals (:func:`interval_mask`): every query row sees what a
-token-by-token run would have shown it. Where a kernel implementation of the key method attends columns itself
-(:class:`kvq.contract.AttendsColumns`: kvq_metal's tensor-core prefill kernel on CUDA, once its knob is on), it
-gets the intervals instead (:func:`column_intervals`) and no mask is made. The decoded copy is freed once the call has run: :class:`InFlight` keeps only a bounded
+The attention engine (:mod:`kvq.cache.engine`) sends a chunk of many query rows here on a GPU. The compressed
+tokens of the layer are decoded to the queries' dtype (the method's ``dequantize``, a fused kernel where one
+serves), joined with the sinks and the chunk's uncompressed tokens, and attended in one
+``mx.fast.scaled_dot_product_attention`` call with an additive mask made from the parts' per-row intervals
+(:func:`interval_mask`): every query row sees what a token-by-token run would have shown it. Where a kernel
+implementation of the key method attends columns itself (:class:`kvq.contract.AttendsColumns`: kvq_metal's
+tensor-core prefill kernel on CUDA, once its knob is on), it gets the intervals instead (:func:`column_intervals`)
+and no mask is made. The decoded copy is freed once the call has run: :class:`InFlight` keeps only a bounded
 number of bytes of such copies queued on the device, so the cache never holds an fp16 copy of its tokens.
 
 Two facts about MLX 0.32's attention on CUDA shape this module (measured on an H200, ``benchmarks/prefill_parts.py``):
@@ -118,8 +119,8 @@ def attend_dequantized(queries: mx.array, scale: float, parts: list, config, tra
     decoded to the queries' dtype): in one call of a kernel implementation's attention over columns where one
     serves (:class:`kvq.contract.AttendsColumns`, given :func:`column_intervals`; no mask array), else in
     ``mx.fast.scaled_dot_product_attention`` with the additive mask of :func:`interval_mask`, one call per chunk
-    unless :func:`rows_per_call` cuts it. Each slice of rows reads only
-    the columns up to the last one its rows may see. The decoded copy is transient: the call is queued on the device
+    unless :func:`rows_per_call` cuts it. Each slice of rows reads only the columns up to the last one its rows may
+    see. The decoded copy is transient: the call is queued on the device
     (:data:`IN_FLIGHT`) and the copy freed once it has run; the cache keeps only the codes. Memory above the cache:
     at most :data:`PREFILL_INFLIGHT_BYTES` plus one layer's ``2 * T * H_kv * (D_k + D_v) * 2`` bytes of decoded keys
     and values (with their concatenation) and ``T_q * T * 2`` bytes of mask (16-bit queries), for ``T`` tokens held.
