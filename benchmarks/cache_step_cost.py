@@ -115,8 +115,9 @@ def run_round(caches, tokens, steps: int, scale: float, profile: bool = False) -
 
 def stub_bound_steps(methods) -> None:
     """Every kvq method's pure-MLX implementation binds a decode step that returns a preallocated output at once
-    (:class:`kvq.contract.BindsDense`): a bound step then costs only kvq's own host work (the window append, the
-    binding check, the window slice), the kernel's launch and its GPU time left out; so a machine without a GPU
+    (:class:`kvq.contract.BindsDense`, and ``reads_in_place`` as kvq_metal's steps say): a bound step then costs
+    only kvq's own host work (the window append, the binding check, the window slice), the kernel's launch and its
+    GPU time left out; so a machine without a GPU
     measures the host path of a bound decode step, and two revisions compare on it."""
     from kvq.plugins import registry
 
@@ -128,7 +129,12 @@ def stub_bound_steps(methods) -> None:
         def bind(queries, keys, values, scale, sink_keys, sink_values, window_keys, window_values):
             out = mx.zeros((*queries.shape[:3], values.head_dim), queries.dtype)
             mx.eval(out)
-            return lambda q, wk, wv, lengths=None: out  # a single stream's step, or a batch's (with lengths)
+
+            def step(q, wk, wv, lengths=None):  # a single stream's step, or a batch's (with lengths)
+                return out
+
+            step.reads_in_place = True  # as kvq_metal's DecodeStep: a batch keeps it across its flushes
+            return step
 
         impl.bind_dense = impl.bind_ragged_dense = bind
 

@@ -39,6 +39,8 @@ from .views import plain_mask
 
 #: What one decode token adds to a row's (compressed, window) counts.
 _NEXT_WINDOW_TOKEN = mx.array([[0, 1]], dtype=mx.int32)
+#: A count one token on (``map`` over a batch's per-row counts: about twice as fast as a comprehension).
+_NEXT = (1).__add__
 
 
 def _copy(x):
@@ -186,13 +188,14 @@ class PackedRows:
         full = self.window_keys.shape[2]
         done = set()
         if max(self.window_lengths) >= full:  # some row's window is full (else no per-row scan: issue #52)
-            first = [b for b, n in enumerate(self.window_lengths) if n >= full and not self.compressed[b]]
+            full_rows = [b for b, n in enumerate(self.window_lengths) if n >= full]
+            first = [b for b in full_rows if not self.compressed[b]]
             if first:
                 unpacked = self._first_compressions(first, keys, values)
                 if unpacked is not None:
                     return unpacked, set(first)
             done = set(first)
-            flushing = [b for b, n in enumerate(self.window_lengths) if n >= full and b not in done]
+            flushing = [b for b in full_rows if b not in done]
             if flushing:
                 self._flush_rows(flushing)
         if keys.dtype != self.window_keys.dtype:
@@ -212,8 +215,8 @@ class PackedRows:
             self.window_keys[rows, :, slots] = mx.take(keys, rows, axis=0)[:, :, 0]
             self.window_values[rows, :, slots] = mx.take(values, rows, axis=0)[:, :, 0]
         if not done:
-            self.window_lengths = [m + 1 for m in lengths]
-            self.offsets = [m + 1 for m in self.offsets]
+            self.window_lengths = list(map(_NEXT, lengths))
+            self.offsets = list(map(_NEXT, self.offsets))
         else:
             for b in range(B):
                 if b not in done:
