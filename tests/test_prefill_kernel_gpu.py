@@ -186,8 +186,8 @@ def test_a_cache_prefill_through_the_kernel_matches_the_masked_path(label, dtype
     model = tiny_llama(dtype=dtype)
     prompt = mx.array([(7 * i + 3) % 256 for i in range(240)])[None]
     calls = []
-    real = prefill.prefill_attend
-    monkeypatch.setattr(prefill, "prefill_attend", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = prefill.launch
+    monkeypatch.setattr(prefill, "launch", lambda *a, **k: calls.append(1) or real(*a, **k))
 
     def logits(tc: bool, chunk: int) -> np.ndarray:
         monkeypatch.setattr(prefill, "TUNING", attrs.evolve(prefill.TUNING, tc=tc))

@@ -152,8 +152,8 @@ class KernelImpl:
     def attend_columns(self, queries, keys, values, intervals, scale, sink_logits=None):
         """A prefill chunk's attention over 16-bit columns, each query row seeing its own column intervals
         (:class:`kvq.contract.AttendsColumns`, issue #51): the tensor-core prefill kernel
-        (:func:`kvq_metal.prefill.prefill_attend`) where it serves (:func:`kvq_metal.prefill.serves`: its knob on,
-        CUDA, head_dim 64/128/256) and this implementation is the CUDA one, after the kernel variant's first-use
+        (:func:`kvq_metal.prefill.prefill_attend`) where it serves (its knob on, a CUDA device, arguments that
+        :func:`kvq_metal.prefill.check_inputs` takes) and this implementation is the CUDA one, after the first-use
         check (:func:`kvq_metal.prefill.check_parity`, once per head_dim, dtype, intervals per row, sinks and GQA
         ratio). The columns arrive decoded, so the kernel is the same for every method.
 
@@ -163,13 +163,17 @@ class KernelImpl:
         :return: ``[B, H_q, T_q, D]`` in the queries' dtype, or ``None`` where it does not serve (the cache then
             attends with a mask: the same result within 16-bit rounding).
         """
-        P = intervals.shape[1]
-        if self.backend != "cuda" or not prefill.serves(queries, keys, values, P, scale, sink_logits):
+        if not (prefill.TUNING.tc and self.backend == "cuda" and gpu_backend() == "cuda"):
             return None
-        key = (queries.shape[3], queries.dtype, P, sink_logits is not None, queries.shape[1] // keys.shape[1])
+        try:  # a call the kernel refuses (a shape it does not take) is the masked path's
+            intervals, sinks = prefill.check_inputs(queries, keys, values, intervals, scale, sink_logits)
+        except (TypeError, ValueError):
+            return None
+        key = (queries.shape[3], queries.dtype, intervals.shape[1], sinks is not None,
+               queries.shape[1] // keys.shape[1])
         if not first_use_check(self.backend, "prefill_attend", key, lambda: prefill.check_parity(*key)):
             return None
-        return prefill.prefill_attend(queries, keys, values, intervals, scale, sink_logits)
+        return prefill.launch(queries, keys, values, intervals, scale, sinks)
 
     def check_heads(self, keys) -> int:
         """KV heads of the first-use checks' problems: 1 (a method whose parameters fix the head count, a

@@ -235,6 +235,13 @@ def prefill_attend(queries: mx.array, keys: mx.array, values: mx.array, interval
     if gpu_backend() != "cuda":
         raise RuntimeError(f"prefill_attend runs on MLX's CUDA back end only; the default device is "
                            f"{mx.default_device()} ({gpu_backend() or 'no GPU back end'})")
+    return launch(queries, keys, values, intervals, scale, sinks, return_lse)
+
+
+def launch(queries: mx.array, keys: mx.array, values: mx.array, intervals: mx.array, scale: float,
+           sinks: mx.array | None, return_lse: bool = False):
+    """:func:`prefill_attend` on arguments :func:`check_inputs` has already returned (``intervals`` int32,
+    ``sinks`` float32 or ``None``), on a CUDA device: the launch alone."""
     plan = launch_plan(tuple(queries.shape), tuple(keys.shape), queries.dtype, intervals.shape[1], scale,
                        sinks is not None)
     kernel = PREFILL_ATTEND_TC.kernel("cuda", INPUTS, OUTPUTS)
@@ -242,25 +249,6 @@ def prefill_attend(queries: mx.array, keys: mx.array, values: mx.array, interval
                       template=list(plan.template), grid=plan.grid, threadgroup=plan.threadgroup,
                       output_shapes=list(plan.output_shapes), output_dtypes=list(plan.output_dtypes))
     return (out, lse) if return_lse else out
-
-
-def serves(queries: mx.array, keys: mx.array, values: mx.array, num_intervals: int, scale=None,
-           sink_logits: mx.array | None = None) -> bool:
-    """Whether :func:`prefill_attend` takes this call as kvq's cache makes it: :data:`TUNING` ``tc`` on, MLX's
-    default device a CUDA GPU, a shape :func:`supported` takes (keys and values of the queries' dtype), a grid that
-    fits (``B * H_kv <= 65535``, whole GQA groups), a positive finite number as ``scale`` (where given) and
-    ``sink_logits`` ``None`` or floating point ``[H_q]``: a call it would refuse (:func:`check_inputs`) is left to
-    the masked path instead."""
-    B, Hq, _, D = queries.shape
-    Hkv = keys.shape[1]
-    if scale is not None and not (isinstance(scale, (int, float, np.floating)) and np.isfinite(scale) and scale > 0):
-        return False
-    if sink_logits is not None and not (isinstance(sink_logits, mx.array) and tuple(sink_logits.shape) == (Hq,)
-                                        and mx.issubdtype(sink_logits.dtype, mx.floating)):
-        return False
-    return (TUNING.tc and gpu_backend() == "cuda" and keys.dtype == values.dtype == queries.dtype
-            and supported(D, values.shape[3], queries.dtype, num_intervals) and keys.shape[3] == D
-            and Hkv >= 1 and Hq % Hkv == 0 and B * Hkv <= 65535)
 
 
 def check_intervals(num_intervals: int, rows: int) -> np.ndarray:
