@@ -76,7 +76,7 @@ def test_centring_uses_only_still_channels_and_holds_far_away():
     assert 31 in still and 63 in still and 22 not in still
     block = _rotated(offsets, np.arange(256), rope, noise=1.0)
     config = attrs.evolve(make_config("turboquant", bits=3), still_channels=still)
-    _, mean = guard_layer(config, block)
+    _, mean, _ = guard_layer(config, block)
     assert mean is not None and offset_energy(block, still) >= STILL_CENTER_LIMIT
     outside = [c for c in range(D) if c not in still]
     assert np.all(np.array(mean)[..., outside] == 0)

@@ -112,12 +112,15 @@ def offset_energy(keys: mx.array, channels: tuple[int, ...] | None = None) -> fl
     sum_h mean_t |k_h|^2`` for ``keys`` ``[B, H_kv, T, D]`` (float32, non-finite values as 0); 0 for no tokens.
     1 means every key is the same vector; independent zero-mean keys give about ``1 / T``. With ``channels``, the
     mean's energy in those channels only (the whole keys' energy below the line)."""
-    if keys.shape[2] == 0:
-        return 0.0
+    return 0.0 if keys.shape[2] == 0 else float(_offset_energy(keys, channels))
+
+
+def _offset_energy(keys: mx.array, channels: tuple[int, ...] | None) -> mx.array:
+    """:func:`offset_energy` as a float32 scalar array, not evaluated (``keys`` holds at least one token)."""
     x = _finite32(keys)
     mean = key_mean(keys, channels)
     total = mx.sum(mx.mean(mx.sum(x * x, axis=-1), axis=2))
-    return float(mx.sum(mean * mean) / mx.maximum(total, 1e-30))
+    return mx.sum(mean * mean) / mx.maximum(total, 1e-30)
 
 
 def key_mean(keys: mx.array, channels: tuple[int, ...] | None = None) -> mx.array:
@@ -137,12 +140,15 @@ def channel_concentration(keys: mx.array) -> float:
     """The largest share of one channel in the energy of ``keys`` ``[B, H_kv, T, D]`` once centred (their mean over
     tokens subtracted), over heads: ``max_h max_d sum_t c_hd^2 / sum_t |c_h|^2`` (float32; 0 for no tokens).
     ``1 / D`` when the varying energy is spread evenly; 1 when it is all in one channel."""
-    if keys.shape[2] == 0:
-        return 0.0
+    return 0.0 if keys.shape[2] == 0 else float(_concentration(keys))
+
+
+def _concentration(keys: mx.array) -> mx.array:
+    """:func:`channel_concentration` as a float32 scalar array, not evaluated (``keys`` holds at least one token)."""
     centred = _varying(keys)
     per_channel = mx.sum(centred * centred, axis=(0, 2))  # [H_kv, D]
     share = mx.max(per_channel, axis=-1) / mx.maximum(mx.sum(per_channel, axis=-1), 1e-30)
-    return float(mx.max(share))
+    return mx.max(share)
 
 
 def _varying(keys: mx.array) -> mx.array:
@@ -176,13 +182,21 @@ def key_scales(keys: mx.array) -> mx.array | None:
     alone scales nothing: queries follow such offsets (module docstring). Dividing keys by it leaves each channel
     with about the square root of its energy (SmoothQuant's migration, Xiao et al., arXiv 2211.10438, with alpha 1/2
     of the keys' own energy)."""
-    energy = _channel_energy(keys)
-    root = mx.power(energy, 0.25)
+    heads = _scaled_heads(keys)
+    return _scales(keys, heads) if bool(mx.any(heads)) else None
+
+
+def _scaled_heads(keys: mx.array) -> mx.array:
+    """Which heads of ``keys`` ``[B, H_kv, T, D]`` :func:`key_scales` scales: bool ``[B, H_kv, 1, 1]``, not evaluated.
+    It reads the keys less their own per-channel mean, so keys centred by any per-channel mean give the same heads."""
+    return channel_spread(_varying(keys)) >= SCALE_SPREAD_LIMIT
+
+
+def _scales(keys: mx.array, heads: mx.array) -> mx.array:
+    """:func:`key_scales` of ``keys`` for the scaled ``heads`` (:func:`_scaled_heads`), not evaluated."""
+    root = mx.power(_channel_energy(keys), 0.25)
     root = root / mx.exp(mx.mean(mx.log(root), axis=-1, keepdims=True))
-    spread = channel_spread(_varying(keys)) >= SCALE_SPREAD_LIMIT
-    if not bool(mx.any(spread)):
-        return None
-    return mx.where(spread, mx.power(2.0, mx.round(mx.log2(root))), 1.0).astype(mx.float32)
+    return mx.where(heads, mx.power(2.0, mx.round(mx.log2(root))), 1.0).astype(mx.float32)
 
 
 def scales_keys(params) -> bool:
@@ -213,45 +227,57 @@ def safe_params():
 
 
 def guard_layer(config, keys: mx.array):
-    """What a layer does about the keys ``[B, H_kv, T, D]`` of the first block it compresses: ``(config, mean)``.
+    """What a layer does about the keys ``[B, H_kv, T, D]`` of the first block it compresses: ``(config, mean,
+    scales)``.
 
     ``mean`` is :func:`key_mean` (of ``config.still_channels`` where known) where the keys are to be centred
     (:func:`offset_energy` of those channels at least :data:`STILL_CENTER_LIMIT`; of the whole mean, without them,
-    at least :data:`CENTER_LIMIT`), else ``None``. ``config`` (a :class:`kvq.cache.CacheConfig`) is unchanged unless the layer is an outlier layer
+    at least :data:`CENTER_LIMIT`), else ``None``; it is rounded to the keys' 16-bit dtype (float16 for float32 keys),
+    so the sinks' and window's dtype holds it exactly (the fused kernels score those tokens centred in that dtype).
+    ``config`` (a :class:`kvq.cache.CacheConfig`) is unchanged unless the layer is an outlier layer
     (:func:`channel_concentration` >= :data:`CONCENTRATION_LIMIT`); then an :class:`OutlierLayerWarning` naming
     the layer, ``outlier_layer`` set, and under ``"upgrade"`` both sides' parameters replaced by
-    :func:`safe_params`. Nothing is done under ``outlier_layers="off"``, for keys stored at 8 bits or more
-    (:func:`guarded`), or for a block of fewer than :data:`MIN_TOKENS` tokens.
+    :func:`safe_params`. ``scales`` is :func:`key_scales` of the keys less ``mean`` where the (returned) key method
+    may be scaled (:func:`scales_keys`), else ``None``. Nothing is done (``(config, None, None)``) under
+    ``outlier_layers="off"``, for keys stored at 8 bits or more (:func:`guarded`), or for a block of fewer than
+    :data:`MIN_TOKENS` tokens.
+
+    The three decisions wait for the device once (the statistics evaluated together): a batch's prefill makes them
+    for every row of every layer, and each wait stops the host from building ahead of the device.
     """
     if config.outlier_layers == "off" or not guarded(config.key_params) or keys.shape[2] < MIN_TOKENS:
-        return config, None
+        return config, None, None
     still = config.still_channels
     limit = CENTER_LIMIT if still is None else STILL_CENTER_LIMIT
-    mean = key_mean(keys, still) if offset_energy(keys, still) >= limit else None
-    share = channel_concentration(keys)
-    if share < CONCENTRATION_LIMIT:
-        return config, mean
+    heads = _scaled_heads(keys) if scales_keys(config.key_params) else None
+    stats = [_offset_energy(keys, still), _concentration(keys)] + ([mx.any(heads)] if heads is not None else [])
+    mx.eval(*stats)  # one wait for the device (the docstring's last paragraph)
+    energy, share = float(stats[0]), float(stats[1])
+    mean = None
+    if energy >= limit:
+        mean = key_mean(keys, still).astype(mx.float16 if keys.dtype == mx.float32 else keys.dtype)
+        mean = mean.astype(mx.float32)
+    if share >= CONCENTRATION_LIMIT:
+        config = _outlier_layer(config, share)
+    scales = None
+    if heads is not None and bool(stats[2]) and scales_keys(config.key_params):
+        scales = _scales(keys if mean is None else _finite32(keys) - mean, heads)
+    return config, mean, scales
+
+
+def _outlier_layer(config, share: float):
+    """``config`` for an outlier layer whose keys hold ``share`` of their varying energy in one channel: warns (an
+    :class:`OutlierLayerWarning` naming the layer) and, under ``"upgrade"``, stores both sides with
+    :func:`safe_params`."""
     layer = "a layer" if config.layer is None else f"layer {config.layer}"
     method = config.key_params.method + (f":{config.key_params.bits}" if hasattr(config.key_params, "bits") else "")
     found = (f"kvq: {layer}'s keys hold {share:.0%} of their varying energy in one channel (outlier channels, as "
              f"in Qwen2.5), which {method} keys cannot hold without breaking that layer's attention")
     if config.outlier_layers == "warn":
         warnings.warn(f"{found}; outlier_layers='upgrade' (the default) would store it with affine:8",
-                      OutlierLayerWarning, stacklevel=3)
-        return attrs.evolve(config, outlier_layer=True), mean
+                      OutlierLayerWarning, stacklevel=4)
+        return attrs.evolve(config, outlier_layer=True)
     warnings.warn(f"{found}: it is stored with {SAFE_METHOD}:{SAFE_BITS} (keys and values) instead; "
-                  f"outlier_layers='off' keeps {method}", OutlierLayerWarning, stacklevel=3)
+                  f"outlier_layers='off' keeps {method}", OutlierLayerWarning, stacklevel=4)
     safe = safe_params()
-    return attrs.evolve(config, key_params=safe, value_params=safe, outlier_layer=True), mean
-
-
-def guard_scales(config, keys: mx.array, mean: mx.array | None) -> mx.array | None:
-    """The channel scales of a layer configured by ``config`` (after :func:`guard_layer`) for the keys
-    ``[B, H_kv, T, D]`` of the first block it compresses, less their ``mean`` where it is centred: :func:`key_scales`
-    where the key method may be scaled (:func:`scales_keys`), else ``None``; ``None`` under
-    ``outlier_layers="off"`` or for a block of fewer than :data:`MIN_TOKENS` tokens."""
-    if config.outlier_layers == "off" or keys.shape[2] < MIN_TOKENS or not scales_keys(config.key_params):
-        return None
-    if mean is not None:
-        keys = _finite32(keys) - mean
-    return key_scales(keys)
+    return attrs.evolve(config, key_params=safe, value_params=safe, outlier_layer=True)

@@ -31,7 +31,7 @@ from .centring import KeyTransform
 from .choice import dequantize, encode_tokens
 from .config import CacheConfig
 from .depends import DependencySlots
-from .guard import guard_layer, guard_scales
+from .guard import guard_layer
 from .schedule import Fresh, leaving, visible
 from .persist import PromptCacheState
 from .protocol import CacheProtocol
@@ -269,14 +269,10 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
             hook = optional_hook(params, Fits)
             return params if hook is None else hook(block)
 
-        # keys with constant offsets are centred; outlier layers stored at 8 bits (kvq.cache.guard)
-        self.config, mean = guard_layer(self.config, keys)
-        if mean is not None:
-            # a mean the sinks' and window's 16-bit dtype holds exactly: the fused kernel scores them centred in that
-            # dtype (k - mu there is exact where the offsets dominate), with no rounded shift against the codes
-            mean = mean.astype(mx.float16 if keys.dtype == mx.float32 else keys.dtype).astype(mx.float32)
-        # keys whose channels hold very unequal energy are scaled (powers of two), after centring
-        self._transform.set(mean, guard_scales(self.config, keys, mean))
+        # keys with constant offsets are centred, outlier layers stored at 8 bits, keys whose channels hold very
+        # unequal energy scaled (powers of two) after centring: kvq.cache.guard
+        self.config, mean, scales = guard_layer(self.config, keys)
+        self._transform.set(mean, scales)
         keys = self._transform.centred(keys)
         self.config = attrs.evolve(self.config, key_params=fit(self.config.key_params, keys),
                                    value_params=fit(self.config.value_params, values))
