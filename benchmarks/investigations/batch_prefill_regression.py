@@ -2,7 +2,8 @@
 
 Written to find why ``kvq bench batch``'s kvq prefill went from 0.66x fp16 (934b1d6, 2026-12-04) to 0.39x (cf1deed,
 2026-12-06) on one H200: run it once per installed revision (each in its own process) and compare. Uses only APIs
-both revisions have (kvq.bench.random_model, kvq.patch_model, mlx-lm's BatchGenerator).
+both revisions have (kvq.bench.random_model, kvq.patch_model, mlx-lm's BatchGenerator). Results and what they
+showed (the first-block checks' device waits): benchmarks/results/batch/2026-12-06-prefill-guard.
 
     python batch_prefill_regression.py OUT_PREFIX [--reps 3] [--profile]
 """

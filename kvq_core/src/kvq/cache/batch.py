@@ -13,10 +13,12 @@ unpacks them first; :attr:`BatchKVQCache.pack` turns packing off.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import mlx.core as mx
 
+from .guard import Batched, Deferred
 from .packed import PackedRows
 from .state import ROW_CLASSES
 from .views import CompressedView
@@ -106,15 +108,33 @@ class BatchKVQCache:
         # one split per side instead of a slice per row (decode on a GPU is bound by the host: every graph
         # operation a row adds per layer and step counts)
         row_keys, row_values = _rows(keys), _rows(values)
-        for i, row in enumerate(self.rows):
-            n = T if self._remaining is None else min(T, self._remaining[i])
+        rows = self.rows
+        counts = [T if self._remaining is None else min(T, r) for r in self._remaining or [T] * len(rows)]
+        # rows' first-block checks wait for the device once for all of them (kvq.cache.guard.Batched); only a
+        # chunk's update is undone when it raises, so only chunks defer their checks, and only with two or more
+        checks, stopped = Batched(), []
+        defer = sum(n > 1 for n in counts) > 1
+        for i, (row, n) in enumerate(zip(rows, counts)):
             self._starts[i] = row.offset
-            if n:
-                k, v = row_keys[i], row_values[i]
-                row.update_and_fetch(k if n == T else k[:, :, :n], v if n == T else v[:, :, :n])
-            if self._remaining is not None:
-                self._remaining[i] -= n
+            try:
+                with checks.collect() if defer and n > 1 else contextlib.nullcontext():
+                    self._update_row(i, row, row_keys[i], row_values[i], n)
+            except Deferred:  # the row stopped at its first compression, undone: it runs again below
+                stopped.append(i)
+        if stopped:
+            with checks.replay():
+                for i in stopped:
+                    self._update_row(i, rows[i], row_keys[i], row_values[i], counts[i])
         return self.keys_and_values()
+
+    def _update_row(self, i: int, row, keys: mx.array, values: mx.array, n: int) -> None:
+        """Store the first ``n`` of ``keys``/``values`` ``[1, H, T, D]`` in row ``i`` (its real tokens) and count them
+        off its remaining prompt tokens."""
+        if n:
+            T = keys.shape[2]
+            row.update_and_fetch(keys if n == T else keys[:, :, :n], values if n == T else values[:, :, :n])
+        if self._remaining is not None:
+            self._remaining[i] -= n
 
     def keys_and_values(self):
         """Stand-ins (:class:`kvq.cache.CompressedView`) ``[B, H, longest row, D]`` whose attention is this batch's

@@ -61,6 +61,9 @@ holds at its first compression, so the choice does not depend on how a prompt wa
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import threading
 import warnings
 
 import attrs
@@ -242,17 +245,15 @@ def guard_layer(config, keys: mx.array):
     ``outlier_layers="off"``, for keys stored at 8 bits or more (:func:`guarded`), or for a block of fewer than
     :data:`MIN_TOKENS` tokens.
 
-    The three decisions wait for the device once (the statistics evaluated together): a batch's prefill makes them
-    for every row of every layer, and each wait stops the host from building ahead of the device.
+    The three decisions wait for the device once (the statistics evaluated together); a batch's rows wait once per
+    layer for all of them (:class:`Batched`).
     """
     if config.outlier_layers == "off" or not guarded(config.key_params) or keys.shape[2] < MIN_TOKENS:
         return config, None, None
     still = config.still_channels
     limit = CENTER_LIMIT if still is None else STILL_CENTER_LIMIT
-    heads = _scaled_heads(keys) if scales_keys(config.key_params) else None
-    stats = [_offset_energy(keys, still), _concentration(keys)] + ([mx.any(heads)] if heads is not None else [])
-    mx.eval(*stats)  # one wait for the device (the docstring's last paragraph)
-    energy, share = float(stats[0]), float(stats[1])
+    stats = _statistics(config, keys)
+    energy, share, heads = float(stats[0]), float(stats[1]), stats[2]
     mean = None
     if energy >= limit:
         mean = key_mean(keys, still).astype(mx.float16 if keys.dtype == mx.float32 else keys.dtype)
@@ -260,9 +261,80 @@ def guard_layer(config, keys: mx.array):
     if share >= CONCENTRATION_LIMIT:
         config = _outlier_layer(config, share)
     scales = None
-    if heads is not None and bool(stats[2]) and scales_keys(config.key_params):
+    if heads is not None and bool(stats[3]) and scales_keys(config.key_params):
         scales = _scales(keys if mean is None else _finite32(keys) - mean, heads)
     return config, mean, scales
+
+
+def _statistics(config, keys: mx.array) -> list:
+    """The first block's statistics :func:`guard_layer` decides on, evaluated: ``[offset energy, concentration,
+    scaled heads or None, any head scaled or None]`` (float32 scalars, bool ``[B, H_kv, 1, 1]``, bool scalar). Waits
+    for the device once, or not at all where a batch has evaluated them already (:func:`batched`)."""
+    if _BATCH.replay:
+        shape, stats = _BATCH.replay.popleft()
+        if shape != tuple(keys.shape):  # the rows replay in the order they stopped: anything else is a bug
+            raise RuntimeError(f"kvq.cache.guard: a replayed first block {shape} is not this one {tuple(keys.shape)}")
+        return stats
+    heads = _scaled_heads(keys) if scales_keys(config.key_params) else None
+    stats = [_offset_energy(keys, config.still_channels), _concentration(keys), heads,
+             None if heads is None else mx.any(heads)]
+    if _BATCH.collecting is not None:
+        _BATCH.collecting.append((tuple(keys.shape), stats))
+        raise Deferred
+    mx.eval(*[x for x in stats if x is not None])  # the one wait (guard_layer's docstring)
+    return stats
+
+
+class Deferred(Exception):
+    """Raised by :func:`guard_layer` inside :meth:`Batched.collect`: the row's first-block statistics are recorded
+    and its update stops (its cache is left as it was: a chunk's update is undone when it raises)."""
+
+
+class _Batch(threading.local):
+    collecting: list | None = None  # statistics recorded by the rows stopped so far (inside Batched.collect)
+    replay: collections.deque | None = None  # evaluated statistics, consumed in the order they were recorded
+
+
+_BATCH = _Batch()
+
+
+class Batched:
+    """The first-block checks of a batch's rows, waiting for the device once for all of them
+    (:class:`kvq.cache.BatchKVQCache`'s prefill; each wait stops the host from building ahead of the device, and a
+    batch of ``B`` rows would otherwise wait ``B`` times per layer: ``benchmarks/results/batch/
+    2026-12-06-prefill-guard``).
+
+    Each row's chunk update runs inside :meth:`collect`: a row that reaches its first compression records its
+    statistics there and stops (:class:`Deferred`), undone; the others finish. :meth:`replay` evaluates every
+    recorded statistic in one ``mx.eval``; the stopped rows' updates then run again, in the same order, and each
+    finds its statistics evaluated. The decisions are the ones each row makes alone: the statistics are computed
+    from the same tokens. Only for updates that are undone when they raise (chunks of more than one token).
+    """
+
+    def __init__(self) -> None:
+        self.recorded: list = []
+
+    @contextlib.contextmanager
+    def collect(self):
+        """Within: :func:`guard_layer` records the statistics and raises :class:`Deferred`."""
+        _BATCH.collecting = self.recorded
+        try:
+            yield
+        finally:
+            _BATCH.collecting = None
+
+    @contextlib.contextmanager
+    def replay(self):
+        """Evaluate every recorded statistic at once; within, :func:`guard_layer` takes them in recorded order.
+        :raises RuntimeError: a recorded statistic is left unused (a row did not replay what it recorded)."""
+        mx.eval(*[x for _, stats in self.recorded for x in stats if x is not None])
+        _BATCH.replay = collections.deque(self.recorded)
+        try:
+            yield
+            if _BATCH.replay:
+                raise RuntimeError(f"kvq.cache.guard: {len(_BATCH.replay)} recorded first blocks were not replayed")
+        finally:
+            _BATCH.replay = None
 
 
 def _outlier_layer(config, share: float):
