@@ -81,11 +81,13 @@ class PrefillKnobs:
     """Knobs of :mod:`kvq_metal.prefill` (a prefill chunk's attention over 16-bit columns, issue #51).
 
     ``tc``: whether the tensor-core prefill kernel serves the chunks it takes (:meth:`kvq_metal.KernelImpl.
-    attend_columns`; kvq's cache then attends a chunk without a mask array). Off until a GPU sitting has run its
-    parity tests and measured it against MLX's masked attention (``benchmarks/gpu_session.sh prefill-kernel``): the
-    kernel has been compiled by nvcc for every variant but not yet run on a GPU. Either setting gives the same
-    result within the tolerance of 16-bit attention (the kernel's first-use check compares it with the float32
-    reference); only the speed differs.
+    attend_columns`; kvq's cache then attends a chunk without a mask array). Off: on one H200 (2026-12-06) its
+    parity tests pass (``tests/test_prefill_kernel_gpu.py``, 23 of 23), but it is slower than the masked path it
+    would replace: one layer's chunk of 2,048 over 8K held tokens in 2.34 ms against 1.45 ms for MLX's attention
+    with the additive mask (0.67 ms causal, fp16's call), 7.14 against 3.84 ms at 32K (``benchmarks/
+    prefill_masks.py``; :mod:`kvq_metal.prefill` says why). Either setting gives the same result within the
+    tolerance of 16-bit attention (the kernel's first-use check compares it with the float32 reference); only the
+    speed differs.
     """
 
     tc: bool = False
