@@ -97,7 +97,9 @@ def test_launch_plan_for_a_gqa_chunk():
     """Llama-3-8B's shape: 32 query heads on 8 KV heads, a chunk of 2048 rows, bfloat16, kvq's 3 intervals."""
     plan = prefill.launch_plan((2, 32, 2048, 128), (2, 8, 9000, 128), mx.bfloat16, 3, 128 ** -0.5, True)
     t = dict(plan.template)
-    assert [name for name, _ in plan.template] == ["D", "DV", "BC", "BR", "P", "SINK", "BF16", "SCALE"]
+    assert [name for name, _ in plan.template] == ["D", "DV", "BC", "BR", "P", "SINK", "BF16", "SCALE", "THREADS",
+                                                   "MINB"]
+    assert (t["THREADS"], t["MINB"]) == (128, 0)
     assert (t["D"], t["DV"], t["BC"], t["BR"], t["P"], t["SINK"], t["BF16"]) == (128, 128, 64, 64, 3, True, True)
     assert dialect.float_bits(128 ** -0.5) == t["SCALE"] == 0x3DB504F3
     # 4 heads x 2048 rows per (batch, KV head) group, 64 rows per block of 128 threads

@@ -11,6 +11,7 @@ shared memory ptxas reports is checked against the launch plan's ``shared_bytes`
 instantiation fails to compile, spills, or declares other shared memory than planned.
 
     python benchmarks/investigations/nvcc_prefill.py [--keep DIR] [--archs sm_90,sm_80] [--head-dims 64,128,256]
+        [--minb N]
 """
 
 from __future__ import annotations
@@ -42,19 +43,21 @@ def ptxas_line(stderr: str) -> dict:
             "smem": first(r"(\d+) bytes smem")}
 
 
-def record(D: int, dtype: mx.Dtype, sinks: bool, intervals: int) -> tuple[dict, int]:
-    """The recorded launch of one instantiation and its planned static shared memory."""
+def record(D: int, dtype: mx.Dtype, sinks: bool, intervals: int, minb: int = 0) -> tuple[dict, int]:
+    """The recorded launch of one instantiation (with ``__launch_bounds__(THREADS, minb)`` for ``minb`` > 0:
+    :class:`kvq_metal.knobs.PrefillKnobs`) and its planned static shared memory."""
     from kvq_metal import prefill
 
     nvcc_registers.RECORDED.clear()
     q = mx.zeros((1, 4, 16, D), dtype)
     kv = mx.zeros((1, 1, 64, D), dtype)
     iv = mx.zeros((16, intervals, 2), mx.int32)
-    plan = prefill.launch_plan(q.shape, kv.shape, dtype, intervals, D ** -0.5, sinks)
+    plan = prefill.launch_plan(q.shape, kv.shape, dtype, intervals, D ** -0.5, sinks, minb)
+    inputs = [q, kv, kv, iv, mx.zeros((4,), mx.float32) if sinks else iv]
     kernel = prefill.PREFILL_ATTEND_TC.kernel("cuda", prefill.INPUTS, prefill.OUTPUTS)
-    kernel(inputs=[q, kv, kv, iv, mx.zeros((4,), mx.float32) if sinks else iv], template=list(plan.template),
-           grid=plan.grid, threadgroup=plan.threadgroup, output_shapes=list(plan.output_shapes),
-           output_dtypes=list(plan.output_dtypes))
+    call, template, kept = kernel.bound(plan.template, inputs)  # as prefill.launch builds it
+    call(inputs=[inputs[i] for i in kept], template=template, grid=plan.grid, threadgroup=plan.threadgroup,
+         output_shapes=list(plan.output_shapes), output_dtypes=list(plan.output_dtypes))
     return nvcc_registers.RECORDED[0], plan.shared_bytes
 
 
@@ -76,6 +79,7 @@ def main() -> None:
     ap.add_argument("--head-dims", default="64,128,256", help="comma-separated head_dims")
     ap.add_argument("--columns", type=int, default=32, help="key columns per tile for a head_dim without a plan")
     ap.add_argument("--archs", default="sm_90,sm_80")
+    ap.add_argument("--minb", type=int, default=0, help="blocks per SM the registers must fit (0: no bound)")
     args = ap.parse_args()
     if shutil.which("nvcc") is None:
         raise SystemExit("nvcc not found")
@@ -90,7 +94,7 @@ def main() -> None:
             for dtype in prefill.DTYPES:
                 for sinks in (False, True):
                     for intervals in (1, prefill.MAX_INTERVALS):
-                        kw, planned = record(D, dtype, sinks, intervals)
+                        kw, planned = record(D, dtype, sinks, intervals, args.minb)
                         for arch in args.archs.split(","):
                             name = f"D{D}_{str(dtype).split('.')[-1]}_sink{int(sinks)}_P{intervals}_{arch}"
                             got = compile_one(kw, arch, Path(args.keep or tmp) / f"{name}.cu")

@@ -88,6 +88,12 @@ class PrefillKnobs:
     prefill_masks.py``; :mod:`kvq_metal.prefill` says why). Either setting gives the same result within the
     tolerance of 16-bit attention (the kernel's first-use check compares it with the float32 reference); only the
     speed differs.
+
+    ``minb``: the blocks per SM the compiler must fit the kernel's registers to (``__launch_bounds__(THREADS, minb)``;
+    0: no bound). At head_dim 128 nvcc gives it 170 registers, 2 above what 3 blocks of 128 threads allow (168), so
+    ``minb`` 3 would raise the occupancy from 8 to 12 warps per SM; not yet measured. Registers only: the results
+    are the same.
     """
 
     tc: bool = False
+    minb: int = 0

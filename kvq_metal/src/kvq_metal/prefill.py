@@ -118,7 +118,7 @@ class Launch:
 
 
 def launch_plan(queries_shape: tuple, keys_shape: tuple, dtype: mx.Dtype, num_intervals: int, scale: float,
-                sinks: bool) -> Launch:
+                sinks: bool, minb: int = 0) -> Launch:
     """The launch of :func:`prefill_attend` for queries ``[B, H_q, T_q, D]`` and keys ``[B, H_kv, N, D]`` of
     ``dtype``, ``num_intervals`` intervals per row, softmax ``scale``, with or without sink logits (``sinks``). The
     arguments are assumed checked (:func:`check_inputs`).
@@ -126,7 +126,8 @@ def launch_plan(queries_shape: tuple, keys_shape: tuple, dtype: mx.Dtype, num_in
     Template: ``D`` (head_dim), ``DV`` (value coordinates per block, :data:`VALUE_SLICE`), ``BC`` (columns per
     tile), ``BR`` (rows per block), ``P`` (intervals per row), ``SINK``, ``BF16`` (bfloat16 rather than float16
     mma), ``SCALE`` (the scale's float32 bits, :func:`kvq_metal.dialect.float_bits`: one compiled kernel per
-    model's scale, no per-call scalar array)."""
+    model's scale, no per-call scalar array), ``THREADS`` (per block) and ``MINB`` (``minb``: blocks per SM the
+    registers must fit, :class:`kvq_metal.knobs.PrefillKnobs`; 0: no bound)."""
     B, Hq, Tq, D = queries_shape
     Hkv = keys_shape[1]
     BC, BR, DV = TILE_COLUMNS[D], BLOCK_ROWS, VALUE_SLICE[D]
@@ -134,7 +135,8 @@ def launch_plan(queries_shape: tuple, keys_shape: tuple, dtype: mx.Dtype, num_in
     rows = Hq // Hkv * Tq  # of a (batch, KV head) group: its query heads' rows
     blocks = -(-rows // BR)
     template = (("D", D), ("DV", DV), ("BC", BC), ("BR", BR), ("P", num_intervals), ("SINK", bool(sinks)),
-                ("BF16", dtype == mx.bfloat16), ("SCALE", float_bits(scale)))
+                ("BF16", dtype == mx.bfloat16), ("SCALE", float_bits(scale)), ("THREADS", threads),
+                ("MINB", int(minb)))
     # K and V tiles (16-bit), the block's rows' intervals and their union (int32 pairs)
     shared = BC * (D + DV) * 2 + 8 * num_intervals * (BR + 1)
     return Launch(template, (blocks * threads, B * Hkv, D // DV), (threads, 1, 1), ((B, Hq, Tq, D), (B, Hq, Tq)),
@@ -253,11 +255,13 @@ def launch(queries: mx.array, keys: mx.array, values: mx.array, intervals: mx.ar
     """:func:`prefill_attend` on arguments :func:`check_inputs` has already returned (``intervals`` int32,
     ``sinks`` float32 or ``None``), on a CUDA device: the launch alone."""
     plan = launch_plan(tuple(queries.shape), tuple(keys.shape), queries.dtype, intervals.shape[1], scale,
-                       sinks is not None)
-    kernel = PREFILL_ATTEND_TC.kernel("cuda", INPUTS, OUTPUTS)
-    out, lse = kernel(inputs=[queries, keys, values, intervals, intervals if sinks is None else sinks],
-                      template=list(plan.template), grid=plan.grid, threadgroup=plan.threadgroup,
-                      output_shapes=list(plan.output_shapes), output_dtypes=list(plan.output_dtypes))
+                       sinks is not None, TUNING.minb)
+    inputs = [queries, keys, values, intervals, intervals if sinks is None else sinks]
+    # the template baked into the kernel's text (kvq_metal.dialect.KernelObject.bound): MINB takes effect there
+    call, template, kept = PREFILL_ATTEND_TC.kernel("cuda", INPUTS, OUTPUTS).bound(plan.template, inputs)
+    out, lse = call(inputs=[inputs[i] for i in kept], template=template, grid=plan.grid,
+                    threadgroup=plan.threadgroup, output_shapes=list(plan.output_shapes),
+                    output_dtypes=list(plan.output_dtypes))
     return (out, lse) if return_lse else out
 
 

@@ -8,7 +8,8 @@
 // logits, read with SINK only). Outputs: out [B, H_q, T_q, D] in q's dtype, lse float32 [B, H_q, T_q] (natural
 // log of the normaliser out was divided by, the sink logit included; a row that sees nothing: out 0, lse -inf or
 // its sink logit).
-// Template: kvq_metal.prefill.launch_plan (D, DV, BC, BR, P, SINK, BF16, SCALE: the softmax scale's float bits).
+// Template: kvq_metal.prefill.launch_plan (D, DV, BC, BR, P, SINK, BF16, SCALE: the softmax scale's float bits,
+// THREADS, MINB: the blocks per SM its registers must fit, 0 for no bound).
 // Blocks: y = b * H_kv + KV head; x a tile of BR of the group's rep * T_q rows (row m: query row m / rep of query
 // head KV head * rep + m % rep), the last tile first (it sees the most columns, so it should not start last);
 // z the slice of DV value coordinates the block writes (D / DV slices: at head_dim 256 two blocks of 128 each
@@ -19,8 +20,7 @@
 // scores, the next K tile's the values' product), 16-byte chunk j of row i at chunk j ^ (i & 7), so the 8 rows an
 // ldmatrix reads hit 8 bank groups.
 
-    constexpr int NWARP = BR / 16;
-    constexpr int THREADS = 32 * NWARP;
+    constexpr int NWARP = BR / 16;  // THREADS (the template's) = 32 NWARP
     constexpr int CH = D / 8;    // 16-byte chunks per key row (D 16-bit elements)
     constexpr int CHV = DV / 8;  // per value row slice (the block's DV of the D value coordinates)
     constexpr int KS = D / 16;   // k-steps of the scores' product
@@ -31,6 +31,7 @@
     constexpr float LN2 = 0.6931471805599453f;
     static_assert(BR % 16 == 0 && BC % 16 == 0 && DV % 16 == 0 && D % DV == 0 && CHV >= 8,
                   "whole mma tiles, at least 8 chunks a row");
+    static_assert(THREADS == 32 * NWARP, "one warp per 16 rows");
 
     KVQ_SHARED __align__(16) uint4 k_s[BC * CH];   // the K tile
     KVQ_SHARED __align__(16) uint4 v_s[BC * CHV];  // the V tile (the block's slice of coordinates)
@@ -162,27 +163,37 @@
             for (int nt = 0; nt < NS; ++nt) { s[nt][0] = 0.0f; s[nt][1] = 0.0f; s[nt][2] = 0.0f; s[nt][3] = 0.0f; }
 #pragma unroll
             for (int ks = 0; ks < KS; ++ks) {
+                // the k-step's fragments of every n-tile loaded first, then its mma: the loads' latencies overlap
+                // (each ldmatrix is asm volatile, so the compiler keeps them where they are written)
+                uint kb[NS / 2][4];
 #pragma unroll
                 for (int n2 = 0; n2 < NS / 2; ++n2) {
                     const int row = 16 * n2 + (lane & 7) + ((lane >> 4) << 3), j = 2 * ks + ((lane >> 3) & 1);
-                    uint kb[4];
-                    kvq_pf_ldsm4<false>(kb, k_s + row * CH + (j ^ (row & 7)));
-                    kvq_pf_mma<BF16>(s[2 * n2], qf[ks], kb[0], kb[1]);
-                    kvq_pf_mma<BF16>(s[2 * n2 + 1], qf[ks], kb[2], kb[3]);
+                    kvq_pf_ldsm4<false>(kb[n2], k_s + row * CH + (j ^ (row & 7)));
+                }
+#pragma unroll
+                for (int n2 = 0; n2 < NS / 2; ++n2) {
+                    kvq_pf_mma<BF16>(s[2 * n2], qf[ks], kb[n2][0], kb[n2][1]);
+                    kvq_pf_mma<BF16>(s[2 * n2 + 1], qf[ks], kb[n2][2], kb[n2][3]);
                 }
             }
-            // ---- scale to log2 units, mask the columns a row does not see (this lane's columns 2c, 2c + 1 of each 8)
-            const kvq_u64 mine[2] = {vis[0] >> (2 * c), vis[1] >> (2 * c)};
+            // ---- mask the columns a row does not see (this lane's columns 2c, 2c + 1 of each 8); a warp whose rows
+            // all see the whole tile (all: the same for every lane) skips it. Scores stay unscaled until the exponent.
+            if (!all) {
+                const uint mine[2][2] = {{(uint)(vis[0] >> (2 * c)), (uint)(vis[0] >> (2 * c + 32))},
+                                         {(uint)(vis[1] >> (2 * c)), (uint)(vis[1] >> (2 * c + 32))}};
 #pragma unroll
-            for (int nt = 0; nt < NS; ++nt) {
+                for (int nt = 0; nt < NS; ++nt) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float x = s[nt][e] * qk;
-                    s[nt][e] = all || ((mine[e >> 1] >> (8 * nt + (e & 1))) & 1) ? x : -KVQ_INF;
+                    for (int e = 0; e < 4; ++e) {
+                        const int bit = 8 * nt + (e & 1);  // a compile-time shift of one 32-bit half
+                        if (!((mine[e >> 1][bit >> 5] >> (bit & 31)) & 1u)) s[nt][e] = -KVQ_INF;
+                    }
                 }
             }
-            // ---- online softmax: a row's max over its 4 lanes; z the new max (0 while still -inf, so exp2 stays
-            // finite), al the factor that rescales what was accumulated before
+            // ---- online softmax: a row's max over its 4 lanes (of the unscaled scores; qk > 0 keeps the order), in
+            // log2 units; z the new max (0 while still -inf, so exp2 stays finite), al the factor that rescales what
+            // was accumulated before; each probability exp2(score * qk - z) is one FFMA and one ex2
 #pragma unroll
             for (int u = 0; u < 2; ++u) {
                 float top = -KVQ_INF;
@@ -190,15 +201,15 @@
                 for (int nt = 0; nt < NS; ++nt) top = KVQ_FMAX(top, KVQ_FMAX(s[nt][2 * u], s[nt][2 * u + 1]));
                 top = KVQ_FMAX(top, KVQ_SHFL_XOR(top, 1));
                 top = KVQ_FMAX(top, KVQ_SHFL_XOR(top, 2));
-                const float nm = KVQ_FMAX(mrow[u], top);
+                const float nm = KVQ_FMAX(mrow[u], top * qk);
                 const float z = nm == -KVQ_INF ? 0.0f : nm;
                 const float al = kvq_pf_exp2(mrow[u] - z);
                 mrow[u] = nm;
                 lrow[u] *= al;
 #pragma unroll
                 for (int nt = 0; nt < NS; ++nt) {
-                    s[nt][2 * u] = kvq_pf_exp2(s[nt][2 * u] - z);
-                    s[nt][2 * u + 1] = kvq_pf_exp2(s[nt][2 * u + 1] - z);
+                    s[nt][2 * u] = kvq_pf_exp2(fmaf(s[nt][2 * u], qk, -z));
+                    s[nt][2 * u + 1] = kvq_pf_exp2(fmaf(s[nt][2 * u + 1], qk, -z));
                     lrow[u] += s[nt][2 * u] + s[nt][2 * u + 1];
                 }
 #pragma unroll
@@ -217,13 +228,21 @@
                                    kvq_pf_pack<BF16>(s[2 * kk][2], s[2 * kk][3]),
                                    kvq_pf_pack<BF16>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
                                    kvq_pf_pack<BF16>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+                // the value fragments in groups of 4 loads, then their mma (as the scores' k-steps above)
+                constexpr int G = NO / 2 < 4 ? NO / 2 : 4;
 #pragma unroll
-                for (int d2 = 0; d2 < NO / 2; ++d2) {
-                    const int row = 16 * kk + (lane & 7) + (((lane >> 3) & 1) << 3), j = 2 * d2 + (lane >> 4);
-                    uint vb[4];
-                    kvq_pf_ldsm4<true>(vb, v_s + row * CHV + (j ^ (row & 7)));
-                    kvq_pf_mma<BF16>(acc[2 * d2], a, vb[0], vb[1]);
-                    kvq_pf_mma<BF16>(acc[2 * d2 + 1], a, vb[2], vb[3]);
+                for (int d0 = 0; d0 < NO / 2; d0 += G) {
+                    uint vb[G][4];
+#pragma unroll
+                    for (int d = 0; d < G; ++d) {
+                        const int row = 16 * kk + (lane & 7) + (((lane >> 3) & 1) << 3), j = 2 * (d0 + d) + (lane >> 4);
+                        kvq_pf_ldsm4<true>(vb[d], v_s + row * CHV + (j ^ (row & 7)));
+                    }
+#pragma unroll
+                    for (int d = 0; d < G; ++d) {
+                        kvq_pf_mma<BF16>(acc[2 * (d0 + d)], a, vb[d][0], vb[d][1]);
+                        kvq_pf_mma<BF16>(acc[2 * (d0 + d) + 1], a, vb[d][2], vb[d][3]);
+                    }
                 }
             }
         }
