@@ -21,7 +21,8 @@
 #        benchmarks/ncu_source_summary.py), suite4 (every gpu test and the attention engine's tests on the GPU, 4 groups),
 #        records (record_outputs before/after a refactor, kernels on), stepcost (cache_step_cost before/after, twice),
 #        prefill-kernel (#51: the prefill kernel's GPU parity tests, then its time beside MLX's masked and causal
-#        attention at 8K and 32K, benchmarks/prefill_masks.py, and the per-layer chunk breakdown, prefill_parts.py),
+#        attention at 8K and 32K, benchmarks/prefill_masks.py, once as built and once with --minb 3, and the per-layer chunk
+#        breakdown, prefill_parts.py),
 #        prefill-wired (#51: kvq bench prefill on random:llama3-8b, bfloat16, 8K and 32K, fp16 in the same run, with
 #        the prefill kernel on (benchmarks/knobs.py --prefill '{"tc": true}') and off, each an untimed warm-up and
 #        two timed repetitions)
@@ -171,9 +172,9 @@ for name, fn in [("quantize", lambda: k.kvq_quantize(x, p).data["codes"]),
                 done;;
     prefill-kernel) MLX_ENABLE_TF32=0 timeout 300 python3 -m pytest tests/test_prefill_kernel_gpu.py -q --tb=short \
                       -p no:cacheprovider > "$OUT/prefill_kernel_tests.log" 2>&1; tail -c 2500 "$OUT/prefill_kernel_tests.log"
-                    for rep in 1 2; do
+                    for rep in 1 2; do  # the second with the kernel's launch bound of 3 blocks per SM
                       (cd benchmarks && timeout 240 python3 prefill_masks.py "$OUT/masks$rep" --contexts 8K,32K --reps 10 \
-                        > "$OUT/prefill_masks$rep.log" 2>&1)
+                        --minb $(( (rep - 1) * 3 )) > "$OUT/prefill_masks$rep.log" 2>&1)
                       python3 -c 'import json,sys; [print({k: (round(v * 1e3, 3) if k.endswith("_s") else v) for k, v in r.items()}) for r in json.load(open(sys.argv[1]))["rows"]]' \
                         "$OUT/masks$rep/prefill_masks.json" 2>/dev/null || tail -c 1500 "$OUT/prefill_masks$rep.log"
                     done

@@ -1,7 +1,7 @@
 """What the additive mask of a prefill chunk costs in MLX's fused attention, and layouts of it that cost less (#23).
 
     python benchmarks/prefill_masks.py OUT_DIR [--contexts 8K,32K,128K] [--chunk 2048] [--method turboquant:3]
-        [--reps 10]
+        [--reps 10] [--minb N]
 
 One layer's kvq cache (random keys and values, sinks 4, window 128, flush 128) holds ``context`` tokens; a chunk
 of ``--chunk`` tokens is stored and its attention inputs are built as :meth:`kvq.cache.KVQCache.attend` builds
@@ -109,10 +109,16 @@ def unblocked(out, pad: int, Tq: int) -> mx.array:
 def main(argv=None) -> int:
     ap = layer_parser(__doc__, "8K,32K,128K")
     ap.add_argument("--method", default="turboquant:3")
+    ap.add_argument("--minb", type=int, default=None,
+                    help="the prefill kernel's launch bound (kvq_metal.knobs.PrefillKnobs.minb; default: the library's)")
     args = ap.parse_args(argv)
 
+    import attrs
     from kvq.bench.fill import fill
+    from kvq_metal import prefill
     from kvq_metal.prefill import prefill_attend
+    if args.minb is not None:
+        prefill.TUNING = attrs.evolve(prefill.TUNING, minb=args.minb)
     from kvq.evaluation.spec import make_layer_cache, parse_method
 
     dtype, source = layer_source(args)

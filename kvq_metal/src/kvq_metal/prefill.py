@@ -43,10 +43,12 @@ query / 8 KV heads, head_dim 128) over 8K and 32K held tokens (``benchmarks/pref
 2.34 and 7.14 ms, against MLX's attention with the additive mask 1.45 and 3.84 ms and fp16's causal call 0.67 and
 2.25 ms. So :class:`kvq_metal.knobs.PrefillKnobs` keeps it off. Nsight Compute at 8K (``--set full``): 173
 registers, so 2 blocks (8 warps) per SM, 12.5% occupancy; issue slots 42% busy, no eligible warp in 56% of cycles;
-the busiest pipe is the ALU (43%), not the tensor cores. Leads, in order: a warp-uniform branch around the per-score
-masking (today a select on a 64-bit shift per score, even for tiles every row sees whole); 32 rows per warp (two
-m16 tiles, FlashAttention-2's layout: each K/V fragment loaded from shared memory serves twice the mma work); the
-scale folded into the exponent (one FFMA instead of FMUL and FADD); then occupancy (registers) or ``wgmma``.
+the busiest pipe is the ALU (43%), not the tensor cores. Changed since, not yet measured: each k-step's fragments
+loaded before its mma (they were loaded one before each pair of mma: ``asm volatile`` keeps that order, so every
+load's latency stalled the warp), the per-score masking only in warps whose rows do not all see the whole tile (it
+was a select on a 64-bit shift for every score), the scale folded into the exponent (one FFMA), and a launch bound
+knob (``PrefillKnobs.minb``: 3 blocks per SM at head_dim 128). Next leads: 32 rows per warp (two m16 tiles,
+FlashAttention-2's layout: each K/V fragment from shared memory serves twice the mma work), then ``wgmma``.
 
 Precision: scores and the output accumulate in float32; the probabilities are rounded to the inputs' dtype for
 the values' product (FlashAttention's numerics: bfloat16 probabilities carry 8 significant bits). The output is
