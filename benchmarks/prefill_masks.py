@@ -110,7 +110,8 @@ def main(argv=None) -> int:
     ap = layer_parser(__doc__, "8K,32K,128K")
     ap.add_argument("--method", default="turboquant:3")
     ap.add_argument("--minb", type=int, default=None,
-                    help="the prefill kernel's launch bound (kvq_metal.knobs.PrefillKnobs.minb; default: the library's)")
+                    help="the prefill kernel's launch bound at --head-dim (kvq_metal.knobs.PrefillKnobs.minb; default: "
+                         "the library's)")
     args = ap.parse_args(argv)
 
     import attrs
@@ -118,7 +119,7 @@ def main(argv=None) -> int:
     from kvq_metal import prefill
     from kvq_metal.prefill import prefill_attend
     if args.minb is not None:
-        prefill.TUNING = attrs.evolve(prefill.TUNING, minb=args.minb)
+        prefill.TUNING = attrs.evolve(prefill.TUNING, minb={**prefill.TUNING.minb, args.head_dim: args.minb})
     from kvq.evaluation.spec import make_layer_cache, parse_method
 
     dtype, source = layer_source(args)
@@ -139,7 +140,7 @@ def main(argv=None) -> int:
         vb = mx.broadcast_to(values, (nb,) + values.shape[1:])
         mx.eval(view, dense, qb)
         row = {"context": context, "chunk": C, "keys": keys.shape[2], "blocks": nb, "pad": pad,
-               "view_equals_mask": same}
+               "view_equals_mask": same, "kernel_minb": prefill.TUNING.minb.get(D, 0)}
         reference = sdpa(q, keys, values, scale=scale, mask=mask)
         variants = {
             "causal": lambda: sdpa(q, k_all, v_all, scale=scale, mask="causal"),

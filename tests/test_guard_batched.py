@@ -127,3 +127,65 @@ def test_a_failed_replay_leaves_no_statistics_behind():
     with pytest.raises(RuntimeError, match="were not replayed"), checks.replay():
         pass
     assert guard.guard_layer(config, keys)[1] is not None  # centred, from its own statistics
+
+
+def test_rotating_rows_and_rows_of_one_token_decide_as_alone(monkeypatch):
+    """Rotating rows (a ring of 40, keep 2) over two chunks, where in the second a row has one real token left
+    (right padding): the rows that store a chunk wait once between them, a row of one token checks on its own (a
+    one-token update is not undone, so it never defers), and every row holds what a lone cache holds."""
+    from kvq.cache import RotatingKVQCache
+
+    config = make_config("turboquant", bits=4, window=12, flush=4, kernels="off").for_layer(1)
+    data = [row_keys(kind, seed) for seed, kind in enumerate(KINDS)]
+    first, lengths = 10, [T - 10, 1, T - 10, T - 10]  # the second chunk's real tokens per row
+    counting = CountingMx()
+    monkeypatch.setattr(guard, "mx", counting)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OutlierLayerWarning)
+        alone = []
+        for (k, v), n in zip(data, lengths):
+            cache = RotatingKVQCache(config, max_size=40, keep=2)
+            cache.update_and_fetch(k[:, :, :first], v[:, :, :first])
+            cache.update_and_fetch(k[:, :, first:first + n], v[:, :, first:first + n])
+            alone.append(cache)
+        counting.evals = 0
+        batch = BatchKVQCache([RotatingKVQCache(config, max_size=40, keep=2) for _ in KINDS])
+        batch.update_and_fetch(mx.concatenate([k[:, :, :first] for k, _ in data]),
+                               mx.concatenate([v[:, :, :first] for _, v in data]))
+        assert counting.evals == 0  # 10 tokens: no row compresses yet
+        batch.prepare(lengths=lengths, right_padding=[T - first - n for n in lengths])
+        batch.update_and_fetch(mx.concatenate([k[:, :, first:] for k, _ in data]),
+                               mx.concatenate([v[:, :, first:] for _, v in data]))
+        batch.finalize()
+    assert counting.evals == 1  # rows 0, 2 and 3 together; row 1 (11 tokens) has not compressed
+    for row, cache in zip(batch.rows, alone):
+        assert row.offset == cache.offset
+        assert_same(state(row), state(cache))
+
+
+def test_a_row_that_fails_while_collecting_leaves_no_deferral_behind(monkeypatch):
+    """A row whose quantizer raises once the batch replays its checks: the error reaches the caller, that row is as
+    it was, and the next lone check waits for the device itself (nothing is left recording or replaying in the
+    thread)."""
+    config = make_config("turboquant", bits=4, window=12, flush=4, kernels="off").for_layer(1)
+    data = [row_keys(kind, seed) for seed, kind in enumerate(KINDS[:3])]
+    rows = [KVQCache(config) for _ in data]
+    calls = {"n": 0}
+    real = rows[1]._encode
+
+    def failing(keys, values):
+        calls["n"] += 1
+        raise RuntimeError("quantizer failed")
+
+    monkeypatch.setattr(rows[1], "_encode", failing)
+    batch = BatchKVQCache(rows)
+    with pytest.raises(RuntimeError, match="quantizer failed"):
+        batch.update_and_fetch(mx.concatenate([k for k, _ in data]), mx.concatenate([v for _, v in data]))
+    assert calls["n"] == 1 and rows[1].offset == 0 and rows[1].compressed_keys.length == 0
+    assert guard._BATCH.collecting is None and guard._BATCH.replay is None
+    monkeypatch.setattr(rows[1], "_encode", real)
+    lone = KVQCache(config)
+    counting = CountingMx()
+    monkeypatch.setattr(guard, "mx", counting)
+    lone.update_and_fetch(*data[1])
+    assert counting.evals == 1 and lone.key_mean is not None  # its own wait; centred (offsets)

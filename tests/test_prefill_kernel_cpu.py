@@ -48,7 +48,9 @@ BAD = [
     ("sink_logits", lambda a: mx.zeros((3,)), ValueError, "sink_logits must be [H_q=4]"),
     ("sink_logits", lambda a: mx.zeros((4,), mx.int32), TypeError, "sink_logits must be a floating-point mlx array"),
     ("scale", lambda a: float("nan"), ValueError, "scale must be a positive finite float"),
-    ("scale", lambda a: -0.1, ValueError, "scale must be a positive finite float; got -0.1"),
+    ("scale", lambda a: -0.1, ValueError, "as the kernel reads it); got -0.1"),
+    ("scale", lambda a: 1e-50, ValueError, "as the kernel reads it); got 1e-50"),  # 0 in float32: NaN scores
+    ("scale", lambda a: 1e50, ValueError, "as the kernel reads it); got 1e+50"),  # inf in float32
     ("scale", lambda a: "0.1", TypeError, "scale must be a positive finite float; got str"),
     ("queries", lambda a: a["queries"][:, :, :0], ValueError, "at least one token; got T_q 0"),
 ]

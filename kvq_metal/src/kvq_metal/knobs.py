@@ -89,11 +89,13 @@ class PrefillKnobs:
     tolerance of 16-bit attention (the kernel's first-use check compares it with the float32 reference); only the
     speed differs.
 
-    ``minb``: the blocks per SM the compiler must fit the kernel's registers to (``__launch_bounds__(THREADS, minb)``;
-    0: no bound). At head_dim 128 nvcc gives it 170 registers, 2 above what 3 blocks of 128 threads allow (168), so
-    ``minb`` 3 would raise the occupancy from 8 to 12 warps per SM; not yet measured. Registers only: the results
-    are the same.
+    ``minb``: head_dim -> the blocks per SM the compiler must fit the kernel's registers to
+    (``__launch_bounds__(THREADS, minb)``); a head_dim not in it gets no bound. At head_dim 128 nvcc 13 gives the
+    kernel 170 registers (MLX's NVRTC build 173, by Nsight Compute), just above what 3 blocks of 128 threads allow
+    (168), so ``{128: 3}`` would raise the occupancy from 8 to 12 warps per SM, with 16-24 bytes of spills (nvcc);
+    not yet measured. At 256 (211-216 registers) a bound of 3 spills heavily; at 64 (about 130) it changes nothing.
+    Registers only: the results are the same.
     """
 
     tc: bool = False
-    minb: int = 0
+    minb: dict = attrs.field(factory=dict)

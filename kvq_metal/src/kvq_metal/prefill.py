@@ -35,7 +35,8 @@ rows span fewer query positions (tighter tile skipping); for short chunks (decod
 each tile ``n_rep`` times less and fills the tensor cores' 16-row tiles.
 
 Registers per thread (nvcc 13.0, sm_90 and sm_80, ``benchmarks/investigations/nvcc_prefill.py``): 130-134 at
-head_dim 64, 170-174 at 128, 211-216 at 256, no spills: two or three blocks of 128 threads per SM.
+head_dim 64, 170-174 at 128, 211-216 at 256, no spills without a launch bound: two or three blocks of 128 threads
+per SM.
 
 Measured on one H200 (MLX 0.32.4, 2026-12-06): ``tests/test_prefill_kernel_gpu.py`` passes (23 tests: every head_dim,
 both dtypes, GQA, up to 4 intervals, sinks, the cache's chunk path). Speed, one layer's chunk of 2,048 rows (32
@@ -44,10 +45,11 @@ query / 8 KV heads, head_dim 128) over 8K and 32K held tokens (``benchmarks/pref
 2.25 ms. So :class:`kvq_metal.knobs.PrefillKnobs` keeps it off. Nsight Compute at 8K (``--set full``): 173
 registers, so 2 blocks (8 warps) per SM, 12.5% occupancy; issue slots 42% busy, no eligible warp in 56% of cycles;
 the busiest pipe is the ALU (43%), not the tensor cores. Changed since, not yet measured: each k-step's fragments
-loaded before its mma (they were loaded one before each pair of mma: ``asm volatile`` keeps that order, so every
-load's latency stalled the warp), the per-score masking only in warps whose rows do not all see the whole tile (it
-was a select on a 64-bit shift for every score), the scale folded into the exponent (one FFMA), and a launch bound
-knob (``PrefillKnobs.minb``: 3 blocks per SM at head_dim 128). Next leads: 32 rows per warp (two m16 tiles,
+loaded before its mma (the PTX had one load before each pair of mma, ``asm volatile`` keeping the written order; a
+hypothesis that the final code stalled on each load, not read from SASS, which this machine cannot disassemble),
+the per-score masking only in warps whose rows do not all see the whole tile (it was a select on a 64-bit shift for
+every score), the scale folded into the exponent (one FFMA), and a launch-bound knob (``PrefillKnobs.minb``, e.g. 3
+blocks per SM at head_dim 128, with a few bytes of spills). Next leads: 32 rows per warp (two m16 tiles,
 FlashAttention-2's layout: each K/V fragment from shared memory serves twice the mma work), then ``wgmma``.
 
 Precision: scores and the output accumulate in float32; the probabilities are rounded to the inputs' dtype for
@@ -185,8 +187,10 @@ def check_inputs(queries, keys, values, intervals, scale, sink_logits=None) -> t
                          f"{D}, value_dim {values.shape[3]}")
     if not isinstance(scale, (int, float, np.floating)):
         raise TypeError(f"scale must be a positive finite float; got {type(scale).__name__}")
-    if not (np.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be a positive finite float; got {scale!r}")
+    with np.errstate(over="ignore"):
+        as_float32 = np.float32(scale) if np.isfinite(scale) else np.float32("nan")  # what the kernel reads
+    if not (np.isfinite(as_float32) and as_float32 > 0):
+        raise ValueError(f"scale must be a positive finite float (in float32, as the kernel reads it); got {scale!r}")
     return intervals, _check_sinks(sink_logits, Hq)
 
 
@@ -257,7 +261,7 @@ def launch(queries: mx.array, keys: mx.array, values: mx.array, intervals: mx.ar
     """:func:`prefill_attend` on arguments :func:`check_inputs` has already returned (``intervals`` int32,
     ``sinks`` float32 or ``None``), on a CUDA device: the launch alone."""
     plan = launch_plan(tuple(queries.shape), tuple(keys.shape), queries.dtype, intervals.shape[1], scale,
-                       sinks is not None, TUNING.minb)
+                       sinks is not None, TUNING.minb.get(queries.shape[-1], 0))
     inputs = [queries, keys, values, intervals, intervals if sinks is None else sinks]
     # the template baked into the kernel's text (kvq_metal.dialect.KernelObject.bound): MINB takes effect there
     call, template, kept = PREFILL_ATTEND_TC.kernel("cuda", INPUTS, OUTPUTS).bound(plan.template, inputs)

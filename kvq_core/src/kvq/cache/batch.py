@@ -109,15 +109,21 @@ class BatchKVQCache:
         # operation a row adds per layer and step counts)
         row_keys, row_values = _rows(keys), _rows(values)
         rows = self.rows
-        counts = [T if self._remaining is None else min(T, r) for r in self._remaining or [T] * len(rows)]
+        counts = [T] * len(rows) if self._remaining is None else [min(T, r) for r in self._remaining]
+        if len(counts) != len(rows):
+            raise RuntimeError(f"BatchKVQCache: {len(counts)} remaining prompt lengths for {len(rows)} rows")
         # rows' first-block checks wait for the device once for all of them (kvq.cache.guard.Batched); only a
         # chunk's update is undone when it raises, so only chunks defer their checks, and only with two or more
+        if sum(n > 1 for n in counts) < 2:
+            for i, (row, n) in enumerate(zip(rows, counts)):
+                self._starts[i] = row.offset
+                self._update_row(i, row, row_keys[i], row_values[i], n)
+            return self.keys_and_values()
         checks, stopped = Batched(), []
-        defer = sum(n > 1 for n in counts) > 1
         for i, (row, n) in enumerate(zip(rows, counts)):
             self._starts[i] = row.offset
             try:
-                with checks.collect() if defer and n > 1 else contextlib.nullcontext():
+                with checks.collect() if n > 1 else contextlib.nullcontext():
                     self._update_row(i, row, row_keys[i], row_values[i], n)
             except Deferred:  # the row stopped at its first compression, undone: it runs again below
                 stopped.append(i)

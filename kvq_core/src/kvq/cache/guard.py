@@ -191,7 +191,8 @@ def key_scales(keys: mx.array) -> mx.array | None:
 
 def _scaled_heads(keys: mx.array) -> mx.array:
     """Which heads of ``keys`` ``[B, H_kv, T, D]`` :func:`key_scales` scales: bool ``[B, H_kv, 1, 1]``, not evaluated.
-    It reads the keys less their own per-channel mean, so keys centred by any per-channel mean give the same heads."""
+    It reads the keys less their own per-channel mean, so keys centred by any per-channel mean give the same heads (up
+    to float32 rounding)."""
     return channel_spread(_varying(keys)) >= SCALE_SPREAD_LIMIT
 
 
@@ -317,24 +318,24 @@ class Batched:
     @contextlib.contextmanager
     def collect(self):
         """Within: :func:`guard_layer` records the statistics and raises :class:`Deferred`."""
-        _BATCH.collecting = self.recorded
+        outer, _BATCH.collecting = _BATCH.collecting, self.recorded
         try:
             yield
         finally:
-            _BATCH.collecting = None
+            _BATCH.collecting = outer
 
     @contextlib.contextmanager
     def replay(self):
         """Evaluate every recorded statistic at once; within, :func:`guard_layer` takes them in recorded order.
         :raises RuntimeError: a recorded statistic is left unused (a row did not replay what it recorded)."""
         mx.eval(*[x for _, stats in self.recorded for x in stats if x is not None])
-        _BATCH.replay = collections.deque(self.recorded)
+        outer, _BATCH.replay = _BATCH.replay, collections.deque(self.recorded)
         try:
             yield
             if _BATCH.replay:
                 raise RuntimeError(f"kvq.cache.guard: {len(_BATCH.replay)} recorded first blocks were not replayed")
         finally:
-            _BATCH.replay = None
+            _BATCH.replay = outer
 
 
 def _outlier_layer(config, share: float):

@@ -230,6 +230,7 @@
                                    kvq_pf_pack<BF16>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
                 // the value fragments in groups of 4 loads, then their mma (as the scores' k-steps above)
                 constexpr int G = NO / 2 < 4 ? NO / 2 : 4;
+                static_assert((NO / 2) % G == 0, "whole groups of value fragments");
 #pragma unroll
                 for (int d0 = 0; d0 < NO / 2; d0 += G) {
                     uint vb[G][4];
