@@ -90,7 +90,8 @@ class PrefillKnobs:
     speed differs.
 
     ``minb``: head_dim -> the blocks per SM the compiler must fit the kernel's registers to
-    (``__launch_bounds__(THREADS, minb)``); a head_dim not in it gets no bound. At head_dim 128 nvcc 13 gives the
+    (``__launch_bounds__(THREADS, minb)``; keys may be strings, as JSON gives them: ``benchmarks/knobs.py --prefill
+    '{"minb": {"128": 3}}'``); a head_dim not in it gets no bound. At head_dim 128 nvcc 13 gives the
     kernel 170 registers (MLX's NVRTC build 173, by Nsight Compute), just above what 3 blocks of 128 threads allow
     (168), so ``{128: 3}`` would raise the occupancy from 8 to 12 warps per SM, with 16-24 bytes of spills (nvcc);
     not yet measured. At 256 (211-216 registers) a bound of 3 spills heavily; at 64 (about 130) it changes nothing.
@@ -98,4 +99,4 @@ class PrefillKnobs:
     """
 
     tc: bool = False
-    minb: dict = attrs.field(factory=dict)
+    minb: dict = attrs.field(factory=dict, converter=lambda d: {int(k): int(v) for k, v in dict(d).items()})
