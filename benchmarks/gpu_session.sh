@@ -25,7 +25,8 @@
 #        breakdown, prefill_parts.py),
 #        prefill-wired (#51: kvq bench prefill on random:llama3-8b, bfloat16, 8K and 32K, fp16 in the same run, with
 #        the prefill kernel on (benchmarks/knobs.py --prefill '{"tc": true}') and off, each an untimed warm-up and
-#        two timed repetitions)
+#        two timed repetitions), batch-prefill (BatchGenerator prefill of 8 x 2,048 with the first-block checks and
+#        without, benchmarks/investigations/batch_prefill_regression.py)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -180,6 +181,13 @@ for name, fn in [("quantize", lambda: k.kvq_quantize(x, p).data["codes"]),
                     done
                     (cd benchmarks && timeout 240 python3 prefill_parts.py "$OUT/parts" --contexts 8K,32K \
                       > "$OUT/prefill_parts.log" 2>&1); tail -c 2500 "$OUT/prefill_parts.log";;
+    batch-prefill) # the first-block checks' device waits in a batch's prefill (kvq.cache.guard.Batched): BatchGenerator
+                   # prefill of 8 x 2,048, fp16 beside turboquant:3 in every repetition, with the checks and without
+                   for off in "" --guard-off; do
+                     (cd /tmp && timeout 150 python3 "$OLDPWD/benchmarks/investigations/batch_prefill_regression.py" \
+                       "$OUT/batch-prefill${off}" --reps 3 $off > "$OUT/batch-prefill${off}.log" 2>&1)
+                     echo "== checks ${off:-on}"; grep "^{" "$OUT/batch-prefill${off}.log" || tail -c 1500 "$OUT/batch-prefill${off}.log"
+                   done;;
     prefill-wired) for tc in true false; do
                      MLX_ENABLE_TF32=0 timeout 280 python3 benchmarks/knobs.py --prefill "{\"tc\": $tc}" -- bench prefill \
                        --model random:llama3-8b --dtype bfloat16 --contexts 8K,32K --reps 3 \
