@@ -188,7 +188,7 @@ def check_inputs(queries, keys, values, intervals, scale, sink_logits=None) -> t
     if not isinstance(scale, (int, float, np.floating)):
         raise TypeError(f"scale must be a positive finite float; got {type(scale).__name__}")
     with np.errstate(over="ignore"):
-        as_float32 = np.float32(scale) if np.isfinite(scale) else np.float32("nan")  # what the kernel reads
+        as_float32 = np.float32(scale)  # what the kernel reads
     if not (np.isfinite(as_float32) and as_float32 > 0):
         raise ValueError(f"scale must be a positive finite float (in float32, as the kernel reads it); got {scale!r}")
     return intervals, _check_sinks(sink_logits, Hq)

@@ -13,7 +13,6 @@ unpacks them first; :attr:`BatchKVQCache.pack` turns packing off.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import mlx.core as mx
@@ -114,16 +113,15 @@ class BatchKVQCache:
             raise RuntimeError(f"BatchKVQCache: {len(counts)} remaining prompt lengths for {len(rows)} rows")
         # rows' first-block checks wait for the device once for all of them (kvq.cache.guard.Batched); only a
         # chunk's update is undone when it raises, so only chunks defer their checks, and only with two or more
-        if sum(n > 1 for n in counts) < 2:
-            for i, (row, n) in enumerate(zip(rows, counts)):
-                self._starts[i] = row.offset
-                self._update_row(i, row, row_keys[i], row_values[i], n)
-            return self.keys_and_values()
+        defer = sum(n > 1 for n in counts) > 1
         checks, stopped = Batched(), []
         for i, (row, n) in enumerate(zip(rows, counts)):
             self._starts[i] = row.offset
+            if not (defer and n > 1):
+                self._update_row(i, row, row_keys[i], row_values[i], n)
+                continue
             try:
-                with checks.collect() if n > 1 else contextlib.nullcontext():
+                with checks.collect():
                     self._update_row(i, row, row_keys[i], row_values[i], n)
             except Deferred:  # the row stopped at its first compression, undone: it runs again below
                 stopped.append(i)

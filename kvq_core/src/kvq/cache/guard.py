@@ -270,7 +270,7 @@ def guard_layer(config, keys: mx.array):
 def _statistics(config, keys: mx.array) -> list:
     """The first block's statistics :func:`guard_layer` decides on, evaluated: ``[offset energy, concentration,
     scaled heads or None, any head scaled or None]`` (float32 scalars, bool ``[B, H_kv, 1, 1]``, bool scalar). Waits
-    for the device once, or not at all where a batch has evaluated them already (:func:`batched`)."""
+    for the device once, or not at all where a batch has evaluated them already (:class:`Batched`)."""
     if _BATCH.replay:
         shape, stats = _BATCH.replay.popleft()
         if shape != tuple(keys.shape):  # the rows replay in the order they stopped: anything else is a bug
