@@ -20,9 +20,9 @@
 #        the bound turboquant-3 step at 4K and 128K, its SASS source counters summarised by
 #        benchmarks/ncu_source_summary.py), suite4 (every gpu test and the attention engine's tests on the GPU, 4 groups),
 #        records (record_outputs before/after a refactor, kernels on), stepcost (cache_step_cost before/after, twice),
-#        prefill-kernel (#51: the prefill kernel's GPU parity tests, then its time beside MLX's masked and causal
-#        attention at 8K and 32K, benchmarks/prefill_masks.py, once as built and once with --minb 3, and the per-layer chunk
-#        breakdown, prefill_parts.py),
+#        prefill-kernel (#51: the prefill kernel's GPU parity tests, every form, then its time beside MLX's masked and
+#        causal attention at 8K and 32K, benchmarks/prefill_masks.py, for each form: --warpgroups 0 (mma.sync), 1, 2
+#        (wgmma)),
 #        prefill-wired (#51: kvq bench prefill on random:llama3-8b, bfloat16, 8K and 32K, fp16 in the same run, with
 #        the prefill kernel on (benchmarks/knobs.py --prefill '{"tc": true}') and off, each an untimed warm-up and
 #        two timed repetitions), batch-prefill (BatchGenerator prefill of 8 x 2,048 with the first-block checks and
@@ -171,16 +171,15 @@ for name, fn in [("quantize", lambda: k.kvq_quantize(x, p).data["codes"]),
                   python3 benchmarks/ncu_source_summary.py "/tmp/ncu$ctx.csv" > "$OUT/ncu-source-$ctx.txt" 2>&1
                   grep -E "Duration|Elapsed Cycles|SM Active Cycles" "$OUT/ncu-details-$ctx.txt"
                 done;;
-    prefill-kernel) MLX_ENABLE_TF32=0 timeout 300 python3 -m pytest tests/test_prefill_kernel_gpu.py -q --tb=short \
-                      -p no:cacheprovider > "$OUT/prefill_kernel_tests.log" 2>&1; tail -c 2500 "$OUT/prefill_kernel_tests.log"
-                    for rep in 1 2; do  # the second with the kernel's launch bound of 3 blocks per SM
-                      (cd benchmarks && timeout 240 python3 prefill_masks.py "$OUT/masks$rep" --contexts 8K,32K --reps 10 \
-                        --minb $(( (rep - 1) * 3 )) > "$OUT/prefill_masks$rep.log" 2>&1)
+    prefill-kernel) MLX_ENABLE_TF32=0 timeout ${PK_TEST_TIMEOUT:-330} python3 -m pytest tests/test_prefill_kernel_gpu.py -q \
+                      --tb=short -p no:cacheprovider > "$OUT/prefill_kernel_tests.log" 2>&1
+                    tail -c 2500 "$OUT/prefill_kernel_tests.log"
+                    for wg in ${PK_FORMS:-0 1 2}; do  # the kernel's forms: mma.sync, then wgmma with 1 and 2 warpgroups
+                      (cd benchmarks && timeout 150 python3 prefill_masks.py "$OUT/masks-wg$wg" --contexts 8K,32K \
+                        --reps 10 --warpgroups $wg > "$OUT/prefill_masks-wg$wg.log" 2>&1)
                       python3 -c 'import json,sys; [print({k: (round(v * 1e3, 3) if k.endswith("_s") else v) for k, v in r.items()}) for r in json.load(open(sys.argv[1]))["rows"]]' \
-                        "$OUT/masks$rep/prefill_masks.json" 2>/dev/null || tail -c 1500 "$OUT/prefill_masks$rep.log"
-                    done
-                    (cd benchmarks && timeout 240 python3 prefill_parts.py "$OUT/parts" --contexts 8K,32K \
-                      > "$OUT/prefill_parts.log" 2>&1); tail -c 2500 "$OUT/prefill_parts.log";;
+                        "$OUT/masks-wg$wg/prefill_masks.json" 2>/dev/null || tail -c 1500 "$OUT/prefill_masks-wg$wg.log"
+                    done;;
     batch-prefill) # the first-block checks' device waits in a batch's prefill (kvq.cache.guard.Batched): BatchGenerator
                    # prefill of 8 x 2,048, fp16 beside turboquant:3 in every repetition, with the checks and without
                    for off in "" --guard-off; do

@@ -1,7 +1,7 @@
 """What the additive mask of a prefill chunk costs in MLX's fused attention, and layouts of it that cost less (#23).
 
     python benchmarks/prefill_masks.py OUT_DIR [--contexts 8K,32K,128K] [--chunk 2048] [--method turboquant:3]
-        [--reps 10] [--minb N]
+        [--reps 10] [--minb N] [--warpgroups N]
 
 One layer's kvq cache (random keys and values, sinks 4, window 128, flush 128) holds ``context`` tokens; a chunk
 of ``--chunk`` tokens is stored and its attention inputs are built as :meth:`kvq.cache.KVQCache.attend` builds
@@ -109,6 +109,9 @@ def unblocked(out, pad: int, Tq: int) -> mx.array:
 def main(argv=None) -> int:
     ap = layer_parser(__doc__, "8K,32K,128K")
     ap.add_argument("--method", default="turboquant:3")
+    ap.add_argument("--warpgroups", type=int, default=None,
+                    help="the prefill kernel's form (kvq_metal.knobs.PrefillKnobs.warpgroups: 0 mma.sync, 1 or 2 "
+                         "wgmma warpgroups a block on compute capability 9.x; default: the knob's)")
     ap.add_argument("--minb", type=int, default=None,
                     help="the prefill kernel's launch bound at --head-dim (kvq_metal.knobs.PrefillKnobs.minb; default: "
                          "the library's)")
@@ -118,6 +121,8 @@ def main(argv=None) -> int:
     from kvq.bench.fill import fill
     from kvq_metal import prefill
     from kvq_metal.prefill import prefill_attend
+    if args.warpgroups is not None:
+        prefill.TUNING = attrs.evolve(prefill.TUNING, warpgroups=args.warpgroups)
     if args.minb is not None:
         prefill.TUNING = attrs.evolve(prefill.TUNING, minb={**prefill.TUNING.minb, args.head_dim: args.minb})
     from kvq.evaluation.spec import make_layer_cache, parse_method
@@ -140,7 +145,8 @@ def main(argv=None) -> int:
         vb = mx.broadcast_to(values, (nb,) + values.shape[1:])
         mx.eval(view, dense, qb)
         row = {"context": context, "chunk": C, "keys": keys.shape[2], "blocks": nb, "pad": pad,
-               "view_equals_mask": same, "kernel_minb": prefill.TUNING.minb.get(D, 0)}
+               "view_equals_mask": same, "kernel_minb": prefill.TUNING.minb.get(D, 0),
+               "kernel_warpgroups": prefill.TUNING.warpgroups if prefill.has_wgmma() else 0}
         reference = sdpa(q, keys, values, scale=scale, mask=mask)
         variants = {
             "causal": lambda: sdpa(q, k_all, v_all, scale=scale, mask="causal"),

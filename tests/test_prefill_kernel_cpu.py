@@ -100,8 +100,8 @@ def test_launch_plan_for_a_gqa_chunk():
     plan = prefill.launch_plan((2, 32, 2048, 128), (2, 8, 9000, 128), mx.bfloat16, 3, 128 ** -0.5, True)
     t = dict(plan.template)
     assert [name for name, _ in plan.template] == ["D", "DV", "BC", "BR", "P", "SINK", "BF16", "SCALE", "THREADS",
-                                                   "MINB"]
-    assert (t["THREADS"], t["MINB"]) == (128, 0)
+                                                   "MINB", "WG"]
+    assert (t["THREADS"], t["MINB"], t["WG"]) == (128, 0, False)
     assert (t["D"], t["DV"], t["BC"], t["BR"], t["P"], t["SINK"], t["BF16"]) == (128, 128, 64, 64, 3, True, True)
     assert dialect.float_bits(128 ** -0.5) == t["SCALE"] == 0x3DB504F3
     # 4 heads x 2048 rows per (batch, KV head) group, 64 rows per block of 128 threads
@@ -109,6 +109,13 @@ def test_launch_plan_for_a_gqa_chunk():
     assert plan.output_shapes == ((2, 32, 2048, 128), (2, 32, 2048))
     assert plan.output_dtypes == (mx.bfloat16, mx.float32)
     assert plan.shared_bytes == 64 * 256 * 2 + 8 * 3 * 65  # K and V tiles, 64 rows' intervals and their union
+    # the wgmma form: 2 warpgroups of 64 rows a block (256 threads, half the blocks); at head_dim 256 none
+    wg = prefill.launch_plan((2, 32, 2048, 128), (2, 8, 9000, 128), mx.bfloat16, 3, 128 ** -0.5, True, 0, 2)
+    assert (dict(wg.template)["WG"], dict(wg.template)["BR"], wg.threadgroup) == (True, 128, (256, 1, 1))
+    assert wg.grid == (64 * 256, 16, 1) and wg.shared_bytes == 64 * 256 * 2 + 8 * 3 * 129
+    assert [prefill.wgmma_serves(D) for D in (64, 128, 256, 96)] == [True, True, False, False]
+    assert dict(prefill.launch_plan((1, 8, 9, 256), (1, 2, 9, 256), mx.float16, 1, 0.1, False, 0, 1).template)[
+        "WG"] is False
 
 
 @pytest.mark.parametrize(("shape", "keys", "blocks", "slices", "columns"), [

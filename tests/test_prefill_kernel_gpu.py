@@ -6,7 +6,10 @@ inputs' dtype for the values' product and the output once, as FlashAttention doe
 the same 16-bit inputs. Each rounding is at most half an ulp, so the expected relative L2 error is about 3e-4 in
 float16 (11 significant bits) and 2e-3 in bfloat16 (8 bits): a numpy emulation of the kernel's fragments and
 roundings gave 2.6e-4 and 2.0e-3-2.1e-3. Bounds: 1e-3 and 6e-3 (about three times that); the log-sum-exp comes
-from float32 scores: 2e-3. Not yet run on a GPU (issue #51, phase 1).
+from float32 scores: 2e-3.
+
+The kernel-level tests run each form (``form``: :class:`kvq_metal.knobs.PrefillKnobs` ``warpgroups`` 0, the
+``mma.sync`` products, and 1 and 2, ``wgmma`` on compute capability 9.x, skipped elsewhere).
 """
 
 from __future__ import annotations
@@ -28,6 +31,17 @@ LSE_TOLERANCE = 2e-3
 def _cuda():
     if kvq_metal.gpu_backend() != "cuda":
         pytest.skip("the prefill kernel exists on CUDA only")
+
+
+@pytest.fixture(params=[0, 1, 2], ids=lambda n: f"wg{n}")
+def form(request, monkeypatch):
+    """The kernel's form for the test: ``warpgroups`` n (0: mma.sync; 1, 2: wgmma, compute capability 9.x only)."""
+    import attrs
+
+    if request.param and not prefill.has_wgmma():
+        pytest.skip("wgmma runs on compute capability 9.x only")
+    monkeypatch.setattr(prefill, "TUNING", attrs.evolve(prefill.TUNING, warpgroups=request.param))
+    return request.param
 
 
 def _rel(a, b) -> float:
@@ -96,7 +110,7 @@ KVQ_CASES = [
 
 
 @pytest.mark.parametrize("case", KVQ_CASES, ids=lambda c: f"D{c[0]}-{str(c[1]).split('.')[-1]}-rep{c[4]}-T{c[5]}")
-def test_kvq_chunk_matches_reference(case):
+def test_kvq_chunk_matches_reference(case, form):
     """kvq's pattern (sinks, a compressed prefix whose bound steps every 128 rows, a causal band), GQA 1, 4, 8,
     chunks of 1 to 2048 rows over up to 8K columns, float16 and bfloat16, head_dim 64, 128 and 256."""
     D, dtype, B, Hkv, rep, Tq, compressed, window, sinks = case
@@ -119,7 +133,7 @@ RANDOM_CASES = [
 
 
 @pytest.mark.parametrize("case", RANDOM_CASES, ids=lambda c: f"D{c[0]}-{str(c[1]).split('.')[-1]}-P{c[6]}-T{c[4]}")
-def test_random_intervals_match_reference(case):
+def test_random_intervals_match_reference(case, form):
     """1 to 4 random intervals per row, overlapping, empty, reaching past the columns; a row that sees nothing
     gets zeros (and the sink logit as its log-sum-exp)."""
     D, dtype, Hkv, rep, Tq, N, P, sinks = case
@@ -131,7 +145,7 @@ def test_random_intervals_match_reference(case):
     _check(q, k, v, iv, sink, dtype)
 
 
-def test_no_row_sees_anything():
+def test_no_row_sees_anything(form):
     """Every interval empty: zeros, lse -inf (the sink logit with sink logits)."""
     q, k, v = (mx.ones((1, 4, 70, 64), mx.float16), mx.ones((1, 2, 50, 64), mx.float16),
                mx.ones((1, 2, 50, 64), mx.float16))
@@ -157,7 +171,7 @@ def test_views_are_read_as_their_values():
     assert _rel(got, want) == 0.0
 
 
-def test_agrees_with_mlx_attention_with_a_mask():
+def test_agrees_with_mlx_attention_with_a_mask(form):
     """On kvq's pattern the kernel and the path it replaces (``mx.fast.scaled_dot_product_attention`` with an
     additive mask in the queries' dtype, :func:`kvq.cache.prefill.attend_dequantized`) agree within both their
     roundings (each within 1e-3 of float32)."""
@@ -169,6 +183,33 @@ def test_agrees_with_mlx_attention_with_a_mask():
     mask = mx.where(seen, mx.array(0, mx.float16), mx.array(mx.finfo(mx.float16).min, mx.float16))
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.1, mask=mask)
     assert _rel(prefill.prefill_attend(q, k, v, iv, 0.1), want) < 2e-3
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_wgmma_form_runs_and_matches_mma_sync(D, dtype, monkeypatch):
+    """On compute capability 9.x the ``wgmma`` form is what runs for head_dim 64 and 128 (its template's ``WG``
+    set, one or two warpgroups a block) and gives the ``mma.sync`` form's output within float32 accumulation
+    order (both round the same probabilities to 16 bits): relative L2 within a tenth of the reference
+    tolerance; head_dim 256 keeps ``mma.sync``."""
+    import attrs
+
+    if not prefill.has_wgmma():
+        pytest.skip("wgmma runs on compute capability 9.x only")
+    rng = np.random.default_rng(D)
+    iv, N = kvq_intervals(700, 4, 3000, 300)
+    q = _normal((1, 8, 700, D), dtype, rng)
+    k, v = _normal((1, 2, N, D), dtype, rng), _normal((1, 2, N, D), dtype, rng)
+    outs = {}
+    for n in (0, 1, 2):
+        monkeypatch.setattr(prefill, "TUNING", attrs.evolve(prefill.TUNING, warpgroups=n))
+        plan = prefill.launch_plan(q.shape, k.shape, dtype, 3, 0.1, False, 0, n)
+        assert dict(plan.template)["WG"] is (n > 0) and plan.threadgroup[0] == 128 * max(n, 1)
+        outs[n] = prefill.prefill_attend(q, k, v, iv, 0.1)
+    baked = prefill.PREFILL_ATTEND_TC.kernel("cuda", prefill.INPUTS, prefill.OUTPUTS)._baked  # what launched
+    assert all(any({("D", D), ("WG", True), ("THREADS", 128 * n)} <= set(full) for full, _ in baked) for n in (1, 2))
+    assert _rel(outs[1], outs[0]) < TOLERANCE[dtype] / 10 and _rel(outs[2], outs[0]) < TOLERANCE[dtype] / 10
+    assert dict(prefill.launch_plan((1, 8, 7, 256), (1, 2, 9, 256), dtype, 1, 0.1, False, 0, 1).template)["WG"] is False
 
 
 @pytest.mark.parametrize("label", ["turboquant:4", "turboquant:3", "affine:4"])

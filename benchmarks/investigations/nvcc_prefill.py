@@ -11,7 +11,10 @@ shared memory ptxas reports is checked against the launch plan's ``shared_bytes`
 instantiation fails to compile, spills, or declares other shared memory than planned.
 
     python benchmarks/investigations/nvcc_prefill.py [--keep DIR] [--archs sm_90,sm_80] [--head-dims 64,128,256]
-        [--minb N]
+        [--minb N] [--warpgroups N]
+
+``--warpgroups N`` records the ``wgmma`` form (template ``WG``, N warpgroups a block, as on an H100 or H200 with
+``PrefillKnobs.warpgroups`` N) for the head_dims it serves and compiles it for sm_90a only.
 """
 
 from __future__ import annotations
@@ -44,22 +47,25 @@ def ptxas_line(stderr: str) -> dict:
             "smem": first(r"(\d+) bytes smem")}
 
 
-def record(D: int, dtype: mx.Dtype, sinks: bool, intervals: int, minb: int = 0) -> tuple[dict, int]:
-    """The recorded launch of one instantiation (with ``__launch_bounds__(THREADS, minb)`` for ``minb`` > 0:
-    :class:`kvq_metal.knobs.PrefillKnobs`) and its planned static shared memory."""
+def record(D: int, dtype: mx.Dtype, sinks: bool, intervals: int, minb: int = 0,
+           warpgroups: int = 0) -> tuple[dict, int]:
+    """The recorded launch of one instantiation (with ``__launch_bounds__(THREADS, minb)`` for ``minb`` > 0,
+    the ``wgmma`` form with ``warpgroups`` > 0: :class:`kvq_metal.knobs.PrefillKnobs`) and its planned static
+    shared memory."""
     from kvq_metal import prefill
 
     nvcc_registers.RECORDED.clear()
     q = mx.zeros((1, 4, 16, D), dtype)
     kv = mx.zeros((1, 1, 64, D), dtype)
     iv = mx.zeros((16, intervals, 2), mx.int32)
-    plan = prefill.launch_plan(q.shape, kv.shape, dtype, intervals, D ** -0.5, sinks, minb)
-    saved = prefill.TUNING
-    prefill.TUNING = attrs.evolve(saved, minb={D: minb})
+    plan = prefill.launch_plan(q.shape, kv.shape, dtype, intervals, D ** -0.5, sinks, minb, warpgroups)
+    saved, device = prefill.TUNING, list(prefill._WGMMA)
+    prefill.TUNING = attrs.evolve(saved, minb={D: minb}, warpgroups=warpgroups)
+    prefill._WGMMA[:] = [warpgroups > 0]  # the device launch() asks about: one with wgmma where asked for
     try:  # the library's own launch, recorded (mx.fast.cuda_kernel is the recorder)
         prefill.launch(q, kv, kv, iv, D ** -0.5, mx.zeros((4,), mx.float32) if sinks else None)
     finally:
-        prefill.TUNING = saved
+        prefill.TUNING, prefill._WGMMA[:] = saved, device
     return nvcc_registers.RECORDED[0], plan.shared_bytes
 
 
@@ -82,7 +88,10 @@ def main() -> None:
     ap.add_argument("--columns", type=int, default=32, help="key columns per tile for a head_dim without a plan")
     ap.add_argument("--archs", default="sm_90,sm_80")
     ap.add_argument("--minb", type=int, default=0, help="blocks per SM the registers must fit (0: no bound)")
+    ap.add_argument("--warpgroups", type=int, default=0, help="the wgmma form, N warpgroups a block (sm_90a)")
     args = ap.parse_args()
+    if args.warpgroups:
+        args.archs = "sm_90a"
     if shutil.which("nvcc") is None:
         raise SystemExit("nvcc not found")
     mx.fast.cuda_kernel = lambda **kw: nvcc_registers._Recorder(**kw)
@@ -96,7 +105,9 @@ def main() -> None:
             for dtype in prefill.DTYPES:
                 for sinks in (False, True):
                     for intervals in (1, prefill.MAX_INTERVALS):
-                        kw, planned = record(D, dtype, sinks, intervals, args.minb)
+                        if args.warpgroups and not prefill.wgmma_serves(D):
+                            continue
+                        kw, planned = record(D, dtype, sinks, intervals, args.minb, args.warpgroups)
                         for arch in args.archs.split(","):
                             name = f"D{D}_{str(dtype).split('.')[-1]}_sink{int(sinks)}_P{intervals}_{arch}"
                             got = compile_one(kw, arch, Path(args.keep or tmp) / f"{name}.cu")

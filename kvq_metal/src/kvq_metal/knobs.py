@@ -96,7 +96,15 @@ class PrefillKnobs:
     (168), so ``{128: 3}`` would raise the occupancy from 8 to 12 warps per SM, with 16-24 bytes of spills (nvcc);
     not yet measured. At 256 (211-216 registers) a bound of 3 spills heavily; at 64 (about 130) it changes nothing.
     Registers only: the results are the same.
+
+    ``warpgroups``: on compute capability 9.x (H100, H200: ``wgmma`` needs sm_90a, which MLX's JIT targets there),
+    the kernel's products run on the warpgroup tensor-core instructions (``wgmma.mma_async``, B read from shared
+    memory by the tensor cores) with this many warpgroups of 64 rows per block, sharing each K/V tile; 0 keeps
+    ``mma.sync`` (as on every other GPU, and at head_dim 256 everywhere). The same arithmetic in float32
+    accumulators, in another order: results agree within the float32 reference's tolerance, not bit for bit.
+    Not yet measured on a GPU.
     """
 
     tc: bool = False
     minb: dict = attrs.field(factory=dict, converter=lambda d: {int(k): int(v) for k, v in dict(d).items()})
+    warpgroups: int = attrs.field(default=1, converter=int, validator=attrs.validators.in_((0, 1, 2)))

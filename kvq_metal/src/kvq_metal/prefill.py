@@ -122,7 +122,7 @@ class Launch:
 
 
 def launch_plan(queries_shape: tuple, keys_shape: tuple, dtype: mx.Dtype, num_intervals: int, scale: float,
-                sinks: bool, minb: int = 0) -> Launch:
+                sinks: bool, minb: int = 0, warpgroups: int = 0) -> Launch:
     """The launch of :func:`prefill_attend` for queries ``[B, H_q, T_q, D]`` and keys ``[B, H_kv, N, D]`` of
     ``dtype``, ``num_intervals`` intervals per row, softmax ``scale``, with or without sink logits (``sinks``). The
     arguments are assumed checked (:func:`check_inputs`).
@@ -130,21 +130,38 @@ def launch_plan(queries_shape: tuple, keys_shape: tuple, dtype: mx.Dtype, num_in
     Template: ``D`` (head_dim), ``DV`` (value coordinates per block, :data:`VALUE_SLICE`), ``BC`` (columns per
     tile), ``BR`` (rows per block), ``P`` (intervals per row), ``SINK``, ``BF16`` (bfloat16 rather than float16
     mma), ``SCALE`` (the scale's float32 bits, :func:`kvq_metal.dialect.float_bits`: one compiled kernel per
-    model's scale, no per-call scalar array), ``THREADS`` (per block) and ``MINB`` (``minb``: blocks per SM the
-    registers must fit, :class:`kvq_metal.knobs.PrefillKnobs`; 0: no bound)."""
+    model's scale, no per-call scalar array), ``THREADS`` (per block), ``MINB`` (``minb``: blocks per SM the
+    registers must fit, :class:`kvq_metal.knobs.PrefillKnobs`; 0: no bound) and ``WG`` (the products on ``wgmma``,
+    sm_90a only: ``warpgroups`` > 0 where :func:`wgmma_serves` ``D``; a block then has ``warpgroups`` x 64 rows)."""
     B, Hq, Tq, D = queries_shape
     Hkv = keys_shape[1]
-    BC, BR, DV = TILE_COLUMNS[D], BLOCK_ROWS, VALUE_SLICE[D]
+    wg = warpgroups > 0 and wgmma_serves(D)
+    BC, BR, DV = TILE_COLUMNS[D], BLOCK_ROWS * (warpgroups if wg else 1), VALUE_SLICE[D]
     threads = 2 * BR  # one warp per 16 rows
     rows = Hq // Hkv * Tq  # of a (batch, KV head) group: its query heads' rows
     blocks = -(-rows // BR)
     template = (("D", D), ("DV", DV), ("BC", BC), ("BR", BR), ("P", num_intervals), ("SINK", bool(sinks)),
                 ("BF16", dtype == mx.bfloat16), ("SCALE", float_bits(scale)), ("THREADS", threads),
-                ("MINB", int(minb)))
+                ("MINB", int(minb)), ("WG", bool(wg)))
     # K and V tiles (16-bit), the block's rows' intervals and their union (int32 pairs)
     shared = BC * (D + DV) * 2 + 8 * num_intervals * (BR + 1)
     return Launch(template, (blocks * threads, B * Hkv, D // DV), (threads, 1, 1), ((B, Hq, Tq, D), (B, Hq, Tq)),
                   (dtype, mx.float32), shared)
+
+
+def wgmma_serves(head_dim: int) -> bool:
+    """Whether the ``wgmma`` form of the kernel (template ``WG``) exists for ``head_dim``: tiles of 64 columns and
+    value slices of whole 64-coordinate blocks (64 and 128; 256 keeps ``mma.sync``: its tiles are 32 columns)."""
+    return TILE_COLUMNS.get(head_dim) == 64 and VALUE_SLICE.get(head_dim, 0) % 64 == 0
+
+
+def has_wgmma() -> bool:
+    """Whether MLX's default device runs ``wgmma``: a CUDA GPU of compute capability 9.x (MLX's JIT compiles for
+    ``sm_90a`` there; later architectures have no ``wgmma``)."""
+    if gpu_backend() != "cuda":
+        return False
+    info = getattr(mx, "device_info", None)
+    return info is not None and int(info().get("compute_capability_major", 0)) == 9
 
 
 def check_inputs(queries, keys, values, intervals, scale, sink_logits=None) -> tuple[mx.array, mx.array | None]:
@@ -261,7 +278,8 @@ def launch(queries: mx.array, keys: mx.array, values: mx.array, intervals: mx.ar
     """:func:`prefill_attend` on arguments :func:`check_inputs` has already returned (``intervals`` int32,
     ``sinks`` float32 or ``None``), on a CUDA device: the launch alone."""
     plan = launch_plan(tuple(queries.shape), tuple(keys.shape), queries.dtype, intervals.shape[1], scale,
-                       sinks is not None, TUNING.minb.get(queries.shape[-1], 0))
+                       sinks is not None, TUNING.minb.get(queries.shape[-1], 0),
+                       TUNING.warpgroups if _wgmma_device() else 0)
     inputs = [queries, keys, values, intervals, intervals if sinks is None else sinks]
     # the template baked into the kernel's text (kvq_metal.dialect.KernelObject.bound): MINB takes effect there
     call, template, kept = PREFILL_ATTEND_TC.kernel("cuda", INPUTS, OUTPUTS).bound(plan.template, inputs)
@@ -269,6 +287,16 @@ def launch(queries: mx.array, keys: mx.array, values: mx.array, intervals: mx.ar
                     threadgroup=plan.threadgroup, output_shapes=list(plan.output_shapes),
                     output_dtypes=list(plan.output_dtypes))
     return (out, lse) if return_lse else out
+
+
+_WGMMA: list = []
+
+
+def _wgmma_device() -> bool:
+    """:func:`has_wgmma`, asked once per process (the hot path's)."""
+    if not _WGMMA:
+        _WGMMA.append(has_wgmma())
+    return _WGMMA[0]
 
 
 def check_intervals(num_intervals: int, rows: int) -> np.ndarray:

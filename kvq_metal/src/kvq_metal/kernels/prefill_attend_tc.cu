@@ -9,7 +9,8 @@
 // log of the normaliser out was divided by, the sink logit included; a row that sees nothing: out 0, lse -inf or
 // its sink logit).
 // Template: kvq_metal.prefill.launch_plan (D, DV, BC, BR, P, SINK, BF16, SCALE: the softmax scale's float bits,
-// THREADS, MINB: the blocks per SM its registers must fit, 0 for no bound).
+// THREADS, MINB: the blocks per SM its registers must fit, 0 for no bound, WG: the products on sm_90a's warpgroup
+// wgmma instead of mma.sync).
 // Blocks: y = b * H_kv + KV head; x a tile of BR of the group's rep * T_q rows (row m: query row m / rep of query
 // head KV head * rep + m % rep), the last tile first (it sees the most columns, so it should not start last);
 // z the slice of DV value coordinates the block writes (D / DV slices: at head_dim 256 two blocks of 128 each
@@ -19,6 +20,11 @@
 // that some row of it sees; each tile's K and V rows are copied to shared memory by cp.async (V's copy overlaps the
 // scores, the next K tile's the values' product), 16-byte chunk j of row i at chunk j ^ (i & 7), so the 8 rows an
 // ldmatrix reads hit 8 bank groups.
+// WG (sm_90a, BC 64, 4 warps per warpgroup): each warpgroup's 64 rows take S = Q K^T and O += P V as wgmma
+// m64n64k16 (A, the query and probability fragments, from registers; B, the K and V tiles, read by the tensor
+// cores from shared memory through matrix descriptors), and the tiles are stored as wgmma's 128-byte-swizzled
+// atoms: 64-column slices of 128-byte rows, chunk j of row i of slice s at 8 (BC s + i) + (j ^ (i & 7)) (for
+// D = 64 the same place as without WG). A warpgroup runs its products whole (no per-warp skip).
 
     constexpr int NWARP = BR / 16;  // THREADS (the template's) = 32 NWARP
     constexpr int CH = D / 8;    // 16-byte chunks per key row (D 16-bit elements)
@@ -32,9 +38,12 @@
     static_assert(BR % 16 == 0 && BC % 16 == 0 && DV % 16 == 0 && D % DV == 0 && CHV >= 8,
                   "whole mma tiles, at least 8 chunks a row");
     static_assert(THREADS == 32 * NWARP, "one warp per 16 rows");
+    static_assert(!WG || (BC == 64 && DV % 64 == 0 && D % 64 == 0 && NWARP % 4 == 0),
+                  "wgmma: tiles of 64 columns, 64-coordinate slices, whole warpgroups");
+    constexpr int ALIGN = WG ? 1024 : 16;  // wgmma's swizzle atoms start on 1024 bytes
 
-    KVQ_SHARED __align__(16) uint4 k_s[BC * CH];   // the K tile
-    KVQ_SHARED __align__(16) uint4 v_s[BC * CHV];  // the V tile (the block's slice of coordinates)
+    KVQ_SHARED __align__(ALIGN) uint4 k_s[BC * CH];   // the K tile
+    KVQ_SHARED __align__(ALIGN) uint4 v_s[BC * CHV];  // the V tile (the block's slice of coordinates)
     KVQ_SHARED int2 iv_s[BR][P];                   // the block's rows' intervals, clamped to [0, N)
     KVQ_SHARED int span_s[2][P];                   // their union per interval slot: (min lo, max hi)
 
@@ -112,6 +121,11 @@
         }
         return t;
     };
+    // where chunk j of tile row i sits in a tile of W chunks a row: swizzled within the row (mma.sync's ldmatrix),
+    // or in wgmma's atoms of 64-column slices (the header's description)
+    auto at = [&](const int W, const int i, const int j) -> int {
+        return WG ? ((j >> 3) * BC + i) * 8 + ((j & 7) ^ (i & 7)) : i * W + (j ^ (i & 7));
+    };
     // rows c0 .. c0 + BC - 1 of a KV head's keys (W = CH chunks) or values (W = CHV) into a tile; rows past N are
     // zeros (their scores are masked, and a zero value times a zero probability stays zero)
     auto load_tile = [&](auto width, uint4* dst, const uint4* src, const int c0) {
@@ -120,9 +134,13 @@
         for (int i = tid; i < BC * W; i += THREADS) {
             const int row = i / W, j = i - row * W;
             const bool ok = c0 + row < N;
-            kvq_pf_cp16(dst + row * W + (j ^ (row & 7)), src + (int64_t)(ok ? c0 + row : 0) * CH + j, ok);
+            kvq_pf_cp16(dst + at(W, row, j), src + (int64_t)(ok ? c0 + row : 0) * CH + j, ok);
         }
         kvq_pf_cp_commit();
+    };
+    // the copies this thread waited for made visible to wgmma's reads (the async proxy) before the barrier
+    auto publish = [&]() {
+        if constexpr (WG) kvq_fence_proxy_async();
     };
     using KW = kvq_pf_int<CH>;
     using VW = kvq_pf_int<CHV>;
@@ -139,6 +157,7 @@
     while (c0 < BIG) {
         const int cn = advance(c0 + BC);
         kvq_pf_cp_wait_all();
+        publish();
         KVQ_BARRIER();  // K tile c0 landed; every warp is done with the previous V tile
         load_tile(VW{}, v_s, vg, c0);
         // which columns of the tile each of this thread's rows sees (bit x: column c0 + x); whether a row of this
@@ -154,27 +173,44 @@
             }
         }
         const kvq_u64 whole = kvq_pf_low_bits(BC);
-        const bool any = __any_sync(0xffffffffu, (vis[0] | vis[1]) != 0);
+        // (with WG the same for the whole warpgroup: its wgmma are collective)
+        const bool any = WG || __any_sync(0xffffffffu, (vis[0] | vis[1]) != 0);
         const bool all = __all_sync(0xffffffffu, (vis[0] == whole || !valid[0]) && (vis[1] == whole || !valid[1]));
         float s[NS][4];
         if (any) {
             // ---- scores S = Q K^T (B operand: K rows, two n-tiles per ldmatrix)
 #pragma unroll
             for (int nt = 0; nt < NS; ++nt) { s[nt][0] = 0.0f; s[nt][1] = 0.0f; s[nt][2] = 0.0f; s[nt][3] = 0.0f; }
+            if constexpr (WG) {
+                // the warpgroup's 64 rows x 64 columns, k-step ks: K-major B from slice ks / 4 of the K tile,
+                // 32 bytes into its rows per k-step; the stride byte offset steps 8 rows (1024 bytes)
+                float (&sd)[32] = reinterpret_cast<float (&)[32]>(s);
+                const uint kb = kvq_pf_smem(k_s);
+                kvq_wg_fence_operand(sd);
+                kvq_wg_fence();
 #pragma unroll
-            for (int ks = 0; ks < KS; ++ks) {
-                // the k-step's fragments of every n-tile loaded first, then its mma: the loads' latencies overlap
-                // (each ldmatrix is asm volatile, so the compiler keeps them where they are written)
-                uint kb[NS / 2][4];
+                for (int ks = 0; ks < KS; ++ks)
+                    kvq_wg_mma64<BF16, 0>(sd, qf[ks], kvq_wg_desc(kb + (ks >> 2) * BC * 128 + (ks & 3) * 32, 16,
+                                                                  1024), ks > 0);
+                kvq_wg_commit();
+                kvq_wg_wait_all();
+                kvq_wg_fence_operand(sd);
+            } else {
 #pragma unroll
-                for (int n2 = 0; n2 < NS / 2; ++n2) {
-                    const int row = 16 * n2 + (lane & 7) + ((lane >> 4) << 3), j = 2 * ks + ((lane >> 3) & 1);
-                    kvq_pf_ldsm4<false>(kb[n2], k_s + row * CH + (j ^ (row & 7)));
-                }
+                for (int ks = 0; ks < KS; ++ks) {
+                    // the k-step's fragments of every n-tile loaded first, then its mma: the loads' latencies overlap
+                    // (each ldmatrix is asm volatile, so the compiler keeps them where they are written)
+                    uint kb[NS / 2][4];
 #pragma unroll
-                for (int n2 = 0; n2 < NS / 2; ++n2) {
-                    kvq_pf_mma<BF16>(s[2 * n2], qf[ks], kb[n2][0], kb[n2][1]);
-                    kvq_pf_mma<BF16>(s[2 * n2 + 1], qf[ks], kb[n2][2], kb[n2][3]);
+                    for (int n2 = 0; n2 < NS / 2; ++n2) {
+                        const int row = 16 * n2 + (lane & 7) + ((lane >> 4) << 3), j = 2 * ks + ((lane >> 3) & 1);
+                        kvq_pf_ldsm4<false>(kb[n2], k_s + row * CH + (j ^ (row & 7)));
+                    }
+#pragma unroll
+                    for (int n2 = 0; n2 < NS / 2; ++n2) {
+                        kvq_pf_mma<BF16>(s[2 * n2], qf[ks], kb[n2][0], kb[n2][1]);
+                        kvq_pf_mma<BF16>(s[2 * n2 + 1], qf[ks], kb[n2][2], kb[n2][3]);
+                    }
                 }
             }
             // ---- mask the columns a row does not see (this lane's columns 2c, 2c + 1 of each 8); a warp whose rows
@@ -217,9 +253,36 @@
             }
         }
         kvq_pf_cp_wait_all();
+        publish();
         KVQ_BARRIER();  // V tile c0 landed; every warp is done with K tile c0
         if (cn < BIG) load_tile(KW{}, k_s, kg, cn);
-        if (any) {
+        if (any && WG) {
+            // ---- values O += P V on wgmma: A the probabilities (as below), B N-major from slice h of the V tile
+            // (16 rows a k-step, 2048 bytes; its two groups of 8 rows 1024 bytes apart), one m64n64k16 per slice
+            // (every fragment packed before the fence: a register written between two wgmma makes ptxas wait)
+            uint a[BC / 16][4];
+#pragma unroll
+            for (int kk = 0; kk < BC / 16; ++kk) {
+                a[kk][0] = kvq_pf_pack<BF16>(s[2 * kk][0], s[2 * kk][1]);
+                a[kk][1] = kvq_pf_pack<BF16>(s[2 * kk][2], s[2 * kk][3]);
+                a[kk][2] = kvq_pf_pack<BF16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+                a[kk][3] = kvq_pf_pack<BF16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            }
+            const uint vb0 = kvq_pf_smem(v_s);
+            float (&od)[4 * NO] = reinterpret_cast<float (&)[4 * NO]>(acc);
+            kvq_wg_fence_operand(od);
+            kvq_wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < BC / 16; ++kk) {
+#pragma unroll
+                for (int h = 0; h < DV / 64; ++h)
+                    kvq_wg_mma64<BF16, 1>(*reinterpret_cast<float (*)[32]>(&od[32 * h]), a[kk],
+                                          kvq_wg_desc(vb0 + h * BC * 128 + kk * 2048, BC * 128, 1024), 1);
+            }
+            kvq_wg_commit();
+            kvq_wg_wait_all();
+            kvq_wg_fence_operand(od);
+        } else if (any) {
             // ---- values O += P V: the scores' accumulators of n-tiles 2kk, 2kk + 1 are the A fragment of k-step kk
             // (FlashAttention-2's register reuse); B operand: V rows transposed by ldmatrix, two n-tiles per load
 #pragma unroll
