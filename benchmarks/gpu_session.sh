@@ -22,7 +22,7 @@
 #        records (record_outputs before/after a refactor, kernels on), stepcost (cache_step_cost before/after, twice),
 #        prefill-kernel (#51: the prefill kernel's GPU parity tests, every form, then its time beside MLX's masked and
 #        causal attention at 8K and 32K, benchmarks/prefill_masks.py, for each form: --warpgroups 0 (mma.sync), 1, 2
-#        (wgmma)),
+#        (wgmma)), prefill-parts (the per-layer chunk breakdown at 8K and 32K, benchmarks/prefill_parts.py),
 #        prefill-wired (#51: kvq bench prefill on random:llama3-8b, bfloat16, 8K and 32K, fp16 in the same run, with
 #        the prefill kernel on (benchmarks/knobs.py --prefill '{"tc": true}') and off, each an untimed warm-up and
 #        two timed repetitions), batch-prefill (BatchGenerator prefill of 8 x 2,048 with the first-block checks and
@@ -180,6 +180,8 @@ for name, fn in [("quantize", lambda: k.kvq_quantize(x, p).data["codes"]),
                       python3 -c 'import json,sys; [print({k: (round(v * 1e3, 3) if k.endswith("_s") else v) for k, v in r.items()}) for r in json.load(open(sys.argv[1]))["rows"]]' \
                         "$OUT/masks-wg$wg/prefill_masks.json" 2>/dev/null || tail -c 1500 "$OUT/prefill_masks-wg$wg.log"
                     done;;
+    prefill-parts) (cd benchmarks && timeout 240 python3 prefill_parts.py "$OUT/parts" --contexts 8K,32K \
+                     > "$OUT/prefill_parts.log" 2>&1); tail -c 2500 "$OUT/prefill_parts.log";;
     batch-prefill) # the first-block checks' device waits in a batch's prefill (kvq.cache.guard.Batched): BatchGenerator
                    # prefill of 8 x 2,048, fp16 beside turboquant:3 in every repetition, with the checks and without
                    for off in "" --guard-off; do

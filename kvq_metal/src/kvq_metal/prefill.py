@@ -28,6 +28,18 @@ The kernel (``kvq_metal/kernels/prefill_attend_tc.cu``) is FlashAttention-2's fo
   fragments (64) spill, so two blocks (grid z, :data:`VALUE_SLICE`) compute the same scores and each writes 128
   value coordinates: twice the score work at 256 only.
 
+The ``wgmma`` form (template ``WG``; :class:`kvq_metal.knobs.PrefillKnobs` ``warpgroups``, used where
+:func:`has_wgmma`, i.e. compute capability 9.x, and :func:`wgmma_serves` the head_dim: 64 and 128): the same
+algorithm with both products on Hopper's warpgroup instructions (``wgmma.mma_async.m64n64k16``, PTX ISA 8.0). A
+block is one or two warpgroups of 64 rows sharing each K/V tile; the query and probability fragments stay in
+registers as the A operand (wgmma's register layout per warp is mma.sync's), and the tensor cores read K (K-major)
+and V (N-major, transposed by the instruction) from shared memory through matrix descriptors, so no ``ldmatrix`` and
+none of its address arithmetic runs. The tiles are stored in wgmma's 128-byte-swizzle atoms (64-column slices, 1024
+bytes per 8 rows, aligned to 1024); ``cp.async`` writes are published to the tensor cores' async proxy by
+``fence.proxy.async`` before the block's barrier. Each product is issued, committed and waited for before the
+softmax touches its registers (no overlap of one tile's softmax with the next tile's product within a block;
+co-resident blocks overlap). nvcc 13 for sm_90a: 120 registers at head_dim 64, 162-164 at 128, no spills.
+
 GQA: the ``n_rep = H_q / H_kv`` query heads that share a KV head are packed into a block's rows (row ``m`` of a
 (batch, KV head) group is query row ``m // n_rep`` of head ``m % n_rep``), so one K/V tile serves every head of the
 group. For long chunks this costs the same tile reads as one head per block (the block count is the same) and its
