@@ -247,6 +247,12 @@ def test_unknown_model_is_a_model_error(name, cache):
         models.resolve_model(name)
 
 
+def test_a_random_shape_outside_bench_says_where_it_runs(cache):
+    """``random:llama3-1b`` given to a command that reads text (generate, eval) names the commands that take it."""
+    with pytest.raises(ModelError, match=r"unknown model 'random:llama3-1b'.*kvq bench and kvq fit take them"):
+        models.resolve_model("random:llama3-1b")
+
+
 def test_folder_without_config_and_other_files_are_rejected(tmp_path, cache):
     with pytest.raises(ModelError, match="without config.json"):
         models.resolve_model(tmp_path)

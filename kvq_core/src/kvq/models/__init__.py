@@ -217,8 +217,10 @@ def resolve_model(name_or_path: str | os.PathLike | None = None, progress: bool 
         return _gguf_folder(path, progress)
     if isinstance(name_or_path, str) and HUB_ID.match(name_or_path) and not name_or_path.lower().endswith(".gguf"):
         return _hub_folder(name_or_path)
+    hint = ("; random-weight shapes ('random:...') have no tokenizer: kvq bench and kvq fit take them, other commands"
+            " need a real model" if str(name_or_path).startswith("random:") else "")
     raise ModelError(f"unknown model {str(name_or_path)!r}: not one of {', '.join(PYPI_MODELS)}, an existing "
-                     "mlx-lm folder or .gguf file, or a Hub id 'org/name'")
+                     f"mlx-lm folder or .gguf file, or a Hub id 'org/name'{hint}")
 
 
 def _rope_overrides(path: Path) -> dict:
