@@ -146,7 +146,7 @@ def main(argv=None) -> int:
         mx.eval(view, dense, qb)
         row = {"context": context, "chunk": C, "keys": keys.shape[2], "blocks": nb, "pad": pad,
                "view_equals_mask": same, "kernel_minb": prefill.TUNING.minb.get(D, 0),
-               "kernel_warpgroups": prefill.TUNING.warpgroups if prefill.has_wgmma() else 0}
+               "kernel_warpgroups": prefill.launch_warpgroups(D)}
         reference = sdpa(q, keys, values, scale=scale, mask=mask)
         variants = {
             "causal": lambda: sdpa(q, k_all, v_all, scale=scale, mask="causal"),

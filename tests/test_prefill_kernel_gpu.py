@@ -199,7 +199,7 @@ def test_wgmma_form_runs_and_matches_mma_sync(D, dtype, monkeypatch):
     """On compute capability 9.x the ``wgmma`` form is what runs for head_dim 64 and 128 (its template's ``WG``
     set, one or two warpgroups a block) and gives the ``mma.sync`` form's output within float32 accumulation
     order (both round the same probabilities to 16 bits): relative L2 within a tenth of the reference
-    tolerance; head_dim 256 keeps ``mma.sync``."""
+    tolerance (head_dim 256 keeping ``mma.sync`` is the CPU test's: its launch plan)."""
     import attrs
 
     if not prefill.has_wgmma():
@@ -217,7 +217,6 @@ def test_wgmma_form_runs_and_matches_mma_sync(D, dtype, monkeypatch):
     baked = prefill.PREFILL_ATTEND_TC.kernel("cuda", prefill.INPUTS, prefill.OUTPUTS)._baked  # what launched
     assert all(any({("D", D), ("WG", True), ("THREADS", 128 * n)} <= set(full) for full, _ in baked) for n in (1, 2))
     assert _rel(outs[1], outs[0]) < TOLERANCE[dtype] / 10 and _rel(outs[2], outs[0]) < TOLERANCE[dtype] / 10
-    assert dict(prefill.launch_plan((1, 8, 7, 256), (1, 2, 9, 256), dtype, 1, 0.1, False, 0, 1).template)["WG"] is False
 
 
 @pytest.mark.parametrize("label", ["turboquant:4", "turboquant:3", "affine:4"])

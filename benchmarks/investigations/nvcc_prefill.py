@@ -59,13 +59,13 @@ def record(D: int, dtype: mx.Dtype, sinks: bool, intervals: int, minb: int = 0,
     kv = mx.zeros((1, 1, 64, D), dtype)
     iv = mx.zeros((16, intervals, 2), mx.int32)
     plan = prefill.launch_plan(q.shape, kv.shape, dtype, intervals, D ** -0.5, sinks, minb, warpgroups)
-    saved, device = prefill.TUNING, list(prefill._WGMMA)
+    saved, device = prefill.TUNING, prefill._wgmma_device
     prefill.TUNING = attrs.evolve(saved, minb={D: minb}, warpgroups=warpgroups)
-    prefill._WGMMA[:] = [warpgroups > 0]  # the device launch() asks about: one with wgmma where asked for
+    prefill._wgmma_device = lambda: warpgroups > 0  # the device launch() asks about: one with wgmma where asked for
     try:  # the library's own launch, recorded (mx.fast.cuda_kernel is the recorder)
         prefill.launch(q, kv, kv, iv, D ** -0.5, mx.zeros((4,), mx.float32) if sinks else None)
     finally:
-        prefill.TUNING, prefill._WGMMA[:] = saved, device
+        prefill.TUNING, prefill._wgmma_device = saved, device
     return nvcc_registers.RECORDED[0], plan.shared_bytes
 
 

@@ -66,8 +66,8 @@ loaded before its mma (the PTX had one load before each pair of mma, ``asm volat
 hypothesis that the final code stalled on each load, not read from SASS, which this machine cannot disassemble),
 the per-score masking only in warps whose rows do not all see the whole tile (it was a select on a 64-bit shift for
 every score), the scale folded into the exponent (one FFMA), and a launch-bound knob (``PrefillKnobs.minb``, e.g. 3
-blocks per SM at head_dim 128, with a few bytes of spills). Next leads: 32 rows per warp (two m16 tiles,
-FlashAttention-2's layout: each K/V fragment from shared memory serves twice the mma work), then ``wgmma``.
+blocks per SM at head_dim 128, with a few bytes of spills); the ``mma.sync`` figures of the H100 run below include
+them. The ``wgmma`` form above followed.
 
 Precision: scores and the output accumulate in float32; the probabilities are rounded to the inputs' dtype for
 the values' product (FlashAttention's numerics: bfloat16 probabilities carry 8 significant bits). The output is
@@ -80,6 +80,8 @@ elements would not). No sequence split: a launch has ``B * H_kv * D / VALUE_SLIC
 """
 
 from __future__ import annotations
+
+import functools
 
 import attrs
 import mlx.core as mx
@@ -295,8 +297,7 @@ def launch(queries: mx.array, keys: mx.array, values: mx.array, intervals: mx.ar
     """:func:`prefill_attend` on arguments :func:`check_inputs` has already returned (``intervals`` int32,
     ``sinks`` float32 or ``None``), on a CUDA device: the launch alone."""
     plan = launch_plan(tuple(queries.shape), tuple(keys.shape), queries.dtype, intervals.shape[1], scale,
-                       sinks is not None, TUNING.minb.get(queries.shape[-1], 0),
-                       TUNING.warpgroups if _wgmma_device() else 0)
+                       sinks is not None, TUNING.minb.get(queries.shape[-1], 0), launch_warpgroups(queries.shape[-1]))
     inputs = [queries, keys, values, intervals, intervals if sinks is None else sinks]
     # the template baked into the kernel's text (kvq_metal.dialect.KernelObject.bound): MINB takes effect there
     call, template, kept = PREFILL_ATTEND_TC.kernel("cuda", INPUTS, OUTPUTS).bound(plan.template, inputs)
@@ -306,14 +307,16 @@ def launch(queries: mx.array, keys: mx.array, values: mx.array, intervals: mx.ar
     return (out, lse) if return_lse else out
 
 
-_WGMMA: list = []
-
-
+@functools.cache
 def _wgmma_device() -> bool:
     """:func:`has_wgmma`, asked once per process (the hot path's)."""
-    if not _WGMMA:
-        _WGMMA.append(has_wgmma())
-    return _WGMMA[0]
+    return has_wgmma()
+
+
+def launch_warpgroups(head_dim: int) -> int:
+    """The warpgroups a block of :func:`launch` has at ``head_dim`` on this device with :data:`TUNING`: the knob's
+    ``warpgroups`` where the device runs ``wgmma`` and :func:`wgmma_serves` ``head_dim``, else 0 (``mma.sync``)."""
+    return TUNING.warpgroups if _wgmma_device() and wgmma_serves(head_dim) else 0
 
 
 def check_intervals(num_intervals: int, rows: int) -> np.ndarray:
