@@ -29,9 +29,10 @@ def test_predicted_batch_follows_the_line_through_the_probes():
         CapacitySettings(context=64, budget=1, reps=0)
 
 
-def _fake_rows(monkeypatch, peak_of):
-    """CapacityBench rows without a model: batch B peaks at ``peak_of(B)`` bytes above a base of 0; the n-th row
-    decodes B * n tokens/s in steps of 1000 / n ms (host 0.1 ms), so repetitions differ."""
+def _fake_rows(monkeypatch, peak_of, kv_of=lambda b: 1):
+    """CapacityBench rows without a model: batch B peaks at ``peak_of(B)`` bytes above a base of 0 and its caches
+    hold ``kv_of(B)`` bytes; the n-th row decodes B * n tokens/s in steps of 1000 / n ms (host 0.1 ms), so
+    repetitions differ."""
     import mlx.core as mx
 
     from kvq.bench import capacity
@@ -41,7 +42,8 @@ def _fake_rows(monkeypatch, peak_of):
     def row(self, spec, batch, steps):
         tried.append(batch)
         n = len(tried)
-        return {"error": None, "peak_memory": peak_of(batch), "tokens_per_second": float(batch * n), "kv_bytes": 1,
+        return {"error": None, "peak_memory": peak_of(batch), "tokens_per_second": float(batch * n),
+                "kv_bytes": kv_of(batch),
                 "latency_ms": {"mean": 1000 / n}, "host_ms": {"median": 0.1}}
 
     monkeypatch.setattr(capacity.CapacityBench, "_row", row)
@@ -66,6 +68,22 @@ def test_a_cautious_first_prediction_is_measured_again_from_its_own_peak(monkeyp
     (result,) = CapacityBench(None, CapacitySettings(context=64, budget=1000, safety=1.0, max_batch=50)).run(
         [_spec("fp16")])
     assert tried == [1, 2, 50, 50] and result["max_batch"] == 50 and result["at_max_batch"]
+
+
+def test_the_slope_of_the_probes_is_never_below_the_caches_own_bytes_per_sequence(monkeypatch):
+    """On an H100 mlx-lm's KVCache at 32K peaked only 2.3 GB higher at 2 sequences than at 1 while each held 4.3 GB:
+    the batch predicted from that slope (25) did not fit, nor did the two tried below it. The cache's bytes per
+    sequence (the probe at 2's, halved) bound one more sequence's bytes from below."""
+    from kvq.bench.capacity import CapacityBench
+
+    # 100 fixed + 40 per sequence, but the probe at 2 reads 30 low (slope 10); the caches hold 40 per sequence
+    tried = _fake_rows(monkeypatch, lambda b: 100 + 40 * b - (30 if b == 2 else 0), kv_of=lambda b: 40 * b)
+    (result,) = CapacityBench(None, CapacitySettings(context=64, budget=1000, safety=1.0)).run([_spec("fp16")])
+    # slope 10 alone: (1000 - 130) // 10 = 87, peak 3580; at least 40: (1000 - 100) // 40 = 22, peak 980
+    assert tried == [1, 2, 22, 22] and result["max_batch"] == 22 and not result["error"]
+    assert result["per_sequence_bytes"] == 10 and result["cache_bytes_per_sequence"] == 40
+    assert predicted_batch({1: 140, 2: 150}, 1000, 1.0, 1024, least_per_sequence=40) == 22
+    assert predicted_batch({1: 140, 2: 150}, 1000, 1.0, 1024) == 87
 
 
 def test_the_chosen_batch_is_timed_reps_times_and_reported_as_their_median(monkeypatch):

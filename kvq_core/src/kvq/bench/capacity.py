@@ -2,7 +2,9 @@
 cache, and its aggregate decode tokens/s (issue #22's capacity benchmark: the number a server operator cares about).
 
 Per method (kvcache, mlx-lm's KVCache, first): two probes of :class:`kvq.bench.e2e.E2EBench` rows at 1 and 2 sequences
-give the peak memory above the model as ``a + b * B`` (``b``: one more sequence's cache and decode temporaries);
+give the peak memory above the model as ``a + b * B`` (``b``: one more sequence's cache and decode temporaries, at
+least the probe's cache bytes per sequence: on an H100, mlx-lm's KVCache at 32K peaked 2.3 GB apart at 1 and 2
+sequences where each holds 4.3 GB, and the batch predicted from that slope did not fit);
 the largest ``B`` whose predicted peak stays within the budget, times a safety factor, is then measured like a
 ``kvq bench e2e --batch B`` row (random keys and values in every row, one token per sequence per step, flushes
 included). A measured peak above the budget, or a failed row, steps ``B`` down by a tenth and measures again (at
@@ -87,16 +89,19 @@ def notes(settings: CapacitySettings) -> list[str]:
                              "--context")
 
 
-def predicted_batch(probes: dict[int, int], headroom: int, safety: float, max_batch: int) -> int:
+def predicted_batch(probes: dict[int, int], headroom: int, safety: float, max_batch: int,
+                    least_per_sequence: float = 1.0) -> int:
     """The largest batch whose peak, on the line through the probes' peaks (``{batch: peak bytes}`` at two batch
-    sizes), stays within ``safety * headroom`` bytes; at least 1, at most ``max_batch``.
+    sizes), stays within ``safety * headroom`` bytes; at least 1, at most ``max_batch``. The line's slope (bytes one
+    more sequence adds) is taken as at least ``least_per_sequence`` bytes: a cache's own bytes per sequence bound it
+    from below, and two probes' peaks can understate it (prefill temporaries that do not grow with the batch).
 
     :raises ValueError: fewer than two probes.
     """
     if len(probes) < 2:
         raise ValueError(f"predicted_batch needs peaks at two batch sizes; got {sorted(probes)}")
     (b1, p1), (b2, p2) = sorted(probes.items())[:2]
-    per_sequence = max((p2 - p1) / (b2 - b1), 1.0)
+    per_sequence = max((p2 - p1) / (b2 - b1), least_per_sequence, 1.0)
     fixed = p1 - per_sequence * b1
     return int(max(1, min(max_batch, (safety * headroom - fixed) // per_sequence)))
 
@@ -151,7 +156,8 @@ class CapacityBench:
             result["probes"][batch] = probe["peak_memory"] - base
         peaks = result["probes"]
         result["per_sequence_bytes"] = peaks[2] - peaks[1]
-        batch = predicted_batch(peaks, headroom, s.safety, s.max_batch)
+        result["cache_bytes_per_sequence"] = probe["kv_bytes"] / 2  # the probe at 2 sequences' cache
+        batch = predicted_batch(peaks, headroom, s.safety, s.max_batch, result["cache_bytes_per_sequence"])
         for attempt in range(MAX_TRIES):
             row = self._try(spec, batch, result)
             if row is not None:
@@ -182,7 +188,7 @@ class CapacityBench:
         that is larger; it replaces ``row`` in ``result`` if it fits."""
         s = self.settings
         line = {1: peak_one, batch: row["peak_memory"] - result["base_memory"]}
-        larger = predicted_batch(line, headroom, s.safety, s.max_batch)
+        larger = predicted_batch(line, headroom, s.safety, s.max_batch, result["cache_bytes_per_sequence"])
         if larger > batch:
             self._try(spec, larger, result)
 
