@@ -29,6 +29,9 @@
 #        without, benchmarks/investigations/batch_prefill_regression.py)
 set -u
 OUT=${OUT:-/tmp/out}
+# the card in result names (h100, h200): runs on either, and a name must say which
+DEV=${DEV:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | awk '{print tolower($2)}')}
+DEV=${DEV:-gpu}
 mkdir -p "$OUT"
 steps=${*:-smoke tests bench}
 for step in $steps; do
@@ -49,7 +52,7 @@ for name, fn in [("quantize", lambda: k.kvq_quantize(x, p).data["codes"]),
         print("FAIL", name, str(e)[:6000])
 ' > "$OUT/smoke.log" 2>&1; tail -c 4000 "$OUT/smoke.log";;
     tests) MLX_ENABLE_TF32=0 timeout 600 python3 -m pytest tests/test_kernels_gpu.py -m gpu -q -x --tb=short -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1; tail -c 3000 "$OUT/gpu_tests.log";;
-    bench) timeout 300 python3 benchmarks/kernels.py "$OUT/kernels_h200.json" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1; tail -c 3000 "$OUT/bench.log";;
+    bench) timeout 300 python3 benchmarks/kernels.py "$OUT/kernels_${DEV}.json" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1; tail -c 3000 "$OUT/bench.log";;
     sweep) timeout 200 python3 benchmarks/kernels.py "$OUT/sweep.json" --sweep-only > "$OUT/sweep.log" 2>&1; tail -c 3000 "$OUT/sweep.log";;
     ops) mkdir -p "$OUT/ops"
          timeout ${OPS_TIMEOUT:-240} python3 -m kvq.cli bench ops --no-progress --out "$OUT/ops" > "$OUT/ops/bench_ops.log" 2>&1
@@ -58,8 +61,8 @@ for name, fn in [("quantize", lambda: k.kvq_quantize(x, p).data["codes"]),
     e2e) timeout ${E2E_TIMEOUT:-570} python3 -m kvq.cli bench e2e --model random:llama3-8b --dtype bfloat16 \
            --methods fp16,mlx-affine:4,mlx-affine:8,affine:4,turboquant:4,turboquant:k4v3,turboquant:3 \
            --contexts ${E2E_CONTEXTS:-4K,16K,32K,64K,128K} --steps ${E2E_STEPS:-64} --largest-first --no-progress --out "$OUT/e2e" \
-           --name "$(date +%F)-h200-random-llama3-8b" > "$OUT/e2e.log" 2>&1
-         python3 -m kvq.cli bench e2e --report "$OUT/e2e/$(date +%F)-h200-random-llama3-8b.json" > /dev/null 2>&1
+           --name "$(date +%F)-${DEV}-random-llama3-8b" > "$OUT/e2e.log" 2>&1
+         python3 -m kvq.cli bench e2e --report "$OUT/e2e/$(date +%F)-${DEV}-random-llama3-8b.json" > /dev/null 2>&1
          tail -c 3000 "$OUT/e2e.log";;
     durations) timeout ${DURATIONS_TIMEOUT:-200} python3 benchmarks/kernel_durations.py --out "$OUT/durations.json" \
                  --variants benchmarks/profile_variants.json > "$OUT/durations.log" 2>&1; tail -c 4000 "$OUT/durations.log";;
@@ -70,20 +73,20 @@ for name, fn in [("quantize", lambda: k.kvq_quantize(x, p).data["codes"]),
     batch) mkdir -p "$OUT/batch"
            timeout ${BATCH_TIMEOUT:-500} python3 -m kvq.cli bench batch --model random:llama3-8b --dtype bfloat16 \
              --methods fp16,turboquant:3,turboquant:4,affine:4 --batches ${BATCHES:-1,8} --prompt 2048 --tokens 64 \
-             --warmup 1 --reps ${BATCH_REPS:-3} --no-progress --out "$OUT/batch" --name "$(date +%F)-h200-batch" \
+             --warmup 1 --reps ${BATCH_REPS:-3} --no-progress --out "$OUT/batch" --name "$(date +%F)-${DEV}-batch" \
              > "$OUT/batch.log" 2>&1
            grep -E "^(###|\| (kvcache|fp16|turbo|affine))" "$OUT/batch.log" || tail -c 2000 "$OUT/batch.log";;
     e2e-batch) mkdir -p "$OUT/e2e"
            for bc in 8:8K 32:4K; do
              timeout ${E2E_TIMEOUT:-270} python3 -m kvq.cli bench e2e --model random:llama3-8b --dtype bfloat16 \
                --methods fp16,turboquant:3,turboquant:4,affine:4 --batch ${bc%%:*} --contexts ${bc##*:} --steps 64 \
-               --no-progress --out "$OUT/e2e" --name "$(date +%F)-h200-batch${bc%%:*}" > "$OUT/e2e-batch${bc%%:*}.log" 2>&1
+               --no-progress --out "$OUT/e2e" --name "$(date +%F)-${DEV}-batch${bc%%:*}" > "$OUT/e2e-batch${bc%%:*}.log" 2>&1
              grep -E "^(###|\| (fp16|turbo|affine))" "$OUT/e2e-batch${bc%%:*}.log" | cut -c1-220
            done;;
     capacity) mkdir -p "$OUT/capacity"
            timeout ${CAPACITY_TIMEOUT:-560} python3 -m kvq.cli bench capacity --model random:llama3-8b --dtype bfloat16 \
              --methods fp16,turboquant:3,turboquant:4,affine:4 --context 32K --reps ${CAPACITY_REPS:-2} --no-progress \
-             --out "$OUT/capacity" --name "$(date +%F)-h200-capacity" > "$OUT/capacity.log" 2>&1
+             --out "$OUT/capacity" --name "$(date +%F)-${DEV}-capacity" > "$OUT/capacity.log" 2>&1
            grep -E "^\| (kvcache|fp16|turbo|affine)" "$OUT/capacity.log" || tail -c 2000 "$OUT/capacity.log";;
     streams) MLX_ENABLE_TF32=0 timeout 200 python3 -m pytest tests/test_kernels_gpu.py -m gpu -q -k streams --tb=short \
                -p no:cacheprovider > "$OUT/gpu_streams.log" 2>&1; tail -c 1500 "$OUT/gpu_streams.log"
@@ -93,7 +96,7 @@ for name, fn in [("quantize", lambda: k.kvq_quantize(x, p).data["codes"]),
                > "$OUT/calibrate.log" 2>&1 || tail -c 1500 "$OUT/calibrate.log"
              timeout ${E2E_TIMEOUT:-300} python3 -m kvq.cli bench e2e --model random:llama3-8b --dtype bfloat16 \
                --methods fp16,qjl+affine:4,turboquant_prod:4,vecinfer --contexts ${E2E_CONTEXTS:-32K,128K} --steps 64 \
-               --largest-first --no-progress --out "$OUT/streams" --name "$(date +%F)-h200-streams" > "$OUT/streams.log" 2>&1
+               --largest-first --no-progress --out "$OUT/streams" --name "$(date +%F)-${DEV}-streams" > "$OUT/streams.log" 2>&1
              grep -E "^\| (fp16|qjl|turbo)" "$OUT/streams.log" | cut -c1-300 || tail -c 2000 "$OUT/streams.log";;
     profile-streams) timeout 300 ncu --clock-control none --set full -k regex:"decode_attend_streams" -c 4 \
                -o "$OUT/streams" python3 benchmarks/profile_streams.py > "$OUT/profile_streams.log" 2>&1

@@ -33,8 +33,12 @@ def load(path: Path) -> dict | None:
     if kind in ("e2e", "prefill", "batch", "capacity"):
         env, s = doc["environment"], doc["settings"]
         model = f"{doc['model']['name']} ({doc['model']['dtype']})"
-        key = (kind, env["device"], model, s.get("batch", 1) if kind == "e2e" else None)
+        shape = (s.get("batch", 1) if kind == "e2e" else
+                 (tuple(s["batches"]), s["prompt"]) if kind == "batch" else None)  # runs of other shapes: own tables
+        key = (kind, env["device"], model, shape)
         title = model + (f", {s['batch']} sequences at once" if s.get("batch", 1) > 1 else "")
+        if kind == "batch":
+            title += f", prompts of {s['prompt']:,} tokens"
         device = f"CPU ({env['device']})" if env["device_kind"] == "cpu" else env["device"]
         return dict(kind=kind, key=key, title=title, date=env["date"], command=env["command"], device=device,
                     mlx=env["mlx"], methods=renamed(s["methods"]), docs=[doc], paths=[path])
@@ -161,20 +165,23 @@ def batch(run: dict) -> str:
     heads = ["sequences", "cache", "rep", "decode tokens/s, all sequences (x kvcache)", "prefill speed x kvcache",
              "peak MiB above the model (x kvcache)"]
     rows = [[str(r["batch"]), cache_name(r, doc["model"]["dtype"]), str(r["rep"] + 1),
-             ratio(f"{r['decode_tokens_per_second']:,.1f}", r["decode_vs_fp16"]),
-             "-" if r["prefill_vs_fp16"] is None else f"{r['prefill_vs_fp16']:.2f}",
-             ratio(f"{r['peak_memory_growth'] / MIB:,.0f}", r["peak_vs_fp16"])]
-            for doc in run["docs"] for r in doc["rows"] if not r["error"]]
+             *(["error: " + r["error"][:80], "-", "-"] if r["error"] else
+               [ratio(f"{r['decode_tokens_per_second']:,.1f}", r["decode_vs_fp16"]),
+                "-" if r["prefill_vs_fp16"] is None else f"{r['prefill_vs_fp16']:.2f}",
+                ratio(f"{r['peak_memory_growth'] / MIB:,.0f}", r["peak_vs_fp16"])])]
+            for doc in run["docs"] for r in doc["rows"]]
     return table(heads, rows)
 
 
 def capacity(run: dict) -> str:
-    heads = ["cache", "sequences that fit (x kvcache)", "MiB per sequence",
+    heads = ["cache", "sequences that fit (x kvcache)", "cache MiB per sequence",
              "decode tokens/s, all sequences (x kvcache)", "ms/step"]
-    rows = [[cache_name(r, doc["model"]["dtype"]), ratio(str(r["max_batch"]), r["batch_vs_fp16"]),
-             f"{r['per_sequence_bytes'] / MIB:,.0f}",
-             ratio(f"{r['tokens_per_second']:,.0f}", r["tokens_vs_fp16"]), f"{r['row']['latency_ms']['mean']:.1f}"]
-            for doc in run["docs"] for r in doc["rows"] if not r["error"]]
+    rows = [[cache_name(r, doc["model"]["dtype"]),
+             *(["error: " + r["error"][:80], "-", "-", "-"] if r["error"] else
+               [ratio(str(r["max_batch"]), r["batch_vs_fp16"]), f"{r['kv_bytes'] / r['max_batch'] / MIB:,.0f}",
+                ratio(f"{r['tokens_per_second']:,.0f}", r["tokens_vs_fp16"]),
+                f"{r['row']['latency_ms']['mean']:.1f}"])]
+            for doc in run["docs"] for r in doc["rows"]]
     return table(heads, rows)
 
 
