@@ -22,7 +22,7 @@
 #        records (record_outputs before/after a refactor, kernels on), stepcost (cache_step_cost before/after, twice),
 #        prefill-kernel (#51: the prefill kernel's GPU parity tests, every form, then its time beside MLX's masked and
 #        causal attention at 8K and 32K, benchmarks/prefill_masks.py, for each form: --warpgroups 0 (mma.sync), 1, 2
-#        (wgmma)), prefill-parts (the per-layer chunk breakdown at 8K and 32K, benchmarks/prefill_parts.py),
+#        (wgmma), 1p, 2p (wgmma pipelined); PK_FORMS and PK_TESTS (a pytest -k expression) narrow them), prefill-parts (the per-layer chunk breakdown at 8K and 32K, benchmarks/prefill_parts.py),
 #        prefill-wired (#51: kvq bench prefill on random:llama3-8b, bfloat16, 8K and 32K, fp16 in the same run, with
 #        the prefill kernel on (benchmarks/knobs.py --prefill '{"tc": true}') and off, each an untimed warm-up and
 #        two timed repetitions), batch-prefill (BatchGenerator prefill of 8 x 2,048 with the first-block checks and
@@ -175,11 +175,13 @@ for name, fn in [("quantize", lambda: k.kvq_quantize(x, p).data["codes"]),
                   grep -E "Duration|Elapsed Cycles|SM Active Cycles" "$OUT/ncu-details-$ctx.txt"
                 done;;
     prefill-kernel) MLX_ENABLE_TF32=0 timeout ${PK_TEST_TIMEOUT:-330} python3 -m pytest tests/test_prefill_kernel_gpu.py -q \
-                      --tb=short -p no:cacheprovider > "$OUT/prefill_kernel_tests.log" 2>&1
+                      --tb=short -p no:cacheprovider -k "${PK_TESTS:-not nothing_selected}" > "$OUT/prefill_kernel_tests.log" 2>&1
                     tail -c 2500 "$OUT/prefill_kernel_tests.log"
-                    for wg in ${PK_FORMS:-0 1 2}; do  # the kernel's forms: mma.sync, then wgmma with 1 and 2 warpgroups
+                    # the kernel's forms: mma.sync, wgmma with 1 and 2 warpgroups, and those pipelined (suffix p)
+                    for wg in ${PK_FORMS:-0 1 2 1p 2p}; do
+                      pipe=""; [[ $wg == *p ]] && pipe=--pipeline
                       (cd benchmarks && timeout 150 python3 prefill_masks.py "$OUT/masks-wg$wg" --contexts 8K,32K \
-                        --reps 10 --warpgroups $wg > "$OUT/prefill_masks-wg$wg.log" 2>&1)
+                        --reps 10 --warpgroups ${wg%p} $pipe > "$OUT/prefill_masks-wg$wg.log" 2>&1)
                       python3 -c 'import json,sys; [print({k: (round(v * 1e3, 3) if k.endswith("_s") else v) for k, v in r.items()}) for r in json.load(open(sys.argv[1]))["rows"]]' \
                         "$OUT/masks-wg$wg/prefill_masks.json" 2>/dev/null || tail -c 1500 "$OUT/prefill_masks-wg$wg.log"
                     done;;

@@ -1,7 +1,7 @@
 """What the additive mask of a prefill chunk costs in MLX's fused attention, and layouts of it that cost less (#23).
 
     python benchmarks/prefill_masks.py OUT_DIR [--contexts 8K,32K,128K] [--chunk 2048] [--method turboquant:3]
-        [--reps 10] [--minb N] [--warpgroups N]
+        [--reps 10] [--minb N] [--warpgroups N] [--pipeline]
 
 One layer's kvq cache (random keys and values, sinks 4, window 128, flush 128) holds ``context`` tokens; a chunk
 of ``--chunk`` tokens is stored and its attention inputs are built as :meth:`kvq.cache.KVQCache.attend` builds
@@ -112,6 +112,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warpgroups", type=int, default=None,
                     help="the prefill kernel's form (kvq_metal.knobs.PrefillKnobs.warpgroups: 0 mma.sync, 1 or 2 "
                          "wgmma warpgroups a block on compute capability 9.x; default: the knob's)")
+    ap.add_argument("--pipeline", action="store_true",
+                    help="the wgmma form's pipelined schedule (kvq_metal.knobs.PrefillKnobs.pipeline)")
     ap.add_argument("--minb", type=int, default=None,
                     help="the prefill kernel's launch bound at --head-dim (kvq_metal.knobs.PrefillKnobs.minb; default: "
                          "the library's)")
@@ -123,6 +125,8 @@ def main(argv=None) -> int:
     from kvq_metal.prefill import prefill_attend
     if args.warpgroups is not None:
         prefill.TUNING = attrs.evolve(prefill.TUNING, warpgroups=args.warpgroups)
+    if args.pipeline:
+        prefill.TUNING = attrs.evolve(prefill.TUNING, pipeline=True)
     if args.minb is not None:
         prefill.TUNING = attrs.evolve(prefill.TUNING, minb={**prefill.TUNING.minb, args.head_dim: args.minb})
     from kvq.evaluation.spec import make_layer_cache, parse_method
@@ -146,7 +150,8 @@ def main(argv=None) -> int:
         mx.eval(view, dense, qb)
         row = {"context": context, "chunk": C, "keys": keys.shape[2], "blocks": nb, "pad": pad,
                "view_equals_mask": same, "kernel_minb": prefill.TUNING.minb.get(D, 0),
-               "kernel_warpgroups": prefill.launch_warpgroups(D)}
+               "kernel_warpgroups": prefill.launch_warpgroups(D),
+               "kernel_pipeline": bool(prefill.launch_warpgroups(D) and prefill.TUNING.pipeline)}
         reference = sdpa(q, keys, values, scale=scale, mask=mask)
         variants = {
             "causal": lambda: sdpa(q, k_all, v_all, scale=scale, mask="causal"),

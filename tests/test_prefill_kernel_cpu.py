@@ -100,8 +100,8 @@ def test_launch_plan_for_a_gqa_chunk():
     plan = prefill.launch_plan((2, 32, 2048, 128), (2, 8, 9000, 128), mx.bfloat16, 3, 128 ** -0.5, True)
     t = dict(plan.template)
     assert [name for name, _ in plan.template] == ["D", "DV", "BC", "BR", "P", "SINK", "BF16", "SCALE", "THREADS",
-                                                   "MINB", "WG"]
-    assert (t["THREADS"], t["MINB"], t["WG"]) == (128, 0, False)
+                                                   "MINB", "WG", "PIPE"]
+    assert (t["THREADS"], t["MINB"], t["WG"], t["PIPE"]) == (128, 0, False, False) and plan.dynamic_bytes == 0
     assert (t["D"], t["DV"], t["BC"], t["BR"], t["P"], t["SINK"], t["BF16"]) == (128, 128, 64, 64, 3, True, True)
     assert dialect.float_bits(128 ** -0.5) == t["SCALE"] == 0x3DB504F3
     # 4 heads x 2048 rows per (batch, KV head) group, 64 rows per block of 128 threads
@@ -116,6 +116,14 @@ def test_launch_plan_for_a_gqa_chunk():
     assert [prefill.wgmma_serves(D) for D in (64, 128, 256, 96)] == [True, True, False, False]
     assert dict(prefill.launch_plan((1, 8, 9, 256), (1, 2, 9, 256), mx.float16, 1, 0.1, False, 0, 1).template)[
         "WG"] is False
+    # the pipelined wgmma form: two stages of the K and V tiles in dynamic shared memory (+1024 to align them), the
+    # intervals alone static (rounded to 16 bytes); without wgmma (mma.sync, head_dim 256) no pipeline
+    pipe = prefill.launch_plan((2, 32, 2048, 128), (2, 8, 9000, 128), mx.bfloat16, 1, 128 ** -0.5, True, 0, 1, True)
+    assert (dict(pipe.template)["WG"], dict(pipe.template)["PIPE"]) == (True, True)
+    assert pipe.dynamic_bytes == 2 * 64 * 256 * 2 + 1024 and pipe.shared_bytes == 528  # 8 * 65 = 520, to 16
+    for warpgroups, D in ((0, 128), (1, 256)):
+        plain = prefill.launch_plan((1, 8, 9, D), (1, 2, 9, D), mx.float16, 1, 0.1, False, 0, warpgroups, True)
+        assert dict(plain.template)["PIPE"] is False and plain.dynamic_bytes == 0
 
 
 @pytest.mark.parametrize(("shape", "keys", "blocks", "slices", "columns"), [

@@ -33,15 +33,18 @@ def _cuda():
         pytest.skip("the prefill kernel exists on CUDA only")
 
 
-@pytest.fixture(params=[0, 1, 2], ids=lambda n: f"wg{n}")
+@pytest.fixture(params=[(0, False), (1, False), (2, False), (1, True), (2, True)],
+                ids=lambda f: f"wg{f[0]}" + ("p" if f[1] else ""))
 def form(request, monkeypatch):
-    """The kernel's form for the test: ``warpgroups`` n (0: mma.sync; 1, 2: wgmma, compute capability 9.x only)."""
+    """The kernel's form for the test: ``warpgroups`` n (0: mma.sync; 1, 2: wgmma, compute capability 9.x only)
+    and ``pipeline`` (the wgmma form's pipelined schedule); returns ``warpgroups``."""
     import attrs
 
-    if request.param and not prefill.has_wgmma():
+    warpgroups, pipeline = request.param
+    if warpgroups and not prefill.has_wgmma():
         pytest.skip("wgmma runs on compute capability 9.x only")
-    monkeypatch.setattr(prefill, "TUNING", attrs.evolve(prefill.TUNING, warpgroups=request.param))
-    return request.param
+    monkeypatch.setattr(prefill, "TUNING", attrs.evolve(prefill.TUNING, warpgroups=warpgroups, pipeline=pipeline))
+    return warpgroups
 
 
 def _served(form: int, head_dim: int) -> None:
@@ -209,14 +212,17 @@ def test_wgmma_form_runs_and_matches_mma_sync(D, dtype, monkeypatch):
     q = _normal((1, 8, 700, D), dtype, rng)
     k, v = _normal((1, 2, N, D), dtype, rng), _normal((1, 2, N, D), dtype, rng)
     outs = {}
-    for n in (0, 1, 2):
-        monkeypatch.setattr(prefill, "TUNING", attrs.evolve(prefill.TUNING, warpgroups=n))
-        plan = prefill.launch_plan(q.shape, k.shape, dtype, 3, 0.1, False, 0, n)
+    forms = [(0, False), (1, False), (2, False), (1, True), (2, True)]
+    for n, pipe in forms:
+        monkeypatch.setattr(prefill, "TUNING", attrs.evolve(prefill.TUNING, warpgroups=n, pipeline=pipe))
+        plan = prefill.launch_plan(q.shape, k.shape, dtype, 3, 0.1, False, 0, n, pipe)
         assert dict(plan.template)["WG"] is (n > 0) and plan.threadgroup[0] == 128 * max(n, 1)
-        outs[n] = prefill.prefill_attend(q, k, v, iv, 0.1)
+        assert dict(plan.template)["PIPE"] is pipe and (plan.dynamic_bytes > 0) is pipe
+        outs[n, pipe] = prefill.prefill_attend(q, k, v, iv, 0.1)
     baked = prefill.PREFILL_ATTEND_TC.kernel("cuda", prefill.INPUTS, prefill.OUTPUTS)._baked  # what launched
-    assert all(any({("D", D), ("WG", True), ("THREADS", 128 * n)} <= set(full) for full, _ in baked) for n in (1, 2))
-    assert _rel(outs[1], outs[0]) < TOLERANCE[dtype] / 10 and _rel(outs[2], outs[0]) < TOLERANCE[dtype] / 10
+    assert all(any({("D", D), ("WG", True), ("PIPE", pipe), ("THREADS", 128 * n)} <= set(full) for full, *_ in baked)
+               for n, pipe in forms[1:])
+    assert all(_rel(outs[f], outs[0, False]) < TOLERANCE[dtype] / 10 for f in forms[1:])
 
 
 @pytest.mark.parametrize("label", ["turboquant:4", "turboquant:3", "affine:4"])

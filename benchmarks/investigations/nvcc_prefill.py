@@ -11,10 +11,13 @@ shared memory ptxas reports is checked against the launch plan's ``shared_bytes`
 instantiation fails to compile, spills, or declares other shared memory than planned.
 
     python benchmarks/investigations/nvcc_prefill.py [--keep DIR] [--archs sm_90,sm_80] [--head-dims 64,128,256]
-        [--minb N] [--warpgroups N]
+        [--minb N] [--warpgroups N] [--pipeline]
 
 ``--warpgroups N`` records the ``wgmma`` form (template ``WG``, N warpgroups a block, as on an H100 or H200 with
-``PrefillKnobs.warpgroups`` N) for the head_dims it serves and compiles it for sm_90a only.
+``PrefillKnobs.warpgroups`` N) for the head_dims it serves and compiles it for sm_90a only; ``--pipeline`` its
+pipelined schedule (template ``PIPE``, ``PrefillKnobs.pipeline``). ptxas's note that it serialised the wgmma
+instructions (it could not prove a register of one in flight untouched) counts as a failure: the form would run,
+slowly.
 """
 
 from __future__ import annotations
@@ -42,13 +45,14 @@ def ptxas_line(stderr: str) -> dict:
         found = re.findall(pattern, entry)
         return int(found[0]) if found else 0
 
-    return {"registers": first(r"Used (\d+) registers"), "spill_stores": first(r"(\d+) bytes spill stores"),
+    return {"serialized": "wgmma.mma_async instructions are serialized" in stderr,
+            "registers": first(r"Used (\d+) registers"), "spill_stores": first(r"(\d+) bytes spill stores"),
             "spill_loads": first(r"(\d+) bytes spill loads"), "stack": first(r"(\d+) bytes stack frame"),
             "smem": first(r"(\d+) bytes smem")}
 
 
 def record(D: int, dtype: mx.Dtype, sinks: bool, intervals: int, minb: int = 0,
-           warpgroups: int = 0) -> tuple[dict, int]:
+           warpgroups: int = 0, pipeline: bool = False) -> tuple[dict, int]:
     """The recorded launch of one instantiation (with ``__launch_bounds__(THREADS, minb)`` for ``minb`` > 0,
     the ``wgmma`` form with ``warpgroups`` > 0: :class:`kvq_metal.knobs.PrefillKnobs`) and its planned static
     shared memory."""
@@ -58,9 +62,9 @@ def record(D: int, dtype: mx.Dtype, sinks: bool, intervals: int, minb: int = 0,
     q = mx.zeros((1, 4, 16, D), dtype)
     kv = mx.zeros((1, 1, 64, D), dtype)
     iv = mx.zeros((16, intervals, 2), mx.int32)
-    plan = prefill.launch_plan(q.shape, kv.shape, dtype, intervals, D ** -0.5, sinks, minb, warpgroups)
+    plan = prefill.launch_plan(q.shape, kv.shape, dtype, intervals, D ** -0.5, sinks, minb, warpgroups, pipeline)
     saved, device = prefill.TUNING, prefill._wgmma_device
-    prefill.TUNING = attrs.evolve(saved, minb={D: minb}, warpgroups=warpgroups)
+    prefill.TUNING = attrs.evolve(saved, minb={D: minb}, warpgroups=warpgroups, pipeline=pipeline)
     prefill._wgmma_device = lambda: warpgroups > 0  # the device launch() asks about: one with wgmma where asked for
     try:  # the library's own launch, recorded (mx.fast.cuda_kernel is the recorder)
         prefill.launch(q, kv, kv, iv, D ** -0.5, mx.zeros((4,), mx.float32) if sinks else None)
@@ -89,6 +93,7 @@ def main() -> None:
     ap.add_argument("--archs", default="sm_90,sm_80")
     ap.add_argument("--minb", type=int, default=0, help="blocks per SM the registers must fit (0: no bound)")
     ap.add_argument("--warpgroups", type=int, default=0, help="the wgmma form, N warpgroups a block (sm_90a)")
+    ap.add_argument("--pipeline", action="store_true", help="the wgmma form's pipelined schedule (with --warpgroups)")
     args = ap.parse_args()
     if args.warpgroups:
         args.archs = "sm_90a"
@@ -107,7 +112,7 @@ def main() -> None:
                     for intervals in (1, prefill.MAX_INTERVALS):
                         if args.warpgroups and not prefill.wgmma_serves(D):
                             continue
-                        kw, planned = record(D, dtype, sinks, intervals, args.minb, args.warpgroups)
+                        kw, planned = record(D, dtype, sinks, intervals, args.minb, args.warpgroups, args.pipeline)
                         for arch in args.archs.split(","):
                             name = f"D{D}_{str(dtype).split('.')[-1]}_sink{int(sinks)}_P{intervals}_{arch}"
                             got = compile_one(kw, arch, Path(args.keep or tmp) / f"{name}.cu")
@@ -118,6 +123,8 @@ def main() -> None:
                             flags = []
                             if got["spill_stores"] or got["spill_loads"]:
                                 flags.append("SPILLS")
+                            if got["serialized"]:
+                                flags.append("WGMMA SERIALIZED")
                             if got["smem"] != planned:
                                 flags.append(f"SHARED != planned {planned}")
                             bad += bool(flags)

@@ -191,7 +191,8 @@ class Kernel:
         types = dtype_template(tuple(a.dtype for a in inputs))
         return self._kernel(inputs=inputs, template=[*template, *types], **kwargs)
 
-    def bound(self, template, inputs: Sequence[mx.array], aliases: Mapping[str, str] | None = None) -> tuple:
+    def bound(self, template, inputs: Sequence[mx.array], aliases: Mapping[str, str] | None = None,
+              shared_memory: int = 0) -> tuple:
         """``(call, full_template, kept)`` for a hot path that launches this kernel many times with inputs like
         ``inputs`` (same dtypes; :class:`kvq_metal.attend.DecodeStep`): ``call`` takes the keyword arguments of
         :meth:`__call__` with ``template=full_template`` and the inputs at the positions ``kept`` only.
@@ -203,13 +204,17 @@ class Kernel:
         input named in ``aliases`` (input name -> the name of an earlier input that holds the same array) is left
         out of that kernel's signature and read through the other (``#define`` lines), so a launch passes fewer
         arrays. A template with ``MINB`` > 0 also gets ``__launch_bounds__(THREADS, MINB)`` (:func:`launch_bounds`).
-        Both compile to the same arithmetic. Elsewhere (Metal, or a
+        Both compile to the same arithmetic. ``shared_memory`` (CUDA): the dynamic shared memory, bytes, each block
+        of that kernel is launched with (MLX's ``cuda_kernel(shared_memory=)``, fixed per kernel object; above 48 KB
+        MLX raises the kernel's limit). Elsewhere (Metal, or a
         template value that is not a bool or an int) ``call`` is MLX's kernel object, ``full_template`` ``template``
         with the dtype arguments appended
         (what :meth:`__call__` computes on every call) and every input is kept.
 
         :raises TypeError: an input dtype without a code (:func:`dtype_template`).
-        :raises ValueError: ``aliases`` naming an input this kernel does not take, or an alias of an alias."""
+        :raises ValueError: ``aliases`` naming an input this kernel does not take, or an alias of an alias, or
+            ``shared_memory`` asked of a kernel this method does not build (Metal, or a template that is not all
+            bools and ints)."""
         aliases = dict(aliases or {})
         names = self.input_names
         unknown = [n for pair in aliases.items() for n in pair if n not in names]
@@ -218,9 +223,12 @@ class Kernel:
                              f"{aliases!r}")
         kept = tuple(i for i, n in enumerate(names) if n not in aliases)
         if self.backend != "cuda" or not all(type(v) in (bool, int) for _, v in template):
+            if shared_memory:
+                raise ValueError(f"shared_memory: dynamic shared memory is given to baked CUDA kernels only; got "
+                                 f"{shared_memory} bytes for {self.name} on {self.backend}")
             return self._kernel, [*template, *dtype_template(tuple(a.dtype for a in inputs))], tuple(range(len(names)))
         full = (*template, *dtype_template(tuple(inputs[i].dtype for i in kept)))
-        key = (full, tuple(sorted(aliases.items())))
+        key = (full, tuple(sorted(aliases.items())), int(shared_memory))
         call = self._baked.get(key)
         if call is None:
             digest = hashlib.sha256(repr(key).encode()).hexdigest()[:12]
@@ -229,6 +237,8 @@ class Kernel:
             name = f"{self.name}_b{digest}"
             define, undefine = launch_bounds(name, dict(template))
             build["header"] += define
+            if shared_memory:
+                build["shared_memory"] = int(shared_memory)
             call = self._baked[key] = mx.fast.cuda_kernel(name=name, source=undefine + source, **build)
         return call, [], kept
 

@@ -105,8 +105,14 @@ class PrefillKnobs:
     On one H100 (2026-12-06, ``benchmarks/results/prefill/2026-12-06-h100-wgmma``) one warpgroup took a chunk of
     2,048 over 8K / 32K held tokens in 1.46-1.54 / 4.33 ms against 1.96-2.13 / 6.01-6.27 for ``mma.sync`` (two
     warpgroups: 1.40-1.81 / 4.61), and MLX's masked attention 1.41-1.67 / 3.73-4.05 in the same runs.
+
+    ``pipeline``: the ``wgmma`` form with FlashAttention-3's intra-warpgroup overlap (template ``PIPE``): K and V
+    tiles double-buffered in dynamic shared memory (66 KB a block at head_dim 128) and each tile's scores' product
+    issued with the previous tile's values' product, so the softmax of one runs while the tensor cores do the
+    other. Off where ``warpgroups`` is 0. Not yet measured on a GPU: off.
     """
 
     tc: bool = False
     minb: dict = attrs.field(factory=dict, converter=lambda d: {int(k): int(v) for k, v in dict(d).items()})
     warpgroups: int = attrs.field(default=1, converter=int, validator=attrs.validators.in_((0, 1, 2)))
+    pipeline: bool = attrs.field(default=False, converter=bool)

@@ -130,6 +130,8 @@ class Launch:
     :param threadgroup: ``(threads, 1, 1)``.
     :param output_shapes, output_dtypes: of ``out`` and ``lse``.
     :param shared_bytes: the static shared memory the kernel declares per block for this template.
+    :param dynamic_bytes: the dynamic shared memory a block is launched with (the pipelined form's K and V tiles,
+        two stages each, and 1024 bytes to align them; 0 for the other forms).
     """
 
     template: tuple
@@ -138,10 +140,11 @@ class Launch:
     output_shapes: tuple
     output_dtypes: tuple
     shared_bytes: int
+    dynamic_bytes: int = 0
 
 
 def launch_plan(queries_shape: tuple, keys_shape: tuple, dtype: mx.Dtype, num_intervals: int, scale: float,
-                sinks: bool, minb: int = 0, warpgroups: int = 0) -> Launch:
+                sinks: bool, minb: int = 0, warpgroups: int = 0, pipeline: bool = False) -> Launch:
     """The launch of :func:`prefill_attend` for queries ``[B, H_q, T_q, D]`` and keys ``[B, H_kv, N, D]`` of
     ``dtype``, ``num_intervals`` intervals per row, softmax ``scale``, with or without sink logits (``sinks``). The
     arguments are assumed checked (:func:`check_inputs`).
@@ -150,22 +153,28 @@ def launch_plan(queries_shape: tuple, keys_shape: tuple, dtype: mx.Dtype, num_in
     tile), ``BR`` (rows per block), ``P`` (intervals per row), ``SINK``, ``BF16`` (bfloat16 rather than float16
     mma), ``SCALE`` (the scale's float32 bits, :func:`kvq_metal.dialect.float_bits`: one compiled kernel per
     model's scale, no per-call scalar array), ``THREADS`` (per block), ``MINB`` (``minb``: blocks per SM the
-    registers must fit, :class:`kvq_metal.knobs.PrefillKnobs`; 0: no bound) and ``WG`` (the products on ``wgmma``,
-    sm_90a only: ``warpgroups`` > 0 where :func:`wgmma_serves` ``D``; a block then has ``warpgroups`` x 64 rows)."""
+    registers must fit, :class:`kvq_metal.knobs.PrefillKnobs`; 0: no bound), ``WG`` (the products on ``wgmma``,
+    sm_90a only: ``warpgroups`` > 0 where :func:`wgmma_serves` ``D``; a block then has ``warpgroups`` x 64 rows) and
+    ``PIPE`` (with ``WG`` and ``pipeline``: two-stage K/V tiles in dynamic shared memory, one tile's scores' product
+    overlapped with the previous tile's softmax and values' product: the module docstring)."""
     B, Hq, Tq, D = queries_shape
     Hkv = keys_shape[1]
     wg = warpgroups > 0 and wgmma_serves(D)
+    pipe = wg and bool(pipeline)
     BC, BR, DV = TILE_COLUMNS[D], BLOCK_ROWS * (warpgroups if wg else 1), VALUE_SLICE[D]
     threads = 2 * BR  # one warp per 16 rows
     rows = Hq // Hkv * Tq  # of a (batch, KV head) group: its query heads' rows
     blocks = -(-rows // BR)
     template = (("D", D), ("DV", DV), ("BC", BC), ("BR", BR), ("P", num_intervals), ("SINK", bool(sinks)),
                 ("BF16", dtype == mx.bfloat16), ("SCALE", float_bits(scale)), ("THREADS", threads),
-                ("MINB", int(minb)), ("WG", bool(wg)))
-    # K and V tiles (16-bit), the block's rows' intervals and their union (int32 pairs)
-    shared = BC * (D + DV) * 2 + 8 * num_intervals * (BR + 1)
+                ("MINB", int(minb)), ("WG", bool(wg)), ("PIPE", pipe))
+    tiles = BC * (D + DV) * 2  # a K and a V tile, 16-bit
+    # static: the tiles, the block's rows' intervals and their union (int32 pairs; with PIPE the intervals alone,
+    # rounded to 16 bytes, nvcc's layout); dynamic with PIPE: two stages of both tiles from a 1024-byte boundary
+    intervals = 8 * num_intervals * (BR + 1)
+    shared = -(-intervals // 16) * 16 if pipe else tiles + intervals
     return Launch(template, (blocks * threads, B * Hkv, D // DV), (threads, 1, 1), ((B, Hq, Tq, D), (B, Hq, Tq)),
-                  (dtype, mx.float32), shared)
+                  (dtype, mx.float32), shared, 2 * tiles + 1024 if pipe else 0)
 
 
 def wgmma_serves(head_dim: int) -> bool:
@@ -297,10 +306,12 @@ def launch(queries: mx.array, keys: mx.array, values: mx.array, intervals: mx.ar
     """:func:`prefill_attend` on arguments :func:`check_inputs` has already returned (``intervals`` int32,
     ``sinks`` float32 or ``None``), on a CUDA device: the launch alone."""
     plan = launch_plan(tuple(queries.shape), tuple(keys.shape), queries.dtype, intervals.shape[1], scale,
-                       sinks is not None, TUNING.minb.get(queries.shape[-1], 0), launch_warpgroups(queries.shape[-1]))
+                       sinks is not None, TUNING.minb.get(queries.shape[-1], 0), launch_warpgroups(queries.shape[-1]),
+                       TUNING.pipeline)
     inputs = [queries, keys, values, intervals, intervals if sinks is None else sinks]
     # the template baked into the kernel's text (kvq_metal.dialect.KernelObject.bound): MINB takes effect there
-    call, template, kept = PREFILL_ATTEND_TC.kernel("cuda", INPUTS, OUTPUTS).bound(plan.template, inputs)
+    call, template, kept = PREFILL_ATTEND_TC.kernel("cuda", INPUTS, OUTPUTS).bound(plan.template, inputs,
+                                                                                  shared_memory=plan.dynamic_bytes)
     out, lse = call(inputs=[inputs[i] for i in kept], template=template, grid=plan.grid,
                     threadgroup=plan.threadgroup, output_shapes=list(plan.output_shapes),
                     output_dtypes=list(plan.output_dtypes))

@@ -25,6 +25,10 @@
 // cores from shared memory through matrix descriptors), and the tiles are stored as wgmma's 128-byte-swizzled
 // atoms: 64-column slices of 128-byte rows, chunk j of row i of slice s at 8 (BC s + i) + (j ^ (i & 7)) (for
 // D = 64 the same place as without WG). A warpgroup runs its products whole (no per-warp skip).
+// PIPE (with WG; FlashAttention-3's intra-warpgroup overlap, Shah et al. 2024): K and V tiles in two stages each, in
+// dynamic shared memory (4 BC D 2 bytes + 1024 for the alignment: kvq_metal.prefill.launch_plan), and one tile's
+// scores' product issued together with the previous tile's values' product, the softmax of the one running while
+// the tensor cores do the other; the next K tile and this tile's V tile are copied meanwhile.
 
     constexpr int NWARP = BR / 16;  // THREADS (the template's) = 32 NWARP
     constexpr int CH = D / 8;    // 16-byte chunks per key row (D 16-bit elements)
@@ -40,10 +44,13 @@
     static_assert(THREADS == 32 * NWARP, "one warp per 16 rows");
     static_assert(!WG || (BC == 64 && DV % 64 == 0 && D % 64 == 0 && NWARP % 4 == 0),
                   "wgmma: tiles of 64 columns, 64-coordinate slices, whole warpgroups");
-    constexpr int ALIGN = WG ? 1024 : 16;  // wgmma's swizzle atoms start on 1024 bytes
+    static_assert(!PIPE || WG, "the pipelined schedule is the wgmma form's");
+    constexpr int ALIGN = WG && !PIPE ? 1024 : 16;  // wgmma's swizzle atoms start on 1024 bytes
 
-    KVQ_SHARED __align__(ALIGN) uint4 k_s[BC * CH];   // the K tile
-    KVQ_SHARED __align__(ALIGN) uint4 v_s[BC * CHV];  // the V tile (the block's slice of coordinates)
+    // the K tile and the V tile (the block's slice of coordinates); with PIPE two stages of each, in dynamic
+    // shared memory
+    KVQ_SHARED __align__(ALIGN) uint4 k_s[PIPE ? 1 : BC * CH];
+    KVQ_SHARED __align__(ALIGN) uint4 v_s[PIPE ? 1 : BC * CHV];
     KVQ_SHARED int2 iv_s[BR][P];                   // the block's rows' intervals, clamped to [0, N)
     KVQ_SHARED int span_s[2][P];                   // their union per interval slot: (min lo, max hi)
 
@@ -152,17 +159,9 @@
     float lrow[2] = {0.0f, 0.0f};          // this lane's part of the rows' sums (its 2 columns of each 8)
     const float qk = KVQ_AS_FLOAT(SCALE) * LOG2E;
 
-    int c0 = advance(0);
-    if (c0 < BIG) load_tile(KW{}, k_s, kg, c0);
-    while (c0 < BIG) {
-        const int cn = advance(c0 + BC);
-        kvq_pf_cp_wait_all();
-        publish();
-        KVQ_BARRIER();  // K tile c0 landed; every warp is done with the previous V tile
-        load_tile(VW{}, v_s, vg, c0);
-        // which columns of the tile each of this thread's rows sees (bit x: column c0 + x); whether a row of this
-        // warp sees one (else the warp skips the tile) and whether every row sees all (else scores are masked)
-        kvq_u64 vis[2];
+    // which columns of tile c0 each of this thread's rows sees (bit x: column c0 + x); returns whether every row
+    // of the warp sees all of them (then no score is masked)
+    auto seen = [&](const int c0, kvq_u64 (&vis)[2]) -> bool {
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
             vis[u] = 0;
@@ -173,25 +172,177 @@
             }
         }
         const kvq_u64 whole = kvq_pf_low_bits(BC);
-        // (with WG the same for the whole warpgroup: its wgmma are collective)
+        return __all_sync(0xffffffffu, (vis[0] == whole || !valid[0]) && (vis[1] == whole || !valid[1]));
+    };
+    // a tile's scores s (this lane's columns 2c, 2c + 1 of each 8) into probabilities: the columns a row does not
+    // see set to -inf (unless all are seen), then the online softmax: a row's max over its 4 lanes (of the unscaled
+    // scores; qk > 0 keeps the order), in log2 units; z the new max (0 while still -inf, so exp2 stays finite), al
+    // the factor that rescales what was accumulated before (the caller's acc); each probability exp2(score * qk - z)
+    // is one FFMA and one ex2. Scores stay unscaled until the exponent.
+    auto soften = [&](float (&s)[NS][4], const kvq_u64 (&vis)[2], const bool all, float (&al)[2]) {
+        if (!all) {
+            const uint mine[2][2] = {{(uint)(vis[0] >> (2 * c)), (uint)(vis[0] >> (2 * c + 32))},
+                                     {(uint)(vis[1] >> (2 * c)), (uint)(vis[1] >> (2 * c + 32))}};
+#pragma unroll
+            for (int nt = 0; nt < NS; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int bit = 8 * nt + (e & 1);  // a compile-time shift of one 32-bit half
+                    if (!((mine[e >> 1][bit >> 5] >> (bit & 31)) & 1u)) s[nt][e] = -KVQ_INF;
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            float top = -KVQ_INF;
+#pragma unroll
+            for (int nt = 0; nt < NS; ++nt) top = KVQ_FMAX(top, KVQ_FMAX(s[nt][2 * u], s[nt][2 * u + 1]));
+            top = KVQ_FMAX(top, KVQ_SHFL_XOR(top, 1));
+            top = KVQ_FMAX(top, KVQ_SHFL_XOR(top, 2));
+            const float nm = KVQ_FMAX(mrow[u], top * qk);
+            const float z = nm == -KVQ_INF ? 0.0f : nm;
+            al[u] = kvq_pf_exp2(mrow[u] - z);
+            mrow[u] = nm;
+            lrow[u] *= al[u];
+#pragma unroll
+            for (int nt = 0; nt < NS; ++nt) {
+                s[nt][2 * u] = kvq_pf_exp2(fmaf(s[nt][2 * u], qk, -z));
+                s[nt][2 * u + 1] = kvq_pf_exp2(fmaf(s[nt][2 * u + 1], qk, -z));
+                lrow[u] += s[nt][2 * u] + s[nt][2 * u + 1];
+            }
+        }
+    };
+    auto rescale = [&](const float (&al)[2]) {
+#pragma unroll
+        for (int i = 0; i < NO; ++i) { acc[i][0] *= al[0]; acc[i][1] *= al[0]; acc[i][2] *= al[1]; acc[i][3] *= al[1]; }
+    };
+    // the probabilities as the A fragments of the values' product: k-step kk from n-tiles 2kk, 2kk + 1
+    // (FlashAttention-2's register reuse)
+    auto pack = [&](const float (&s)[NS][4], uint (&a)[BC / 16][4]) {
+#pragma unroll
+        for (int kk = 0; kk < BC / 16; ++kk) {
+            a[kk][0] = kvq_pf_pack<BF16>(s[2 * kk][0], s[2 * kk][1]);
+            a[kk][1] = kvq_pf_pack<BF16>(s[2 * kk][2], s[2 * kk][3]);
+            a[kk][2] = kvq_pf_pack<BF16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            a[kk][3] = kvq_pf_pack<BF16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        }
+    };
+    // wgmma: the warpgroup's 64 rows x 64 columns of scores from the K tile at shared address kb (K-major B from
+    // slice ks / 4, 32 bytes into its rows per k-step; the stride byte offset steps 8 rows, 1024 bytes), and O += P V
+    // from the V tile at vb (N-major B from slice h, 16 rows a k-step, 2048 bytes; its two groups of 8 rows 1024 bytes
+    // apart), one m64n64k16 per slice. Issued only: the caller commits and waits.
+    auto wg_scores = [&](float (&sd)[32], const uint kb) {
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks)
+            kvq_wg_mma64<BF16, 0>(sd, qf[ks], kvq_wg_desc(kb + (ks >> 2) * BC * 128 + (ks & 3) * 32, 16, 1024), ks > 0);
+    };
+    auto wg_values = [&](float (&od)[4 * NO], const uint (&a)[BC / 16][4], const uint vb) {
+#pragma unroll
+        for (int kk = 0; kk < BC / 16; ++kk) {
+#pragma unroll
+            for (int h = 0; h < DV / 64; ++h)
+                kvq_wg_mma64<BF16, 1>(*reinterpret_cast<float (*)[32]>(&od[32 * h]), a[kk],
+                                      kvq_wg_desc(vb + h * BC * 128 + kk * 2048, BC * 128, 1024), 1);
+        }
+    };
+
+    if constexpr (PIPE) {
+        // two stages of K tiles then two of V tiles, from the first 1024-byte boundary of the dynamic shared memory
+        extern KVQ_SHARED __align__(16) uint4 kvq_pf_dynamic[];
+        uint4* const tiles = kvq_pf_dynamic + (((1024u - (kvq_pf_smem(kvq_pf_dynamic) & 1023u)) & 1023u) >> 4);
+        uint4* const vtiles = tiles + 2 * BC * CH;
+        const uint kbase = kvq_pf_smem(tiles), vbase = kvq_pf_smem(vtiles);
+        constexpr uint KSTAGE = BC * CH * 16, VSTAGE = BC * CHV * 16;  // bytes a stage
+        float s[NS][4];
+        float (&sd)[32] = reinterpret_cast<float (&)[32]>(s);
+        float (&od)[4 * NO] = reinterpret_cast<float (&)[4 * NO]>(acc);
+        uint a[BC / 16][4];
+        kvq_u64 vis[2];
+        float al[2];
+        int cur = advance(0);
+        if (cur < BIG) {
+            // the first tile: its scores alone (nothing to overlap them with)
+            load_tile(KW{}, tiles, kg, cur);
+            kvq_pf_cp_wait_all();
+            publish();
+            KVQ_BARRIER();  // K tile 0 landed
+            int nxt = advance(cur + BC);
+            if (nxt < BIG) load_tile(KW{}, tiles + BC * CH, kg, nxt);
+            load_tile(VW{}, vtiles, vg, cur);
+            bool all = seen(cur, vis);
+            kvq_wg_fence_operand(sd);
+            kvq_wg_fence();
+            wg_scores(sd, kbase);
+            kvq_wg_commit();
+            kvq_wg_wait<0>();
+            kvq_wg_fence_operand(sd);
+            soften(s, vis, all, al);  // acc is still zero: nothing to rescale
+            pack(s, a);
+            int st = 1;  // the stage of the current tile's K (its V goes to the same stage of the V tiles)
+            cur = nxt;
+            while (cur < BIG) {
+                kvq_pf_cp_wait_all();
+                publish();
+                KVQ_BARRIER();  // K tile cur (stage st) and the previous V tile (stage st ^ 1) landed; every warp
+                                // is done with the previous K tile and the V tile before it
+                nxt = advance(cur + BC);
+                if (nxt < BIG) load_tile(KW{}, tiles + (st ^ 1) * BC * CH, kg, nxt);
+                load_tile(VW{}, vtiles + st * BC * CHV, vg, cur);
+                // this tile's scores and the previous tile's values' product, two groups in flight
+                kvq_wg_fence_operand(sd);
+                kvq_wg_fence_operand(od);
+                kvq_wg_fence();
+                wg_scores(sd, kbase + st * KSTAGE);
+                kvq_wg_commit();
+                wg_values(od, a, vbase + (st ^ 1) * VSTAGE);
+                kvq_wg_commit();
+                all = seen(cur, vis);
+                kvq_wg_wait<1>();  // the scores (the older group) are done; the values' product runs on
+                kvq_wg_fence_operand(sd);
+                soften(s, vis, all, al);
+                kvq_wg_wait<0>();
+                kvq_wg_fence_operand(od);
+                rescale(al);  // what the previous tiles accumulated, to this tile's running max
+                pack(s, a);
+                st ^= 1;
+                cur = nxt;
+            }
+            // the last tile's values' product
+            kvq_pf_cp_wait_all();
+            publish();
+            KVQ_BARRIER();  // its V tile (stage st ^ 1) landed
+            kvq_wg_fence_operand(od);
+            kvq_wg_fence();
+            wg_values(od, a, vbase + (st ^ 1) * VSTAGE);
+            kvq_wg_commit();
+            kvq_wg_wait<0>();
+            kvq_wg_fence_operand(od);
+        }
+    }
+
+    int c0 = PIPE ? BIG : advance(0);
+    if (c0 < BIG) load_tile(KW{}, k_s, kg, c0);
+    while (c0 < BIG) {
+        const int cn = advance(c0 + BC);
+        kvq_pf_cp_wait_all();
+        publish();
+        KVQ_BARRIER();  // K tile c0 landed; every warp is done with the previous V tile
+        load_tile(VW{}, v_s, vg, c0);
+        kvq_u64 vis[2];
+        const bool all = seen(c0, vis);
+        // whether a row of this warp sees a column (else the warp skips the tile; with WG the same for the whole
+        // warpgroup: its wgmma are collective)
         const bool any = WG || __any_sync(0xffffffffu, (vis[0] | vis[1]) != 0);
-        const bool all = __all_sync(0xffffffffu, (vis[0] == whole || !valid[0]) && (vis[1] == whole || !valid[1]));
         float s[NS][4];
         if (any) {
             // ---- scores S = Q K^T (B operand: K rows, two n-tiles per ldmatrix)
 #pragma unroll
             for (int nt = 0; nt < NS; ++nt) { s[nt][0] = 0.0f; s[nt][1] = 0.0f; s[nt][2] = 0.0f; s[nt][3] = 0.0f; }
             if constexpr (WG) {
-                // the warpgroup's 64 rows x 64 columns, k-step ks: K-major B from slice ks / 4 of the K tile,
-                // 32 bytes into its rows per k-step; the stride byte offset steps 8 rows (1024 bytes)
                 float (&sd)[32] = reinterpret_cast<float (&)[32]>(s);
-                const uint kb = kvq_pf_smem(k_s);
                 kvq_wg_fence_operand(sd);
                 kvq_wg_fence();
-#pragma unroll
-                for (int ks = 0; ks < KS; ++ks)
-                    kvq_wg_mma64<BF16, 0>(sd, qf[ks], kvq_wg_desc(kb + (ks >> 2) * BC * 128 + (ks & 3) * 32, 16,
-                                                                  1024), ks > 0);
+                wg_scores(sd, kvq_pf_smem(k_s));
                 kvq_wg_commit();
                 kvq_wg_wait_all();
                 kvq_wg_fence_operand(sd);
@@ -213,72 +364,22 @@
                     }
                 }
             }
-            // ---- mask the columns a row does not see (this lane's columns 2c, 2c + 1 of each 8); a warp whose rows
-            // all see the whole tile (all: the same for every lane) skips it. Scores stay unscaled until the exponent.
-            if (!all) {
-                const uint mine[2][2] = {{(uint)(vis[0] >> (2 * c)), (uint)(vis[0] >> (2 * c + 32))},
-                                         {(uint)(vis[1] >> (2 * c)), (uint)(vis[1] >> (2 * c + 32))}};
-#pragma unroll
-                for (int nt = 0; nt < NS; ++nt) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int bit = 8 * nt + (e & 1);  // a compile-time shift of one 32-bit half
-                        if (!((mine[e >> 1][bit >> 5] >> (bit & 31)) & 1u)) s[nt][e] = -KVQ_INF;
-                    }
-                }
-            }
-            // ---- online softmax: a row's max over its 4 lanes (of the unscaled scores; qk > 0 keeps the order), in
-            // log2 units; z the new max (0 while still -inf, so exp2 stays finite), al the factor that rescales what
-            // was accumulated before; each probability exp2(score * qk - z) is one FFMA and one ex2
-#pragma unroll
-            for (int u = 0; u < 2; ++u) {
-                float top = -KVQ_INF;
-#pragma unroll
-                for (int nt = 0; nt < NS; ++nt) top = KVQ_FMAX(top, KVQ_FMAX(s[nt][2 * u], s[nt][2 * u + 1]));
-                top = KVQ_FMAX(top, KVQ_SHFL_XOR(top, 1));
-                top = KVQ_FMAX(top, KVQ_SHFL_XOR(top, 2));
-                const float nm = KVQ_FMAX(mrow[u], top * qk);
-                const float z = nm == -KVQ_INF ? 0.0f : nm;
-                const float al = kvq_pf_exp2(mrow[u] - z);
-                mrow[u] = nm;
-                lrow[u] *= al;
-#pragma unroll
-                for (int nt = 0; nt < NS; ++nt) {
-                    s[nt][2 * u] = kvq_pf_exp2(fmaf(s[nt][2 * u], qk, -z));
-                    s[nt][2 * u + 1] = kvq_pf_exp2(fmaf(s[nt][2 * u + 1], qk, -z));
-                    lrow[u] += s[nt][2 * u] + s[nt][2 * u + 1];
-                }
-#pragma unroll
-                for (int i = 0; i < NO; ++i) { acc[i][2 * u] *= al; acc[i][2 * u + 1] *= al; }
-            }
+            float al[2];
+            soften(s, vis, all, al);
+            rescale(al);
         }
         kvq_pf_cp_wait_all();
         publish();
         KVQ_BARRIER();  // V tile c0 landed; every warp is done with K tile c0
         if (cn < BIG) load_tile(KW{}, k_s, kg, cn);
         if (any && WG) {
-            // ---- values O += P V on wgmma: A the probabilities (as below), B N-major from slice h of the V tile
-            // (16 rows a k-step, 2048 bytes; its two groups of 8 rows 1024 bytes apart), one m64n64k16 per slice
             // (every fragment packed before the fence: a register written between two wgmma makes ptxas wait)
             uint a[BC / 16][4];
-#pragma unroll
-            for (int kk = 0; kk < BC / 16; ++kk) {
-                a[kk][0] = kvq_pf_pack<BF16>(s[2 * kk][0], s[2 * kk][1]);
-                a[kk][1] = kvq_pf_pack<BF16>(s[2 * kk][2], s[2 * kk][3]);
-                a[kk][2] = kvq_pf_pack<BF16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-                a[kk][3] = kvq_pf_pack<BF16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-            }
-            const uint vb0 = kvq_pf_smem(v_s);
+            pack(s, a);
             float (&od)[4 * NO] = reinterpret_cast<float (&)[4 * NO]>(acc);
             kvq_wg_fence_operand(od);
             kvq_wg_fence();
-#pragma unroll
-            for (int kk = 0; kk < BC / 16; ++kk) {
-#pragma unroll
-                for (int h = 0; h < DV / 64; ++h)
-                    kvq_wg_mma64<BF16, 1>(*reinterpret_cast<float (*)[32]>(&od[32 * h]), a[kk],
-                                          kvq_wg_desc(vb0 + h * BC * 128 + kk * 2048, BC * 128, 1024), 1);
-            }
+            wg_values(od, a, kvq_pf_smem(v_s));
             kvq_wg_commit();
             kvq_wg_wait_all();
             kvq_wg_fence_operand(od);

@@ -109,6 +109,10 @@ __device__ __forceinline__ void kvq_wg_fence() { asm volatile("wgmma.fence.sync.
 __device__ __forceinline__ void kvq_wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 // until every committed wgmma group of the warpgroup is done (its accumulators written)
 __device__ __forceinline__ void kvq_wg_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// until at most N of the warpgroup's committed wgmma groups are pending (groups complete in order: N = 1 after two
+// commits waits for the first only)
+template <int N>
+__device__ __forceinline__ void kvq_wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 // accumulator registers as changed here, so the compiler moves no read or write of them across (CUTLASS's
 // warpgroup_fence_operand): around a wgmma group, whose writes the compiler does not see
 template <int N>
