@@ -155,7 +155,7 @@ class KernelImpl:
         (:func:`kvq_metal.prefill.prefill_attend`) where it serves (its knob on, a CUDA device, arguments that
         :func:`kvq_metal.prefill.check_inputs` takes) and this implementation is the CUDA one, after the first-use
         check (:func:`kvq_metal.prefill.check_parity`, once per head_dim, dtype, intervals per row, sinks, GQA
-        ratio and the knobs' ``warpgroups``). The columns arrive decoded, so the kernel is the same for every method.
+        ratio and the knobs' ``warpgroups`` and ``pipeline``). The columns arrive decoded, so the kernel is the same for every method.
 
         :param queries: ``[B, H_q, T_q, D]`` float16 or bfloat16. :param keys, values: ``[B, H_kv, N, D]`` of the
             queries' dtype. :param intervals: int32 ``[T_q, P, 2]`` (:func:`kvq.cache.prefill.column_intervals`).
@@ -170,7 +170,8 @@ class KernelImpl:
         except (TypeError, ValueError):
             return None
         key = (queries.shape[3], queries.dtype, intervals.shape[1], sinks is not None,
-               queries.shape[1] // keys.shape[1], prefill.TUNING.warpgroups)  # the form checked is the one run
+               queries.shape[1] // keys.shape[1], prefill.TUNING.warpgroups,
+               prefill.TUNING.pipeline)  # the form checked is the one run
         if not first_use_check(self.backend, "prefill_attend", key, lambda: prefill.check_parity(*key[:5])):
             return None
         return prefill.launch(queries, keys, values, intervals, scale, sinks)
