@@ -42,8 +42,14 @@ co-resident blocks overlap). nvcc 13 for sm_90a: 120 registers at head_dim 64, 1
 H100 (2026-12-06, ``benchmarks/results/prefill/2026-12-06-h100-wgmma``): its parity tests pass, and the chunk of
 2,048 below takes 1.46-1.54 / 4.33 ms at 8K / 32K (one warpgroup) against 1.96-2.13 / 6.01-6.27 for the
 ``mma.sync`` form and 1.41-1.67 / 3.73-4.05 for MLX's masked attention in the same runs: level at 8K, 12-15%
-slower at 32K, so the knob stays off. Next: the next tile's product overlapped with this tile's softmax (double-
-buffered tiles, which need more than the 48 KB of static shared memory: ``cuda_kernel(shared_memory=)``).
+slower at 32K, so the knob stays off. Its pipelined schedule (template ``PIPE``, ``PrefillKnobs.pipeline``;
+FlashAttention-3's intra-warpgroup overlap, Shah et al. 2024): K and V tiles double-buffered in dynamic shared memory
+(``cuda_kernel(shared_memory=)``, 66 KB a block at head_dim 128), each tile's scores' product issued with the
+previous tile's values' product so the softmax of one overlaps the other; 172-180 registers at head_dim 128, no
+spills. Correct, and no faster (one H100, ``benchmarks/results/prefill/2026-12-06-h100-pipelined``: 1.61 / 4.50 ms
+against 1.52 / 4.64 for the plain wgmma form): co-resident blocks already overlapped softmax and products. Leads:
+tiles of 128 columns, TMA loads from a producer warp, two consumer warpgroups in turn (FlashAttention-3's other
+two parts), after Nsight Compute of this form.
 
 GQA: the ``n_rep = H_q / H_kv`` query heads that share a KV head are packed into a block's rows (row ``m`` of a
 (batch, KV head) group is query row ``m // n_rep`` of head ``m % n_rep``), so one K/V tile serves every head of the
