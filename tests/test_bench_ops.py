@@ -78,7 +78,7 @@ def test_environment_and_plots(run):
 
 @pytest.mark.parametrize("argv, match", [
     (["--methods", "nope:4"], r"unknown method 'nope' in 'nope:4'; installed: ([a-z0-9_]+, )*affine, "),
-    (["--methods", "affine:7"], r"--methods: 'affine:7': bits must be one of 2, 3, 4, 5, 6, 8; got 7"),
+    (["--methods", "affine:7"], r"--methods: 'affine:7': affine bits must be one of 2, 3, 4, 5, 6, 8; got 7"),
     (["--methods", "affine:4+fp16"], r"measures one method's ops"),
     (["--methods", "affine:4,affine:4"], r"given more than once"),
     (["--ops", "quantize,compress"], r"--ops must be a comma-separated subset of quantize, dequantize, attend"),

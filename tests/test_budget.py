@@ -73,6 +73,14 @@ def test_budget_errors_name_the_argument_and_the_method():
     with pytest.raises(ValueError, match=r"got 5 \(turboquant's codes take whole bits; a number with a fraction, "
                                          r"such as 3\.5, is a bits budget per layer"):
         make_config("turboquant", bits=5)
+    # a budget just above the most (4.25 at head_dim 64) buys the most; one more than a bit above it is refused, as
+    # bits=5 is (a new user's bits=9.5 was stored at 4.25 bits and labelled a budget of 9.5)
+    kp = make_config("turboquant", bits=4.5).within_budget(64, 64).key_params
+    assert (kp.bits, kp.outlier_channels) == (4, 0)
+    with pytest.raises(ValueError, match=r"bits budget 9.5 is more than 1 bit above the most bits per coordinate "
+                                         r"turboquant keys and turboquant values store at head_dims \(64, 64\): "
+                                         r"4.25; .* give at most 4.25"):
+        make_config("turboquant", bits=9.5).within_budget(64, 64)
 
 
 def test_a_budget_cache_stores_the_bytes_it_promises():

@@ -55,7 +55,7 @@ BUDGET_HINT = ("; a number with a fraction, such as 3.5, is a bits budget per la
 def _check_bits(value) -> None:
     """:func:`kvq.validate.one_of` of ``bits``, naming the budget a fractional ``bits`` would have meant."""
     try:
-        one_of("bits", value, BITS)
+        one_of("bits", value, BITS, "turboquant")
     except ValueError as error:
         raise ValueError(f"{error} (turboquant's codes take whole bits{BUDGET_HINT})") from None
 

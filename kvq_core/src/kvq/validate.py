@@ -9,20 +9,26 @@ import mlx.core as mx
 FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 
-def one_of(name: str, value, allowed: Iterable) -> None:
-    """Raise ``ValueError`` unless ``value`` is in ``allowed``; the message names ``name`` and ``allowed``."""
+def one_of(name: str, value, allowed: Iterable, owner: str | None = None) -> None:
+    """Raise ``ValueError`` unless ``value`` is in ``allowed``; the message names ``name`` (after ``owner``, the
+    method whose parameter it is, where given) and ``allowed``, and says so where ``value`` is text among numbers
+    (``bits="4"``, as a config file may give it: ``"4"`` is not ``4``)."""
     allowed = tuple(allowed)
     if value not in allowed:
         shown = ", ".join(str(a) for a in allowed)
-        raise ValueError(f"{name} must be one of {shown}; got {value!r}")
+        text = isinstance(value, str) and not any(isinstance(a, str) for a in allowed)
+        raise ValueError(f"{owner + ' ' if owner else ''}{name} must be one of {shown}; got {value!r}"
+                         + ("; that is text, not a number" if text else ""))
 
 
 def attrs_one_of(allowed: Iterable):
-    """An attrs validator wrapping :func:`one_of` (the field name is the argument name)."""
+    """An attrs validator wrapping :func:`one_of` (the field name is the argument name; the instance's ``method``,
+    a parameters class's, names the method)."""
     allowed = tuple(allowed)
 
     def validator(instance, attribute, value):
-        one_of(attribute.name, value, allowed)
+        owner = getattr(type(instance), "method", None)
+        one_of(attribute.name, value, allowed, owner if isinstance(owner, str) else None)
 
     return validator
 

@@ -33,6 +33,8 @@ from ..contract import SpendsBudget, optional_hook
 
 #: Bits per coordinate the keys should hold above the values, where the method's settings allow.
 KEY_LEAD = 1.0
+#: How far above the most the methods can store a budget may be (it then buys the most); further is refused.
+BEYOND = 1.0
 
 
 def check_budget(bits) -> float:
@@ -70,13 +72,21 @@ def spend(budget: float, key_params, value_params, head_dims: tuple[int, int]) -
     """The settings ``(key_params, value_params)`` a layer with head_dims ``(D_k, D_v)`` stores with ``budget``
     bits per coordinate (the module's rule), drawn from :func:`options` of the given parameters.
 
-    :raises ValueError: a method without budget options, or a budget below the fewest bits the two methods can
-        store at these head_dims (the message names both).
+    :raises ValueError: a method without budget options, a budget below the fewest bits the two methods can
+        store at these head_dims, or more than :data:`BEYOND` bits above the most they can store (a budget just
+        above it buys the most; far above it, such as ``bits=9.5`` for TurboQuant's 4.25, it is a mistake, as
+        ``bits=5`` is; the messages name both methods and the bound).
     """
     budget = check_budget(budget)
     dk, dv = head_dims
     keys = [(p.accounting(dk).bits_per_coordinate, p) for p in options(key_params, dk)]
     values = [(p.accounting(dv).bits_per_coordinate, p) for p in options(value_params, dv)]
+    most = (max(b for b, _ in keys) * dk + max(b for b, _ in values) * dv) / (dk + dv)
+    if budget > most + BEYOND:
+        raise ValueError(f"bits budget {budget:g} is more than {BEYOND:g} bit above the most bits per coordinate "
+                         f"{key_params.method} keys and {value_params.method} values store at head_dims ({dk}, "
+                         f"{dv}): {most:g}; a budget is the most the cache may spend, so give at most {most:g} "
+                         f"(or whole bits)")
     best, best_rank = None, None
     for kb, kp in keys:
         for vb, vp in values:

@@ -18,6 +18,8 @@ import re
 import time
 from dataclasses import dataclass, field
 
+from .argtypes import positive_int
+
 #: The language-reference topic the prompt quotes. (Near 1,100 tokens: prefill attention is quadratic and slow on
 #: MLX's CPU back end, and the demo must finish within a minute on 2 CPU cores.)
 TOPIC = "Objects, values and types"
@@ -188,7 +190,8 @@ def main(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="kvq demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help=f"answer length (default {MAX_TOKENS})")
+    parser.add_argument("--max-tokens", type=positive_int, default=MAX_TOKENS,
+                        help=f"answer length in tokens, at least 1 (default {MAX_TOKENS})")
     args = parser.parse_args(argv)
     recommended, three_bit, note = demo_methods()
     print(note, end="", flush=True)

@@ -100,8 +100,9 @@ def check(args) -> tuple[list, list[int], str, str, Path, dict]:
     for name in ("windows", "score_tokens", "chunk"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
-    if args.sinks < 0 or args.window < 0:
-        raise ValueError("--sinks and --window must be >= 0")
+    for name in ("sinks", "window"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name} must be an integer >= 0; got {getattr(args, name)}")
     if args.flush is not None and args.flush < 1:
         raise ValueError(f"--flush must be an integer >= 1; got {args.flush}")
     _depths(args.needle_depths)

@@ -32,6 +32,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+from .argtypes import non_negative_float, positive_int
 from .generate_cmd import add_cache_arguments
 from .serve_api import DEFAULT_MODEL, ServePolicy, config_context_length
 
@@ -44,7 +45,7 @@ def plain_text(doc: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvq serve`` argument parser (kvq's options only; the others are passed on to mlx-lm)."""
     p = argparse.ArgumentParser(prog="kvq serve", description=plain_text(__doc__),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=PASSED_ON)
     add_cache_arguments(p)
     p.add_argument("--pipeline", action="store_true",
                    help="under mlx.launch: pipeline parallel (each rank its own layers), not tensor parallel")
@@ -54,17 +55,39 @@ def build_parser() -> argparse.ArgumentParser:
                    help="answer a request naming any model with the served one (default: 404 model_not_found)")
     p.add_argument("--max-tokens-cap", type=positive_int, default=None, metavar="N",
                    help="refuse requests for more than N tokens (and lower mlx-lm's --max-tokens default to N)")
-    p.add_argument("--drain-seconds", type=float, default=30.0, metavar="S",
+    p.add_argument("--drain-seconds", type=non_negative_float, default=30.0, metavar="S",
                    help="on SIGTERM or Ctrl-C, wait up to S seconds for the requests in flight (default 30)")
     return p
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer of at least 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
+#: What ``kvq serve --help`` says of the options it passes on (mlx-lm's parser is built only when the server starts).
+PASSED_ON = ("Every other option goes to mlx_lm.server unchanged, among them --host, --port, --max-tokens, --temp, "
+             "--top-p, --prompt-cache-size, --prompt-cache-bytes, --decode-concurrency, --prompt-concurrency, "
+             "--prefill-step-size, --log-level (mlx_lm.server --help lists them all). --kv-bits is refused: kvq "
+             "compresses the cache itself (--method, --bits), and mlx-lm would serve requests one at a time.")
+
+
+def check_passed_on(rest: list[str], options: dict) -> None:
+    """Refuse mlx-lm server options that cannot work with kvq's caches, before the model is loaded.
+
+    ``--kv-bits`` asks mlx-lm to quantize each cache once it holds ``--quantized-kv-start`` tokens (5000 by
+    default): a kvq cache refuses that unless it already holds exactly that (:meth:`kvq.cache.protocol.
+    CacheProtocol.to_quantized`), so long prompts would fail with HTTP 500 after the server started, and mlx-lm
+    serves requests one at a time with it. kvq's own options give what it asks for, batched.
+
+    :raises ValueError: ``--kv-bits`` among ``rest`` (the message names the kvq options that do the same).
+    """
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--kv-bits", default=None)
+    parser.add_argument("--kv-group-size", default="64")
+    given, _ = parser.parse_known_args(rest)
+    if given.kv_bits is not None:
+        raise ValueError(f"--kv-bits {given.kv_bits}: kvq serve's caches are compressed already "
+                         f"({options.get('method')}, bits {options.get('bits', 'default')}); mlx-lm's --kv-bits would "
+                         f"quantize them a second time (kvq refuses: requests would fail once a prompt passes "
+                         f"--quantized-kv-start) and would serve requests one at a time. Drop --kv-bits; for the "
+                         f"layout it names use --method affine --bits {given.kv_bits} --param "
+                         f"group_size={given.kv_group_size}")
 
 
 def serve_policy(args: argparse.Namespace, path: Path) -> ServePolicy:
@@ -165,6 +188,7 @@ def main(argv: list[str]) -> int:
     serve_handler.check_mlx_lm_version(mlx_lm.__version__)
     options = cache_options(args)
     make_config(**options)  # bad methods and parameters fail before the model is loaded
+    check_passed_on(rest, options)
     path = models.resolve_model(args.model)
     check_sharding(path, args.pipeline, mx.distributed.init().size())
     run = functools.partial(serve_run.run, policy=serve_policy(args, path), drain_seconds=args.drain_seconds)

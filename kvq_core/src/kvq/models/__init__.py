@@ -215,7 +215,8 @@ def resolve_model(name_or_path: str | os.PathLike | None = None, progress: bool 
         if path.suffix.lower() != ".gguf":
             raise ModelError(f"{path} is neither an mlx-lm model folder nor a .gguf file")
         return _gguf_folder(path, progress)
-    if isinstance(name_or_path, str) and HUB_ID.match(name_or_path) and not name_or_path.lower().endswith(".gguf"):
+    if (isinstance(name_or_path, str) and HUB_ID.match(name_or_path) and not name_or_path.lower().endswith(".gguf")
+            and not name_or_path.startswith((".", "~"))):  # ./name and ../name are paths, never Hub ids
         return _hub_folder(name_or_path)
     hint = ("; random-weight shapes ('random:...') have no tokenizer: kvq bench and kvq fit take them, other commands"
             " need a real model" if str(name_or_path).startswith("random:") else "")
