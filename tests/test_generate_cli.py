@@ -198,6 +198,7 @@ def test_generate_says_when_nothing_was_compressed(tiny_gguf, cache, capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "NOTE: nothing was compressed" in out and "sinks (4) and window (128, growing to 255" in out
+    assert row(out, "compression vs kvcache (nbytes)")[1].endswith("x (none compressed)")  # the cell says it too
 
 
 def test_generate_counts_the_tokens_a_flush_waits_for(tiny_gguf, cache, capsys):
