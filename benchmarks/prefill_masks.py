@@ -151,7 +151,10 @@ def main(argv=None) -> int:
         row = {"context": context, "chunk": C, "keys": keys.shape[2], "blocks": nb, "pad": pad,
                "view_equals_mask": same, "kernel_minb": prefill.TUNING.minb.get(D, 0),
                "kernel_warpgroups": prefill.launch_warpgroups(D),
-               "kernel_pipeline": bool(prefill.launch_warpgroups(D) and prefill.TUNING.pipeline)}
+               # as the launch plan decides it (the pipelined schedule only with wgmma)
+               "kernel_pipeline": dict(prefill.launch_plan(q.shape, keys.shape, dtype, 1, scale, False, 0,
+                                                           prefill.launch_warpgroups(D),
+                                                           prefill.TUNING.pipeline).template)["PIPE"]}
         reference = sdpa(q, keys, values, scale=scale, mask=mask)
         variants = {
             "causal": lambda: sdpa(q, k_all, v_all, scale=scale, mask="causal"),

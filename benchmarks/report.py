@@ -128,6 +128,11 @@ def reps(run: dict) -> list[str]:
     return [f"rep {i + 1}" for i in range(len(run["docs"]))] if len(run["docs"]) > 1 else [""]
 
 
+def failed(row: dict, cells: int) -> list[str]:
+    """The ``cells`` cells of a row that failed: its error (shortened), then dashes."""
+    return ["error: " + row["error"][:80]] + ["-"] * (cells - 1)
+
+
 def e2e(run: dict) -> str:
     first, dtype = run["docs"][0]["rows"], run["docs"][0]["model"]["dtype"]
     heads = ["context", "cache", "bits/coord", "KV MiB measured (x kvcache)"]
@@ -137,7 +142,7 @@ def e2e(run: dict) -> str:
         cells = [f"{r['context']:,}", cache_name(r, dtype),
                  f"{r['bits_per_coordinate']:.3g}"]
         if r["error"]:
-            rows.append(cells + ["error: " + r["error"][:80]] + ["-"] * len(run["docs"]))
+            rows.append(cells + failed(r, 1 + len(run["docs"])))
             continue
         cells.append(ratio(f"{r['active_memory_growth'] / MIB:,.1f}", r["memory_ratio"]))
         for doc in run["docs"]:
@@ -165,7 +170,7 @@ def batch(run: dict) -> str:
     heads = ["sequences", "cache", "rep", "decode tokens/s, all sequences (x kvcache)", "prefill speed x kvcache",
              "peak MiB above the model (x kvcache)"]
     rows = [[str(r["batch"]), cache_name(r, doc["model"]["dtype"]), str(r["rep"] + 1),
-             *(["error: " + r["error"][:80], "-", "-"] if r["error"] else
+             *(failed(r, 3) if r["error"] else
                [ratio(f"{r['decode_tokens_per_second']:,.1f}", r["decode_vs_fp16"]),
                 "-" if r["prefill_vs_fp16"] is None else f"{r['prefill_vs_fp16']:.2f}",
                 ratio(f"{r['peak_memory_growth'] / MIB:,.0f}", r["peak_vs_fp16"])])]
@@ -177,7 +182,7 @@ def capacity(run: dict) -> str:
     heads = ["cache", "sequences that fit (x kvcache)", "cache MiB per sequence",
              "decode tokens/s, all sequences (x kvcache)", "ms/step"]
     rows = [[cache_name(r, doc["model"]["dtype"]),
-             *(["error: " + r["error"][:80], "-", "-", "-"] if r["error"] else
+             *(failed(r, 4) if r["error"] else
                [ratio(str(r["max_batch"]), r["batch_vs_fp16"]), f"{r['kv_bytes'] / r['max_batch'] / MIB:,.0f}",
                 ratio(f"{r['tokens_per_second']:,.0f}", r["tokens_vs_fp16"]),
                 f"{r['row']['latency_ms']['mean']:.1f}"])]

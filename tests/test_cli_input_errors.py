@@ -75,3 +75,5 @@ def test_parameter_errors_name_the_method_and_say_when_a_number_came_as_text():
     with pytest.raises(ValueError, match=r"^turboquant bits must be one of 1, 2, 3, 4; got '4'; that is text, not a "
                                          r"number \(turboquant's codes take whole bits"):
         kvq.make_params("turboquant", bits="4")
+    with pytest.raises(ValueError, match=r"^turboquant_prod bits must be one of 1, 2, 3, 4; got 9"):
+        kvq.make_params("turboquant_prod", bits=9)  # the variant that shares turboquant's fields is named itself

@@ -52,20 +52,21 @@ BUDGET_HINT = ("; a number with a fraction, such as 3.5, is a bits budget per la
                "kvq.make_prompt_cache(model, 'turboquant', bits=3.5) or the method string turboquant:3.5")
 
 
-def _check_bits(value) -> None:
-    """:func:`kvq.validate.one_of` of ``bits``, naming the budget a fractional ``bits`` would have meant."""
+def _check_bits(method: str, value) -> None:
+    """:func:`kvq.validate.one_of` of ``bits`` of ``method`` (the parameters class's), naming the budget a
+    fractional ``bits`` would have meant."""
     try:
-        one_of("bits", value, BITS, "turboquant")
+        one_of("bits", value, BITS, method)
     except ValueError as error:
         raise ValueError(f"{error} (turboquant's codes take whole bits{BUDGET_HINT})") from None
 
 
 def _bits(instance, attribute, value) -> None:
-    _check_bits(value)
+    _check_bits(type(instance).method, value)
 
 
 def _default_outlier_bits(self) -> int:
-    _check_bits(self.bits)  # made before the validators run: a bad bits gets their message, not a TypeError
+    _check_bits(type(self).method, self.bits)  # before the validators run: a bad bits gets their message
     return min(self.bits + 1, BITS[-1])
 
 

@@ -104,12 +104,17 @@ def make_config(method: str | None = "affine", *, key_method: str | None = None,
     return CacheConfig(kp, vp, sinks, window, step, kernels, flush, outlier_layers, budget=budget)
 
 
+def cache_settings() -> tuple[str, ...]:
+    """The cache's own settings: the keyword arguments of :func:`make_config` that are not method parameters, read
+    from its signature (the error that names a misspelt one lists them; a method string's brackets take only some,
+    :data:`kvq.evaluation.spec.CACHE_OPTIONS`)."""
+    return tuple(name for name, p in inspect.signature(make_config).parameters.items()
+                 if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
+
 def _cache_settings() -> list[str]:
-    """The keyword arguments of :func:`make_config` (and :func:`make_prompt_cache`) that are not method parameters,
-    read from their signatures (for the error that names a misspelt one)."""
-    names = [name for name, p in inspect.signature(make_config).parameters.items()
-             if p.kind is inspect.Parameter.KEYWORD_ONLY]
-    return names + ["max_kv_size (make_prompt_cache)"]
+    """:func:`cache_settings` and :func:`make_prompt_cache`'s own, for the error that names a misspelt one."""
+    return [*cache_settings(), "max_kv_size (make_prompt_cache)"]
 
 
 def check_required_kernels(config: CacheConfig, num_kv_heads: int, head_dim: int, num_q_heads: int) -> None:

@@ -166,13 +166,17 @@ def _side(text: str, spec: str) -> tuple[str, dict, dict, dict]:
                          "(e.g. affine:4, affine:k8v4, qjl[sketch_dim=64]+affine:4)")
     options = _options(match["options"], spec)
     cache = {k: options.pop(k) for k in CACHE_OPTIONS if k in options}
-    elsewhere = [k for k in options if k in _other_cache_settings()]
-    if elsewhere:
-        raise ValueError(f"method {spec!r}: {', '.join(elsewhere)} is a setting of the cache that method strings do "
-                         f"not carry (in brackets they take the method's parameters and the cache's "
-                         f"{', '.join(CACHE_OPTIONS)}); give it to the command (kvq generate / kvq serve: "
-                         f"--method NAME --param {elsewhere[0]}=VALUE, or its own option) or to "
-                         f"kvq.make_prompt_cache({elsewhere[0]}=...)")
+    if options:  # the method's parameters now; the cache's settings other than CACHE_OPTIONS cannot be set here
+        from ..cache import cache_settings
+
+        settings = set(cache_settings())
+        elsewhere = [k for k in options if k in settings]
+        if elsewhere:
+            raise ValueError(f"method {spec!r}: {', '.join(elsewhere)} is a setting of the cache that method strings "
+                             f"do not carry (in brackets they take the method's parameters and the cache's "
+                             f"{', '.join(CACHE_OPTIONS)}); give it to the command (kvq generate / kvq serve: "
+                             f"--method NAME --param {elsewhere[0]}=VALUE, or its own option) or to "
+                             f"kvq.make_prompt_cache({elsewhere[0]}=...)")
     key_params, value_params = dict(options), dict(options)
     bits = match["bits"]
     if bits is not None and "bits" in options:
@@ -192,17 +196,6 @@ def _side(text: str, spec: str) -> tuple[str, dict, dict, dict]:
             raise ValueError(f"method {spec!r}: bits {bits!r} must be an integer (affine:4), kNvM (affine:k8v4) or "
                              "a budget in bits per coordinate (turboquant:3.5)")
     return match["name"], key_params, value_params, cache
-
-
-def _other_cache_settings() -> tuple[str, ...]:
-    """The cache's own settings (:func:`kvq.cache.make_config`'s keywords that are not method parameters) other than
-    :data:`CACHE_OPTIONS`: a method string's brackets cannot set them."""
-    import inspect
-
-    from ..cache import make_config
-
-    return tuple(name for name, p in inspect.signature(make_config).parameters.items()
-                 if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in CACHE_OPTIONS)
 
 
 def parse_method(spec: str) -> MethodSpec:
