@@ -7,7 +7,9 @@
 #        batch (kvq bench batch: BatchGenerator, 1 and 8 sequences of 2K prompts, 1 warm-up then $BATCH_REPS (3)
 #        timed repetitions, their median and min-max reported), e2e-batch (kvq bench e2e --batch:
 #        8 sequences at 8K, 32 at 4K), hostsplit (building vs mx.async_eval of a decode step at 4K),
-#        capacity (kvq bench capacity: the most 32K-token sequences that fit per cache, and their tokens/s, the median
+#        growth (decode peak above the caches at 48 x 32K, turboquant:3, the stores grown at the flush and ahead of
+#        it, benchmarks/investigations/growth_ahead.py), peaks (the same, step by step, with the stores' views kept
+#        across the flush's writes as a third variant, benchmarks/investigations/decode_peaks.py), capacity (kvq bench capacity: the most 32K-token sequences that fit per cache, and their tokens/s, the median
 #        of $CAPACITY_REPS (2) timed decodes at that batch),
 #        streams (the streams kernel's GPU tests, a vecinfer calibration of random:llama3-8b, then kvq bench e2e for
 #        qjl+affine:4, turboquant_prod:4 and vecinfer),
@@ -83,6 +85,19 @@ for name, fn in [("quantize", lambda: k.kvq_quantize(x, p).data["codes"]),
                --no-progress --out "$OUT/e2e" --name "$(date +%F)-${DEV}-batch${bc%%:*}" > "$OUT/e2e-batch${bc%%:*}.log" 2>&1
              grep -E "^(###|\| (fp16|turbo|affine))" "$OUT/e2e-batch${bc%%:*}.log" | cut -c1-220
            done;;
+    growth) mkdir -p "$OUT/growth"  # decode peak above the caches, stores grown at the flush and ahead of it (#52)
+           for mode in at-flush ahead; do
+             timeout ${GROWTH_TIMEOUT:-280} python3 benchmarks/investigations/growth_ahead.py $mode \
+               --model random:llama3-8b --dtype bfloat16 --methods ${GROWTH_METHODS:-turboquant:3} \
+               --batch ${GROWTH_BATCH:-48} --contexts 32K --steps 256 --no-progress --no-plot --out "$OUT/growth" \
+               --name "$(date +%F)-${DEV}-growth-$mode" > "$OUT/growth-$mode.log" 2>&1 || tail -c 1500 "$OUT/growth-$mode.log"
+             python3 -c 'import json, sys
+for r in json.load(open(sys.argv[1]))["rows"]:
+    print(sys.argv[2], r["method"], "kv GB %.2f" % (r["kv_bytes"] / 1e9), "decode peak above the caches GB %.2f" % ((r["peak_memory_growth"] - r["kv_bytes"]) / 1e9), "tokens/s %.1f" % r.get("tokens_per_second", 0))' \
+               "$OUT/growth/$(date +%F)-${DEV}-growth-$mode.json" $mode
+           done;;
+    peaks) timeout ${PEAKS_TIMEOUT:-300} python3 benchmarks/investigations/decode_peaks.py "$OUT/decode_peaks_${DEV}.json" \
+             > "$OUT/decode_peaks.log" 2>&1; tail -c 2500 "$OUT/decode_peaks.log";;
     capacity) mkdir -p "$OUT/capacity"
            timeout ${CAPACITY_TIMEOUT:-560} python3 -m kvq.cli bench capacity --model random:llama3-8b --dtype bfloat16 \
              --methods fp16,turboquant:3,turboquant:4,affine:4 --context 32K --reps ${CAPACITY_REPS:-2} --no-progress \

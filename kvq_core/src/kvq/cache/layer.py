@@ -17,6 +17,8 @@ Sinks and window follow StreamingLLM (Xiao et al., arXiv 2309.17453) and KIVI's 
 
 from __future__ import annotations
 
+import itertools
+
 import attrs
 import mlx.core as mx
 import numpy as np
@@ -38,6 +40,11 @@ from .protocol import CacheProtocol
 from .state import row_class
 from .store import DenseBuffer, EncodedStore, restore, snapshot
 from .views import CompressedView, bool_mask
+
+
+#: Slots of the caches made in this process, in order (a model's layers are made in turn): see
+#: :meth:`KVQCache._schedule_growth`.
+_SLOTS = itertools.count()
 
 
 @row_class
@@ -70,6 +77,7 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
         # the key mean subtracted from compressed keys and the channel scales divided out (kvq.cache.guard)
         self._transform = KeyTransform()
         self._bound = None  # (compressed keys' view, signature, decode step): _fused_attend's binding
+        self._slot = next(_SLOTS)  # spreads the layers' store growths over decode steps (_grow_ahead)
 
     @property
     def key_mean(self) -> mx.array | None:
@@ -188,7 +196,31 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
         window.length = n + 1
         self.offset += 1
         self._fresh = None  # one token: its query sees the cache as it is after the update
+        if self.offset == self._grow_at:
+            self._grow_ahead()
         return True
+
+    #: The ``offset`` at which :meth:`_append_one` grows the compressed stores for the next flush (-1: none due).
+    _grow_at = -1
+
+    def _schedule_growth(self) -> None:
+        """After a compression: where the stores lack room for the next flush, pick the decode step that grows
+        them (:meth:`_grow_ahead`): one of the steps that only append to the window before that flush, chosen by
+        this layer's slot, so the layers of a model grow on different steps. Growing copies a layer's store once;
+        on CUDA the replaced arrays stay alive until the step's work has run, so when every layer grew in the
+        flush step their copies were alive together (issue #52: about five layers of the store at 32K above the
+        caches, which cost kvq sequences in ``kvq bench capacity``). Where the window has no such step (``flush``
+        1), the flush grows the stores as before."""
+        self._grow_at = -1
+        store, room = self.compressed_keys, self.window.capacity - self.window.length
+        if room >= 1 and store.capacity - store.length < self._flush:
+            self._grow_at = self.offset + 1 + self._slot % room
+
+    def _grow_ahead(self) -> None:
+        """Room in both compressed stores for the next flush's tokens (:meth:`EncodedStore.reserve`)."""
+        self._grow_at = -1
+        for store in (self.compressed_keys, self.compressed_values):
+            store.reserve(store.length + self._flush)
 
     def _store(self, keys, values) -> None:
         first = self.offset
@@ -240,9 +272,13 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
         self._fit_params(keys, values)
         self._compress(keys[:, :, :overflow], values[:, :, :overflow])
         self.window.replace(keys[:, :, overflow:], values[:, :, overflow:])
+        self._schedule_growth()
         return keys, values
 
     def _compress(self, keys, values):
+        # the bound decode step holds views of the stores: dropped before the writes, which are then in place
+        # (write_fields); the next decode binds again anyway, as the stores' views change
+        self._bound = None
         encoded_keys, encoded_values = self._encode(keys, values)
         self.compressed_keys.append(encoded_keys)
         self.compressed_values.append(encoded_values)

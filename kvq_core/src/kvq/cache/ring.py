@@ -62,7 +62,8 @@ class RingStore(EncodedStore):
             encoded, n = encoded.tokens(n - self.limit, n), self.limit
             self.length = self.next = 0
         if self.next + n > self.capacity and self.capacity < self.limit:  # (only before wrapping: next == length)
-            self._grow_to(encoded, min(self.next + n, self.limit))
+            self.params, self.head_dim = encoded.params, encoded.head_dim
+            self._grow_to(encoded.data, min(self.next + n, self.limit))
         if self.next + n <= self.capacity:
             self._write(encoded, self.next)
             self.next = (self.next + n) % self.limit
@@ -73,13 +74,19 @@ class RingStore(EncodedStore):
             self._write(encoded.tokens(head, n), 0)
             self.next, self.length = n - head, self.limit
 
-    def _grow_to(self, encoded: Encoded, needed: int) -> None:
+    def reserve(self, tokens: int) -> None:
+        """As :meth:`EncodedStore.reserve`, never above ``limit`` (a full ring does not grow)."""
+        tokens = min(tokens, self.limit)
+        if self.data is not None and tokens > self.capacity:
+            self._grow_to(self.data, tokens)
+
+    def _grow_to(self, like: dict[str, mx.array], needed: int) -> None:
         """Capacity for ``needed`` (<= ``limit``) tokens, in whole steps but never above ``limit``: the held tokens
-        (slots ``[0, length)``: the ring has not wrapped) followed by zeros, one concatenation per field."""
+        (slots ``[0, length)``: the ring has not wrapped) followed by zeros shaped like ``like``'s fields, one
+        concatenation per field."""
         capacity = min(self.limit, -(-needed // self.step) * self.step)
-        self.params, self.head_dim = encoded.params, encoded.head_dim
         grown = {}
-        for name, array in encoded.data.items():
+        for name, array in like.items():
             shape = list(array.shape)
             shape[2] = capacity - self.length
             block = mx.zeros(shape, array.dtype)
@@ -90,8 +97,8 @@ class RingStore(EncodedStore):
 
     def _write(self, encoded: Encoded, slot: int) -> None:
         """Copy ``encoded``'s tokens into slots ``slot ...`` (in place: a slice assignment per field)."""
+        self._view = None  # first: a view would make the write a copy (write_fields)
         write_fields(self.data, encoded, slot)
-        self._view = None
 
     def ordered(self) -> Encoded | None:
         """The held tokens oldest first (a slice, or where the ring has wrapped a concatenation of two); ``None``

@@ -46,7 +46,11 @@ def write_fields(data: dict[str, mx.array], encoded: Encoded, slot: int) -> None
     """Write ``encoded``'s tokens into every field of ``data`` at slots ``slot ...`` along axis 2 (a slice
     assignment per field). A block that covers a whole field is copied first: a slice assignment covering a whole
     array would alias its source (and keep alive the larger array it may be a slice of); a partial one writes into
-    the field, so a window flush costs one operation per field, not two."""
+    the field, so a window flush costs one operation per field, not two.
+
+    MLX writes in place only into a buffer nothing else holds: any other array over a field's buffer (a slice
+    kept as a view, a bound decode step's arguments, a kernel still running on the device) turns the write into a
+    copy of the whole field, so callers drop their views first."""
     n = encoded.num_tokens
     for name, array in encoded.data.items():
         field = data[name]
@@ -88,10 +92,11 @@ class EncodedStore(_Trimmable):
             raise ValueError(f"encoded: fields/params {sorted(encoded.data)} {encoded.params!r} differ from the "
                              f"stored {sorted(self.data)} {self.params!r}")
         if self.length + n > self.capacity:
-            self._grow(encoded, self.length + n)
+            self.params, self.head_dim = encoded.params, encoded.head_dim
+            self._grow(encoded.data, self.length + n)
+        self._view = None  # first: a view (slices sharing the fields' buffers) would make the write a copy
         write_fields(self.data, encoded, self.length)
         self.length += n
-        self._view = None
 
     def replace_field(self, name: str, array: mx.array) -> None:
         """Hold ``array`` as field ``name`` (an array of the same shape and dtype, such as ``mx.depends`` of the
@@ -108,11 +113,27 @@ class EncodedStore(_Trimmable):
         self._view = None
         return super().trim(n)
 
-    def _grow(self, encoded: Encoded, needed: int) -> None:
-        steps = -(-(needed - self.capacity) // self.step)
-        self.params, self.head_dim = encoded.params, encoded.head_dim
+    def reserve(self, tokens: int) -> None:
+        """Capacity for at least ``tokens`` tokens now (whole steps, the held ones kept), rather than at the
+        :meth:`append` that needs it; nothing happens when the store is empty or already holds room.
+
+        Growing copies every field once (a concatenation). On CUDA, MLX keeps a kernel's inputs alive until the
+        command buffer that ran it has completed, so when every layer grew in the same decode step the replaced
+        arrays of several layers were alive at once (issue #52: about five layers of the store above the caches at
+        32K); :class:`kvq.cache.KVQCache` calls this on a step of its own per layer (:meth:`KVQCache._grow_ahead`).
+        """
+        if self.data is not None and tokens > self.capacity:
+            self._grow(self.data, tokens)
+
+    def _grow(self, like: dict[str, mx.array], needed: int) -> None:
+        """Capacity for ``needed`` tokens: per field, the held tokens followed by whole steps of zeros shaped like
+        ``like``'s field (one concatenation; only allocation on the first growth). The steps count from the held
+        tokens, not the old capacity: after a trim the two differ, and counting from the capacity left a store
+        too small for the block being appended (a chunk after a trim failed to write)."""
+        held = 0 if self.data is None else self.length
+        steps = -(-(needed - held) // self.step)
         grown = {}
-        for name, array in encoded.data.items():
+        for name, array in like.items():
             shape = list(array.shape)
             shape[2] = steps * self.step
             block = mx.zeros(shape, array.dtype)
