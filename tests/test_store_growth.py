@@ -143,3 +143,18 @@ def test_a_prefill_chunk_after_a_trim_is_stored():
     after = cache.compressed_keys.view().tokens(0, 136).data
     for name in kept:
         np.testing.assert_array_equal(np.array(after[name]), np.array(kept[name]))
+
+
+def test_a_chunk_that_grows_the_store_leaves_room_for_the_next_flush():
+    # otherwise every layer would grow in the first decode steps after a prefill (the window's room left then is
+    # too short to spread them): H100, 48 x 32K turboquant:3, 7.8 GB above the caches in such a step
+    config = make_config("affine", bits=4, sinks=4, window=8, flush=8, step=16, kernels="off")
+    for tokens in (40, 41, 47, 100):
+        cache = KVQCache(config)
+        rng = np.random.default_rng(tokens)
+        chunk = mx.array(rng.standard_normal((B, H, tokens, D)), mx.float16)
+        cache.update_and_fetch(chunk, chunk)
+        for store in (cache.compressed_keys, cache.compressed_values):
+            assert store.capacity - store.length >= 8, tokens
+            assert store.capacity - store.length < 16 + 8, tokens
+        assert cache._grow_at == -1  # nothing left to grow before the next flush

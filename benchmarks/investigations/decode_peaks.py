@@ -9,7 +9,9 @@ decode pipelined as mlx-lm's generate runs it (:func:`kvq.bench.fill.decode`'s l
 includes what step ``i + 1``'s queueing allocated), and whether this layer's caches flushed or grew then. Variants
 switch one of this session's changes back off, in this process, to measure what each bought:
 ``views-held`` (the bound decode step and the store's view kept across the flush's writes, which MLX then makes a
-copy of the whole field), ``at-flush`` (every layer's store grown in the flush step), ``current`` (neither).
+copy of the whole field), ``at-flush`` (every layer's store grown in the flush step), ``current`` (neither), and
+one that tries a change: ``sync-flush`` (``mx.synchronize()`` before a flush's writes, so that no kernel of the step
+in flight holds the stores and MLX writes in place).
 """
 import argparse
 import json
@@ -49,6 +51,13 @@ def run(variant: str, args, model, config: dict) -> dict:
             saved["append"](self, encoded)
             del view
         store_module.EncodedStore.append = append
+    if variant == "sync-flush":  # wait for the step in flight before a decode flush's writes (then in place)
+        saved["compress_sync"] = KVQCache._compress
+
+        def compress_sync(self, keys, values):
+            mx.synchronize()
+            saved["compress_sync"](self, keys, values)
+        KVQCache._compress = compress_sync
     try:
         heads, head_dim = config["num_key_value_heads"], config["head_dim"]
         spec = [s for s in parse_methods(args.method, head_dim) if s.label == args.method][0]
@@ -84,6 +93,8 @@ def run(variant: str, args, model, config: dict) -> dict:
     finally:
         if "schedule" in saved:
             KVQCache._schedule_growth = saved["schedule"]
+        if "compress_sync" in saved:
+            KVQCache._compress = saved["compress_sync"]
         if "compress" in saved:
             KVQCache._compress = saved["compress"]
             store_module.EncodedStore.append = saved["append"]
@@ -97,7 +108,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=48)
     ap.add_argument("--context", type=_size, default=32768)
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--variants", default="current,views-held,at-flush")
+    ap.add_argument("--variants", default="current,sync-flush,at-flush")
     ap.add_argument("--model", default="random:llama3-8b")
     args = ap.parse_args()
     from kvq.bench.random_model import build_random_model, random_config

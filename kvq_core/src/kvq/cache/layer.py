@@ -208,9 +208,11 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
         them (:meth:`_grow_ahead`): one of the steps that only append to the window before that flush, chosen by
         this layer's slot, so the layers of a model grow on different steps. Growing copies a layer's store once;
         on CUDA the replaced arrays stay alive until the step's work has run, so when every layer grew in the
-        flush step their copies were alive together (issue #52: about five layers of the store at 32K above the
-        caches, which cost kvq sequences in ``kvq bench capacity``). Where the window has no such step (``flush``
-        1), the flush grows the stores as before."""
+        flush step their copies were alive together (issue #52: on an H100, 48 sequences of 32K with
+        turboquant:3 peaked 18.2 GB above the caches in that step, against 1.3 GB, one layer's store, grown
+        ahead). A compression that grows the stores anyway (a prefill chunk's) leaves the next flush's room in
+        that growth (:meth:`_compress`), so the layers do not all grow in the first decode steps after a prefill
+        either. Where the window has no step between flushes (``flush`` 1), the flush grows the stores."""
         self._grow_at = -1
         store, room = self.compressed_keys, self.window.capacity - self.window.length
         if room >= 1 and store.capacity - store.length < self._flush:
@@ -280,8 +282,9 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
         # (write_fields); the next decode binds again anyway, as the stores' views change
         self._bound = None
         encoded_keys, encoded_values = self._encode(keys, values)
-        self.compressed_keys.append(encoded_keys)
-        self.compressed_values.append(encoded_values)
+        # a growth these tokens need anyway leaves room for the next flush (_schedule_growth)
+        self.compressed_keys.append(encoded_keys, spare=self._flush)
+        self.compressed_values.append(encoded_values, spare=self._flush)
 
     def _encode(self, keys, values) -> tuple[Encoded, Encoded]:
         """``keys`` (centred and scaled where the layer is: :class:`~kvq.cache.centring.KeyTransform`) and

@@ -63,9 +63,9 @@ class PromptCacheState:
         for buffer, tokens in ((cache.sinks, sinks), (cache.window, window)):
             if tokens is not None and tokens[0] is not None:
                 buffer.replace(*tokens)
-        if compressed is not None:
-            cache.compressed_keys.append(compressed[0])
-            cache.compressed_values.append(compressed[1])
+        if compressed is not None:  # with the next flush's room, as a compression leaves it (KVQCache._compress)
+            cache.compressed_keys.append(compressed[0], spare=cache.config.flush_tokens)
+            cache.compressed_values.append(compressed[1], spare=cache.config.flush_tokens)
         return cache
 
     @classmethod

@@ -46,9 +46,11 @@ class RingStore(EncodedStore):
         """Whether the oldest held token is not in slot 0 (the ring has overwritten tokens)."""
         return self.length == self.limit and self.next != 0
 
-    def append(self, encoded: Encoded) -> None:
+    def append(self, encoded: Encoded, spare: int = 0) -> None:
         """Store ``encoded``'s tokens as the newest, overwriting the oldest beyond ``limit`` (only the newest
         ``limit`` of ``encoded`` are written when it holds more).
+
+        :param spare: as :meth:`EncodedStore.append` (the capacity never exceeds ``limit``).
 
         :raises ValueError: ``encoded`` has other fields, params or head_dim than what is stored.
         """
@@ -63,7 +65,7 @@ class RingStore(EncodedStore):
             self.length = self.next = 0
         if self.next + n > self.capacity and self.capacity < self.limit:  # (only before wrapping: next == length)
             self.params, self.head_dim = encoded.params, encoded.head_dim
-            self._grow_to(encoded.data, min(self.next + n, self.limit))
+            self._grow_to(encoded.data, min(self.next + n + spare, self.limit))
         if self.next + n <= self.capacity:
             self._write(encoded, self.next)
             self.next = (self.next + n) % self.limit

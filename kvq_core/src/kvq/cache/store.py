@@ -82,9 +82,12 @@ class EncodedStore(_Trimmable):
         """Tokens the allocated arrays can hold."""
         return 0 if self.data is None else next(iter(self.data.values())).shape[2]
 
-    def append(self, encoded: Encoded) -> None:
+    def append(self, encoded: Encoded, spare: int = 0) -> None:
         """Store ``encoded``'s tokens after the current ones.
 
+        :param spare: tokens of room to leave after them when the store must grow for them anyway (in the same
+            growth: one copy, not two; :class:`kvq.cache.KVQCache` leaves a flush's worth, so the next flush does
+            not grow every layer at once).
         :raises ValueError: ``encoded`` has other fields, params or head_dim than what is stored.
         """
         n = encoded.num_tokens
@@ -93,7 +96,7 @@ class EncodedStore(_Trimmable):
                              f"stored {sorted(self.data)} {self.params!r}")
         if self.length + n > self.capacity:
             self.params, self.head_dim = encoded.params, encoded.head_dim
-            self._grow(encoded.data, self.length + n)
+            self._grow(encoded.data, self.length + n + spare)
         self._view = None  # first: a view (slices sharing the fields' buffers) would make the write a copy
         write_fields(self.data, encoded, self.length)
         self.length += n
