@@ -301,3 +301,37 @@ def test_the_ragged_step_stays_bound_across_flushes(method, lengths, in_place, m
     assert len(binds) == rebinds
     if in_place:
         assert binds == sorted(set(capacities))  # bound at the first step, then once per growth: never for a flush
+
+
+@pytest.mark.parametrize("lengths", [(9, 14, 22), (14, 14, 14)])
+def test_packed_layers_grow_on_steps_of_their_own(lengths, monkeypatch):
+    """Issue #52: four layers of packed rows (the rows of each sequence made layer after layer, as
+    make_prompt_cache makes them) grow their arrays ahead of the flush that needs the room, on different steps;
+    every step's attention equals the unpacked batch's."""
+    cfg = attrs.evolve(config("affine", window=8), flush=8)
+    layers = 4
+    packed_rows, plain_rows = [[] for _ in range(layers)], [[] for _ in range(layers)]
+    for rows in (packed_rows, plain_rows):
+        for i, n in enumerate(lengths):
+            for layer in range(layers):
+                row = KVQCache(cfg)
+                row.update_and_fetch(mx.random.normal((1, 2, n, 64), key=mx.random.key(10 * layer + i)),
+                                     mx.random.normal((1, 2, n, 64), key=mx.random.key(100 + 10 * layer + i)))
+                row.release_chunk()
+                rows[layer].append(row)
+    pairs = []
+    for layer in range(layers):
+        a, b = BatchKVQCache(packed_rows[layer]), BatchKVQCache(plain_rows[layer])
+        b.pack = False
+        pairs.append((a, b))
+    growths = 0
+    for t in range(40):
+        before = [a._packed.capacity if a.packed else None for a, _ in pairs]
+        [step] = decode([x for pair in pairs for x in pair], 1, seed=11 + 3 * t)
+        for got, want in zip(step[0::2], step[1::2]):
+            assert mx.allclose(got, want, **TOL).item(), t
+        grew = [i for i, (a, _) in enumerate(pairs) if a.packed and before[i] is not None
+                and a._packed.capacity != before[i]]
+        assert len(grew) <= 1, (t, grew)
+        growths += len(grew)
+    assert growths >= layers  # every layer grew (16-token steps, 8 tokens a flush, 40 steps)

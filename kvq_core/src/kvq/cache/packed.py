@@ -107,9 +107,12 @@ class PackedRows:
         self.transform = KeyTransform(stacked([r.key_mean for r in rows], "mean", shape),
                                       stacked([r.key_scale for r in rows], "scale", shape))
         self._bound = None  # (signature, step) of the fused ragged decode step, or (signature, None)
+        self._slot = getattr(first, "_slot", 0)  # spreads the layers' growths over steps (_schedule_growth)
+        self._grow_in = 0  # appends until this layer grows ahead of the next flush (0: none due)
         self._lengths = None  # int32 [B, 2] of (compressed, window) counts on the device (lengths())
         self._offset = None  # int32 [B] of the rows' token counts on the device (offset())
         mx.eval(*self._arrays())
+        self._schedule_growth()
 
     @property
     def key_mean(self) -> mx.array | None:
@@ -185,7 +188,9 @@ class PackedRows:
                              f"per row, [{B}, {H}, 1, {Dk}] / [{B}, {H}, 1, {Dv}] of one dtype")
         full = self.window_keys.shape[2]
         done = set()
+        compressed = False
         if max(self.window_lengths) >= full:  # some row's window is full (else no per-row scan: issue #52)
+            compressed = True
             full_rows = [b for b, n in enumerate(self.window_lengths) if n >= full]
             first = [b for b in full_rows if not self.compressed[b]]
             if first:
@@ -222,7 +227,27 @@ class PackedRows:
             self._lengths = self._lengths + _NEXT_WINDOW_TOKEN
         if self._offset is not None:
             self._offset = self._offset + 1
+        if self._grow_in:
+            self._grow_in -= 1
+            if not self._grow_in and max(self.compressed) + self._flush > self.capacity:
+                self._grow(max(self.compressed) + self._flush)
+        if compressed and not self._grow_in:
+            self._schedule_growth()
         return None
+
+    def _schedule_growth(self) -> None:
+        """Where a row's next flush will not fit the capacity, pick the append that grows the arrays before it,
+        among those that come first, by this layer's slot: the layers of a model then grow on different steps, as
+        :meth:`kvq.cache.KVQCache._schedule_growth` does for one sequence (on CUDA the replaced arrays stay alive
+        until the step has run). Rows whose window is a step from full leave no such append: their flush grows
+        the arrays."""
+        self._grow_in = 0
+        full, f = self.window_keys.shape[2], self._flush
+        need = [b for b, c in enumerate(self.compressed) if c + f > self.capacity]
+        if need:
+            room = min(full - self.window_lengths[b] for b in need)
+            if room >= 1:
+                self._grow_in = 1 + self._slot % room
 
     def _first_compressions(self, rows: list, keys: mx.array, values: mx.array) -> list | None:
         """The decode token of each of ``rows`` (full windows, nothing compressed yet) stored by that row alone
@@ -289,8 +314,8 @@ class PackedRows:
         inverse = None if self.key_scale is None else pick(self.transform.inverse)
         encoded = encode_tokens(self.config, centred(keys, mean, inverse), values)
         counts = [self.compressed[b] for b in rows]
-        if max(counts) + f > self.capacity:
-            self._grow(max(counts) + f)
+        if max(counts) + f > self.capacity:  # with the next flush's room (KVQCache._compress)
+            self._grow(max(counts) + 2 * f)
         same = every and all(c == counts[0] for c in counts)
         if not same:  # each row's codes go to its own count: one scatter per field, [rows, f] token positions
             row_index = (mx.arange(self.batch) if index is None else index)[:, None]
