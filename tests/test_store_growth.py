@@ -13,7 +13,8 @@ import pytest
 
 from kvq.cache import KVQCache, make_config
 from kvq.cache.ring import RingStore
-from kvq.cache.store import EncodedStore
+from kvq.cache import store as store_module
+from kvq.cache.store import EncodedStore, spare
 from kvq.encoded import Encoded
 
 B, H, D = 1, 2, 64
@@ -145,9 +146,10 @@ def test_a_prefill_chunk_after_a_trim_is_stored():
         np.testing.assert_array_equal(np.array(after[name]), np.array(kept[name]))
 
 
-def test_a_chunk_that_grows_the_store_leaves_room_for_the_next_flush():
+def test_a_chunk_that_grows_the_store_leaves_room_for_the_next_flush(monkeypatch):
     # otherwise every layer would grow in the first decode steps after a prefill (the window's room left then is
     # too short to spread them): H100, 48 x 32K turboquant:3, 7.8 GB above the caches in such a step
+    monkeypatch.setattr(store_module, "SPARE_FROM", 16)  # from 4,096 tokens; these caches hold a few dozen
     config = make_config("affine", bits=4, sinks=4, window=8, flush=8, step=16, kernels="off")
     for tokens in (40, 41, 47, 100):
         cache = KVQCache(config)
@@ -158,3 +160,14 @@ def test_a_chunk_that_grows_the_store_leaves_room_for_the_next_flush():
             assert store.capacity - store.length >= 8, tokens
             assert store.capacity - store.length < 16 + 8, tokens
         assert cache._grow_at == -1  # nothing left to grow before the next flush
+
+
+def test_short_stores_leave_no_room_beyond_their_steps():
+    # below SPARE_FROM tokens the room would be a visible share of the cache (a step more at 2K)
+    assert spare(store_module.SPARE_FROM - 1, 128) == 0 and spare(store_module.SPARE_FROM, 128) == 128
+    config = make_config("affine", bits=4, sinks=4, window=8, flush=8, step=16, kernels="off")
+    cache = KVQCache(config)
+    chunk = mx.array(np.random.default_rng(2).standard_normal((B, H, 47, D)), mx.float16)
+    cache.update_and_fetch(chunk, chunk)
+    store = cache.compressed_keys
+    assert store.length == 32 and store.capacity == 32  # 47 - 4 sinks - 11 in the window: two whole steps

@@ -38,7 +38,7 @@ from .schedule import Fresh, leaving, visible
 from .persist import PromptCacheState
 from .protocol import CacheProtocol
 from .state import row_class
-from .store import DenseBuffer, EncodedStore, restore, snapshot
+from .store import DenseBuffer, EncodedStore, restore, snapshot, spare
 from .views import CompressedView, bool_mask
 
 
@@ -210,9 +210,9 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
         on CUDA the replaced arrays stay alive until the step's work has run, so when every layer grew in the
         flush step their copies were alive together (issue #52: on an H100, 48 sequences of 32K with
         turboquant:3 peaked 18.2 GB above the caches in that step, against 1.3 GB, one layer's store, grown
-        ahead). A compression that grows the stores anyway (a prefill chunk's) leaves the next flush's room in
-        that growth (:meth:`_compress`), so the layers do not all grow in the first decode steps after a prefill
-        either. Where the window has no step between flushes (``flush`` 1), the flush grows the stores."""
+        ahead). From :data:`kvq.cache.store.SPARE_FROM` tokens a compression that grows the stores anyway (a
+        prefill chunk's) leaves the next flush's room in that growth (:func:`kvq.cache.store.spare`), so the layers
+        do not all grow in the first decode steps after a prefill either. Where the window has no step between flushes (``flush`` 1), the flush grows the stores."""
         self._grow_at = -1
         store, room = self.compressed_keys, self.window.capacity - self.window.length
         if room >= 1 and store.capacity - store.length < self._flush:
@@ -282,9 +282,10 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
         # (write_fields); the next decode binds again anyway, as the stores' views change
         self._bound = None
         encoded_keys, encoded_values = self._encode(keys, values)
-        # a growth these tokens need anyway leaves room for the next flush (_schedule_growth)
-        self.compressed_keys.append(encoded_keys, spare=self._flush)
-        self.compressed_values.append(encoded_values, spare=self._flush)
+        # a growth these tokens need anyway leaves room for the next flush (store.spare, _schedule_growth)
+        room = spare(self.compressed_keys.length + encoded_keys.num_tokens, self._flush)
+        self.compressed_keys.append(encoded_keys, spare=room)
+        self.compressed_values.append(encoded_values, spare=room)
 
     def _encode(self, keys, values) -> tuple[Encoded, Encoded]:
         """``keys`` (centred and scaled where the layer is: :class:`~kvq.cache.centring.KeyTransform`) and

@@ -34,6 +34,7 @@ from .parts import Part
 from .centring import KeyTransform, centred, neutral, stacked
 from .choice import encode_tokens
 from .packable import packable
+from .store import spare
 from .views import plain_mask
 
 
@@ -314,8 +315,8 @@ class PackedRows:
         inverse = None if self.key_scale is None else pick(self.transform.inverse)
         encoded = encode_tokens(self.config, centred(keys, mean, inverse), values)
         counts = [self.compressed[b] for b in rows]
-        if max(counts) + f > self.capacity:  # with the next flush's room (KVQCache._compress)
-            self._grow(max(counts) + 2 * f)
+        if max(counts) + f > self.capacity:  # with the next flush's room (store.spare)
+            self._grow(max(counts) + f + spare(max(counts) + f, f))
         same = every and all(c == counts[0] for c in counts)
         if not same:  # each row's codes go to its own count: one scatter per field, [rows, f] token positions
             row_index = (mx.arange(self.batch) if index is None else index)[:, None]

@@ -9,6 +9,7 @@ import mlx.core as mx
 from ..encoded import Encoded
 from .config import CacheConfig
 from .state import check_layer, config_from_json, config_to_json
+from .store import spare
 
 
 class PromptCacheState:
@@ -63,9 +64,10 @@ class PromptCacheState:
         for buffer, tokens in ((cache.sinks, sinks), (cache.window, window)):
             if tokens is not None and tokens[0] is not None:
                 buffer.replace(*tokens)
-        if compressed is not None:  # with the next flush's room, as a compression leaves it (KVQCache._compress)
-            cache.compressed_keys.append(compressed[0], spare=cache.config.flush_tokens)
-            cache.compressed_values.append(compressed[1], spare=cache.config.flush_tokens)
+        if compressed is not None:  # with the next flush's room, as a compression leaves it (store.spare)
+            room = spare(compressed[0].num_tokens, cache.config.flush_tokens)
+            cache.compressed_keys.append(compressed[0], spare=room)
+            cache.compressed_values.append(compressed[1], spare=room)
         return cache
 
     @classmethod
