@@ -71,9 +71,9 @@ def test_ring_reserve_stops_at_the_limit():
     np.testing.assert_array_equal(np.sort(np.array(ring.view().data["codes"][0, 0, :, 0])), np.arange(2, 12))
 
 
-def _decode(layers: int, steps: int, grow_ahead: bool, monkeypatch) -> tuple[list, list, list]:
-    """Fill ``layers`` caches (affine:4, window 8, flush 8, store step 16) and decode ``steps`` tokens; per step,
-    which layers grew and which flushed, and the outputs of every layer's attention."""
+def _decode(layers: int, steps: int, grow_ahead: bool, monkeypatch) -> tuple[list, list, list, list]:
+    """Fill ``layers`` caches (affine:4, window 8, flush 8, store step 16) and decode ``steps`` tokens: per step,
+    which layers grew and which flushed, the outputs of every layer's attention, and the caches."""
     if not grow_ahead:
         monkeypatch.setattr(KVQCache, "_schedule_growth", lambda self: None)
     config = make_config("affine", bits=4, sinks=4, window=8, flush=8, step=16, kernels="off")
@@ -171,3 +171,31 @@ def test_short_stores_leave_no_room_beyond_their_steps():
     cache.update_and_fetch(chunk, chunk)
     store = cache.compressed_keys
     assert store.length == 32 and store.capacity == 32  # 47 - 4 sinks - 11 in the window: two whole steps
+
+
+def test_a_chunk_shorter_than_the_last_ones_slack_is_stored():
+    # no trim: a store with room left grew too little for the next block (counted from the capacity), and the
+    # write raised (broadcast_shapes) before the growth counted from the held tokens
+    store = EncodedStore(step=16)
+    store.append(_encoded(0, 387))
+    assert store.capacity == 400
+    store.append(_encoded(387, 384))
+    assert store.length == 771 and store.capacity >= 771
+    np.testing.assert_array_equal(np.array(store.view().data["codes"][0, 1, :, 1]), np.arange(771))
+
+
+def test_speculative_chunks_reach_the_scheduled_growth(monkeypatch):
+    # decode in chunks of 3 tokens (a draft model's) steps over the single offset a growth was scheduled at:
+    # the update that passes it grows the stores then, not the flush after it
+    config = make_config("affine", bits=4, sinks=4, window=8, flush=8, step=16, kernels="off")
+    cache = KVQCache(config)
+    rng = np.random.default_rng(3)
+    token = lambda n: mx.array(rng.standard_normal((B, H, n, D)), mx.float16)  # noqa: E731
+    cache.update_and_fetch(token(40), token(40))
+    in_flush = 0
+    for _ in range(60):
+        length, capacity = cache.compressed_keys.length, cache.compressed_keys.capacity
+        cache.update_and_fetch(token(3), token(3))
+        in_flush += cache.compressed_keys.capacity != capacity and cache.compressed_keys.length != length
+        assert cache._grow_at == -1 or cache._grow_at > cache.offset
+    assert in_flush <= 3  # (a flush that a short window gives no earlier step for still grows itself)

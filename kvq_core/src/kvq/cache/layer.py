@@ -78,6 +78,7 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
         self._transform = KeyTransform()
         self._bound = None  # (compressed keys' view, signature, decode step): _fused_attend's binding
         self._slot = next(_SLOTS)  # spreads the layers' store growths over decode steps (_grow_ahead)
+        self._grow_at = -1  # the offset at which _append_one grows the stores ahead of the next flush (-1: none)
 
     @property
     def key_mean(self) -> mx.array | None:
@@ -170,6 +171,8 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
             if saved is not None:
                 self._restore(saved)  # a failed update leaves the cache as it was before the chunk
             raise
+        if 0 <= self._grow_at <= self.offset:  # a short chunk (speculative decoding's) stepped over it
+            self._grow_ahead()
         return self._views()
 
     #: Whether :meth:`update_and_fetch` takes :meth:`_append_one` (a subclass that stores tokens its own way: no).
@@ -200,9 +203,6 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
             self._grow_ahead()
         return True
 
-    #: The ``offset`` at which :meth:`_append_one` grows the compressed stores for the next flush (-1: none due).
-    _grow_at = -1
-
     def _schedule_growth(self) -> None:
         """After a compression: where the stores lack room for the next flush, pick the decode step that grows
         them (:meth:`_grow_ahead`): one of the steps that only append to the window before that flush, chosen by
@@ -210,9 +210,10 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
         on CUDA the replaced arrays stay alive until the step's work has run, so when every layer grew in the
         flush step their copies were alive together (issue #52: on an H100, 48 sequences of 32K with
         turboquant:3 peaked 18.2 GB above the caches in that step, against 1.3 GB, one layer's store, grown
-        ahead). From :data:`kvq.cache.store.SPARE_FROM` tokens a compression that grows the stores anyway (a
-        prefill chunk's) leaves the next flush's room in that growth (:func:`kvq.cache.store.spare`), so the layers
-        do not all grow in the first decode steps after a prefill either. Where the window has no step between flushes (``flush`` 1), the flush grows the stores."""
+        ahead). From :data:`kvq.cache.store.SPARE_FROM` tokens a prefill chunk's compression leaves the next
+        flush's room (:meth:`_compress`), so the layers do not all grow in the first decode steps after a prefill
+        either. Not for :class:`kvq.cache.RotatingKVQCache` (its ring stores its own way; its growths still come
+        in its flush steps). Where the window has no step between flushes (``flush`` 1), the flush grows the stores."""
         self._grow_at = -1
         store, room = self.compressed_keys, self.window.capacity - self.window.length
         if room >= 1 and store.capacity - store.length < self._flush:
@@ -267,23 +268,27 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
         if not overflow:
             self.window.append(keys, values)  # no token leaves the window yet: one copy into the buffer
             return self.window.view()
+        chunk = keys.shape[2] > 1
         held_k, held_v = self.window.view()
         if held_k is not None:
             keys = mx.concatenate([held_k, keys], axis=2)
             values = mx.concatenate([held_v, values], axis=2)
         self._fit_params(keys, values)
-        self._compress(keys[:, :, :overflow], values[:, :, :overflow])
+        self._compress(keys[:, :, :overflow], values[:, :, :overflow], chunk)
         self.window.replace(keys[:, :, overflow:], values[:, :, overflow:])
         self._schedule_growth()
         return keys, values
 
-    def _compress(self, keys, values):
+    def _compress(self, keys, values, chunk: bool = False):
+        """Encode ``keys``/``values`` (the tokens leaving the window) and append them to the stores. A chunk's
+        (``chunk``) leaves the next flush's room after them (:func:`kvq.cache.store.spare`), growing for it even
+        where its own tokens fit, so that no layer is left to grow in the first decode steps after a prefill; a
+        decode flush's room comes from :meth:`_schedule_growth`."""
         # the bound decode step holds views of the stores: dropped before the writes, which are then in place
         # (write_fields); the next decode binds again anyway, as the stores' views change
         self._bound = None
         encoded_keys, encoded_values = self._encode(keys, values)
-        # a growth these tokens need anyway leaves room for the next flush (store.spare, _schedule_growth)
-        room = spare(self.compressed_keys.length + encoded_keys.num_tokens, self._flush)
+        room = spare(self.compressed_keys.length + encoded_keys.num_tokens, self._flush) if chunk else 0
         self.compressed_keys.append(encoded_keys, spare=room)
         self.compressed_values.append(encoded_values, spare=room)
 

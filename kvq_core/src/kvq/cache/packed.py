@@ -91,7 +91,8 @@ class PackedRows:
             self.head_dims = [ref.compressed_keys.head_dim, ref.compressed_values.head_dim]
             like = [{k: (v.shape[3:], v.dtype) for k, v in store.data.items()}
                     for store in (ref.compressed_keys, ref.compressed_values)]
-        capacity = _round_up(max(self.compressed), self.step)
+        most = max(self.compressed)  # with the next flush's room, as the rows' own stores leave it (store.spare)
+        capacity = _round_up(most + spare(most, self._flush), self.step)
         H = self.layout[1]
         self.sides = [self._pack_store([r.compressed_keys for r in rows], capacity, like[0], H),
                       self._pack_store([r.compressed_values for r in rows], capacity, like[1], H)]
@@ -240,8 +241,7 @@ class PackedRows:
         """Where a row's next flush will not fit the capacity, pick the append that grows the arrays before it,
         among those that come first, by this layer's slot: the layers of a model then grow on different steps, as
         :meth:`kvq.cache.KVQCache._schedule_growth` does for one sequence (on CUDA the replaced arrays stay alive
-        until the step has run). Rows whose window is a step from full leave no such append: their flush grows
-        the arrays."""
+        until the step has run). A row whose window is full leaves no such append: its flush grows the arrays."""
         self._grow_in = 0
         full, f = self.window_keys.shape[2], self._flush
         need = [b for b, c in enumerate(self.compressed) if c + f > self.capacity]
@@ -431,6 +431,7 @@ class PackedRows:
             setattr(self, name, [getattr(self, name)[i] for i in indices])
         self.layout = (len(indices), *self.layout[1:])
         self._bound = self._lengths = self._offset = None
+        self._schedule_growth()
 
     def extend(self, other: "PackedRows") -> bool:
         """Append ``other``'s rows (packed rows of the same configuration and layout), padding the shorter side's
@@ -461,6 +462,7 @@ class PackedRows:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.layout = (self.batch, *self.layout[1:])
         self._bound = self._lengths = self._offset = None
+        self._schedule_growth()  # the new rows may need room before the old countdown ends
         return True
 
     def row(self, b: int):
@@ -478,9 +480,11 @@ class PackedRows:
         window = (self.window_keys[b : b + 1, :, :w], self.window_values[b : b + 1, :, :w]) if w else None
         mean = _copy(self.key_mean[b : b + 1]) if self.centred[b] else None
         key_scale = _copy(self.key_scale[b : b + 1]) if self.scaled[b] else None
-        return self.row_class.restore(self.fresh[b] or self.config, (1, *self.layout[1:]), self.offsets[b],
-                                      sinks=sinks, window=window, compressed=compressed, key_mean=mean,
-                                      key_scale=key_scale)
+        row = self.row_class.restore(self.fresh[b] or self.config, (1, *self.layout[1:]), self.offsets[b],
+                                     sinks=sinks, window=window, compressed=compressed, key_mean=mean,
+                                     key_scale=key_scale)
+        row._slot = self._slot + b  # the layer's place among the layers (a repack spreads growths as before)
+        return row
 
     def unpack(self) -> list:
         """Every row as :meth:`row` gives it."""

@@ -63,7 +63,7 @@ class RingStore(EncodedStore):
         if n >= self.limit:  # only the newest limit tokens survive: they fill the ring from slot 0
             encoded, n = encoded.tokens(n - self.limit, n), self.limit
             self.length = self.next = 0
-        if self.next + n > self.capacity and self.capacity < self.limit:  # (only before wrapping: next == length)
+        if self.next + n + spare > self.capacity and self.capacity < self.limit:  # (only before wrapping)
             self.params, self.head_dim = encoded.params, encoded.head_dim
             self._grow_to(encoded.data, min(self.next + n + spare, self.limit))
         if self.next + n <= self.capacity:

@@ -101,16 +101,15 @@ class EncodedStore(_Trimmable):
     def append(self, encoded: Encoded, spare: int = 0) -> None:
         """Store ``encoded``'s tokens after the current ones.
 
-        :param spare: tokens of room to leave after them when the store must grow for them anyway (in the same
-            growth: one copy, not two; :class:`kvq.cache.KVQCache` leaves a flush's worth, so the next flush does
-            not grow every layer at once).
+        :param spare: tokens of room to leave after them: the store grows (one copy) where they and this room do
+            not fit (:class:`kvq.cache.KVQCache` passes a flush's worth for a prefill chunk, :func:`spare`).
         :raises ValueError: ``encoded`` has other fields, params or head_dim than what is stored.
         """
         n = encoded.num_tokens
         if self.data is not None and (set(encoded.data) != set(self.data) or encoded.params != self.params):
             raise ValueError(f"encoded: fields/params {sorted(encoded.data)} {encoded.params!r} differ from the "
                              f"stored {sorted(self.data)} {self.params!r}")
-        if self.length + n > self.capacity:
+        if self.length + n + spare > self.capacity:
             self.params, self.head_dim = encoded.params, encoded.head_dim
             self._grow(encoded.data, self.length + n + spare)
         self._view = None  # first: a view (slices sharing the fields' buffers) would make the write a copy
@@ -147,8 +146,9 @@ class EncodedStore(_Trimmable):
     def _grow(self, like: dict[str, mx.array], needed: int) -> None:
         """Capacity for ``needed`` tokens: per field, the held tokens followed by whole steps of zeros shaped like
         ``like``'s field (one concatenation; only allocation on the first growth). The steps count from the held
-        tokens, not the old capacity: after a trim the two differ, and counting from the capacity left a store
-        too small for the block being appended (a chunk after a trim failed to write)."""
+        tokens, not the old capacity: the two differ wherever the store had room left (after a trim, or a chunk
+        shorter than the last one's slack), and counting from the capacity left a store too small for the block
+        being appended (the write raised: a chunk of 384 compressed tokens after one of 387, at step 16)."""
         held = 0 if self.data is None else self.length
         steps = -(-(needed - held) // self.step)
         grown = {}
