@@ -315,6 +315,7 @@ def test_packed_layers_grow_on_steps_of_their_own(lengths, monkeypatch):
         for i, n in enumerate(lengths):
             for layer in range(layers):
                 row = KVQCache(cfg)
+                row._slot = layers * i + layer  # as make_prompt_cache per sequence, whatever ran before
                 row.update_and_fetch(mx.random.normal((1, 2, n, 64), key=mx.random.key(10 * layer + i)),
                                      mx.random.normal((1, 2, n, 64), key=mx.random.key(100 + 10 * layer + i)))
                 row.release_chunk()

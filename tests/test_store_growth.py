@@ -78,6 +78,8 @@ def _decode(layers: int, steps: int, grow_ahead: bool, monkeypatch) -> tuple[lis
         monkeypatch.setattr(KVQCache, "_schedule_growth", lambda self: None)
     config = make_config("affine", bits=4, sinks=4, window=8, flush=8, step=16, kernels="off")
     caches = [KVQCache(config) for _ in range(layers)]
+    for i, cache in enumerate(caches):  # the layers' slots as make_prompt_cache gives them, whatever ran before
+        cache._slot = i
     rng = np.random.default_rng(0)
     token = lambda n: mx.array(rng.standard_normal((B, H, n, D)), mx.float16)  # noqa: E731
     for cache in caches:
@@ -184,18 +186,32 @@ def test_a_chunk_shorter_than_the_last_ones_slack_is_stored():
     np.testing.assert_array_equal(np.array(store.view().data["codes"][0, 1, :, 1]), np.arange(771))
 
 
-def test_speculative_chunks_reach_the_scheduled_growth(monkeypatch):
-    # decode in chunks of 3 tokens (a draft model's) steps over the single offset a growth was scheduled at:
-    # the update that passes it grows the stores then, not the flush after it
+def _speculative(grow_ahead: bool, monkeypatch) -> tuple[int, int]:
+    """Decode in chunks of 3 tokens (a draft model's) after a 40-token prefill; ``(growths, growths in a flush)``."""
+    if not grow_ahead:
+        monkeypatch.setattr(KVQCache, "_schedule_growth", lambda self: None)
     config = make_config("affine", bits=4, sinks=4, window=8, flush=8, step=16, kernels="off")
     cache = KVQCache(config)
+    cache._slot = 0  # the schedule's step must not depend on how many caches the test session made before
     rng = np.random.default_rng(3)
     token = lambda n: mx.array(rng.standard_normal((B, H, n, D)), mx.float16)  # noqa: E731
     cache.update_and_fetch(token(40), token(40))
-    in_flush = 0
+    grew = in_flush = 0
     for _ in range(60):
         length, capacity = cache.compressed_keys.length, cache.compressed_keys.capacity
         cache.update_and_fetch(token(3), token(3))
-        in_flush += cache.compressed_keys.capacity != capacity and cache.compressed_keys.length != length
-        assert cache._grow_at == -1 or cache._grow_at > cache.offset
-    assert in_flush <= 3  # (a flush that a short window gives no earlier step for still grows itself)
+        changed = cache.compressed_keys.capacity != capacity
+        grew += changed
+        in_flush += changed and cache.compressed_keys.length != length
+        assert cache._grow_at == -1 or cache._grow_at > cache.offset  # never stepped over
+    return grew, in_flush
+
+
+def test_speculative_chunks_reach_the_scheduled_growth(monkeypatch):
+    # the single offset a growth is scheduled at may fall inside a chunk: the update that passes it grows the
+    # stores, instead of the flush after it
+    grew, in_flush = _speculative(True, monkeypatch)
+    with monkeypatch.context() as patch:
+        grew_off, in_flush_off = _speculative(False, patch)
+    assert grew_off == in_flush_off > 0  # without the schedule every growth is a flush's
+    assert grew >= grew_off - 1 and in_flush < in_flush_off / 2

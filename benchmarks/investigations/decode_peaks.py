@@ -39,9 +39,9 @@ def run(variant: str, args, model, config: dict) -> dict:
     if variant == "views-held":  # as before: the bound step survives the flush, the view is cleared after the write
         saved["compress"] = KVQCache._compress
 
-        def compress(self, keys, values):
+        def compress(self, *args):
             bound = self._bound
-            saved["compress"](self, keys, values)
+            saved["compress"](self, *args)
             self._bound = bound
         KVQCache._compress = compress
         saved["append"] = store_module.EncodedStore.append
@@ -54,9 +54,9 @@ def run(variant: str, args, model, config: dict) -> dict:
     if variant == "sync-flush":  # wait for the step in flight before a decode flush's writes (then in place)
         saved["compress_sync"] = KVQCache._compress
 
-        def compress_sync(self, keys, values):
+        def compress_sync(self, *args):
             mx.synchronize()
-            saved["compress_sync"](self, keys, values)
+            saved["compress_sync"](self, *args)
         KVQCache._compress = compress_sync
     try:
         heads, head_dim = config["num_key_value_heads"], config["head_dim"]
