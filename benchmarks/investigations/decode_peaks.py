@@ -46,9 +46,9 @@ def run(variant: str, args, model, config: dict) -> dict:
         KVQCache._compress = compress
         saved["append"] = store_module.EncodedStore.append
 
-        def append(self, encoded):
+        def append(self, encoded, *args, **kwargs):
             view = self._view
-            saved["append"](self, encoded)
+            saved["append"](self, encoded, *args, **kwargs)
             del view
         store_module.EncodedStore.append = append
     if variant == "sync-flush":  # wait for the step in flight before a decode flush's writes (then in place)

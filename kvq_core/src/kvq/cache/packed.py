@@ -315,8 +315,9 @@ class PackedRows:
         inverse = None if self.key_scale is None else pick(self.transform.inverse)
         encoded = encode_tokens(self.config, centred(keys, mean, inverse), values)
         counts = [self.compressed[b] for b in rows]
-        if max(counts) + f > self.capacity:  # with the next flush's room (store.spare)
-            self._grow(max(counts) + f + spare(max(counts) + f, f))
+        needed = max(counts) + f
+        if needed > self.capacity:  # with the next flush's room (store.spare)
+            self._grow(needed + spare(needed, f))
         same = every and all(c == counts[0] for c in counts)
         if not same:  # each row's codes go to its own count: one scatter per field, [rows, f] token positions
             row_index = (mx.arange(self.batch) if index is None else index)[:, None]
