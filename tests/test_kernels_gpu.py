@@ -54,6 +54,10 @@ ATTEND_CASES = [
     ("affine", {"bits": 2, "group_size": 64}, 64, 8, 1, 257),
     ("affine", {"bits": 3, "group_size": 128}, 256, 2, 1, 1000),
     ("affine", {"bits": 6, "group_size": 64}, 128, 1, 1, 64),
+    # 4-bit levels decoded without a table (kvq_metal.attend_tc.linear): keys and values, keys only at head_dim 32
+    ("affine", {"bits": 4, "group_size": 32}, 64, 4, 1, 700),
+    ("affine", {"bits": 4, "group_size": 128}, 256, 8, 1, 300),
+    ("affine", {"bits": 4, "group_size": 32}, 32, 4, 2, 200),
     ("turboquant_rvq", {"bits": 2, "residual_bits": 1}, 128, 4, 1, 3000),
     ("turboquant_rvq", {"bits": 2, "residual_bits": 2}, 128, 4, 1, 300),
     ("turboquant_rvq", {"bits": 3, "residual_bits": 3}, 64, 8, 1, 500),
@@ -83,8 +87,9 @@ def _knobs(module, knobs: dict, cuda_only: bool = True):
 
 
 #: The tensor-core decode kernel with the knobs the default does not take: query fragments held in registers
-#: (the default reads them from shared memory), one tile of 16 tokens per warp step (``kvq_metal.attend.TUNING``).
-ATTEND_TC_VARIANT = {"qsh": False, "nt": 1}
+#: (the default reads them from shared memory), one tile of 16 tokens per warp step, 64-bit token offsets, 4-bit
+#: levels from a table (``kvq_metal.attend.TUNING``).
+ATTEND_TC_VARIANT = {"qsh": False, "nt": 1, "narrow": False, "lin": False}
 
 
 @pytest.fixture(params=[True, False, "tc_regs"], ids=["tensor_cores", "simt", "tc_regs"])

@@ -72,6 +72,8 @@ class Side:
     :param bits: 1..8. :param group: coordinates per scale (``D`` for one scale per vector).
     :param codes2: optional second code stream, uint32 ``[B, H_kv, T, W2]`` of ``bits2`` (1..4) bits per
         coordinate (two-stage residual codes: ``table[(c1 << bits2) | c2] = c1_value + c2_value``).
+    :param levels: ``table`` is the integer levels ``0 .. 2**bits - 1`` (``affine``): the tensor-core kernel may
+        decode the codes arithmetically (:func:`kvq_metal.attend_tc.linear`), with the same values.
     """
 
     codes: mx.array
@@ -82,6 +84,7 @@ class Side:
     group: int
     codes2: mx.array | None = None
     bits2: int = 0
+    levels: bool = False
 
 
 def coords_per_thread(bits: int) -> int:
@@ -157,8 +160,18 @@ def table_layout(head_dim: int, rows: int, keys: Side, values: Side) -> tuple[bo
     (:data:`TUNING`) turns them off.
     Measured on an H200 at 128K tokens (``benchmarks/kernel_durations.py``): 4-bit codes with per-vector norms
     124 us with copies, 139 without; 4-bit codes with group scales and biases 141 and 147."""
+    klin, vlin = _linear(head_dim, keys, values)
     return attend_tc.table_layout(head_dim, rows, keys.bits, keys.bits2, values.bits, values.bits2,
-                                  keys.table is values.table, bool(TUNING.pair), bool(TUNING.rep), bool(TUNING.qsh))
+                                  keys.table is values.table, bool(TUNING.pair), bool(TUNING.rep), bool(TUNING.qsh),
+                                  klin, vlin)
+
+
+def _linear(head_dim: int, keys: Side, values: Side) -> tuple[bool, bool]:
+    """``(KLIN, VLIN)``: which sides the tensor-core kernel decodes without a table
+    (:func:`kvq_metal.attend_tc.linear`; knob ``lin`` of :data:`TUNING`)."""
+    return tuple(bool(TUNING.lin) and attend_tc.linear(s.levels, s.bits, s.bits2, s.biases is not None, s.group,
+                                                       head_dim, head_dim // per)
+                 for s, per in ((keys, 4), (values, 8)))
 
 
 def serves_dense(backend: str, head_dim: int, keys: Side, values: Side, rows: int) -> bool:
@@ -206,10 +219,11 @@ class LaunchPlan:
 @lru_cache(maxsize=1024)
 def _launch_plan(D: int, R: int, kb: int, vb: int, kg: int, vg: int, kbias: bool, vbias: bool, kb2: int, vb2: int,
                  rot: bool, qscale: int, out_dim: int, same_table: bool, dense: tuple | None, backend: str,
-                 tuning: AttendKnobs) -> LaunchPlan:
+                 tuning: AttendKnobs, lin: tuple[bool, bool] = (False, False)) -> LaunchPlan:
     """The :class:`LaunchPlan` of one static signature, computed once: code widths and groups of both sides,
     ``rot`` (rotated domain), ``qscale`` (the softmax scale's float bits), ``same_table`` (keys and values hold
-    the same table object), ``dense`` (``None``, or ``(sinks present, DENSE_DTYPES code)``), ``tuning`` the knobs
+    the same table object), ``dense`` (``None``, or ``(sinks present, DENSE_DTYPES code)``), ``lin`` the sides
+    decoded without a table (:func:`_linear`, tensor cores only), ``tuning`` the knobs
     (:data:`TUNING`, part of the key, so a swapped object takes effect). A decode step then only computes its
     split count and builds the input lists.
 
@@ -225,8 +239,8 @@ def _launch_plan(D: int, R: int, kb: int, vb: int, kg: int, vg: int, kbias: bool
         nd = 0 if dense is None else 2
         sinks, ddt = (False, 0) if dense is None else dense
         layout = attend_tc.table_layout(D, R, kb, kb2, vb, vb2, same_table, bool(t.pair), bool(t.rep),
-                                        bool(t.qsh))
-        template, tile = attend_tc.launch_template(common, nd, out_dim, layout, tuning, sinks, ddt)
+                                        bool(t.qsh), *lin)
+        template, tile = attend_tc.launch_template(common, nd, out_dim, layout, tuning, sinks, ddt, lin)
         # the merging block keeps R * (splits + nd) weights in the 4 * 8 * D words its warps' outputs used
         return LaunchPlan(True, template, tile, min(MAX_SPLITS, 32 * D // R - nd), nd)
     if dense is not None:
@@ -274,7 +288,7 @@ def _plan_for(queries_shape, scale: float, keys: Side, values: Side, backend: st
     R = Hq // H * Tq
     plan = _launch_plan(D, R, keys.bits, values.bits, keys.group, values.group, keys.biases is not None,
                         values.biases is not None, keys.bits2, values.bits2, rot, float_bits(float(scale)), out_dim,
-                        keys.table is values.table, dense_key, backend, TUNING)
+                        keys.table is values.table, dense_key, backend, TUNING, _linear(D, keys, values))
     return plan, D, T, R, out_dim
 
 

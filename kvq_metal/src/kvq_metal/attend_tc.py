@@ -71,13 +71,25 @@ SHARED_WORDS = 12288
 DENSE_DTYPES = {mx.float16: 0, mx.bfloat16: 1}
 
 
+def linear(levels: bool, bits: int, bits2: int, biased: bool, group: int, head_dim: int, slice_: int) -> bool:
+    """Whether the kernel decodes a side without its table (template ``KLIN`` / ``VLIN``): 4-bit codes of one
+    stream whose table is the integer levels 0..15 (``levels``, ``affine``), with group scales or biases (not one
+    scale per vector, which the kernel applies outside the decode), and slices (``slice_`` coordinates per thread:
+    ``head_dim / 4`` keys, ``head_dim / 8`` values) of whole 32-bit words. A pair of codes is then one shift and one
+    ``lop3`` into the half2 ``1024 + 16 code`` (FasterTransformer's int4-to-half conversion; Kim et al. 2022, "Who
+    Says Elephants Can't Run?") and the group's fma takes it to ``code * scale + bias``: no table lookup (two
+    address instructions and a shared-memory load per pair with a table)."""
+    return levels and bits == 4 and bits2 == 0 and (biased or group < head_dim) and slice_ % 8 == 0
+
+
 @lru_cache(maxsize=1024)
 def table_layout(head_dim: int, rows: int, kb: int, kb2: int, vb: int, vb2: int, same_table: bool, pair: bool,
-                 rep: bool, qsh: bool = False) -> tuple[bool, bool, bool]:
+                 rep: bool, qsh: bool = False, klin: bool = False, vlin: bool = False) -> tuple[bool, bool, bool]:
     """``(KREP, VREP, VSAME)`` (:func:`kvq_metal.attend.table_layout`) from the code widths (``bits``, ``bits2``
-    per side), whether both sides hold the same table object, and the knobs ``pair``, ``rep`` and ``qsh``
-    (:class:`kvq_metal.knobs.AttendKnobs`)."""
-    same = same_table and (kb, kb2) == (vb, vb2)
+    per side), whether both sides hold the same table object, the knobs ``pair``, ``rep`` and ``qsh``
+    (:class:`kvq_metal.knobs.AttendKnobs`), and ``klin`` / ``vlin`` (a side decoded without a table,
+    :func:`linear`: it takes no copies and no shared table)."""
+    same = same_table and (kb, kb2) == (vb, vb2) and not (klin or vlin)
     key_code_bits, value_code_bits = kb + kb2, vb + vb2
     def entries(cb: int) -> int:
         return 1 << (2 * cb) if pair and 2 * cb <= 8 else 1 << cb
@@ -86,9 +98,9 @@ def table_layout(head_dim: int, rows: int, kb: int, kb2: int, vb: int, vb2: int,
     # and a margin
     free = (SHARED_WORDS - rows * head_dim - 2 * 4 * 8 - (1 << key_code_bits) - (1 << value_code_bits) - 64
             - (4 * head_dim if qsh else 0))
-    ke, ve = entries(key_code_bits), 0 if same else entries(value_code_bits)
+    ke, ve = 0 if klin else entries(key_code_bits), 0 if same or vlin else entries(value_code_bits)
     for krep, vrep in ((True, True), (True, False), (False, True), (False, False)):
-        if not rep and (krep or vrep):
+        if not rep and (krep or vrep) or klin and krep or vlin and vrep:
             continue
         if same and krep != vrep:
             continue
@@ -103,22 +115,23 @@ def template(**flags) -> list:
     t = {"D": None, "R": None, "KB": 1, "VB": 1, "KG": None, "VG": None, "KBIAS": False, "VBIAS": False, "KB2": 0,
          "VB2": 0, "THREADS": None, "ROT": False, "QSCALE": None, "NT": None, "PF": False, "QSH": False,
          "PAIRTAB": True, "SINKS": False, "DDT": 0, "KREP": False, "VREP": False, "VSAME": False, "ND": 0, "DV": None,
-         "MINB": 0, "RAGGED": False}
+         "MINB": 0, "RAGGED": False, "KLIN": False, "VLIN": False, "NARROW": True}
     t.update(flags)
     return list(t.items())
 
 
 def launch_template(common: tuple, nd: int, out_dim: int, layout: tuple, knobs, sinks: bool,
-                    ddt: int) -> tuple[list, int]:
+                    ddt: int, lin: tuple[bool, bool] = (False, False)) -> tuple[list, int]:
     """The launch's template (:func:`template`) and its tile (compressed tokens per block step), for
     :func:`kvq_metal.attend._launch_plan` (which caches it): ``common`` the template arguments every
     decode-attention kernel takes (``THREADS`` among them), ``nd`` the blocks of uncompressed tokens (0, or 2:
     sinks and window, ``sinks`` whether there are any, ``ddt`` their :data:`DENSE_DTYPES` code), ``layout``
-    :func:`table_layout`'s answer, ``knobs`` a :class:`kvq_metal.knobs.AttendKnobs`."""
+    :func:`table_layout`'s answer, ``knobs`` a :class:`kvq_metal.knobs.AttendKnobs`, ``lin`` ``(KLIN, VLIN)``
+    (:func:`linear`)."""
     D, threads = dict(common)["D"], dict(common)["THREADS"]
     krep, vrep, same = layout
     pf = D <= 128 if knobs.pf is None else knobs.pf
     args = template(**dict(common), NT=knobs.nt, PF=bool(pf), QSH=bool(knobs.qsh), PAIRTAB=bool(knobs.pair),
                     KREP=krep, VREP=vrep, VSAME=same, ND=nd, SINKS=sinks, DDT=ddt, DV=out_dim,
-                    MINB=int(knobs.minb or 0))
+                    MINB=int(knobs.minb or 0), KLIN=lin[0], VLIN=lin[1], NARROW=bool(knobs.narrow))
     return args, 16 * knobs.nt * threads // 32

@@ -32,7 +32,10 @@ class AttendKnobs:
     bound step at head_dim 128 takes 186 registers for turboquant-4, 130 for turboquant-3 and 198 for affine-4;
     ``minb`` 3 makes each 168 and at one sequence of 128K changed the GPU time by -1%, -2% and +3%: there the grid,
     not registers, bounds the occupancy, so it stays off until a batched run shows it pays
-    (benchmarks/results/kernels/2026-12-03-h200-durations-minb-7f67dd3.json).
+    (benchmarks/results/kernels/2026-12-03-h200-durations-minb-7f67dd3.json). ``lin`` 4-bit integer levels with
+    group scales and biases (``affine``) decoded arithmetically instead of from a table
+    (:func:`kvq_metal.attend_tc.linear`); ``narrow`` token offsets inside a row computed in 32 bits where every
+    stream's rows span fewer than 2^31 elements (the kernel checks; off: always 64 bits).
     """
 
     kt_small: int = 8
@@ -46,6 +49,8 @@ class AttendKnobs:
     rep: bool = True
     qsh: bool = True
     minb: int = 0
+    lin: bool = True
+    narrow: bool = True
 
 
 @attrs.frozen

@@ -30,7 +30,7 @@ def _side(encoded) -> attend.Side:
     d = encoded.data
     # the table 0 .. 2^bits - 1: one cached array per width, so keys and values share it (attend.table_layout)
     table = attend._constant(_levels(p.bits), mx.float32)
-    return attend.Side(d["codes"], d["scales"], d["biases"], table, p.bits, p.group_size)
+    return attend.Side(d["codes"], d["scales"], d["biases"], table, p.bits, p.group_size, levels=True)
 
 
 @lru_cache(maxsize=None)

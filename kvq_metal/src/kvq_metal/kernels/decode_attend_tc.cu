@@ -27,8 +27,9 @@
     constexpr int VTAB = VPAIR ? (1 << (2 * CBV)) : (1 << CBV);
     // KREP/VREP: one copy of the table per lane (word e * 32 + lane): every lookup is free of bank conflicts.
     // VSAME: values read the keys' table (the same codebook; then VREP == KREP)
-    constexpr int KTW = KTAB * (KREP ? 32 : 1);
-    constexpr int VTW = VSAME ? 0 : VTAB * (VREP ? 32 : 1);
+    // KLIN/VLIN: 4-bit integer levels (affine codes) decoded arithmetically (kvq_lin4), no table
+    constexpr int KTW = KLIN ? 0 : KTAB * (KREP ? 32 : 1);
+    constexpr int VTW = VSAME || VLIN ? 0 : VTAB * (VREP ? 32 : 1);
     constexpr uint KMASK = (1u << KB) - 1u;
     constexpr uint VMASK = (1u << VB) - 1u;
     constexpr uint KMASK2 = (1u << KB2) - 1u;
@@ -50,6 +51,9 @@
     constexpr int VNG = SV >= VG ? SV / VG : 1;
     constexpr bool KONE = KG == D && !KBIAS;  // one scale per vector: applied to the fp32 scores
     constexpr bool VONE = VG == D && !VBIAS;  // folded into the probabilities
+    static_assert(!(KLIN && (KONE || KB != 4 || KB2 != 0 || SK % 8 != 0)) &&
+                      !(VLIN && (VONE || VB != 4 || VB2 != 0 || SV % 8 != 0) ) && !(VSAME && (KLIN || VLIN)),
+                  "KLIN/VLIN: 4-bit codes of one stream with group scales and biases, slices of whole words");
     constexpr float LOG2E = 1.4426950408889634f;
     constexpr float LN2 = 0.6931471805599453f;
 
@@ -101,6 +105,8 @@
     // a block's work, for compressed tokens (DENSE false) or for the uncompressed sinks or window (true)
     auto run = [&](auto role) {
     constexpr bool DENSE = decltype(role)::value;
+    // offsets of tokens inside a row of the codes, scales and biases (int: kvq_span32 held for every stream)
+    using off_t = typename kvq_offset<decltype(role)::narrow>::type;
     // uncompressed tokens are attended unrotated, one 16-token tile per warp step
     constexpr bool ROT = ROT_CODES && !DENSE;
     constexpr int NT = DENSE ? 1 : NT_CODES;
@@ -113,6 +119,15 @@
     const int t_end = DENSE ? (dsplit == 0 ? (SINKS ? sk_shape[2] : 0) : (RAGGED ? lens[2 * b + 1] : wk_shape[2]))
                             : min(RAGGED ? lens[2 * b] : T, t_begin + chunk);
 
+    // the streams' token and word strides, hoisted (off_t: 32 bits where kvq_span32 held)
+    const off_t kc_s2 = (off_t)kc_strides[2], kc_s3 = (off_t)kc_strides[3];
+    const off_t kc2_s2 = (off_t)kc2_strides[2], kc2_s3 = (off_t)kc2_strides[3];
+    const off_t vc_s2 = (off_t)vc_strides[2], vc_s3 = (off_t)vc_strides[3];
+    const off_t vc2_s2 = (off_t)vc2_strides[2], vc2_s3 = (off_t)vc2_strides[3];
+    const off_t ks_s2 = (off_t)ks_strides[2], ks_s3 = KONE ? 0 : (off_t)ks_strides[3];
+    const off_t kb_s2 = (off_t)kb_strides[2], kb_s3 = KBIAS ? (off_t)kb_strides[3] : 0;
+    const off_t vs_s2 = (off_t)vs_strides[2], vs_s3 = VONE ? 0 : (off_t)vs_strides[3];
+    const off_t vb_s2 = (off_t)vb_strides[2], vb_s3 = VBIAS ? (off_t)vb_strides[3] : 0;
     const int64_t kbase = b * kc_strides[0] + h * kc_strides[1];
     const int64_t kbase2 = b * kc2_strides[0] + h * kc2_strides[1];
     const int64_t ksbase = b * ks_strides[0] + h * ks_strides[1];
@@ -190,10 +205,10 @@
                 KVQ_LOAD_CODES(K, k)
 #pragma unroll
                 for (int k = 0; k < KNG; ++k) {
-                    buf.ksc[st][u][k] = KVQ_F32(ks[ksbase + (int64_t)t * ks_strides[2] + (KONE ? 0 : (kg0 + k) * ks_strides[3])]);
-                    buf.kbi[st][u][k] = KBIAS ? KVQ_F32(kb[kbbase + (int64_t)t * kb_strides[2] + (kg0 + k) * kb_strides[3]]) : 0.0f;
+                    buf.ksc[st][u][k] = KVQ_F32(ks[ksbase + ((off_t)t * ks_s2 + (KONE ? 0 : (off_t)(kg0 + k) * ks_s3))]);
+                    buf.kbi[st][u][k] = KBIAS ? KVQ_F32(kb[kbbase + ((off_t)t * kb_s2 + (off_t)(kg0 + k) * kb_s3)]) : 0.0f;
                 }
-                buf.vn[st][u] = VONE ? KVQ_F32(vs[vsbase + (int64_t)t * vs_strides[2]]) : 0.0f;
+                buf.vn[st][u] = VONE ? KVQ_F32(vs[vsbase + (off_t)t * vs_s2]) : 0.0f;
             }
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
@@ -201,8 +216,8 @@
                 KVQ_LOAD_CODES(V, v)
 #pragma unroll
                 for (int k = 0; k < VNG; ++k) {
-                    buf.vsc[st][u][k] = VONE ? 0.0f : KVQ_F32(vs[vsbase + (int64_t)t * vs_strides[2] + (vg0 + k) * vs_strides[3]]);
-                    buf.vbi[st][u][k] = VBIAS ? KVQ_F32(vb[vbbase + (int64_t)t * vb_strides[2] + (vg0 + k) * vb_strides[3]]) : 0.0f;
+                    buf.vsc[st][u][k] = VONE ? 0.0f : KVQ_F32(vs[vsbase + ((off_t)t * vs_s2 + (off_t)(vg0 + k) * vs_s3)]);
+                    buf.vbi[st][u][k] = VBIAS ? KVQ_F32(vb[vbbase + ((off_t)t * vb_s2 + (off_t)(vg0 + k) * vb_s3)]) : 0.0f;
                 }
             }
         }
@@ -234,9 +249,14 @@
     const float qmul = ROT ? 1.0f / KVQ_SQRT((float)D) : 1.0f;
     uint qf[QSH ? 1 : KS][2];
     // the fragment of k-step s, half e, for lane (gq, cq)
+    // (KPERM: pair p of a slice holds coordinates kvq_lin_pair(p) and that + 4, the order kvq_lin4 decodes them in)
+    constexpr bool KPERM = KLIN && !DENSE;
+    constexpr bool VPERM = VLIN && !DENSE;
     auto qfrag = [&](const int s, const int e, const int gq, const int cq) -> uint {
-        const int j = cq * SK + 4 * s + 2 * e;
-        return gq < R ? kvq_h2(q_s[gq * D + j] * qmul, q_s[gq * D + j + 1] * qmul) : 0u;
+        const int p = 2 * s + e;
+        const int j = cq * SK + (KPERM ? kvq_lin_pair(p) : 2 * p);
+        const int j1 = j + (KPERM ? 4 : 1);
+        return gq < R ? kvq_h2(q_s[gq * D + j] * qmul, q_s[gq * D + j1] * qmul) : 0u;
     };
     if constexpr (QSH) {
         for (int i = tid; i < 64 * KS; i += THREADS) {
@@ -341,11 +361,13 @@
     kvq_warp_merge<NWARP>(mw_s, lw_s, warp, g, c, m0, m1, l0, l1, f0, f1);
 #pragma unroll
     for (int i = 0; i < KS; ++i) {
-        const int j = g * SV + 2 * i;
+        // m-tile i: the coordinates of pair i of the lane's value slice (VPERM: kvq_lin_pair's order)
+        const int j = g * SV + (VPERM ? kvq_lin_pair(i) : 2 * i);
+        const int j1 = j + (VPERM ? 4 : 1);
         red_s[(warp * 8 + 2 * c) * D + j] = acc[i][0] * f0;
         red_s[(warp * 8 + 2 * c + 1) * D + j] = acc[i][1] * f1;
-        red_s[(warp * 8 + 2 * c) * D + j + 1] = acc[i][2] * f0;
-        red_s[(warp * 8 + 2 * c + 1) * D + j + 1] = acc[i][3] * f1;
+        red_s[(warp * 8 + 2 * c) * D + j1] = acc[i][2] * f0;
+        red_s[(warp * 8 + 2 * c + 1) * D + j1] = acc[i][3] * f1;
     }
     KVQ_BARRIER();
     const int64_t obase = ((int64_t)bh * NS + split) * R;
@@ -371,12 +393,16 @@
         ml[obase * 2 + 2 * tid + 1] = sum;
     }
     };
-    if constexpr (ND > 0) {
-        if (split >= nsplit) {
-            run(kvq_role<true>{});
-        } else {
-            run(kvq_role<false>{});
-        }
+    // the compressed tokens' offsets in 32 bits where every stream's rows allow (all but rows of 2^31 elements;
+    // NARROW false: always 64 bits)
+    const bool narrow = NARROW && kvq_span32(kc_shape, kc_strides, kc_ndim) && kvq_span32(kc2_shape, kc2_strides, kc2_ndim) &&
+                        kvq_span32(ks_shape, ks_strides, ks_ndim) && kvq_span32(kb_shape, kb_strides, kb_ndim) &&
+                        kvq_span32(vc_shape, vc_strides, vc_ndim) && kvq_span32(vc2_shape, vc2_strides, vc2_ndim) &&
+                        kvq_span32(vs_shape, vs_strides, vs_ndim) && kvq_span32(vb_shape, vb_strides, vb_ndim);
+    if (ND > 0 && split >= nsplit) {
+        if constexpr (ND > 0) run(kvq_role<true>{});
+    } else if (narrow) {
+        run(kvq_role<false, true>{});
     } else {
         run(kvq_role<false>{});
     }

@@ -11,10 +11,28 @@
 
 // a block's role, as a type: the kernel body is one generic lambda instantiated for compressed tokens
 // (kvq_role<false>) and for uncompressed ones (kvq_role<true>), so both share the block's static shared memory
-template <bool B>
+// NARROW: token offsets inside a (batch, head) row are computed in 32 bits (the block checked with kvq_span32
+// that every code, scale and bias stream's row fits): one multiply-add per load instead of a 64-bit product
+template <bool B, bool NARROW = false>
 struct kvq_role {
     static constexpr bool value = B;
+    static constexpr bool narrow = NARROW;
 };
+template <bool NARROW>
+struct kvq_offset {
+    using type = int64_t;
+};
+template <>
+struct kvq_offset<true> {
+    using type = int;
+};
+// whether the elements of one (batch, head) row of an input (dims 2 and up of a [B, H, ...] array, read through
+// its strides) lie less than 2^31 elements from the row's first
+__device__ __forceinline__ bool kvq_span32(const int32_t* shape, const int64_t* strides, const int ndim) {
+    int64_t span = 0;
+    for (int i = 2; i < ndim; ++i) span += (int64_t)(shape[i] - 1) * (strides[i] < 0 ? -strides[i] : strides[i]);
+    return span < ((int64_t)1 << 31);
+}
 // the output in its own dtype (float, __half or __nv_bfloat16: each converts from float)
 template <typename T>
 __device__ __forceinline__ void kvq_store(T* p, const float v) { *p = static_cast<T>(v); }
@@ -199,6 +217,23 @@ __device__ __forceinline__ void kvq_dense_row(uint (&dst)[NW], const T* row, con
         for (int k = 0; k < NW; ++k) dst[k] = tmp[k];
     }
 }
+// 4-bit integer levels (affine codes: x = code * scale + bias) decoded without a table, after FasterTransformer's
+// int4-to-half conversion (Kim et al. 2022, "Who Says Elephants Can't Run?"): a nibble OR'd into the top four
+// mantissa bits of 16.0 is the half 16 + code, exactly. Pair j of a slice of aligned words w holds the codes of
+// coordinates kvq_lin_pair(j) and kvq_lin_pair(j) + 4 (nibbles j % 4 and j % 4 + 4 of word j / 4: one shift and one
+// lop3 per pair); the caller's half2 fma with the group's scale and bias - 16 scale (KVQ_SLICE_WORDS) makes it
+// code * scale + bias. The offset 16 (not FasterTransformer's 1024) keeps bias - 16 scale within about one group
+// range of the bias, so its rounding stays near the result's own, and the scale is the table path's, unscaled
+__device__ __forceinline__ constexpr int kvq_lin_pair(const int j) { return 8 * (j >> 2) + (j & 3); }
+template <int NW>
+__device__ __forceinline__ uint kvq_lin4(const uint (&w)[NW], const int j) {
+    const uint x = w[j >> 2];
+    const int k = j & 3;  // nibbles k (bits 4k) and k + 4 to bits 6..9 of each half
+    const uint y = k < 2 ? x << (6 - 4 * k) : x >> (4 * k - 6);
+    uint h;  // (y & 0x03c003c0) | 0x4c004c00 as one lop3 (written in C, it took two: one immediate per lop3)
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(h) : "r"(y), "n"(0x03c003c0), "n"(0x4c004c00));
+    return h;
+}
 // entry e of a lane's view of a code table whose entries lie 1 << SH bytes apart: a byte offset, so the address
 // is one shift-add (an index scaled by the element size made the compiler spend four instructions on it)
 #define KVQ_TAB(tab, e, SH) (*reinterpret_cast<const uint*>(reinterpret_cast<const char*>(tab) + ((uint)(e) << (SH))))
@@ -256,13 +291,14 @@ __device__ __forceinline__ void kvq_dense_row(uint (&dst)[NW], const T* row, con
 // the code words of this thread's slice of token t of one side (both streams) into step st's buffer, slice u
 // (KVQ_LOAD_SLICE); SIDE and side as in KVQ_FILL_TABLE
 #define KVQ_LOAD_CODES(SIDE, side)                                                                                  \
-    const auto* row = side##c + side##base + (int64_t)t * side##c_strides[2] + (side##bit >> 5) * side##c_strides[3]; \
-    KVQ_LOAD_SLICE(buf.side##w[st][u], row, SIDE##NW, SIDE##VEC, side##vec, side##c_strides[3], side##bit >> 5,      \
+    const auto* row = side##c + side##base + ((off_t)t * side##c_s2 +                                \
+                                              (off_t)(side##bit >> 5) * side##c_s3);               \
+    KVQ_LOAD_SLICE(buf.side##w[st][u], row, SIDE##NW, SIDE##VEC, side##vec, side##c_s3, side##bit >> 5,              \
                    side##wl, SIDE##AL)                                                                             \
     if (SIDE##B2 > 0) {                                                                                            \
-        const auto* row2 = side##c2 + side##base2 + (int64_t)t * side##c2_strides[2] +                             \
-                           (side##bit2 >> 5) * side##c2_strides[3];                                                \
-        KVQ_LOAD_SLICE(buf.side##w2[st][u], row2, SIDE##NW2, SIDE##VEC2, side##vec2, side##c2_strides[3],          \
+        const auto* row2 = side##c2 + side##base2 + ((off_t)t * side##c2_s2 +                       \
+                                                     (off_t)(side##bit2 >> 5) * side##c2_s3);      \
+        KVQ_LOAD_SLICE(buf.side##w2[st][u], row2, SIDE##NW2, SIDE##VEC2, side##vec2, side##c2_s3,                  \
                        side##bit2 >> 5, side##wl2, SIDE##AL)                                                       \
     }
 // the words of slice u of one side in step st, aligned to bit 0 (side##u, side##u2; a no-op when every slice starts
@@ -277,8 +313,9 @@ __device__ __forceinline__ void kvq_dense_row(uint (&dst)[NW], const T* row, con
                                   : kvq_funnel(buf.side##w2[st][u][k], k + 1 < SIDE##NW2 ? buf.side##w2[st][u][k + 1] \
                                                                                          : 0u, side##bit2 & 31);   \
     _Pragma("unroll") for (int k = 0; k < SIDE##NG; ++k) {                                                        \
+        const float b_ = SIDE##LIN ? buf.side##bi[st][u][k] - 16.0f * buf.side##sc[st][u][k] : buf.side##bi[st][u][k]; \
         side##h[u][k] = kvq_h2(buf.side##sc[st][u][k], buf.side##sc[st][u][k]);                                   \
-        side##bh[u][k] = kvq_h2(buf.side##bi[st][u][k], buf.side##bi[st][u][k]);                                  \
+        side##bh[u][k] = kvq_h2(b_, b_);                                                                          \
     }
 // x (declared by the caller) = the half2 of coordinate pair j of slice u of one side: its two codes from the
 // aligned words, looked up in the side's table (pair or single entries), times the pair's group scale plus its
@@ -289,6 +326,8 @@ __device__ __forceinline__ void kvq_dense_row(uint (&dst)[NW], const T* row, con
                                             2 * (SIDE##B2 > 0 ? SIDE##B2 : 1)) : 0u;                               \
     if (DENSE) {                                                                                                   \
         x = buf.d##side[st][u][j];                                                                                 \
+    } else if (SIDE##LIN) {                                                                                        \
+        x = kvq_lin4(side##u[u], j);                                                                               \
     } else if (SIDE##PAIR) {                                                                                       \
         x = KVQ_TAB(side##tab_l, (p1 << (2 * SIDE##B2)) | p2, SIDE##SH);                                           \
     } else {                                                                                                       \
@@ -297,6 +336,6 @@ __device__ __forceinline__ void kvq_dense_row(uint (&dst)[NW], const T* row, con
         x = kvq_prmt(KVQ_TAB(side##tab_l, ca, SIDE##SH), KVQ_TAB(side##tab_l, cb, SIDE##SH), 0x7610u);             \
     }                                                                                                              \
     if (!SIDE##ONE && !DENSE) {                                                                                    \
-        const int gi = S##SIDE >= SIDE##G ? (2 * j) / SIDE##G : 0;                                                 \
+        const int gi = S##SIDE >= SIDE##G ? (SIDE##LIN ? kvq_lin_pair(j) : 2 * j) / SIDE##G : 0;                    \
         x = kvq_hfma2(x, side##h[u][gi], side##bh[u][gi]);                                                         \
     }
