@@ -10,7 +10,7 @@
 #        growth (decode peak above the caches at 48 x 32K, turboquant:3, the stores grown at the flush and ahead of
 #        it, benchmarks/investigations/growth_ahead.py), peaks (the same, step by step, with the stores' views kept
 #        across the flush's writes as a third variant, benchmarks/investigations/decode_peaks.py), capacity (kvq bench capacity: the most 32K-token sequences that fit per cache, and their tokens/s, the median
-#        of $CAPACITY_REPS (2) timed decodes at that batch),
+#        of $CAPACITY_REPS (2) timed decodes at that batch; $CAPACITY_METHODS the caches, default fp16 and three),
 #        streams (the streams kernel's GPU tests, a vecinfer calibration of random:llama3-8b, then kvq bench e2e for
 #        qjl+affine:4, turboquant_prod:4 and vecinfer),
 #        profile-streams (ncu --set full of the streams kernel at 128K: occupancy, stall reasons, DRAM throughput),
@@ -100,7 +100,7 @@ for r in json.load(open(sys.argv[1]))["rows"]:
              > "$OUT/decode_peaks.log" 2>&1; tail -c 2500 "$OUT/decode_peaks.log";;
     capacity) mkdir -p "$OUT/capacity"
            timeout ${CAPACITY_TIMEOUT:-560} python3 -m kvq.cli bench capacity --model random:llama3-8b --dtype bfloat16 \
-             --methods fp16,turboquant:3,turboquant:4,affine:4 --context 32K --reps ${CAPACITY_REPS:-2} --no-progress \
+             --methods ${CAPACITY_METHODS:-fp16,turboquant:3,turboquant:4,affine:4} --context 32K --reps ${CAPACITY_REPS:-2} --no-progress \
              --out "$OUT/capacity" --name "$(date +%F)-${DEV}-capacity" > "$OUT/capacity.log" 2>&1
            grep -E "^\| (kvcache|fp16|turbo|affine)" "$OUT/capacity.log" || tail -c 2000 "$OUT/capacity.log";;
     streams) MLX_ENABLE_TF32=0 timeout 200 python3 -m pytest tests/test_kernels_gpu.py -m gpu -q -k streams --tb=short \
