@@ -128,6 +128,28 @@ def test_decode_attend_matches_pure_mlx(case, attend_kernel_kind):
     assert float(mx.max(mx.abs(lse - ref_lse))) < 1e-3
 
 
+@pytest.mark.parametrize("D,group", [(32, 32), (64, 32), (128, 64), (256, 128)])
+def test_affine_4_bit_decode_without_tables_equals_the_table_path(D, group):
+    """The tensor-core kernel's arithmetic decode of 4-bit affine codes (knob ``lin``, kvq_metal.attend_tc.linear)
+    gives the table's values exactly, so its output equals the table path's up to the order of float32 additions
+    (the coordinates pair differently inside the tensor-core products)."""
+    from kvq_metal import attend
+
+    kernel, pure = _impl("affine")
+    p = kvq.make_params("affine", bits=4, group_size=group)
+    k, v = _normal((1, 2, 600, D), mx.float16, 1), _normal((1, 2, 600, D), mx.float16, 2)
+    q = _normal((1, 8, 1, D), mx.float16, 3)
+    ke, ve = pure.kvq_quantize(k, p), pure.kvq_quantize(v, p)
+    outs = []
+    for lin in (True, False):
+        for _ in _knobs(attend, {"lin": lin}):
+            out, lse = kernel.kvq_attend(q, ke, ve, D ** -0.5, None)
+            mx.eval(out, lse)
+            outs.append((out, lse))
+    assert _rel(outs[0][0], outs[1][0]) < 1e-5
+    assert float(mx.max(mx.abs(outs[0][1] - outs[1][1]))) < 1e-5
+
+
 def test_decode_attend_reads_strided_store_in_place(attend_kernel_kind):
     """The cache's compressed store is a prefix view of a larger buffer: the kernel must read the view."""
     kernel, pure = _impl("turboquant")
