@@ -87,9 +87,9 @@ def _knobs(module, knobs: dict, cuda_only: bool = True):
 
 
 #: The tensor-core decode kernel with the knobs the default does not take: query fragments held in registers
-#: (the default reads them from shared memory), one tile of 16 tokens per warp step, 64-bit token offsets, 4-bit
-#: levels from a table (``kvq_metal.attend.TUNING``).
-ATTEND_TC_VARIANT = {"qsh": False, "nt": 1, "narrow": False, "lin": False}
+#: (the default reads them from shared memory), one tile of 16 tokens per warp step, 4-bit levels from a
+#: table (``kvq_metal.attend.TUNING``).
+ATTEND_TC_VARIANT = {"qsh": False, "nt": 1, "lin": False}
 
 
 @pytest.fixture(params=[True, False, "tc_regs"], ids=["tensor_cores", "simt", "tc_regs"])

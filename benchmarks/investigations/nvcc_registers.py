@@ -6,11 +6,15 @@ MLX's ``mx.fast.cuda_kernel`` is replaced by a recorder: each launch of
 rows, with and without the sinks and window) records its kernel text, inputs and outputs; the signature MLX would
 write is rebuilt around the body (every input with its ``_shape``, ``_strides`` and ``_ndim``), and ``nvcc -arch
 sm_90 -cubin -Xptxas -v`` compiles it. No kernel runs; the outputs are zeros. ``--turboquant``: the tensor-core
-decode kernel of turboquant instead (``decode_attend_tc.cu``, a bound decode step with sinks and window: bits 4 and 3
-at head_dim 128, bits 4 at 256).
+decode kernel instead (``decode_attend_tc.cu``, a bound decode step with sinks and window: turboquant bits 4 and 3
+at head_dim 128, bits 4 at 256, affine bits 4 at head_dim 128). The signature is MLX's (each input's shape and
+strides passed by value as ``__grid_constant__`` arrays, ``mlx/backend/cuda/custom_kernel.cpp``), so the
+registers and instructions are those of MLX's build up to NVRTC against nvcc. ``--sass``: with ``cuobjdump`` and
+``nvdisasm`` on the PATH (pip's ``nvidia-cuda-cuobjdump``, ``nvidia-cuda-nvdisasm``), also the instructions of each
+main loop (a loop holding 32 ``HMMA``: one warp step of 32 compressed tokens), the bound step's hot path.
 
     python benchmarks/investigations/nvcc_registers.py --tuning '{"nt": 1}' [--keep DIR]
-    python benchmarks/investigations/nvcc_registers.py --turboquant --tuning '{"qsh": true}' [--keep DIR]
+    python benchmarks/investigations/nvcc_registers.py --turboquant --tuning '{"qsh": true}' [--keep DIR] [--sass]
 
 ``--tuning`` overrides the launch knobs (:mod:`kvq_metal.knobs`; of the streams kernel, or with ``--turboquant``
 of the tensor-core decode kernel) through ``benchmarks/knobs.py``.
@@ -24,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import mlx.core as mx
@@ -54,8 +59,8 @@ def cuda_text(kw: dict) -> str:
     ``custom_kernel_NAME``, so a header's launch bounds, :func:`kvq_metal.dialect.launch_bounds`, apply)."""
     args = []
     for name, a in zip(kw["input_names"], kw["inputs"]):
-        args += [f"const {TYPES[a.dtype]}* {name}", f"const int32_t* {name}_shape", f"const int64_t* {name}_strides",
-                 f"int {name}_ndim"]
+        args += [f"const {TYPES[a.dtype]}* {name}", f"const __grid_constant__ Shape {name}_shape",
+                 f"const __grid_constant__ Strides {name}_strides", f"const __grid_constant__ int {name}_ndim"]
     args += [f"{TYPES[d]}* {n}" for n, d in zip(kw["output_names"], kw["output_dtypes"])]
     consts = "".join(f"  constexpr {'bool' if type(v) is bool else 'int'} {k} = "
                      f"{str(v).lower() if type(v) is bool else v};\n"
@@ -64,7 +69,9 @@ def cuda_text(kw: dict) -> str:
     name = f"custom_kernel_{kw['name']}"
     # MLX's layout: the kernel in namespace mlx::core::cu, then (NVRTC's name expression) the name used after the
     # body, so a macro the header defines on the name must be gone by then
-    return ("#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n" + kw["header"] +
+    return ("#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n#include <cuda/std/array>\n"
+            "using Shape = cuda::std::array<int32_t, 10>;\nusing Strides = cuda::std::array<int64_t, 10>;\n" +
+            kw["header"] +
             f"\nnamespace mlx::core::cu {{\n__global__ void {name}({', '.join(args)}) {{\n{consts}{kw['source']}"
             f"\n}}\n}}\nvoid* kvq_name_expression = (void*)&mlx::core::cu::{name};\n")
 
@@ -86,35 +93,63 @@ def compile_recorded(kw: dict, path: Path) -> str:
     return f"registers {regs} spill stores {spills} stack frame {stack} static shared {smem} bytes"
 
 
-def turboquant(keep: str | None) -> None:
-    """The tensor-core decode kernel of turboquant (a bound decode step, sinks and window included)."""
+def main_loops(cubin: Path) -> list[tuple[int, dict]]:
+    """The loops of a cubin's SASS that hold 32 ``HMMA`` (the tensor-core decode kernel's warp step over 32
+    compressed tokens; loops that enclose it, with the uncompressed tokens' steps and the merge, hold more
+    instructions), each as ``(instructions, counts of the commonest opcodes)``; ``[]`` without ``cuobjdump``."""
+    if shutil.which("cuobjdump") is None:
+        return []
+    sass = subprocess.run(["cuobjdump", "-sass", str(cubin)], capture_output=True, text=True).stdout
+    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in
+           re.finditer(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", sass, re.M)]
+    loops = []
+    for addr, text in ins:
+        m = re.search(r"BRA\s+(?:P\d, )?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
+            if sum("HMMA" in t for t in body) == 32:
+                ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
+                loops.append((len(body), dict(ops.most_common(8))))
+    return loops
+
+
+def turboquant(keep: str | None, sass: bool = False) -> None:
+    """The tensor-core decode kernel (a bound decode step, sinks and window included) of turboquant and affine."""
     import kvq
     from kvq.plugins import registry
     from kvq_backends_turboquant.kernels import turboquant as tq
     from kvq_metal import attend
 
-    impl, pure = registry().implementations[("turboquant", "cuda")], registry().implementations[("turboquant", "mlx")]
-    for bits, dim in ((4, 128), (3, 128), (4, 256)):
-        p = kvq.make_params("turboquant", bits=bits)
+    for method, bits, dim in (("turboquant", 4, 128), ("turboquant", 3, 128), ("turboquant", 4, 256),
+                              ("affine", 4, 128)):
+        impl, pure = registry().implementations[(method, "cuda")], registry().implementations[(method, "mlx")]
+        p = kvq.make_params(method, bits=bits)
         x = mx.random.normal((2, 1, 8, 300, dim)).astype(mx.bfloat16)
         keys, values = pure.kvq_quantize(x[0], p), pure.kvq_quantize(x[1], p)
         q = mx.random.normal((1, 32, 1, dim)).astype(mx.bfloat16)
         w = mx.random.normal((1, 8, 132, dim)).astype(mx.bfloat16)
         RECORDED.clear()
-        step = attend.bind_decode(q, dim ** -0.5, tq.rotated_dense_call(impl, q, keys, values, tq._side), "cuda",
-                                  sink_keys=w[:, :, :4], sink_values=w[:, :, :4], window_keys=w[:, :, 4:],
-                                  window_values=w[:, :, 4:])
+        call = (tq.rotated_dense_call(impl, q, keys, values, tq._side) if method == "turboquant"
+                else impl._dense_call(q, keys, values))
+        step = attend.bind_decode(q, dim ** -0.5, call, "cuda", sink_keys=w[:, :, :4], sink_values=w[:, :, :4],
+                                  window_keys=w[:, :, 4:], window_values=w[:, :, 4:])
         step(q, w[:, :, 4:], w[:, :, 4:])
         kw = next(k for k in RECORDED if "attend_tc" in k["name"])
         with tempfile.TemporaryDirectory() as tmp:
-            line = compile_recorded(kw, Path(keep or tmp) / f"turboquant_{bits}_{dim}.cu")
-        print(f"turboquant:{bits} head_dim {dim}: {line}")
+            path = Path(keep or tmp) / f"{method}_{bits}_{dim}.cu"
+            line = compile_recorded(kw, path)
+            loops = main_loops(Path(str(path) + ".cubin")) if sass else []
+        print(f"{method}:{bits} head_dim {dim}: {line}")
+        for n, ops in loops:
+            print(f"    main loop: {n} instructions per 32-token warp step {ops}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--keep", default=None, help="write the .cu files here")
-    ap.add_argument("--turboquant", action="store_true", help="turboquant's tensor-core decode kernel instead")
+    ap.add_argument("--turboquant", action="store_true",
+                    help="the tensor-core decode kernel (turboquant, affine) instead")
+    ap.add_argument("--sass", action="store_true", help="with --turboquant: the main loops' instruction counts")
     ap.add_argument("--tuning", default="{}", type=knobs_arg, help="JSON knob overrides (kvq_metal.knobs)")
     args = ap.parse_args()
     if shutil.which("nvcc") is None:
@@ -122,7 +157,7 @@ def main() -> None:
     mx.fast.cuda_kernel = lambda **kw: _Recorder(**kw)
     if args.turboquant:
         with tuned(attend=args.tuning):
-            turboquant(args.keep)
+            turboquant(args.keep, args.sass)
         return
     with tuned(streams=args.tuning):
         streams_kernels(args.keep)

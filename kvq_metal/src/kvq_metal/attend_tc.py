@@ -115,7 +115,7 @@ def template(**flags) -> list:
     t = {"D": None, "R": None, "KB": 1, "VB": 1, "KG": None, "VG": None, "KBIAS": False, "VBIAS": False, "KB2": 0,
          "VB2": 0, "THREADS": None, "ROT": False, "QSCALE": None, "NT": None, "PF": False, "QSH": False,
          "PAIRTAB": True, "SINKS": False, "DDT": 0, "KREP": False, "VREP": False, "VSAME": False, "ND": 0, "DV": None,
-         "MINB": 0, "RAGGED": False, "KLIN": False, "VLIN": False, "NARROW": True}
+         "MINB": 0, "RAGGED": False, "KLIN": False, "VLIN": False}
     t.update(flags)
     return list(t.items())
 
@@ -133,5 +133,5 @@ def launch_template(common: tuple, nd: int, out_dim: int, layout: tuple, knobs, 
     pf = D <= 128 if knobs.pf is None else knobs.pf
     args = template(**dict(common), NT=knobs.nt, PF=bool(pf), QSH=bool(knobs.qsh), PAIRTAB=bool(knobs.pair),
                     KREP=krep, VREP=vrep, VSAME=same, ND=nd, SINKS=sinks, DDT=ddt, DV=out_dim,
-                    MINB=int(knobs.minb or 0), KLIN=lin[0], VLIN=lin[1], NARROW=bool(knobs.narrow))
+                    MINB=int(knobs.minb or 0), KLIN=lin[0], VLIN=lin[1])
     return args, 16 * knobs.nt * threads // 32

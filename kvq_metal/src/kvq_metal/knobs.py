@@ -34,8 +34,7 @@ class AttendKnobs:
     not registers, bounds the occupancy, so it stays off until a batched run shows it pays
     (benchmarks/results/kernels/2026-12-03-h200-durations-minb-7f67dd3.json). ``lin`` 4-bit integer levels with
     group scales and biases (``affine``) decoded arithmetically instead of from a table
-    (:func:`kvq_metal.attend_tc.linear`); ``narrow`` token offsets inside a row computed in 32 bits where every
-    stream's rows span fewer than 2^31 elements (the kernel checks; off: always 64 bits).
+    (:func:`kvq_metal.attend_tc.linear`).
     """
 
     kt_small: int = 8
@@ -50,7 +49,6 @@ class AttendKnobs:
     qsh: bool = True
     minb: int = 0
     lin: bool = True
-    narrow: bool = True
 
 
 @attrs.frozen

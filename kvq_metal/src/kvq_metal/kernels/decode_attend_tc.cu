@@ -105,8 +105,6 @@
     // a block's work, for compressed tokens (DENSE false) or for the uncompressed sinks or window (true)
     auto run = [&](auto role) {
     constexpr bool DENSE = decltype(role)::value;
-    // offsets of tokens inside a row of the codes, scales and biases (int: kvq_span32 held for every stream)
-    using off_t = typename kvq_offset<decltype(role)::narrow>::type;
     // uncompressed tokens are attended unrotated, one 16-token tile per warp step
     constexpr bool ROT = ROT_CODES && !DENSE;
     constexpr int NT = DENSE ? 1 : NT_CODES;
@@ -119,15 +117,6 @@
     const int t_end = DENSE ? (dsplit == 0 ? (SINKS ? sk_shape[2] : 0) : (RAGGED ? lens[2 * b + 1] : wk_shape[2]))
                             : min(RAGGED ? lens[2 * b] : T, t_begin + chunk);
 
-    // the streams' token and word strides, hoisted (off_t: 32 bits where kvq_span32 held)
-    const off_t kc_s2 = (off_t)kc_strides[2], kc_s3 = (off_t)kc_strides[3];
-    const off_t kc2_s2 = (off_t)kc2_strides[2], kc2_s3 = (off_t)kc2_strides[3];
-    const off_t vc_s2 = (off_t)vc_strides[2], vc_s3 = (off_t)vc_strides[3];
-    const off_t vc2_s2 = (off_t)vc2_strides[2], vc2_s3 = (off_t)vc2_strides[3];
-    const off_t ks_s2 = (off_t)ks_strides[2], ks_s3 = KONE ? 0 : (off_t)ks_strides[3];
-    const off_t kb_s2 = (off_t)kb_strides[2], kb_s3 = KBIAS ? (off_t)kb_strides[3] : 0;
-    const off_t vs_s2 = (off_t)vs_strides[2], vs_s3 = VONE ? 0 : (off_t)vs_strides[3];
-    const off_t vb_s2 = (off_t)vb_strides[2], vb_s3 = VBIAS ? (off_t)vb_strides[3] : 0;
     const int64_t kbase = b * kc_strides[0] + h * kc_strides[1];
     const int64_t kbase2 = b * kc2_strides[0] + h * kc2_strides[1];
     const int64_t ksbase = b * ks_strides[0] + h * ks_strides[1];
@@ -205,10 +194,10 @@
                 KVQ_LOAD_CODES(K, k)
 #pragma unroll
                 for (int k = 0; k < KNG; ++k) {
-                    buf.ksc[st][u][k] = KVQ_F32(ks[ksbase + ((off_t)t * ks_s2 + (KONE ? 0 : (off_t)(kg0 + k) * ks_s3))]);
-                    buf.kbi[st][u][k] = KBIAS ? KVQ_F32(kb[kbbase + ((off_t)t * kb_s2 + (off_t)(kg0 + k) * kb_s3)]) : 0.0f;
+                    buf.ksc[st][u][k] = KVQ_F32(ks[ksbase + (int64_t)t * ks_strides[2] + (KONE ? 0 : (kg0 + k) * ks_strides[3])]);
+                    buf.kbi[st][u][k] = KBIAS ? KVQ_F32(kb[kbbase + (int64_t)t * kb_strides[2] + (kg0 + k) * kb_strides[3]]) : 0.0f;
                 }
-                buf.vn[st][u] = VONE ? KVQ_F32(vs[vsbase + (off_t)t * vs_s2]) : 0.0f;
+                buf.vn[st][u] = VONE ? KVQ_F32(vs[vsbase + (int64_t)t * vs_strides[2]]) : 0.0f;
             }
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
@@ -216,8 +205,8 @@
                 KVQ_LOAD_CODES(V, v)
 #pragma unroll
                 for (int k = 0; k < VNG; ++k) {
-                    buf.vsc[st][u][k] = VONE ? 0.0f : KVQ_F32(vs[vsbase + ((off_t)t * vs_s2 + (off_t)(vg0 + k) * vs_s3)]);
-                    buf.vbi[st][u][k] = VBIAS ? KVQ_F32(vb[vbbase + ((off_t)t * vb_s2 + (off_t)(vg0 + k) * vb_s3)]) : 0.0f;
+                    buf.vsc[st][u][k] = VONE ? 0.0f : KVQ_F32(vs[vsbase + (int64_t)t * vs_strides[2] + (vg0 + k) * vs_strides[3]]);
+                    buf.vbi[st][u][k] = VBIAS ? KVQ_F32(vb[vbbase + (int64_t)t * vb_strides[2] + (vg0 + k) * vb_strides[3]]) : 0.0f;
                 }
             }
         }
@@ -393,16 +382,12 @@
         ml[obase * 2 + 2 * tid + 1] = sum;
     }
     };
-    // the compressed tokens' offsets in 32 bits where every stream's rows allow (all but rows of 2^31 elements;
-    // NARROW false: always 64 bits)
-    const bool narrow = NARROW && kvq_span32(kc_shape, kc_strides, kc_ndim) && kvq_span32(kc2_shape, kc2_strides, kc2_ndim) &&
-                        kvq_span32(ks_shape, ks_strides, ks_ndim) && kvq_span32(kb_shape, kb_strides, kb_ndim) &&
-                        kvq_span32(vc_shape, vc_strides, vc_ndim) && kvq_span32(vc2_shape, vc2_strides, vc2_ndim) &&
-                        kvq_span32(vs_shape, vs_strides, vs_ndim) && kvq_span32(vb_shape, vb_strides, vb_ndim);
-    if (ND > 0 && split >= nsplit) {
-        if constexpr (ND > 0) run(kvq_role<true>{});
-    } else if (narrow) {
-        run(kvq_role<false, true>{});
+    if constexpr (ND > 0) {
+        if (split >= nsplit) {
+            run(kvq_role<true>{});
+        } else {
+            run(kvq_role<false>{});
+        }
     } else {
         run(kvq_role<false>{});
     }

@@ -11,30 +11,10 @@
 
 // a block's role, as a type: the kernel body is one generic lambda instantiated for compressed tokens
 // (kvq_role<false>) and for uncompressed ones (kvq_role<true>), so both share the block's static shared memory
-// NARROW: token offsets inside a (batch, head) row are computed in 32 bits (the block checked with kvq_span32
-// that every code, scale and bias stream's row fits): one multiply-add per load instead of a 64-bit product
-template <bool B, bool NARROW = false>
+template <bool B>
 struct kvq_role {
     static constexpr bool value = B;
-    static constexpr bool narrow = NARROW;
 };
-template <bool NARROW>
-struct kvq_offset {
-    using type = int64_t;
-};
-template <>
-struct kvq_offset<true> {
-    using type = int;
-};
-// whether the elements of one (batch, head) row of an input (dims 2 and up of a [B, H, ...] array, read through
-// its strides) lie less than 2^31 elements from the row's first
-// (shape and strides as MLX passes them: arrays of MAX_NDIM by value, or pointers)
-template <typename S, typename T>
-__device__ __forceinline__ bool kvq_span32(const S& shape, const T& strides, const int ndim) {
-    int64_t span = 0;
-    for (int i = 2; i < ndim; ++i) span += (int64_t)(shape[i] - 1) * (strides[i] < 0 ? -strides[i] : strides[i]);
-    return span < ((int64_t)1 << 31);
-}
 // the output in its own dtype (float, __half or __nv_bfloat16: each converts from float)
 template <typename T>
 __device__ __forceinline__ void kvq_store(T* p, const float v) { *p = static_cast<T>(v); }
@@ -223,7 +203,7 @@ __device__ __forceinline__ void kvq_dense_row(uint (&dst)[NW], const T* row, con
 // int4-to-half conversion (Kim et al. 2022, "Who Says Elephants Can't Run?"): a nibble OR'd into the top four
 // mantissa bits of 16.0 is the half 16 + code, exactly, and 16 subtracted leaves the code as the table holds it
 // (so the caller's half2 fma with the group's scale and bias rounds exactly as the table path does; folding the 16
-// into the bias instead rounded bias - 16 scale and measured 1.5e-3 relative error at head_dim 64 on the H100).
+// into the bias instead rounds bias - 16 scale, which failed the parity tests with pure MLX on an H100).
 // Pair j of a slice of aligned words w holds the codes of coordinates kvq_lin_pair(j) and kvq_lin_pair(j) + 4
 // (nibbles j % 4 and j % 4 + 4 of word j / 4): one shift, one lop3 and one subtraction per pair
 __device__ __forceinline__ constexpr int kvq_lin_pair(const int j) { return 8 * (j >> 2) + (j & 3); }
@@ -295,14 +275,13 @@ __device__ __forceinline__ uint kvq_lin4(const uint (&w)[NW], const int j) {
 // the code words of this thread's slice of token t of one side (both streams) into step st's buffer, slice u
 // (KVQ_LOAD_SLICE); SIDE and side as in KVQ_FILL_TABLE
 #define KVQ_LOAD_CODES(SIDE, side)                                                                                  \
-    const auto* row = side##c + side##base + ((off_t)t * side##c_s2 +                                \
-                                              (off_t)(side##bit >> 5) * side##c_s3);               \
-    KVQ_LOAD_SLICE(buf.side##w[st][u], row, SIDE##NW, SIDE##VEC, side##vec, side##c_s3, side##bit >> 5,              \
+    const auto* row = side##c + side##base + (int64_t)t * side##c_strides[2] + (side##bit >> 5) * side##c_strides[3]; \
+    KVQ_LOAD_SLICE(buf.side##w[st][u], row, SIDE##NW, SIDE##VEC, side##vec, side##c_strides[3], side##bit >> 5,      \
                    side##wl, SIDE##AL)                                                                             \
     if (SIDE##B2 > 0) {                                                                                            \
-        const auto* row2 = side##c2 + side##base2 + ((off_t)t * side##c2_s2 +                       \
-                                                     (off_t)(side##bit2 >> 5) * side##c2_s3);      \
-        KVQ_LOAD_SLICE(buf.side##w2[st][u], row2, SIDE##NW2, SIDE##VEC2, side##vec2, side##c2_s3,                  \
+        const auto* row2 = side##c2 + side##base2 + (int64_t)t * side##c2_strides[2] +                             \
+                           (side##bit2 >> 5) * side##c2_strides[3];                                                \
+        KVQ_LOAD_SLICE(buf.side##w2[st][u], row2, SIDE##NW2, SIDE##VEC2, side##vec2, side##c2_strides[3],          \
                        side##bit2 >> 5, side##wl2, SIDE##AL)                                                       \
     }
 // the words of slice u of one side in step st, aligned to bit 0 (side##u, side##u2; a no-op when every slice starts
