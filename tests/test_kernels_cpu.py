@@ -281,8 +281,8 @@ def test_table_layout_copies_tables_per_lane_within_static_shared_memory():
 def test_affine_4_bit_sides_are_decoded_without_tables():
     """4-bit integer levels with group scales and biases (``affine``) take the tensor-core kernel's arithmetic
     decode (template ``KLIN`` / ``VLIN``, no table copies, no shared table) where a side's slice is whole words:
-    keys at head_dim >= 32, values at >= 64; other widths, codebooks (turboquant's centroids) and the knob off keep
-    the tables. The plan is pure Python, so it is checked here for the CUDA back end."""
+    keys at head_dim >= 32, values at >= 64, groups of whole words; other widths, codebooks (turboquant's centroids)
+    and the knob off keep the tables. The plan is pure Python, so it is checked here for the CUDA back end."""
     import attrs
 
     from kvq_metal import attend
@@ -307,6 +307,7 @@ def test_affine_4_bit_sides_are_decoded_without_tables():
     assert plan(128, bits=8)[:2] == (False, False)
     assert plan(128, bits=2)[:2] == (False, False)
     assert plan(128, group=128, biases=False)[:2] == (False, False)  # one scale per vector: applied to scores
+    assert plan(128, group=4)[:2] == (False, False)  # a pair (coordinates k, k + 4) would straddle two groups
     saved = attend.TUNING
     attend.TUNING = attrs.evolve(saved, lin=False)
     try:

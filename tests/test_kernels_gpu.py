@@ -19,6 +19,7 @@ from kvq.plugins import registry
 pytestmark = pytest.mark.gpu
 
 kvq_metal = pytest.importorskip("kvq_metal")
+from kvq_metal.baselines import affine as affine_kernels  # noqa: E402
 from kvq_metal.common import code_mismatch  # noqa: E402
 
 
@@ -87,9 +88,8 @@ def _knobs(module, knobs: dict, cuda_only: bool = True):
 
 
 #: The tensor-core decode kernel with the knobs the default does not take: query fragments held in registers
-#: (the default reads them from shared memory), one tile of 16 tokens per warp step, 4-bit levels from a
-#: table (``kvq_metal.attend.TUNING``).
-ATTEND_TC_VARIANT = {"qsh": False, "nt": 1, "lin": False}
+#: (the default reads them from shared memory), one tile of 16 tokens per warp step (``kvq_metal.attend.TUNING``).
+ATTEND_TC_VARIANT = {"qsh": False, "nt": 1}
 
 
 @pytest.fixture(params=[True, False, "tc_regs"], ids=["tensor_cores", "simt", "tc_regs"])
@@ -128,14 +128,17 @@ def test_decode_attend_matches_pure_mlx(case, attend_kernel_kind):
     assert float(mx.max(mx.abs(lse - ref_lse))) < 1e-3
 
 
-@pytest.mark.parametrize("D,group", [(32, 32), (64, 32), (128, 64), (256, 128)])
-def test_affine_4_bit_decode_without_tables_equals_the_table_path(D, group):
+@pytest.mark.parametrize("D,group", [(32, 32), (64, 32), (128, 64), (256, 128), (256, 32)])
+def test_affine_4_bit_decode_without_tables_equals_the_table_path(D, group, attend_tc_knobs):
     """The tensor-core kernel's arithmetic decode of 4-bit affine codes (knob ``lin``, kvq_metal.attend_tc.linear)
     gives the table's values exactly, so its output equals the table path's up to the order of float32 additions
-    (the coordinates pair differently inside the tensor-core products)."""
+    (the coordinates pair differently inside the tensor-core products); with the default knobs and with query
+    fragments in registers and one tile per step. The plan is checked to decode without tables where lin is on."""
     from kvq_metal import attend
 
     kernel, pure = _impl("affine")
+    if kvq_metal.gpu_backend() != "cuda":
+        pytest.skip("the tensor-core kernel exists on CUDA only")
     p = kvq.make_params("affine", bits=4, group_size=group)
     k, v = _normal((1, 2, 600, D), mx.float16, 1), _normal((1, 2, 600, D), mx.float16, 2)
     q = _normal((1, 8, 1, D), mx.float16, 3)
@@ -143,6 +146,9 @@ def test_affine_4_bit_decode_without_tables_equals_the_table_path(D, group):
     outs = []
     for lin in (True, False):
         for _ in _knobs(attend, {"lin": lin}):
+            plan, *_ = attend._plan_for(q.shape, D ** -0.5, affine_kernels._side(ke), affine_kernels._side(ve),
+                                        "cuda", False, None, None)
+            assert plan.tc and (dict(plan.template)["KLIN"], dict(plan.template)["VLIN"]) == (lin, lin and D >= 64)
             out, lse = kernel.kvq_attend(q, ke, ve, D ** -0.5, None)
             mx.eval(out, lse)
             outs.append((out, lse))

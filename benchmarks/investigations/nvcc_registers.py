@@ -11,7 +11,7 @@ at head_dim 128, bits 4 at 256, affine bits 4 at head_dim 128). The signature is
 strides passed by value as ``__grid_constant__`` arrays, ``mlx/backend/cuda/custom_kernel.cpp``), so the
 registers and instructions are those of MLX's build up to NVRTC against nvcc. ``--sass``: with ``cuobjdump`` and
 ``nvdisasm`` on the PATH (pip's ``nvidia-cuda-cuobjdump``, ``nvidia-cuda-nvdisasm``), also the instructions of each
-main loop (a loop holding 32 ``HMMA``: one warp step of 32 compressed tokens), the bound step's hot path.
+main loop (the loop holding a warp step's ``HMMA``: 32 compressed tokens by default), the bound step's hot path.
 
     python benchmarks/investigations/nvcc_registers.py --tuning '{"nt": 1}' [--keep DIR]
     python benchmarks/investigations/nvcc_registers.py --turboquant --tuning '{"qsh": true}' [--keep DIR] [--sass]
@@ -93,10 +93,11 @@ def compile_recorded(kw: dict, path: Path) -> str:
     return f"registers {regs} spill stores {spills} stack frame {stack} static shared {smem} bytes"
 
 
-def main_loops(cubin: Path) -> list[tuple[int, dict]]:
-    """The loops of a cubin's SASS that hold 32 ``HMMA`` (the tensor-core decode kernel's warp step over 32
-    compressed tokens; loops that enclose it, with the uncompressed tokens' steps and the merge, hold more
-    instructions), each as ``(instructions, counts of the commonest opcodes)``; ``[]`` without ``cuobjdump``."""
+def main_loops(cubin: Path, hmma: int) -> list[tuple[int, dict]]:
+    """The loops of a cubin's SASS that hold ``hmma`` ``HMMA`` instructions (the tensor-core decode kernel's warp
+    step over ``16 NT`` compressed tokens holds ``2 NT D / 16``: the scores' and the values' products; loops that
+    enclose it, with the uncompressed tokens' steps and the merge, hold more instructions), each as
+    ``(instructions, counts of the commonest opcodes)``; ``[]`` without ``cuobjdump``."""
     if shutil.which("cuobjdump") is None:
         return []
     sass = subprocess.run(["cuobjdump", "-sass", str(cubin)], capture_output=True, text=True).stdout
@@ -107,7 +108,7 @@ def main_loops(cubin: Path) -> list[tuple[int, dict]]:
         m = re.search(r"BRA\s+(?:P\d, )?0x([0-9a-f]+)", text)
         if m and int(m.group(1), 16) < addr:
             body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
-            if sum("HMMA" in t for t in body) == 32:
+            if sum("HMMA" in t for t in body) == hmma:
                 ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
                 loops.append((len(body), dict(ops.most_common(8))))
     return loops
@@ -121,7 +122,7 @@ def turboquant(keep: str | None, sass: bool = False) -> None:
     from kvq_metal import attend
 
     for method, bits, dim in (("turboquant", 4, 128), ("turboquant", 3, 128), ("turboquant", 4, 256),
-                              ("affine", 4, 128)):
+                              ("affine", 4, 128), ("affine", 4, 256)):
         impl, pure = registry().implementations[(method, "cuda")], registry().implementations[(method, "mlx")]
         p = kvq.make_params(method, bits=bits)
         x = mx.random.normal((2, 1, 8, 300, dim)).astype(mx.bfloat16)
@@ -138,10 +139,11 @@ def turboquant(keep: str | None, sass: bool = False) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(keep or tmp) / f"{method}_{bits}_{dim}.cu"
             line = compile_recorded(kw, path)
-            loops = main_loops(Path(str(path) + ".cubin")) if sass else []
+            nt = int(re.search(r"constexpr int NT = (\d+);", cuda_text(kw)).group(1))
+            loops = main_loops(Path(str(path) + ".cubin"), 2 * nt * dim // 16) if sass else []
         print(f"{method}:{bits} head_dim {dim}: {line}")
         for n, ops in loops:
-            print(f"    main loop: {n} instructions per 32-token warp step {ops}")
+            print(f"    main loop: {n} instructions per warp step of {16 * nt} compressed tokens {ops}")
 
 
 def main() -> None:

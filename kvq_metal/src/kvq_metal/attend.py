@@ -73,7 +73,8 @@ class Side:
     :param codes2: optional second code stream, uint32 ``[B, H_kv, T, W2]`` of ``bits2`` (1..4) bits per
         coordinate (two-stage residual codes: ``table[(c1 << bits2) | c2] = c1_value + c2_value``).
     :param levels: ``table`` is the integer levels ``0 .. 2**bits - 1`` (``affine``): the tensor-core kernel may
-        decode the codes arithmetically (:func:`kvq_metal.attend_tc.linear`), with the same values.
+        decode the codes arithmetically (:func:`kvq_metal.attend_tc.linear`), with the same values, and then never
+        reads ``table``; a plugin sets it only for such a table (it is not checked).
     """
 
     codes: mx.array
@@ -157,7 +158,8 @@ def table_layout(head_dim: int, rows: int, keys: Side, values: Side) -> tuple[bo
     never conflicts on a shared-memory bank; a table of ``n`` entries takes ``128 n`` bytes) and whether values
     read the keys' table (the same table object and widths). Copies are made while they fit in the static shared
     memory left after the queries (:data:`kvq_metal.attend_tc.SHARED_WORDS`), keys first; knob ``rep`` off
-    (:data:`TUNING`) turns them off.
+    (:data:`TUNING`) turns them off. A side decoded without a table (:func:`kvq_metal.attend_tc.linear`) takes
+    no copy and shares none.
     Measured on an H200 at 128K tokens (``benchmarks/kernel_durations.py``): 4-bit codes with per-vector norms
     124 us with copies, 139 without; 4-bit codes with group scales and biases 141 and 147."""
     klin, vlin = _linear(head_dim, keys, values)

@@ -74,12 +74,16 @@ DENSE_DTYPES = {mx.float16: 0, mx.bfloat16: 1}
 def linear(levels: bool, bits: int, bits2: int, biased: bool, group: int, head_dim: int, slice_: int) -> bool:
     """Whether the kernel decodes a side without its table (template ``KLIN`` / ``VLIN``): 4-bit codes of one
     stream whose table is the integer levels 0..15 (``levels``, ``affine``), with group scales or biases (not one
-    scale per vector, which the kernel applies outside the decode), and slices (``slice_`` coordinates per thread:
-    ``head_dim / 4`` keys, ``head_dim / 8`` values) of whole 32-bit words. A pair of codes is then one shift and one
-    ``lop3`` into the half2 ``1024 + 16 code`` (FasterTransformer's int4-to-half conversion; Kim et al. 2022, "Who
-    Says Elephants Can't Run?") and the group's fma takes it to ``code * scale + bias``: no table lookup (two
-    address instructions and a shared-memory load per pair with a table)."""
-    return levels and bits == 4 and bits2 == 0 and (biased or group < head_dim) and slice_ % 8 == 0
+    scale per vector, which the kernel applies outside the decode), slices (``slice_`` coordinates per thread:
+    ``head_dim / 4`` keys, ``head_dim / 8`` values) of whole 32-bit words, and groups of whole words (a pair holds
+    coordinates ``k`` and ``k + 4`` of a word, which must share a scale). A pair of codes is then one shift and one
+    ``lop3`` into the half2 ``16 + code`` and one ``sub.f16x2`` to the codes themselves (after FasterTransformer's
+    int4-to-half conversion; Kim et al. 2022, "Who Says Elephants Can't Run?"), and the group's fma takes them to
+    ``code * scale + bias`` exactly as from the table: no table lookup (two address instructions and a
+    shared-memory load per pair with a table). ``bits`` 1..8; ``levels`` is the caller's word (:class:`kvq_metal.
+    attend.Side`), not checked against the table."""
+    return (levels and bits == 4 and bits2 == 0 and (biased or group < head_dim) and slice_ % 8 == 0
+            and group % 8 == 0)
 
 
 @lru_cache(maxsize=1024)

@@ -28,8 +28,9 @@ class AttendKnobs:
     :func:`kvq_metal.attend.table_layout`); ``qsh`` the query fragments read from shared memory instead of held in
     registers (16 to 32 registers fewer per thread; on: 4-9% less GPU time per call at 4K-128K on the H200,
     benchmarks/results/kernels/2026-12-02-h200-durations-qsh.json); ``minb`` (bound decode steps) the blocks per SM
-    the compiler must fit (``__launch_bounds__(THREADS, minb)``; 0: no bound). As MLX builds it on the H200 the
-    bound step at head_dim 128 takes 186 registers for turboquant-4, 130 for turboquant-3 and 198 for affine-4;
+    the compiler must fit (``__launch_bounds__(THREADS, minb)``; 0: no bound). As MLX built it on the H200 on
+    2026-12-03 the bound step at head_dim 128 took 186 registers for turboquant-4, 130 for turboquant-3 and 198 for
+    affine-4 (146, 130 and 140 on the H100 on 2026-12-06, Nsight Compute);
     ``minb`` 3 makes each 168 and at one sequence of 128K changed the GPU time by -1%, -2% and +3%: there the grid,
     not registers, bounds the occupancy, so it stays off until a batched run shows it pays
     (benchmarks/results/kernels/2026-12-03-h200-durations-minb-7f67dd3.json). ``lin`` 4-bit integer levels with

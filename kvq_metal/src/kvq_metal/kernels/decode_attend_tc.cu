@@ -51,9 +51,11 @@
     constexpr int VNG = SV >= VG ? SV / VG : 1;
     constexpr bool KONE = KG == D && !KBIAS;  // one scale per vector: applied to the fp32 scores
     constexpr bool VONE = VG == D && !VBIAS;  // folded into the probabilities
-    static_assert(!(KLIN && (KONE || KB != 4 || KB2 != 0 || SK % 8 != 0)) &&
-                      !(VLIN && (VONE || VB != 4 || VB2 != 0 || SV % 8 != 0) ) && !(VSAME && (KLIN || VLIN)),
-                  "KLIN/VLIN: 4-bit codes of one stream with group scales and biases, slices of whole words");
+    static_assert(!(KLIN && (KONE || KB != 4 || KB2 != 0 || SK % 8 != 0 || KG % 8 != 0)) &&
+                      !(VLIN && (VONE || VB != 4 || VB2 != 0 || SV % 8 != 0 || VG % 8 != 0)) &&
+                      !(VSAME && (KLIN || VLIN)),
+                  "KLIN/VLIN: 4-bit codes of one stream with group scales and biases, slices and groups of whole "
+                  "words");
     constexpr float LOG2E = 1.4426950408889634f;
     constexpr float LN2 = 0.6931471805599453f;
 
@@ -234,7 +236,8 @@
         kvq_fwht_rows_warp<D, R, NWARP>(q_s, warp, lane);
     }
     KVQ_BARRIER();
-    // query B fragments: k-step s holds coordinates c * SK + 4 s + {0, 1} (b0) and {2, 3} (b1) of row g
+    // query B fragments: k-step s holds coordinates c * SK + 4 s + {0, 1} (b0) and {2, 3} (b1) of row g (KPERM:
+    // pairs 2 s and 2 s + 1 of the slice in kvq_lin_pair's order, below)
     const float qmul = ROT ? 1.0f / KVQ_SQRT((float)D) : 1.0f;
     uint qf[QSH ? 1 : KS][2];
     // the fragment of k-step s, half e, for lane (gq, cq)
@@ -334,7 +337,8 @@
                     KVQ_DECODE_PAIR(V, v, i)
                     xv[u] = x;
                 }
-                // A = V^T: rows (coordinates g SV + 2i, g SV + 2i + 1), columns (tokens 2c, 2c + 1 | 2c + 8, 2c + 9)
+                // A = V^T: rows (coordinates g SV + 2i, g SV + 2i + 1; VPERM: g SV + kvq_lin_pair(i), that + 4),
+                // columns (tokens 2c, 2c + 1 | 2c + 8, 2c + 9)
                 kvq_mma_vt(acc[i], xv, pb0, pb1);
             }
         }

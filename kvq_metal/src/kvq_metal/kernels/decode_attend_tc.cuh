@@ -2,7 +2,7 @@
 // conversions to half2, prmt, funnel shift, ex2), the steps of the online softmax, the values' mma and the warp
 // merge (kvq_softmax_step, kvq_rescale, kvq_probs, kvq_pfrag, kvq_mma_vt, kvq_warp_merge: both tensor-core kernels
 // call them), the row loader of uncompressed tokens, the bit-field and
-// table-lookup macros, and the macros that write each step of one side once for both (keys K, k and values V, v):
+// table-lookup macros, the table-free decode of 4-bit integer levels (kvq_lin4, kvq_lin_pair), and the macros that write each step of one side once for both (keys K, k and values V, v):
 // KVQ_FILL_TABLE, KVQ_LOAD_CODES, KVQ_SLICE_WORDS, KVQ_DECODE_PAIR; the tag that picks a block's role (kvq_role),
 // the store of the output in its dtype (kvq_store), the merge's fence (kvq_fence_acq_rel) and the warp-wide
 // Hadamard transform of query and output rows (kvq_fwht_rows_warp).
@@ -300,8 +300,9 @@ __device__ __forceinline__ uint kvq_lin4(const uint (&w)[NW], const int j) {
         side##bh[u][k] = kvq_h2(buf.side##bi[st][u][k], buf.side##bi[st][u][k]);                                  \
     }
 // x (declared by the caller) = the half2 of coordinate pair j of slice u of one side: its two codes from the
-// aligned words, looked up in the side's table (pair or single entries), times the pair's group scale plus its
-// bias where the side has group scales; DENSE: the pair as loaded. SIDE and side as in KVQ_FILL_TABLE
+// aligned words, looked up in the side's table (pair or single entries) or, SIDE##LIN, decoded without one
+// (kvq_lin4: coordinates kvq_lin_pair(j) and that + 4), times the pair's group scale plus its bias where the side
+// has group scales; DENSE: the pair as loaded. SIDE and side as in KVQ_FILL_TABLE
 #define KVQ_DECODE_PAIR(SIDE, side, j)                                                                              \
     const uint p1 = KVQ_BITS(side##u[u], j * 2 * SIDE##B, 2 * SIDE##B);                                            \
     const uint p2 = SIDE##B2 > 0 ? KVQ_BITS(side##u2[u], j * 2 * (SIDE##B2 > 0 ? SIDE##B2 : 1),                    \
