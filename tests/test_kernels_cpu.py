@@ -307,11 +307,12 @@ def test_affine_4_bit_sides_are_decoded_without_tables():
     assert plan(128, bits=8)[:2] == (False, False)
     assert plan(128, bits=2)[:2] == (False, False)
     assert plan(128, group=128, biases=False)[:2] == (False, False)  # one scale per vector: applied to scores
-    assert plan(128, group=4)[:2] == (False, False)  # a pair (coordinates k, k + 4) would straddle two groups
     saved = attend.TUNING
     attend.TUNING = attrs.evolve(saved, lin=False)
     try:
         assert plan(128) == (False, False, True, True, True)
+        attend.TUNING = attrs.evolve(saved, cpt=4)  # groups of 4 served (4 coordinates per SIMT thread)
+        assert plan(128, group=4)[:2] == (False, False)  # a pair (coordinates k, k + 4) would straddle two groups
     finally:
         attend.TUNING = saved
 
