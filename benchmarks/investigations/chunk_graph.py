@@ -16,15 +16,15 @@ the queued attention is not evaluated. MLX then builds the CPU's forms of its ow
 GPU has one primitive (``mx.dequantize``: shifts and broadcasts; the fused attention: matmuls and a softmax), so
 those counts are upper bounds; kvq's own ops and kernels are as on the GPU.
 
-    python benchmarks/investigations/chunk_graph.py --out chunk_graph.json [--methods kvcache,turboquant:3,affine:4]
-        [--context 8192] [--chunk 2048] [--emulate-cuda]
+    python benchmarks/investigations/chunk_graph.py OUT_DIR [--methods kvcache,turboquant:3,affine:4]
+        [--contexts 8K] [--chunk 2048] [--emulate-cuda] (and prefill_parts.py's layer options)
+
+Writes OUT_DIR/chunk_graph.json.
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
-import copy
 import json
 import re
 import statistics
@@ -34,6 +34,9 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).parents[1]))  # benchmarks/: the layer setup prefill_parts.py times
+from prefill_parts import _size, filled_copies, layer_inputs, layer_parser, layer_source  # noqa: E402
 
 
 def emulate_cuda() -> None:
@@ -81,23 +84,19 @@ def node_counts(arrays: list) -> dict:
     return dict(collections.Counter(re.findall(r'label\s*=\s*"([A-Za-z_]+)', text)).most_common())
 
 
-def measure(method: str, context: int, chunk: int, reps: int, kv_heads: int, q_heads: int, head_dim: int,
-            dtype) -> dict:
-    """One method's row: node counts of the update and of the attention, and their median build milliseconds."""
-    from kvq.bench.fill import RandomKV, cache_arrays, fill
+def measure(method: str, context: int, args, source, reps: int) -> dict:
+    """One method's row: node counts of the update and of the attention, and their median build milliseconds.
+    The layer's inputs and filled copies are ``prefill_parts.py``'s (the chunk's breakdown these counts explain)."""
+    from kvq.bench.fill import cache_arrays, fill
 
-    source = RandomKV(kv_heads, head_dim, dtype)
-    q = mx.random.normal((1, q_heads, chunk, head_dim), dtype, key=mx.random.key(1))
-    k_new, v_new = source(0, context, context + chunk)
-    mx.eval(q, k_new, v_new)
-    scale = head_dim ** -0.5
+    q, k_new, v_new, k_all, v_all = layer_inputs(args, source, context)
+    scale = args.head_dim ** -0.5
     if method in ("kvcache", "fp16"):
         from mlx_lm.models.cache import KVCache
 
         def filled():
             c = KVCache()
-            k, v = source(0, 0, context)
-            c.update_and_fetch(k, v)
+            c.update_and_fetch(k_all[:, :, :context], v_all[:, :, :context])
             mx.eval(c.keys, c.values)
             return c
 
@@ -110,12 +109,11 @@ def measure(method: str, context: int, chunk: int, reps: int, kv_heads: int, q_h
         from kvq.evaluation.spec import make_layer_cache, parse_method
 
         template = make_layer_cache(parse_method(method), sinks=4, window=128)
-        fill([template], source, context, chunk)
+        fill([template], source, context, args.chunk)
+        copies = filled_copies(template, reps + 1)
 
         def filled():
-            c = copy.deepcopy(template)
-            mx.eval(cache_arrays(c))
-            return c
+            return copies.pop()
 
         def update(c):
             c.update_and_fetch(k_new, v_new)
@@ -124,7 +122,7 @@ def measure(method: str, context: int, chunk: int, reps: int, kv_heads: int, q_h
         def attend(c, kv):
             return [c.attend(q, scale)]
 
-    row = {"method": method, "context": context, "chunk": chunk}
+    row = {"method": method, "context": context, "chunk": args.chunk}
     c = filled()
     stored = update(c)
     row["update_nodes"] = node_counts(stored)
@@ -137,9 +135,10 @@ def measure(method: str, context: int, chunk: int, reps: int, kv_heads: int, q_h
         stored = update(c)
         times["update"].append(time.perf_counter() - tic)
         tic = time.perf_counter()
-        attend(c, stored)  # built, never evaluated: freed with its graph
+        out = attend(c, stored)  # built, never evaluated
         times["attend"].append(time.perf_counter() - tic)
         mx.eval(stored)
+        del c, stored, out  # freed here, not inside the next repetition's timers (freeing 10K tokens took ~3 ms)
     for part, seconds in times.items():
         row[f"{part}_build_ms"] = 1e3 * statistics.median(seconds)
         row[f"{part}_node_total"] = sum(row[f"{part}_nodes"].values())
@@ -147,30 +146,25 @@ def measure(method: str, context: int, chunk: int, reps: int, kv_heads: int, q_h
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True)
+    ap = layer_parser(__doc__, "8K")
     ap.add_argument("--methods", default="kvcache,turboquant:3,turboquant:4,affine:4")
-    ap.add_argument("--context", type=int, default=8192)
-    ap.add_argument("--chunk", type=int, default=2048)
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--q-heads", type=int, default=32)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--emulate-cuda", action="store_true", help="the CUDA path on a machine without a GPU")
     args = ap.parse_args(argv)
     if args.emulate_cuda:
         emulate_cuda()
+    _, source = layer_source(args)
     rows = []
-    for method in [m.strip() for m in args.methods.split(",")]:
-        row = measure(method, args.context, args.chunk, args.reps, args.kv_heads, args.q_heads, args.head_dim,
-                      getattr(mx, args.dtype))
-        rows.append(row)
-        print(f"{method:14s} update {row['update_node_total']:4d} nodes {row['update_build_ms']:6.3f} ms   "
-              f"attend {row['attend_node_total']:4d} nodes {row['attend_build_ms']:6.3f} ms", flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"rows": rows, "emulated_cuda": args.emulate_cuda, "mlx": mx.__version__,
-                                    "device": str(mx.default_device()), "command": " ".join(sys.argv)}, indent=1))
+    for context in [_size(c) for c in args.contexts.split(",")]:
+        for method in [m.strip() for m in args.methods.split(",")]:
+            row = measure(method, context, args, source, args.reps)
+            rows.append(row)
+            print(f"{context:7d} {method:14s} update {row['update_node_total']:4d} nodes "
+                  f"{row['update_build_ms']:6.3f} ms   attend {row['attend_node_total']:4d} nodes "
+                  f"{row['attend_build_ms']:6.3f} ms", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "chunk_graph.json").write_text(json.dumps(
+        {"rows": rows, "emulated_cuda": args.emulate_cuda, "mlx": mx.__version__, "device": str(mx.default_device()),
+         "command": " ".join(sys.argv)}, indent=1))
     return 0
 
 
