@@ -321,9 +321,9 @@ def test_linear_decode_of_4_bit_codes_gives_the_codes_exactly():
     """The arithmetic decode the tensor-core kernel runs for ``affine`` 4-bit codes (``kvq_lin4``): each nibble
     OR'd into the top mantissa bits of 16.0 (``(w << 6 .. >> 6) & 0x03c003c0 | 0x4c004c00``) is the half ``16 +
     code``, and 16 subtracted in half precision leaves the code exactly, so the group's half2 fma after it rounds
-    as the table path's does. Pair ``j`` of a word holds nibbles ``j`` and ``j + 4`` (``kvq_lin_pair``). Emulated in
-    numpy on packed words; the kernel itself is compared with pure MLX and with its table path on a GPU
-    (tests/test_kernels_gpu.py)."""
+    as the table path's does. Pair ``j`` of a word holds nibbles ``j`` and ``j + 4`` (``kvq_pair_first`` with
+    ``LIN``). Emulated in numpy on packed words; the kernel itself is compared with pure MLX and with its table
+    path on a GPU (tests/test_kernels_gpu.py)."""
     import numpy as np
 
     rng = np.random.default_rng(0)

@@ -142,7 +142,7 @@ def turboquant(keep: str | None, sass: bool = False) -> None:
             nt = int(re.search(r"constexpr int NT = (\d+);", cuda_text(kw)).group(1))
             loops = main_loops(Path(str(path) + ".cubin"), 2 * nt * dim // 16) if sass else []
         print(f"{method}:{bits} head_dim {dim}: {line}")
-        for n, ops in loops:
+        for n, ops in sorted(loops, key=lambda loop: loop[0])[:1]:  # the innermost: the others enclose it
             print(f"    main loop: {n} instructions per warp step of {16 * nt} compressed tokens {ops}")
 
 

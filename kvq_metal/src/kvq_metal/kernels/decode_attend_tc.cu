@@ -236,18 +236,17 @@
         kvq_fwht_rows_warp<D, R, NWARP>(q_s, warp, lane);
     }
     KVQ_BARRIER();
-    // query B fragments: k-step s holds coordinates c * SK + 4 s + {0, 1} (b0) and {2, 3} (b1) of row g (KPERM:
-    // pairs 2 s and 2 s + 1 of the slice in kvq_lin_pair's order, below)
+    // query B fragments: k-step s holds pairs 2 s (b0) and 2 s + 1 (b1) of the slice at c * SK of row g, at their
+    // coordinates (kvq_pair_first, kvq_pair_gap: KPERM in kvq_lin4's order, for KLIN codes; the uncompressed
+    // blocks' pairs are adjacent)
     const float qmul = ROT ? 1.0f / KVQ_SQRT((float)D) : 1.0f;
     uint qf[QSH ? 1 : KS][2];
     // the fragment of k-step s, half e, for lane (gq, cq)
-    // (KPERM: pair p of a slice holds coordinates kvq_lin_pair(p) and that + 4, the order kvq_lin4 decodes them in)
     constexpr bool KPERM = KLIN && !DENSE;
     constexpr bool VPERM = VLIN && !DENSE;
     auto qfrag = [&](const int s, const int e, const int gq, const int cq) -> uint {
-        const int p = 2 * s + e;
-        const int j = cq * SK + (KPERM ? kvq_lin_pair(p) : 2 * p);
-        const int j1 = j + (KPERM ? 4 : 1);
+        const int j = cq * SK + kvq_pair_first<KPERM>(2 * s + e);
+        const int j1 = j + kvq_pair_gap<KPERM>();
         return gq < R ? kvq_h2(q_s[gq * D + j] * qmul, q_s[gq * D + j1] * qmul) : 0u;
     };
     if constexpr (QSH) {
@@ -337,8 +336,7 @@
                     KVQ_DECODE_PAIR(V, v, i)
                     xv[u] = x;
                 }
-                // A = V^T: rows (coordinates g SV + 2i, g SV + 2i + 1; VPERM: g SV + kvq_lin_pair(i), that + 4),
-                // columns (tokens 2c, 2c + 1 | 2c + 8, 2c + 9)
+                // A = V^T: rows (the coordinates of pair i of the slice at g SV: kvq_pair_first<VPERM>), columns (tokens 2c, 2c + 1 | 2c + 8, 2c + 9)
                 kvq_mma_vt(acc[i], xv, pb0, pb1);
             }
         }
@@ -354,9 +352,9 @@
     kvq_warp_merge<NWARP>(mw_s, lw_s, warp, g, c, m0, m1, l0, l1, f0, f1);
 #pragma unroll
     for (int i = 0; i < KS; ++i) {
-        // m-tile i: the coordinates of pair i of the lane's value slice (VPERM: kvq_lin_pair's order)
-        const int j = g * SV + (VPERM ? kvq_lin_pair(i) : 2 * i);
-        const int j1 = j + (VPERM ? 4 : 1);
+        // m-tile i: the coordinates of pair i of the lane's value slice
+        const int j = g * SV + kvq_pair_first<VPERM>(i);
+        const int j1 = j + kvq_pair_gap<VPERM>();
         red_s[(warp * 8 + 2 * c) * D + j] = acc[i][0] * f0;
         red_s[(warp * 8 + 2 * c + 1) * D + j] = acc[i][1] * f1;
         red_s[(warp * 8 + 2 * c) * D + j1] = acc[i][2] * f0;

@@ -2,7 +2,9 @@
 // conversions to half2, prmt, funnel shift, ex2), the steps of the online softmax, the values' mma and the warp
 // merge (kvq_softmax_step, kvq_rescale, kvq_probs, kvq_pfrag, kvq_mma_vt, kvq_warp_merge: both tensor-core kernels
 // call them), the row loader of uncompressed tokens, the bit-field and
-// table-lookup macros, the table-free decode of 4-bit integer levels (kvq_lin4, kvq_lin_pair), and the macros that write each step of one side once for both (keys K, k and values V, v):
+// table-lookup macros, the table-free decode of 4-bit integer levels (kvq_lin4) and the coordinates of a slice's
+// pairs (kvq_pair_first, kvq_pair_gap), and the macros that write each step of one side once for both (keys K, k
+// and values V, v):
 // KVQ_FILL_TABLE, KVQ_LOAD_CODES, KVQ_SLICE_WORDS, KVQ_DECODE_PAIR; the tag that picks a block's role (kvq_role),
 // the store of the output in its dtype (kvq_store), the merge's fence (kvq_fence_acq_rel) and the warp-wide
 // Hadamard transform of query and output rows (kvq_fwht_rows_warp).
@@ -204,9 +206,8 @@ __device__ __forceinline__ void kvq_dense_row(uint (&dst)[NW], const T* row, con
 // mantissa bits of 16.0 is the half 16 + code, exactly, and 16 subtracted leaves the code as the table holds it
 // (so the caller's half2 fma with the group's scale and bias rounds exactly as the table path does; folding the 16
 // into the bias instead rounds bias - 16 scale, which failed the parity tests with pure MLX on an H100).
-// Pair j of a slice of aligned words w holds the codes of coordinates kvq_lin_pair(j) and kvq_lin_pair(j) + 4
-// (nibbles j % 4 and j % 4 + 4 of word j / 4): one shift, one lop3 and one subtraction per pair
-__device__ __forceinline__ constexpr int kvq_lin_pair(const int j) { return 8 * (j >> 2) + (j & 3); }
+// Pair j of a slice of aligned words w holds the codes of nibbles j % 4 and j % 4 + 4 of word j / 4 (kvq_pair_first,
+// kvq_pair_gap with LIN): one shift, one lop3 and one subtraction per pair
 template <int NW>
 __device__ __forceinline__ uint kvq_lin4(const uint (&w)[NW], const int j) {
     const uint x = w[j >> 2];
@@ -218,6 +219,13 @@ __device__ __forceinline__ uint kvq_lin4(const uint (&w)[NW], const int j) {
     asm("sub.rn.f16x2 %0, %1, %2;\n" : "=r"(c) : "r"(h), "r"(0x4c004c00u));
     return c;
 }
+// pair j of a thread's slice: its first coordinate in the slice and the distance to its second, (2 j, 1), or with
+// LIN kvq_lin4's order (8 (j / 4) + j % 4, 4). The query fragments, the decode's group index and the output's
+// coordinates all read them, so keys meet their queries' coordinates and values land on their own
+template <bool LIN>
+__device__ __forceinline__ constexpr int kvq_pair_first(const int j) { return LIN ? 8 * (j >> 2) + (j & 3) : 2 * j; }
+template <bool LIN>
+__device__ __forceinline__ constexpr int kvq_pair_gap() { return LIN ? 4 : 1; }
 // entry e of a lane's view of a code table whose entries lie 1 << SH bytes apart: a byte offset, so the address
 // is one shift-add (an index scaled by the element size made the compiler spend four instructions on it)
 #define KVQ_TAB(tab, e, SH) (*reinterpret_cast<const uint*>(reinterpret_cast<const char*>(tab) + ((uint)(e) << (SH))))
@@ -301,7 +309,7 @@ __device__ __forceinline__ uint kvq_lin4(const uint (&w)[NW], const int j) {
     }
 // x (declared by the caller) = the half2 of coordinate pair j of slice u of one side: its two codes from the
 // aligned words, looked up in the side's table (pair or single entries) or, SIDE##LIN, decoded without one
-// (kvq_lin4: coordinates kvq_lin_pair(j) and that + 4), times the pair's group scale plus its bias where the side
+// (kvq_lin4: coordinates kvq_pair_first<true>(j) and kvq_pair_gap<true>() after it), times the pair's group scale plus its bias where the side
 // has group scales; DENSE: the pair as loaded. SIDE and side as in KVQ_FILL_TABLE
 #define KVQ_DECODE_PAIR(SIDE, side, j)                                                                              \
     const uint p1 = KVQ_BITS(side##u[u], j * 2 * SIDE##B, 2 * SIDE##B);                                            \
@@ -319,6 +327,6 @@ __device__ __forceinline__ uint kvq_lin4(const uint (&w)[NW], const int j) {
         x = kvq_prmt(KVQ_TAB(side##tab_l, ca, SIDE##SH), KVQ_TAB(side##tab_l, cb, SIDE##SH), 0x7610u);             \
     }                                                                                                              \
     if (!SIDE##ONE && !DENSE) {                                                                                    \
-        const int gi = S##SIDE >= SIDE##G ? (SIDE##LIN ? kvq_lin_pair(j) : 2 * j) / SIDE##G : 0;                    \
+        const int gi = S##SIDE >= SIDE##G ? kvq_pair_first<SIDE##LIN>(j) / SIDE##G : 0;                             \
         x = kvq_hfma2(x, side##h[u][gi], side##bh[u][gi]);                                                         \
     }
