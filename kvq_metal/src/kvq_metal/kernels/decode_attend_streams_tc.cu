@@ -267,11 +267,12 @@
         }
     }
     KVQ_BARRIER();
-    // the lane's views of the tables: entry e at byte e << SH (a copy per lane: entries 32 slots apart)
-    const uint* katab_l = katab_s + (KA_REP ? lane * (KAQ ? 2 : 1) : 0);
-    const uint* kbtab_l = kbtab_s + (KB_REP ? lane * (KBQ ? 2 : 1) : 0);
-    const uint* vatab_l = vatab_s + (VA_REP ? lane * (VAQ ? 2 : 1) : 0);
-    const uint* vbtab_l = vbtab_s + (VB_REP ? lane * (VBQ ? 2 : 1) : 0);
+    // the tables' shared-space addresses (kvq_table_base) and the byte offsets of the lane's copies: entry e at
+    // byte e << SH (a copy per lane: entries 32 slots apart)
+    const uint katab_a = kvq_table_base(katab_s), kbtab_a = kvq_table_base(kbtab_s);
+    const uint vatab_a = kvq_table_base(vatab_s), vbtab_a = kvq_table_base(vbtab_s);
+    const uint kalo = KA_REP ? 4 * lane * (KAQ ? 2 : 1) : 0, kblo = KB_REP ? 4 * lane * (KBQ ? 2 : 1) : 0;
+    const uint valo = VA_REP ? 4 * lane * (VAQ ? 2 : 1) : 0, vblo = VB_REP ? 4 * lane * (VBQ ? 2 : 1) : 0;
     constexpr int KASH = (KA_REP ? 7 : 2) + (KAQ ? 1 : 0), KBSH = (KB_REP ? 7 : 2) + (KBQ ? 1 : 0);
     constexpr int VASH = (VA_REP ? 7 : 2) + (VAQ ? 1 : 0), VBSH = (VB_REP ? 7 : 2) + (VBQ ? 1 : 0);
 
@@ -406,7 +407,7 @@
                     // nibble s of token u: pairs 2s (a[u]) and 2s + 1 (a[2 + u])
 #pragma unroll
                     for (int u = 0; u < 2; ++u) {
-                        const uint2 x = KVQ_STREAM_QUAD(kua[u], s, katab_l, KASH);
+                        const uint2 x = KVQ_STREAM_QUAD(kua[u], s, katab_a, kalo, KASH);
                         a[u] = x.x; a[2 + u] = x.y;
                     }
                 } else {
@@ -417,7 +418,7 @@
                     if constexpr (DENSE) {
                         a[e] = buf.ka[st][u][p];
                     } else {
-                        a[e] = KVQ_STREAM_PAIR(kua[u], p, KA_BITS, KA_PAIR, katab_l, KASH);
+                        a[e] = KVQ_STREAM_PAIR(kua[u], p, KA_BITS, KA_PAIR, katab_a, kalo, KASH);
                     }
                 }
                 }
@@ -434,7 +435,7 @@
                 if constexpr (KBQ) {
 #pragma unroll
                     for (int u = 0; u < 2; ++u) {
-                        const uint2 x = KVQ_STREAM_QUAD(kub[u], s, kbtab_l, KBSH);
+                        const uint2 x = KVQ_STREAM_QUAD(kub[u], s, kbtab_a, kblo, KBSH);
                         a[u] = x.x; a[2 + u] = x.y;
                     }
                 } else {
@@ -442,7 +443,7 @@
                 for (int e = 0; e < 4; ++e) {
                     const int u = e & 1;
                     const int p = 2 * s + (e >> 1);
-                    a[e] = KVQ_STREAM_PAIR(kub[u], p, KB_BITS, KB_PAIR, kbtab_l, KBSH);
+                    a[e] = KVQ_STREAM_PAIR(kub[u], p, KB_BITS, KB_PAIR, kbtab_a, kblo, KBSH);
                 }
                 }
                 if constexpr (QSH) {
@@ -499,7 +500,7 @@
                     uint xv[4], xw[4];
 #pragma unroll
                     for (int u = 0; u < 4; ++u) {
-                        const uint2 x = KVQ_STREAM_QUAD(vua[u], i / 2, vatab_l, VASH);
+                        const uint2 x = KVQ_STREAM_QUAD(vua[u], i / 2, vatab_a, valo, VASH);
                         xv[u] = x.x; xw[u] = x.y;
                     }
                     kvq_mma_vt(acca[i], xv, pa0, pa1);
@@ -514,7 +515,7 @@
                     if constexpr (DENSE) {
                         xv[u] = buf.va[st][u][i];
                     } else {
-                        uint x = KVQ_STREAM_PAIR(vua[u], i, VA_BITS, VA_PAIR, vatab_l, VASH);
+                        uint x = KVQ_STREAM_PAIR(vua[u], i, VA_BITS, VA_PAIR, vatab_a, valo, VASH);
                         if (VA_GRP) {
                             const int gi = SVA >= VA_G ? (2 * i) / VA_G : 0;
                             x = kvq_hfma2(x, vh[u][gi], vbh[u][gi]);
@@ -535,7 +536,7 @@
                         uint xv[4], xw[4];
 #pragma unroll
                         for (int u = 0; u < 4; ++u) {
-                            const uint2 x = KVQ_STREAM_QUAD(vub[u], i / 2, vbtab_l, VBSH);
+                            const uint2 x = KVQ_STREAM_QUAD(vub[u], i / 2, vbtab_a, vblo, VBSH);
                             xv[u] = x.x; xw[u] = x.y;
                         }
                         kvq_mma_vt(accb[i], xv, pb0, pb1);
@@ -546,7 +547,7 @@
                 for (int i = 0; i < MTB; ++i) {
                     uint xv[4];
 #pragma unroll
-                    for (int u = 0; u < 4; ++u) xv[u] = KVQ_STREAM_PAIR(vub[u], i, VB_BITS, VB_PAIR, vbtab_l, VBSH);
+                    for (int u = 0; u < 4; ++u) xv[u] = KVQ_STREAM_PAIR(vub[u], i, VB_BITS, VB_PAIR, vbtab_a, vblo, VBSH);
                     kvq_mma_vt(accb[i], xv, pb0, pb1);
                 }
                 }

@@ -1,6 +1,6 @@
 // decode_attend_streams_tc.cuh: the header decode_attend_streams_tc.cu is built with: the tensor-core kernel's
 // helpers (decode_attend_tc.cuh: mma.sync, movmatrix, half2 conversions, prmt, funnel shift, ex2, the row loader of
-// uncompressed tokens, KVQ_TAB, KVQ_BITS) and the word loader and pair decoder of one code stream.
+// uncompressed tokens, KVQ_FIELD_AT, kvq_table_base, kvq_lds) and the word loader and pair decoder of one code stream.
 // Used by: decode_attend_streams_tc.cu (its header, loaded with it by kvq_metal.streams)
 #include "decode_attend_tc.cuh"
 
@@ -38,12 +38,12 @@
     }
 // the half2 of coordinate pair j (coordinates 2j, 2j + 1, the first in the low half) of a slice of B-bit codes
 // whose words u start at bit 0: one lookup of a pair table (PAIR: entry (a | b << B) = (table[a], table[b])) or
-// two of a single table (entry c = (table[c], table[c])) joined by one prmt; tab is the lane's view of the table,
-// entries 1 << SH bytes apart
-#define KVQ_STREAM_PAIR(u, j, B, PAIR, tab, SH)                                                             \
-    ((PAIR) ? KVQ_TAB(tab, KVQ_BITS(u, (j) * 2 * (B), 2 * (B)), SH)                                          \
-            : kvq_prmt(KVQ_TAB(tab, KVQ_BITS(u, (j) * 2 * (B), (B)), SH),                                    \
-                       KVQ_TAB(tab, KVQ_BITS(u, (j) * 2 * (B) + (B), (B)), SH), 0x7610u))
+// two of a single table (entry c = (table[c], table[c])) joined by one prmt; a is the table's kvq_table_base, lo
+// the byte offset of the lane's copy, entries 1 << SH bytes apart
+#define KVQ_STREAM_PAIR(u, j, B, PAIR, a, lo, SH)                                                           \
+    ((PAIR) ? kvq_lds((a) + KVQ_FIELD_AT(u, (j) * 2 * (B), 2 * (B), SH, lo))                                 \
+            : kvq_prmt(kvq_lds((a) + KVQ_FIELD_AT(u, (j) * 2 * (B), (B), SH, lo)),                           \
+                       kvq_lds((a) + KVQ_FIELD_AT(u, (j) * 2 * (B) + (B), (B), SH, lo)), 0x7610u))
 // a stream's code table into shared memory from its float32 values t (2**B of them): pair entries when PAIR,
 // single ones otherwise; REP: 32 copies, word e * 32 + lane (every lookup free of bank conflicts), written four
 // copies per 128-bit store
@@ -75,6 +75,5 @@
         }                                                                                                   \
     }
 // the two half2 words of nibble n (coordinates 4n .. 4n + 3) of a slice of 1-bit codes whose words u start at bit
-// 0, from the lane's view tab of a nibble table whose entries lie 1 << SH bytes apart
-#define KVQ_STREAM_QUAD(u, n, tab, SH) \
-    (*reinterpret_cast<const uint2*>(reinterpret_cast<const char*>(tab) + ((uint)KVQ_BITS(u, 4 * (n), 4) << (SH))))
+// 0, from a nibble table at a (kvq_table_base) whose entries lie 1 << SH bytes apart, the lane's copy at byte lo
+#define KVQ_STREAM_QUAD(u, n, a, lo, SH) kvq_lds64((a) + KVQ_FIELD_AT(u, 4 * (n), 4, SH, lo))

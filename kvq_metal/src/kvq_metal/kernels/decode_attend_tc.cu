@@ -66,7 +66,7 @@
     KVQ_SHARED float q_s[R * D];
     uint* ktab_s = smem_s;
     uint* vtab_s = VSAME ? smem_s : smem_s + KTW;
-    // this lane's view of the tables: entry e at byte e << KSH (one copy per lane: 32 words apart)
+    // entry e of a table at byte e << KSH (KREP: one copy per lane, 32 words apart; the lane's at byte 4 lane)
     constexpr int KSH = KREP ? 7 : 2;
     constexpr int VSH = VREP ? 7 : 2;
     float* red_s = reinterpret_cast<float*>(smem_s);
@@ -227,8 +227,9 @@
     KVQ_BARRIER();
     KVQ_FILL_TABLE(K, k)
     KVQ_FILL_TABLE(V, v)
-    const uint* ktab_l = ktab_s + (KREP ? lane : 0);
-    const uint* vtab_l = vtab_s + (VREP ? lane : 0);
+    // the tables' shared-space addresses (kvq_table_base) and the byte offset of this lane's copy
+    const uint ktab_a = KLIN ? 0u : kvq_table_base(ktab_s), vtab_a = VLIN ? 0u : kvq_table_base(vtab_s);
+    const uint klo = KREP ? 4 * lane : 0, vlo = VREP ? 4 * lane : 0;
     // queries: scale, (randomized Hadamard rotation), into shared memory
 #include "load_queries.kvq"
     if constexpr (ROT) {

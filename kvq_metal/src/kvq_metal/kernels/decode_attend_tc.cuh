@@ -2,7 +2,7 @@
 // conversions to half2, prmt, funnel shift, ex2), the steps of the online softmax, the values' mma and the warp
 // merge (kvq_softmax_step, kvq_rescale, kvq_probs, kvq_pfrag, kvq_mma_vt, kvq_warp_merge: both tensor-core kernels
 // call them), the row loader of uncompressed tokens, the bit-field and
-// table-lookup macros, the table-free decode of 4-bit integer levels (kvq_lin4) and the coordinates of a slice's
+// table-lookup macros and loads (KVQ_FIELD_AT, kvq_table_base, kvq_lds), the table-free decode of 4-bit integer levels (kvq_lin4) and the coordinates of a slice's
 // pairs (kvq_pair_first, kvq_pair_gap), and the macros that write each step of one side once for both (keys K, k
 // and values V, v):
 // KVQ_FILL_TABLE, KVQ_LOAD_CODES, KVQ_SLICE_WORDS, KVQ_DECODE_PAIR; the tag that picks a block's role (kvq_role),
@@ -226,9 +226,35 @@ template <bool LIN>
 __device__ __forceinline__ constexpr int kvq_pair_first(const int j) { return LIN ? 8 * (j >> 2) + (j & 3) : 2 * j; }
 template <bool LIN>
 __device__ __forceinline__ constexpr int kvq_pair_gap() { return LIN ? 4 : 1; }
-// entry e of a lane's view of a code table whose entries lie 1 << SH bytes apart: a byte offset, so the address
-// is one shift-add (an index scaled by the element size made the compiler spend four instructions on it)
-#define KVQ_TAB(tab, e, SH) (*reinterpret_cast<const uint*>(reinterpret_cast<const char*>(tab) + ((uint)(e) << (SH))))
+// Code tables looked up by shared-space address. kvq_table_base(tab): the table's 32-bit address in the shared state
+// space, passed through a shuffle from lane 0 so that the compiler knows it is the same in every lane (a warp's
+// loop bounds depend on threadIdx.x >> 5, which it cannot prove uniform, and then it kept the address, formed from
+// the CTA's rank in its cluster on sm_90, in an ordinary register and added it in one more instruction per
+// lookup); in a uniform register the load adds it itself (LDS [R + UR]). kvq_lds / kvq_lds64: one 32 / 64-bit
+// load at such an address. KVQ_FIELD_AT: NB bits at bit offset OFF of the register array w as the byte offset of
+// that entry in a table whose entries lie 1 << SH bytes apart, OR'd with lo (the lane's copy, below bit SH): one
+// shift (a funnel shift where the field crosses a word) and one and-or (OFF, NB compile-time after unrolling;
+// NB + SH <= 32). A lookup is then three instructions (nvcc sm_90: turboquant-3's decode loop 1,283 -> 1,033
+// instructions per warp step, turboquant-4's 1,052 -> 921)
+__device__ __forceinline__ uint kvq_table_base(const void* tab) {
+    return __shfl_sync(0xffffffffu, (uint)__cvta_generic_to_shared(tab), 0);
+}
+__device__ __forceinline__ uint kvq_lds(const uint a) {
+    uint y;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(y) : "r"(a));
+    return y;
+}
+__device__ __forceinline__ uint2 kvq_lds64(const uint a) {
+    uint2 y;
+    asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(y.x), "=r"(y.y) : "r"(a));
+    return y;
+}
+#define KVQ_FIELD_AT(w, OFF, NB, SH, lo)                                                                    \
+    (((((OFF) & 31) + (NB) <= 32                                                                            \
+           ? (((OFF) & 31) >= (SH) ? (w)[(OFF) >> 5] >> (((OFF) & 31) - (SH))                               \
+                                   : (w)[(OFF) >> 5] << ((SH) - ((OFF) & 31)))                              \
+           : kvq_funnel((w)[(OFF) >> 5], (w)[((OFF) >> 5) + 1], ((OFF) & 31) - (SH)))                       \
+      & (((1u << (NB)) - 1u) << (SH))) | (lo))
 // NB bits at bit offset OFF of the register array w (OFF, NB compile-time after unrolling; NB <= 16); a whole
 // byte is one prmt
 #define KVQ_BITS_SHIFT(w, OFF, NB) \
@@ -308,7 +334,8 @@ __device__ __forceinline__ constexpr int kvq_pair_gap() { return LIN ? 4 : 1; }
         side##bh[u][k] = kvq_h2(buf.side##bi[st][u][k], buf.side##bi[st][u][k]);                                  \
     }
 // x (declared by the caller) = the half2 of coordinate pair j of slice u of one side: its two codes from the
-// aligned words, looked up in the side's table (pair or single entries) or, SIDE##LIN, decoded without one
+// aligned words, looked up in the side's table (pair or single entries; side##tab_a its kvq_table_base, side##lo
+// the lane's copy) or, SIDE##LIN, decoded without one
 // (kvq_lin4: coordinates kvq_pair_first<true>(j) and kvq_pair_gap<true>() after it), times the pair's group scale plus its bias where the side
 // has group scales; DENSE: the pair as loaded. SIDE and side as in KVQ_FILL_TABLE
 #define KVQ_DECODE_PAIR(SIDE, side, j)                                                                              \
@@ -319,12 +346,19 @@ __device__ __forceinline__ constexpr int kvq_pair_gap() { return LIN ? 4 : 1; }
         x = buf.d##side[st][u][j];                                                                                 \
     } else if (SIDE##LIN) {                                                                                        \
         x = kvq_lin4(side##u[u], j);                                                                               \
+    } else if (SIDE##PAIR && SIDE##B2 == 0) {                                                                      \
+        x = kvq_lds(side##tab_a + KVQ_FIELD_AT(side##u[u], j * 2 * SIDE##B, 2 * SIDE##B, SIDE##SH, side##lo));     \
     } else if (SIDE##PAIR) {                                                                                       \
-        x = KVQ_TAB(side##tab_l, (p1 << (2 * SIDE##B2)) | p2, SIDE##SH);                                           \
+        x = kvq_lds(side##tab_a + ((((p1 << (2 * SIDE##B2)) | p2) << SIDE##SH) | side##lo));                       \
+    } else if (SIDE##B2 == 0) {                                                                                    \
+        x = kvq_prmt(kvq_lds(side##tab_a + KVQ_FIELD_AT(side##u[u], j * 2 * SIDE##B, SIDE##B, SIDE##SH, side##lo)), \
+                     kvq_lds(side##tab_a + KVQ_FIELD_AT(side##u[u], j * 2 * SIDE##B + SIDE##B, SIDE##B, SIDE##SH,   \
+                                                    side##lo)), 0x7610u);                                          \
     } else {                                                                                                       \
         const uint ca = ((p1 & SIDE##MASK) << SIDE##B2) | (p2 & SIDE##MASK2);                                      \
         const uint cb = ((p1 >> SIDE##B) << SIDE##B2) | (p2 >> SIDE##B2);                                          \
-        x = kvq_prmt(KVQ_TAB(side##tab_l, ca, SIDE##SH), KVQ_TAB(side##tab_l, cb, SIDE##SH), 0x7610u);             \
+        x = kvq_prmt(kvq_lds(side##tab_a + ((ca << SIDE##SH) | side##lo)),                                         \
+                     kvq_lds(side##tab_a + ((cb << SIDE##SH) | side##lo)), 0x7610u);                               \
     }                                                                                                              \
     if (!SIDE##ONE && !DENSE) {                                                                                    \
         const int gi = S##SIDE >= SIDE##G ? kvq_pair_first<SIDE##LIN>(j) / SIDE##G : 0;                             \
