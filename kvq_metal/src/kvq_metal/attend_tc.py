@@ -23,7 +23,10 @@ atomic counter per row) merges the row's splits with log-sum-exp, adds the split
 the Hadamard rotation and writes the output: no merge launch (flash-decoding's combine step, in the same kernel).
 
 Memory: each lane has its own copy of a code table where static shared memory allows (no bank conflicts;
-:func:`kvq_metal.attend.table_layout`), looked up by byte offset (one shift-add per lookup), and aligned rows of
+:func:`kvq_metal.attend.table_layout`). A lookup is three instructions: the code field shifted straight to its
+entry's byte offset, the lane's copy OR'd in, and a shared-memory load that adds the table's base itself from a
+uniform register (``kvq_table_base``: a shuffle from lane 0 tells the compiler the base is warp-uniform; without it
+the base stayed in an ordinary register, one more add per lookup). Aligned rows of
 codes are read with 128/64-bit loads. The blocks of the same launch that attend a cache's uncompressed sinks and
 window (``ND = 2``: the kernel body is instantiated once per role, sharing the block's shared memory) read
 float16/bfloat16 rows the same way. Measured with Nsight Compute on an H200:
