@@ -169,7 +169,8 @@
                         (reinterpret_cast<size_t>(dkp + dkb) & (4 * DKV - 1)) == 0;
     const bool dvec_v = DENSE && DDT < 2 && dvs3 == 1 && dvl == D && dvs2 % (2 * DVV) == 0 &&
                         (reinterpret_cast<size_t>(dvp + dvb) & (4 * DVV - 1)) == 0;
-    auto load = [&](Step& buf, const int t0) {
+    auto load = [&](Step& buf, const int t0, auto vt) {
+      constexpr bool VECS = decltype(vt)::value;  // every row of codes read with vector loads, known at compile time
       if constexpr (DENSE) {
         // tokens past the end read the last row (the sinks' block without sinks: row 0 of the window, never used)
 #pragma unroll
@@ -217,7 +218,7 @@
     // the first step's codes are requested before the tables and queries are prepared (their latency overlaps)
     Step buf;
     Step nxt;
-    load(buf, t_begin + warp * 16 * NT);
+    load(buf, t_begin + warp * 16 * NT, kvq_role<false>{});
 
     // the code tables: their few values are read from global memory once per block (kt0_s / vt0_s), then
     // pair tables: entry ((p1 << 2 * B2) | p2) = (value of code a, value of code b) for the pair's two codes;
@@ -270,8 +271,12 @@
     for (int i = 0; i < KS; ++i) { acc[i][0] = 0.0f; acc[i][1] = 0.0f; acc[i][2] = 0.0f; acc[i][3] = 0.0f; }
     float m0 = -KVQ_INF, m1 = -KVQ_INF, l0 = 0.0f, l1 = 0.0f;
 
+    // the warp's steps, with vt: the rows of codes are read with vector loads (their checks made once per block:
+    // with the check inside the loop, the compiler predicated the word-by-word path in beside the vector one and
+    // the loop issued both: 32 more loads per warp step of turboquant-4 and affine-4 at head_dim 128)
+    auto steps = [&](auto vt) {
     for (int t0 = t_begin + warp * 16 * NT; t0 < t_end; t0 += TILE) {
-        if (PF) load(nxt, t0 + TILE);
+        if (PF) load(nxt, t0 + TILE, vt);
         // ---- scores on tensor cores
         float sc[NT][4];
 #pragma unroll
@@ -344,8 +349,17 @@
         if (PF) {
             buf = nxt;
         } else {
-            load(buf, t0 + TILE);
+            load(buf, t0 + TILE, vt);
         }
+    }
+    };
+    // (not for 4-bit integer levels at head_dim 256: there nvcc's two loops spilled registers, 148 bytes)
+    if constexpr (DENSE || (D > 128 && (KLIN || VLIN))) {
+        steps(kvq_role<false>{});
+    } else if (kvec && vvec && (KB2 == 0 || kvec2) && (VB2 == 0 || vvec2)) {
+        steps(kvq_role<true>{});
+    } else {
+        steps(kvq_role<false>{});
     }
 
     // ---- merge the block's warps: (max, sum) per row, then the rescaled outputs
