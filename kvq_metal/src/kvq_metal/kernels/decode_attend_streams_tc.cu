@@ -165,7 +165,8 @@
         uint oid[NT][OUTL ? OK : 1];
         float onr[NT];
     };
-    auto load = [&](Step& buf, const int t0) {
+    auto load = [&](Step& buf, const int t0, auto vt) {
+      constexpr bool VECS = decltype(vt)::value;  // every stream's rows read with vector loads, known at compile time
       if constexpr (DENSE) {
 #pragma unroll
         for (int st = 0; st < NT; ++st) {
@@ -188,14 +189,14 @@
             for (int u = 0; u < 2; ++u) {
                 const int t = min(t0 + st * 16 + g + 8 * u, T - 1);
                 const auto* ra = kc + kab + (int64_t)t * ka_ts;
-                KVQ_ROW_WORDS(buf.ka[st][u], ra, KANW, KA_CB, KAVEC, kavec, ka_bit >> 5, ka_rw, ka_es, !KAAL)
+                KVQ_ROW_WORDS(buf.ka[st][u], ra, KANW, KA_CB, KAVEC, VECS || kavec, ka_bit >> 5, ka_rw, ka_es, !KAAL)
                 float s = 1.0f;
                 if (KA_NS > 0) s = KVQ_F32(ka_s1[ka1 + (int64_t)t * ka1_ts]);
                 if (KA_NS > 1) s *= KVQ_F32(ka_s2[ka2 + (int64_t)t * ka2_ts]);
                 buf.ksa[st][u] = s;
                 if constexpr (KBX) {
                     const auto* rb = kb_c + kbb + (int64_t)t * kb_ts;
-                    KVQ_ROW_WORDS(buf.kb[st][u], rb, KBNW, KB_CB, KBVEC, kbvec, kb_bit >> 5, kb_rw, kb_es, !KBAL)
+                    KVQ_ROW_WORDS(buf.kb[st][u], rb, KBNW, KB_CB, KBVEC, VECS || kbvec, kb_bit >> 5, kb_rw, kb_es, !KBAL)
                     float sb = 1.0f;
                     if (KB_NS > 0) sb = KVQ_F32(kb_s1[kb1 + (int64_t)t * kb1_ts]);
                     if (KB_NS > 1) sb *= KVQ_F32(kb_s2[kb2 + (int64_t)t * kb2_ts]);
@@ -214,10 +215,10 @@
             for (int u = 0; u < 4; ++u) {
                 const int t = min(t0 + st * 16 + 2 * c + (u & 1) + 8 * (u >> 1), T - 1);
                 const auto* ra = vc + vab + (int64_t)t * va_ts;
-                KVQ_ROW_WORDS(buf.va[st][u], ra, VANW, VA_CB, VAVEC, vavec, va_bit >> 5, va_rw, va_es, !VAAL)
+                KVQ_ROW_WORDS(buf.va[st][u], ra, VANW, VA_CB, VAVEC, VECS || vavec, va_bit >> 5, va_rw, va_es, !VAAL)
                 if constexpr (VBX) {
                     const auto* rb = vb_c + vbb + (int64_t)t * vb_ts;
-                    KVQ_ROW_WORDS(buf.vb[st][u], rb, VBNW, VB_CB, VBVEC, vbvec, vb_bit >> 5, vb_rw, vb_es, !VBAL)
+                    KVQ_ROW_WORDS(buf.vb[st][u], rb, VBNW, VB_CB, VBVEC, VECS || vbvec, vb_bit >> 5, vb_rw, vb_es, !VBAL)
                 }
 #pragma unroll
                 for (int k = 0; k < VANG; ++k) {
@@ -242,7 +243,7 @@
     };
     Step buf;
     Step nxt;  // PF: the next step's loads, issued before this step's math
-    load(buf, t_begin + warp * 16 * NT);
+    load(buf, t_begin + warp * 16 * NT, kvq_role<false>{});
 
     // the code tables, the outlier sketch and the query rows (prepared, or raw and scaled for uncompressed tokens)
     if (!DENSE) {
@@ -318,8 +319,12 @@
     float m0 = -KVQ_INF, m1 = -KVQ_INF, l0 = 0.0f, l1 = 0.0f;
     float* ol_w = ol_s + warp * NT * 16 * R;
 
+    // the warp's steps, with vt: every stream's rows read with vector loads (checked once per block; with the
+    // check inside the loop the compiler predicated the word-by-word path in beside the vector one, as in
+    // decode_attend_tc.cu)
+    auto steps = [&](auto vt) {
     for (int t0 = t_begin + warp * 16 * NT; t0 < t_end; t0 += TILE) {
-        if constexpr (PF && !DENSE) load(nxt, t0 + TILE);
+        if constexpr (PF && !DENSE) load(nxt, t0 + TILE, vt);
         // ---- QJL's outlier channels (SIMT): lane l takes token l % 16 of each tile; est_i = sum_l' S_o[l', i]
         // sign_l' (S_o times c_o / m_o) over the sketch rows of its half of the sign bytes (l / 16), the halves
         // summed, then sum_i q[idx_i] |k_out| est_i over its half of the channels, the halves summed
@@ -556,8 +561,16 @@
         if constexpr (PF && !DENSE) {
             buf = nxt;
         } else {
-            load(buf, t0 + TILE);
+            load(buf, t0 + TILE, vt);
         }
+    }
+    };
+    if constexpr (DENSE) {
+        steps(kvq_role<false>{});
+    } else if (kavec && (!KBX || kbvec) && vavec && (!VBX || vbvec)) {
+        steps(kvq_role<true>{});
+    } else {
+        steps(kvq_role<false>{});
     }
 
     // ---- merge the block's warps: (max, sum) per row, then the rescaled outputs
