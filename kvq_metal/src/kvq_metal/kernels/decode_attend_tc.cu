@@ -170,7 +170,13 @@
     const bool dvec_v = DENSE && DDT < 2 && dvs3 == 1 && dvl == D && dvs2 % (2 * DVV) == 0 &&
                         (reinterpret_cast<size_t>(dvp + dvb) & (4 * DVV - 1)) == 0;
     auto load = [&](Step& buf, const int t0, auto vt) {
-      constexpr bool VECS = decltype(vt)::value;  // every row of codes read with vector loads, known at compile time
+      // VECS: every row of codes read with vector loads and every offset within a (batch, KV head) row in 32 bits,
+      // known at compile time (one multiply-add per load address instead of 64-bit arithmetic)
+      constexpr bool VECS = decltype(vt)::value;
+      // the offset of element (token t, column j) of an array with strides s: 32-bit with VECS
+      auto at = [&](const int t, const int j, const auto& s) -> int64_t {
+          return VECS ? (int64_t)(uint)(t * (uint)s[2] + j * (uint)s[3]) : (int64_t)t * s[2] + j * s[3];
+      };
       if constexpr (DENSE) {
         // tokens past the end read the last row (the sinks' block without sinks: row 0 of the window, never used)
 #pragma unroll
@@ -197,10 +203,10 @@
                 KVQ_LOAD_CODES(K, k)
 #pragma unroll
                 for (int k = 0; k < KNG; ++k) {
-                    buf.ksc[st][u][k] = KVQ_F32(ks[ksbase + (int64_t)t * ks_strides[2] + (KONE ? 0 : (kg0 + k) * ks_strides[3])]);
-                    buf.kbi[st][u][k] = KBIAS ? KVQ_F32(kb[kbbase + (int64_t)t * kb_strides[2] + (kg0 + k) * kb_strides[3]]) : 0.0f;
+                    buf.ksc[st][u][k] = KVQ_F32((ks + ksbase)[at(t, KONE ? 0 : kg0 + k, ks_strides)]);
+                    buf.kbi[st][u][k] = KBIAS ? KVQ_F32((kb + kbbase)[at(t, kg0 + k, kb_strides)]) : 0.0f;
                 }
-                buf.vn[st][u] = VONE ? KVQ_F32(vs[vsbase + (int64_t)t * vs_strides[2]]) : 0.0f;
+                buf.vn[st][u] = VONE ? KVQ_F32((vs + vsbase)[at(t, 0, vs_strides)]) : 0.0f;
             }
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
@@ -208,8 +214,8 @@
                 KVQ_LOAD_CODES(V, v)
 #pragma unroll
                 for (int k = 0; k < VNG; ++k) {
-                    buf.vsc[st][u][k] = VONE ? 0.0f : KVQ_F32(vs[vsbase + (int64_t)t * vs_strides[2] + (vg0 + k) * vs_strides[3]]);
-                    buf.vbi[st][u][k] = VBIAS ? KVQ_F32(vb[vbbase + (int64_t)t * vb_strides[2] + (vg0 + k) * vb_strides[3]]) : 0.0f;
+                    buf.vsc[st][u][k] = VONE ? 0.0f : KVQ_F32((vs + vsbase)[at(t, vg0 + k, vs_strides)]);
+                    buf.vbi[st][u][k] = VBIAS ? KVQ_F32((vb + vbbase)[at(t, vg0 + k, vb_strides)]) : 0.0f;
                 }
             }
         }
@@ -271,9 +277,18 @@
     for (int i = 0; i < KS; ++i) { acc[i][0] = 0.0f; acc[i][1] = 0.0f; acc[i][2] = 0.0f; acc[i][3] = 0.0f; }
     float m0 = -KVQ_INF, m1 = -KVQ_INF, l0 = 0.0f, l1 = 0.0f;
 
-    // the warp's steps, with vt: the rows of codes are read with vector loads (their checks made once per block:
+    // the warp's steps, with vt: the rows of codes are read with vector loads and offsets within a row of the batch
+    // and KV heads are 32-bit (their checks made once per block:
     // with the check inside the loop, the compiler predicated the word-by-word path in beside the vector one and
     // the loop issued both: 32 more loads per warp step of turboquant-4 and affine-4 at head_dim 128)
+    // offsets within a (batch, KV head) row fit 32 bits: every array's last token and column (a dummy array of a
+    // side without biases is tiny)
+    auto fits = [&](const auto& sh, const auto& st) {
+        return (int64_t)(sh[2] - 1) * st[2] + (int64_t)(sh[3] - 1) * st[3] < ((int64_t)1 << 31);
+    };
+    const bool off32 = fits(kc_shape, kc_strides) && fits(kc2_shape, kc2_strides) && fits(vc_shape, vc_strides) &&
+                       fits(vc2_shape, vc2_strides) && fits(ks_shape, ks_strides) && fits(kb_shape, kb_strides) &&
+                       fits(vs_shape, vs_strides) && fits(vb_shape, vb_strides);
     auto steps = [&](auto vt) {
     for (int t0 = t_begin + warp * 16 * NT; t0 < t_end; t0 += TILE) {
         if (PF) load(nxt, t0 + TILE, vt);
@@ -356,7 +371,7 @@
     // (not for 4-bit integer levels at head_dim 256: there nvcc's two loops spilled registers, 148 bytes)
     if constexpr (DENSE || (D > 128 && (KLIN || VLIN))) {
         steps(kvq_role<false>{});
-    } else if (kvec && vvec && (KB2 == 0 || kvec2) && (VB2 == 0 || vvec2)) {
+    } else if (kvec && vvec && (KB2 == 0 || kvec2) && (VB2 == 0 || vvec2) && off32) {
         steps(kvq_role<true>{});
     } else {
         steps(kvq_role<false>{});

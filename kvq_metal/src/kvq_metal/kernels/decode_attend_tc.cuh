@@ -307,15 +307,17 @@ __device__ __forceinline__ uint2 kvq_lds64(const uint a) {
         }                                                                                                           \
     }
 // the code words of this thread's slice of token t of one side (both streams) into step st's buffer, slice u
-// (KVQ_LOAD_SLICE: vector loads where VECS, a compile-time true, or side##vec says so); SIDE and side as in
-// KVQ_FILL_TABLE
+// (KVQ_LOAD_SLICE: vector loads where VECS, a compile-time true, or side##vec says so; with VECS the token's
+// offset in 32 bits); SIDE and side as in KVQ_FILL_TABLE
 #define KVQ_LOAD_CODES(SIDE, side)                                                                                  \
-    const auto* row = side##c + side##base + (int64_t)t * side##c_strides[2] + (side##bit >> 5) * side##c_strides[3]; \
+    const auto* row = VECS ? side##c + side##base + (uint)(t * (uint)side##c_strides[2] + (side##bit >> 5))          \
+                           : side##c + side##base + (int64_t)t * side##c_strides[2] + (side##bit >> 5) * side##c_strides[3]; \
     KVQ_LOAD_SLICE(buf.side##w[st][u], row, SIDE##NW, SIDE##VEC, VECS || side##vec, side##c_strides[3], side##bit >> 5,      \
                    side##wl, SIDE##AL)                                                                             \
     if (SIDE##B2 > 0) {                                                                                            \
-        const auto* row2 = side##c2 + side##base2 + (int64_t)t * side##c2_strides[2] +                             \
-                           (side##bit2 >> 5) * side##c2_strides[3];                                                \
+        const auto* row2 = VECS ? side##c2 + side##base2 + (uint)(t * (uint)side##c2_strides[2] + (side##bit2 >> 5)) \
+                                : side##c2 + side##base2 + (int64_t)t * side##c2_strides[2] +                      \
+                                      (side##bit2 >> 5) * side##c2_strides[3];                                     \
         KVQ_LOAD_SLICE(buf.side##w2[st][u], row2, SIDE##NW2, SIDE##VEC2, VECS || side##vec2, side##c2_strides[3],          \
                        side##bit2 >> 5, side##wl2, SIDE##AL)                                                       \
     }
