@@ -166,7 +166,13 @@
         float onr[NT];
     };
     auto load = [&](Step& buf, const int t0, auto vt) {
-      constexpr bool VECS = decltype(vt)::value;  // every stream's rows read with vector loads, known at compile time
+      // VECS: every stream's rows read with vector loads and every offset within a (batch, KV head) row in 32 bits,
+      // known at compile time
+      constexpr bool VECS = decltype(vt)::value;
+      // token t's offset in an array of token stride ts (and column j of column stride cs): 32-bit with VECS
+      auto at = [&](const int t, const int64_t ts, const int j = 0, const int64_t cs = 0) -> int64_t {
+          return VECS ? (int64_t)(uint)(t * (uint)ts + j * (uint)cs) : (int64_t)t * ts + j * cs;
+      };
       if constexpr (DENSE) {
 #pragma unroll
         for (int st = 0; st < NT; ++st) {
@@ -188,42 +194,42 @@
 #pragma unroll
             for (int u = 0; u < 2; ++u) {
                 const int t = min(t0 + st * 16 + g + 8 * u, T - 1);
-                const auto* ra = kc + kab + (int64_t)t * ka_ts;
+                const auto* ra = kc + kab + at(t, ka_ts);
                 KVQ_ROW_WORDS(buf.ka[st][u], ra, KANW, KA_CB, KAVEC, VECS || kavec, ka_bit >> 5, ka_rw, ka_es, !KAAL)
                 float s = 1.0f;
-                if (KA_NS > 0) s = KVQ_F32(ka_s1[ka1 + (int64_t)t * ka1_ts]);
-                if (KA_NS > 1) s *= KVQ_F32(ka_s2[ka2 + (int64_t)t * ka2_ts]);
+                if (KA_NS > 0) s = KVQ_F32(ka_s1[ka1 + at(t, ka1_ts)]);
+                if (KA_NS > 1) s *= KVQ_F32(ka_s2[ka2 + at(t, ka2_ts)]);
                 buf.ksa[st][u] = s;
                 if constexpr (KBX) {
-                    const auto* rb = kb_c + kbb + (int64_t)t * kb_ts;
+                    const auto* rb = kb_c + kbb + at(t, kb_ts);
                     KVQ_ROW_WORDS(buf.kb[st][u], rb, KBNW, KB_CB, KBVEC, VECS || kbvec, kb_bit >> 5, kb_rw, kb_es, !KBAL)
                     float sb = 1.0f;
-                    if (KB_NS > 0) sb = KVQ_F32(kb_s1[kb1 + (int64_t)t * kb1_ts]);
-                    if (KB_NS > 1) sb *= KVQ_F32(kb_s2[kb2 + (int64_t)t * kb2_ts]);
+                    if (KB_NS > 0) sb = KVQ_F32(kb_s1[kb1 + at(t, kb1_ts)]);
+                    if (KB_NS > 1) sb *= KVQ_F32(kb_s2[kb2 + at(t, kb2_ts)]);
                     buf.ksb[st][u] = sb;
                 }
                 float w = 1.0f;
-                if (!VA_GRP && VA_NS > 0) w = KVQ_F32(va_s1[va1 + (int64_t)t * va1_ts]);
-                if (!VA_GRP && VA_NS > 1) w *= KVQ_F32(va_s2[va2 + (int64_t)t * va2_ts]);
+                if (!VA_GRP && VA_NS > 0) w = KVQ_F32(va_s1[va1 + at(t, va1_ts)]);
+                if (!VA_GRP && VA_NS > 1) w *= KVQ_F32(va_s2[va2 + at(t, va2_ts)]);
                 buf.vwa[st][u] = w;
                 float wb = 1.0f;
-                if (VBX && VB_NS > 0) wb = KVQ_F32(vb_s1[vb1 + (int64_t)t * vb1_ts]);
-                if (VBX && VB_NS > 1) wb *= KVQ_F32(vb_s2[vb2 + (int64_t)t * vb2_ts]);
+                if (VBX && VB_NS > 0) wb = KVQ_F32(vb_s1[vb1 + at(t, vb1_ts)]);
+                if (VBX && VB_NS > 1) wb *= KVQ_F32(vb_s2[vb2 + at(t, vb2_ts)]);
                 buf.vwb[st][u] = wb;
             }
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
                 const int t = min(t0 + st * 16 + 2 * c + (u & 1) + 8 * (u >> 1), T - 1);
-                const auto* ra = vc + vab + (int64_t)t * va_ts;
+                const auto* ra = vc + vab + at(t, va_ts);
                 KVQ_ROW_WORDS(buf.va[st][u], ra, VANW, VA_CB, VAVEC, VECS || vavec, va_bit >> 5, va_rw, va_es, !VAAL)
                 if constexpr (VBX) {
-                    const auto* rb = vb_c + vbb + (int64_t)t * vb_ts;
+                    const auto* rb = vb_c + vbb + at(t, vb_ts);
                     KVQ_ROW_WORDS(buf.vb[st][u], rb, VBNW, VB_CB, VBVEC, VECS || vbvec, vb_bit >> 5, vb_rw, vb_es, !VBAL)
                 }
 #pragma unroll
                 for (int k = 0; k < VANG; ++k) {
-                    buf.vsc[st][u][k] = VA_GRP ? KVQ_F32(va_s1[va1 + (int64_t)t * va1_ts + (va_g0 + k) * vag]) : 0.0f;
-                    buf.vbi[st][u][k] = VA_GRP && VA_BIAS ? KVQ_F32(va_b[vabb + (int64_t)t * vab_ts + (va_g0 + k) * vabg]) : 0.0f;
+                    buf.vsc[st][u][k] = VA_GRP ? KVQ_F32(va_s1[va1 + at(t, va1_ts, va_g0 + k, vag)]) : 0.0f;
+                    buf.vbi[st][u][k] = VA_GRP && VA_BIAS ? KVQ_F32(va_b[vabb + at(t, vab_ts, va_g0 + k, vabg)]) : 0.0f;
                 }
             }
             if constexpr (OUTL) {
@@ -319,9 +325,20 @@
     float m0 = -KVQ_INF, m1 = -KVQ_INF, l0 = 0.0f, l1 = 0.0f;
     float* ol_w = ol_s + warp * NT * 16 * R;
 
-    // the warp's steps, with vt: every stream's rows read with vector loads (checked once per block; with the
+    // the warp's steps, with vt: every stream's rows read with vector loads and 32-bit offsets (checked once per
+    // block; with the
     // check inside the loop the compiler predicated the word-by-word path in beside the vector one, as in
     // decode_attend_tc.cu)
+    // offsets within a (batch, KV head) row fit 32 bits: token T - 1's offset plus a row's extent, in every array
+    // the loads read (QJL's outlier arrays keep 64-bit offsets); a dummy array of an absent stream is tiny
+    auto fits = [&](const int64_t ts, const int64_t extent) {
+        return (int64_t)(T > 0 ? T - 1 : 0) * ts + extent < ((int64_t)1 << 31);
+    };
+    const bool off32 = fits(ka_ts, (kc_shape[3] - 1) * ka_es) && fits(kb_ts, (kb_c_shape[3] - 1) * kb_es) &&
+                       fits(va_ts, (vc_shape[3] - 1) * va_es) && fits(vb_ts, (vb_c_shape[3] - 1) * vb_es) &&
+                       fits(ka1_ts, 0) && fits(ka2_ts, 0) && fits(kb1_ts, 0) && fits(kb2_ts, 0) && fits(vb1_ts, 0) &&
+                       fits(vb2_ts, 0) && fits(va2_ts, 0) && fits(va1_ts, VA_GRP ? (va_s1_shape[3] - 1) * vag : 0) &&
+                       fits(vab_ts, VA_GRP && VA_BIAS ? (va_b_shape[3] - 1) * vabg : 0);
     auto steps = [&](auto vt) {
     for (int t0 = t_begin + warp * 16 * NT; t0 < t_end; t0 += TILE) {
         if constexpr (PF && !DENSE) load(nxt, t0 + TILE, vt);
@@ -567,7 +584,7 @@
     };
     if constexpr (DENSE) {
         steps(kvq_role<false>{});
-    } else if (kavec && (!KBX || kbvec) && vavec && (!VBX || vbvec)) {
+    } else if (kavec && (!KBX || kbvec) && vavec && (!VBX || vbvec) && off32) {
         steps(kvq_role<true>{});
     } else {
         steps(kvq_role<false>{});
