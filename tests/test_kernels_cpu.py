@@ -317,6 +317,46 @@ def test_affine_4_bit_sides_are_decoded_without_tables():
         attend.TUNING = saved
 
 
+def test_wide_bound_steps_of_table_sides_get_the_wide_launch_bound():
+    """A bound step whose rows alone fill the split target (``B * H_kv >= tc_groups``: a large batch) is built with
+    ``__launch_bounds__(THREADS, minb_wide)`` where both sides decode through tables at head_dim <= 128; a narrower
+    batch, a side decoded without a table (affine's 4-bit levels), head_dim 256 and ``minb_wide`` 0 keep ``minb``. The plan is pure Python, so
+    it is checked here for the CUDA back end."""
+    import attrs
+
+    from kvq_metal import attend
+
+    H = 8
+    centroids = mx.array([-1.5, -0.5, 0.5, 1.5], mx.float32)
+    levels = mx.arange(16, dtype=mx.float32)
+
+    def minb(B, affine=False, D=128):
+        if affine:
+            side = attend.Side(mx.zeros((B, H, 64, D * 4 // 32), mx.uint32), None, levels, levels, 4, 64,
+                               levels=True)
+        else:
+            side = attend.Side(mx.zeros((B, H, 64, D * 2 // 32), mx.uint32), None, mx.ones((B, H, 64, 1)),
+                               centroids, 2, D)
+        p, *_ = attend._plan_for((B, 4 * H, 1, D), D ** -0.5, side, side, "cuda", False, None, None)
+        return dict(p.template)["MINB"]
+
+    rows_to_fill = -(-attend.TUNING.tc_groups // H)  # sequences whose B * H reach the target
+    assert attend.TUNING.minb == 0 and attend.TUNING.minb_wide == 4
+    assert minb(1) == 0
+    assert minb(rows_to_fill - 1) == 0
+    assert minb(rows_to_fill) == 4
+    assert minb(rows_to_fill, affine=True) == 0  # no tables: the bound did not pay (knobs.AttendKnobs)
+    assert minb(rows_to_fill, D=256) == 0  # 128 registers a thread would spill inside the loop
+    saved = attend.TUNING
+    try:
+        attend.TUNING = attrs.evolve(saved, minb_wide=0, minb=3)
+        assert minb(rows_to_fill) == 3 and minb(1) == 3
+        attend.TUNING = attrs.evolve(saved, minb=2)
+        assert minb(rows_to_fill, affine=True) == 2 and minb(rows_to_fill) == 4
+    finally:
+        attend.TUNING = saved
+
+
 def test_linear_decode_of_4_bit_codes_gives_the_codes_exactly():
     """The arithmetic decode the tensor-core kernel runs for ``affine`` 4-bit codes (``kvq_lin4``): each nibble
     OR'd into the top mantissa bits of 16.0 (``(w << 6 .. >> 6) & 0x03c003c0 | 0x4c004c00``) is the half ``16 +

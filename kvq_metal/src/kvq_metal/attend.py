@@ -221,11 +221,12 @@ class LaunchPlan:
 @lru_cache(maxsize=1024)
 def _launch_plan(D: int, R: int, kb: int, vb: int, kg: int, vg: int, kbias: bool, vbias: bool, kb2: int, vb2: int,
                  rot: bool, qscale: int, out_dim: int, same_table: bool, dense: tuple | None, backend: str,
-                 tuning: AttendKnobs, lin: tuple[bool, bool] = (False, False)) -> LaunchPlan:
+                 tuning: AttendKnobs, lin: tuple[bool, bool] = (False, False), wide: bool = False) -> LaunchPlan:
     """The :class:`LaunchPlan` of one static signature, computed once: code widths and groups of both sides,
     ``rot`` (rotated domain), ``qscale`` (the softmax scale's float bits), ``same_table`` (keys and values hold
     the same table object), ``dense`` (``None``, or ``(sinks present, DENSE_DTYPES code)``), ``lin`` the sides
-    decoded without a table (:func:`_linear`, tensor cores only), ``tuning`` the knobs
+    decoded without a table (:func:`_linear`, tensor cores only), ``wide`` the call's rows alone fill the split
+    target (``B * H_kv >= tuning.tc_groups``: the launch bound :func:`kvq_metal.attend_tc.minb`), ``tuning`` the knobs
     (:data:`TUNING`, part of the key, so a swapped object takes effect). A decode step then only computes its
     split count and builds the input lists.
 
@@ -242,7 +243,7 @@ def _launch_plan(D: int, R: int, kb: int, vb: int, kg: int, vg: int, kbias: bool
         sinks, ddt = (False, 0) if dense is None else dense
         layout = attend_tc.table_layout(D, R, kb, kb2, vb, vb2, same_table, bool(t.pair), bool(t.rep),
                                         bool(t.qsh), *lin)
-        template, tile = attend_tc.launch_template(common, nd, out_dim, layout, tuning, sinks, ddt, lin)
+        template, tile = attend_tc.launch_template(common, nd, out_dim, layout, tuning, sinks, ddt, lin, wide)
         # the merging block keeps R * (splits + nd) weights in the 4 * 8 * D words its warps' outputs used
         return LaunchPlan(True, template, tile, min(MAX_SPLITS, 32 * D // R - nd), nd)
     if dense is not None:
@@ -290,7 +291,8 @@ def _plan_for(queries_shape, scale: float, keys: Side, values: Side, backend: st
     R = Hq // H * Tq
     plan = _launch_plan(D, R, keys.bits, values.bits, keys.group, values.group, keys.biases is not None,
                         values.biases is not None, keys.bits2, values.bits2, rot, float_bits(float(scale)), out_dim,
-                        keys.table is values.table, dense_key, backend, TUNING, _linear(D, keys, values))
+                        keys.table is values.table, dense_key, backend, TUNING, _linear(D, keys, values),
+                        B * H >= TUNING.tc_groups)
     return plan, D, T, R, out_dim
 
 

@@ -127,18 +127,31 @@ def template(**flags) -> list:
     return list(t.items())
 
 
+def minb(knobs, head_dim: int, lin: tuple[bool, bool], wide: bool) -> int:
+    """The blocks per SM a bound decode step's registers must fit (template ``MINB``, 0: no bound): ``knobs.minb_wide``
+    for a launch whose rows alone fill the split target (``wide``) with both sides decoded through tables (no
+    ``lin`` side) at ``head_dim`` <= 128, where that knob is set; else ``knobs.minb``
+    (:class:`kvq_metal.knobs.AttendKnobs`). At head_dim 256 four blocks' registers (128 per thread) spill 2.7 KB
+    per thread inside the main loop (nvcc sm_90, ``benchmarks/investigations/nvcc_registers.py --turboquant
+    --tuning '{"minb": 4}'``)."""
+    if wide and not any(lin) and head_dim <= 128 and knobs.minb_wide:
+        return int(knobs.minb_wide)
+    return int(knobs.minb or 0)
+
+
 def launch_template(common: tuple, nd: int, out_dim: int, layout: tuple, knobs, sinks: bool,
-                    ddt: int, lin: tuple[bool, bool] = (False, False)) -> tuple[list, int]:
+                    ddt: int, lin: tuple[bool, bool] = (False, False), wide: bool = False) -> tuple[list, int]:
     """The launch's template (:func:`template`) and its tile (compressed tokens per block step), for
     :func:`kvq_metal.attend._launch_plan` (which caches it): ``common`` the template arguments every
     decode-attention kernel takes (``THREADS`` among them), ``nd`` the blocks of uncompressed tokens (0, or 2:
     sinks and window, ``sinks`` whether there are any, ``ddt`` their :data:`DENSE_DTYPES` code), ``layout``
     :func:`table_layout`'s answer, ``knobs`` a :class:`kvq_metal.knobs.AttendKnobs`, ``lin`` ``(KLIN, VLIN)``
-    (:func:`linear`)."""
+    (:func:`linear`), ``wide`` the launch's rows alone fill the split target (its launch bound is then
+    ``knobs.minb_wide`` where both sides use tables and that knob is set, else ``knobs.minb``)."""
     D, threads = dict(common)["D"], dict(common)["THREADS"]
     krep, vrep, same = layout
     pf = D <= 128 if knobs.pf is None else knobs.pf
     args = template(**dict(common), NT=knobs.nt, PF=bool(pf), QSH=bool(knobs.qsh), PAIRTAB=bool(knobs.pair),
                     KREP=krep, VREP=vrep, VSAME=same, ND=nd, SINKS=sinks, DDT=ddt, DV=out_dim,
-                    MINB=int(knobs.minb or 0), KLIN=lin[0], VLIN=lin[1])
+                    MINB=minb(knobs, D, lin, wide), KLIN=lin[0], VLIN=lin[1])
     return args, 16 * knobs.nt * threads // 32

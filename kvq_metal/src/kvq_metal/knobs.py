@@ -33,7 +33,14 @@ class AttendKnobs:
     affine-4 (146, 130 and 140 on the H100 on 2026-12-06, Nsight Compute);
     ``minb`` 3 makes each 168 and at one sequence of 128K changed the GPU time by -1%, -2% and +3%: there the grid,
     not registers, bounds the occupancy, so it stays off until a batched run shows it pays
-    (benchmarks/results/kernels/2026-12-03-h200-durations-minb-7f67dd3.json). ``lin`` 4-bit integer levels with
+    (benchmarks/results/kernels/2026-12-03-h200-durations-minb-7f67dd3.json). ``minb_wide`` the same for a bound
+    step whose rows alone fill ``tc_groups`` (a large batch: ``B * H_kv >= tc_groups``), whose sides both
+    decode through tables, at head_dim <= 128 (0: ``minb``; :func:`kvq_metal.attend_tc.minb`): there the registers bound the blocks per SM, and at 122 sequences of 32K on
+    an H100 ``minb_wide`` 4 took the bound turboquant-4 and -3 steps from 1,735 and 1,733 to 1,602 and 1,599 us
+    (``kvq bench capacity``: turboquant-3 1,548 -> 1,629 tokens/s), while affine-4's table-free step was unchanged
+    (1,758 / 1,763 us) and its capacity run slower (1,320 -> 1,241 tokens/s, one batch size apart)
+    (benchmarks/results/kernels/2026-12-06-h100-durations-batch122-minb-7e9c8f6.json,
+    benchmarks/results/capacity/2026-12-06-h100-capacity*-7e9c8f6.json). ``lin`` 4-bit integer levels with
     group scales and biases (``affine``) decoded arithmetically instead of from a table
     (:func:`kvq_metal.attend_tc.linear`).
     """
@@ -49,6 +56,7 @@ class AttendKnobs:
     rep: bool = True
     qsh: bool = True
     minb: int = 0
+    minb_wide: int = 4
     lin: bool = True
 
 
