@@ -6,7 +6,8 @@
 Each benchmark gets one table: its latest run. Runs are grouped by what they measured (the benchmark, the device,
 the model and, for decode, the batch); within a group a newer run replaces every older run whose caches it covers,
 so a new result file replaces its table instead of adding prose. Files of one run differ only in a ``-repN`` or
-``-runN`` suffix and are shown side by side. Reads JSON only: no model, no MLX.
+``-runN`` suffix and are shown side by side. Runs under a ``knob-sweeps`` folder (made with launch knobs other than
+the library's, ``benchmarks/knobs.py``) are left out. Reads JSON only: no model, no MLX.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 OUT = ROOT / "docs" / "results.md"
 MIB = 2**20
 REP = re.compile(r"-(rep|run)\d+$")
+#: A folder of runs made with launch knobs other than the library's (``benchmarks/knobs.py``): never a table here.
+SWEEPS = "knob-sweeps"
 
 
 def load(path: Path) -> dict | None:
@@ -81,6 +84,8 @@ def runs(results: Path = RESULTS) -> list[dict]:
     """Every run in ``results``, the files of one run (``-repN``) merged, newest first."""
     merged: dict[tuple, dict] = {}
     for path in sorted(results.rglob("*.json")):
+        if SWEEPS in path.parts:
+            continue
         run = load(path)
         if run is None:
             continue
