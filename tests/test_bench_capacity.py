@@ -106,6 +106,49 @@ def test_the_chosen_batch_is_timed_reps_times_and_reported_as_their_median(monke
     assert statistics.median(r["tokens_per_second"] for r in tq3["reps"]) == tq3["tokens_per_second"]
 
 
+def test_a_batch_whose_repetition_does_not_fit_is_not_the_capacity(monkeypatch):
+    """On an H100 turboquant:4's search chose 54 sequences whose first row peaked within the budget, and the second
+    timed decode at 54 ran out of device memory: a batch fits only if every repetition runs within the budget. Here
+    the 2nd row at 50 sequences fails and the 3rd peaks above the budget at 45: the search steps down a tenth each
+    time and reports 40, timed twice; the failed repetitions stay in ``tries``."""
+    import mlx.core as mx
+
+    from kvq.bench import capacity
+    from kvq.bench.capacity import CapacityBench
+
+    tried = []
+
+    def row(self, spec, batch, steps):
+        tried.append(batch)
+        n = sum(b == batch for b in tried)  # this batch's n-th row
+        failing = batch == 50 and n == 2
+        peak = 1200 if batch == 45 and n == 2 else 100 + 10 * batch
+        return {"error": "out of memory" if failing else None, "peak_memory": None if failing else peak,
+                "tokens_per_second": float(batch), "kv_bytes": 1, "latency_ms": {"mean": 1.0},
+                "host_ms": {"median": 0.1}}
+
+    monkeypatch.setattr(capacity.CapacityBench, "_row", row)
+    monkeypatch.setattr(mx, "get_active_memory", lambda: 0)
+    monkeypatch.setattr(capacity, "release", lambda: None)
+    settings = CapacitySettings(context=64, budget=1000, safety=1.0, max_batch=50, reps=2)
+    (result,) = CapacityBench(None, settings).run([_spec("fp16")])
+    assert tried == [1, 2, 50, 50, 45, 45, 40, 40]
+    assert result["max_batch"] == 40 and not result["error"] and result["row"]["tokens_per_second"] == 40.0
+    assert [r["tokens_per_second"] for r in result["reps"]] == [40.0, 40.0] and result["peak_memory"] == 500
+    assert [(t["batch"], t["error"], t.get("repetition")) for t in result["tries"]] == [
+        (50, None, None), (50, "out of memory", 2), (45, None, None),
+        (45, "a repetition peaked above the budget", 2), (40, None, None)]
+    assert not result["at_max_batch"]
+    # every try failing at its repetition: MAX_TRIES batches, then the error names the first and the last
+    tried.clear()
+    monkeypatch.setattr(capacity.CapacityBench, "_row", lambda self, spec, batch, steps: (
+        tried.append(batch), {"error": None if tried.count(batch) == 1 else "out of memory",
+                              "peak_memory": 100, "tokens_per_second": 1.0, "kv_bytes": 1,
+                              "latency_ms": {"mean": 1.0}, "host_ms": {"median": 0.1}})[1])
+    (result,) = CapacityBench(None, settings).run([_spec("fp16")])
+    assert result["error"].startswith("no batch from 50 down fit the budget") and "max_batch" not in result
+
+
 def test_a_run_whose_every_row_fails_exits_1(tmp_path, capsys):
     """A budget below the model itself: every row fails, each saying why, and the command exits 1 (a script must
     not read success); the files are still written. Sequences this short compress nothing: a note says so."""

@@ -13,7 +13,9 @@ its measured peak predicts again (the slope of two probes at 1 and 2 sequences i
 moved by half between two runs on a CPU), and a larger prediction is measured too and kept if it fits, so a cautious
 first prediction does not understate a cache. A batch at ``max_batch`` is marked (``at_max_batch``): more might
 fit. The chosen batch's decode is timed ``reps`` times (the row that showed it fits, then ``reps - 1`` more rows
-at that batch): each repetition's tokens/s, ms per step (the timed steps' mean) and host ms per step (their
+at that batch); a repetition that fails or peaks above the budget means the batch does not fit after all, and ``B``
+steps down a tenth and is measured again (on an H100 turboquant:4's search chose 54 sequences whose first row
+peaked within the budget, and its second repetition ran out of device memory). Each repetition's tokens/s, ms per step (the timed steps' mean) and host ms per step (their
 median, as :func:`kvq.bench.fill.host_summary`) are in ``reps``, and their medians and ranges beside them. Every
 ratio compares with the kvcache row of the same run (the medians'; kvcache's repetitions ran before the method's,
 minutes apart, not in turn).
@@ -163,8 +165,9 @@ class CapacityBench:
             if row is not None:
                 if attempt == 0 and 2 < batch < s.max_batch:  # fitted at once: predict again from it
                     self._try_larger(spec, batch, row, peaks[1], headroom, result)
-                self._repeat(spec, result)
-                return result
+                if self._repeat(spec, result):
+                    return result
+                batch = self._unfit(result)  # a repetition did not fit: neither does this batch
             if batch == 1:
                 break
             batch = max(1, int(batch * 0.9))
@@ -193,18 +196,34 @@ class CapacityBench:
             self._try(spec, larger, result)
 
 
-    def _repeat(self, spec, result: dict) -> None:
+    def _repeat(self, spec, result: dict) -> bool:
         """Time the chosen batch ``reps - 1`` more times; put every repetition (``result["row"]`` first) and their
-        medians and ranges in ``result``."""
+        medians and ranges in ``result``. True where every repetition ran within the budget; else the failing one is
+        recorded in ``result["tries"]`` and False returned (the batch does not fit: :meth:`_unfit`)."""
         s = self.settings
-        rows = [result["row"], *(self._row(spec, result["max_batch"], s.steps) for _ in range(s.reps - 1))]
+        rows = [result["row"]]
+        for _ in range(s.reps - 1):
+            row = self._row(spec, result["max_batch"], s.steps)
+            if row["error"] or row["peak_memory"] > s.budget:
+                result["tries"].append({"batch": result["max_batch"], "peak_memory": row.get("peak_memory"),
+                                        "error": row["error"] or "a repetition peaked above the budget",
+                                        "repetition": len(rows) + 1})
+                return False
+            rows.append(row)
         reps = [repetition(r) for r in rows]
-        ok = [r for r in reps if not r["error"]]
-        result.update(reps=reps, tokens_per_second_spread=spread([r["tokens_per_second"] for r in ok]),
-                      step_ms=spread([r["step_ms"] for r in ok]),
-                      host_ms=spread([r["host_ms"] for r in ok if r["host_ms"] is not None]),
-                      peak_memory=max(r["peak_memory"] for r in ok))
+        result.update(reps=reps, tokens_per_second_spread=spread([r["tokens_per_second"] for r in reps]),
+                      step_ms=spread([r["step_ms"] for r in reps]),
+                      host_ms=spread([r["host_ms"] for r in reps if r["host_ms"] is not None]),
+                      peak_memory=max(r["peak_memory"] for r in reps))
         result["tokens_per_second"] = result["tokens_per_second_spread"]["median"]
+        return True
+
+    @staticmethod
+    def _unfit(result: dict) -> int:
+        """Take back what :meth:`_try` recorded for a batch whose repetition did not fit; return that batch."""
+        for key in ("row", "tokens_per_second", "peak_memory", "kv_bytes", "at_max_batch"):
+            result.pop(key, None)
+        return result.pop("max_batch")
 
 
 def repetition(row: dict) -> dict:
