@@ -149,6 +149,31 @@ def test_a_batch_whose_repetition_does_not_fit_is_not_the_capacity(monkeypatch):
     assert result["error"].startswith("no batch from 50 down fit the budget") and "max_batch" not in result
 
 
+def test_a_larger_batch_whose_repetition_does_not_fit_falls_back_to_the_batch_that_fitted(monkeypatch):
+    """The first prediction (23) fits at once, the line through it predicts 90, which fits once and then fails a
+    repetition: the search measures 23 again (it fitted) instead of stepping down from 90."""
+    import mlx.core as mx
+
+    from kvq.bench import capacity
+    from kvq.bench.capacity import CapacityBench
+
+    tried = []
+
+    def row(self, spec, batch, steps):
+        tried.append(batch)
+        failing = batch == 90 and tried.count(90) == 2
+        return {"error": "out of memory" if failing else None, "peak_memory": None if failing else
+                100 + 10 * batch + (30 if batch == 2 else 0), "tokens_per_second": float(batch), "kv_bytes": 1,
+                "latency_ms": {"mean": 1.0}, "host_ms": {"median": 0.1}}
+
+    monkeypatch.setattr(capacity.CapacityBench, "_row", row)
+    monkeypatch.setattr(mx, "get_active_memory", lambda: 0)
+    monkeypatch.setattr(capacity, "release", lambda: None)
+    (result,) = CapacityBench(None, CapacitySettings(context=64, budget=1000, safety=1.0, reps=2)).run(
+        [_spec("fp16")])
+    assert tried == [1, 2, 23, 90, 90, 23, 23] and result["max_batch"] == 23 and not result["error"]
+
+
 def test_a_run_whose_every_row_fails_exits_1(tmp_path, capsys):
     """A budget below the model itself: every row fails, each saying why, and the command exits 1 (a script must
     not read success); the files are still written. Sequences this short compress nothing: a note says so."""

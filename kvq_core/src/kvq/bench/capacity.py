@@ -35,7 +35,8 @@ from .measure import release
 from .output import uncompressed_note
 from .rows import spread
 
-#: Batches measured per method after the probes, at most (each a tenth below the last that did not fit).
+#: Batches measured per method after the probes, at most (each a tenth below the last that did not fit, in its
+#: first row or in a repetition; after a larger batch whose repetition failed, the one that fitted before it).
 MAX_TRIES = 3
 
 
@@ -167,7 +168,8 @@ class CapacityBench:
                     self._try_larger(spec, batch, row, peaks[1], headroom, result)
                 if self._repeat(spec, result):
                     return result
-                batch = self._unfit(result)  # a repetition did not fit: neither does this batch
+                if self._unfit(result) > batch:
+                    continue  # the larger batch's repetition did not fit: measure the one that fitted again
             if batch == 1:
                 break
             batch = max(1, int(batch * 0.9))

@@ -10,7 +10,7 @@ MIB = 2**20
 COLUMNS = ("method", "sequences that fit (x kvcache)", "per sequence MiB", "peak MiB / budget",
            "decode tokens/s, all sequences (x kvcache)", "ms/step", "host ms/step")
 NOTES = """Columns: sequences that fit = the largest batch of sequences of this length measured whose peak (model, \
-caches, decode temporaries) stayed within the budget, the batches tried being those a line through measured peaks \
+caches, decode temporaries) stayed within the budget in every timed repetition, the batches tried being those a line through measured peaks \
 predicts within the safety fraction of the headroom (the tries are in the JSON); ">= N" where --max-batch capped \
 it; per sequence = the peak's growth from 1 to 2 sequences (one \
 more sequence's cache and temporaries); peak = the largest of the repetitions at that batch; tokens/s = sequences / \
@@ -26,7 +26,7 @@ def _cells(r: dict) -> list[str]:
     if r["error"]:
         return [r["method"], "-", "-", "-", f"error: {r['error'][:160]}", "-", "-"]
     fit = (">= " if r.get("at_max_batch") else "") + str(r["max_batch"])
-    failed = [x["error"] for x in r["reps"] if x["error"]]
+    failed = [x["error"] for x in r["reps"] if x["error"]]  # files written before a failed repetition ended a try
     speed = median_range(r["tokens_per_second_spread"], ",.1f")
     speed += f"; {len(failed)} of {len(r['reps'])} reps failed: {failed[0][:80]}" if failed else ""
     return [r["method"], with_ratio(fit, r["batch_vs_fp16"]),

@@ -282,6 +282,8 @@
     const uint valo = VA_REP ? 4 * lane * (VAQ ? 2 : 1) : 0, vblo = VB_REP ? 4 * lane * (VBQ ? 2 : 1) : 0;
     constexpr int KASH = (KA_REP ? 7 : 2) + (KAQ ? 1 : 0), KBSH = (KB_REP ? 7 : 2) + (KBQ ? 1 : 0);
     constexpr int VASH = (VA_REP ? 7 : 2) + (VAQ ? 1 : 0), VBSH = (VB_REP ? 7 : 2) + (VBQ ? 1 : 0);
+    static_assert(KASH + 2 * KA_BITS <= 32 && KBSH + 2 * KB_BITS <= 32 && VASH + 2 * VA_BITS <= 32 &&
+                      VBSH + 2 * VB_BITS <= 32, "KVQ_FIELD_AT: a code field and its entry's shift fit one word");
 
     // query B fragments: k-step s of a key stream holds its coordinates c * S + 4 s + {0, 1} (b0), {2, 3} (b1)
     uint qfa[QSH ? 1 : KS1][2];
@@ -329,10 +331,12 @@
     // block; with the
     // check inside the loop the compiler predicated the word-by-word path in beside the vector one, as in
     // decode_attend_tc.cu)
-    // offsets within a (batch, KV head) row fit 32 bits: token T - 1's offset plus a row's extent, in every array
-    // the loads read (QJL's outlier arrays keep 64-bit offsets); a dummy array of an absent stream is tiny
+    // offsets within a (batch, KV head) row fit 32 bits: token T - 1's offset plus a row's extent, with strides of
+    // no sign (a view that runs backwards keeps 64-bit offsets), in every array the loads read (QJL's outlier
+    // arrays keep 64-bit offsets; an input standing in for an absent one, another stream's arrays or the codes'
+    // first column, is checked like the rest)
     auto fits = [&](const int64_t ts, const int64_t extent) {
-        return (int64_t)(T > 0 ? T - 1 : 0) * ts + extent < ((int64_t)1 << 31);
+        return ts >= 0 && extent >= 0 && (int64_t)(T > 0 ? T - 1 : 0) * ts + extent < ((int64_t)1 << 31);
     };
     const bool off32 = fits(ka_ts, (kc_shape[3] - 1) * ka_es) && fits(kb_ts, (kb_c_shape[3] - 1) * kb_es) &&
                        fits(va_ts, (vc_shape[3] - 1) * va_es) && fits(vb_ts, (vb_c_shape[3] - 1) * vb_es) &&

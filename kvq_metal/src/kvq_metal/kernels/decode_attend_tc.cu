@@ -69,6 +69,8 @@
     // entry e of a table at byte e << KSH (KREP: one copy per lane, 32 words apart; the lane's at byte 4 lane)
     constexpr int KSH = KREP ? 7 : 2;
     constexpr int VSH = VREP ? 7 : 2;
+    static_assert(KSH + 2 * CBK <= 32 && VSH + 2 * CBV <= 32, "KVQ_FIELD_AT: a code field and its entry's shift "
+                  "fit one word");
     float* red_s = reinterpret_cast<float*>(smem_s);
     KVQ_SHARED float kt0_s[1 << CBK];
     KVQ_SHARED float vt0_s[1 << CBV];
@@ -281,10 +283,12 @@
     // and KV heads are 32-bit (their checks made once per block:
     // with the check inside the loop, the compiler predicated the word-by-word path in beside the vector one and
     // the loop issued both: 32 more loads per warp step of turboquant-4 and affine-4 at head_dim 128)
-    // offsets within a (batch, KV head) row fit 32 bits: every array's last token and column (a dummy array of a
-    // side without biases is tiny)
+    // offsets within a (batch, KV head) row fit 32 bits: every array's last token and column, with strides of no
+    // sign (a view that runs backwards, a negative stride, keeps 64-bit offsets; an input standing in for an
+    // absent one, the codes for a second stream or the scales for biases, is checked like the rest)
     auto fits = [&](const auto& sh, const auto& st) {
-        return (int64_t)(sh[2] - 1) * st[2] + (int64_t)(sh[3] - 1) * st[3] < ((int64_t)1 << 31);
+        return st[2] >= 0 && st[3] >= 0 &&
+               (int64_t)(sh[2] - 1) * st[2] + (int64_t)(sh[3] - 1) * st[3] < ((int64_t)1 << 31);
     };
     const bool off32 = fits(kc_shape, kc_strides) && fits(kc2_shape, kc2_strides) && fits(vc_shape, vc_strides) &&
                        fits(vc2_shape, vc2_strides) && fits(ks_shape, ks_strides) && fits(kb_shape, kb_strides) &&
@@ -368,7 +372,8 @@
         }
     }
     };
-    // (not for 4-bit integer levels at head_dim 256: there nvcc's two loops spilled registers, 148 bytes)
+    // (not for 4-bit integer levels at head_dim 256: there nvcc's two loops spilled 148 bytes of registers;
+    // turboquant-4 at head_dim 256 spills 20 bytes outside its loops and keeps both)
     if constexpr (DENSE || (D > 128 && (KLIN || VLIN))) {
         steps(kvq_role<false>{});
     } else if (kvec && vvec && (KB2 == 0 || kvec2) && (VB2 == 0 || vvec2) && off32) {
