@@ -27,7 +27,10 @@ Memory: each lane has its own copy of a code table where static shared memory al
 entry's byte offset, the lane's copy OR'd in, and a shared-memory load that adds the table's base itself from a
 uniform register (``kvq_table_base``: a shuffle from lane 0 tells the compiler the base is warp-uniform; without it
 the base stayed in an ordinary register, one more add per lookup). Aligned rows of
-codes are read with 128/64-bit loads. The blocks of the same launch that attend a cache's uncompressed sinks and
+codes are read with 128/64-bit loads; a block whose rows all allow that, with every offset inside a (batch, KV
+head) row within 32 bits and no negative stride, runs a copy of the warp's loop compiled for exactly that case (one
+multiply-add per load address, no word-by-word path predicated in beside the vector loads), others the general
+loop. The blocks of the same launch that attend a cache's uncompressed sinks and
 window (``ND = 2``: the kernel body is instantiated once per role, sharing the block's shared memory) read
 float16/bfloat16 rows the same way. Measured with Nsight Compute on an H200:
 ``benchmarks/results/kernels/README.md``.
