@@ -207,6 +207,25 @@ def test_decode_attend_unaligned_rows_and_table_layouts(rep):
         attend.TUNING = saved
 
 
+def test_decode_attend_reads_views_with_negative_token_strides():
+    """Every field's tokens reversed through a view (a negative stride along the token axis): the kernel reads the
+    view in place on its general path (64-bit offsets: the path with 32-bit offsets within a row takes strides of no
+    sign only) and gives pure MLX's attention over the tokens in their order (a decode query sees every token, so
+    the order does not change the result)."""
+    for method, params in (("turboquant", {"bits": 4}), ("turboquant", {"bits": 3}),
+                           ("affine", {"bits": 4, "group_size": 64})):
+        kernel, pure = _impl(method)
+        p = kvq.make_params(method, **params)
+        k, v = _normal((2, 8, 1500, 128), seed=41), _normal((2, 8, 1500, 128), seed=42)
+        q = _normal((2, 32, 1, 128), seed=43)
+        ke, ve = pure.kvq_quantize(k, p), pure.kvq_quantize(v, p)
+        ref, ref_lse = pure.kvq_attend(q, ke, ve, 0.1, None)
+        reverse = lambda a: a[:, :, ::-1]  # noqa: E731
+        out, lse = kernel.kvq_attend(q, ke.map(reverse), ve.map(reverse), 0.1, None)
+        assert _rel(out, ref) < 1e-3, (method, params)
+        assert float(mx.max(mx.abs(lse - ref_lse))) < 1e-3
+
+
 def test_decode_attend_calls_evaluated_together_stay_independent():
     """Eight attention calls in one graph (MLX may run them concurrently): each has its own split counters, so
     each equals the same call evaluated alone."""
