@@ -7,8 +7,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from kvq.cli import main
 
 
@@ -56,28 +54,3 @@ def test_list_shows_plugins_that_kvq_load_plugins_left_out():
     assert rows["baselines"].endswith(" ok") and rows["turboquant"].endswith(" not loaded (KVQ_LOAD_PLUGINS)")
     loaded = {p["entry_point"]: p["loaded"] for p in json.loads("{" + document)["plugins"]}
     assert loaded["baselines"] and not loaded["turboquant"] and not loaded["qjl"]
-
-
-def test_an_mlx_without_its_backend_library_gets_the_install_command(monkeypatch, capsys):
-    """kvq-core installed on Linux without [cpu] / [cuda12] / [cuda13]: importing MLX fails on libmlx.so. The
-    command says so in one line with the install command and exits 1; any other ImportError is not swallowed."""
-    import types
-
-    import kvq.cli
-
-    def broken(argv):
-        raise ImportError("libmlx.so: cannot open shared object file: No such file or directory")
-
-    monkeypatch.setitem(sys.modules, "kvq.cli.list_cmd", types.SimpleNamespace(main=broken))
-    assert kvq.cli.main(["list"]) == 1
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("kvq: MLX's back-end library is not installed (libmlx.so: cannot open shared object file")
-    assert "[cpu] for the CPU, [cuda12] or [cuda13] for NVIDIA GPUs" in err and "kvq_core[cpu]" in err
-    assert len(err.splitlines()) == 1
-
-    def other(argv):
-        raise ImportError("No module named 'something_else'")
-
-    monkeypatch.setitem(sys.modules, "kvq.cli.list_cmd", types.SimpleNamespace(main=other))
-    with pytest.raises(ImportError, match="something_else"):
-        kvq.cli.main(["list"])

@@ -183,3 +183,23 @@ def test_model_commands_print_the_blas_hint_before_model_work(monkeypatch, capsy
     install_hints.arm_blas_note(False)
     random_model.build_random_model(random_model.random_config("tiny"))
     assert "BLAS hint" not in capsys.readouterr().err
+
+
+def test_import_kvq_without_mlx_backend_library_says_how_to_install_it(tmp_path):
+    """kvq-core installed on Linux without [cpu] / [cuda12] / [cuda13]: MLX's import fails on libmlx.so (a new user
+    got only that). ``import kvq``, and so the kvq command, fails with the reason and the install command; another
+    ImportError of MLX's passes through as it is. A stand-in ``mlx`` package first on the path raises each."""
+    fake = tmp_path / "mlx"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("")
+    src = str(Path(__file__).parents[1] / "kvq_core" / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), src])}
+    for message, expected in (("libmlx.so: cannot open shared object file: No such file or directory",
+                               "MLX's back-end library is not installed (libmlx.so: cannot open shared object"),
+                              ("No module named 'mlx.core._other'", "No module named 'mlx.core._other'")):
+        (fake / "core.py").write_text(f"raise ImportError({message!r})\n")
+        r = subprocess.run([sys.executable, "-c", "import kvq"], capture_output=True, text=True, env=env)
+        last = r.stderr.strip().splitlines()[-1]
+        assert r.returncode == 1 and last.startswith("ImportError: ") and expected in last, r.stderr[-2000:]
+        if "libmlx" in message:  # the install command for the CPU's extra, from this checkout
+            assert "[cpu] for the CPU, [cuda12] or [cuda13] for NVIDIA GPUs" in last and "kvq_core[cpu]" in last

@@ -15,6 +15,15 @@ kvq's cache functions call it; code that only calls mlx-lm's loader calls it fir
 
 import importlib
 
+try:  # every module below needs MLX: where its back-end library is missing, say how to install it
+    import mlx.core  # noqa: F401
+except ImportError as _exc:
+    if "libmlx" not in str(_exc):
+        raise
+    from .install_hints import missing_backend_text
+
+    raise ImportError(missing_backend_text(_exc)) from _exc
+
 from . import contract
 from .contract import Implementation, Params
 from .encoded import Encoded

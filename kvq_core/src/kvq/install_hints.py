@@ -102,6 +102,13 @@ def install_command(distribution: str, extra: str | None = None) -> str:
             f"(git clone <kvq's repository URL> kvq), then run: {clone}")
 
 
+def missing_backend_text(exc: ImportError) -> str:
+    """Why ``import kvq`` failed where importing MLX fails for want of its back-end library (``libmlx.so``: on
+    Linux, kvq-core installed without one of the extras that bring it), and the command that installs it."""
+    return (f"MLX's back-end library is not installed ({exc}). On Linux kvq-core takes it as an extra: [cpu] for "
+            f"the CPU, [cuda12] or [cuda13] for NVIDIA GPUs; for the CPU: {install_command('kvq-core', 'cpu')}")
+
+
 def distribution_of(method: str) -> str | None:
     """The kvq distribution that provides ``method``, or ``None`` (a core method, or one kvq does not ship)."""
     return next((name for name, (_, methods, _) in DISTRIBUTIONS.items() if method in methods), None)

@@ -44,8 +44,7 @@ def version_text() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``kvq`` script. Returns the exit code (2 for usage errors, 1 for bad input or an MLX
-    without its back-end library, which it says how to install)."""
+    """Entry point of the ``kvq`` script. Returns the exit code (2 for usage errors, 1 for bad input)."""
     try:
         return _dispatch(sys.argv[1:] if argv is None else argv)
     except BrokenPipeError:  # the reader stopped early (kvq select --json | head): not an error of kvq's
@@ -53,20 +52,6 @@ def main(argv: list[str] | None = None) -> int:
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except ImportError as exc:
-        if "libmlx" not in str(exc):
-            raise
-        print(missing_backend_text(exc), file=sys.stderr)
-        return 1
-
-
-def missing_backend_text(exc: ImportError) -> str:
-    """What ``kvq`` prints where importing MLX fails for want of its back-end library (``libmlx.so``: on Linux,
-    kvq-core installed without one of the extras that bring it)."""
-    from ..install_hints import install_command
-
-    return (f"kvq: MLX's back-end library is not installed ({exc}). On Linux kvq-core takes it as an extra: [cpu] "
-            f"for the CPU, [cuda12] or [cuda13] for NVIDIA GPUs; for the CPU: {install_command('kvq-core', 'cpu')}")
 
 
 def _dispatch(argv: list[str]) -> int:
