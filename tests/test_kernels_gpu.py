@@ -181,6 +181,22 @@ def _codes_with_row_stride(encoded, extra_words: int):
     return Encoded(encoded.params, {**encoded.data, "codes": wide[..., : codes.shape[-1]]}, encoded.head_dim)
 
 
+def _kernel_against_pure(method, params, B, T, seed, views):
+    """Keys and values of ``B`` rows x 8 KV heads x ``T`` tokens (head_dim 128) encoded by pure MLX, and 32 decode
+    queries: for each ``views(keys, values)`` pair of Encoded, the kernel implementation's attention over it
+    equals pure MLX's over the encodings as made (within 1e-3, output and log-sum-exp)."""
+    kernel, pure = _impl(method)
+    p = kvq.make_params(method, **params)
+    k, v = _normal((B, 8, T, 128), seed=seed), _normal((B, 8, T, 128), seed=seed + 1)
+    q = _normal((B, 32, 1, 128), seed=seed + 2)
+    ke, ve = pure.kvq_quantize(k, p), pure.kvq_quantize(v, p)
+    ref, ref_lse = pure.kvq_attend(q, ke, ve, 0.1, None)
+    for kk, vv in views(ke, ve):
+        out, lse = kernel.kvq_attend(q, kk, vv, 0.1, None)
+        assert _rel(out, ref) < 1e-3, (method, params)
+        assert float(mx.max(mx.abs(lse - ref_lse))) < 1e-3, (method, params)
+
+
 @pytest.mark.parametrize("rep", [True, False], ids=["tables_per_lane", "shared_tables"])
 def test_decode_attend_unaligned_rows_and_table_layouts(rep):
     """Rows of codes 17 words apart (no vector loads), 3 batch rows x 8 KV heads (24 split counters), and both
@@ -193,16 +209,8 @@ def test_decode_attend_unaligned_rows_and_table_layouts(rep):
     attend.TUNING = attrs.evolve(saved, rep=rep)
     try:
         for method, params in (("turboquant", {"bits": 4}), ("affine", {"bits": 4, "group_size": 64})):
-            kernel, pure = _impl(method)
-            p = kvq.make_params(method, **params)
-            k, v = _normal((3, 8, 2000, 128), seed=31), _normal((3, 8, 2000, 128), seed=32)
-            q = _normal((3, 32, 1, 128), seed=33)
-            ke, ve = pure.kvq_quantize(k, p), pure.kvq_quantize(v, p)
-            ref, ref_lse = pure.kvq_attend(q, ke, ve, 0.1, None)
-            for kk, vv in ((ke, ve), (_codes_with_row_stride(ke, 1), _codes_with_row_stride(ve, 1))):
-                out, lse = kernel.kvq_attend(q, kk, vv, 0.1, None)
-                assert _rel(out, ref) < 1e-3, (method, rep)
-                assert float(mx.max(mx.abs(lse - ref_lse))) < 1e-3
+            _kernel_against_pure(method, params, 3, 2000, 31, lambda ke, ve: (
+                (ke, ve), (_codes_with_row_stride(ke, 1), _codes_with_row_stride(ve, 1))))
     finally:
         attend.TUNING = saved
 
@@ -212,18 +220,12 @@ def test_decode_attend_reads_views_with_negative_token_strides():
     view in place on its general path (64-bit offsets: the path with 32-bit offsets within a row takes strides of no
     sign only) and gives pure MLX's attention over the tokens in their order (a decode query sees every token, so
     the order does not change the result)."""
+    def reverse(a):
+        return a[:, :, ::-1]
+
     for method, params in (("turboquant", {"bits": 4}), ("turboquant", {"bits": 3}),
                            ("affine", {"bits": 4, "group_size": 64})):
-        kernel, pure = _impl(method)
-        p = kvq.make_params(method, **params)
-        k, v = _normal((2, 8, 1500, 128), seed=41), _normal((2, 8, 1500, 128), seed=42)
-        q = _normal((2, 32, 1, 128), seed=43)
-        ke, ve = pure.kvq_quantize(k, p), pure.kvq_quantize(v, p)
-        ref, ref_lse = pure.kvq_attend(q, ke, ve, 0.1, None)
-        reverse = lambda a: a[:, :, ::-1]  # noqa: E731
-        out, lse = kernel.kvq_attend(q, ke.map(reverse), ve.map(reverse), 0.1, None)
-        assert _rel(out, ref) < 1e-3, (method, params)
-        assert float(mx.max(mx.abs(lse - ref_lse))) < 1e-3
+        _kernel_against_pure(method, params, 2, 1500, 41, lambda ke, ve: ((ke.map(reverse), ve.map(reverse)),))
 
 
 def test_decode_attend_calls_evaluated_together_stay_independent():
