@@ -292,7 +292,7 @@ def _plan_for(queries_shape, scale: float, keys: Side, values: Side, backend: st
     plan = _launch_plan(D, R, keys.bits, values.bits, keys.group, values.group, keys.biases is not None,
                         values.biases is not None, keys.bits2, values.bits2, rot, float_bits(float(scale)), out_dim,
                         keys.table is values.table, dense_key, backend, TUNING, _linear(D, keys, values),
-                        B * H >= TUNING.tc_groups)
+                        _wide(B * H))
     return plan, D, T, R, out_dim
 
 
@@ -303,6 +303,13 @@ def _code_inputs(keys: Side, values: Side, signs: mx.array) -> list:
             keys.scales, keys.scales if keys.biases is None else keys.biases, keys.table,
             values.codes, values.codes if values.codes2 is None else values.codes2,
             values.scales, values.scales if values.biases is None else values.biases, values.table]
+
+
+def _wide(rows: int) -> bool:
+    """A launch whose ``rows`` (``B * H_kv``) alone fill the tensor-core kernel's split target
+    (``TUNING.tc_groups``, a large batch): each row then takes two splits (:func:`_tc_geometry`) and a bound step
+    the wide launch bound (:func:`kvq_metal.attend_tc.minb`)."""
+    return rows >= TUNING.tc_groups
 
 
 def _tc_geometry(plan: LaunchPlan, queries_shape, H: int, T: int, D: int, R: int, out_dim: int, backend: str,
@@ -319,7 +326,7 @@ def _tc_geometry(plan: LaunchPlan, queries_shape, H: int, T: int, D: int, R: int
     has two tiles), not one."""
     B, Hq, Tq, _ = queries_shape
     groups = max(B * H, min(TUNING.tc_groups, plan.limit * B * H) - plan.nd * B * H)
-    if B * H >= TUNING.tc_groups:
+    if _wide(B * H):
         # the rows alone fill the target (a large batch): two splits per row, not one. At 122 sequences of 32K
         # tokens (976 rows; kernel_durations.py --batch 122, H200) the bound step took 0.93-0.94x the time of one
         # split per row, three splits 0.95-0.96x (benchmarks/results/kernels/2026-12-04-h200-durations-batch122-*)

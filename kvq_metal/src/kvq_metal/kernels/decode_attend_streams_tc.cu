@@ -167,11 +167,10 @@
     };
     auto load = [&](Step& buf, const int t0, auto vt) {
       // VECS: every stream's rows read with vector loads and every offset within a (batch, KV head) row in 32 bits,
-      // known at compile time
+      // known at compile time; at: token t (column j of column stride cs) of an array of token stride ts (kvq_offset)
       constexpr bool VECS = decltype(vt)::value;
-      // token t's offset in an array of token stride ts (and column j of column stride cs): 32-bit with VECS
-      auto at = [&](const int t, const int64_t ts, const int j = 0, const int64_t cs = 0) -> int64_t {
-          return VECS ? (int64_t)(uint)(t * (uint)ts + j * (uint)cs) : (int64_t)t * ts + j * cs;
+      auto at = [&](const int t, const int64_t ts, const int j = 0, const int64_t cs = 0) {
+          return kvq_offset<VECS>(t, ts, j, cs);
       };
       if constexpr (DENSE) {
 #pragma unroll
@@ -327,22 +326,17 @@
     float m0 = -KVQ_INF, m1 = -KVQ_INF, l0 = 0.0f, l1 = 0.0f;
     float* ol_w = ol_s + warp * NT * 16 * R;
 
-    // the warp's steps, with vt: every stream's rows read with vector loads and 32-bit offsets (checked once per
-    // block; with the
-    // check inside the loop the compiler predicated the word-by-word path in beside the vector one, as in
-    // decode_attend_tc.cu)
-    // offsets within a (batch, KV head) row fit 32 bits: token T - 1's offset plus a row's extent, with strides of
-    // no sign (a view that runs backwards keeps 64-bit offsets), in every array the loads read (QJL's outlier
-    // arrays keep 64-bit offsets; an input standing in for an absent one, another stream's arrays or the codes'
-    // first column, is checked like the rest)
-    auto fits = [&](const int64_t ts, const int64_t extent) {
-        return ts >= 0 && extent >= 0 && (int64_t)(T > 0 ? T - 1 : 0) * ts + extent < ((int64_t)1 << 31);
-    };
+    // offsets within a (batch, KV head) row fit 32 bits in every array the loads read (kvq_fits32 of the T tokens
+    // and a row's extent; QJL's outlier arrays keep 64-bit offsets)
+    auto fits = [&](const int64_t ts, const int64_t extent) { return kvq_fits32(T, ts, extent); };
     const bool off32 = fits(ka_ts, (kc_shape[3] - 1) * ka_es) && fits(kb_ts, (kb_c_shape[3] - 1) * kb_es) &&
                        fits(va_ts, (vc_shape[3] - 1) * va_es) && fits(vb_ts, (vb_c_shape[3] - 1) * vb_es) &&
                        fits(ka1_ts, 0) && fits(ka2_ts, 0) && fits(kb1_ts, 0) && fits(kb2_ts, 0) && fits(vb1_ts, 0) &&
                        fits(vb2_ts, 0) && fits(va2_ts, 0) && fits(va1_ts, VA_GRP ? (va_s1_shape[3] - 1) * vag : 0) &&
                        fits(vab_ts, VA_GRP && VA_BIAS ? (va_b_shape[3] - 1) * vabg : 0);
+    // the warp's steps, with vt: every stream's rows read with vector loads and 32-bit offsets (checked once per
+    // block: with the check inside the loop the compiler predicated the word-by-word path in beside the vector
+    // one, as in decode_attend_tc.cu)
     auto steps = [&](auto vt) {
     for (int t0 = t_begin + warp * 16 * NT; t0 < t_end; t0 += TILE) {
         if constexpr (PF && !DENSE) load(nxt, t0 + TILE, vt);
@@ -444,7 +438,7 @@
                     if constexpr (DENSE) {
                         a[e] = buf.ka[st][u][p];
                     } else {
-                        a[e] = KVQ_STREAM_PAIR(kua[u], p, KA_BITS, KA_PAIR, katab_a, kalo, KASH);
+                        a[e] = KVQ_TABLE_PAIR(kua[u], p, KA_BITS, KA_PAIR, katab_a, kalo, KASH);
                     }
                 }
                 }
@@ -469,7 +463,7 @@
                 for (int e = 0; e < 4; ++e) {
                     const int u = e & 1;
                     const int p = 2 * s + (e >> 1);
-                    a[e] = KVQ_STREAM_PAIR(kub[u], p, KB_BITS, KB_PAIR, kbtab_a, kblo, KBSH);
+                    a[e] = KVQ_TABLE_PAIR(kub[u], p, KB_BITS, KB_PAIR, kbtab_a, kblo, KBSH);
                 }
                 }
                 if constexpr (QSH) {
@@ -541,7 +535,7 @@
                     if constexpr (DENSE) {
                         xv[u] = buf.va[st][u][i];
                     } else {
-                        uint x = KVQ_STREAM_PAIR(vua[u], i, VA_BITS, VA_PAIR, vatab_a, valo, VASH);
+                        uint x = KVQ_TABLE_PAIR(vua[u], i, VA_BITS, VA_PAIR, vatab_a, valo, VASH);
                         if (VA_GRP) {
                             const int gi = SVA >= VA_G ? (2 * i) / VA_G : 0;
                             x = kvq_hfma2(x, vh[u][gi], vbh[u][gi]);
@@ -573,7 +567,7 @@
                 for (int i = 0; i < MTB; ++i) {
                     uint xv[4];
 #pragma unroll
-                    for (int u = 0; u < 4; ++u) xv[u] = KVQ_STREAM_PAIR(vub[u], i, VB_BITS, VB_PAIR, vbtab_a, vblo, VBSH);
+                    for (int u = 0; u < 4; ++u) xv[u] = KVQ_TABLE_PAIR(vub[u], i, VB_BITS, VB_PAIR, vbtab_a, vblo, VBSH);
                     kvq_mma_vt(accb[i], xv, pb0, pb1);
                 }
                 }

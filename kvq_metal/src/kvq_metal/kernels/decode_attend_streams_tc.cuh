@@ -1,6 +1,7 @@
 // decode_attend_streams_tc.cuh: the header decode_attend_streams_tc.cu is built with: the tensor-core kernel's
 // helpers (decode_attend_tc.cuh: mma.sync, movmatrix, half2 conversions, prmt, funnel shift, ex2, the row loader of
-// uncompressed tokens, KVQ_FIELD_AT, kvq_table_base, kvq_lds) and the word loader and pair decoder of one code stream.
+// uncompressed tokens, KVQ_FIELD_AT, kvq_table_base, kvq_lds, the pair decoder KVQ_TABLE_PAIR) and the word loader
+// of one code stream.
 // Used by: decode_attend_streams_tc.cu (its header, loaded with it by kvq_metal.streams)
 #include "decode_attend_tc.cuh"
 
@@ -36,14 +37,6 @@
             dst[k_] = x_;                                                                               \
         }                                                                                               \
     }
-// the half2 of coordinate pair j (coordinates 2j, 2j + 1, the first in the low half) of a slice of B-bit codes
-// whose words u start at bit 0: one lookup of a pair table (PAIR: entry (a | b << B) = (table[a], table[b])) or
-// two of a single table (entry c = (table[c], table[c])) joined by one prmt; a is the table's kvq_table_base, lo
-// the byte offset of the lane's copy, entries 1 << SH bytes apart
-#define KVQ_STREAM_PAIR(u, j, B, PAIR, a, lo, SH)                                                           \
-    ((PAIR) ? kvq_lds((a) + KVQ_FIELD_AT(u, (j) * 2 * (B), 2 * (B), SH, lo))                                 \
-            : kvq_prmt(kvq_lds((a) + KVQ_FIELD_AT(u, (j) * 2 * (B), (B), SH, lo)),                           \
-                       kvq_lds((a) + KVQ_FIELD_AT(u, (j) * 2 * (B) + (B), (B), SH, lo)), 0x7610u))
 // a stream's code table into shared memory from its float32 values t (2**B of them): pair entries when PAIR,
 // single ones otherwise; REP: 32 copies, word e * 32 + lane (every lookup free of bank conflicts), written four
 // copies per 128-bit store

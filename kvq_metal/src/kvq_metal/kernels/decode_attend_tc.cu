@@ -173,12 +173,9 @@
                         (reinterpret_cast<size_t>(dvp + dvb) & (4 * DVV - 1)) == 0;
     auto load = [&](Step& buf, const int t0, auto vt) {
       // VECS: every row of codes read with vector loads and every offset within a (batch, KV head) row in 32 bits,
-      // known at compile time (one multiply-add per load address instead of 64-bit arithmetic)
+      // known at compile time; at: element (token t, column j) of an array of strides s (kvq_offset)
       constexpr bool VECS = decltype(vt)::value;
-      // the offset of element (token t, column j) of an array with strides s: 32-bit with VECS
-      auto at = [&](const int t, const int j, const auto& s) -> int64_t {
-          return VECS ? (int64_t)(uint)(t * (uint)s[2] + j * (uint)s[3]) : (int64_t)t * s[2] + j * s[3];
-      };
+      auto at = [&](const int t, const int j, const auto& s) { return kvq_offset<VECS>(t, s[2], j, s[3]); };
       if constexpr (DENSE) {
         // tokens past the end read the last row (the sinks' block without sinks: row 0 of the window, never used)
 #pragma unroll
@@ -279,20 +276,18 @@
     for (int i = 0; i < KS; ++i) { acc[i][0] = 0.0f; acc[i][1] = 0.0f; acc[i][2] = 0.0f; acc[i][3] = 0.0f; }
     float m0 = -KVQ_INF, m1 = -KVQ_INF, l0 = 0.0f, l1 = 0.0f;
 
-    // the warp's steps, with vt: the rows of codes are read with vector loads and offsets within a row of the batch
-    // and KV heads are 32-bit (their checks made once per block:
-    // with the check inside the loop, the compiler predicated the word-by-word path in beside the vector one and
-    // the loop issued both: 32 more loads per warp step of turboquant-4 and affine-4 at head_dim 128)
-    // offsets within a (batch, KV head) row fit 32 bits: every array's last token and column, with strides of no
-    // sign (a view that runs backwards, a negative stride, keeps 64-bit offsets; an input standing in for an
-    // absent one, the codes for a second stream or the scales for biases, is checked like the rest)
+    // offsets within a (batch, KV head) row fit 32 bits in every array the loads read (kvq_fits32 of its tokens
+    // and columns; the column stride of no sign too)
     auto fits = [&](const auto& sh, const auto& st) {
-        return st[2] >= 0 && st[3] >= 0 &&
-               (int64_t)(sh[2] - 1) * st[2] + (int64_t)(sh[3] - 1) * st[3] < ((int64_t)1 << 31);
+        return st[3] >= 0 && kvq_fits32(sh[2], st[2], (int64_t)(sh[3] - 1) * st[3]);
     };
     const bool off32 = fits(kc_shape, kc_strides) && fits(kc2_shape, kc2_strides) && fits(vc_shape, vc_strides) &&
                        fits(vc2_shape, vc2_strides) && fits(ks_shape, ks_strides) && fits(kb_shape, kb_strides) &&
                        fits(vs_shape, vs_strides) && fits(vb_shape, vb_strides);
+    // the warp's steps, with vt: the rows of codes are read with vector loads and offsets within a row of the batch
+    // and KV heads are 32-bit (their checks made once per block: with the check inside the loop, the compiler
+    // predicated the word-by-word path in beside the vector one and the loop issued both: 32 more loads per warp
+    // step of turboquant-4 and affine-4 at head_dim 128)
     auto steps = [&](auto vt) {
     for (int t0 = t_begin + warp * 16 * NT; t0 < t_end; t0 += TILE) {
         if (PF) load(nxt, t0 + TILE, vt);

@@ -11,8 +11,9 @@
 // Used by: decode_attend_tc.cu (its header, loaded with it by kvq_metal.attend_tc; also included by
 // decode_attend_streams_tc.cuh, the header of the tensor-core streams kernel)
 
-// a block's role, as a type: the kernel body is one generic lambda instantiated for compressed tokens
-// (kvq_role<false>) and for uncompressed ones (kvq_role<true>), so both share the block's static shared memory
+// a compile-time bool as a type: a block's role, the kernel body being one generic lambda instantiated for
+// compressed tokens (kvq_role<false>) and for uncompressed ones (kvq_role<true>), so both share the block's static
+// shared memory; and whether a warp's loop reads rows with vector loads and 32-bit offsets (kvq_offset)
 template <bool B>
 struct kvq_role {
     static constexpr bool value = B;
@@ -226,6 +227,19 @@ template <bool LIN>
 __device__ __forceinline__ constexpr int kvq_pair_first(const int j) { return LIN ? 8 * (j >> 2) + (j & 3) : 2 * j; }
 template <bool LIN>
 __device__ __forceinline__ constexpr int kvq_pair_gap() { return LIN ? 4 : 1; }
+// Offsets of the decode kernels' loads within a (batch, KV head) row. kvq_offset<OFF32>: element (token t, column
+// j) of an array of token stride ts and column stride cs, in 32 bits with OFF32 (one multiply-add for an address,
+// not 64-bit arithmetic), else in 64. kvq_fits32: whether OFF32 is exact for an array read at tokens below rows
+// with token stride ts and columns spanning extent elements: strides of no sign (a view running backwards wraps)
+// and the last offset below 2^31 (checked once per block; an input standing in for an absent one is checked like
+// the rest)
+template <bool OFF32>
+__device__ __forceinline__ int64_t kvq_offset(const int t, const int64_t ts, const int j, const int64_t cs) {
+    return OFF32 ? (int64_t)(uint)(t * (uint)ts + j * (uint)cs) : (int64_t)t * ts + j * cs;
+}
+__device__ __forceinline__ bool kvq_fits32(const int rows, const int64_t ts, const int64_t extent) {
+    return ts >= 0 && extent >= 0 && (int64_t)(rows > 0 ? rows - 1 : 0) * ts + extent < ((int64_t)1 << 31);
+}
 // Code tables looked up by shared-space address. kvq_table_base(tab): the table's 32-bit address in the shared state
 // space, passed through a shuffle from lane 0 so that the compiler knows it is the same in every lane (a warp's
 // loop bounds depend on threadIdx.x >> 5, which it cannot prove uniform, and then it kept the address, formed from
@@ -255,6 +269,15 @@ __device__ __forceinline__ uint2 kvq_lds64(const uint a) {
                                    : (w)[(OFF) >> 5] << ((SH) - ((OFF) & 31)))                              \
            : kvq_funnel((w)[(OFF) >> 5], (w)[((OFF) >> 5) + 1], ((OFF) & 31) - (SH)))                       \
       & (((1u << (NB)) - 1u) << (SH))) | (lo))
+// the half2 of coordinate pair j (coordinates 2j, 2j + 1, the first in the low half) of a slice of B-bit codes
+// whose words u start at bit 0: one lookup of a pair table (PAIR: entry (a | b << B) = (table[a], table[b])) or
+// two of a single table (entry c = (table[c], table[c])) joined by one prmt; a is the table's kvq_table_base, lo
+// the byte offset of the lane's copy, entries 1 << SH bytes apart (KVQ_DECODE_PAIR's
+// sides of one stream and the streams kernel's streams)
+#define KVQ_TABLE_PAIR(u, j, B, PAIR, a, lo, SH)                                                           \
+    ((PAIR) ? kvq_lds((a) + KVQ_FIELD_AT(u, (j) * 2 * (B), 2 * (B), SH, lo))                                 \
+            : kvq_prmt(kvq_lds((a) + KVQ_FIELD_AT(u, (j) * 2 * (B), (B), SH, lo)),                           \
+                       kvq_lds((a) + KVQ_FIELD_AT(u, (j) * 2 * (B) + (B), (B), SH, lo)), 0x7610u))
 // NB bits at bit offset OFF of the register array w (OFF, NB compile-time after unrolling; NB <= 16); a whole
 // byte is one prmt
 #define KVQ_BITS_SHIFT(w, OFF, NB) \
@@ -308,16 +331,15 @@ __device__ __forceinline__ uint2 kvq_lds64(const uint a) {
     }
 // the code words of this thread's slice of token t of one side (both streams) into step st's buffer, slice u
 // (KVQ_LOAD_SLICE: vector loads where VECS, a compile-time true, or side##vec says so; with VECS the token's
-// offset in 32 bits); SIDE and side as in KVQ_FILL_TABLE
+// offset in 32 bits, kvq_offset, its word stride 1 as vector loads need); SIDE and side as in KVQ_FILL_TABLE
 #define KVQ_LOAD_CODES(SIDE, side)                                                                                  \
-    const auto* row = VECS ? side##c + side##base + (uint)(t * (uint)side##c_strides[2] + (side##bit >> 5))          \
-                           : side##c + side##base + (int64_t)t * side##c_strides[2] + (side##bit >> 5) * side##c_strides[3]; \
+    const auto* row = side##c + side##base + kvq_offset<VECS>(t, side##c_strides[2], side##bit >> 5,               \
+                                                              VECS ? 1 : side##c_strides[3]);                      \
     KVQ_LOAD_SLICE(buf.side##w[st][u], row, SIDE##NW, SIDE##VEC, VECS || side##vec, side##c_strides[3], side##bit >> 5,      \
                    side##wl, SIDE##AL)                                                                             \
     if (SIDE##B2 > 0) {                                                                                            \
-        const auto* row2 = VECS ? side##c2 + side##base2 + (uint)(t * (uint)side##c2_strides[2] + (side##bit2 >> 5)) \
-                                : side##c2 + side##base2 + (int64_t)t * side##c2_strides[2] +                      \
-                                      (side##bit2 >> 5) * side##c2_strides[3];                                     \
+        const auto* row2 = side##c2 + side##base2 + kvq_offset<VECS>(t, side##c2_strides[2], side##bit2 >> 5,      \
+                                                                     VECS ? 1 : side##c2_strides[3]);              \
         KVQ_LOAD_SLICE(buf.side##w2[st][u], row2, SIDE##NW2, SIDE##VEC2, VECS || side##vec2, side##c2_strides[3],          \
                        side##bit2 >> 5, side##wl2, SIDE##AL)                                                       \
     }
@@ -349,14 +371,10 @@ __device__ __forceinline__ uint2 kvq_lds64(const uint a) {
         x = buf.d##side[st][u][j];                                                                                 \
     } else if (SIDE##LIN) {                                                                                        \
         x = kvq_lin4(side##u[u], j);                                                                               \
-    } else if (SIDE##PAIR && SIDE##B2 == 0) {                                                                      \
-        x = kvq_lds(side##tab_a + KVQ_FIELD_AT(side##u[u], j * 2 * SIDE##B, 2 * SIDE##B, SIDE##SH, side##lo));     \
+    } else if (SIDE##B2 == 0) {                                                                                    \
+        x = KVQ_TABLE_PAIR(side##u[u], j, SIDE##B, SIDE##PAIR, side##tab_a, side##lo, SIDE##SH);                   \
     } else if (SIDE##PAIR) {                                                                                       \
         x = kvq_lds(side##tab_a + ((((p1 << (2 * SIDE##B2)) | p2) << SIDE##SH) | side##lo));                       \
-    } else if (SIDE##B2 == 0) {                                                                                    \
-        x = kvq_prmt(kvq_lds(side##tab_a + KVQ_FIELD_AT(side##u[u], j * 2 * SIDE##B, SIDE##B, SIDE##SH, side##lo)), \
-                     kvq_lds(side##tab_a + KVQ_FIELD_AT(side##u[u], j * 2 * SIDE##B + SIDE##B, SIDE##B, SIDE##SH,   \
-                                                    side##lo)), 0x7610u);                                          \
     } else {                                                                                                       \
         const uint ca = ((p1 & SIDE##MASK) << SIDE##B2) | (p2 & SIDE##MASK2);                                      \
         const uint cb = ((p1 >> SIDE##B) << SIDE##B2) | (p2 >> SIDE##B2);                                          \
