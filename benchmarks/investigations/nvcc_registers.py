@@ -11,9 +11,10 @@ at head_dim 128, bits 4 at 256, affine bits 4 at head_dim 128). The signature is
 strides passed by value as ``__grid_constant__`` arrays, ``mlx/backend/cuda/custom_kernel.cpp``), so the
 registers and instructions are those of MLX's build up to NVRTC against nvcc. ``--sass``: with ``cuobjdump`` and
 ``nvdisasm`` on the PATH (pip's ``nvidia-cuda-cuobjdump``, ``nvidia-cuda-nvdisasm``), also the instructions of each
-main loop (the loop holding a warp step's ``HMMA``: 32 compressed tokens by default), the bound step's hot path.
+main loop (the loop holding a warp step's ``HMMA``: 32 compressed tokens by default), the bound step's hot path;
+of the streams kernel too (the loop with the most ``HMMA``, its shortest instantiation).
 
-    python benchmarks/investigations/nvcc_registers.py --tuning '{"nt": 1}' [--keep DIR]
+    python benchmarks/investigations/nvcc_registers.py --tuning '{"nt": 1}' [--keep DIR] [--sass]
     python benchmarks/investigations/nvcc_registers.py --turboquant --tuning '{"qsh": true}' [--keep DIR] [--sass]
 
 ``--tuning`` overrides the launch knobs (:mod:`kvq_metal.knobs`; of the streams kernel, or with ``--turboquant``
@@ -93,24 +94,33 @@ def compile_recorded(kw: dict, path: Path) -> str:
     return f"registers {regs} spill stores {spills} stack frame {stack} static shared {smem} bytes"
 
 
-def main_loops(cubin: Path, hmma: int) -> list[tuple[int, dict]]:
+def main_loops(cubin: Path, hmma: int | None = None) -> list[tuple[int, dict]]:
     """The loops of a cubin's SASS that hold ``hmma`` ``HMMA`` instructions (the tensor-core decode kernel's warp
     step over ``16 NT`` compressed tokens holds ``2 NT D / 16``: the scores' and the values' products; loops that
-    enclose it, with the uncompressed tokens' steps and the merge, hold more instructions), each as
+    enclose it, with the uncompressed tokens' steps and the merge, hold more instructions; ``None``: of the loops
+    that enclose no other, those with the most, the compressed tokens' steps: the uncompressed tokens' take one
+    tile a step), each as
     ``(instructions, counts of the commonest opcodes)``; ``[]`` without ``cuobjdump``."""
     if shutil.which("cuobjdump") is None:
         return []
     sass = subprocess.run(["cuobjdump", "-sass", str(cubin)], capture_output=True, text=True).stdout
     ins = [(int(m.group(1), 16), m.group(2).strip()) for m in
            re.finditer(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", sass, re.M)]
+    spans = [(int(m.group(1), 16), addr) for addr, text in ins
+             if (m := re.search(r"BRA\s+(?:P\d, )?0x([0-9a-f]+)", text)) and int(m.group(1), 16) < addr]
+    bodies = []
+    for lo, hi in spans:
+        body = [t for a, t in ins if lo <= a <= hi]
+        # None: innermost loops only (an enclosing loop holds the HMMA of every loop inside it)
+        if hmma is None and any(lo <= lo2 and hi2 <= hi and (lo2, hi2) != (lo, hi) for lo2, hi2 in spans):
+            continue
+        bodies.append((sum("HMMA" in t for t in body), body))
+    most = hmma if hmma is not None else max((h for h, _ in bodies), default=0)
     loops = []
-    for addr, text in ins:
-        m = re.search(r"BRA\s+(?:P\d, )?0x([0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < addr:
-            body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
-            if sum("HMMA" in t for t in body) == hmma:
-                ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
-                loops.append((len(body), dict(ops.most_common(8))))
+    for h, body in bodies:
+        if h == most and h > 0:
+            ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
+            loops.append((len(body), dict(ops.most_common(8))))
     return loops
 
 
@@ -151,7 +161,7 @@ def main() -> None:
     ap.add_argument("--keep", default=None, help="write the .cu files here")
     ap.add_argument("--turboquant", action="store_true",
                     help="the tensor-core decode kernel (turboquant, affine) instead")
-    ap.add_argument("--sass", action="store_true", help="with --turboquant: the main loops' instruction counts")
+    ap.add_argument("--sass", action="store_true", help="also the main loops' instruction counts")
     ap.add_argument("--tuning", default="{}", type=knobs_arg, help="JSON knob overrides (kvq_metal.knobs)")
     args = ap.parse_args()
     if shutil.which("nvcc") is None:
@@ -162,10 +172,10 @@ def main() -> None:
             turboquant(args.keep, args.sass)
         return
     with tuned(streams=args.tuning):
-        streams_kernels(args.keep)
+        streams_kernels(args.keep, args.sass)
 
 
-def streams_kernels(keep: str | None) -> None:
+def streams_kernels(keep: str | None, sass: bool = False) -> None:
     """The streams kernel's launches (qjl+affine:4, turboquant_prod:4 and :3), without and with dense tokens."""
     from kvq_metal import streams
 
@@ -181,8 +191,12 @@ def streams_kernels(keep: str | None) -> None:
             streams.decode_attend_streams(prepared, call, "cuda", **kwargs)
             kw = RECORDED[0]  # the attention launch (the merge follows)
             with tempfile.TemporaryDirectory() as tmp:
-                line = compile_recorded(kw, Path(keep or tmp) / f"{km}_{kp.get('bits', '')}_{label}.cu")
+                path = Path(keep or tmp) / f"{km}_{kp.get('bits', '')}_{label}.cu"
+                line = compile_recorded(kw, path)
+                loops = main_loops(Path(str(path) + ".cubin")) if sass else []
             print(f"{km}:{kp.get('bits', '')}+{vm}:{vp.get('bits', '')} {label}: kernel {kw['name']} {line}")
+            for n, ops in sorted(loops, key=lambda loop: loop[0])[:1]:  # the shortest: the vector-load path's
+                print(f"    main loop: {n} instructions per warp step {ops}")
 
 if __name__ == "__main__":
     main()
