@@ -205,20 +205,24 @@ def test_interval_mask_is_the_visibility_rule(start_q, n_sinks, n_compressed, co
     np.testing.assert_array_equal(masked[0], np.where(expected & (np.array(positions) >= 3)[None], 0.0, low))
 
 
-def test_in_flight_waits_only_beyond_its_budget():
-    """InFlight queues attentions without waiting while under budget and drains the oldest beyond it."""
+def test_in_flight_waits_for_the_layer_before(monkeypatch):
+    """InFlight queues a layer's attention and waits for the one before it (evaluated then), never for the newest:
+    at most two layers' attentions are outstanding."""
     from kvq.cache.prefill import InFlight
 
     queue = InFlight()
-    outs = [mx.ones((1, 1, 2, 2)) * i for i in range(4)]
-    for out in outs[:3]:
-        queue.push(out, 100, budget=1000)
-    assert len(queue._queue) == 3 and queue._bytes == 300
-    queue.push(outs[3], 900, budget=1000)  # 1200 > 1000: the oldest are waited for until 1000 or less remain
-    assert [size for _, size in queue._queue] == [100, 900] and queue._bytes == 1000
-    queue.push(mx.zeros((1, 1, 1, 1)), 5000, budget=0)  # alone over budget: only older entries are waited for
-    assert [size for _, size in queue._queue] == [5000]
-    assert [float(o[0, 0, 0, 0]) for o in outs] == [0.0, 1.0, 2.0, 3.0]
+    waited = []
+    real_eval = mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *arrays: (waited.append(arrays), real_eval(*arrays))[1])
+    outs = [mx.ones((1, 1, 2, 2)) * i for i in range(3)]
+    queue.push(outs[0])
+    assert waited == []  # nothing before the first
+    for i in (1, 2):
+        before = queue._last
+        queue.push(outs[i])
+        assert len(waited) == i and waited[-1][0] is before and queue._last is not before
+    monkeypatch.undo()
+    assert [float(o[0, 0, 0, 0]) for o in outs] == [0.0, 1.0, 2.0]
 
 
 @pytest.mark.parametrize("flush, window", [(1, 128), (8, 16), (32, 128), (4, 0)])

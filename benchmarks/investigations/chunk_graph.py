@@ -72,7 +72,7 @@ def emulate_cuda() -> None:
             if hasattr(module, "first_use_check"):
                 module.first_use_check = lambda *a, **k: True
     KVQCache._prefill_on_device = lambda self, queries: bool(self.compressed_keys.length)
-    prefill.InFlight.push = lambda self, out, nbytes, budget: None
+    prefill.InFlight.push = lambda self, out: None
 
 
 def node_counts(arrays: list) -> dict:

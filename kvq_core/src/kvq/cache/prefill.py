@@ -7,8 +7,8 @@ serves), joined with the sinks and the chunk's uncompressed tokens, and attended
 (:func:`interval_mask`): every query row sees what a token-by-token run would have shown it. Where a kernel
 implementation of the key method attends columns itself (:class:`kvq.contract.AttendsColumns`: kvq_metal's
 tensor-core prefill kernel on CUDA, once its knob is on), it gets the intervals instead (:func:`column_intervals`)
-and no mask is made. The decoded copy is freed once the call has run: :class:`InFlight` keeps only a bounded
-number of bytes of such copies queued on the device, so the cache never holds an fp16 copy of its tokens.
+and no mask is made. The decoded copy is freed once the call has run: :class:`InFlight` keeps at most two layers'
+copies on the device, so the cache never holds an fp16 copy of its tokens.
 
 Two facts about MLX 0.32's attention on CUDA shape this module (measured on an H200, ``benchmarks/prefill_parts.py``):
 a boolean mask is expanded by MLX to ``[B, H_q, T_q, keys]`` before the fused kernel (8x slower than causal
@@ -35,9 +35,6 @@ PREFILL_MASK_BYTES = 1 << 30
 #: Bytes of attention scores one call may materialise where MLX has no fused attention for the chunk (float32, or
 #: head_dim above 128, on CUDA: MLX computes rows x keys x query heads scores, float32 for the softmax).
 PREFILL_SCORES_BYTES = 1 << 29
-#: Bytes of transient decoded copies and masks that chunk attentions may hold queued on the device
-#: (:class:`InFlight`); 0 evaluates each layer's before the next is built.
-PREFILL_INFLIGHT_BYTES = 1 << 29
 
 
 def interval_mask(parts: list, r0: int, r1: int, end: int, dtype: mx.Dtype, user_mask: mx.array | None = None,
@@ -110,8 +107,8 @@ def attend_dequantized(queries: mx.array, scale: float, parts: list, config, tra
     unless :func:`rows_per_call` cuts it. Each slice of rows reads only the columns up to the last one its rows may
     see. The decoded copy is transient: the call is queued on the device
     (:data:`IN_FLIGHT`) and the copy freed once it has run; the cache keeps only the codes. Memory above the cache:
-    at most :data:`PREFILL_INFLIGHT_BYTES` plus one layer's ``2 * T * H_kv * (D_k + D_v) * 2`` bytes of decoded keys
-    and values (with their concatenation) and ``T_q * T * 2`` bytes of mask (16-bit queries), for ``T`` tokens held.
+    two layers' ``2 * T * H_kv * (D_k + D_v) * 2`` bytes of decoded keys and values (with their concatenation) and
+    ``T_q * T * 2`` bytes of mask (16-bit queries), for ``T`` tokens held.
 
     A centred or scaled layer attends its keys as stored throughout (as the fused decode kernel does), with scaled
     queries: every score lacks the same ``scale * q . mu``, which the softmax does not see, and 16-bit centred keys
@@ -132,7 +129,7 @@ def attend_dequantized(queries: mx.array, scale: float, parts: list, config, tra
     for hook in hooks:  # a kernel that reads the intervals itself makes no mask (issue #51)
         out = hook(queries, keys, values, intervals, scale, sink_logits)
         if out is not None:
-            IN_FLIGHT.push(out, 2 * (keys.nbytes + values.nbytes), PREFILL_INFLIGHT_BYTES)
+            IN_FLIGHT.push(out)
             return out
     sinks = None if sink_logits is None else sink_logits.astype(dtype)
     rows = rows_per_call(queries, keys.shape[2], PREFILL_MASK_BYTES, PREFILL_SCORES_BYTES)
@@ -144,8 +141,7 @@ def attend_dequantized(queries: mx.array, scale: float, parts: list, config, tra
         outs.append(mx.fast.scaled_dot_product_attention(queries[:, :, r0:r1], keys[:, :, :end], values[:, :, :end],
                                                          scale=scale, mask=mask, sinks=sinks))
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
-    transient = 2 * (keys.nbytes + values.nbytes) + min(rows, Tq) * keys.shape[2] * dtype.size * queries.shape[0]
-    IN_FLIGHT.push(out, transient, PREFILL_INFLIGHT_BYTES)
+    IN_FLIGHT.push(out)
     return out
 
 
@@ -192,31 +188,29 @@ def rows_per_call(queries: mx.array, num_keys: int, mask_bytes: int, scores_byte
 
 
 class InFlight:
-    """Layers' chunk attentions queued on the device with :func:`mlx.core.async_eval`, each with the bytes of
-    transient buffers (decoded copy, mask) it holds until it has run.
+    """The layers' chunk attentions queued on the device with :func:`mlx.core.async_eval`: each layer's is queued
+    and the one before it waited for, so the device runs layer ``n`` while the host builds layer ``n + 1``, and at
+    most two layers' transient buffers (decoded copy, mask) exist at once.
 
-    Evaluating every layer's attention at once (``mx.eval``) leaves the device idle while Python builds the next
-    layer (on an H200 that cost a quarter of the prefill time at 32K); leaving them all lazy lets every layer's
-    decoded copy exist at once (the peak of fp16's cache). This queues each layer and waits for the oldest only
-    while more than ``budget`` bytes are queued, so the device always has the current layer and the memory above
-    the cache stays below ``budget`` plus one layer's transient bytes.
+    Evaluating each layer's attention before building the next (``mx.eval``) leaves the device idle while Python
+    builds (on an H200 that cost a quarter of the prefill time at 32K); leaving them all lazy lets every layer's
+    decoded copy exist at once (the peak of fp16's cache). Until 2026-12-06 up to 512 MB of layers were queued:
+    deeper than the overlap needs, and on a small model above what kvq saves (4 layers of 8 KV heads, fp16 KV of
+    268 MB at 8K: kvq's prefill peak 417-552 MB against 412 MB for mlx-lm's KVCache on an H100,
+    ``tests/test_cache_memory.py``). A deeper queue only helps where the host's build of a layer sometimes takes
+    longer than the device's run of one.
     """
 
     def __init__(self) -> None:
-        self._queue: collections.deque[tuple[mx.array, int]] = collections.deque()
-        self._bytes = 0
+        self._last: mx.array | None = None
 
-    def push(self, out: mx.array, nbytes: int, budget: int) -> None:
-        """Queue ``out`` (a chunk attention holding ``nbytes`` of transients) and wait for older ones while more
-        than ``budget`` bytes are queued."""
+    def push(self, out: mx.array) -> None:
+        """Queue ``out`` (a layer's chunk attention) and wait for the one queued before it."""
         marker = out[:1, :1, :1, :1].sum()  # done when out is; holds nothing of out once evaluated
         mx.async_eval(out, marker)
-        self._queue.append((marker, nbytes))
-        self._bytes += nbytes
-        while self._bytes > budget and len(self._queue) > 1:
-            oldest, size = self._queue.popleft()
-            mx.eval(oldest)  # returns when that layer's attention has run and its transients are freed
-            self._bytes -= size
+        last, self._last = self._last, marker
+        if last is not None:
+            mx.eval(last)  # returns when that layer's attention has run and its transients are freed
 
 
 #: The one queue of every kvq cache in the process (layers run one after another).
