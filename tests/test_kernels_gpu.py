@@ -318,6 +318,41 @@ def test_bound_decode_steps_equal_the_unbound_call(case, attend_tc_knobs):
         assert _rel(out, want.astype(dtype)) < 1e-6, i
 
 
+@pytest.mark.parametrize("bits", [3, 4])
+def test_bound_decode_step_of_a_wide_batch(bits, monkeypatch):
+    """A batch whose rows alone fill the tensor-core kernel's split target (``B * H_kv >= tc_groups``: 34 rows x 8
+    KV heads) is launched with the wide launch bound (``AttendKnobs.minb_wide``: the compiler fits the registers to
+    that many blocks per SM; :func:`kvq_metal.attend_tc.minb`), and its bound decode steps give the attention of the
+    parts computed apart by pure MLX (codes, sinks, a window that grows by a token each step)."""
+    from kvq.attention import dense_attend, merge_parts
+    from kvq_metal import attend, attend_tc
+
+    if kvq_metal.gpu_backend() != "cuda":
+        pytest.skip("decode steps are bound for the tensor-core kernel (CUDA)")
+    B, Hkv, n_rep, D, dtype = attend.TUNING.tc_groups // 8 + 1, 8, 4, 128, mx.bfloat16
+    bounds = []
+    real_minb = attend_tc.minb
+    monkeypatch.setattr(attend_tc, "minb", lambda *a: bounds.append((a[-1], real_minb(*a))) or bounds[-1][1])
+    attend._launch_plan.cache_clear()  # plans made earlier in the process would not ask again
+    kernel, pure = _impl("turboquant")
+    p = kvq.make_params("turboquant", bits=bits)
+    ke, ve = (pure.kvq_quantize(_normal((B, Hkv, 600, D), dtype, s), p) for s in (61, 62))
+    sk, sv = _normal((B, Hkv, 4, D), dtype, 63), _normal((B, Hkv, 4, D), dtype, 64)
+    wk, wv = _normal((B, Hkv, 40, D), dtype, 65, 2.0), _normal((B, Hkv, 40, D), dtype, 66)
+    qs = [_normal((B, Hkv * n_rep, 1, D), dtype, 70 + i) for i in range(3)]
+    step = kernel.bind_dense(qs[0], ke, ve, D ** -0.5, sk, sv, wk[:, :, :32], wv[:, :, :32])
+    assert step is not None
+    assert attend.TUNING.minb_wide > 0 and (True, attend.TUNING.minb_wide) in bounds
+    outs = [step(q, wk[:, :, :32 + i], wv[:, :, :32 + i]) for i, q in enumerate(qs)]
+    mx.eval(outs)
+    scale = D ** -0.5
+    for i, (q, out) in enumerate(zip(qs, outs)):
+        ref, _ = merge_parts([pure.kvq_attend(q, ke, ve, scale, None), dense_attend(q, sk, sv, scale, None),
+                              dense_attend(q, wk[:, :, :32 + i], wv[:, :, :32 + i], scale, None)])
+        assert out.shape == ref.shape and out.dtype == dtype
+        assert _rel(out, ref) < 4e-3, i  # bfloat16 outputs
+
+
 @pytest.mark.parametrize("method,params", [("turboquant", {"bits": 3}), ("turboquant", {"bits": 4}),
                                            ("affine", {"bits": 4})])
 def test_cache_decode_through_the_bound_step_matches_kernels_off(method, params):
