@@ -25,6 +25,7 @@
 #        prefill-kernel (#51: the prefill kernel's GPU parity tests, every form, then its time beside MLX's masked and
 #        causal attention at 8K and 32K, benchmarks/prefill_masks.py, for each form: --warpgroups 0 (mma.sync), 1, 2
 #        (wgmma), 1p, 2p (wgmma pipelined); PK_FORMS and PK_TESTS (a pytest -k expression) narrow them), prefill-parts (the per-layer chunk breakdown at 8K and 32K, benchmarks/prefill_parts.py),
+#        prefill-revisions (kvq bench prefill of SITE_BEFORE's and SITE_AFTER's packages, back to back, twice),
 #        prefill-wired (#51: kvq bench prefill on random:llama3-8b, bfloat16, 8K and 32K, fp16 in the same run, with
 #        the prefill kernel on (benchmarks/knobs.py --prefill '{"tc": true}') and off, each an untimed warm-up and
 #        two timed repetitions), batch-prefill (BatchGenerator prefill of 8 x 2,048 with the first-block checks and
@@ -209,6 +210,17 @@ for r in json.load(open(sys.argv[1]))["rows"]:
                        "$OUT/batch-prefill${off}" --reps 3 $off > "$OUT/batch-prefill${off}.log" 2>&1)
                      echo "== checks ${off:-on}"; grep "^{" "$OUT/batch-prefill${off}.log" || tail -c 1500 "$OUT/batch-prefill${off}.log"
                    done;;
+    prefill-revisions) # kvq bench prefill of two revisions' packages back to back, twice (SITE_BEFORE, SITE_AFTER:
+                       # benchmarks/gpu_revisions.sh), kvcache in every run: a change to the prefill path measured
+                       for i in 1 2; do for side in before after; do
+                         site=SITE_${side^^}
+                         PYTHONPATH=/tmp/kvq-site:${!site} MLX_ENABLE_TF32=0 timeout 200 python3 -m kvq.cli bench prefill \
+                           --model random:llama3-8b --dtype bfloat16 --contexts 8K,32K --reps 3 \
+                           --methods kvcache,turboquant:3,turboquant:4,affine:4 --out "$OUT/prefill" \
+                           --name "prefill-$side-$i" --no-progress --no-plot > "$OUT/prefill_${side}_$i.log" 2>&1
+                         echo "== $side $i"; grep -E "^(###|\| (kvcache|turbo|affine))" "$OUT/prefill_${side}_$i.log" \
+                           || tail -c 1500 "$OUT/prefill_${side}_$i.log"
+                       done; done;;
     prefill-wired) for tc in true false; do
                      MLX_ENABLE_TF32=0 timeout 280 python3 benchmarks/knobs.py --prefill "{\"tc\": $tc}" -- bench prefill \
                        --model random:llama3-8b --dtype bfloat16 --contexts 8K,32K --reps 3 \

@@ -319,21 +319,17 @@ def test_bound_decode_steps_equal_the_unbound_call(case, attend_tc_knobs):
 
 
 @pytest.mark.parametrize("bits", [3, 4])
-def test_bound_decode_step_of_a_wide_batch(bits, monkeypatch):
+def test_bound_decode_step_of_a_wide_batch(bits):
     """A batch whose rows alone fill the tensor-core kernel's split target (``B * H_kv >= tc_groups``: 34 rows x 8
     KV heads) is launched with the wide launch bound (``AttendKnobs.minb_wide``: the compiler fits the registers to
     that many blocks per SM; :func:`kvq_metal.attend_tc.minb`), and its bound decode steps give the attention of the
     parts computed apart by pure MLX (codes, sinks, a window that grows by a token each step)."""
     from kvq.attention import dense_attend, merge_parts
-    from kvq_metal import attend, attend_tc
+    from kvq_metal import attend
 
     if kvq_metal.gpu_backend() != "cuda":
         pytest.skip("decode steps are bound for the tensor-core kernel (CUDA)")
     B, Hkv, n_rep, D, dtype = attend.TUNING.tc_groups // 8 + 1, 8, 4, 128, mx.bfloat16
-    bounds = []
-    real_minb = attend_tc.minb
-    monkeypatch.setattr(attend_tc, "minb", lambda *a: bounds.append((a[-1], real_minb(*a))) or bounds[-1][1])
-    attend._launch_plan.cache_clear()  # plans made earlier in the process would not ask again
     kernel, pure = _impl("turboquant")
     p = kvq.make_params("turboquant", bits=bits)
     ke, ve = (pure.kvq_quantize(_normal((B, Hkv, 600, D), dtype, s), p) for s in (61, 62))
@@ -342,7 +338,7 @@ def test_bound_decode_step_of_a_wide_batch(bits, monkeypatch):
     qs = [_normal((B, Hkv * n_rep, 1, D), dtype, 70 + i) for i in range(3)]
     step = kernel.bind_dense(qs[0], ke, ve, D ** -0.5, sk, sv, wk[:, :, :32], wv[:, :, :32])
     assert step is not None
-    assert attend.TUNING.minb_wide > 0 and (True, attend.TUNING.minb_wide) in bounds
+    assert attend.TUNING.minb_wide > 0 and dict(step.template_args)["MINB"] == attend.TUNING.minb_wide
     outs = [step(q, wk[:, :, :32 + i], wv[:, :, :32 + i]) for i, q in enumerate(qs)]
     mx.eval(outs)
     scale = D ** -0.5

@@ -153,10 +153,10 @@ def test_gpu_prefill_path_sees_what_token_by_token_sees(model32, label, monkeypa
                          [(200, 4, 120, 100, 1, 0, 30), (200, 4, 120, 100, 1, 7, 30), (200, 4, 120, 100, 8, 0, 30),
                           (2, 4, 10, 0, 1, 0, 12), (0, 4, 0, 0, 1, 0, 6), (300, 0, 150, 140, 4, 3, 19)])
 def test_interval_mask_is_the_visibility_rule(start_q, n_sinks, n_compressed, compressed_before, flush, r0, r1):
-    """The GPU chunk's additive mask (kvq.cache.prefill.interval_mask, which writes the columns every row sees as
-    zeros and computes the rest from the parts' intervals) equals the rule written column by column: a sink before
-    the row, a compressed token among the row's first ``bound``, a dense token from ``n_sinks + bound`` up to the
-    row's own position; with and without a user mask."""
+    """The GPU chunk's additive mask (kvq.cache.prefill.interval_mask, one compiled function of the rows' column
+    intervals per part) equals the rule written column by column: a sink before the row, a compressed token among
+    the row's first ``bound``, a dense token from ``n_sinks + bound`` up to the row's own position; with and without
+    a user mask, and over no columns at all."""
     from kvq.cache.parts import Part, causal
     from kvq.cache.prefill import column_intervals, interval_mask
 
@@ -190,6 +190,7 @@ def test_interval_mask_is_the_visibility_rule(start_q, n_sinks, n_compressed, co
     mask = np.array(interval_mask(parts, r0, r1, end, mx.float16))
     assert mask.shape == expected.shape
     np.testing.assert_array_equal(mask, np.where(expected, 0.0, low))
+    assert interval_mask(parts, r0, r1, 0, mx.float16).shape == (r1 - r0, 0)
     # the same rule as per-row column intervals, the form a prefill kernel reads (kvq_metal.prefill)
     intervals = column_intervals(parts, r0, r1)
     seen = np.zeros_like(expected)
@@ -211,16 +212,20 @@ def test_in_flight_waits_for_the_layer_before(monkeypatch):
     from kvq.cache.prefill import InFlight
 
     queue = InFlight()
-    waited = []
-    real_eval = mx.eval
-    monkeypatch.setattr(mx, "eval", lambda *arrays: (waited.append(arrays), real_eval(*arrays))[1])
+    calls = []  # ("queued", arrays) and ("waited", arrays), in order
+    real_eval, real_async = mx.eval, mx.async_eval
+    monkeypatch.setattr(mx, "eval", lambda *arrays: (calls.append(("waited", arrays)), real_eval(*arrays))[1])
+    monkeypatch.setattr(mx, "async_eval", lambda *arrays: (calls.append(("queued", arrays)), real_async(*arrays))[1])
     outs = [mx.ones((1, 1, 2, 2)) * i for i in range(3)]
     queue.push(outs[0])
-    assert waited == []  # nothing before the first
+    assert [kind for kind, _ in calls] == ["queued"]  # nothing before the first to wait for
     for i in (1, 2):
         before = queue._last
+        calls.clear()
         queue.push(outs[i])
-        assert len(waited) == i and waited[-1][0] is before and queue._last is not before
+        # this layer queued first (the device has it while the host waits), then the one before it waited for
+        assert [kind for kind, _ in calls] == ["queued", "waited"]
+        assert calls[0][1][0] is outs[i] and calls[1][1][0] is before and queue._last is not before
     monkeypatch.undo()
     assert [float(o[0, 0, 0, 0]) for o in outs] == [0.0, 1.0, 2.0]
 

@@ -27,12 +27,18 @@ from kernel_durations import parse_ncu_csv  # noqa: E402
 from prefill_parts import _size, filled_copies, layer_inputs, layer_parser, layer_source  # noqa: E402
 
 
+_MARKER_INPUT = []  # the markers' one input, made and evaluated once (a fresh one would add its fill kernel to a part)
+
+
 def marker(label: str) -> None:
     """Launch a one-thread kernel named after ``label`` (letters and digits) and wait: the parts' boundary."""
     import mlx.core as mx
 
+    if not _MARKER_INPUT:
+        _MARKER_INPUT.append(mx.zeros((1,)))
+        mx.eval(_MARKER_INPUT[0])
     k = mx.fast.cuda_kernel(name=f"marker_{label}", input_names=["x"], output_names=["y"], source="y[0] = x[0];")
-    (y,) = k(inputs=[mx.zeros((1,))], grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(1,)],
+    (y,) = k(inputs=_MARKER_INPUT, grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(1,)],
              output_dtypes=[mx.float32])
     mx.eval(y)
     mx.synchronize()

@@ -43,7 +43,9 @@ def interval_mask(parts: list, r0: int, r1: int, end: int, dtype: mx.Dtype, user
     columns of ``parts`` laid side by side (contiguous parts: :class:`kvq.cache.parts.Part`), from the parts'
     intervals (:func:`kvq.cache.parts.visible`, in the columns' form of :func:`column_intervals`).
 
-    Built by one fused kernel (:func:`_interval_mask`, ``mx.compile``, shapeless) from each row's interval per part:
+    Built from each row's interval per part by one function compiled with ``mx.compile`` (shapeless; with
+    ``user_mask`` only the intervals' test is compiled, then joined with it; where MLX cannot compile on the CPU the
+    same ops run one by one):
     as separate MLX ops (comparisons in int64, their union, the select, joined to the zeros of the columns every row
     sees) they took 0.3-0.6 ms of GPU time per layer and chunk of 2,048 rows at 8K-32K held tokens on an H100,
     12-42% of what the chunk's attention costs above fp16's (``benchmarks/results/prefill/2026-12-06-h100-chunk-kernels``).
@@ -52,6 +54,9 @@ def interval_mask(parts: list, r0: int, r1: int, end: int, dtype: mx.Dtype, user
         position of each key column; ``None``: the intervals alone.
     :return: ``[r1 - r0, end]`` (``[..., r1 - r0, end]`` with ``user_mask``) in ``dtype``.
     """
+    if end == 0:  # (a shapeless compiled function would broadcast the empty columns against the bounds' one)
+        shape = (r1 - r0, 0) if user_mask is None else (*user_mask.shape[:-2], r1 - r0, 0)
+        return mx.zeros(shape, dtype)
     intervals = column_intervals(parts, r0, r1)
     bounds = [mx.array(np.ascontiguousarray(intervals[:, p, i : i + 1])) for p in range(len(parts)) for i in (0, 1)]
     columns = mx.arange(end, dtype=mx.int32)
