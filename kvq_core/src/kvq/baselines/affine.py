@@ -194,9 +194,15 @@ class AffineMLX:
 
 def _nan_where_non_finite(scales: mx.array, x: mx.array, group_size: int) -> mx.array:
     """``scales`` ``[..., D / group_size]`` with NaN for each group of ``x`` ``[..., D]`` that holds a NaN or ±inf
-    (lazy, no host synchronisation; other scales unchanged bit for bit)."""
-    finite = mx.all(mx.isfinite(x).reshape(*x.shape[:-1], -1, group_size), axis=-1)
+    (lazy, no host synchronisation; other scales unchanged bit for bit). ``mx.isfinite`` is six elementwise
+    kernels on a GPU (two comparisons with ±inf, one with itself, their unions and negation); compiled, one
+    (a prefill chunk's affine update ran 0.16 ms of this check's kernels on an H100:
+    ``benchmarks/results/prefill/2026-12-06-h100-chunk-kernels``)."""
+    finite = mx.all(_isfinite(x).reshape(*x.shape[:-1], -1, group_size), axis=-1)
     return mx.where(finite, scales, float("nan"))
+
+
+_isfinite = mx.compile(mx.isfinite, shapeless=True)
 
 
 def _on_cpu() -> bool:
