@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import io
 import json
 import shutil
@@ -28,6 +29,31 @@ FILTER = "regex:decode_attend|decode_merge|zero_counters|sdpa|fmha|flash"
 OCCUPANCY = "sm__warps_active.avg.pct_of_peak_sustained_active"
 #: Multipliers to microseconds of the time units ncu prints.
 UNITS = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
+
+
+def launch_marker(name: str):
+    """A function that launches a one-thread CUDA kernel named ``name`` and waits for it: a boundary in the launch
+    list ncu records (``benchmarks/investigations/decode_step_kernels.py``, ``chunk_kernels.py``). Every marker reads
+    one input, made and evaluated at the first marker's making, so no fill kernel of it joins the work between two
+    markers."""
+    import mlx.core as mx
+
+    kern = mx.fast.cuda_kernel(name=name, input_names=["x"], output_names=["y"], source="y[0] = x[0];")
+    x = _marker_input()
+
+    def mark() -> None:
+        mx.eval(kern(inputs=[x], grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(1,)],
+                     output_dtypes=[mx.float32])[0])
+    return mark
+
+
+@functools.cache
+def _marker_input():
+    import mlx.core as mx
+
+    x = mx.zeros((1,), mx.float32)
+    mx.eval(x)
+    return x
 
 
 def parse_ncu_csv(text: str) -> list[dict]:

@@ -14,6 +14,7 @@ reference. CUDA only (``mx.fast.cuda_kernel``).
 
 from __future__ import annotations
 
+import argparse
 import collections
 import json
 import shutil
@@ -23,25 +24,13 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent))  # benchmarks/: the layer setup prefill_parts.py times
-from kernel_durations import parse_ncu_csv  # noqa: E402
+from kernel_durations import launch_marker, parse_ncu_csv  # noqa: E402
 from prefill_parts import _size, filled_copies, layer_inputs, layer_parser, layer_source  # noqa: E402
-
-
-_MARKER_INPUT = []  # the markers' one input, made and evaluated once (a fresh one would add its fill kernel to a part)
 
 
 def marker(label: str) -> None:
     """Launch a one-thread kernel named after ``label`` (letters and digits) and wait: the parts' boundary."""
-    import mlx.core as mx
-
-    if not _MARKER_INPUT:
-        _MARKER_INPUT.append(mx.zeros((1,)))
-        mx.eval(_MARKER_INPUT[0])
-    k = mx.fast.cuda_kernel(name=f"marker_{label}", input_names=["x"], output_names=["y"], source="y[0] = x[0];")
-    (y,) = k(inputs=_MARKER_INPUT, grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(1,)],
-             output_dtypes=[mx.float32])
-    mx.eval(y)
-    mx.synchronize()
+    launch_marker(f"marker_{label}")()
 
 
 def child(args) -> None:
@@ -118,7 +107,7 @@ def summarise(launches: list[dict]) -> list[dict]:
 def main(argv=None) -> int:
     ap = layer_parser(__doc__, "8K")
     ap.add_argument("--methods", default="kvcache,turboquant:3,turboquant:4,affine:4")
-    ap.add_argument("--child", action="store_true", help=argparse_suppress())
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ncu", default=shutil.which("ncu") or "/usr/local/cuda/bin/ncu")
     args = ap.parse_args(argv)
     if args.child:
@@ -141,12 +130,6 @@ def main(argv=None) -> int:
     (args.out / "chunk_kernels.json").write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows,
                                                              "totals_us": totals}, indent=1))
     return 0
-
-
-def argparse_suppress():
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 if __name__ == "__main__":

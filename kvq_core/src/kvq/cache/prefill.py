@@ -21,8 +21,6 @@ calls are cut into slices of rows.
 
 from __future__ import annotations
 
-import collections
-
 import mlx.core as mx
 import numpy as np
 
@@ -45,10 +43,10 @@ def interval_mask(parts: list, r0: int, r1: int, end: int, dtype: mx.Dtype, user
 
     Built from each row's interval per part by one function compiled with ``mx.compile`` (shapeless; with
     ``user_mask`` only the intervals' test is compiled, then joined with it; where MLX cannot compile on the CPU the
-    same ops run one by one):
-    as separate MLX ops (comparisons in int64, their union, the select, joined to the zeros of the columns every row
-    sees) they took 0.3-0.6 ms of GPU time per layer and chunk of 2,048 rows at 8K-32K held tokens on an H100,
-    12-42% of what the chunk's attention costs above fp16's (``benchmarks/results/prefill/2026-12-06-h100-chunk-kernels``).
+    same ops run one by one). Built as separate MLX ops (comparisons in int64, their union, the select, joined to
+    the zeros of the columns every row sees), the mask took 0.3-0.6 ms of GPU time per layer and chunk of 2,048 rows
+    at 8K-32K held tokens on an H100, 12-42% of what the chunk's attention costs above fp16's
+    (``benchmarks/results/prefill/2026-12-06-h100-chunk-kernels``).
 
     :param user_mask: mlx-lm's mask as booleans (batch padding), ``[..., T_q, all columns]``, with ``user_cols`` the
         position of each key column; ``None``: the intervals alone.
