@@ -452,6 +452,26 @@ def test_turboquant_codec_matches_pure_mlx(D, bits, dtype):
     assert _rel(kernel.kvq_dequantize(want, dtype), pure.kvq_dequantize(want, dtype)) < 1e-3
 
 
+@pytest.mark.parametrize("D,bits,dtype", [(128, 3, mx.bfloat16), (64, 1, mx.float16), (120, 2, mx.bfloat16),
+                                          (256, 4, mx.float16)])
+@pytest.mark.parametrize("before,after", [(0, 0), (4, 130), (0, 7), (3, 0)])
+def test_turboquant_decode_into_wider_columns_is_the_decode(D, bits, dtype, before, after):
+    """Issue #51: :meth:`dequantize_into` writes each row's decoded tokens between ``before`` and ``after``
+    columns, bit for bit what ``kvq_dequantize`` gives, for codes stored contiguously and as a slice of a larger
+    store (a cache's codes beyond its capacity step); the columns around them are left to the caller."""
+    kernel, pure = _impl("turboquant")
+    p = kvq.make_params("turboquant", bits=bits)
+    enc = pure.kvq_quantize(_normal((2, 3, 300, D), dtype, seed=D + bits, scale=2.0), p)
+    sliced = attrs.evolve(enc, data={k: v[:, :, :257] for k, v in enc.data.items()})
+    for e in (enc, sliced):
+        want = kernel.kvq_dequantize(e, dtype)
+        got = kernel.dequantize_into(e, dtype, before, after)
+        T = e.num_tokens
+        assert got.shape == (2, 3, before + T + after, D) and got.dtype == dtype
+        assert mx.array_equal(got[:, :, before:before + T], want)
+        assert _rel(want, pure.kvq_dequantize(e, dtype)) < 1e-3
+
+
 # -- fused encoders of qjl and turboquant_prod (issue #21: a window flush quantizes in one launch per side) ------
 QJL_ENCODER_CASES = [(64, {}, mx.float16), (128, {}, mx.bfloat16), (128, {"outlier_channels": 0}, mx.float32),
                      (256, {"sketch_dim": 96, "outlier_channels": 8}, mx.bfloat16),

@@ -319,3 +319,36 @@ def test_the_prefill_kernel_serves_nothing_off_cuda_or_with_its_knob_off(monkeyp
             assert hook is not None
             if gpu_backend() != "cuda" or backend == "metal" or not tc:
                 assert hook(q, kv, kv, intervals, 0.125) is None, (tc, backend)
+
+
+class DecodeInto:
+    """A :class:`kvq.contract.DequantizesInto` hook over an implementation's own ``kvq_dequantize``: the decoded
+    tokens between ``before`` and ``after`` columns of NaN (what a kernel leaves unwritten may hold anything)."""
+
+    def __init__(self, impl):
+        self.impl, self.calls = impl, 0
+
+    def __call__(self, encoded, dtype, before, after):
+        self.calls += 1
+        out = self.impl.kvq_dequantize(encoded, dtype)
+        B, H, _, D = out.shape
+        return mx.concatenate([mx.full((B, H, before, D), mx.nan, dtype), out,
+                               mx.full((B, H, after, D), mx.nan, dtype)], axis=2)
+
+
+@pytest.mark.parametrize("label", ["affine:4", "turboquant:4", "turboquant:3.5"])
+def test_decoding_into_the_joined_columns_sees_what_token_by_token_sees(model32, label, monkeypatch):
+    """Issue #51: where the implementation that decodes a layer offers :class:`kvq.contract.DequantizesInto`
+    (turboquant's fused decode on a GPU), the GPU's prefill path (forced on the CPU) decodes the compressed part
+    into the joined columns and writes the sinks and the window around it in place: KL to the token-by-token run
+    < 1e-4 for chunks of 16, 100 and the whole prompt, with every column the hook leaves (NaN here) written."""
+    from kvq.plugins import registry
+
+    reference = run(model32, label, 1)
+    monkeypatch.setattr(KVQCache, "_prefill_on_device", lambda self, queries: self.compressed_keys.length > 0)
+    impl = registry().implementations[(label.partition(":")[0], "mlx")]  # what dequantize picks on the CPU
+    hook = DecodeInto(impl)
+    monkeypatch.setattr(impl, "dequantize_into", hook, raising=False)
+    for chunk in (16, 100, PROMPT.shape[1]):
+        assert mean_kl(reference, run(model32, label, chunk)) < 1e-4, chunk
+    assert hook.calls >= 16  # keys and values of every layer's chunks that hold compressed tokens

@@ -120,16 +120,38 @@ def dequantize(codes: mx.array, norms: mx.array, signs: mx.array, centroids: mx.
     :return: ``[..., head_dim]`` of ``dtype`` (NaN for a vector whose stored norm is NaN).
     :raises ValueError: as :func:`quantize`.
     """
+    out = dequantize_into(codes, norms, signs, centroids, bits, head_dim, dtype, backend, 0, 0)
+    return out.reshape(*codes.shape[:-1], head_dim)
+
+
+def dequantize_into(codes: mx.array, norms: mx.array, signs: mx.array, centroids: mx.array, bits: int,
+                    head_dim: int, dtype, backend: str, before: int, after: int) -> mx.array:
+    """:func:`dequantize` of ``codes`` ``[..., T, W]`` into a buffer with ``before`` columns ahead of each row's
+    ``T`` decoded vectors and ``after`` behind them, left unwritten for the caller to fill (a prefill chunk's
+    sinks and window beside its decoded tokens, written in place by ``mx.array`` slice assignment: no copy of the
+    decoded tokens to join them, issue #51).
+
+    :param before, after: columns (>= 0) around each row's decoded vectors; ``0, 0`` is :func:`dequantize`.
+    :return: ``[..., before + T + after, head_dim]`` of ``dtype``; its ``before`` and ``after`` columns hold
+        whatever the allocator gave until the caller writes them.
+    :raises ValueError: as :func:`quantize`, or ``before`` / ``after`` negative.
+    """
     dim = signs.shape[0]
     if not supported(head_dim, dim, bits):
         raise ValueError(f"fused dequantize serves head_dim rotated at a power of two in 32..256 and bits 1..4; "
                          f"got {head_dim} at {dim}, {bits}")
+    if before < 0 or after < 0:
+        raise ValueError(f"before and after must be >= 0 columns; got {before}, {after}")
     lead, n, groups = _rows(codes.shape)
+    T = lead[-1] if lead else 1
+    rows = 1
+    for s in lead[:-1]:
+        rows *= s
     kern = DEQUANTIZE.kernel(backend, ("codes", "norms", "signs", "centroids"), ("out",))
     (out,) = kern(
-        inputs=[codes.reshape(n, codes.shape[-1]), norms.reshape(n), signs, centroids],
+        inputs=[codes.reshape(rows, T, codes.shape[-1]), norms.reshape(n), signs, centroids],
         template=[("D", head_dim), ("DP", dim), ("BITS", bits), ("VPG", VECTORS_PER_GROUP),
-                  ("OUT_T", dtype)],
+                  ("OUT_T", dtype), ("BEFORE", before), ("AFTER", after)],
         grid=(32 * VECTORS_PER_GROUP * groups, 1, 1), threadgroup=(32 * VECTORS_PER_GROUP, 1, 1),
-        output_shapes=[(n, head_dim)], output_dtypes=[dtype])
-    return out.reshape(*lead, head_dim)
+        output_shapes=[(rows * (before + T + after), head_dim)], output_dtypes=[dtype])
+    return out.reshape(*lead[:-1], before + T + after, head_dim)

@@ -160,15 +160,23 @@ class TurboQuantKernels(KernelImpl):
 
     def kvq_dequantize(self, encoded, dtype):
         """``kvq_dequantize`` spec: ``[B, H, T, D]`` of ``dtype``."""
+        out = self.dequantize_into(encoded, dtype, 0, 0)
+        return self.fallback().kvq_dequantize(encoded, dtype) if out is None else out
+
+    def dequantize_into(self, encoded, dtype, before, after):
+        """:class:`kvq.contract.DequantizesInto`: the fused decode writing each row's tokens between ``before``
+        and ``after`` unwritten columns (:func:`kvq_backends_turboquant.kernels.quantize.dequantize_into`);
+        ``None`` for what the kernel does not serve (other variants, rotations, widths; no tokens)."""
         p, D = encoded.params, encoded.head_dim
         if not (_plain(p) and p.rotation == "hadamard" and fused.supported(D, p.rotated_dim(D), p.bits)
                 and encoded.num_tokens):
-            return self.fallback().kvq_dequantize(encoded, dtype)
+            return None
         dim = p.rotated_dim(D)
         mse.check_stored_width(encoded.data, "codes", p, D)
         rot = rotation.rotation("hadamard", dim, p.seed)
-        return fused.dequantize(encoded.data["codes"], encoded.data["norms"], rot.signs,
-                                codebook.codebook(dim, p.bits).centroids, p.bits, D, dtype, self.backend)
+        return fused.dequantize_into(encoded.data["codes"], encoded.data["norms"], rot.signs,
+                                     codebook.codebook(dim, p.bits).centroids, p.bits, D, dtype, self.backend,
+                                     before, after)
 
     def attend_kernel(self, queries, keys, values, scale):
         """The kernel path of :meth:`kvq_attend` (no checks)."""

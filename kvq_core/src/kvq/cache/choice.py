@@ -8,7 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..attention import attend_encoded
-from ..contract import AttendsColumns, ScoresKeys, WeightsValues, member_name, optional_hook
+from ..contract import AttendsColumns, DequantizesInto, ScoresKeys, WeightsValues, member_name, optional_hook
 from ..encoded import Encoded
 from ..plugins import implemented_ops, registry
 from ..selection import MAX_DECODE_QUERIES, is_kernel, select
@@ -124,6 +124,19 @@ def dequantize(config: CacheConfig, params, encoded: Encoded, dtype) -> mx.array
     """``encoded`` tokens (one side of a layer, of ``params``' method) decoded to ``dtype`` ``[B, H, T, D]`` by the
     implementation :func:`kvq.select` picks for dequantize under ``config.kernels`` (a fused kernel where one
     serves)."""
-    plan = select(params.method, encoded.shape, dtype=dtype, op="dequantize", params=params,
+    return _dequantize_plan(config, params, encoded, dtype).dequantize(encoded, dtype)
+
+
+def dequantize_into(config: CacheConfig, params, encoded: Encoded, dtype, before: int, after: int) -> mx.array | None:
+    """:func:`dequantize` into ``[B, H, before + T + after, D]`` with the ``before`` and ``after`` columns left for
+    the caller to write, where the implementation it picks offers :class:`kvq.contract.DequantizesInto`; else
+    ``None``."""
+    plan = _dequantize_plan(config, params, encoded, dtype)
+    choice = plan.choices.get("dequantize")
+    hook = None if choice is None else optional_hook(choice.implementation, DequantizesInto)
+    return None if hook is None else hook(encoded, dtype, before, after)
+
+
+def _dequantize_plan(config: CacheConfig, params, encoded: Encoded, dtype):
+    return select(params.method, encoded.shape, dtype=dtype, op="dequantize", params=params,
                   kernels=quantize_kernels(params.method, config.kernels))
-    return plan.dequantize(encoded, dtype)

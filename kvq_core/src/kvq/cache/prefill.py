@@ -24,7 +24,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from .choice import columns_attention, dequantize
+from .choice import columns_attention, dequantize, dequantize_into
 
 
 #: Bytes of one call's additive mask (query rows x keys, in the queries' dtype) in :func:`attend_dequantized`; a larger
@@ -152,22 +152,57 @@ def columns(parts: list, config, transform, dtype: mx.Dtype, centre: bool, user:
     """The key and value columns of ``parts`` side by side in ``dtype``, ``[B, H_kv, columns, D]`` each (the
     compressed part decoded by the implementation :func:`kvq.select` picks: a fused kernel where one serves); with
     ``centre``, keys as the layer stores them (less its mean, divided by its scales), else as the model gave them. With
-    ``user``, also each column's position on mlx-lm's mask (the parts' ``column``), else ``None``."""
-    parts_k, parts_v, cols = [], [], []
+    ``user``, also each column's position on mlx-lm's mask (the parts' ``column``), else ``None``.
+
+    Where the decoding implementation offers :class:`kvq.contract.DequantizesInto`, the compressed part is decoded
+    straight into the joined arrays and the other parts written around it in place (:func:`_joined_in_place`);
+    else each part is decoded or cast on its own and the parts concatenated. The same columns either way."""
+    user_cols = mx.concatenate([p.column + mx.arange(p.size) for p in parts]) if user else None
+    joined = _joined_in_place(parts, config, transform, dtype, centre)
+    if joined is not None:
+        return (*joined, user_cols)
+    parts_k, parts_v = [], []
     for part in parts:
         if part.compressed:
             keys = dequantize(config, config.key_params, part.keys, dtype)
             keys = keys if centre else transform.uncentred(keys)
             values = dequantize(config, config.value_params, part.values, dtype)
         else:
-            keys = (transform.centred_dense(part.keys) if centre else part.keys).astype(dtype)
-            values = part.values.astype(dtype)
+            keys, values = _dense_columns(part, transform, dtype, centre)
         parts_k.append(keys)
         parts_v.append(values)
-        if user:
-            cols.append(part.column + mx.arange(part.size))
-    user_cols = mx.concatenate(cols) if user else None
     return mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2), user_cols
+
+
+def _dense_columns(part, transform, dtype: mx.Dtype, centre: bool) -> tuple:
+    """An uncompressed part's keys (centred where ``centre``) and values in ``dtype``."""
+    keys = transform.centred_dense(part.keys) if centre else part.keys
+    return keys.astype(dtype), part.values.astype(dtype)
+
+
+def _joined_in_place(parts: list, config, transform, dtype: mx.Dtype, centre: bool) -> tuple | None:
+    """:func:`columns`' keys and values with the one compressed part decoded into arrays that leave room for the
+    parts around it (:func:`kvq.cache.choice.dequantize_into`), which are then written in place (MLX slice
+    assignment on an array nothing else holds reuses its buffer). ``None`` where this does not serve: no
+    compressed part or more than one, decoded keys that must be uncentred, or a side whose implementation lacks
+    the hook."""
+    compressed = [i for i, part in enumerate(parts) if part.compressed]
+    if len(compressed) != 1 or (transform.active and not centre):
+        return None
+    (c,) = compressed
+    before, after = sum(p.size for p in parts[:c]), sum(p.size for p in parts[c + 1:])
+    keys = dequantize_into(config, config.key_params, parts[c].keys, dtype, before, after)
+    values = None if keys is None else dequantize_into(config, config.value_params, parts[c].values, dtype,
+                                                          before, after)
+    if values is None:
+        return None
+    first = 0
+    for i, part in enumerate(parts):
+        if i != c:
+            keys[:, :, first : first + part.size], values[:, :, first : first + part.size] = \
+                _dense_columns(part, transform, dtype, centre)
+        first += part.size
+    return keys, values
 
 
 def last_column(parts: list, r0: int, r1: int) -> int:
