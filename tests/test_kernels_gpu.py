@@ -472,6 +472,34 @@ def test_turboquant_decode_into_wider_columns_is_the_decode(D, bits, dtype, befo
         assert _rel(want, pure.kvq_dequantize(e, dtype)) < 1e-3
 
 
+@pytest.mark.parametrize("D,bits,group,dtype", [(128, 4, 64, mx.bfloat16), (64, 3, 32, mx.float16),
+                                                (256, 8, 128, mx.float32), (128, 6, 64, mx.bfloat16),
+                                                (32, 2, 32, mx.float16)])
+@pytest.mark.parametrize("before,after", [(0, 0), (4, 130)])
+def test_affine_decode_into_wider_columns_is_mlx_dequantize(D, bits, group, dtype, before, after):
+    """Issue #51: affine's kernel decode (:meth:`AffineKernels.dequantize_into`) writes each row's tokens between
+    ``before`` and ``after`` columns, within one rounding of ``dtype`` of ``mx.dequantize`` (which rounds to the
+    scales' float16 first), NaN where a group's scale is, for codes stored contiguously and as a slice of a larger
+    store."""
+    kernel, pure = _impl("affine")
+    p = kvq.make_params("affine", bits=bits, group_size=group)
+    x = _normal((2, 3, 300, D), mx.float16, seed=D + bits, scale=2.0)
+    x[0, 1, 7, 3] = mx.nan
+    enc = pure.kvq_quantize(x, p)
+    sliced = attrs.evolve(enc, data={k: v[:, :, :257] for k, v in enc.data.items()})
+    for e in (enc, sliced):
+        want = pure.kvq_dequantize(e, dtype)
+        got = kernel.dequantize_into(e, dtype, before, after)
+        T = e.num_tokens
+        assert got.shape == (2, 3, before + T + after, D) and got.dtype == dtype
+        got = got[:, :, before:before + T]
+        assert mx.array_equal(mx.isnan(got), mx.isnan(want))
+        assert int(mx.isnan(want).sum()) == group
+        a, b = mx.nan_to_num(got.astype(mx.float32)), mx.nan_to_num(want.astype(mx.float32))
+        tol = {mx.float32: 1e-3, mx.float16: 4e-3, mx.bfloat16: 8e-3}[dtype]
+        assert float(mx.max(mx.abs(a - b) / (mx.abs(b) + 1e-3))) < tol
+
+
 # -- fused encoders of qjl and turboquant_prod (issue #21: a window flush quantizes in one launch per side) ------
 QJL_ENCODER_CASES = [(64, {}, mx.float16), (128, {}, mx.bfloat16), (128, {"outlier_channels": 0}, mx.float32),
                      (256, {"sketch_dim": 96, "outlier_channels": 8}, mx.bfloat16),

@@ -15,7 +15,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from kvq.encoded import Encoded
-from kvq_metal import attend
+from kvq_metal import attend, gpu_backend
 from kvq_metal.base import KernelImpl, first_use_check
 from kvq_metal.common import (check_attend, code_mismatch, decode_shape_ok, grouped_rows, normal, query_rows,
                               relative_error, rows_of)
@@ -160,13 +160,17 @@ class TurboQuantKernels(KernelImpl):
 
     def kvq_dequantize(self, encoded, dtype):
         """``kvq_dequantize`` spec: ``[B, H, T, D]`` of ``dtype``."""
-        out = self.dequantize_into(encoded, dtype, 0, 0)
+        out = self._decode(encoded, dtype, 0, 0)
         return self.fallback().kvq_dequantize(encoded, dtype) if out is None else out
 
     def dequantize_into(self, encoded, dtype, before, after):
         """:class:`kvq.contract.DequantizesInto`: the fused decode writing each row's tokens between ``before``
-        and ``after`` unwritten columns (:func:`kvq_backends_turboquant.kernels.quantize.dequantize_into`);
-        ``None`` for what the kernel does not serve (other variants, rotations, widths; no tokens)."""
+        and ``after`` unwritten columns (:func:`kvq_backends_turboquant.kernels.quantize.dequantize_into`), on
+        this object's own device; ``None`` elsewhere and for what the kernel does not serve (other variants,
+        rotations, widths; no tokens)."""
+        return self._decode(encoded, dtype, before, after) if gpu_backend() == self.backend else None
+
+    def _decode(self, encoded, dtype, before, after):
         p, D = encoded.params, encoded.head_dim
         if not (_plain(p) and p.rotation == "hadamard" and fused.supported(D, p.rotated_dim(D), p.bits)
                 and encoded.num_tokens):

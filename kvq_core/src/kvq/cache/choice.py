@@ -129,12 +129,22 @@ def dequantize(config: CacheConfig, params, encoded: Encoded, dtype) -> mx.array
 
 def dequantize_into(config: CacheConfig, params, encoded: Encoded, dtype, before: int, after: int) -> mx.array | None:
     """:func:`dequantize` into ``[B, H, before + T + after, D]`` with the ``before`` and ``after`` columns left for
-    the caller to write, where the implementation it picks offers :class:`kvq.contract.DequantizesInto`; else
-    ``None``."""
+    the caller to write (:class:`kvq.contract.DequantizesInto`): by the implementation :func:`dequantize` picks
+    where it offers the hook and serves, else by the first of the method's kernel implementations whose hook
+    serves (each only on its own device: ``affine`` decodes with ``mx.dequantize``, and its kernel
+    implementation writes the wider buffer; under ``kernels="off"``, none); ``None`` where none serves."""
     plan = _dequantize_plan(config, params, encoded, dtype)
     choice = plan.choices.get("dequantize")
-    hook = None if choice is None else optional_hook(choice.implementation, DequantizesInto)
-    return None if hook is None else hook(encoded, dtype, before, after)
+    impls = [] if choice is None else [choice.implementation]
+    if config.kernels != "off":
+        impls += [impl for (m, _), impl in sorted(registry().implementations.items())
+                  if m == params.method and is_kernel(impl) and impl not in impls]
+    for impl in impls:
+        hook = optional_hook(impl, DequantizesInto)
+        out = None if hook is None else hook(encoded, dtype, before, after)
+        if out is not None:
+            return out
+    return None
 
 
 def _dequantize_plan(config: CacheConfig, params, encoded: Encoded, dtype):
