@@ -2,7 +2,8 @@
 
 The attention engine (:mod:`kvq.cache.engine`) sends a chunk of many query rows here on a GPU. The compressed
 tokens of the layer are decoded to the queries' dtype (the method's ``dequantize``, a fused kernel where one
-serves), joined with the sinks and the chunk's uncompressed tokens, and attended in one
+serves), joined with the sinks and the chunk's uncompressed tokens (decoded straight into the joined columns where
+the implementation can: :func:`columns`), and attended in one
 ``mx.fast.scaled_dot_product_attention`` call with an additive mask made from the parts' per-row intervals
 (:func:`interval_mask`): every query row sees what a token-by-token run would have shown it. Where a kernel
 implementation of the key method attends columns itself (:class:`kvq.contract.AttendsColumns`: kvq_metal's
@@ -110,7 +111,8 @@ def attend_dequantized(queries: mx.array, scale: float, parts: list, config, tra
     unless :func:`rows_per_call` cuts it. Each slice of rows reads only the columns up to the last one its rows may
     see. The decoded copy is transient: the call is queued on the device
     (:data:`IN_FLIGHT`) and the copy freed once it has run; the cache keeps only the codes. Memory above the cache:
-    two layers' ``2 * T * H_kv * (D_k + D_v) * 2`` bytes of decoded keys and values (with their concatenation) and
+    two layers' ``T * H_kv * (D_k + D_v) * 2`` bytes of decoded keys and values (twice that where the parts are
+    concatenated, :func:`columns`) and
     ``T_q * T * 2`` bytes of mask (16-bit queries), for ``T`` tokens held.
 
     A centred or scaled layer attends its keys as stored throughout (as the fused decode kernel does), with scaled
