@@ -145,6 +145,18 @@ def _drive(impl, pure, method: str) -> None:
                 impl.kvq_attend(q, keys, values, D**-0.5, None)
 
 
+def _affine_decode(pure) -> None:
+    """affine's decode into a prefill chunk's columns (:func:`kvq_metal.baselines.affine.dequantize_into`), which
+    its implementation's hook launches only on its own device: launched directly, a few widths and dtypes."""
+    from kvq_metal.baselines import affine
+
+    for dtype in (mx.float16, mx.bfloat16, mx.float32):
+        for D, bits in ((64, 4), (128, 3), (256, 8)):
+            x = mx.random.normal((1, 2, 40, D), key=mx.random.key(D)).astype(mx.float16)
+            encoded = pure.kvq_quantize(x, kvq.make_params("affine", bits=bits).for_head_dim(D))
+            affine.dequantize_into(encoded, dtype, 4, 3, "metal")
+
+
 @pytest.fixture(scope="module")
 def metal_sources():
     """``{MLX kernel name: (kvq kernel name, source)}`` of every Metal kernel launch of the sweep."""
@@ -162,6 +174,7 @@ def metal_sources():
             if backend == "metal":
                 _drive(impl, reg.implementations[(method, "mlx")], method)
         attend._zero_counters(8, "metal")  # launched on CUDA's tensor-core path only, but written in the dialect
+        _affine_decode(reg.implementations[("affine", "mlx")])
     finally:
         dialect.kernel.cache_clear()
         patch.undo()
