@@ -34,7 +34,7 @@ from .choice import dequantize, encode_tokens
 from .config import CacheConfig
 from .depends import DependencySlots
 from .guard import guard_layer
-from .schedule import Fresh, leaving, visible
+from .schedule import Fresh, growth_append, leaving, visible
 from .persist import PromptCacheState
 from .protocol import CacheProtocol
 from .state import row_class
@@ -215,9 +215,9 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
         either. Not for :class:`kvq.cache.RotatingKVQCache` (its ring stores its own way; its growths still come
         in its flush steps). Where the window has no step between flushes (``flush`` 1), the flush grows the stores."""
         self._grow_at = -1
-        store, room = self.compressed_keys, self.window.capacity - self.window.length
-        if room >= 1 and store.capacity - store.length < self._flush:
-            self._grow_at = self.offset + 1 + self._slot % room
+        store, step = self.compressed_keys, growth_append(self.window.capacity - self.window.length, self._slot)
+        if step and store.capacity - store.length < self._flush:
+            self._grow_at = self.offset + step
 
     def _grow_ahead(self) -> None:
         """Room in both compressed stores for the next flush's tokens (:meth:`EncodedStore.reserve`)."""

@@ -34,6 +34,7 @@ from .parts import Part
 from .centring import KeyTransform, centred, neutral, stacked
 from .choice import encode_tokens
 from .packable import packable
+from .schedule import growth_append
 from .store import spare
 from .views import plain_mask
 
@@ -239,16 +240,14 @@ class PackedRows:
 
     def _schedule_growth(self) -> None:
         """Where a row's next flush will not fit the capacity, pick the append that grows the arrays before it,
-        among those that come first, by this layer's slot: the layers of a model then grow on different steps, as
-        :meth:`kvq.cache.KVQCache._schedule_growth` does for one sequence (on CUDA the replaced arrays stay alive
-        until the step has run). A row whose window is full leaves no such append: its flush grows the arrays."""
+        among those that come before the first such row's flush (:func:`kvq.cache.schedule.growth_append`, the
+        rule of :meth:`kvq.cache.KVQCache._schedule_growth` for one sequence). A row whose window is full leaves no
+        such append: its flush grows the arrays."""
         self._grow_in = 0
         full, f = self.window_keys.shape[2], self._flush
         need = [b for b, c in enumerate(self.compressed) if c + f > self.capacity]
         if need:
-            room = min(full - self.window_lengths[b] for b in need)
-            if room >= 1:
-                self._grow_in = 1 + self._slot % room
+            self._grow_in = growth_append(min(full - self.window_lengths[b] for b in need), self._slot)
 
     def _first_compressions(self, rows: list, keys: mx.array, values: mx.array) -> list | None:
         """The decode token of each of ``rows`` (full windows, nothing compressed yet) stored by that row alone

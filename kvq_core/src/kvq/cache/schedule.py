@@ -47,3 +47,14 @@ def visible(fresh: Fresh, start_q: int, count: int, window: int, flush: int) -> 
     Python call per row cost as much as the attention). int64 ``[count]``, non-decreasing."""
     added = np.clip(np.arange(start_q, start_q + count) - fresh.start + 1, 0, fresh.new)
     return fresh.compressed + flush * np.maximum(0, (fresh.held + added - window) // flush)
+
+
+def growth_append(room: int, slot: int) -> int:
+    """Which of the next ``room`` window appends before a flush grows the compressed stores for it (1-based), by a
+    layer's ``slot`` (the order its cache was made in): the layers of a model then grow on different decode steps,
+    so their replaced arrays (alive until the step has run, on CUDA) are not all alive together (issue #52); 0
+    where there is no such append (``room`` < 1: the flush itself grows the stores). The rule of
+    :meth:`kvq.cache.KVQCache._schedule_growth` and of a batch's packed rows
+    (:meth:`kvq.cache.packed.PackedRows._schedule_growth`)."""
+    return 1 + slot % room if room >= 1 else 0
+
