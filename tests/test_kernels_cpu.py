@@ -663,3 +663,15 @@ def test_tensor_core_splits_per_row(B, T, splits):
     assert shapes[0] == (B, 8, splits + 2, 4, 128)
     chunk = attend.split_chunk(T, splits, 128)
     assert (splits - 1) * chunk < T <= splits * chunk  # every token in one split, none empty
+
+
+def test_a_size_input_carries_its_size_in_its_shape():
+    """:func:`kvq_metal.dialect.size_input`: uint8 ``[n + 1]`` (a kernel reads ``n`` as its shape less one), a
+    prefix of one zero buffer grown to the largest size asked; a negative size is refused."""
+    from kvq_metal.dialect import size_input
+
+    for n in (0, 5, 70_000, 3):
+        carrier = size_input(n)
+        assert carrier.shape == (n + 1,) and carrier.dtype == mx.uint8 and not mx.any(carrier).item()
+    with pytest.raises(ValueError, match="n must be >= 0"):
+        size_input(-1)

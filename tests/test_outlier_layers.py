@@ -171,20 +171,31 @@ def relative(out, ref) -> float:
     return float(mx.linalg.norm(out - ref) / mx.linalg.norm(ref))
 
 
-@pytest.mark.parametrize("device_path", [False, True], ids=["parts", "dequantized"])
+@pytest.mark.parametrize("device_path", [False, True, "into"], ids=["parts", "dequantized", "decoded-into"])
 def test_chunked_prefill_of_a_centred_layer_matches_token_by_token(device_path, monkeypatch):
     """The mean is fitted on the tokens a token-by-token run holds at its first compression, so a centred layer gives
     the same attention whatever the prompt's chunks (issue #23's invariance, with centring): float16 queries in
     chunks of 1, 16 and 320 tokens, each within 2e-3 of float32 queries token by token over the same stored tokens.
     ``dequantized`` forces the GPU's chunk path (MLX's attention over a decoded copy) on any device: it attends
     centred keys, as the fused decode kernel does (keys decoded with their offsets of +-145 to float16 lose 0.06 each:
-    2.9e-3 here; centred 1.3e-3 on the CPU, whose float16 attention rounds its scores to float16)."""
+    2.9e-3 here; centred 1.3e-3 on the CPU, whose float16 attention rounds its scores to float16). ``decoded-into``:
+    the same path with the centred keys decoded straight into the joined columns and the centred sinks and window
+    written around them (:class:`kvq.contract.DequantizesInto`, the hook of ``tests/test_prefill_chunks.py``)."""
     keys, values, q = centred_prompt()
     reference = centred_run(keys, values, q.astype(mx.float32), 1)
     if device_path:
         monkeypatch.setattr(KVQCache, "_prefill_on_device", lambda self, queries: bool(self.compressed_keys.length))
+    if device_path == "into":
+        from kvq.plugins import registry
+        from test_prefill_chunks import DecodeInto
+
+        impl = registry().implementations[("turboquant", "mlx")]
+        hook = DecodeInto(impl)
+        monkeypatch.setattr(impl, "dequantize_into", hook, raising=False)
     for chunk in (1, 16, T):
         assert relative(centred_run(keys, values, q, chunk), reference) < 2e-3, chunk
+    if device_path == "into":
+        assert hook.calls >= 2
 
 
 def test_a_centred_layer_with_learned_sink_logits_adds_the_mean_back(monkeypatch):

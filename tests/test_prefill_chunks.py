@@ -352,3 +352,32 @@ def test_decoding_into_the_joined_columns_sees_what_token_by_token_sees(model32,
     for chunk in (16, 100, PROMPT.shape[1]):
         assert mean_kl(reference, run(model32, label, chunk)) < 1e-4, chunk
     assert hook.calls >= 16  # keys and values of every layer's chunks that hold compressed tokens
+
+
+def test_decoding_into_serves_one_compressed_part_with_both_sides_hooked(monkeypatch):
+    """:func:`kvq.cache.prefill._joined_in_place` decodes into the joined columns only where one compressed part
+    lies among the parts and both sides' implementations serve the hook; otherwise it returns ``None`` and
+    :func:`kvq.cache.prefill.columns` concatenates (the same columns)."""
+    from kvq.cache import prefill
+    from kvq.cache.centring import KeyTransform
+    from kvq.cache.parts import Part
+    from kvq.plugins import registry
+
+    config = make_config("turboquant", bits=4, window=8).for_layer(0)
+    impl = registry().implementations[("turboquant", "mlx")]
+    dense = [mx.random.normal((1, 2, n, 64), key=mx.random.key(n)).astype(mx.float16) for n in (4, 9)]
+    coded = impl.kvq_quantize(mx.random.normal((1, 2, 20, 64), key=mx.random.key(3)), config.key_params)
+    one = [Part(dense[0], dense[0], False), Part(coded, coded, True), Part(dense[1], dense[1], False)]
+    two = [one[0], one[1], Part(coded, coded, True, index=20)]
+    transform = KeyTransform()
+    want = prefill.columns(one, config, transform, mx.float16, False)
+    hook = DecodeInto(impl)
+    monkeypatch.setattr(impl, "dequantize_into", hook, raising=False)
+    assert prefill._joined_in_place(two, config, transform, mx.float16, False) is None
+    assert hook.calls == 0
+    got = prefill._joined_in_place(one, config, transform, mx.float16, False)
+    assert hook.calls == 2 and got[0].shape == (1, 2, 33, 64)
+    assert all(mx.array_equal(g, w) for g, w in zip(got, want[:2]))
+    calls = iter([hook(coded, mx.float16, 4, 9), None])  # keys served, values not: no joined columns
+    monkeypatch.setattr(impl, "dequantize_into", lambda *a: next(calls))
+    assert prefill._joined_in_place(one, config, transform, mx.float16, False) is None

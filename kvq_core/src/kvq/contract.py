@@ -260,18 +260,21 @@ class AttendsColumns(Protocol):
 class DequantizesInto(Protocol):
     """Optional, on an implementation that dequantizes: decode into a wider buffer, leaving columns around the
     decoded tokens for the caller to write in place (a prefill chunk's sinks and window beside its decoded tokens:
-    :func:`kvq.cache.prefill.columns`). Joining a decoded copy to them with ``mx.concatenate`` copied every decoded
-    token once more: 0.14-0.38 ms per layer and chunk of 2,048 at 8K-32K held tokens on an H100 (issue #51,
-    ``benchmarks/results/prefill/2026-12-06-h100-chunk-kernels``).
+    :func:`kvq.cache.prefill.columns`). Joining a decoded copy to them with ``mx.concatenate`` copied every
+    decoded token once more: 0.14-0.38 ms per layer and chunk of 2,048 at 8K-32K held tokens on an H100 (issue
+    #51, ``benchmarks/results/prefill/2026-12-06-h100-chunk-kernels``).
     """
 
     def dequantize_into(self, encoded: Encoded, dtype: Any, before: int, after: int) -> mx.array | None:
         """:param encoded: ``[B, H, T, D]`` tokens. :param dtype: the output's dtype. :param before, after: columns
         (>= 0) to leave ahead of and behind each row's decoded tokens.
 
-        :return: ``[B, H, before + T + after, D]``: columns ``before .. before + T - 1`` what ``kvq_dequantize``
-            gives, the others unwritten (any value until the caller writes them); ``None`` where it does not serve
-            (the caller then joins ``kvq_dequantize``'s output: the same columns).
+        :return: a new array the caller owns and may write in place, ``[B, H, before + T + after, D]``: columns
+            ``before .. before + T - 1`` the decoded tokens, within one rounding of ``dtype`` of what the method's
+            ``kvq_dequantize`` gives (a kernel may round once where pure MLX rounds through the side data's dtype
+            first), the others unwritten (any value until the caller writes them); ``None`` where it does not
+            serve (the caller then joins ``kvq_dequantize``'s output).
+        :raises ValueError: ``before`` or ``after`` negative.
         """
 
 
@@ -473,8 +476,8 @@ class EncodesBlocks(Protocol):
 
 
 #: The optional single-member Protocols of implementation objects (entry-point modules: :class:`ReportsSources`).
-IMPLEMENTATION_OPTIONS = (Explains, AttendsColumns, DequantizesInto, AttendsDense, BindsDense, BindsRaggedDense, PreparesQueries,
-                          ScoresKeys, WeightsValues, FinishesValues, ReportsSources)
+IMPLEMENTATION_OPTIONS = (Explains, AttendsColumns, DequantizesInto, AttendsDense, BindsDense, BindsRaggedDense,
+                          PreparesQueries, ScoresKeys, WeightsValues, FinishesValues, ReportsSources)
 #: The optional single-member Protocols of parameter objects (:class:`SideDefaults` is read from the class).
 PARAMS_OPTIONS = (SideDefaults, ChecksReady, ForLayer, ForHeads, ForHeadDim, Fits, Unfits, SpendsBudget,
                   EncodesBlocks)
@@ -501,7 +504,7 @@ def optional_hook(obj: object, protocol: type) -> Callable[..., Any] | None:
 
 
 __all__ = ["AttendsColumns", "AttendsDense", "Attends", "BindsDense", "BindsRaggedDense", "ChecksReady",
-           "Dequantizes", "DequantizesInto", "EntryPoint", "Explains", "FinishesValues", "Fits", "ForHeadDim", "ForHeads", "ForLayer",
-           "IMPLEMENTATION_OPTIONS", "Implementation", "OP_PROTOCOLS", "PARAMS_OPTIONS", "EncodesBlocks", "Packs",
+           "Dequantizes", "DequantizesInto", "EntryPoint", "Explains", "FinishesValues", "Fits", "ForHeadDim",
+           "ForHeads", "ForLayer",           "IMPLEMENTATION_OPTIONS", "Implementation", "OP_PROTOCOLS", "PARAMS_OPTIONS", "EncodesBlocks", "Packs",
            "Params", "PreparesQueries", "Quantizes", "ReportsSources", "ScoresKeys", "SideDefaults", "SpendsBudget",
            "Unfits", "WeightsValues", "member_name", "optional_hook"]

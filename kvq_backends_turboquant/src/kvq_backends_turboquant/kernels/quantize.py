@@ -19,6 +19,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from kvq_metal.dialect import size_input
 from kvq_metal.kernel_files import load
 
 #: Vectors per thread group (one SIMD group each).
@@ -121,7 +122,7 @@ def dequantize(codes: mx.array, norms: mx.array, signs: mx.array, centroids: mx.
     :raises ValueError: as :func:`quantize`.
     """
     out = dequantize_into(codes, norms, signs, centroids, bits, head_dim, dtype, backend, 0, 0)
-    return out.reshape(*codes.shape[:-1], head_dim)
+    return out.reshape(*codes.shape[:-1], head_dim)  # (codes of one vector, [W]: [head_dim])
 
 
 def dequantize_into(codes: mx.array, norms: mx.array, signs: mx.array, centroids: mx.array, bits: int,
@@ -147,11 +148,11 @@ def dequantize_into(codes: mx.array, norms: mx.array, signs: mx.array, centroids
     rows = 1
     for s in lead[:-1]:
         rows *= s
-    kern = DEQUANTIZE.kernel(backend, ("codes", "norms", "signs", "centroids"), ("out",))
+    kern = DEQUANTIZE.kernel(backend, ("codes", "norms", "signs", "centroids", "before", "after"), ("out",))
     (out,) = kern(
-        inputs=[codes.reshape(rows, T, codes.shape[-1]), norms.reshape(n), signs, centroids],
-        template=[("D", head_dim), ("DP", dim), ("BITS", bits), ("VPG", VECTORS_PER_GROUP),
-                  ("OUT_T", dtype), ("BEFORE", before), ("AFTER", after)],
+        inputs=[codes.reshape(rows, T, codes.shape[-1]), norms.reshape(n), signs, centroids, size_input(before),
+                size_input(after)],
+        template=[("D", head_dim), ("DP", dim), ("BITS", bits), ("VPG", VECTORS_PER_GROUP), ("OUT_T", dtype)],
         grid=(32 * VECTORS_PER_GROUP * groups, 1, 1), threadgroup=(32 * VECTORS_PER_GROUP, 1, 1),
         output_shapes=[(rows * (before + T + after), head_dim)], output_dtypes=[dtype])
     return out.reshape(*lead[:-1], before + T + after, head_dim)

@@ -31,6 +31,13 @@ def _plain(params) -> bool:
     return type(params) is TurboQuantParams and params.outlier_channels == 0
 
 
+def _codec_serves(params, head_dim: int) -> bool:
+    """Whether the fused encode and decode serve ``params`` at ``head_dim``: plain TurboQuant-mse with the
+    Hadamard rotation at a size :func:`kvq_backends_turboquant.kernels.quantize.supported` takes."""
+    return (_plain(params) and params.rotation == "hadamard"
+            and fused.supported(head_dim, params.rotated_dim(head_dim), params.bits))
+
+
 def power_of_two(dim: int) -> bool:
     """Whether ``dim`` is a power of two: the only rotation sizes the kernels' Hadamard butterflies (and the decode
     kernel's in-kernel query rotation) serve."""
@@ -166,14 +173,19 @@ class TurboQuantKernels(KernelImpl):
     def dequantize_into(self, encoded, dtype, before, after):
         """:class:`kvq.contract.DequantizesInto`: the fused decode writing each row's tokens between ``before``
         and ``after`` unwritten columns (:func:`kvq_backends_turboquant.kernels.quantize.dequantize_into`), on
-        this object's own device; ``None`` elsewhere and for what the kernel does not serve (other variants,
-        rotations, widths; no tokens)."""
-        return self._decode(encoded, dtype, before, after) if gpu_backend() == self.backend else None
+        this object's own device and after the codec's first-use check (the one :meth:`kernel_supports` runs);
+        ``None`` elsewhere and for what the kernel does not serve (other variants, rotations, widths; no tokens)."""
+        p, D = encoded.params, encoded.head_dim
+        if gpu_backend() != self.backend or not _codec_serves(p, D):
+            return None
+        if not first_use_check(self.backend, "tq_codec", (D, p.bits, p.norm_dtype, str(dtype)),
+                               lambda: self._check_codec(p, D, dtype)):
+            return None
+        return self._decode(encoded, dtype, before, after)
 
     def _decode(self, encoded, dtype, before, after):
         p, D = encoded.params, encoded.head_dim
-        if not (_plain(p) and p.rotation == "hadamard" and fused.supported(D, p.rotated_dim(D), p.bits)
-                and encoded.num_tokens):
+        if not (_codec_serves(p, D) and encoded.num_tokens):
             return None
         dim = p.rotated_dim(D)
         mse.check_stored_width(encoded.data, "codes", p, D)

@@ -158,7 +158,8 @@ def columns(parts: list, config, transform, dtype: mx.Dtype, centre: bool, user:
 
     Where the decoding implementation offers :class:`kvq.contract.DequantizesInto`, the compressed part is decoded
     straight into the joined arrays and the other parts written around it in place (:func:`_joined_in_place`);
-    else each part is decoded or cast on its own and the parts concatenated. The same columns either way."""
+    else each part is decoded or cast on its own and the parts concatenated. The same columns either way, within one
+    rounding of ``dtype`` where a kernel decodes what pure MLX would have."""
     user_cols = mx.concatenate([p.column + mx.arange(p.size) for p in parts]) if user else None
     joined = _joined_in_place(parts, config, transform, dtype, centre)
     if joined is not None:

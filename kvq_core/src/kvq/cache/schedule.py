@@ -57,4 +57,3 @@ def growth_append(room: int, slot: int) -> int:
     :meth:`kvq.cache.KVQCache._schedule_growth` and of a batch's packed rows
     (:meth:`kvq.cache.packed.PackedRows._schedule_growth`)."""
     return 1 + slot % room if room >= 1 else 0
-

@@ -10,7 +10,6 @@ kvq_metal (see :mod:`kvq_metal.baselines`).
 from __future__ import annotations
 
 from functools import lru_cache
-from pathlib import Path
 
 import mlx.core as mx
 
@@ -19,7 +18,7 @@ from kvq.baselines.affine import AffineParams
 from .. import attend, streams
 from ..base import KernelImpl, first_use_check
 from ..common import check_attend, decode_shape_ok, query_rows, rows_of
-from ..dialect import gpu_backend
+from ..dialect import gpu_backend, size_input
 from ..kernel_files import KERNELS, load
 
 #: The decode kernel of :func:`dequantize_into`.
@@ -84,11 +83,12 @@ def dequantize_into(encoded, dtype, before: int, after: int, backend: str) -> mx
         raise ValueError(f"before and after must be >= 0 columns; got {before}, {after}")
     B, H, T, _ = encoded.shape
     n = B * H * T
-    kern = DEQUANTIZE.kernel(backend, ("codes", "scales", "biases"), ("out",))
+    kern = DEQUANTIZE.kernel(backend, ("codes", "scales", "biases", "before", "after"), ("out",))
     (out,) = kern(
-        inputs=[d["codes"].reshape(B * H, T, -1), d["scales"].reshape(n, -1), d["biases"].reshape(n, -1)],
+        inputs=[d["codes"].reshape(B * H, T, d["codes"].shape[-1]), d["scales"].reshape(n, d["scales"].shape[-1]),
+                d["biases"].reshape(n, d["biases"].shape[-1]), size_input(before), size_input(after)],
         template=[("D", D), ("BITS", p.bits), ("GROUP", p.group_size), ("VPG", VECTORS_PER_GROUP),
-                  ("OUT_T", dtype), ("BEFORE", before), ("AFTER", after)],
+                  ("OUT_T", dtype)],
         grid=(32 * VECTORS_PER_GROUP * max(1, -(-n // VECTORS_PER_GROUP)), 1, 1),
         threadgroup=(32 * VECTORS_PER_GROUP, 1, 1),
         output_shapes=[(B * H * (before + T + after), D)], output_dtypes=[dtype])
