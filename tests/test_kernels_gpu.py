@@ -452,6 +452,17 @@ def test_turboquant_codec_matches_pure_mlx(D, bits, dtype):
     assert _rel(kernel.kvq_dequantize(want, dtype), pure.kvq_dequantize(want, dtype)) < 1e-3
 
 
+def _decoded_into(kernel, enc, dtype, before: int, after: int):
+    """``(encoded, the decoded columns of kernel.dequantize_into)`` for ``enc`` and for ``enc`` stored as a slice of
+    a larger store (a cache's codes within its capacity step), the output's shape and dtype checked."""
+    sliced = attrs.evolve(enc, data={k: v[:, :, :257] for k, v in enc.data.items()})
+    for e in (enc, sliced):
+        B, H, T, D = e.shape
+        got = kernel.dequantize_into(e, dtype, before, after)
+        assert got.shape == (B, H, before + T + after, D) and got.dtype == dtype
+        yield e, got[:, :, before:before + T]
+
+
 @pytest.mark.parametrize("D,bits,dtype", [(128, 3, mx.bfloat16), (64, 1, mx.float16), (120, 2, mx.bfloat16),
                                           (256, 4, mx.float16)])
 @pytest.mark.parametrize("before,after", [(0, 0), (4, 130), (0, 7), (3, 0)])
@@ -462,13 +473,9 @@ def test_turboquant_decode_into_wider_columns_is_the_decode(D, bits, dtype, befo
     kernel, pure = _impl("turboquant")
     p = kvq.make_params("turboquant", bits=bits)
     enc = pure.kvq_quantize(_normal((2, 3, 300, D), dtype, seed=D + bits, scale=2.0), p)
-    sliced = attrs.evolve(enc, data={k: v[:, :, :257] for k, v in enc.data.items()})
-    for e in (enc, sliced):
+    for e, got in _decoded_into(kernel, enc, dtype, before, after):
         want = kernel.kvq_dequantize(e, dtype)
-        got = kernel.dequantize_into(e, dtype, before, after)
-        T = e.num_tokens
-        assert got.shape == (2, 3, before + T + after, D) and got.dtype == dtype
-        assert mx.array_equal(got[:, :, before:before + T], want)
+        assert mx.array_equal(got, want)
         assert _rel(want, pure.kvq_dequantize(e, dtype)) < 1e-3
 
 
@@ -486,13 +493,8 @@ def test_affine_decode_into_wider_columns_is_mlx_dequantize(D, bits, group, dtyp
     x = _normal((2, 3, 300, D), mx.float16, seed=D + bits, scale=2.0)
     x[0, 1, 7, 3] = mx.nan
     enc = pure.kvq_quantize(x, p)
-    sliced = attrs.evolve(enc, data={k: v[:, :, :257] for k, v in enc.data.items()})
-    for e in (enc, sliced):
+    for e, got in _decoded_into(kernel, enc, dtype, before, after):
         want = pure.kvq_dequantize(e, dtype)
-        got = kernel.dequantize_into(e, dtype, before, after)
-        T = e.num_tokens
-        assert got.shape == (2, 3, before + T + after, D) and got.dtype == dtype
-        got = got[:, :, before:before + T]
         assert mx.array_equal(mx.isnan(got), mx.isnan(want))
         assert int(mx.isnan(want).sum()) == group
         a, b = mx.nan_to_num(got.astype(mx.float32)), mx.nan_to_num(want.astype(mx.float32))
