@@ -675,3 +675,5 @@ def test_a_size_input_carries_its_size_in_its_shape():
         assert carrier.shape == (n + 1,) and carrier.dtype == mx.uint8 and not mx.any(carrier).item()
     with pytest.raises(ValueError, match="n must be >= 0"):
         size_input(-1)
+    with pytest.raises(ValueError, match="after must be >= 0; got -2"):  # the launchers name their argument
+        size_input(-2, "after")

@@ -505,6 +505,7 @@ def optional_hook(obj: object, protocol: type) -> Callable[..., Any] | None:
 
 __all__ = ["AttendsColumns", "AttendsDense", "Attends", "BindsDense", "BindsRaggedDense", "ChecksReady",
            "Dequantizes", "DequantizesInto", "EntryPoint", "Explains", "FinishesValues", "Fits", "ForHeadDim",
-           "ForHeads", "ForLayer",           "IMPLEMENTATION_OPTIONS", "Implementation", "OP_PROTOCOLS", "PARAMS_OPTIONS", "EncodesBlocks", "Packs",
+           "ForHeads", "ForLayer", "IMPLEMENTATION_OPTIONS", "Implementation", "OP_PROTOCOLS", "PARAMS_OPTIONS",
+           "EncodesBlocks", "Packs",
            "Params", "PreparesQueries", "Quantizes", "ReportsSources", "ScoresKeys", "SideDefaults", "SpendsBudget",
            "Unfits", "WeightsValues", "member_name", "optional_hook"]

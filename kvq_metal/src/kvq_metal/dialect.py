@@ -144,7 +144,7 @@ def float_bits(value: float) -> int:
 _SIZES: list = []
 
 
-def size_input(n: int) -> mx.array:
+def size_input(n: int, name: str = "n") -> mx.array:
     """An input that carries the size ``n`` (>= 0) to a kernel in its shape: uint8 ``[n + 1]``, read in the kernel
     as ``<name>_shape[0] - 1``; its bytes are never read. For per-call sizes no other input's shape gives (the
     columns around a decode's output: :func:`kvq_backends_turboquant.kernels.quantize.dequantize_into`): a
@@ -152,9 +152,10 @@ def size_input(n: int) -> mx.array:
     managed memory (module docstring), while MLX passes shapes by value. A prefix of one zero buffer per process,
     grown to the largest size asked, so it costs no launch and no allocation per call.
 
-    :raises ValueError: ``n`` negative."""
+    :param name: what ``n`` is, for the error (``"before"``: the columns ahead of a decode's output).
+    :raises ValueError: ``n`` negative (naming ``name``)."""
     if n < 0:
-        raise ValueError(f"n must be >= 0; got {n}")
+        raise ValueError(f"{name} must be >= 0; got {n}")
     if not _SIZES or _SIZES[0].size < n + 1:
         buffer = mx.zeros((max(n + 1, 2 * _SIZES[0].size if _SIZES else 1 << 16),), mx.uint8)
         mx.eval(buffer)

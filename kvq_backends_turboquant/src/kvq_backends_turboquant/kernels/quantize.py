@@ -15,6 +15,7 @@ vectors) never exists.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import mlx.core as mx
@@ -141,17 +142,12 @@ def dequantize_into(codes: mx.array, norms: mx.array, signs: mx.array, centroids
     if not supported(head_dim, dim, bits):
         raise ValueError(f"fused dequantize serves head_dim rotated at a power of two in 32..256 and bits 1..4; "
                          f"got {head_dim} at {dim}, {bits}")
-    if before < 0 or after < 0:
-        raise ValueError(f"before and after must be >= 0 columns; got {before}, {after}")
     lead, n, groups = _rows(codes.shape)
-    T = lead[-1] if lead else 1
-    rows = 1
-    for s in lead[:-1]:
-        rows *= s
+    T, rows = (lead[-1] if lead else 1), math.prod(lead[:-1])
     kern = DEQUANTIZE.kernel(backend, ("codes", "norms", "signs", "centroids", "before", "after"), ("out",))
     (out,) = kern(
-        inputs=[codes.reshape(rows, T, codes.shape[-1]), norms.reshape(n), signs, centroids, size_input(before),
-                size_input(after)],
+        inputs=[codes.reshape(rows, T, codes.shape[-1]), norms.reshape(n), signs, centroids,
+                size_input(before, "before"), size_input(after, "after")],
         template=[("D", head_dim), ("DP", dim), ("BITS", bits), ("VPG", VECTORS_PER_GROUP), ("OUT_T", dtype)],
         grid=(32 * VECTORS_PER_GROUP * groups, 1, 1), threadgroup=(32 * VECTORS_PER_GROUP, 1, 1),
         output_shapes=[(rows * (before + T + after), head_dim)], output_dtypes=[dtype])

@@ -79,14 +79,13 @@ def dequantize_into(encoded, dtype, before: int, after: int, backend: str) -> mx
     if not decode_supported(D, p.bits, p.group_size):
         raise ValueError(f"affine decode kernel serves head_dim a power of two in 32..256, bits 2..8, group_size "
                          f">= 32 dividing it; got {D}, {p.bits}, {p.group_size}")
-    if before < 0 or after < 0:
-        raise ValueError(f"before and after must be >= 0 columns; got {before}, {after}")
     B, H, T, _ = encoded.shape
     n = B * H * T
     kern = DEQUANTIZE.kernel(backend, ("codes", "scales", "biases", "before", "after"), ("out",))
     (out,) = kern(
         inputs=[d["codes"].reshape(B * H, T, d["codes"].shape[-1]), d["scales"].reshape(n, d["scales"].shape[-1]),
-                d["biases"].reshape(n, d["biases"].shape[-1]), size_input(before), size_input(after)],
+                d["biases"].reshape(n, d["biases"].shape[-1]), size_input(before, "before"),
+                size_input(after, "after")],
         template=[("D", D), ("BITS", p.bits), ("GROUP", p.group_size), ("VPG", VECTORS_PER_GROUP),
                   ("OUT_T", dtype)],
         grid=(32 * VECTORS_PER_GROUP * max(1, -(-n // VECTORS_PER_GROUP)), 1, 1),
