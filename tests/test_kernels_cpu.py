@@ -206,6 +206,28 @@ def test_tensor_core_attend_limits():
     assert not attend.uses_tensor_cores("metal", 128, side, side, 4)
 
 
+def test_decode_kernels_take_flat_offsets_and_the_softmax_slack_from_their_knobs():
+    """``AttendKnobs.flat32`` / ``slack`` reach the tensor-core decode kernel's template (``FLAT32``, ``SLACK``) and
+    ``StreamsKnobs.slack`` the streams kernel's; a slack outside 0..12 (or not an integer) is refused by name."""
+    import attrs
+
+    from kvq_metal import attend_tc, knobs
+
+    common = (("D", 128), ("R", 4), ("KB", 3), ("VB", 3), ("KG", 128), ("VG", 128), ("THREADS", 128))
+    layout = (True, True, True)
+    default = dict(attend_tc.launch_template(common, 2, 128, layout, knobs.AttendKnobs(), True, 1)[0])
+    assert (default["FLAT32"], default["SLACK"]) == (True, 8)
+    off = dict(attend_tc.launch_template(common, 2, 128, layout, knobs.AttendKnobs(flat32=False, slack=0), True,
+                                         1)[0])
+    assert (off["FLAT32"], off["SLACK"]) == (False, 0)
+    for wrong in (-1, 13, 2.5, True, "8"):
+        with pytest.raises(ValueError, match="slack must be an integer from 0 to 12"):
+            attend_tc.slack(wrong)
+    with pytest.raises(ValueError, match="slack"):
+        attend_tc.launch_template(common, 2, 128, layout, attrs.evolve(knobs.AttendKnobs(), slack=20), True, 1)
+    assert knobs.StreamsKnobs().slack == 8
+
+
 @pytest.mark.parametrize("wrong", [False, True])
 def test_fused_dense_call_is_checked_once_before_use(wrong):
     """``attend_dense`` runs its first-use check (the fused call against the three parts in pure MLX) once per

@@ -125,7 +125,7 @@ def template(**flags) -> list:
     t = {"D": None, "R": None, "KB": 1, "VB": 1, "KG": None, "VG": None, "KBIAS": False, "VBIAS": False, "KB2": 0,
          "VB2": 0, "THREADS": None, "ROT": False, "QSCALE": None, "NT": None, "PF": False, "QSH": False,
          "PAIRTAB": True, "SINKS": False, "DDT": 0, "KREP": False, "VREP": False, "VSAME": False, "ND": 0, "DV": None,
-         "MINB": 0, "RAGGED": False, "KLIN": False, "VLIN": False}
+         "MINB": 0, "RAGGED": False, "KLIN": False, "VLIN": False, "FLAT32": False, "SLACK": 0}
     t.update(flags)
     return list(t.items())
 
@@ -142,6 +142,18 @@ def minb(knobs, head_dim: int, lin: tuple[bool, bool], wide: bool) -> int:
     return int(knobs.minb or 0)
 
 
+def slack(value) -> int:
+    """The template ``SLACK`` of the tensor-core decode kernels from a knob (``AttendKnobs.slack``,
+    ``StreamsKnobs.slack``): how far, in log2 units, a row's scores may exceed its running max before the online
+    softmax moves it and rescales the accumulators (0: at every step, the textbook online softmax). Below 2^SLACK
+    the probabilities stay far inside float16's range for the values' product; the result is the same softmax.
+
+    :raises ValueError: ``value`` is not an integer from 0 to 12."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 12:
+        raise ValueError(f"slack must be an integer from 0 to 12 (log2 units; 0: rescale at every step); got {value!r}")
+    return value
+
+
 def launch_template(common: tuple, nd: int, out_dim: int, layout: tuple, knobs, sinks: bool,
                     ddt: int, lin: tuple[bool, bool] = (False, False), wide: bool = False) -> tuple[list, int]:
     """The launch's template (:func:`template`) and its tile (compressed tokens per block step), for
@@ -156,5 +168,6 @@ def launch_template(common: tuple, nd: int, out_dim: int, layout: tuple, knobs, 
     pf = D <= 128 if knobs.pf is None else knobs.pf
     args = template(**dict(common), NT=knobs.nt, PF=bool(pf), QSH=bool(knobs.qsh), PAIRTAB=bool(knobs.pair),
                     KREP=krep, VREP=vrep, VSAME=same, ND=nd, SINKS=sinks, DDT=ddt, DV=out_dim,
-                    MINB=minb(knobs, D, lin, wide), KLIN=lin[0], VLIN=lin[1])
+                    MINB=minb(knobs, D, lin, wide), KLIN=lin[0], VLIN=lin[1], FLAT32=bool(knobs.flat32),
+                    SLACK=slack(knobs.slack))
     return args, 16 * knobs.nt * threads // 32

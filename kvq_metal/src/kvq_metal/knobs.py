@@ -42,7 +42,13 @@ class AttendKnobs:
     (benchmarks/results/kernels/2026-12-06-h100-durations-batch122-minb-7e9c8f6.json,
     benchmarks/results/capacity/2026-12-06-h100-capacity*-7e9c8f6.json). ``lin`` 4-bit integer levels with
     group scales and biases (``affine``) decoded arithmetically instead of from a table
-    (:func:`kvq_metal.attend_tc.linear`).
+    (:func:`kvq_metal.attend_tc.linear`). ``flat32``: on the path whose offsets fit 32 bits, each load's offset is
+    taken from its array's start (the block's (batch, KV head) row base folded into the lane's loop-invariant part)
+    instead of from the row: two instructions fewer per load address, more registers (nvcc sm_90, the bound step at
+    head_dim 128: the main loop per 32 tokens turboquant-4 780 -> 723 instructions, turboquant-3 823 -> 766,
+    affine-4 1,031 -> 953; registers 148 -> 223, 139 -> 167, 144 -> 202). ``slack``: the online softmax's running
+    max moves (and the accumulators are rescaled) only where a row's scores exceed it by more than this many log2
+    units (0: at every step; :func:`kvq_metal.attend_tc.slack`).
     """
 
     kt_small: int = 8
@@ -58,6 +64,8 @@ class AttendKnobs:
     minb: int = 0
     minb_wide: int = 4
     lin: bool = True
+    flat32: bool = True
+    slack: int = 8
 
 
 @attrs.frozen
@@ -75,6 +83,7 @@ class StreamsKnobs:
     registers must allow (0: none). On the H200 these defaults take 0.84x, 1.02x and 0.80x the GPU time of the
     former default (two tiles, prefetch where it fits) at 32K for qjl+affine:4, turboquant_prod:4 and :3, and
     1.02x, 1.02x, 0.88x at 128K (benchmarks/results/streams/2026-12-02-h200-streams-tc-variants-kernel-times.json).
+    ``slack`` as :class:`AttendKnobs`' (the online softmax's running max moves past this many log2 units only).
     """
 
     kt: int = 4
@@ -86,6 +95,7 @@ class StreamsKnobs:
     qsh: bool = True
     rep: bool | None = None
     minb: int = 0
+    slack: int = 8
 
 
 @attrs.frozen

@@ -236,7 +236,8 @@ def _launch_plan(call: StreamCall, rows: int, dense: tuple, inputs: list, backen
     tc = None
     if backend == "cuda" and TUNING.tc:
         ddt = DENSE_DTYPES.get(inputs[INPUTS.index("wk")].dtype, 2) if nd else 0
-        tc, _ = streams_plan.tc_plan(signature, ddt, TUNING.nt, TUNING.pf, TUNING.qsh, TUNING.rep, TUNING.minb)
+        tc, _ = streams_plan.tc_plan(signature, ddt, TUNING.nt, TUNING.pf, TUNING.qsh, TUNING.rep, TUNING.minb,
+                                      TUNING.slack)
     if tc is not None:
         template = tc
         tile = 16 * TUNING.nt * THREADS // 32

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from . import attend_tc
 from .attend import MAX_ROWS, THREADS
 
 #: Most float32 entries of one stream's code table held in shared memory (VecInfer: 2**code_bits * sub_dim).
@@ -81,7 +82,7 @@ TC_SHARED_WORDS = 12288 - 256
 
 @lru_cache(maxsize=1024)
 def tc_plan(signature: tuple, ddt: int, nt: int, pf: bool | None = None, qsh: bool = False,
-             rep: bool | None = None, minb: int = 0) -> tuple[list | None, str]:
+             rep: bool | None = None, minb: int = 0, slack: int = 0) -> tuple[list | None, str]:
     """``(template, "")`` of the tensor-core launch (``decode_attend_streams_tc.cu``) for a static signature
     (:func:`kvq_metal.streams._signature`), ``ddt`` the uncompressed tokens' dtype code (0 float16, 1 bfloat16, 2
     other), ``nt`` tiles of 16 tokens per warp step and the knobs ``pf``, ``qsh``, ``rep`` and ``minb`` of
@@ -101,7 +102,9 @@ def tc_plan(signature: tuple, ddt: int, nt: int, pf: bool | None = None, qsh: bo
     (one 64-bit load per k-step) instead of held in registers: about 32 registers fewer per thread, which bound the
     kernel's occupancy (compiled with nvcc, not yet run on a GPU: off by default). ``minb`` > 0: the kernel is
     built with ``__launch_bounds__(THREADS, minb)`` (:func:`kvq_metal.dialect.launch_bounds`), so the compiler keeps
-    its registers within what ``minb`` blocks per SM allow (registers only: the same arithmetic)."""
+    its registers within what ``minb`` blocks per SM allow (registers only: the same arithmetic). ``slack``: the
+    online softmax's running max moves past that many log2 units only (:func:`kvq_metal.attend_tc.slack`, which
+    raises ``ValueError`` for a value outside 0..12)."""
     rows, dq, keys, values, outliers, (nd, sinks, head_dim, qscale), _, _ = signature
     if not 1 <= rows <= 8:
         return None, f"{rows} query rows (the tensor-core kernel takes 1..8)"
@@ -153,6 +156,7 @@ def tc_plan(signature: tuple, ddt: int, nt: int, pf: bool | None = None, qsh: bo
     # the next step's loads issued before this step's math where registers allow: one key and one value stream
     pf = (kb is None and vb is None) if pf is None else bool(pf)
     t = [("R", rows), ("DQ", dq), ("THREADS", THREADS), ("NT", nt), ("PF", pf), ("QSH", qsh), ("MINB", int(minb)),
+         ("SLACK", attend_tc.slack(slack)),
          ("D", max(head_dim, 16)),
          ("DDT", ddt),
          ("ND", nd), ("SINKS", bool(sinks)), ("QSCALE", qscale), ("DO", out_dim),

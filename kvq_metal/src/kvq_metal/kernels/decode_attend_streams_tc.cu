@@ -487,9 +487,10 @@
         }
         // ---- online softmax of rows 2c, 2c + 1 (a row's scores live in the 8 lanes of equal c)
         float z0, z1, al0, al1;
-        kvq_softmax_step(sc, m0, m1, l0, l1, z0, z1, al0, al1);
-        kvq_rescale<MT1>(acca, al0, al1);
-        kvq_rescale<VBX ? MTB : 0>(accb, al0, al1);
+        if (kvq_softmax_step<SLACK>(sc, m0, m1, l0, l1, z0, z1, al0, al1)) {
+            kvq_rescale<MT1>(acca, al0, al1);
+            kvq_rescale<VBX ? MTB : 0>(accb, al0, al1);
+        }
         // ---- values on tensor cores, one accumulator per value stream
 #pragma unroll
         for (int st = 0; st < NT; ++st) {

@@ -37,10 +37,11 @@
     // a slice starts on a word boundary for every thread when its bit length is a multiple of 32
     constexpr bool KAL = (SK * KB) % 32 == 0 && (SK * KB2) % 32 == 0;
     constexpr bool VAL = (SV * VB) % 32 == 0 && (SV * VB2) % 32 == 0;
-    constexpr int KNW = (SK * KB + 31) / 32 + (KAL ? 0 : 1);
-    constexpr int VNW = (SV * VB + 31) / 32 + (VAL ? 0 : 1);
-    constexpr int KNW2 = KB2 > 0 ? (SK * KB2 + 31) / 32 + (KAL ? 0 : 1) : 1;
-    constexpr int VNW2 = VB2 > 0 ? (SV * VB2 + 31) / 32 + (VAL ? 0 : 1) : 1;
+    // words a thread's slice of S bits spans (kvq_slice_words: its bit offsets are multiples of gcd(S, 32))
+    constexpr int KNW = kvq_slice_words(SK * KB);
+    constexpr int VNW = kvq_slice_words(SV * VB);
+    constexpr int KNW2 = KB2 > 0 ? kvq_slice_words(SK * KB2) : 1;
+    constexpr int VNW2 = VB2 > 0 ? kvq_slice_words(SV * VB2) : 1;
     // words per vector load of a slice (slices start on a word when aligned; uint4 / uint2 / uint)
     constexpr int KVEC = !KAL ? 1 : (KNW % 4 == 0 ? 4 : (KNW % 2 == 0 ? 2 : 1));
     constexpr int VVEC = !VAL ? 1 : (VNW % 4 == 0 ? 4 : (VNW % 2 == 0 ? 2 : 1));
@@ -175,7 +176,9 @@
       // VECS: every row of codes read with vector loads and every offset within a (batch, KV head) row in 32 bits,
       // known at compile time; at: element (token t, column j) of an array of strides s (kvq_offset)
       constexpr bool VECS = decltype(vt)::value;
-      auto at = [&](const int t, const int j, const auto& s) { return kvq_offset<VECS>(t, s[2], j, s[3]); };
+      auto at = [&](const int64_t base, const int t, const int j, const auto& s) {
+        return kvq_offset_at<VECS, FLAT32>(base, t, s[2], j, s[3]);
+      };
       if constexpr (DENSE) {
         // tokens past the end read the last row (the sinks' block without sinks: row 0 of the window, never used)
 #pragma unroll
@@ -202,10 +205,10 @@
                 KVQ_LOAD_CODES(K, k)
 #pragma unroll
                 for (int k = 0; k < KNG; ++k) {
-                    buf.ksc[st][u][k] = KVQ_F32((ks + ksbase)[at(t, KONE ? 0 : kg0 + k, ks_strides)]);
-                    buf.kbi[st][u][k] = KBIAS ? KVQ_F32((kb + kbbase)[at(t, kg0 + k, kb_strides)]) : 0.0f;
+                    buf.ksc[st][u][k] = KVQ_F32(ks[at(ksbase, t, KONE ? 0 : kg0 + k, ks_strides)]);
+                    buf.kbi[st][u][k] = KBIAS ? KVQ_F32(kb[at(kbbase, t, kg0 + k, kb_strides)]) : 0.0f;
                 }
-                buf.vn[st][u] = VONE ? KVQ_F32((vs + vsbase)[at(t, 0, vs_strides)]) : 0.0f;
+                buf.vn[st][u] = VONE ? KVQ_F32(vs[at(vsbase, t, 0, vs_strides)]) : 0.0f;
             }
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
@@ -213,8 +216,8 @@
                 KVQ_LOAD_CODES(V, v)
 #pragma unroll
                 for (int k = 0; k < VNG; ++k) {
-                    buf.vsc[st][u][k] = VONE ? 0.0f : KVQ_F32((vs + vsbase)[at(t, vg0 + k, vs_strides)]);
-                    buf.vbi[st][u][k] = VBIAS ? KVQ_F32((vb + vbbase)[at(t, vg0 + k, vb_strides)]) : 0.0f;
+                    buf.vsc[st][u][k] = VONE ? 0.0f : KVQ_F32(vs[at(vsbase, t, vg0 + k, vs_strides)]);
+                    buf.vbi[st][u][k] = VBIAS ? KVQ_F32(vb[at(vbbase, t, vg0 + k, vb_strides)]) : 0.0f;
                 }
             }
         }
@@ -276,14 +279,17 @@
     for (int i = 0; i < KS; ++i) { acc[i][0] = 0.0f; acc[i][1] = 0.0f; acc[i][2] = 0.0f; acc[i][3] = 0.0f; }
     float m0 = -KVQ_INF, m1 = -KVQ_INF, l0 = 0.0f, l1 = 0.0f;
 
-    // offsets within a (batch, KV head) row fit 32 bits in every array the loads read (kvq_fits32 of its tokens
-    // and columns; the column stride of no sign too)
-    auto fits = [&](const auto& sh, const auto& st) {
-        return st[3] >= 0 && kvq_fits32(sh[2], st[2], (int64_t)(sh[3] - 1) * st[3]);
+    // offsets within this block's (batch, KV head) row (FLAT32: from each array's start to the end of the row) fit
+    // 32 bits in every array the loads read (kvq_fits32 of its tokens and columns; the base and the column stride of
+    // no sign too)
+    auto fits = [&](const auto& sh, const auto& st, const int64_t base) {
+        const int64_t from = FLAT32 ? base : 0;
+        return st[3] >= 0 && from >= 0 && kvq_fits32(sh[2], st[2], from + (int64_t)(sh[3] - 1) * st[3]);
     };
-    const bool off32 = fits(kc_shape, kc_strides) && fits(kc2_shape, kc2_strides) && fits(vc_shape, vc_strides) &&
-                       fits(vc2_shape, vc2_strides) && fits(ks_shape, ks_strides) && fits(kb_shape, kb_strides) &&
-                       fits(vs_shape, vs_strides) && fits(vb_shape, vb_strides);
+    const bool off32 = fits(kc_shape, kc_strides, kbase) && fits(kc2_shape, kc2_strides, kbase2) &&
+                       fits(vc_shape, vc_strides, vbase) && fits(vc2_shape, vc2_strides, vbase2) &&
+                       fits(ks_shape, ks_strides, ksbase) && fits(kb_shape, kb_strides, kbbase) &&
+                       fits(vs_shape, vs_strides, vsbase) && fits(vb_shape, vb_strides, vbbase);
     // the warp's steps, with vt: the rows of codes are read with vector loads and offsets within a row of the batch
     // and KV heads are 32-bit (their checks made once per block: with the check inside the loop, the compiler
     // predicated the word-by-word path in beside the vector one and the loop issued both: 32 more loads per warp
@@ -331,8 +337,7 @@
         }
         // ---- online softmax of rows 2c, 2c + 1 (a row's 16 NT scores live in the 8 lanes of equal c)
         float z0, z1, al0, al1;
-        kvq_softmax_step(sc, m0, m1, l0, l1, z0, z1, al0, al1);
-        kvq_rescale<KS>(acc, al0, al1);
+        if (kvq_softmax_step<SLACK>(sc, m0, m1, l0, l1, z0, z1, al0, al1)) kvq_rescale<KS>(acc, al0, al1);
         // ---- values on tensor cores
 #pragma unroll
         for (int st = 0; st < NT; ++st) {

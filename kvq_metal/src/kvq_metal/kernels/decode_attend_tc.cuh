@@ -86,11 +86,17 @@ __device__ __forceinline__ void kvq_fwht_rows_warp(float* x, const int warp, con
 // decode_attend_streams_tc.cu): the lane (g = lane / 4, c = lane % 4) holds scores of query rows 2c, 2c + 1
 // (entries 0, 2 and 1, 3 of a tile's accumulator), in log2 units.
 
-// one step over a warp's NT tiles of scores sc: the rows' running max m and sum l; z the new max (0 while still
-// -inf, so exp2 stays finite) and al the factor that rescales what was accumulated before
-template <int NT>
-__device__ __forceinline__ void kvq_softmax_step(const float (&sc)[NT][4], float& m0, float& m1, float& l0, float& l1,
-                                                 float& z0, float& z1, float& al0, float& al1) {
+// one step over a warp's NT tiles of scores sc: the rows' running max m and sum l; z the max the step's
+// probabilities are taken against (0 while still -inf, so exp2 stays finite) and al the factor that rescales what
+// was accumulated before. Returns whether the caller must rescale its accumulators (warp-uniform). SLACK 0: the
+// running max follows every step. SLACK > 0: it moves only where a row's new scores exceed it by more than SLACK
+// (log2 units, so probabilities stay below 2^SLACK, far inside float16's range for the values' product; the output,
+// its normaliser and the merge are all taken against the same kept max, so the softmax is the same), which at long
+// context is rare after the first steps, and otherwise al is 1 and the caller skips the accumulators' multiplies
+// (FlashAttention-4's conditional rescaling)
+template <int SLACK, int NT>
+__device__ __forceinline__ bool kvq_softmax_step(const float (&sc)[NT][4], float& m0, float& m1, float& l0,
+                                                 float& l1, float& z0, float& z1, float& al0, float& al1) {
     float x0 = -KVQ_INF, x1 = -KVQ_INF;
 #pragma unroll
     for (int st = 0; st < NT; ++st) {
@@ -102,13 +108,22 @@ __device__ __forceinline__ void kvq_softmax_step(const float (&sc)[NT][4], float
         x0 = KVQ_FMAX(x0, KVQ_SHFL_XOR(x0, off));
         x1 = KVQ_FMAX(x1, KVQ_SHFL_XOR(x1, off));
     }
-    const float n0 = KVQ_FMAX(m0, x0), n1 = KVQ_FMAX(m1, x1);
-    z0 = n0 == -KVQ_INF ? 0.0f : n0;
-    z1 = n1 == -KVQ_INF ? 0.0f : n1;
-    al0 = kvq_exp2(m0 - z0);
-    al1 = kvq_exp2(m1 - z1);
-    m0 = n0; m1 = n1;
-    l0 *= al0; l1 *= al1;
+    // -inf + SLACK is -inf: a row that has seen no token moves to its first finite score
+    const bool move = SLACK == 0 || __any_sync(0xffffffffu, x0 > m0 + (float)SLACK || x1 > m1 + (float)SLACK);
+    if (move) {
+        const float n0 = KVQ_FMAX(m0, x0), n1 = KVQ_FMAX(m1, x1);
+        z0 = n0 == -KVQ_INF ? 0.0f : n0;
+        z1 = n1 == -KVQ_INF ? 0.0f : n1;
+        al0 = kvq_exp2(m0 - z0);
+        al1 = kvq_exp2(m1 - z1);
+        m0 = n0; m1 = n1;
+        l0 *= al0; l1 *= al1;
+    } else {
+        z0 = m0 == -KVQ_INF ? 0.0f : m0;
+        z1 = m1 == -KVQ_INF ? 0.0f : m1;
+        al0 = 1.0f; al1 = 1.0f;
+    }
+    return move;
 }
 // the first N m-tiles of accumulators acc times the rows' factors f0, f1
 template <int N, int M>
@@ -220,6 +235,15 @@ __device__ __forceinline__ uint kvq_lin4(const uint (&w)[NW], const int j) {
     asm("sub.rn.f16x2 %0, %1, %2;\n" : "=r"(c) : "r"(h), "r"(0x4c004c00u));
     return c;
 }
+// 32-bit words a thread's slice of s bits spans at most, in a row of such slices laid end to end from bit 0: slice
+// i starts at bit i s, whose offset within its word is a multiple of gcd(s, 32), so at most 32 - gcd(s, 32); the
+// words that cover that offset plus s bits (s / 32 when slices fall on words). One word fewer than the general
+// bound (s + 31) / 32 + 1 where slices do not (3-bit values at head_dim 128: 48-bit slices, 2 words, not 3)
+__device__ __forceinline__ constexpr int kvq_slice_words(const int s) {
+    int a = s, b = 32;
+    while (b != 0) { const int r = a % b; a = b; b = r; }
+    return (32 - a + s + 31) / 32;
+}
 // pair j of a thread's slice: its first coordinate in the slice and the distance to its second, (2 j, 1), or with
 // LIN kvq_lin4's order (8 (j / 4) + j % 4, 4). The query fragments, the decode's group index and the output's
 // coordinates all read them, so keys meet their queries' coordinates and values land on their own
@@ -236,6 +260,18 @@ __device__ __forceinline__ constexpr int kvq_pair_gap() { return LIN ? 4 : 1; }
 template <bool OFF32>
 __device__ __forceinline__ int64_t kvq_offset(const int t, const int64_t ts, const int j, const int64_t cs) {
     return OFF32 ? (int64_t)(uint)(t * (uint)ts + j * (uint)cs) : (int64_t)t * ts + j * cs;
+}
+// kvq_offset_at<OFF32, FLAT>: the same from an array's start, its (batch, KV head) row at element base: base plus
+// kvq_offset, or with OFF32 and FLAT all of it in 32 bits (the caller then checks the row with kvq_fits32, the base
+// included in the extent). Flat, the base joins the lane's loop-invariant part and an address is one 32-bit
+// multiply-add and a scaled add to the array's pointer (with the 64-bit base added in the loop nvcc spent two more
+// instructions on each load's address), at the cost of registers for those invariants (nvcc sm_90, the bound step
+// at head_dim 128: turboquant-4 150 -> 219, turboquant-3 140 -> 168, affine-4 144 -> 202)
+template <bool OFF32, bool FLAT>
+__device__ __forceinline__ int64_t kvq_offset_at(const int64_t base, const int t, const int64_t ts, const int j,
+                                                 const int64_t cs) {
+    return OFF32 && FLAT ? (int64_t)(uint)((uint)base + t * (uint)ts + j * (uint)cs)
+                         : base + kvq_offset<OFF32>(t, ts, j, cs);
 }
 __device__ __forceinline__ bool kvq_fits32(const int rows, const int64_t ts, const int64_t extent) {
     return ts >= 0 && extent >= 0 && (int64_t)(rows > 0 ? rows - 1 : 0) * ts + extent < ((int64_t)1 << 31);
@@ -333,14 +369,14 @@ __device__ __forceinline__ uint2 kvq_lds64(const uint a) {
 // (KVQ_LOAD_SLICE: vector loads where VECS, a compile-time true, or side##vec says so; with VECS the token's
 // offset in 32 bits, kvq_offset, its word stride 1 as vector loads need); SIDE and side as in KVQ_FILL_TABLE
 #define KVQ_LOAD_CODES(SIDE, side)                                                                                  \
-    const auto* row = side##c + side##base + kvq_offset<VECS>(t, side##c_strides[2], side##bit >> 5,               \
-                                                              VECS ? 1 : side##c_strides[3]);                      \
-    KVQ_LOAD_SLICE(buf.side##w[st][u], row, SIDE##NW, SIDE##VEC, VECS || side##vec, side##c_strides[3], side##bit >> 5,      \
+    const auto* row = side##c + kvq_offset_at<VECS, FLAT32>(side##base, t, side##c_strides[2], side##bit >> 5,             \
+                                                    VECS ? 1 : side##c_strides[3]);                                \
+    KVQ_LOAD_SLICE(buf.side##w[st][u], row, SIDE##NW, SIDE##VEC, VECS || side##vec, VECS ? 1 : side##c_strides[3], side##bit >> 5,      \
                    side##wl, SIDE##AL)                                                                             \
     if (SIDE##B2 > 0) {                                                                                            \
-        const auto* row2 = side##c2 + side##base2 + kvq_offset<VECS>(t, side##c2_strides[2], side##bit2 >> 5,      \
-                                                                     VECS ? 1 : side##c2_strides[3]);              \
-        KVQ_LOAD_SLICE(buf.side##w2[st][u], row2, SIDE##NW2, SIDE##VEC2, VECS || side##vec2, side##c2_strides[3],          \
+        const auto* row2 = side##c2 + kvq_offset_at<VECS, FLAT32>(side##base2, t, side##c2_strides[2], side##bit2 >> 5,   \
+                                                          VECS ? 1 : side##c2_strides[3]);                         \
+        KVQ_LOAD_SLICE(buf.side##w2[st][u], row2, SIDE##NW2, SIDE##VEC2, VECS || side##vec2, VECS ? 1 : side##c2_strides[3],          \
                        side##bit2 >> 5, side##wl2, SIDE##AL)                                                       \
     }
 // the words of slice u of one side in step st, aligned to bit 0 (side##u, side##u2; a no-op when every slice starts
