@@ -216,16 +216,19 @@ def test_decode_kernels_take_flat_offsets_and_the_softmax_slack_from_their_knobs
     common = (("D", 128), ("R", 4), ("KB", 3), ("VB", 3), ("KG", 128), ("VG", 128), ("THREADS", 128))
     layout = (True, True, True)
     default = dict(attend_tc.launch_template(common, 2, 128, layout, knobs.AttendKnobs(), True, 1)[0])
-    assert (default["FLAT32"], default["SLACK"]) == (True, 8)
+    assert (default["FLAT32"], default["SLACK"]) == (True, 4)
     off = dict(attend_tc.launch_template(common, 2, 128, layout, knobs.AttendKnobs(flat32=False, slack=0), True,
                                          1)[0])
     assert (off["FLAT32"], off["SLACK"]) == (False, 0)
+    # affine's table-free decode keeps row offsets (its registers, not its instructions, bound a wide batch)
+    lin = dict(attend_tc.launch_template(common, 2, 128, layout, knobs.AttendKnobs(), True, 1, (True, True))[0])
+    assert (lin["FLAT32"], lin["KLIN"]) == (False, True)
     for wrong in (-1, 13, 2.5, True, "8"):
         with pytest.raises(ValueError, match="slack must be an integer from 0 to 12"):
             attend_tc.slack(wrong)
     with pytest.raises(ValueError, match="slack"):
         attend_tc.launch_template(common, 2, 128, layout, attrs.evolve(knobs.AttendKnobs(), slack=20), True, 1)
-    assert knobs.StreamsKnobs().slack == 8
+    assert knobs.StreamsKnobs().slack == 4
 
 
 @pytest.mark.parametrize("wrong", [False, True])

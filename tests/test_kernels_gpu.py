@@ -128,6 +128,35 @@ def test_decode_attend_matches_pure_mlx(case, attend_kernel_kind):
     assert float(mx.max(mx.abs(lse - ref_lse))) < 1e-3
 
 
+@pytest.mark.parametrize("slack", [None, 0], ids=["default_slack", "slack_0"])
+@pytest.mark.parametrize("bits", [3, 4])
+def test_decode_attend_rising_scores_with_large_value_norms(bits, slack):
+    """The online softmax's kept max (``AttendKnobs.slack``: probabilities up to 2^slack between moves) with scores
+    that rise through the tokens (the max moves every few steps, and in between each step's scores sit just above
+    the kept max) and value norms near 3,000 folded into the float16 probabilities: the tensor-core kernel still
+    equals pure MLX, with the default slack and with 0 (the textbook online softmax)."""
+    from kvq_metal import attend
+
+    kernel, pure = _impl("turboquant")
+    p = kvq.make_params("turboquant", bits=bits)
+    D, Hkv, n_rep, T = 128, 2, 4, 5000
+    rng = np.random.default_rng(11)
+    u = rng.standard_normal(D).astype(np.float32)
+    u /= np.linalg.norm(u)
+    rise = (np.arange(T, dtype=np.float32) / T * 40.0)[:, None] * u  # q = u, scale 1: scores rise by 40 nats
+    k = mx.array(rng.standard_normal((1, Hkv, T, D)).astype(np.float32) * 0.1 + rise).astype(mx.float16)
+    v = _normal((1, Hkv, T, D), mx.float16, 12, scale=240.0)  # norms ~3,000
+    q = mx.array(np.broadcast_to(u, (1, Hkv * n_rep, 1, D)).copy()).astype(mx.float16)
+    ke, ve = pure.kvq_quantize(k, p), pure.kvq_quantize(v, p)
+    assert 2000 < float(mx.max(ve.data["norms"].astype(mx.float32))) < 65504 / 16
+    for _ in _knobs(attend, {} if slack is None else {"slack": slack}):
+        out, lse = kernel.kvq_attend(q, ke, ve, 1.0, None)
+    ref, ref_lse = pure.kvq_attend(q, ke, ve, 1.0, None)
+    assert bool(mx.all(mx.isfinite(out)))
+    assert _rel(out, ref) < 1e-3
+    assert float(mx.max(mx.abs(lse - ref_lse))) < 1e-3 * max(1.0, float(mx.max(mx.abs(ref_lse))))
+
+
 @pytest.mark.parametrize("D,group", [(32, 32), (64, 32), (128, 64), (256, 128), (256, 32)])
 def test_affine_4_bit_decode_without_tables_equals_the_table_path(D, group, attend_tc_knobs):
     """The tensor-core kernel's arithmetic decode of 4-bit affine codes (knob ``lin``, kvq_metal.attend_tc.linear)

@@ -142,6 +142,15 @@ def minb(knobs, head_dim: int, lin: tuple[bool, bool], wide: bool) -> int:
     return int(knobs.minb or 0)
 
 
+def flat32(knobs, lin: tuple[bool, bool]) -> bool:
+    """The template ``FLAT32`` (offsets from each array's start on the 32-bit path): ``knobs.flat32``
+    (:class:`kvq_metal.knobs.AttendKnobs`) where both sides decode through tables (``lin`` ``(KLIN, VLIN)``,
+    :func:`linear`). Not for affine's table-free decode: there its registers (nvcc: 144 -> 202 per thread) left a
+    wide launch two blocks per SM instead of three, and 122 sequences of 32K took 1,990 us a bound step against
+    1,802 without it (one H100, benchmarks/results/kernels/2026-12-06-h100-durations-loop-*-batch122.json)."""
+    return bool(knobs.flat32) and not any(lin)
+
+
 def slack(value) -> int:
     """The template ``SLACK`` of the tensor-core decode kernels from a knob (``AttendKnobs.slack``,
     ``StreamsKnobs.slack``): how far, in log2 units, a row's scores may exceed its running max before the online
@@ -168,6 +177,6 @@ def launch_template(common: tuple, nd: int, out_dim: int, layout: tuple, knobs, 
     pf = D <= 128 if knobs.pf is None else knobs.pf
     args = template(**dict(common), NT=knobs.nt, PF=bool(pf), QSH=bool(knobs.qsh), PAIRTAB=bool(knobs.pair),
                     KREP=krep, VREP=vrep, VSAME=same, ND=nd, SINKS=sinks, DDT=ddt, DV=out_dim,
-                    MINB=minb(knobs, D, lin, wide), KLIN=lin[0], VLIN=lin[1], FLAT32=bool(knobs.flat32),
+                    MINB=minb(knobs, D, lin, wide), KLIN=lin[0], VLIN=lin[1], FLAT32=flat32(knobs, lin),
                     SLACK=slack(knobs.slack))
     return args, 16 * knobs.nt * threads // 32

@@ -46,9 +46,13 @@ class AttendKnobs:
     taken from its array's start (the block's (batch, KV head) row base folded into the lane's loop-invariant part)
     instead of from the row: two instructions fewer per load address, more registers (nvcc sm_90, the bound step at
     head_dim 128: the main loop per 32 tokens turboquant-4 780 -> 723 instructions, turboquant-3 823 -> 766,
-    affine-4 1,031 -> 953; registers 148 -> 223, 139 -> 167, 144 -> 202). ``slack``: the online softmax's running
-    max moves (and the accumulators are rescaled) only where a row's scores exceed it by more than this many log2
-    units (0: at every step; :func:`kvq_metal.attend_tc.slack`).
+    affine-4 1,031 -> 953; registers 148 -> 223, 139 -> 167, 144 -> 202); where both sides decode through tables
+    only (:func:`kvq_metal.attend_tc.flat32` says why not for affine's table-free decode). ``slack``: the online
+    softmax's running max moves (and the accumulators are rescaled) only where a row's scores exceed it by more
+    than this many log2 units (0: at every step; :func:`kvq_metal.attend_tc.slack`). Probabilities then reach
+    2^slack, and where a side's per-vector scale (a value norm) is folded into them before their float16
+    conversion, a norm above 65,504 / 2^slack would overflow (4,094 at 4; at 0, 65,504 as before): so 4, not
+    FlashAttention-4's 8.
     """
 
     kt_small: int = 8
@@ -65,7 +69,7 @@ class AttendKnobs:
     minb_wide: int = 4
     lin: bool = True
     flat32: bool = True
-    slack: int = 8
+    slack: int = 4
 
 
 @attrs.frozen
@@ -95,7 +99,7 @@ class StreamsKnobs:
     qsh: bool = True
     rep: bool | None = None
     minb: int = 0
-    slack: int = 8
+    slack: int = 4
 
 
 @attrs.frozen

@@ -90,10 +90,11 @@ __device__ __forceinline__ void kvq_fwht_rows_warp(float* x, const int warp, con
 // probabilities are taken against (0 while still -inf, so exp2 stays finite) and al the factor that rescales what
 // was accumulated before. Returns whether the caller must rescale its accumulators (warp-uniform). SLACK 0: the
 // running max follows every step. SLACK > 0: it moves only where a row's new scores exceed it by more than SLACK
-// (log2 units, so probabilities stay below 2^SLACK, far inside float16's range for the values' product; the output,
-// its normaliser and the merge are all taken against the same kept max, so the softmax is the same), which at long
-// context is rare after the first steps, and otherwise al is 1 and the caller skips the accumulators' multiplies
-// (FlashAttention-4's conditional rescaling)
+// (log2 units: probabilities stay below 2^SLACK; the output, its normaliser and the merge are all taken against the
+// same kept max, so the softmax is the same), which at long context is rare after the first steps, and otherwise al
+// is 1 and the caller skips the accumulators' multiplies (FlashAttention-4's conditional rescaling). A per-vector
+// value scale folded into the probabilities before their float16 conversion (kvq_pfrag) must stay below
+// 65,504 / 2^SLACK (kvq_metal.knobs.AttendKnobs.slack)
 template <int SLACK, int NT>
 __device__ __forceinline__ bool kvq_softmax_step(const float (&sc)[NT][4], float& m0, float& m1, float& l0,
                                                  float& l1, float& z0, float& z1, float& al0, float& al1) {
