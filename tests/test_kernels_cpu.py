@@ -207,8 +207,8 @@ def test_tensor_core_attend_limits():
 
 
 def test_decode_kernels_take_flat_offsets_and_the_softmax_slack_from_their_knobs():
-    """``AttendKnobs.flat32`` / ``slack`` reach the tensor-core decode kernel's template (``FLAT32``, ``SLACK``) and
-    ``StreamsKnobs.slack`` the streams kernel's; a slack outside 0..12 (or not an integer) is refused by name."""
+    """``AttendKnobs.flat32`` / ``slack`` reach the tensor-core decode kernel's template (``FLAT32``, ``SLACK``;
+    the streams kernel's: tests/test_streams.py); a slack outside 0..8 (or not an integer) is refused by name."""
     import attrs
 
     from kvq_metal import attend_tc, knobs
@@ -223,8 +223,8 @@ def test_decode_kernels_take_flat_offsets_and_the_softmax_slack_from_their_knobs
     # affine's table-free decode keeps row offsets (its registers, not its instructions, bound a wide batch)
     lin = dict(attend_tc.launch_template(common, 2, 128, layout, knobs.AttendKnobs(), True, 1, (True, True))[0])
     assert (lin["FLAT32"], lin["KLIN"]) == (False, True)
-    for wrong in (-1, 13, 2.5, True, "8"):
-        with pytest.raises(ValueError, match="slack must be an integer from 0 to 12"):
+    for wrong in (-1, 9, 2.5, True, "8"):
+        with pytest.raises(ValueError, match="slack must be an integer from 0 to 8"):
             attend_tc.slack(wrong)
     with pytest.raises(ValueError, match="slack"):
         attend_tc.launch_template(common, 2, 128, layout, attrs.evolve(knobs.AttendKnobs(), slack=20), True, 1)

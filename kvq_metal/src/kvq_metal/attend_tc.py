@@ -146,20 +146,24 @@ def flat32(knobs, lin: tuple[bool, bool]) -> bool:
     """The template ``FLAT32`` (offsets from each array's start on the 32-bit path): ``knobs.flat32``
     (:class:`kvq_metal.knobs.AttendKnobs`) where both sides decode through tables (``lin`` ``(KLIN, VLIN)``,
     :func:`linear`). Not for affine's table-free decode: there its registers (nvcc: 144 -> 202 per thread) left a
-    wide launch two blocks per SM instead of three, and 122 sequences of 32K took 1,990 us a bound step against
-    1,802 without it (one H100, benchmarks/results/kernels/2026-12-06-h100-durations-loop-*-batch122.json)."""
+    wide launch two blocks per SM instead of three, and 122 sequences of 32K took 1,990 us a bound step with it
+    (and the loop's other cuts, slack 8) against 1,802 at ``02bb7c5`` (one H100,
+    benchmarks/results/kernels/2026-12-06-h100-durations-loop-*-batch122.json; flat32 alone was not measured).
+    A block whose row ends beyond 2^31 elements of an array from its start takes the general 64-bit path."""
     return bool(knobs.flat32) and not any(lin)
 
 
 def slack(value) -> int:
     """The template ``SLACK`` of the tensor-core decode kernels from a knob (``AttendKnobs.slack``,
     ``StreamsKnobs.slack``): how far, in log2 units, a row's scores may exceed its running max before the online
-    softmax moves it and rescales the accumulators (0: at every step, the textbook online softmax). Below 2^SLACK
-    the probabilities stay far inside float16's range for the values' product; the result is the same softmax.
+    softmax moves it and rescales the accumulators (0: at every step, the textbook online softmax). The result is
+    the same softmax, but probabilities reach 2^SLACK, and a per-vector value scale folded into them before their
+    float16 conversion must stay below 65,504 / 2^SLACK (4,094 at the default 4; 255 at 8, FlashAttention-4's
+    choice, whose values are not folded in).
 
-    :raises ValueError: ``value`` is not an integer from 0 to 12."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 12:
-        raise ValueError(f"slack must be an integer from 0 to 12 (log2 units; 0: rescale at every step); got {value!r}")
+    :raises ValueError: ``value`` is not an integer from 0 to 8."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 8:
+        raise ValueError(f"slack must be an integer from 0 to 8 (log2 units; 0: rescale at every step); got {value!r}")
     return value
 
 

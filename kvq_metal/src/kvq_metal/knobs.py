@@ -49,8 +49,8 @@ class AttendKnobs:
     affine-4 1,031 -> 953; registers 148 -> 223, 139 -> 167, 144 -> 202); where both sides decode through tables
     only (:func:`kvq_metal.attend_tc.flat32` says why not for affine's table-free decode). ``slack``: the online
     softmax's running max moves (and the accumulators are rescaled) only where a row's scores exceed it by more
-    than this many log2 units (0: at every step; :func:`kvq_metal.attend_tc.slack`). Probabilities then reach
-    2^slack, and where a side's per-vector scale (a value norm) is folded into them before their float16
+    than this many log2 units (0 to 8; 0: at every step; :func:`kvq_metal.attend_tc.slack`). Probabilities then
+    reach 2^slack, and where a side's per-vector scale (a value norm) is folded into them before their float16
     conversion, a norm above 65,504 / 2^slack would overflow (4,094 at 4; at 0, 65,504 as before): so 4, not
     FlashAttention-4's 8.
     """

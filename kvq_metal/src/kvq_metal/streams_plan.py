@@ -82,7 +82,7 @@ TC_SHARED_WORDS = 12288 - 256
 
 @lru_cache(maxsize=1024)
 def tc_plan(signature: tuple, ddt: int, nt: int, pf: bool | None = None, qsh: bool = False,
-             rep: bool | None = None, minb: int = 0, slack: int = 0) -> tuple[list | None, str]:
+             rep: bool | None = None, minb: int = 0, slack: int = 4) -> tuple[list | None, str]:
     """``(template, "")`` of the tensor-core launch (``decode_attend_streams_tc.cu``) for a static signature
     (:func:`kvq_metal.streams._signature`), ``ddt`` the uncompressed tokens' dtype code (0 float16, 1 bfloat16, 2
     other), ``nt`` tiles of 16 tokens per warp step and the knobs ``pf``, ``qsh``, ``rep`` and ``minb`` of
@@ -104,7 +104,7 @@ def tc_plan(signature: tuple, ddt: int, nt: int, pf: bool | None = None, qsh: bo
     built with ``__launch_bounds__(THREADS, minb)`` (:func:`kvq_metal.dialect.launch_bounds`), so the compiler keeps
     its registers within what ``minb`` blocks per SM allow (registers only: the same arithmetic). ``slack``: the
     online softmax's running max moves past that many log2 units only (:func:`kvq_metal.attend_tc.slack`, which
-    raises ``ValueError`` for a value outside 0..12)."""
+    raises ``ValueError`` for a value outside 0..8; the default is :class:`kvq_metal.knobs.StreamsKnobs`')."""
     rows, dq, keys, values, outliers, (nd, sinks, head_dim, qscale), _, _ = signature
     if not 1 <= rows <= 8:
         return None, f"{rows} query rows (the tensor-core kernel takes 1..8)"

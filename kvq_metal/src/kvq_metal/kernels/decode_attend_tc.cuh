@@ -267,7 +267,8 @@ __device__ __forceinline__ int64_t kvq_offset(const int t, const int64_t ts, con
 // included in the extent). Flat, the base joins the lane's loop-invariant part and an address is one 32-bit
 // multiply-add and a scaled add to the array's pointer (with the 64-bit base added in the loop nvcc spent two more
 // instructions on each load's address), at the cost of registers for those invariants (nvcc sm_90, the bound step
-// at head_dim 128: turboquant-4 150 -> 219, turboquant-3 140 -> 168, affine-4 144 -> 202)
+// at head_dim 128: turboquant-4 148 -> 223, turboquant-3 139 -> 167, affine-4 144 -> 202). A block whose row ends
+// beyond 2^31 elements of an array's start then takes the general 64-bit path (kvq_metal.attend_tc.flat32)
 template <bool OFF32, bool FLAT>
 __device__ __forceinline__ int64_t kvq_offset_at(const int64_t base, const int t, const int64_t ts, const int j,
                                                  const int64_t cs) {
