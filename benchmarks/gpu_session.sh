@@ -3,7 +3,8 @@
 #   bash benchmarks/gpu_session.sh [steps...]
 # steps: smoke tests bench (default: these three), sweep, ops (kvq bench ops + kvq autotune from it),
 #        e2e (kvq bench e2e on a random-weight Llama-3-8B shape), dist (2 GPUs: NCCL tests + 64K decode benchmark),
-#        durations (GPU time per decode-attention call, read by Nsight Compute), profile (ncu --set full at 128K),
+#        durations (GPU time per decode-attention call, read by Nsight Compute), durations-loop (the same with the
+#        decode loop's knobs flat32 and slack on and off, one sequence at 128K and 122 x 32K), profile (ncu --set full at 128K),
 #        batch (kvq bench batch: BatchGenerator, 1 and 8 sequences of 2K prompts, 1 warm-up then $BATCH_REPS (3)
 #        timed repetitions, their median and min-max reported), e2e-batch (kvq bench e2e --batch:
 #        8 sequences at 8K, 32 at 4K), hostsplit (building vs mx.async_eval of a decode step at 4K),
@@ -69,6 +70,15 @@ for name, fn in [("quantize", lambda: k.kvq_quantize(x, p).data["codes"]),
          tail -c 3000 "$OUT/e2e.log";;
     durations) timeout ${DURATIONS_TIMEOUT:-200} python3 benchmarks/kernel_durations.py --out "$OUT/durations.json" \
                  --variants benchmarks/profile_variants.json > "$OUT/durations.log" 2>&1; tail -c 4000 "$OUT/durations.log";;
+    durations-loop) # the decode loop's knobs (flat32, slack) on and off, in one process: one sequence at 128K, then
+                    # 122 sequences of 32K (the capacity shape), GPU us per call
+                    timeout ${DURATIONS_TIMEOUT:-200} python3 benchmarks/kernel_durations.py --out "$OUT/durations-loop.json" \
+                      --contexts 131072 --variants benchmarks/investigations/profile_variants_loop.json > "$OUT/durations-loop.log" 2>&1
+                    grep -E "bound|sdpa" "$OUT/durations-loop.log"
+                    timeout ${DURATIONS_TIMEOUT:-200} python3 benchmarks/kernel_durations.py --out "$OUT/durations-loop-b122.json" \
+                      --contexts 32768 --batch 122 --variants benchmarks/investigations/profile_variants_loop.json \
+                      > "$OUT/durations-loop-b122.log" 2>&1
+                    grep -E "bound|sdpa" "$OUT/durations-loop-b122.log";;
     profile) timeout 200 ncu --clock-control none -k regex:decode_attend_tc -c 3 --set full -o "$OUT/attend" \
                python3 benchmarks/profile_attend.py > "$OUT/profile.log" 2>&1
              ncu -i "$OUT/attend.ncu-rep" --page details > "$OUT/attend_details.txt" 2>&1
