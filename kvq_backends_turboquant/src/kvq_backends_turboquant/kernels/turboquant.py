@@ -128,10 +128,9 @@ class TurboQuantKernels(KernelImpl):
                                    lambda: check_attend(self, self.fallback().kvq_quantize, p, p, D, rows,
                                                         problem.dtype))
         if problem.op in ("quantize", "dequantize"):
-            if p.rotation != "hadamard" or not fused.supported(D, dim, p.bits):
+            if not _codec_serves(p, D):
                 return False
-            return first_use_check(self.backend, "tq_codec", (D, p.bits, p.norm_dtype, str(problem.dtype)),
-                                   lambda: self._check_codec(p, D, problem.dtype))
+            return self._codec_checked(p, D, problem.dtype)
         return False
 
     def explain(self, problem) -> str:
@@ -154,8 +153,7 @@ class TurboQuantKernels(KernelImpl):
     def kvq_quantize(self, x, params):
         """``kvq_quantize`` spec: the same Encoded as the pure-MLX implementation (codes, norms)."""
         D = x.shape[-1]
-        if not (_plain(params) and params.rotation == "hadamard" and head_dim_supported(params, D)
-                and fused.supported(D, params.rotated_dim(D), params.bits)
+        if not (head_dim_supported(params, D) and _codec_serves(params, D)
                 and x.size and x.dtype in (mx.float16, mx.bfloat16, mx.float32) and x.ndim == 4):
             return self.fallback().kvq_quantize(x, params)
         dim = params.rotated_dim(D)
@@ -178,8 +176,7 @@ class TurboQuantKernels(KernelImpl):
         p, D = encoded.params, encoded.head_dim
         if gpu_backend() != self.backend or not _codec_serves(p, D):
             return None
-        if not first_use_check(self.backend, "tq_codec", (D, p.bits, p.norm_dtype, str(dtype)),
-                               lambda: self._check_codec(p, D, dtype)):
+        if not self._codec_checked(p, D, dtype):
             return None
         return self._decode(encoded, dtype, before, after)
 
@@ -211,6 +208,13 @@ class TurboQuantKernels(KernelImpl):
         return rotated_dense_call(self, queries, keys, values, _side)
 
     # -- first-use check ----------------------------------------------------------------------------
+    def _codec_checked(self, params, head_dim: int, dtype) -> bool:
+        """Whether the fused encode and decode passed their first-use check (:meth:`_check_codec`, run once per
+        width, bits, norm dtype and output dtype) on this device: what :meth:`kernel_supports` asks for quantize
+        and dequantize, and :meth:`dequantize_into` before it decodes."""
+        return first_use_check(self.backend, "tq_codec", (head_dim, params.bits, params.norm_dtype, str(dtype)),
+                               lambda: self._check_codec(params, head_dim, dtype))
+
     def _check_codec(self, params, head_dim: int, dtype) -> tuple[bool, str]:
         """Encode 512 random vectors with both implementations: at most 0.1% of codes may differ (a rotated
         coordinate within float rounding of a cell boundary), norms within 1e-3 relative, and the kernel's
