@@ -210,25 +210,38 @@ def test_unknown_method_of_an_absent_first_party_plugin_names_the_install_comman
         reg.method("nope")
 
 
-def test_the_command_lines_method_spelling_in_python_says_how_to_write_it():
-    """``make_prompt_cache(model, "turboquant:3")``, the CLI's spelling, names the Python one (a new user tried)."""
+def test_the_command_lines_method_strings_make_the_configs_they_spell():
+    """``make_prompt_cache(model, "turboquant:3")``, the CLI's spelling (a new user tried it), makes the cache the
+    keywords make; a keyword that sets what the string sets otherwise, or mlx-lm's own caches, are refused by name."""
     from kvq.cache import make_config
 
-    with pytest.raises(ValueError, match=r"got 'turboquant:3' \('turboquant:3' is a method string \(kvq eval, kvq "
-                                         r"generate --method\); here give the method and its bits apart: "
-                                         r"method='turboquant', bits=3 \(kvq select: turboquant --param bits=3\)\)"):
-        make_config("turboquant:3")
-    with pytest.raises(ValueError, match=r"method='turboquant', bits=3.5 "):
-        make_config("turboquant:3.5")
-    with pytest.raises(ValueError, match=r"method='affine', \.\.\.\)"):
-        make_config("affine:k4v3")
-    with pytest.raises(ValueError, match=r"got 'nope:3'$"):
-        make_config("nope:3")
-    # kvq eval's keys+values spelling names key_method / value_method
-    with pytest.raises(ValueError, match=r"got 'qjl\+affine:4' \('qjl\+affine:4' is a method string of kvq eval; here "
-                                         r"give each side its method: key_method='qjl', value_method='affine', with "
-                                         r"key_params / value_params"):
-        make_config("qjl+affine:4")
+    same = [("turboquant:3", dict(method="turboquant", bits=3)),
+            ("turboquant:3.5", dict(method="turboquant", bits=3.5)),
+            ("affine:k8v4", dict(method="affine", key_params={"bits": 8}, value_params={"bits": 4})),
+            ("qjl[sketch_dim=64]+affine:4", dict(key_method="qjl", value_method="affine",
+                                                 key_params={"sketch_dim": 64}, value_params={"bits": 4})),
+            ("turboquant:4[flush=64,window=32]", dict(method="turboquant", bits=4, flush=64, window=32)),
+            ("kvq-fp16", dict(method="fp16"))]
+    for string, kwargs in same:
+        assert make_config(string) == make_config(**kwargs), string
+    # keywords beside the string: what it leaves unset, or the same value
+    assert make_config("turboquant:4", sinks=0, kernels="off") == make_config("turboquant", bits=4, sinks=0,
+                                                                              kernels="off")
+    assert make_config("affine:4[window=64]", window=64).window == 64
+    for string, kwargs, match in [
+            ("turboquant:3", dict(bits=4), r"method 'turboquant:3' sets bits already; got bits=4 as well \(give the "
+                                           r"method's name, 'turboquant', to set them by keyword\)"),
+            ("turboquant:3", dict(key_params={"bits": 2}), r"sets bits already; got bits=2"),
+            ("turboquant:3.5", dict(bits=3), r"method 'turboquant:3.5' sets bits already; got bits=3"),
+            ("affine:4[window=64]", dict(window=32), r"sets window=64; got window=32 as well"),
+            ("turboquant:3", dict(key_method="affine"), r"names the methods already; give key_method with"),
+            ("kvcache", {}, r"method 'kvcache' is one of mlx-lm's own caches, not a kvq cache"),
+            ("mlx-affine:4", {}, r"method 'mlx-affine:4' is one of mlx-lm's own caches"),
+            ("affine:4+mlx-affine:4", {}, r"mlx-affine is mlx-lm's cache for keys and values together"),
+            ("turboquant:x", {}, r"bits 'x' must be an integer"),
+            ("nope:3", {}, r"got 'nope'$")]:
+        with pytest.raises(ValueError, match=match):
+            make_config(string, **kwargs)
 
 
 def test_load_plugins_env_limits_discovery(tmp_path, monkeypatch):

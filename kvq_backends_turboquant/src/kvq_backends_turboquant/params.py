@@ -49,7 +49,8 @@ def _non_negative_int(instance, attribute, value):
 
 #: What :func:`_check_bits` adds to its error: where a fraction of a bit goes.
 BUDGET_HINT = ("; a number with a fraction, such as 3.5, is a bits budget per layer for a whole cache: "
-               "kvq.make_prompt_cache(model, 'turboquant', bits=3.5) or the method string turboquant:3.5")
+               "the method string turboquant:3.5, or the cache's bits=3.5 (kvq.make_prompt_cache(model, "
+               "'turboquant', bits=3.5); kvq generate and kvq serve: --bits 3.5)")
 
 
 def _check_bits(method: str, value) -> None:

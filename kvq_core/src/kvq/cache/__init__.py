@@ -75,7 +75,18 @@ def make_config(method: str | None = "affine", *, key_method: str | None = None,
         ``kvq_dequantize``: :func:`kvq.cache.choice.block_implementation`).
     :raises TypeError: unknown parameter name (the message lists the method's parameters and the cache's own
         settings).
+
+    ``method`` may also be a method string as the CLI takes it (``"turboquant:3"``, ``"affine:k8v4"``,
+    ``"qjl+affine:4"``, ``"turboquant:4[flush=128]"``, ``"turboquant:3.5"``; grammar:
+    :mod:`kvq.evaluation.spec`): :func:`_method_string_kwargs` spells it out as these arguments, and raises
+    ``ValueError`` where a keyword sets what the string sets otherwise, or where the string names mlx-lm's own
+    caches (``kvcache``, ``mlx-affine``), which are not kvq caches.
     """
+    if _is_method_string(method):
+        return make_config(**_method_string_kwargs(method, dict(
+            key_method=key_method, value_method=value_method, key_params=key_params, value_params=value_params,
+            sinks=sinks, window=window, step=step, kernels=kernels, flush=flush, outlier_layers=outlier_layers),
+            params))
     check_kernels(kernels)
     budget = params.get("bits")
     if isinstance(budget, bool):
@@ -102,6 +113,58 @@ def make_config(method: str | None = "affine", *, key_method: str | None = None,
         for p in (kp, vp):
             spender(p)  # a method without budget settings is named now
     return CacheConfig(kp, vp, sinks, window, step, kernels, flush, outlier_layers, budget=budget)
+
+
+def _is_method_string(method) -> bool:
+    """Whether ``method`` is a method string of the CLI's grammar rather than a method's name: it has a ``:``,
+    ``+`` or ``[``, or it is ``kvq-fp16`` or ``kvcache`` (:data:`kvq.evaluation.spec.KVQ_FP16`, ``REFERENCE``;
+    ``fp16`` alone is the method's name, kvq's 16-bit cache)."""
+    return isinstance(method, str) and (any(c in method for c in ":+[") or method.strip() in ("kvq-fp16", "kvcache"))
+
+
+def _method_string_kwargs(method: str, given: dict, params: dict) -> dict:
+    """The arguments of :func:`make_config` that the method string ``method`` (``"qjl+affine:4"``) stands for,
+    merged with those given beside it (``given``: the keyword arguments, ``params``: the shared parameters).
+
+    The string's bits and bracketed parameters join each side's parameters; its ``sinks``, ``window`` and
+    ``flush`` replace those keywords' defaults (read from :func:`make_config`'s signature).
+
+    :raises ValueError: the string does not parse (the grammar is shown); it names mlx-lm's own caches
+        (``kvcache``, ``fp16`` in a method string, ``mlx-affine``); ``key_method``/``value_method`` are given too;
+        a parameter is set both in the string and as a keyword (``"turboquant:3"`` with ``bits=4``); a cache
+        option is set in brackets and, to another value, as a keyword.
+    """
+    from ..evaluation.spec import MLX_AFFINE, parse_method
+
+    spec = parse_method(method)
+    if spec.is_reference or MLX_AFFINE in (spec.key_method, spec.value_method):
+        raise ValueError(f"method {method!r} is one of mlx-lm's own caches, not a kvq cache: for it call "
+                         f"mlx_lm.models.cache.make_prompt_cache (kvq's methods: {', '.join(sorted(registry().methods))})")
+    named = [k for k in ("key_method", "value_method") if given[k] is not None]
+    if named:
+        raise ValueError(f"method {method!r} is a method string that names the methods already; give "
+                         f"{' and '.join(named)} with a method's name (method='affine', key_method='qjl') instead")
+    options = dict(spec.cache_options)
+    shared = dict(params)
+    if "bits" in options:  # a budget (turboquant:3.5): make_config's bits=3.5
+        shared["bits"] = options.pop("bits")
+        if "bits" in params:
+            raise ValueError(f"method {method!r} sets bits already; got bits={params['bits']!r} as well")
+    sides = {}
+    for side, from_string in (("key_params", spec.key_params), ("value_params", spec.value_params)):
+        extra = given[side] or {}
+        twice = sorted((set(params) | set(extra)) & set(from_string))
+        if twice:
+            raise ValueError(f"method {method!r} sets {', '.join(twice)} already; got "
+                             f"{', '.join(f'{k}={(extra if k in extra else params)[k]!r}' for k in twice)} as well "
+                             f"(give the method's name, {spec.key_method!r}, to set them by keyword)")
+        sides[side] = {**from_string, **extra}
+    defaults = inspect.signature(make_config).parameters
+    for name, value in options.items():
+        if given[name] != defaults[name].default and given[name] != value:
+            raise ValueError(f"method {method!r} sets {name}={value!r}; got {name}={given[name]!r} as well")
+    return {**given, **options, "method": None, "key_method": spec.key_method, "value_method": spec.value_method,
+            **sides, **shared}
 
 
 def cache_settings() -> tuple[str, ...]:
@@ -156,8 +219,11 @@ def make_prompt_cache(model, method: str | None = "affine", *, max_kv_size: int 
     (:mod:`kvq.cache.patch`) and registers kvq's classes with mlx-lm (:func:`register_with_mlx_lm`).
 
     :param model: an mlx-lm model (``model.layers``; ``model.make_cache`` is used when present).
-    :param method, kwargs: as :func:`make_config` (``bits=``, ``key_params=``, ``sinks=``, ``window=``,
-        ``kernels=`` ...).
+    :param method, kwargs: as :func:`make_config`: a method's name with its parameters (``"turboquant", bits=4``,
+        ``key_params=``, ``sinks=``, ``window=``, ``kernels=`` ...) or a method string (``"turboquant:4"``,
+        ``"qjl+affine:4"``).
+    :returns: a list with one cache per layer of ``model.layers``: :class:`KVQCache`, :class:`RotatingKVQCache`,
+        or the model's own cache where a layer's is neither mlx-lm's ``KVCache`` nor ``RotatingKVCache``.
     :param max_kv_size: as mlx-lm's: at most this many tokens visible per layer (``None``: unbounded).
     :raises TypeError: ``model`` is not an mlx-lm model (no ``layers``, no ``make_cache``).
     :raises ValueError: bad method/parameters, ``max_kv_size`` not an int above 4, a head_dim the method does not
