@@ -168,7 +168,7 @@ _UNSET = object()
 def blas_hint(maps: str | None = None, provider=_UNSET) -> str | None:
     """A one-line note for Linux CPU users whose MLX runs matrix products with the reference BLAS its wheel bundles
     (about 5 GFLOP/s on a 2-core machine; with Debian's OpenBLAS preloaded about 150, which makes model runs about
-    25x faster: README, "Two commands"); ``None`` elsewhere, when MLX does not use its bundled BLAS
+    25x faster: README, "Quick start"); ``None`` elsewhere, when MLX does not use its bundled BLAS
     (:data:`BUNDLED_BLAS` not mapped: an MLX built against another BLAS) or an optimised one (:data:`FAST_BLAS`)
     provides ``cblas_sgemm`` ahead of it (:func:`blas_provider`), or with ``KVQ_NO_BLAS_HINT=1``.
 
@@ -197,7 +197,7 @@ def blas_hint(maps: str | None = None, provider=_UNSET) -> str | None:
     lib = f"/usr/lib/{platform.machine()}-linux-gnu/openblas-pthread/libopenblas.so.0"
     install = "" if Path(lib).exists() else "apt-get install libopenblas0-pthread, then "
     return (f"kvq: note: MLX on this Linux CPU runs matrix products with its bundled reference BLAS; model runs are "
-            f"about 25x faster with OpenBLAS: {install}export LD_PRELOAD={lib} (README, 'Two commands'; "
+            f"about 25x faster with OpenBLAS: {install}export LD_PRELOAD={lib} (README, 'Quick start'; "
             "KVQ_NO_BLAS_HINT=1 hides this note)")
 
 
