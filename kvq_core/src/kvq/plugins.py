@@ -258,7 +258,9 @@ _REGISTRY: Registry | None = None
 
 
 def registry() -> Registry:
-    """kvq's registry, with entry points loaded on first use."""
+    """kvq's process-wide :class:`Registry` (methods and their implementations by back end), with the entry points
+    of group ``kvq`` loaded on first use (``KVQ_LOAD_PLUGINS`` limits them; ``KVQ_STRICT_PLUGINS=1`` makes a plugin
+    that fails to load an error, :class:`RegistrationError`, instead of a warning)."""
     global _REGISTRY
     if _REGISTRY is None:
         _REGISTRY = Registry()
@@ -305,7 +307,9 @@ def unregister(obj: Any) -> None:
 
 
 def methods() -> dict[str, Method]:
-    """Installed methods, by name."""
+    """Installed methods, by name: ``{"turboquant": Method(...), ...}`` (a copy; :class:`kvq.Method` declares each
+    method's parameter class, bits accounting and description). Loads the entry points on first use
+    (:func:`registry`); a plugin that fails to load is left out with a warning naming it."""
     return dict(registry().methods)
 
 

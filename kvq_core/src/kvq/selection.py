@@ -107,7 +107,10 @@ class Plan:
     @property
     def quantize(self):
         """``kvq_quantize(x, params)`` of the chosen implementation, or ``None``; while the parameters are not
-        ready, a function that raises :attr:`not_ready` (before any work)."""
+        ready, a function that raises :attr:`not_ready` (before any work). ``x`` ``[B, H_kv, T, D]`` float16,
+        bfloat16 or float32 -> :class:`kvq.Encoded` (packed codes and per-token side data, each ``[B, H_kv, T,
+        ...]``); raises ``ValueError``/``TypeError`` naming the argument on bad input (:func:`kvq.hookspecs.
+        kvq_quantize`, the contract every implementation follows)."""
         if self.not_ready is not None and "quantize" in self.choices:
             return self._raise_not_ready
         return self._bound("quantize", "kvq_quantize")
@@ -117,22 +120,31 @@ class Plan:
 
     @property
     def dequantize(self):
-        """``kvq_dequantize(encoded, dtype)`` of the chosen implementation, or ``None``."""
+        """``kvq_dequantize(encoded, dtype)`` of the chosen implementation, or ``None``: :class:`kvq.Encoded` ->
+        ``[B, H_kv, T, D]`` of ``dtype`` (an estimate for sketch methods such as QJL; :func:`kvq.hookspecs.
+        kvq_dequantize`)."""
         return self._bound("dequantize", "kvq_dequantize")
 
     @property
     def attend(self):
-        """``kvq_attend(queries, keys, values, scale, mask)`` of the chosen implementation, or ``None``."""
+        """``kvq_attend(queries, keys, values, scale, mask)`` of the chosen implementation, or ``None``: queries
+        ``[B, H_q, T_q, D]`` (not yet scaled) over :class:`kvq.Encoded` keys ``[B, H_kv, T, D]`` and values
+        ``[B, H_kv, T, D_v]``, ``mask`` ``None``, ``"causal"`` or a boolean array broadcastable to ``[B, H_q, T_q,
+        T]`` (``True``: may attend) -> ``(out, lse)``: ``out`` float32 ``[B, H_q, T_q, D_v]``, ``lse`` float32
+        ``[B, H_q, T_q]`` in natural-log units (:func:`kvq.hookspecs.kvq_attend`; parts merge with
+        :func:`kvq.attention.merge_parts`)."""
         return self._bound("attend", "kvq_attend")
 
     @property
     def pack(self):
-        """``kvq_pack(codes, bits)`` of the chosen implementation, or ``None``."""
+        """``kvq_pack(codes, bits)`` of the chosen implementation, or ``None``: unsigned codes ``[..., N]`` below
+        ``2**bits`` (bits 1-16) -> uint32 ``[..., ceil(N * bits / 32)]`` (:func:`kvq.hookspecs.kvq_pack`)."""
         return self._bound("pack", "kvq_pack")
 
     @property
     def unpack(self):
-        """``kvq_unpack(packed, bits, count)`` of the chosen implementation, or ``None``."""
+        """``kvq_unpack(packed, bits, count)`` of the chosen implementation, or ``None``: the inverse of
+        :attr:`pack`, uint32 ``[..., W]`` -> uint32 codes ``[..., count]`` (:func:`kvq.hookspecs.kvq_unpack`)."""
         return self._bound("pack", "kvq_unpack")
 
     def explain(self) -> str:

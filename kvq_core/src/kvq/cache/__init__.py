@@ -57,13 +57,19 @@ def make_config(method: str | None = "affine", *, key_method: str | None = None,
                 key_params: dict | None = None, value_params: dict | None = None, sinks: int = 4,
                 window: int = 128, step: int = 256, kernels: str = "auto", flush: int = DEFAULT_FLUSH,
                 outlier_layers: str = "upgrade", **params: Any) -> CacheConfig:
-    """A validated :class:`CacheConfig`.
+    """A validated :class:`CacheConfig`: the methods, parameters and layout of one layer's cache, as
+    :func:`make_prompt_cache` takes them (``CacheConfig.for_layer`` binds per-layer state).
 
     :param method: method for keys and values (``key_method``/``value_method`` override it per side).
     :param key_params: parameters for the keys only (merged over ``params``); ``value_params`` likewise.
     :param params: parameters shared by both sides (``bits=4``). A ``bits`` that is not a whole number (``bits=3.5``)
         is a budget in bits per coordinate: each layer stores the key and value settings it buys at its head_dims
         (:mod:`kvq.cache.budget`; methods with budget settings only, such as ``turboquant``).
+    :param sinks: the first tokens, kept uncompressed (attention sinks, StreamingLLM, arXiv 2309.17453): an int
+        >= 0, default 4.
+    :param window: the most recent tokens, kept uncompressed (the residual window, KIVI, arXiv 2402.02750): an int
+        >= 0, default 128.
+    :param step: tokens added to a compressed store each time it grows (an int >= 1, default 256).
     :param kernels: ``"auto"``, ``"require"`` or ``"off"`` (see :class:`CacheConfig`).
     :param flush: tokens leave the residual window in blocks of ``flush`` (default :data:`DEFAULT_FLUSH`, 128; see
         :class:`CacheConfig`).
@@ -139,7 +145,8 @@ def _method_string_kwargs(method: str, given: dict, params: dict) -> dict:
     spec = parse_method(method)
     if spec.is_reference or MLX_AFFINE in (spec.key_method, spec.value_method):
         raise ValueError(f"method {method!r} is one of mlx-lm's own caches, not a kvq cache: for it call "
-                         f"mlx_lm.models.cache.make_prompt_cache (kvq's methods: {', '.join(sorted(registry().methods))})")
+                         f"mlx_lm.models.cache.make_prompt_cache (kvq's methods: "
+                         f"{', '.join(sorted(registry().methods))})")
     named = [k for k in ("key_method", "value_method") if given[k] is not None]
     if named:
         raise ValueError(f"method {method!r} is a method string that names the methods already; give "
@@ -326,7 +333,10 @@ def patch_model(model, method: str | None = "affine", **kwargs: Any):
 
 
 def unpatch_model(model):
-    """Undo :func:`patch_model`."""
+    """Undo :func:`patch_model`: ``model.make_cache`` is mlx-lm's again (the model's own, or none where it had
+    none); returns ``model``. A model that was not patched is left as it is. mlx-lm's attention stays routed
+    through kvq's (:mod:`kvq.cache.patch`), which passes every cache that is not kvq's to mlx-lm's own attention
+    unchanged."""
     if hasattr(model, "_kvq_original_make_cache"):
         original = model.__dict__.pop("_kvq_original_make_cache")
         if original is None:

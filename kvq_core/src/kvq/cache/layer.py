@@ -110,6 +110,7 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
 
     @property
     def sink_values(self):
+        """``[B, H, n_sinks, D_v]`` view of the uncompressed first tokens' values, or None."""
         return self.sinks.view()[1]
 
     @property
@@ -119,6 +120,7 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
 
     @property
     def window_values(self):
+        """``[B, H, n_window, D_v]`` view of the uncompressed most recent tokens' values, or None."""
         return self.window.view()[1]
 
     # -- storage ------------------------------------------------------------------------------------
