@@ -199,7 +199,7 @@ class CacheCost:
 
 
 def cache_cost(spec, shape: ModelShape, sinks: int, window: int, flush: int | None, device: str = "gpu") -> CacheCost:
-    """The :class:`CacheCost` of a method spec (:func:`kvq.evaluation.spec.parse_method`) on ``shape``, from the
+    """The :class:`CacheCost` of a method spec (:func:`kvq.cache.method_string.parse_method`) on ``shape``, from the
     methods' bits accounting (``accounting(head_dim)``) and kvq's cache configuration (sinks, window, flush);
     ``device`` (``"cpu"`` or ``"gpu"``) chooses the encoding work (:data:`ENCODE_WORK`)."""
     D = shape.head_dim

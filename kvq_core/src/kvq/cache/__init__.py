@@ -84,7 +84,7 @@ def make_config(method: str | None = "affine", *, key_method: str | None = None,
 
     ``method`` may also be a method string as the CLI takes it (``"turboquant:3"``, ``"affine:k8v4"``,
     ``"qjl+affine:4"``, ``"turboquant:4[flush=128]"``, ``"turboquant:3.5"``; grammar:
-    :mod:`kvq.evaluation.spec`): :func:`_method_string_kwargs` spells it out as these arguments, and raises
+    :mod:`kvq.cache.method_string`): :func:`_method_string_kwargs` spells it out as these arguments, and raises
     ``ValueError`` where a keyword sets what the string sets otherwise, or where the string names mlx-lm's own
     caches (``kvcache``, ``mlx-affine``), which are not kvq caches.
     """
@@ -123,9 +123,11 @@ def make_config(method: str | None = "affine", *, key_method: str | None = None,
 
 def _is_method_string(method) -> bool:
     """Whether ``method`` is a method string of the CLI's grammar rather than a method's name: it has a ``:``,
-    ``+`` or ``[``, or it is ``kvq-fp16`` or ``kvcache`` (:data:`kvq.evaluation.spec.KVQ_FP16`, ``REFERENCE``;
-    ``fp16`` alone is the method's name, kvq's 16-bit cache)."""
-    return isinstance(method, str) and (any(c in method for c in ":+[") or method.strip() in ("kvq-fp16", "kvcache"))
+    ``+`` or ``[``, or it is ``kvq-fp16`` or ``kvcache`` (:data:`~kvq.cache.method_string.KVQ_FP16`,
+    :data:`~kvq.cache.method_string.REFERENCE`; ``fp16`` alone is the method's name, kvq's 16-bit cache)."""
+    from .method_string import KVQ_FP16, REFERENCE
+
+    return isinstance(method, str) and (any(c in method for c in ":+[") or method.strip() in (KVQ_FP16, REFERENCE))
 
 
 def _method_string_kwargs(method: str, given: dict, params: dict) -> dict:
@@ -140,7 +142,7 @@ def _method_string_kwargs(method: str, given: dict, params: dict) -> dict:
         a parameter is set both in the string and as a keyword (``"turboquant:3"`` with ``bits=4``); a cache
         option is set in brackets and, to another value, as a keyword.
     """
-    from ..evaluation.spec import MLX_AFFINE, parse_method
+    from .method_string import MLX_AFFINE, parse_method
 
     spec = parse_method(method)
     if spec.is_reference or MLX_AFFINE in (spec.key_method, spec.value_method):
@@ -177,7 +179,7 @@ def _method_string_kwargs(method: str, given: dict, params: dict) -> dict:
 def cache_settings() -> tuple[str, ...]:
     """The cache's own settings: the keyword arguments of :func:`make_config` that are not method parameters, read
     from its signature (the error that names a misspelt one lists them; a method string's brackets take only some,
-    :data:`kvq.evaluation.spec.CACHE_OPTIONS`)."""
+    :data:`kvq.cache.method_string.CACHE_OPTIONS`)."""
     return tuple(name for name, p in inspect.signature(make_config).parameters.items()
                  if p.kind is inspect.Parameter.KEYWORD_ONLY)
 

@@ -17,9 +17,10 @@ import json
 import sys
 from pathlib import Path
 
+from ..cache import method_string
 from ..evaluation import spec as spec_module
 
-EPILOG = "method strings:\n" + spec_module.__doc__.split("Grammar", 1)[1].split("\n", 1)[1] + """
+EPILOG = "method strings:\n" + method_string.__doc__.split("Grammar", 1)[1].split("\n", 1)[1] + """
 A method calibrated per model (vecinfer) uses the calibration of --model unless [model_id=...] names another.
 The reference, kvcache (mlx-lm's KVCache in the model's dtype; fp16 is its older name, kvq-fp16 kvq's 16-bit cache),
 is always run first (added if not listed). kvq caches keep --sinks first and

@@ -36,7 +36,7 @@ from ..defaults import DEFAULT_FLUSH
 from ..selection import KERNELS
 from .select_cmd import parse_param
 
-#: The reference cache's options: mlx-lm's own caches for the model, in its dtype (:data:`kvq.evaluation.spec.REFERENCE`).
+#: The reference cache's options: mlx-lm's own caches for the model, in its dtype (:data:`kvq.cache.method_string.REFERENCE`).
 REFERENCE = {"method": "kvcache"}
 #: Prompt tokens per prefill step (mlx-lm uses 2048; on a 2-core CPU 512 was as fast, and holds less memory).
 PREFILL_STEP = 512
