@@ -199,7 +199,7 @@ def main(argv: list[str]) -> int:
     document, suffixes = question_ids(tokenizer)
     print(f"kvq demo: {models.DEFAULT_MODEL} on {device_kind()} reads {len(document)} tokens (Python language "
           f"reference, topic {TOPIC!r}) once per cache and answers {len(QUESTIONS)} questions from a copy of it, "
-          f"greedily: the reference {reference_label(model)} (mlx-lm's KVCache), {recommended} (recommended) and "
+          f"greedily: the reference {reference_label(model)}, mlx-lm's KVCache, then {recommended} (recommended) and "
           f"{three_bit} (~3 bits).\n", flush=True)
     reference = answer_all(model, tokenizer, None, document, suffixes, args.max_tokens)
     runs = [answer_all(model, tokenizer, m, document, suffixes, args.max_tokens) for m in (recommended, three_bit)]
