@@ -221,19 +221,22 @@ def test_the_command_lines_method_strings_make_the_configs_they_spell():
             ("qjl[sketch_dim=64]+affine:4", dict(key_method="qjl", value_method="affine",
                                                  key_params={"sketch_dim": 64}, value_params={"bits": 4})),
             ("turboquant:4[flush=64,window=32]", dict(method="turboquant", bits=4, flush=64, window=32)),
-            ("kvq-fp16", dict(method="fp16"))]
+            ("kvq-fp16", dict(method="fp16")), (" kvq-fp16 ", dict(method="fp16"))]
     for string, kwargs in same:
         assert make_config(string) == make_config(**kwargs), string
     # keywords beside the string: what it leaves unset, or the same value
     assert make_config("turboquant:4", sinks=0, kernels="off") == make_config("turboquant", bits=4, sinks=0,
                                                                               kernels="off")
     assert make_config("affine:4[window=64]", window=64).window == 64
+    assert make_config("affine:4", bits=4) == make_config("affine", bits=4)  # repeated, not contradicted
     for string, kwargs, match in [
-            ("turboquant:3", dict(bits=4), r"method 'turboquant:3' sets bits already; got bits=4 as well \(give the "
-                                           r"method's name, 'turboquant', to set them by keyword\)"),
-            ("turboquant:3", dict(key_params={"bits": 2}), r"sets bits already; got bits=2"),
-            ("turboquant:3.5", dict(bits=3), r"method 'turboquant:3.5' sets bits already; got bits=3"),
+            ("turboquant:3", dict(bits=4), r"method 'turboquant:3' sets bits=3; got bits=4 as well \(give the "
+                                           r"method's name, 'turboquant', to set it by keyword\)"),
+            ("turboquant:3", dict(key_params={"bits": 2}), r"sets bits=3; got bits=2"),
+            ("turboquant:3.5", dict(bits=3), r"method 'turboquant:3.5' sets bits=3.5; got bits=3"),
+            ("turboquant:3.5", dict(key_params={"bits": 2}), r"bits=3.5 is a budget for keys and values together"),
             ("affine:4[window=64]", dict(window=32), r"sets window=64; got window=32 as well"),
+            ("mlx-affine", {}, r"method 'mlx-affine' is one of mlx-lm's own caches"),
             ("turboquant:3", dict(key_method="affine"), r"names the methods already; give key_method with"),
             ("kvcache", {}, r"method 'kvcache' is one of mlx-lm's own caches, not a kvq cache"),
             ("mlx-affine:4", {}, r"method 'mlx-affine:4' is one of mlx-lm's own caches"),

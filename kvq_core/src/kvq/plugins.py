@@ -241,7 +241,8 @@ class Registry:
             if colon and base in self.methods and not hint:  # the CLI's spelling, "turboquant:3"
                 numeric = bits.replace(".", "", 1).isdigit()
                 hint = (f"{name!r} is a method string (kvq eval, kvq generate --method); here give the method and "
-                        f"its bits apart: method={base!r}, bits={bits} (kvq select: {base} --param bits={bits})"
+                        f"its bits apart: method={base!r}, bits={bits} (kvq select: {base} --param bits={bits}; "
+                        f"kvq.make_prompt_cache takes the string as it is)"
                         if numeric else
                         f"{name!r} is a method string (kvq eval, kvq generate --method); here give the method and "
                         f"its parameters apart (method={base!r}, ...)")

@@ -34,6 +34,7 @@ from .choice import block_implementation, has_attend, quantize_kernels
 from .budget import spender
 from .config import CacheConfig
 from .layer import KVQCache
+from .method_string import is_method_string
 from .model_args import head_dims
 from .views import CompressedView
 from .registration import register_with_mlx_lm
@@ -83,12 +84,13 @@ def make_config(method: str | None = "affine", *, key_method: str | None = None,
         settings).
 
     ``method`` may also be a method string as the CLI takes it (``"turboquant:3"``, ``"affine:k8v4"``,
-    ``"qjl+affine:4"``, ``"turboquant:4[flush=128]"``, ``"turboquant:3.5"``; grammar:
-    :mod:`kvq.cache.method_string`): :func:`_method_string_kwargs` spells it out as these arguments, and raises
-    ``ValueError`` where a keyword sets what the string sets otherwise, or where the string names mlx-lm's own
-    caches (``kvcache``, ``mlx-affine``), which are not kvq caches.
+    ``"qjl+affine:4"``, ``"turboquant:4[flush=128]"``, ``"turboquant:3.5"``; grammar and
+    :func:`~kvq.cache.method_string.is_method_string`: :mod:`kvq.cache.method_string`):
+    :func:`_method_string_kwargs` spells it out as these arguments, and raises ``ValueError`` where a keyword sets
+    what the string sets otherwise, or where the string names mlx-lm's own caches (``kvcache``, ``mlx-affine``),
+    which are not kvq caches.
     """
-    if _is_method_string(method):
+    if is_method_string(method):
         return make_config(**_method_string_kwargs(method, dict(
             key_method=key_method, value_method=value_method, key_params=key_params, value_params=value_params,
             sinks=sinks, window=window, step=step, kernels=kernels, flush=flush, outlier_layers=outlier_layers),
@@ -99,6 +101,11 @@ def make_config(method: str | None = "affine", *, key_method: str | None = None,
         raise ValueError(f"bits must be a number (whole bits, or a budget such as 3.5); got {budget!r}")
     if isinstance(budget, float) and not budget.is_integer():
         params = {k: v for k, v in params.items() if k != "bits"}  # kvq.cache.budget chooses the bits per layer
+        sided = [side for side, given in (("key_params", key_params), ("value_params", value_params))
+                 if "bits" in (given or {})]
+        if sided:
+            raise ValueError(f"bits={budget} is a budget for keys and values together (each layer's bits are chosen "
+                             f"for it); drop the bits of {' and '.join(sided)}, or give whole bits per side")
     else:
         budget = None
         if isinstance(params.get("bits"), float):
@@ -121,30 +128,20 @@ def make_config(method: str | None = "affine", *, key_method: str | None = None,
     return CacheConfig(kp, vp, sinks, window, step, kernels, flush, outlier_layers, budget=budget)
 
 
-def _is_method_string(method) -> bool:
-    """Whether ``method`` is a method string of the CLI's grammar rather than a method's name: it has a ``:``,
-    ``+`` or ``[``, or it is ``kvq-fp16`` or ``kvcache`` (:data:`~kvq.cache.method_string.KVQ_FP16`,
-    :data:`~kvq.cache.method_string.REFERENCE`; ``fp16`` alone is the method's name, kvq's 16-bit cache)."""
-    from .method_string import KVQ_FP16, REFERENCE
-
-    return isinstance(method, str) and (any(c in method for c in ":+[") or method.strip() in (KVQ_FP16, REFERENCE))
-
-
 def _method_string_kwargs(method: str, given: dict, params: dict) -> dict:
-    """The arguments of :func:`make_config` that the method string ``method`` (``"qjl+affine:4"``) stands for,
-    merged with those given beside it (``given``: the keyword arguments, ``params``: the shared parameters).
-
-    The string's bits and bracketed parameters join each side's parameters; its ``sinks``, ``window`` and
-    ``flush`` replace those keywords' defaults (read from :func:`make_config`'s signature).
+    """The arguments of :func:`make_config` that the method string ``method`` (``"qjl+affine:4"``) stands for
+    (:meth:`~kvq.cache.method_string.MethodSpec.cache_kwargs`), merged with those given beside it (``given``: the
+    keyword arguments, ``params``: the shared parameters). A keyword may repeat what the string sets, not
+    contradict it; the string's bracketed ``sinks``, ``window`` and ``flush`` replace those keywords' defaults
+    (read from :func:`make_config`'s signature), so a keyword given at its default value does not count as given.
 
     :raises ValueError: the string does not parse (the grammar is shown); it names mlx-lm's own caches
-        (``kvcache``, ``fp16`` in a method string, ``mlx-affine``); ``key_method``/``value_method`` are given too;
-        a parameter is set both in the string and as a keyword (``"turboquant:3"`` with ``bits=4``); a cache
-        option is set in brackets and, to another value, as a keyword.
+        (``kvcache``, ``mlx-affine``); ``key_method``/``value_method`` are given too; a parameter or cache option
+        is set in the string and, to another value, as a keyword (``"turboquant:3"`` with ``bits=4``).
     """
     from .method_string import MLX_AFFINE, parse_method
 
-    spec = parse_method(method)
+    spec = parse_method(method.strip())
     if spec.is_reference or MLX_AFFINE in (spec.key_method, spec.value_method):
         raise ValueError(f"method {method!r} is one of mlx-lm's own caches, not a kvq cache: for it call "
                          f"mlx_lm.models.cache.make_prompt_cache (kvq's methods: "
@@ -153,27 +150,28 @@ def _method_string_kwargs(method: str, given: dict, params: dict) -> dict:
     if named:
         raise ValueError(f"method {method!r} is a method string that names the methods already; give "
                          f"{' and '.join(named)} with a method's name (method='affine', key_method='qjl') instead")
-    options = dict(spec.cache_options)
-    shared = dict(params)
-    if "bits" in options:  # a budget (turboquant:3.5): make_config's bits=3.5
-        shared["bits"] = options.pop("bits")
-        if "bits" in params:
-            raise ValueError(f"method {method!r} sets bits already; got bits={params['bits']!r} as well")
-    sides = {}
-    for side, from_string in (("key_params", spec.key_params), ("value_params", spec.value_params)):
-        extra = given[side] or {}
-        twice = sorted((set(params) | set(extra)) & set(from_string))
-        if twice:
-            raise ValueError(f"method {method!r} sets {', '.join(twice)} already; got "
-                             f"{', '.join(f'{k}={(extra if k in extra else params)[k]!r}' for k in twice)} as well "
-                             f"(give the method's name, {spec.key_method!r}, to set them by keyword)")
-        sides[side] = {**from_string, **extra}
     defaults = inspect.signature(make_config).parameters
-    for name, value in options.items():
-        if given[name] != defaults[name].default and given[name] != value:
-            raise ValueError(f"method {method!r} sets {name}={value!r}; got {name}={given[name]!r} as well")
-    return {**given, **options, "method": None, "key_method": spec.key_method, "value_method": spec.value_method,
-            **sides, **shared}
+    spelled = spec.cache_kwargs(given["sinks"], given["window"], given["flush"])
+
+    def refuse_other(name: str, ours, theirs) -> None:
+        if theirs != ours:
+            raise ValueError(f"method {method!r} sets {name}={ours!r}; got {name}={theirs!r} as well (give the "
+                             f"method's name, {spec.key_method!r}, to set it by keyword)")
+
+    for name, value in spec.cache_options.items():  # sinks, window, flush; a budget's bits
+        if name == "bits":
+            if "bits" in params:
+                refuse_other("bits", value, params["bits"])
+        elif given[name] != defaults[name].default:
+            refuse_other(name, value, given[name])
+    for side in ("key_params", "value_params"):
+        extra = given[side] or {}
+        for name, value in spelled[side].items():
+            for source in (extra, params):
+                if name in source:
+                    refuse_other(name, value, source[name])
+        spelled[side] = {**spelled[side], **extra}
+    return {**given, **spelled, **params}
 
 
 def cache_settings() -> tuple[str, ...]:
@@ -231,9 +229,9 @@ def make_prompt_cache(model, method: str | None = "affine", *, max_kv_size: int 
     :param method, kwargs: as :func:`make_config`: a method's name with its parameters (``"turboquant", bits=4``,
         ``key_params=``, ``sinks=``, ``window=``, ``kernels=`` ...) or a method string (``"turboquant:4"``,
         ``"qjl+affine:4"``).
+    :param max_kv_size: as mlx-lm's: at most this many tokens visible per layer (``None``: unbounded).
     :returns: a list with one cache per layer of ``model.layers``: :class:`KVQCache`, :class:`RotatingKVQCache`,
         or the model's own cache where a layer's is neither mlx-lm's ``KVCache`` nor ``RotatingKVCache``.
-    :param max_kv_size: as mlx-lm's: at most this many tokens visible per layer (``None``: unbounded).
     :raises TypeError: ``model`` is not an mlx-lm model (no ``layers``, no ``make_cache``).
     :raises ValueError: bad method/parameters, ``max_kv_size`` not an int above 4, a head_dim the method does not
         support (named), parameters whose ``check_ready()`` fails (:class:`kvq.contract.ChecksReady`: a missing

@@ -184,6 +184,15 @@ def _side(text: str, spec: str) -> tuple[str, dict, dict, dict]:
     return match["name"], key_params, value_params, cache
 
 
+def is_method_string(method) -> bool:
+    """Whether ``method`` is a method string rather than a method's name: it has a ``:``, ``+`` or ``[``, or it is
+    one of the whole strings :data:`REFERENCE` (``kvcache``), :data:`KVQ_FP16` and :data:`MLX_AFFINE`. ``fp16``
+    alone is the method's name, kvq's 16-bit cache; as a ``--methods`` entry of ``kvq eval`` and ``kvq bench``,
+    which read every entry as a method string, it is the reference's older name."""
+    return isinstance(method, str) and (any(c in method for c in ":+[")
+                                        or method.strip() in (REFERENCE, KVQ_FP16, MLX_AFFINE))
+
+
 def parse_method(spec: str) -> MethodSpec:
     """Parse one method string (see the module docstring); syntax only, no registry look-up.
 

@@ -79,7 +79,8 @@ def cache_options(args: argparse.Namespace) -> dict:
     :raises ValueError: such a combination, a string that does not parse, bad or unready parameters, ``--sinks``
         or ``--window`` below 0, ``--flush`` below 1.
     """
-    from ..evaluation.spec import KVQ_FP16, REFERENCE, for_model, parse_method
+    from ..cache.method_string import KVQ_FP16, REFERENCE, is_method_string, parse_method
+    from ..evaluation.spec import for_model
 
     if args.method.strip() == REFERENCE:
         raise ValueError(f"--method {REFERENCE} is the reference (mlx-lm's KVCache), which kvq does not compress: "
@@ -89,7 +90,7 @@ def cache_options(args: argparse.Namespace) -> dict:
         value = getattr(args, name, None)
         if value is not None and value < low:
             raise ValueError(f"--{name} must be an integer >= {low}; got {value}")
-    if any(c in args.method for c in ":+[") or args.method.startswith(KVQ_FP16):
+    if is_method_string(args.method):
 
         given = [name for name, value in (("--bits", args.bits), ("--param", args.param),
                                           ("--key-method", args.key_method), ("--value-method", args.value_method),
@@ -98,7 +99,7 @@ def cache_options(args: argparse.Namespace) -> dict:
         if given:
             raise ValueError(f"--method {args.method!r} carries its own parameters: drop {', '.join(given)} or "
                              f"write --method NAME with them")
-        spec = parse_method(args.method)
+        spec = parse_method(args.method.strip())
         if spec.is_mlx:
             raise ValueError(f"--method {args.method!r}: mlx-affine (mlx-lm's own cache) is for kvq eval and "
                              f"kvq bench; use --method affine for kvq's")
