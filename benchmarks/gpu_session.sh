@@ -30,7 +30,9 @@
 #        prefill-wired (#51: kvq bench prefill on random:llama3-8b, bfloat16, 8K and 32K, fp16 in the same run, with
 #        the prefill kernel on (benchmarks/knobs.py --prefill '{"tc": true}') and off, each an untimed warm-up and
 #        two timed repetitions), batch-prefill (BatchGenerator prefill of 8 x 2,048 with the first-block checks and
-#        without, benchmarks/investigations/batch_prefill_regression.py)
+#        without, benchmarks/investigations/batch_prefill_regression.py), step-kernels (#52: GPU time of whole decode
+#        steps by kernel at 32K, 2 layers, the streams methods beside kvcache and turboquant:3,
+#        benchmarks/investigations/decode_step_kernels.py)
 set -u
 OUT=${OUT:-/tmp/out}
 # the card in result names (h100, h200): runs on either, and a name must say which
@@ -238,5 +240,12 @@ for r in json.load(open(sys.argv[1]))["rows"]:
                        --no-progress --no-plot > "$OUT/prefill_tc_$tc.log" 2>&1
                      tail -c 2500 "$OUT/prefill_tc_$tc.log"
                    done;;
+    step-kernels) # #52: GPU time of whole decode steps by kernel (2 layers of random:llama3-8b at $STEPS_CONTEXT,
+                  # default 32K), the streams methods beside kvcache and turboquant:3: where the streams step's time
+                  # goes (kernel, query preparation, merge, the flush steps apart)
+                  timeout ${STEPS_TIMEOUT:-300} python3 benchmarks/investigations/decode_step_kernels.py \
+                    --out "$OUT/step-kernels-${STEPS_CONTEXT:-32768}.json" --context ${STEPS_CONTEXT:-32768} --layers 2 \
+                    --steps 36 --warmup 34 --methods ${STEPS_METHODS:-kvcache,turboquant:3,qjl+affine:4,turboquant_prod:4} \
+                    > "$OUT/step-kernels.log" 2>&1; tail -c 2500 "$OUT/step-kernels.log";;
   esac
 done
