@@ -1,7 +1,8 @@
 """Bad input a new user gave the commands and the Python API (a trial on 2026-12-06), refused before any model
 work with a message that names the argument and what is allowed: mlx-lm's --kv-bits on kvq serve, a bits budget far
 above what the method stores, negative seconds, an answer of no tokens, a cache setting inside a method string, a
-relative path taken for a Hub id, and parameter errors that did not name the method or called text a number."""
+relative path taken for a Hub id, parameter errors that did not name the method or called text a number, and an
+unknown --param answered with the cache's Python names."""
 
 from __future__ import annotations
 
@@ -77,3 +78,20 @@ def test_parameter_errors_name_the_method_and_say_when_a_number_came_as_text():
         kvq.make_params("turboquant", bits="4")
     with pytest.raises(ValueError, match=r"^turboquant_prod bits must be one of 1, 2, 3, 4; got 9"):
         kvq.make_params("turboquant_prod", bits=9)  # the variant that shares turboquant's fields is named itself
+
+
+def test_an_unknown_parameter_on_the_command_line_names_the_commands_options(capsys):
+    """``kvq generate --param bitz=4`` listed the cache's settings by their Python names (``key_params``,
+    ``max_kv_size (make_prompt_cache)``); the command names its own options instead, before loading a model."""
+    assert main(["generate", "--method", "turboquant", "--param", "bitz=4", "--prompt", "hi",
+                 "--model", "/no/such/model"]) == 1
+    line = _error(capsys, "generate")
+    assert "unknown parameter(s) bitz for method 'turboquant'; allowed: bits, rotation" in line
+    assert line.endswith("the cache's own settings: --key-method, --value-method, --key-param, --value-param, "
+                         "--sinks, --window, --kernels, --flush, --param step=..., --param outlier_layers=...")
+    from kvq.cache import UnknownParameterError, make_config
+
+    with pytest.raises(UnknownParameterError, match=r"allowed: bits, group_size; the cache's own settings: "
+                                                    r"key_method, .*max_kv_size \(make_prompt_cache\)$") as caught:
+        make_config("affine", bitz=3)  # Python's names in Python
+    assert caught.value.method_message == "unknown parameter(s) bitz for method 'affine'; allowed: bits, group_size"

@@ -80,8 +80,8 @@ def make_config(method: str | None = "affine", *, key_method: str | None = None,
     :raises ValueError: unknown method, parameter out of range, ``kernels`` not one of the three, a keys-only
         method (``qjl``) on the values' side, a method the cache cannot attend over (no ``kvq_attend`` and no
         ``kvq_dequantize``: :func:`kvq.cache.choice.block_implementation`).
-    :raises TypeError: unknown parameter name (the message lists the method's parameters and the cache's own
-        settings).
+    :raises UnknownParameterError: (a TypeError) unknown parameter name (the message lists the method's
+        parameters and the cache's own settings).
 
     ``method`` may also be a method string as the CLI takes it (``"turboquant:3"``, ``"affine:k8v4"``,
     ``"qjl+affine:4"``, ``"turboquant:4[flush=128]"``, ``"turboquant:3.5"``; grammar and
@@ -114,7 +114,7 @@ def make_config(method: str | None = "affine", *, key_method: str | None = None,
         kp = _params(key_method or method, key_params, params, "keys")
         vp = _params(value_method or method, value_params, params, "values")
     except TypeError as exc:  # a misspelt cache setting reaches the method's parameters: name both lists
-        raise TypeError(f"{exc}; the cache's own settings: {', '.join(_cache_settings())}") from None
+        raise UnknownParameterError(str(exc), _cache_settings()) from None
     if registry().method(vp.method).keys_only:
         raise ValueError(f"{vp.method} compresses keys only (it estimates inner products, not vectors): give the "
                          f"values another method, e.g. value_method='affine' (CLI: --value-method affine; "
@@ -126,6 +126,16 @@ def make_config(method: str | None = "affine", *, key_method: str | None = None,
         for p in (kp, vp):
             spender(p)  # a method without budget settings is named now
     return CacheConfig(kp, vp, sinks, window, step, kernels, flush, outlier_layers, budget=budget)
+
+
+class UnknownParameterError(TypeError):
+    """A keyword that neither the method nor the cache takes (:func:`make_config`). The message names the method's
+    parameters, then the cache's own settings by their Python names; :attr:`method_message` is the method's part
+    alone, for a caller that spells the cache's settings its own way (``kvq generate``'s options)."""
+
+    def __init__(self, method_message: str, settings: list[str]) -> None:
+        super().__init__(f"{method_message}; the cache's own settings: {', '.join(settings)}")
+        self.method_message = method_message
 
 
 def _method_string_kwargs(method: str, given: dict, params: dict) -> dict:
@@ -347,5 +357,6 @@ def unpatch_model(model):
 
 
 __all__ = ["BatchKVQCache", "CacheConfig", "CompressedView", "DEFAULT_FLUSH", "KVQCache", "OutlierLayerWarning",
-           "RotatingKVQCache", "UnservableModelWarning", "load_prompt_cache", "make_config", "make_prompt_cache",
+           "RotatingKVQCache", "UnknownParameterError", "UnservableModelWarning", "load_prompt_cache", "make_config",
+           "make_prompt_cache",
            "patch_model", "register_with_mlx_lm", "save_prompt_cache", "unpatch_model"]

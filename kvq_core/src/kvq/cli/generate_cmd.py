@@ -80,7 +80,6 @@ def cache_options(args: argparse.Namespace) -> dict:
         or ``--window`` below 0, ``--flush`` below 1.
     """
     from ..cache.method_string import KVQ_FP16, REFERENCE, is_method_string, parse_method
-    from ..evaluation.spec import for_model
 
     if args.method.strip() == REFERENCE:
         raise ValueError(f"--method {REFERENCE} is the reference (mlx-lm's KVCache), which kvq does not compress: "
@@ -104,8 +103,8 @@ def cache_options(args: argparse.Namespace) -> dict:
             raise ValueError(f"--method {args.method!r}: mlx-affine (mlx-lm's own cache) is for kvq eval and "
                              f"kvq bench; use --method affine for kvq's")
         # a method string's own sinks/window/flush ("affine:4[flush=128]") win over the options' defaults
-        return for_model({**spec.cache_kwargs(args.sinks, args.window, getattr(args, "flush", 1)),
-                          "kernels": getattr(args, "kernels", "auto")}, args.model)
+        return _for_model({**spec.cache_kwargs(args.sinks, args.window, getattr(args, "flush", 1)),
+                           "kernels": getattr(args, "kernels", "auto")}, args.model)
     shared = dict(parse_param(p) for p in args.param)
     if args.bits is not None:
         shared["bits"] = args.bits
@@ -117,7 +116,30 @@ def cache_options(args: argparse.Namespace) -> dict:
     if args.value_method or args.value_param:
         options["value_method"] = args.value_method
         options["value_params"] = dict(parse_param(p) for p in args.value_param)
-    return for_model(options, args.model)
+    return _for_model(options, args.model)
+
+
+def _for_model(options: dict, model: str | None) -> dict:
+    """:func:`kvq.evaluation.spec.for_model` of ``options``, an unknown parameter named with this command's
+    options for the cache's own settings (:class:`kvq.cache.UnknownParameterError` names their Python names).
+
+    :raises ValueError: an unknown parameter (the method's allowed ones listed), and what ``for_model`` raises.
+    """
+    from ..cache import UnknownParameterError, cache_settings
+    from ..evaluation.spec import for_model
+
+    try:
+        return for_model(options, model)
+    except UnknownParameterError as exc:
+        own = [f"--{name.replace('_', '-').removesuffix('s')}" if name.endswith("_params") else
+               f"--{name.replace('_', '-')}" for name in cache_settings() if name in _CACHE_OPTIONS]
+        rest = [f"--param {name}=..." for name in cache_settings() if name not in _CACHE_OPTIONS]
+        raise ValueError(f"{exc.method_message}; the cache's own settings: {', '.join(own + rest)}") from None
+
+
+#: The cache settings (:func:`kvq.cache.cache_settings`) that have an option of their own in
+#: :func:`add_cache_arguments`; the others go through ``--param NAME=VALUE``.
+_CACHE_OPTIONS = ("key_method", "value_method", "key_params", "value_params", "sinks", "window", "kernels", "flush")
 
 
 def params_label(params, side: str | None = None) -> str:
