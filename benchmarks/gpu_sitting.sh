@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# One sitting on a lent GPU machine with no network, on top of benchmarks/gpu_session.sh: MLX from the offline
+# bundle, kvq from two revisions' wheels, the kernel GPU tests in parallel groups, and GPU time per decode call of
+# both revisions. Results under $OUT (the device tool's folder that comes back).
+#
+# On this machine first (once; see the device tool's notes for the two carry calls):
+#   bash ../shared/gpu/bundle.sh .gpu            # MLX's CUDA build, in parts; the tree is ~14 MB, so split the
+#   cat .gpu/mlx-cuda.tar.xz.part-* > /tmp/f && rm .gpu/mlx-cuda.tar.xz.part-* \
+#     && split -b 38M -a 2 /tmp/f .gpu/mlx-cuda.tar.xz.part-    # bundle in 38 MiB parts to stay under 64 MiB a call
+#   bash benchmarks/gpu_revisions.sh BEFORE HEAD .gpu/rev     # .gpu/rev/{before,after}/*.whl
+# Then, on the device (call B carries .gpu/mlx-cuda.tar.xz.part-ab, .gpu/wheels, .gpu/install.sh, .gpu/rev):
+#   bash benchmarks/gpu_sitting.sh install ktests dur [any gpu_session.sh step ...]
+# Steps:
+#   install  MLX into /tmp/kvq-site (.gpu/install.sh; the first part stashed in /tmp/stash by call A), each
+#            revision's wheels into /tmp/site-before and /tmp/site-after
+#   ktests   tests/test_kernels_gpu.py -m gpu against the after revision, in $T_GROUPS (4) parallel groups, each cut
+#            at $T_TIMEOUT (400) s; $T_K: a pytest -k expression narrowing them
+#   dur      benchmarks/kernel_durations.py for each side of $DUR_SIDES (after) at $DUR_CONTEXTS (131072) tokens,
+#            $DUR_BATCH (1) sequences, with $DUR_VARIANTS (a variants JSON file, after side only) and $DUR_TAG in
+#            the file names
+#   other    benchmarks/gpu_session.sh's step of that name, with the after revision on PYTHONPATH
+set -u
+export OUT=${OUT:-/tmp/res}; mkdir -p "$OUT"
+S=/tmp/kvq-site
+A=$S:/tmp/site-after
+DEV=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | awk '{print tolower($2)}'); export DEV
+for step in "$@"; do
+  t0=$(date +%s)
+  case $step in
+    install) bash .gpu/install.sh $S /tmp/stash .gpu > "$OUT/install.log" 2>&1; tail -1 "$OUT/install.log"
+             for side in before after; do
+               [ -d /tmp/site-$side ] || [ ! -d .gpu/rev/$side ] ||
+                 python3 -m pip install -q --no-index --no-deps --target /tmp/site-$side .gpu/rev/$side/*.whl
+             done
+             nvidia-smi --query-gpu=name,memory.total --format=csv,noheader;;
+    ktests) PYTHONPATH=$A python3 -m pytest tests/test_kernels_gpu.py -m gpu ${T_K:+-k "$T_K"} --collect-only -q \
+              -p no:cacheprovider 2>/dev/null | grep '::' > /tmp/k_ids.txt
+            echo "$(wc -l < /tmp/k_ids.txt) tests"
+            rm -f /tmp/k_ids.a?; split -n r/${T_GROUPS:-4} /tmp/k_ids.txt /tmp/k_ids.
+            for g in /tmp/k_ids.a?; do
+              (PYTHONPATH=$A MLX_ENABLE_TF32=0 timeout ${T_TIMEOUT:-400} python3 -m pytest -q --tb=short \
+                 -p no:cacheprovider $(cat $g) > "$OUT/ktests_$(basename $g).log" 2>&1) &
+            done
+            wait
+            for g in "$OUT"/ktests_*.log; do tail -n 1 "$g"; done
+            grep -h -E "^(FAILED|ERROR)" "$OUT"/ktests_*.log | cut -c1-300;;
+    dur) for side in ${DUR_SIDES:-after}; do
+           variants=""; [ "$side" = after ] && [ -n "${DUR_VARIANTS:-}" ] && variants="--variants $DUR_VARIANTS"
+           name="dur-$side-${DUR_TAG:-x}"
+           PYTHONPATH=$S:/tmp/site-$side timeout ${DUR_TIMEOUT:-200} python3 benchmarks/kernel_durations.py \
+             --out "$OUT/$name.json" --contexts ${DUR_CONTEXTS:-131072} --batch ${DUR_BATCH:-1} $variants \
+             > "$OUT/$name.log" 2>&1
+           echo "== $name"; grep -E "bound|sdpa" "$OUT/$name.log" | cut -c1-200 || tail -c 1500 "$OUT/$name.log"
+         done;;
+    *) PYTHONPATH=$A bash benchmarks/gpu_session.sh $step;;
+  esac
+  echo "## $step took $(( $(date +%s) - t0 )) s"
+done
