@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+import attrs
+
 from . import attend_tc
 from .attend import MAX_ROWS, THREADS
+from .knobs import StreamsKnobs
 
 #: Most float32 entries of one stream's code table held in shared memory (VecInfer: 2**code_bits * sub_dim).
 MAX_TABLE = 2048
@@ -82,7 +85,8 @@ TC_SHARED_WORDS = 12288 - 256
 
 @lru_cache(maxsize=1024)
 def tc_plan(signature: tuple, ddt: int, nt: int, pf: bool | None = None, qsh: bool = False,
-             rep: bool | None = None, minb: int = 0, slack: int = 4) -> tuple[list | None, str]:
+             rep: bool | None = None, minb: int = 0,
+             slack: int = attrs.fields(StreamsKnobs).slack.default) -> tuple[list | None, str]:
     """``(template, "")`` of the tensor-core launch (``decode_attend_streams_tc.cu``) for a static signature
     (:func:`kvq_metal.streams._signature`), ``ddt`` the uncompressed tokens' dtype code (0 float16, 1 bfloat16, 2
     other), ``nt`` tiles of 16 tokens per warp step and the knobs ``pf``, ``qsh``, ``rep`` and ``minb`` of

@@ -34,7 +34,7 @@ from .choice import block_implementation, has_attend, quantize_kernels
 from .budget import spender
 from .config import CacheConfig
 from .layer import KVQCache
-from .method_string import is_method_string
+from .method_string import MLX_AFFINE, is_method_string, parse_method
 from .model_args import head_dims
 from .views import CompressedView
 from .registration import register_with_mlx_lm
@@ -91,10 +91,8 @@ def make_config(method: str | None = "affine", *, key_method: str | None = None,
     which are not kvq caches.
     """
     if is_method_string(method):
-        return make_config(**_method_string_kwargs(method, dict(
-            key_method=key_method, value_method=value_method, key_params=key_params, value_params=value_params,
-            sinks=sinks, window=window, step=step, kernels=kernels, flush=flush, outlier_layers=outlier_layers),
-            params))
+        given = locals()  # the keyword arguments, every cache setting (cache_settings: one list, the signature's)
+        return make_config(**_method_string_kwargs(method, {name: given[name] for name in cache_settings()}, params))
     check_kernels(kernels)
     budget = params.get("bits")
     if isinstance(budget, bool):
@@ -149,8 +147,6 @@ def _method_string_kwargs(method: str, given: dict, params: dict) -> dict:
         (``kvcache``, ``mlx-affine``); ``key_method``/``value_method`` are given too; a parameter or cache option
         is set in the string and, to another value, as a keyword (``"turboquant:3"`` with ``bits=4``).
     """
-    from .method_string import MLX_AFFINE, parse_method
-
     spec = parse_method(method.strip())
     if spec.is_reference or MLX_AFFINE in (spec.key_method, spec.value_method):
         raise ValueError(f"method {method!r} is one of mlx-lm's own caches, not a kvq cache: for it call "

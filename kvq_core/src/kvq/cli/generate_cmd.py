@@ -131,15 +131,16 @@ def _for_model(options: dict, model: str | None) -> dict:
     try:
         return for_model(options, model)
     except UnknownParameterError as exc:
-        own = [f"--{name.replace('_', '-').removesuffix('s')}" if name.endswith("_params") else
-               f"--{name.replace('_', '-')}" for name in cache_settings() if name in _CACHE_OPTIONS]
-        rest = [f"--param {name}=..." for name in cache_settings() if name not in _CACHE_OPTIONS]
-        raise ValueError(f"{exc.method_message}; the cache's own settings: {', '.join(own + rest)}") from None
+        spelled = ([_CACHE_OPTIONS[name] for name in cache_settings() if name in _CACHE_OPTIONS]
+                   + [f"--param {name}=..." for name in cache_settings() if name not in _CACHE_OPTIONS])
+        raise ValueError(f"{exc.method_message}; the cache's own settings: {', '.join(spelled)}") from None
 
 
-#: The cache settings (:func:`kvq.cache.cache_settings`) that have an option of their own in
-#: :func:`add_cache_arguments`; the others go through ``--param NAME=VALUE``.
-_CACHE_OPTIONS = ("key_method", "value_method", "key_params", "value_params", "sinks", "window", "kernels", "flush")
+#: The option of :func:`add_cache_arguments` that sets each cache setting (:func:`kvq.cache.cache_settings`); the
+#: others go through ``--param NAME=VALUE``.
+_CACHE_OPTIONS = {"key_method": "--key-method", "value_method": "--value-method", "key_params": "--key-param",
+                  "value_params": "--value-param", "sinks": "--sinks", "window": "--window", "kernels": "--kernels",
+                  "flush": "--flush"}
 
 
 def params_label(params, side: str | None = None) -> str:
