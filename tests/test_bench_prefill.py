@@ -35,6 +35,12 @@ def test_every_context_repetition_and_method_has_a_measured_row(run):
     for r in rows:
         assert r["error"] is None
         assert r["tokens_per_second"] == pytest.approx(r["context"] / r["seconds"])
+        # the wall time's split: the model's calls and each chunk's evaluation, within the loop's own overhead
+        parts = r["forward_seconds"] + r["eval_seconds"]
+        assert 0 < parts <= r["seconds"] and parts >= 0.8 * r["seconds"] - 2e-3
+        assert 0 <= r["queue_wait_seconds"] <= r["forward_seconds"]
+        if r["method"] == "kvcache" or device_kind() == "cpu":  # kvq's layer queue: a GPU's chunks only
+            assert r["queue_wait_seconds"] == 0
         assert r["peak_memory_growth"] >= r["kv_bytes"] > 0  # the caches exist at the end of the prefill
         reference = next(x for x in rows if (x["context"], x["rep"], x["method"]) == (r["context"], r["rep"], "kvcache"))
         assert r["speed_vs_fp16"] == pytest.approx(r["tokens_per_second"] / reference["tokens_per_second"])

@@ -8,6 +8,8 @@ server gave two answers to one request. The reference is the run of one token at
 
 from __future__ import annotations
 
+import time
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -218,11 +220,17 @@ def test_in_flight_waits_for_the_layer_before(monkeypatch):
     queue = InFlight()
     calls = []  # ("queued", arrays) and ("waited", arrays), in order
     real_eval, real_async = mx.eval, mx.async_eval
-    monkeypatch.setattr(mx, "eval", lambda *arrays: (calls.append(("waited", arrays)), real_eval(*arrays))[1])
+    def slow_eval(*arrays):  # a wait of at least 20 ms, which InFlight.waited must count
+        calls.append(("waited", arrays))
+        time.sleep(0.02)
+        return real_eval(*arrays)
+
+    monkeypatch.setattr(mx, "eval", slow_eval)
     monkeypatch.setattr(mx, "async_eval", lambda *arrays: (calls.append(("queued", arrays)), real_async(*arrays))[1])
     outs = [mx.ones((1, 1, 2, 2)) * i for i in range(3)]
     queue.push(outs[0])
     assert [kind for kind, _ in calls] == ["queued"]  # nothing before the first to wait for
+    assert queue.waited == 0.0
     for i in (1, 2):
         before = queue._last
         calls.clear()
@@ -230,6 +238,7 @@ def test_in_flight_waits_for_the_layer_before(monkeypatch):
         # this layer queued first (the device has it while the host waits), then the one before it waited for
         assert [kind for kind, _ in calls] == ["queued", "waited"]
         assert calls[0][1][0] is outs[i] and calls[1][1][0] is before and queue._last is not before
+    assert 0.04 <= queue.waited < 5  # the two waits, counted for kvq bench prefill's split
     monkeypatch.undo()
     assert [float(o[0, 0, 0, 0]) for o in outs] == [0.0, 1.0, 2.0]
 

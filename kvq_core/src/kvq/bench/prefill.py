@@ -57,17 +57,32 @@ def prompt(context: int, vocab_size: int, text_ids: list[int] | None, seed: int)
     return mx.array((list(text_ids) * repeats)[:context])
 
 
-def prefill_once(model, caches: list, ids: mx.array, chunk: int) -> tuple[float, int]:
-    """``(seconds, peak bytes above the level before)`` of prefilling the 1-D ``ids`` into ``caches``."""
+def prefill_once(model, caches: list, ids: mx.array, chunk: int) -> dict:
+    """Prefill the 1-D ``ids`` into ``caches`` and time it.
+
+    :return: ``seconds`` (wall), ``peak_memory_growth`` (bytes above the level before) and where the wall time went
+        (seconds; they add up to ``seconds`` but for the loop's own overhead): ``forward_seconds`` in the model's
+        calls (building each chunk's graph; for kvq caches also queueing each layer's attention and
+        ``queue_wait_seconds`` of waiting for the layer before, :class:`kvq.cache.prefill.InFlight`), and
+        ``eval_seconds`` in each chunk's ``mx.eval`` of the cache state (the rest of the work, encoded and waited
+        for). Host-bound: ``queue_wait_seconds + eval_seconds`` small against ``seconds``.
+    """
+    from ..cache.prefill import IN_FLIGHT
+
     mx.synchronize()
     mx.reset_peak_memory()
     before = mx.get_active_memory()
+    waited, forward, evaluating = IN_FLIGHT.waited, 0.0, 0.0
     tic = time.perf_counter()
     for start in range(0, ids.size, chunk):
+        t0 = time.perf_counter()
         model(ids[None, start : start + chunk], cache=caches)
+        t1 = time.perf_counter()
         mx.eval([cache_arrays(c) for c in caches])
+        forward, evaluating = forward + t1 - t0, evaluating + time.perf_counter() - t1
     mx.synchronize()
-    return time.perf_counter() - tic, mx.get_peak_memory() - before
+    return {"seconds": time.perf_counter() - tic, "peak_memory_growth": mx.get_peak_memory() - before,
+            "forward_seconds": forward, "queue_wait_seconds": IN_FLIGHT.waited - waited, "eval_seconds": evaluating}
 
 
 class PrefillBench:
@@ -94,9 +109,8 @@ class PrefillBench:
         release()
         try:
             caches = make_cache(self.model, spec, self.settings)
-            seconds, peak = prefill_once(self.model, caches, ids, self.settings.chunk)
-            row.update(seconds=seconds, tokens_per_second=context / seconds, peak_memory_growth=peak,
-                       kv_bytes=sum(c.nbytes for c in caches))
+            timed = prefill_once(self.model, caches, ids, self.settings.chunk)
+            row.update(timed, tokens_per_second=context / timed["seconds"], kv_bytes=sum(c.nbytes for c in caches))
             del caches
         except Exception as exc:  # noqa: BLE001 - one failing method must not end the run: the row says why
             row["error"] = error_text(exc)

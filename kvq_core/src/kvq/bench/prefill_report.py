@@ -7,20 +7,26 @@ from pathlib import Path
 from .output import cache_style, context_axis, header_lines, pyplot, tables_by_context, with_ratio
 
 MIB = 2**20
-COLUMNS = ("method", "cache", "rep", "s", "tokens/s (x kvcache)", "peak MiB above (x kvcache)", "KV MiB (x kvcache)")
+COLUMNS = ("method", "cache", "rep", "s", "forward s (waiting)", "eval s", "tokens/s (x kvcache)",
+           "peak MiB above (x kvcache)", "KV MiB (x kvcache)")
 NOTES = """Columns: s = wall time of the whole prefill (chunks of the settings' size, each chunk's cache state \
 evaluated before the next, as mlx_lm.generate_step prefills; logits never computed); tokens/s = context / s; peak \
 = mx.get_peak_memory() during the prefill minus the active memory before the caches were made; KV = the caches' \
 nbytes afterwards (allocated, preallocation included). Ratios compare with kvcache (mlx-lm's KVCache in the model's \
-dtype) in the same repetition; the first repetition includes compiling. mlx-affine:N = mlx-lm's QuantizedKVCache \
+dtype) in the same repetition; the first repetition includes compiling. forward s = time in the model's calls \
+(building each chunk's graph; for kvq caches also queueing each layer's attention on the device and, in brackets, \
+waiting there for the layer before); eval s = time in each chunk's mx.eval (the rest of the work, encoded and waited \
+for). Where the waits and eval s are small against s, the host sets the pace, not the device. mlx-affine:N = mlx-lm's QuantizedKVCache \
 (kv_bits N, group 64); the others are kvq caches."""
 
 
 def _cells(r: dict) -> list[str]:
     head = [r["method"], r["cache"], str(r["rep"] + 1)]
     if r["error"]:
-        return head + ["-", "-", "-", f"error: {r['error'][:120]}"]
-    return head + [f"{r['seconds']:.3g}", with_ratio(f"{r['tokens_per_second']:,.0f}", r["speed_vs_fp16"]),
+        return head + ["-", "-", "-", "-", "-", f"error: {r['error'][:120]}"]
+    split = ["-", "-"] if r.get("forward_seconds") is None else [  # (results files before the split: none)
+        f"{r['forward_seconds']:.3g} ({r['queue_wait_seconds']:.2g})", f"{r['eval_seconds']:.3g}"]
+    return head + [f"{r['seconds']:.3g}", *split, with_ratio(f"{r['tokens_per_second']:,.0f}", r["speed_vs_fp16"]),
                    with_ratio(f"{r['peak_memory_growth'] / MIB:.1f}", r["peak_vs_fp16"]),
                    with_ratio(f"{r['kv_bytes'] / MIB:.1f}", r["kv_bytes_ratio"])]
 

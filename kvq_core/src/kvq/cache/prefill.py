@@ -22,6 +22,8 @@ calls are cut into slices of rows.
 
 from __future__ import annotations
 
+import time
+
 import mlx.core as mx
 import numpy as np
 
@@ -240,10 +242,15 @@ class InFlight:
     268 MB at 8K: kvq's prefill peak 417-552 MB against 412 MB for mlx-lm's KVCache on an H100,
     ``tests/test_cache_memory.py``). A deeper queue only helps where the host's build of a layer sometimes takes
     longer than the device's run of one.
+
+    :attr:`waited` adds up the seconds the host spends waiting in :meth:`push` (``kvq bench prefill`` reports it):
+    near zero, the device had run each layer before the host had built the next, so the host set the pace.
     """
 
     def __init__(self) -> None:
         self._last: mx.array | None = None
+        #: Seconds spent in :meth:`push` waiting for the layer queued before (``time.perf_counter``), since creation.
+        self.waited = 0.0
 
     def push(self, out: mx.array) -> None:
         """Queue ``out`` (a layer's chunk attention) and wait for the one queued before it."""
@@ -251,7 +258,9 @@ class InFlight:
         mx.async_eval(out, marker)
         last, self._last = self._last, marker
         if last is not None:
+            tic = time.perf_counter()
             mx.eval(last)  # returns when that layer's attention has run and its transients are freed
+            self.waited += time.perf_counter() - tic
 
 
 #: The one queue of every kvq cache in the process (layers run one after another).
