@@ -147,7 +147,7 @@ def test_tensor_core_plan_takes_qjl_and_prod_within_shared_memory(rows, tuning):
                           else (1 << t[f"{s}_BITS"]))
                          * (32 if t[f"{s}_REP"] else 1) for s in ("KA", "KB", "VA", "VB")
                          if s in ("KA", "VA") or t[f"{s}_ON"])
-            assert t["QSH"] is bool(tuning.get("qsh")) and t["SLACK"] == 4  # StreamsKnobs' default
+            assert t["QSH"] is bool(tuning.get("qsh")) and t["SLACK"] == 0  # StreamsKnobs' default
             if tuning.get("rep") is False:
                 assert not any(t[f"{s}_REP"] for s in ("KA", "KB", "VA", "VB"))
             k_steps = max((t["KA_DIM"] + (t["KB_DIM"] if t["KB_ON"] else 0)) // 16, t["D"] // 16)
@@ -155,7 +155,7 @@ def test_tensor_core_plan_takes_qjl_and_prod_within_shared_memory(rows, tuning):
             assert (max(tables, rows * t["DO"]) + rows * max(t["DQ"], t["D"]) + fragments
                     <= streams.TC_SHARED_WORDS)
     call, D = calls[0]
-    assert dict(streams_plan.tc_plan(streams._signature(call, rows), 1, 2, slack=0)[0])["SLACK"] == 0
+    assert dict(streams_plan.tc_plan(streams._signature(call, rows), 1, 2, slack=4)[0])["SLACK"] == 4
     with pytest.raises(ValueError, match="slack must be an integer from 0 to 8"):
         streams_plan.tc_plan(streams._signature(call, rows), 1, 2, slack=9)
     assert "9 query rows" in streams_plan.tc_plan(streams._signature(call, 9), 1, 2)[1]

@@ -158,8 +158,8 @@ def slack(value) -> int:
     ``StreamsKnobs.slack``): how far, in log2 units, a row's scores may exceed its running max before the online
     softmax moves it and rescales the accumulators (0: at every step, the textbook online softmax). The result is
     the same softmax, but probabilities reach 2^SLACK, and a per-vector value scale folded into them before their
-    float16 conversion must stay below 65,504 / 2^SLACK (4,094 at the default 4; 255 at 8, FlashAttention-4's
-    choice, whose values are not folded in).
+    float16 conversion must stay below 65,504 / 2^SLACK (4,094 at 4; 255 at 8, FlashAttention-4's choice, whose
+    values are not folded in): the default is 0 (:class:`kvq_metal.knobs.AttendKnobs` says why).
 
     :raises ValueError: ``value`` is not an integer from 0 to 8."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 8:

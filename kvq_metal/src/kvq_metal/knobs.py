@@ -51,8 +51,11 @@ class AttendKnobs:
     softmax's running max moves (and the accumulators are rescaled) only where a row's scores exceed it by more
     than this many log2 units (0 to 8; 0: at every step; :func:`kvq_metal.attend_tc.slack`). Probabilities then
     reach 2^slack, and where a side's per-vector scale (a value norm) is folded into them before their float16
-    conversion, a norm above 65,504 / 2^slack would overflow (4,094 at 4; at 0, 65,504 as before): so 4, not
-    FlashAttention-4's 8.
+    conversion, a norm above 65,504 / 2^slack would overflow (4,094 at 4; at 0, 65,504 as before). So 0 by
+    default: nothing bounds a model's value norms below 4,094, and an overflow would be a silent wrong answer. At 4
+    it measured little (one H100, 2026-12-07, ``benchmarks/results/kernels/2026-12-07-h100-durations-*``): at 122
+    sequences of 32K the bound turboquant-4 and -3 steps took 1,519 and 1,311 us against 1,583 and 1,330 at 0, and at
+    one sequence of 128K turboquant-3's took 86.0 us against 78.1 (turboquant-4 83.2 / 82.8, affine-4 93.3 / 93.4).
     """
 
     kt_small: int = 8
@@ -69,7 +72,7 @@ class AttendKnobs:
     minb_wide: int = 4
     lin: bool = True
     flat32: bool = True
-    slack: int = 4
+    slack: int = 0
 
 
 @attrs.frozen
@@ -87,7 +90,8 @@ class StreamsKnobs:
     registers must allow (0: none). On the H200 these defaults take 0.84x, 1.02x and 0.80x the GPU time of the
     former default (two tiles, prefetch where it fits) at 32K for qjl+affine:4, turboquant_prod:4 and :3, and
     1.02x, 1.02x, 0.88x at 128K (benchmarks/results/streams/2026-12-02-h200-streams-tc-variants-kernel-times.json).
-    ``slack`` as :class:`AttendKnobs`' (the online softmax's running max moves past this many log2 units only).
+    ``slack`` as :class:`AttendKnobs`' (the online softmax's running max moves past this many log2 units only; 0 by
+    default for the same reason: the values' per-vector scales are folded into the probabilities here too).
     """
 
     kt: int = 4
@@ -99,7 +103,7 @@ class StreamsKnobs:
     qsh: bool = True
     rep: bool | None = None
     minb: int = 0
-    slack: int = 4
+    slack: int = 0
 
 
 @attrs.frozen
