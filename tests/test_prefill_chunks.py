@@ -212,6 +212,46 @@ def test_interval_mask_is_the_visibility_rule(start_q, n_sinks, n_compressed, co
     np.testing.assert_array_equal(masked[0], np.where(expected & (np.array(positions) >= 3)[None], 0.0, low))
 
 
+def test_layers_of_a_chunk_share_its_mask_and_a_decode_step_drops_it(monkeypatch):
+    """Every layer of a chunk sees its rows through the same intervals, so the chunk's additive mask (and the
+    intervals a prefill kernel reads) is made once and shared (kvq.cache.prefill.shared_interval_mask): two layers
+    filled alike reuse one array and attend as they did with a mask each; a layer holding other numbers of tokens
+    gets its own; the first decode step drops the shared arrays. The mask itself is the rule (the test above)."""
+    from kvq.cache import prefill
+
+    monkeypatch.setattr(KVQCache, "_prefill_on_device", lambda self, queries: self.compressed_keys.length > 0)
+    made = []
+    real = prefill.interval_mask
+    monkeypatch.setattr(prefill, "interval_mask", lambda *a, **k: made.append(a[1:4]) or real(*a, **k))
+    prefill.release_shared_mask()
+    rng = np.random.default_rng(3)
+    kv = [mx.array(rng.standard_normal((1, 2, 96, 64)).astype(np.float16)) for _ in range(2)]
+    q = mx.array(rng.standard_normal((1, 4, 32, 64)).astype(np.float16))
+
+    def layer(filled):
+        cache = KVQCache(make_config("turboquant", bits=3, sinks=4, window=16, flush=8))
+        cache.update_and_fetch(kv[0][:, :, :filled], kv[1][:, :, :filled])
+        cache.update_and_fetch(kv[0][:, :, filled:filled + 32], kv[1][:, :, filled:filled + 32])
+        return cache
+
+    first, second = layer(64), layer(64)
+    out_first = first.attend(q, 0.125)
+    shared = prefill._SHARED.masks[next(iter(prefill._SHARED.masks))]
+    out_second = second.attend(q, 0.125)
+    assert len(made) == 1 and made[0][0] == 0 and made[0][1] == 32  # rows 0..32, made once for both layers
+    assert prefill._SHARED.masks[next(iter(prefill._SHARED.masks))] is shared
+    np.testing.assert_array_equal(np.array(out_first), np.array(out_second))  # same tokens, same attention
+    monkeypatch.setattr(prefill, "_SHARED", prefill._Shared())  # a mask per layer, as before sharing
+    alone = layer(64).attend(q, 0.125)
+    np.testing.assert_array_equal(np.array(alone), np.array(out_first))
+    other = layer(48)  # other numbers of tokens: its own intervals and mask
+    other.attend(q, 0.125)
+    assert len(made) == 3 and prefill._SHARED.key is not None
+    other.update_and_fetch(kv[0][:, :, 80:81], kv[1][:, :, 80:81])
+    other.attend(q[:, :, :1], 0.125)  # a decode step
+    assert prefill._SHARED.key is None and prefill._SHARED.masks is None
+
+
 def test_in_flight_waits_for_the_layer_before(monkeypatch):
     """InFlight queues a layer's attention and waits for the one before it (evaluated then), never for the newest:
     at most two layers' attentions are outstanding."""

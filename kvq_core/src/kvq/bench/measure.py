@@ -25,6 +25,9 @@ from ..problem import device_kind, device_name
 def release() -> None:
     """Free what the last measurement left: Python garbage, then MLX's buffer cache (so memory deltas start
     clean)."""
+    from ..cache.prefill import release_shared_mask
+
+    release_shared_mask()
     gc.collect()
     mx.synchronize()
     mx.clear_cache()

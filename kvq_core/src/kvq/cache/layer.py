@@ -36,6 +36,7 @@ from .depends import DependencySlots
 from .guard import guard_layer
 from .schedule import Fresh, growth_append, leaving, visible
 from .persist import PromptCacheState
+from .prefill import after_chunk
 from .protocol import CacheProtocol
 from .state import row_class
 from .store import DenseBuffer, EncodedStore, restore, snapshot, spare
@@ -355,6 +356,8 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
         fresh, self._fresh = self._fresh, None  # made by the update before this call; used once
         # the newest token (a batch row in decode passes its own start, which is this one): the fused decode path
         newest = query_start is None or query_start == self.offset - Tq
+        if Tq == 1:
+            after_chunk()  # a decode step: the last chunk's shared mask is no longer needed
         if Tq == 1 and (mask is None or isinstance(mask, str)) and sink_logits is None and newest:
             fused = self._fused_attend(queries, scale)
             if fused is not None:

@@ -34,6 +34,7 @@ from .parts import Part
 from .centring import KeyTransform, centred, neutral, stacked
 from .choice import encode_tokens
 from .packable import packable
+from .prefill import after_chunk
 from .schedule import growth_append
 from .store import spare
 from .views import plain_mask
@@ -372,6 +373,7 @@ class PackedRows:
         own tokens: ``[B, H_q, 1, D_v]`` in the queries' dtype. The fused ragged step where the implementation
         binds one (:class:`kvq.contract.BindsRaggedDense`), else every part with each row's counts as masks.
         """
+        after_chunk()  # a decode step: the last chunk's shared mask is no longer needed
         if sink_logits is None:
             step = self._step(queries, scale)
             if step is not None:

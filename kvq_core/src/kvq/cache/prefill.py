@@ -22,6 +22,7 @@ calls are cut into slices of rows.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import mlx.core as mx
@@ -36,6 +37,74 @@ PREFILL_MASK_BYTES = 1 << 30
 #: Bytes of attention scores one call may materialise where MLX has no fused attention for the chunk (float32, or
 #: head_dim above 128, on CUDA: MLX computes rows x keys x query heads scores, float32 for the softmax).
 PREFILL_SCORES_BYTES = 1 << 29
+
+
+class _Shared(threading.local):
+    """What the layers of the last chunk shared (:func:`shared_interval_mask`, :func:`shared_intervals`), per thread:
+    ``key`` the chunk's :func:`_chunk_key`, ``intervals`` its :func:`column_intervals` on the device, ``masks`` its
+    whole-chunk masks by ``(end, dtype)``."""
+
+    key: tuple | None = None
+    intervals: mx.array | None = None
+    masks: dict | None = None
+
+
+_SHARED = _Shared()
+
+
+def after_chunk() -> None:
+    """Called by every single-token attention of a kvq cache (a decode step): drops the last chunk's shared arrays
+    the first time (:func:`release_shared_mask`); otherwise one attribute read."""
+    if _SHARED.key is not None:
+        release_shared_mask()
+
+
+def release_shared_mask() -> None:
+    """Drop what the layers of the last chunk shared (:func:`shared_interval_mask`): a decode step does, the first
+    time any kvq cache attends a single token after a chunk, and ``kvq bench``'s measurements between rows."""
+    _SHARED.key = _SHARED.intervals = _SHARED.masks = None
+
+
+def _chunk_key(parts: list, rows: int) -> tuple:
+    """What a chunk's intervals (and so its masks, given the columns and dtype) are a function of: its rows and each
+    part's size, index and rows' intervals (arrays as bytes: equal tuples, equal intervals)."""
+    def ints(x):
+        return x.tobytes() if isinstance(x, np.ndarray) else x
+
+    return rows, tuple((p.size, ints(p.index), ints(p.lo), ints(p.hi)) for p in parts)
+
+
+def _shared(parts: list, rows: int) -> _Shared:
+    """:data:`_SHARED`, emptied first where it holds another chunk's arrays than that of ``parts`` (``rows`` rows)."""
+    key = _chunk_key(parts, rows)
+    if _SHARED.key != key:
+        release_shared_mask()  # the old arrays are freed before new ones are made
+        _SHARED.key, _SHARED.masks = key, {}
+    return _SHARED
+
+
+def shared_interval_mask(parts: list, rows: int, end: int, dtype: mx.Dtype) -> mx.array:
+    """:func:`interval_mask` of all ``rows`` of a chunk (no mask of mlx-lm's), made once per chunk and shared by the
+    layers that ask for the same one: every layer of a model whose caches hold the same numbers of tokens sees its
+    chunk's rows through the same intervals, so the second layer on reuses the first one's array (the device makes
+    it once, the host builds it once: ``benchmarks/results/prefill/2026-12-07-h100-*`` found the host setting a
+    prefill's pace at 8K). The last chunk's arrays are kept, for the thread that made them, until a chunk needs
+    others or :func:`release_shared_mask`; one mask then replaces the two layers' transient masks :class:`InFlight`
+    allowed before, so the peak does not grow."""
+    shared = _shared(parts, rows)
+    mask = shared.masks.get((end, dtype))
+    if mask is None:
+        mask = shared.masks[end, dtype] = interval_mask(parts, 0, rows, end, dtype)
+    return mask
+
+
+def shared_intervals(parts: list, rows: int) -> mx.array:
+    """:func:`column_intervals` of all ``rows`` of a chunk on the device (int32 ``[rows, len(parts), 2]``), made once
+    per chunk and shared as :func:`shared_interval_mask` is."""
+    shared = _shared(parts, rows)
+    if shared.intervals is None:
+        shared.intervals = mx.array(column_intervals(parts, 0, rows))
+    return shared.intervals
 
 
 def interval_mask(parts: list, r0: int, r1: int, end: int, dtype: mx.Dtype, user_mask: mx.array | None = None,
@@ -132,7 +201,7 @@ def attend_dequantized(queries: mx.array, scale: float, parts: list, config, tra
     if centre:
         queries = transform.queries(queries)
     hooks = columns_attention(config) if user_mask is None else []  # no mask of mlx-lm's: the intervals alone
-    intervals = mx.array(column_intervals(parts, 0, Tq)) if hooks else None
+    intervals = shared_intervals(parts, Tq) if hooks else None
     for hook in hooks:  # a kernel that reads the intervals itself makes no mask (issue #51)
         out = hook(queries, keys, values, intervals, scale, sink_logits)
         if out is not None:
@@ -144,7 +213,10 @@ def attend_dequantized(queries: mx.array, scale: float, parts: list, config, tra
     for r0 in range(0, Tq, rows):
         r1 = min(Tq, r0 + rows)
         end = last_column(parts, r0, r1)
-        mask = interval_mask(parts, r0, r1, end, dtype, user_mask, user_cols)
+        if user_mask is None and r1 - r0 == Tq:  # the whole chunk in one call: the layers share its mask
+            mask = shared_interval_mask(parts, Tq, end, dtype)
+        else:
+            mask = interval_mask(parts, r0, r1, end, dtype, user_mask, user_cols)
         outs.append(mx.fast.scaled_dot_product_attention(queries[:, :, r0:r1], keys[:, :, :end], values[:, :, :end],
                                                          scale=scale, mask=mask, sinks=sinks))
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
