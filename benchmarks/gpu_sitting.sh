@@ -18,6 +18,8 @@
 #   dur      benchmarks/kernel_durations.py for each side of $DUR_SIDES (after) at $DUR_CONTEXTS (131072) tokens,
 #            $DUR_BATCH (1) sequences, with $DUR_VARIANTS (a variants JSON file, after side only) and $DUR_TAG in
 #            the file names
+#   prefill  kvq bench prefill of each side of $PF_SIDES (before after) on random:llama3-8b at $PF_CONTEXTS, then
+#            benchmarks/investigations/prefill_host_profile.py's split of the host's time (8 layers, 8K)
 #   other    benchmarks/gpu_session.sh's step of that name, with the after revision on PYTHONPATH
 set -u
 export OUT=${OUT:-/tmp/res}; mkdir -p "$OUT"
@@ -52,6 +54,19 @@ for step in "$@"; do
              > "$OUT/$name.log" 2>&1
            echo "== $name"; grep -E "bound|sdpa" "$OUT/$name.log" | cut -c1-200 || tail -c 1500 "$OUT/$name.log"
          done;;
+    prefill) # kvq bench prefill of each side (random:llama3-8b, bfloat16, $PF_CONTEXTS, 2 reps, fp16 in the same
+             # run), then prefill_host_profile.py's split of the host's time per layer and chunk (8 layers, 8K)
+             for side in ${PF_SIDES:-before after}; do
+               PYTHONPATH=$S:/tmp/site-$side timeout ${PF_TIMEOUT:-200} python3 -m kvq.cli bench prefill \
+                 --model random:llama3-8b --dtype bfloat16 --contexts ${PF_CONTEXTS:-8192,32768} --reps 2 \
+                 --methods ${PF_METHODS:-kvcache,turboquant:3,turboquant:4,affine:4} --out "$OUT/prefill" \
+                 --name "prefill-$side" --no-progress > "$OUT/prefill-$side.log" 2>&1
+               echo "== prefill-$side"; grep "^| [a-z]" "$OUT/prefill/prefill-$side.md" | cut -c1-160
+               for m in kvcache turboquant:3; do
+                 PYTHONPATH=$S:/tmp/site-$side timeout 120 python3 benchmarks/investigations/prefill_host_profile.py \
+                   "$OUT/php-$side" --method $m --layers 8 --context 8192 2>&1 | grep "^split" | cut -c1-600
+               done
+             done;;
     *) PYTHONPATH=$A bash benchmarks/gpu_session.sh $step;;
   esac
   echo "## $step took $(( $(date +%s) - t0 )) s"
