@@ -25,7 +25,14 @@ def test_serve_refuses_mlx_lm_kv_bits_before_loading_the_model(capsys):
     assert main(["serve", "--method", "turboquant", "--bits", "4", "--kv-bits", "4", "--model", "/no/such/model"]) == 1
     line = _error(capsys, "serve")
     assert "--kv-bits 4: kvq serve's caches are compressed already (turboquant, bits 4)" in line
+    # a method string names itself (its bits are not in --bits: the message said "None, bits default")
+    assert main(["serve", "--method", "turboquant:4", "--kv-bits", "4", "--model", "/no/such/model"]) == 1
+    assert "compressed already (turboquant:4);" in capsys.readouterr().err
     assert "use --method affine --bits 4 --param group_size=64" in line
+    # the reference is mlx-lm's own server's, not a --compare option (serve has none)
+    assert main(["serve", "--method", "kvcache", "--model", "/no/such/model"]) == 1
+    err = capsys.readouterr().err
+    assert "mlx_lm.server --model FOLDER" in err and "--compare" not in err and "--method fp16" in err
     check_passed_on(["--port", "8080", "--kv-group-size", "32"], {"method": "affine"})  # no --kv-bits: nothing to say
     with pytest.raises(ValueError, match="--param group_size=32"):
         check_passed_on(["--kv-group-size", "32", "--kv-bits=8"], {"method": "affine", "bits": 4})

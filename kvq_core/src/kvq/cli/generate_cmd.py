@@ -82,9 +82,11 @@ def cache_options(args: argparse.Namespace) -> dict:
     from ..cache.method_string import KVQ_FP16, REFERENCE, is_method_string, parse_method
 
     if args.method.strip() == REFERENCE:
+        compare = (f"compare against it with --compare {REFERENCE}" if hasattr(args, "compare") else
+                   "to serve it, run mlx-lm's own server on the same model folder (mlx_lm.server --model FOLDER; "
+                   "kvq keeps the models it converts under kvq.models.models_dir())")
         raise ValueError(f"--method {REFERENCE} is the reference (mlx-lm's KVCache), which kvq does not compress: "
-                         f"compare against it with --compare {REFERENCE}; kvq's own 16-bit cache is --method fp16 "
-                         f"({KVQ_FP16} in method strings)")
+                         f"{compare}; kvq's own 16-bit cache is --method fp16 ({KVQ_FP16} in method strings)")
     for name, low in (("sinks", 0), ("window", 0), ("flush", 1)):  # named as the command line spells them
         value = getattr(args, name, None)
         if value is not None and value < low:
