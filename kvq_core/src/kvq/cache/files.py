@@ -91,7 +91,8 @@ def load_prompt_cache(file_name: str, *, expect: CacheConfig | None = None, retu
 
     :param expect: if given, the file must hold kvq layers, and every kvq layer must have this method and
         parameters (state that a layer fitted from data, such as TurboQuant's data-chosen outlier channels, comes
-        from the file), or be an outlier layer stored with affine 8-bit (:mod:`kvq.cache.guard`).
+        from the file), or be an outlier layer stored with affine 8-bit (:mod:`kvq.cache.guard`). ``expect``'s
+        sinks, window and flush are not compared: the file carries its own, and the loaded cache keeps them.
     :raises FileNotFoundError: no file ``file_name`` (:class:`IsADirectoryError` for a directory).
     :raises ValueError: naming ``file_name``: a file that is truncated or damaged (it cannot be read, or it does
         not match its checksum), one written by another kvq format, one of a method that is not installed, or one
