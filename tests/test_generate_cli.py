@@ -63,10 +63,11 @@ def test_generate_reports_speed_bytes_and_agreement(default_folder, capsys):
             "--window", "16", "--prompt", PROMPT, "--max-tokens", "6", "--compare", "kvcache"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "--- kvcache (float32) ---" in out and "--- turboquant bits=3 ---" in out
+    assert "--- kvcache (float32) ---" in out and "--- turboquant bits=3 (window 16) ---" in out
     for label in ("prompt tokens/s", "generation tokens/s"):
         assert all(float(cell) > 0 for cell in row(out, label))
-    assert row(out, "cache") == ["kvcache (float32)", "turboquant bits=3"]  # the reference: mlx-lm's KVCache
+    # the reference: mlx-lm's KVCache; kvq's cache with its settings where they are not the defaults
+    assert row(out, "cache") == ["kvcache (float32)", "turboquant bits=3 (window 16)"]
     assert row(out, "bits/coordinate (K / V)") == ["32 / 32", "3.25 / 3.25"]
     fp16_bytes, method_bytes = (float(cell.split()[0]) for cell in row(out, "KV bytes (nbytes)"))
     measured = [float(cell.split()[0]) for cell in row(out, "KV bytes (measured)")]
@@ -170,7 +171,7 @@ def test_generate_takes_eval_method_strings(tiny_gguf, cache, capsys):
             "--prompt", "the the the the", "--max-tokens", "2"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "--- K turboquant bits=4 / V turboquant bits=3 ---" in out
+    assert "--- K turboquant bits=4 / V turboquant bits=3 (sinks 0, window 0) ---" in out
 
 
 def test_generate_names_kvqs_16_bit_cache_as_eval_does_and_sends_the_reference_to_compare():
@@ -225,7 +226,7 @@ def test_teacher_forcing_replays_the_reference_and_leaves_the_cache_alone(tmp_pa
     options = {"method": "turboquant", "bits": 2, "sinks": 0, "window": 0}
     free = run_cache(model, tokenizer, ids, options, 6)
     forced_first = run_cache(model, tokenizer, ids, options, 6, reference=reference)
-    assert forced_first.label == free.label == "turboquant bits=2"
+    assert forced_first.label == free.label == "turboquant bits=2 (sinks 0, window 0)"
     assert forced_first.tokens == free.tokens and forced_first.nbytes == free.nbytes
 
 

@@ -169,12 +169,18 @@ def cache_label(options: dict) -> str:
     """One line naming the key and value methods of ``options`` (as :func:`cache_options` returns them)."""
     from ..cache import make_config
 
+    from ..cache.config import CacheConfig
+
     config = make_config(**options)
+    fields = {f.name: f.default for f in attrs.fields(CacheConfig)}
+    settings = ", ".join(f"{name} {getattr(config, name)}" for name in ("sinks", "window", "flush")
+                         if getattr(config, name) != fields[name])
+    settings = f" ({settings})" if settings else ""  # the cache's settings where they are not the defaults
     if config.budget is not None:  # each layer's settings are chosen at its head_dims (kvq.cache.budget)
         method = config.key_params.method
-        return f"{method} bits={config.budget:g} (a budget)"
+        return f"{method} bits={config.budget:g} (a budget){settings}"
     keys, values = params_label(config.key_params, "keys"), params_label(config.value_params, "values")
-    return keys if keys == values else f"K {keys} / V {values}"
+    return (keys if keys == values else f"K {keys} / V {values}") + settings
 
 
 def _bits(text: str) -> int | float:
