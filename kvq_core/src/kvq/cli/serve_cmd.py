@@ -148,6 +148,13 @@ def provider_class(options: dict):
             heads = distributed.kv_head_range(self.model)
             logging.info(f"kvq serve: kvq caches ({cache_label(options)}) for every request: {len(caches)} "
                          f"layers on this rank" + (f", KV heads {heads[0]}:{heads[1]}" if heads else ""))
+            first = next((c for c in caches if hasattr(c, "config")), None)
+            if first is not None:  # short chats stay uncompressed (kvq generate prints a NOTE when that happens)
+                config = first.config
+                logging.info(f"kvq serve: each sequence's first {config.sinks} tokens (sinks) and up to its newest "
+                             f"{config.window + config.flush - 1} (the window, flushed {config.flush} at a time) "
+                             f"stay in 16 bits: a conversation compresses from "
+                             f"{config.sinks + config.window + config.flush} tokens on (--sinks, --window, --flush)")
 
     return KVQModelProvider
 
