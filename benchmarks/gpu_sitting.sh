@@ -20,6 +20,7 @@
 #            the file names
 #   prefill  kvq bench prefill of each side of $PF_SIDES (before after) on random:llama3-8b at $PF_CONTEXTS, then
 #            benchmarks/investigations/prefill_host_profile.py's split of the host's time (8 layers, 8K)
+#   prefill-chunk  kvq bench prefill of the after side with chunks of $PF_CHUNK (8192) tokens, fp16 alike
 #   other    benchmarks/gpu_session.sh's step of that name, with the after revision on PYTHONPATH
 set -u
 export OUT=${OUT:-/tmp/res}; mkdir -p "$OUT"
@@ -67,6 +68,13 @@ for step in "$@"; do
                    "$OUT/php-$side" --method $m --layers 8 --context 8192 2>&1 | grep "^split" | cut -c1-600
                done
              done;;
+    prefill-chunk) # the after side with larger chunks (mlx-lm's --prefill-step-size) for fp16 and kvq alike: kvq's
+             # host work is per chunk and layer, so a larger chunk spreads it over more tokens
+             PYTHONPATH=$A timeout ${PF_TIMEOUT:-200} python3 -m kvq.cli bench prefill --model random:llama3-8b \
+               --dtype bfloat16 --contexts ${PF_CONTEXTS:-8192,32768} --reps 2 --chunk ${PF_CHUNK:-8192} \
+               --methods ${PF_METHODS:-kvcache,turboquant:3,turboquant:4,affine:4} --out "$OUT/prefill" \
+               --name "prefill-chunk${PF_CHUNK:-8192}" --no-progress > "$OUT/prefill-chunk.log" 2>&1
+             grep "^| [a-z]" "$OUT/prefill/prefill-chunk${PF_CHUNK:-8192}.md" | cut -c1-160;;
     *) PYTHONPATH=$A bash benchmarks/gpu_session.sh $step;;
   esac
   echo "## $step took $(( $(date +%s) - t0 )) s"
