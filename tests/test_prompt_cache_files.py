@@ -362,3 +362,19 @@ def test_a_file_of_a_method_not_installed_says_its_plugin_is_needed(llama_model,
     with pytest.raises(ValueError, match=r"got 'absmax8'; the plugin that wrote it must be installed \(or "
                                          r"kvq.register-ed\) to load it"):
         kvq.load_prompt_cache(str(tmp_path / "absmax8.safetensors"))
+
+
+def test_state_config_follows_the_cache_when_it_changes():
+    """``state``'s configuration JSON is made once and reused (mlx-lm reads ``state`` after every chunk of every
+    layer), yet always says what the cache holds now: its layout once tokens arrive, a replaced configuration (an
+    outlier layer's upgrade replaces ``config``) at once."""
+    import attrs
+
+    cache = KVQCache(kvq.cache.make_config("turboquant", bits=3, window=8, flush=4))
+    empty = cache.state["config"]
+    assert json.loads(empty)["layout"] is None and cache.state["config"] is empty  # reused while nothing changed
+    keys = mx.ones((1, 2, 3, 64), mx.float16)
+    cache.update_and_fetch(keys, keys)
+    assert json.loads(cache.state["config"])["layout"] == [1, 2, 64, 64, "float16"]
+    cache.config = attrs.evolve(cache.config, window=16)
+    assert json.loads(cache.state["config"])["window"] == 16

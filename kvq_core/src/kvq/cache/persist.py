@@ -30,13 +30,22 @@ class PromptCacheState:
                      if x is not None}
         return {
             **transform,
-            "config": config_to_json(self.config, self._layout),
+            "config": self._config_json(),
             "offset": self.offset,
             "sink_keys": self.sink_keys, "sink_values": self.sink_values,
             "window_keys": self.window_keys, "window_values": self.window_values,
             "keys": {} if keys is None else dict(keys.data),
             "values": {} if values is None else dict(values.data),
         }
+
+    def _config_json(self) -> str:
+        """:func:`kvq.cache.state.config_to_json` of this cache's configuration and layout, made again only when
+        either has changed: mlx-lm reads ``state`` after every prefill chunk of every layer (``generate_step``
+        evaluates it), where building the JSON each time cost about 60 us per layer and chunk on an H100's host."""
+        made = self.__dict__.get("_state_json")
+        if made is None or made[0] is not self.config or made[1] != self._layout:
+            made = self._state_json = (self.config, self._layout, config_to_json(self.config, self._layout))
+        return made[2]
 
     @classmethod
     def restore(cls, config: CacheConfig, layout: tuple | None, offset: int, *, sinks: tuple | None = None,
