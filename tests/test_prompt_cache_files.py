@@ -378,3 +378,26 @@ def test_state_config_follows_the_cache_when_it_changes():
     assert json.loads(cache.state["config"])["layout"] == [1, 2, 64, 64, "float16"]
     cache.config = attrs.evolve(cache.config, window=16)
     assert json.loads(cache.state["config"])["window"] == 16
+
+
+def test_prefill_prompt_saves_a_prompt_that_continues_as_a_generation_would(llama_model, tmp_path):
+    """``kvq.prefill_prompt`` stores every token of the prompt (``cache_prompt``'s behaviour, not ``generate_step``'s,
+    which keeps the last one back) in chunks; saved and loaded, the cache continues exactly as one that prefilled
+    the prompt inside mlx-lm's ``generate_step``: the same greedy tokens after the same last prompt token. Bad
+    arguments are refused by name."""
+    prompt = [int(t) for t in PROMPT.tolist()]
+    cache = make_prompt_cache(llama_model, "turboquant", bits=3, window=16, flush=32)
+    assert kvq.prefill_prompt(llama_model, cache, prompt[:-1], step=48) is cache
+    assert [c.offset for c in cache] == [len(prompt) - 1] * len(cache)
+    file = tmp_path / "prompt.safetensors"
+    kvq.save_prompt_cache(str(file), cache)
+    loaded = kvq.load_prompt_cache(str(file))
+    reference = make_prompt_cache(llama_model, "turboquant", bits=3, window=16, flush=32)
+    assert greedy(llama_model, loaded, mx.array(prompt[-1:])) == greedy(llama_model, reference)
+    seen = []
+    kvq.prefill_prompt(llama_model, make_prompt_cache(llama_model, "affine"), mx.array(prompt), step=50,
+                       on_chunk=seen.append)
+    assert seen == [50, 50, len(prompt) - 100]
+    for bad, match in ((dict(step=0), "step must be an integer >= 1"), (dict(prompt=[]), "non-empty 1-D")):
+        with pytest.raises(ValueError, match=match):
+            kvq.prefill_prompt(llama_model, cache, **{"prompt": prompt, **bad})

@@ -37,7 +37,7 @@ from .selection import Plan, select
 __version__ = "0.2.0"
 
 _CACHE_API = ("make_prompt_cache", "patch_model", "unpatch_model", "load_prompt_cache", "save_prompt_cache",
-              "register_with_mlx_lm", "KVQCache", "RotatingKVQCache")
+              "prefill_prompt", "register_with_mlx_lm", "KVQCache", "RotatingKVQCache")
 
 
 def __getattr__(name):

@@ -40,7 +40,8 @@ from tqdm import tqdm
 from ..defaults import DEFAULT_FLUSH
 from ..evaluation.spec import (MethodSpec, bits_per_coordinate, checked_with_reference, model_dtype, parse_method,
                                split_methods)
-from .fill import RandomKV, ReplayKV, decode, fill, host_summary, latency_summary, prefill
+from ..cache.prompt import prefill_prompt
+from .fill import PREFILL_CHUNK, RandomKV, ReplayKV, decode, fill, host_summary, latency_summary
 from .measure import error_text, release
 from .rows import REFERENCE
 
@@ -325,7 +326,7 @@ class E2EBench:
         tic = time.perf_counter()
         caches = make_cache(self.model, spec, s)
         if source is None:
-            prefill(self.model, caches, self.text[:context])
+            prefill_prompt(self.model, caches, self.text[:context], step=PREFILL_CHUNK)
         else:
             fill(caches, source, context, s.chunk)
         fill_seconds = time.perf_counter() - tic

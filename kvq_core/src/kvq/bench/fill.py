@@ -9,6 +9,8 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from ..cache.prompt import prefill_prompt
+
 #: Tokens per forward pass of a real prefill (as ``kvq eval``; on a 2-core CPU as fast as 2048, less memory).
 PREFILL_CHUNK = 512
 
@@ -44,7 +46,7 @@ class ReplayKV:
 
         caches = mlx_lm_caches(model)
         recorder = InputRecorder(caches)
-        prefill(model, caches, ids)
+        prefill_prompt(model, caches, ids, step=PREFILL_CHUNK)
         recorder.detach()
         self.layers = recorder.given()
         mx.eval(self.layers)
@@ -54,13 +56,6 @@ class ReplayKV:
         # copies: a cache whose buffer is exactly this range would alias the reference's memory (an MLX slice
         # assignment covering a whole array shares its source), and its measured growth would be 0
         return mx.array(keys[:, :, start:stop]), mx.array(values[:, :, start:stop])
-
-
-def prefill(model, caches: list, ids: mx.array, chunk: int = PREFILL_CHUNK) -> None:
-    """Run ``model`` over the 1-D token array ``ids`` in chunks, storing keys and values in ``caches``."""
-    for start in range(0, ids.size, chunk):
-        model(ids[None, start : start + chunk], cache=caches)  # logits are never evaluated
-        mx.eval([cache_arrays(c) for c in caches])
 
 
 def fill(caches: list, source: Callable, context: int, chunk: int) -> None:

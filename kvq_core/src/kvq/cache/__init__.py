@@ -36,6 +36,7 @@ from .config import CacheConfig
 from .layer import KVQCache
 from .method_string import MLX_AFFINE, is_method_string, parse_method
 from .model_args import head_dims
+from .prompt import prefill_prompt
 from .views import CompressedView
 from .registration import register_with_mlx_lm
 from .rotating import RotatingKVQCache
@@ -354,5 +355,5 @@ def unpatch_model(model):
 
 __all__ = ["BatchKVQCache", "CacheConfig", "CompressedView", "DEFAULT_FLUSH", "KVQCache", "OutlierLayerWarning",
            "RotatingKVQCache", "UnknownParameterError", "UnservableModelWarning", "load_prompt_cache", "make_config",
-           "make_prompt_cache",
+           "make_prompt_cache", "prefill_prompt",
            "patch_model", "register_with_mlx_lm", "save_prompt_cache", "unpatch_model"]

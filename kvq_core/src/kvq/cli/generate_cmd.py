@@ -240,19 +240,16 @@ def prompt_ids(tokenizer, text: str, chat: bool | None) -> list[int]:
 
 
 def prefill(model, cache: list, ids: list[int], step: int = PREFILL_STEP, label: str = "") -> float:
-    """Run ``ids`` through the model into ``cache`` in chunks of ``step`` tokens; returns the seconds it took.
-
-    A progress bar (standard error, terminals only) shows the tokens done.
-    """
+    """Run ``ids`` through the model into ``cache`` in chunks of ``step`` tokens (:func:`kvq.cache.prompt.
+    prefill_prompt`), freeing MLX's buffer cache after each; returns the seconds it took. A progress bar (standard
+    error, terminals only) shows the tokens done."""
     from tqdm import tqdm
+
+    from ..cache.prompt import prefill_prompt
 
     start = time.perf_counter()
     with tqdm(total=len(ids), unit="tok", desc=f"prefill {label}".strip(), leave=False, disable=None) as bar:
-        for first in range(0, len(ids), step):
-            model(mx.array(ids[first : first + step])[None], cache=cache)
-            mx.eval([layer.state for layer in cache])
-            mx.clear_cache()
-            bar.update(min(step, len(ids) - first))
+        prefill_prompt(model, cache, ids, step=step, on_chunk=lambda n: (mx.clear_cache(), bar.update(n)))
     return time.perf_counter() - start
 
 

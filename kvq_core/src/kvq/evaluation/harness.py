@@ -19,7 +19,8 @@ from ..textdata import bos_ids
 from ..cache.still import layer_still_channels
 from .attention_error import AttentionHook, InputRecorder, LayerReference, sliding_windows
 from .needle import CODES, greedy_answer, is_match, needle_prompt
-from .perplexity import prefill, score, summarize, token_metrics, window_offsets
+from ..cache.prompt import prefill_prompt
+from .perplexity import score, summarize, token_metrics, window_offsets
 from .spec import MethodSpec, bits_per_coordinate, make_cache, model_dtype
 
 #: Bits of an uncompressed coordinate (sinks, window) when quoting effective bits: a float16 model's.
@@ -137,7 +138,7 @@ class Evaluation:
         mx.reset_peak_memory()
         t = time.perf_counter()
         cache = make_cache(self.model, spec, s.sinks, s.window)
-        prefill(self.model, cache, ids[: s.context], s.chunk)
+        prefill_prompt(self.model, cache, ids[: s.context], step=s.chunk)
         seconds["prefill"].append(time.perf_counter() - t)
         memory = {"kv_bytes": sum(c.nbytes for c in cache), "active_memory_growth": mx.get_active_memory() - before,
                   "peak_memory_growth": mx.get_peak_memory() - before, **layer_methods(cache, self.head_dim)}
@@ -160,7 +161,7 @@ class Evaluation:
         ids = self.windows[0]
         cache = make_cache(self.model, spec, s.sinks, s.window)
         recorder = InputRecorder(cache)
-        prefill(self.model, cache, ids[: s.context], s.chunk)
+        prefill_prompt(self.model, cache, ids[: s.context], step=s.chunk)
         hook.recording = {}
         try:
             score(self.model, cache, ids[s.context : -1])

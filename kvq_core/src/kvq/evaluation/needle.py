@@ -13,7 +13,7 @@ import re
 
 import mlx.core as mx
 
-from .perplexity import prefill
+from ..cache.prompt import prefill_prompt
 
 #: One code per trial, in order (4 digits, so that no code is a prefix of another).
 CODES = ("4817", "2093", "7361", "5902", "3648", "8125", "6379", "1584")
@@ -70,7 +70,7 @@ def needle_prompt(tokenizer, text_ids: list[int], context: int, depth: float, co
 def greedy_answer(model, cache, prompt: list[int], chunk: int, eos: set[int]) -> list[int]:
     """Prefill ``prompt[:-1]`` in chunks, then decode greedily from its last token (at most 12 new tokens)."""
     ids = mx.array(prompt)
-    prefill(model, cache, ids[:-1], chunk)
+    prefill_prompt(model, cache, ids[:-1], step=chunk)
     token, out = ids[-1:], []
     for _ in range(MAX_NEW_TOKENS):
         logits = model(token[None], cache=cache)

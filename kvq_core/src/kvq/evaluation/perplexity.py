@@ -40,16 +40,6 @@ def window_offsets(num_tokens: int, length: int, windows: int) -> list[int]:
     return [(i + 1) * (num_tokens - length) // (windows + 1) for i in range(windows)]
 
 
-def prefill(model, cache: list, ids: mx.array, chunk: int) -> None:
-    """Feed ``ids`` (``[T]``) through the model into ``cache`` in chunks, evaluating only the caches.
-
-    Logits are never evaluated, so the vocabulary projection of prefill tokens is not computed.
-    """
-    for start in range(0, ids.shape[0], chunk):
-        model(ids[None, start : start + chunk], cache=cache)
-        mx.eval(state_arrays(cache))
-
-
 def score(model, cache: list, ids: mx.array) -> mx.array:
     """Log-probabilities ``[T, vocab]`` (float32) after each token of ``ids``, in one forward pass."""
     logits = model(ids[None], cache=cache)[0].astype(mx.float32)

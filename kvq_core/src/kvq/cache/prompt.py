@@ -1,0 +1,45 @@
+"""Prefill a prompt into caches without generating: what ``mlx_lm.cache_prompt`` does for mlx-lm's caches, for any
+caches (kvq's or mlx-lm's), so that a prompt can be saved (:func:`kvq.save_prompt_cache`) and continued later."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import mlx.core as mx
+
+#: Tokens per forward pass: mlx-lm's ``prefill_step_size`` default (``generate_step``, ``cache_prompt``).
+PREFILL_STEP = 2048
+
+
+def prefill_prompt(model, cache: list, prompt: Sequence[int] | mx.array, *, step: int = PREFILL_STEP,
+                   on_chunk: Callable[[int], None] | None = None) -> list:
+    """Run ``prompt`` through ``model`` into ``cache``, ``step`` tokens per forward pass, as mlx-lm's
+    ``generate_step`` prefills: each chunk's cache state is evaluated before the next, the logits never are (the
+    vocabulary projection of a prompt is not computed). Every token of ``prompt`` is stored (``generate_step``
+    keeps the last one back for its first decode step; here the cache ends at the prompt's end, as
+    ``mlx_lm.cache_prompt`` leaves it), so ``cache[0].offset`` grows by ``len(prompt)``.
+
+    Example (save a long document once, ask about it later)::
+
+        cache = kvq.make_prompt_cache(model, "turboquant", bits=4)
+        kvq.prefill_prompt(model, cache, tokenizer.encode(document))
+        kvq.save_prompt_cache("document.safetensors", cache)
+
+    :param model: an mlx-lm model. :param cache: one cache per layer (``kvq.make_prompt_cache``'s, or mlx-lm's).
+    :param prompt: token ids, a sequence of ints or a 1-D integer ``mx.array``.
+    :param step: tokens per forward pass (>= 1).
+    :param on_chunk: called after each chunk with the number of its tokens (a progress bar's update).
+    :return: ``cache``.
+    :raises ValueError: ``step`` below 1, or ``prompt`` empty or not 1-D.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"step must be an integer >= 1 (tokens per forward pass); got {step!r}")
+    ids = prompt if isinstance(prompt, mx.array) else mx.array(list(prompt))
+    if ids.ndim != 1 or ids.size == 0:
+        raise ValueError(f"prompt must be a non-empty 1-D sequence of token ids; got shape {tuple(ids.shape)}")
+    for first in range(0, ids.size, step):
+        model(ids[None, first : first + step], cache=cache)
+        mx.eval([c.state for c in cache])
+        if on_chunk is not None:
+            on_chunk(min(step, ids.size - first))
+    return cache
