@@ -263,7 +263,7 @@ def test_generate_under_mlx_launch_prints_once_from_rank_0(launched, tiny_folder
     assert rank0["exit_code"] == rank1["exit_code"] == 0
     assert rank1["stdout"] == ""
     out = rank0["stdout"]
-    assert out.count("--- turboquant bits=4 ---") == 1 and out.count("generation tokens/s") == 1, out
+    assert out.count("--- turboquant bits=4 (window 16) ---") == 1 and out.count("generation tokens/s") == 1, out
     assert len(generated_text(single)) > 0 and generated_text(out) == generated_text(single)
 
 
