@@ -246,7 +246,7 @@ def test_a_failing_rank_is_reported(tmp_path):
 
 def generated_text(stdout: str) -> str:
     """The streamed text of ``kvq generate``: between the cache's header line and the summary table."""
-    header = "--- turboquant bits=4 ---\n"
+    header = "--- turboquant bits=4 (window 16) ---\n"
     start = stdout.index(header) + len(header)
     return stdout[start : stdout.index("\n\ncache ", start)]
 
