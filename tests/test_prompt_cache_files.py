@@ -398,6 +398,7 @@ def test_prefill_prompt_saves_a_prompt_that_continues_as_a_generation_would(llam
     kvq.prefill_prompt(llama_model, make_prompt_cache(llama_model, "affine"), mx.array(prompt), step=50,
                        on_chunk=seen.append)
     assert seen == [50, 50, len(prompt) - 100]
-    for bad, match in ((dict(step=0), "step must be an integer >= 1"), (dict(prompt=[]), "non-empty 1-D")):
+    for bad, match in ((dict(step=0), "step must be an integer >= 1"), (dict(prompt=[]), "non-empty 1-D"),
+                       (dict(prompt=mx.array([1.0, 2.0])), "integer token ids")):
         with pytest.raises(ValueError, match=match):
             kvq.prefill_prompt(llama_model, cache, **{"prompt": prompt, **bad})

@@ -30,13 +30,14 @@ def prefill_prompt(model, cache: list, prompt: Sequence[int] | mx.array, *, step
     :param step: tokens per forward pass (>= 1).
     :param on_chunk: called after each chunk with the number of its tokens (a progress bar's update).
     :return: ``cache``.
-    :raises ValueError: ``step`` below 1, or ``prompt`` empty or not 1-D.
+    :raises ValueError: ``step`` below 1, or ``prompt`` empty, not 1-D or not integers.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
         raise ValueError(f"step must be an integer >= 1 (tokens per forward pass); got {step!r}")
     ids = prompt if isinstance(prompt, mx.array) else mx.array(list(prompt))
-    if ids.ndim != 1 or ids.size == 0:
-        raise ValueError(f"prompt must be a non-empty 1-D sequence of token ids; got shape {tuple(ids.shape)}")
+    if ids.ndim != 1 or ids.size == 0 or not mx.issubdtype(ids.dtype, mx.integer):
+        raise ValueError(f"prompt must be a non-empty 1-D sequence of integer token ids; got shape "
+                         f"{tuple(ids.shape)}, {ids.dtype}")
     for first in range(0, ids.size, step):
         model(ids[None, first : first + step], cache=cache)
         mx.eval([c.state for c in cache])
