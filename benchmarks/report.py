@@ -36,10 +36,14 @@ def load(path: Path) -> dict | None:
     if kind in ("e2e", "prefill", "batch", "capacity"):
         env, s = doc["environment"], doc["settings"]
         model = f"{doc['model']['name']} ({doc['model']['dtype']})"
+        chunk = s.get("chunk", 2048) if kind == "prefill" else 2048  # mlx-lm's prefill_step_size default
         shape = (s.get("batch", 1) if kind == "e2e" else
-                 (tuple(s["batches"]), s["prompt"]) if kind == "batch" else None)  # runs of other shapes: own tables
+                 (tuple(s["batches"]), s["prompt"]) if kind == "batch" else
+                 chunk if chunk != 2048 else None)  # runs of other shapes: own tables
         key = (kind, env["device"], model, shape)
         title = model + (f", {s['batch']} sequences at once" if s.get("batch", 1) > 1 else "")
+        if chunk != 2048:
+            title += f", chunks of {chunk:,} tokens"
         if kind == "batch":
             title += f", prompts of {s['prompt']:,} tokens"
         device = f"CPU ({env['device']})" if env["device_kind"] == "cpu" else env["device"]
