@@ -109,11 +109,12 @@ class EncodedStore(_Trimmable):
         if self.data is not None and (set(encoded.data) != set(self.data) or encoded.params != self.params):
             raise ValueError(f"encoded: fields/params {sorted(encoded.data)} {encoded.params!r} differ from the "
                              f"stored {sorted(self.data)} {self.params!r}")
+        self._view = None  # first: a view (slices sharing the fields' buffers) would make the write a copy
         if self.length + n + spare > self.capacity:
             self.params, self.head_dim = encoded.params, encoded.head_dim
-            self._grow(encoded.data, self.length + n + spare)
-        self._view = None  # first: a view (slices sharing the fields' buffers) would make the write a copy
-        write_fields(self.data, encoded, self.length)
+            self._grow(encoded.data, self.length + n + spare, encoded)  # the tokens written in the same copy
+        else:
+            write_fields(self.data, encoded, self.length)
         self.length += n
 
     def replace_field(self, name: str, array: mx.array) -> None:
@@ -143,23 +144,28 @@ class EncodedStore(_Trimmable):
         if self.data is not None and tokens > self.capacity:
             self._grow(self.data, tokens)
 
-    def _grow(self, like: dict[str, mx.array], needed: int) -> None:
-        """Capacity for ``needed`` tokens: per field, the held tokens followed by whole steps of zeros shaped like
-        ``like``'s field (one concatenation; only allocation on the first growth). The steps count from the held
-        tokens, not the old capacity: the two differ wherever the store had room left (after a trim, or a chunk
-        shorter than the last one's slack), and counting from the capacity left a store too small for the block
-        being appended (the write raised: a chunk of 384 compressed tokens after one of 387, at step 16)."""
+    def _grow(self, like: dict[str, mx.array], needed: int, encoded: Encoded | None = None) -> None:
+        """Capacity for ``needed`` tokens: per field, the held tokens, then ``encoded``'s tokens where given (an
+        append that grows writes them in the same concatenation rather than in a slice assignment after it: one
+        node fewer per field, for a prefill chunk per layer), then whole steps of zeros shaped like ``like``'s field
+        (only allocation on the first growth without tokens). The steps count from the held tokens, not the old
+        capacity: the two differ wherever the store had room left (after a trim, or a chunk shorter than the last
+        one's slack), and counting from the capacity left a store too small for the block being appended (the write
+        raised: a chunk of 384 compressed tokens after one of 387, at step 16)."""
         held = 0 if self.data is None else self.length
         steps = -(-(needed - held) // self.step)
+        new = 0 if encoded is None else encoded.num_tokens
         grown = {}
         for name, array in like.items():
+            pieces = [] if self.data is None else [self.data[name][:, :, : self.length]]
+            if encoded is not None:
+                pieces.append(encoded.data[name])
             shape = list(array.shape)
-            shape[2] = steps * self.step
-            block = mx.zeros(shape, array.dtype)
-            if self.data is None:
-                grown[name] = block
-            else:
-                grown[name] = mx.concatenate([self.data[name][:, :, : self.length], block], axis=2)
+            shape[2] = steps * self.step - new
+            if shape[2] > 0 or not pieces:
+                pieces.append(mx.zeros(shape, array.dtype))
+            # one piece alone is copied: the field must not alias an array it came from (write_fields)
+            grown[name] = mx.concatenate(pieces, axis=2) if len(pieces) > 1 else mx.array(pieces[0])
         self.data = grown
         self._view = None
 
