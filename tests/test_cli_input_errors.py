@@ -24,10 +24,13 @@ def test_serve_refuses_mlx_lm_kv_bits_before_loading_the_model(capsys):
     HTTP 500 after the server started) and serve one request at a time; kvq serve names its own options instead."""
     assert main(["serve", "--method", "turboquant", "--bits", "4", "--kv-bits", "4", "--model", "/no/such/model"]) == 1
     line = _error(capsys, "serve")
-    assert "--kv-bits 4: kvq serve's caches are compressed already (turboquant, bits 4)" in line
-    # a method string names itself (its bits are not in --bits: the message said "None, bits default")
-    assert main(["serve", "--method", "turboquant:4", "--kv-bits", "4", "--model", "/no/such/model"]) == 1
-    assert "compressed already (turboquant:4);" in capsys.readouterr().err
+    assert "--kv-bits 4: kvq serve's caches are compressed already (turboquant bits=4)" in line
+    # a method string, or per-side methods, named as the cache is (the message said "None, bits default")
+    for method in (["--method", "turboquant:4"], ["--key-method", "qjl", "--value-method", "affine"]):
+        assert main(["serve", *method, "--kv-bits", "4", "--model", "/no/such/model"]) == 1
+        err = capsys.readouterr().err
+        assert ("compressed already (turboquant bits=4);" in err if len(method) == 2 else
+                "compressed already (K qjl" in err and "/ V affine bits=" in err), err
     assert "use --method affine --bits 4 --param group_size=64" in line
     # the reference is mlx-lm's own server's, not a --compare option (serve has none)
     assert main(["serve", "--method", "kvcache", "--model", "/no/such/model"]) == 1

@@ -340,7 +340,7 @@ def test_serve_answers_with_kvq_caches(tiny_folder, served_ids, ranks):
         _, err = stop(process)
     assert ids == served_ids, err[-4000:]
     assert usage["completion_tokens"] == 8
-    assert err.count("kvq serve: kvq caches (turboquant bits=2 (sinks 0, window 0, flush 32)) for every request") \
+    assert err.count("kvq serve: kvq caches of turboquant bits=2 (sinks 0, window 0, flush 32) for every request") \
         == ranks, err[-4000:]
     assert "a conversation compresses from 32 tokens on" in err, err[-4000:]
 

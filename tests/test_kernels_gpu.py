@@ -167,6 +167,29 @@ def test_decode_attend_rising_scores_with_large_value_norms(bits):
         assert float(mx.max(mx.abs(l - ref_lse))) < 1e-3 * float(mx.max(mx.abs(ref_lse)))
 
 
+@pytest.mark.parametrize("bits", [3, 4])
+def test_decode_attend_value_norms_beyond_a_slack_of_4_at_the_defaults(bits):
+    """Value norms near 20,000, above the 4,094 that a softmax slack of 4 allows (``AttendKnobs.slack``: norms are
+    folded into float16 probabilities of up to 2^slack), attended at the default knobs (slack 0, probabilities at
+    most 1): finite, and pure MLX's output and log-sum-exp within the tolerances of the parity tests. The reason
+    the default is 0."""
+    from kvq_metal import attend
+
+    assert attend.TUNING.slack == 0
+    kernel, pure = _impl("turboquant")
+    p = kvq.make_params("turboquant", bits=bits)
+    D, Hkv, n_rep, T = 128, 2, 4, 3000
+    k = _normal((1, Hkv, T, D), mx.float16, 21)
+    v = _normal((1, Hkv, T, D), mx.float16, 22, scale=1440.0)
+    q = _normal((1, Hkv * n_rep, 1, D), mx.float16, 23)
+    ke, ve = pure.kvq_quantize(k, p), pure.kvq_quantize(v, p)
+    assert 4094 * 3 < float(mx.max(ve.data["norms"].astype(mx.float32))) < 65504 / 2
+    out, lse = kernel.kvq_attend(q, ke, ve, D ** -0.5, None)
+    ref, ref_lse = pure.kvq_attend(q, ke, ve, D ** -0.5, None)
+    assert bool(mx.all(mx.isfinite(out)))
+    assert _rel(out, ref) < 1e-3 and float(mx.max(mx.abs(lse - ref_lse))) < 1e-3
+
+
 @pytest.mark.parametrize("D,group", [(32, 32), (64, 32), (128, 64), (256, 128), (256, 32)])
 def test_affine_4_bit_decode_without_tables_equals_the_table_path(D, group, attend_tc_knobs):
     """The tensor-core kernel's arithmetic decode of 4-bit affine codes (knob ``lin``, kvq_metal.attend_tc.linear)

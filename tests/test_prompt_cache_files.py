@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
@@ -395,10 +396,14 @@ def test_prefill_prompt_saves_a_prompt_that_continues_as_a_generation_would(llam
     reference = make_prompt_cache(llama_model, "turboquant", bits=3, window=16, flush=32)
     assert greedy(llama_model, loaded, mx.array(prompt[-1:])) == greedy(llama_model, reference)
     seen = []
-    kvq.prefill_prompt(llama_model, make_prompt_cache(llama_model, "affine"), mx.array(prompt), step=50,
-                       on_chunk=seen.append)
-    assert seen == [50, 50, len(prompt) - 100]
-    for bad, match in ((dict(step=0), "step must be an integer >= 1"), (dict(prompt=[]), "non-empty 1-D"),
+    numpy_ids = make_prompt_cache(llama_model, "affine")
+    kvq.prefill_prompt(llama_model, numpy_ids, np.array(prompt), step=50, on_chunk=seen.append)
+    assert seen == [50, 50, len(prompt) - 100] and numpy_ids[0].offset == len(prompt)
+    offsets = [c.offset for c in cache]
+    kvq.prefill_prompt(llama_model, cache, [])  # an empty prompt (kvq generate's of one token) changes nothing
+    kvq.prefill_prompt(llama_model, cache, np.array([], np.int64))
+    assert [c.offset for c in cache] == offsets
+    for bad, match in ((dict(step=0), "step must be an integer >= 1"), (dict(prompt=[[1, 2]]), "1-D"),
                        (dict(prompt=mx.array([1.0, 2.0])), "integer token ids")):
         with pytest.raises(ValueError, match=match):
             kvq.prefill_prompt(llama_model, cache, **{"prompt": prompt, **bad})

@@ -507,7 +507,7 @@ def run_load(server: Server, model: str, clients: int = CLIENTS, copies: int = 2
     return {**figures, "status_200": statuses.count(200), "status_4xx": sum(400 <= s < 500 for s in statuses),
             "status_5xx": sum(s >= 500 for s in statuses), "clients_gone": log.count("went away"),
             "identical_answers": len(answers["the the hello"]), "tracebacks": log.count("Traceback"),
-            "model_loads": log.count("kvq serve: kvq caches (")}
+            "model_loads": log.count("kvq serve: kvq caches of ")}
 
 
 def describe(figures: dict) -> str:

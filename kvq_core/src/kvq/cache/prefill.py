@@ -215,7 +215,8 @@ def attend_dequantized(queries: mx.array, scale: float, parts: list, config, tra
         end = last_column(parts, r0, r1)
         if user_mask is None and r1 - r0 == Tq:  # the whole chunk in one call: the layers share its mask
             mask = shared_interval_mask(parts, Tq, end, dtype)
-        else:
+        else:  # a mask of its own: an earlier chunk's shared one (up to PREFILL_MASK_BYTES) is not kept beside it
+            release_shared_mask()
             mask = interval_mask(parts, r0, r1, end, dtype, user_mask, user_cols)
         outs.append(mx.fast.scaled_dot_product_attention(queries[:, :, r0:r1], keys[:, :, :end], values[:, :, :end],
                                                          scale=scale, mask=mask, sinks=sinks))

@@ -6,6 +6,9 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import mlx.core as mx
+import numpy as np
+
+from .prefill import release_shared_mask
 
 #: Tokens per forward pass: mlx-lm's ``prefill_step_size`` default (``generate_step``, ``cache_prompt``).
 PREFILL_STEP = 2048
@@ -15,9 +18,11 @@ def prefill_prompt(model, cache: list, prompt: Sequence[int] | mx.array, *, step
                    on_chunk: Callable[[int], None] | None = None) -> list:
     """Run ``prompt`` through ``model`` into ``cache``, ``step`` tokens per forward pass, as mlx-lm's
     ``generate_step`` prefills: each chunk's cache state is evaluated before the next, the logits never are (the
-    vocabulary projection of a prompt is not computed). Every token of ``prompt`` is stored (``generate_step``
-    keeps the last one back for its first decode step; here the cache ends at the prompt's end, as
-    ``mlx_lm.cache_prompt`` leaves it), so ``cache[0].offset`` grows by ``len(prompt)``.
+    vocabulary projection of a prompt is not computed; ``generate_step`` also empties MLX's buffer cache after each
+    chunk, which ``on_chunk`` may do). Every token of ``prompt`` is stored (``generate_step`` keeps the last one back
+    for its first decode step; here the cache ends at the prompt's end, as ``mlx_lm.cache_prompt`` leaves it), so
+    ``cache[0].offset`` grows by ``len(prompt)``; an empty prompt changes nothing. What the chunks' layers shared
+    (:func:`kvq.cache.prefill.release_shared_mask`) is dropped at the end, as no decode step may follow.
 
     Example (save a long document once, ask about it later)::
 
@@ -26,21 +31,27 @@ def prefill_prompt(model, cache: list, prompt: Sequence[int] | mx.array, *, step
         kvq.save_prompt_cache("document.safetensors", cache)
 
     :param model: an mlx-lm model. :param cache: one cache per layer (``kvq.make_prompt_cache``'s, or mlx-lm's).
-    :param prompt: token ids, a sequence of ints or a 1-D integer ``mx.array``.
+    :param prompt: token ids: a sequence of ints, or a 1-D integer ``mx.array`` or numpy array.
     :param step: tokens per forward pass (>= 1).
     :param on_chunk: called after each chunk with the number of its tokens (a progress bar's update).
     :return: ``cache``.
-    :raises ValueError: ``step`` below 1, or ``prompt`` empty, not 1-D or not integers.
+    :raises ValueError: ``step`` below 1, or ``prompt`` not 1-D or not integers.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
         raise ValueError(f"step must be an integer >= 1 (tokens per forward pass); got {step!r}")
-    ids = prompt if isinstance(prompt, mx.array) else mx.array(list(prompt))
-    if ids.ndim != 1 or ids.size == 0 or not mx.issubdtype(ids.dtype, mx.integer):
-        raise ValueError(f"prompt must be a non-empty 1-D sequence of integer token ids; got shape "
-                         f"{tuple(ids.shape)}, {ids.dtype}")
+    if isinstance(prompt, mx.array):
+        ids = prompt
+    elif isinstance(prompt, np.ndarray):
+        ids = mx.array(prompt)
+    else:
+        ids = mx.array(list(prompt), dtype=mx.int32)
+    if ids.ndim != 1 or not mx.issubdtype(ids.dtype, mx.integer):
+        raise ValueError(f"prompt must be a 1-D sequence of integer token ids; got shape {tuple(ids.shape)}, "
+                         f"{ids.dtype}")
     for first in range(0, ids.size, step):
         model(ids[None, first : first + step], cache=cache)
         mx.eval([c.state for c in cache])
         if on_chunk is not None:
             on_chunk(min(step, ids.size - first))
+    release_shared_mask()
     return cache

@@ -78,9 +78,9 @@ def write_fields(data: dict[str, mx.array], encoded: Encoded, slot: int) -> None
 class EncodedStore(_Trimmable):
     """An append-only (and trimmable) store of encoded tokens along axis 2.
 
-    Capacity grows in whole steps of ``step`` tokens: every field gets one new zero block and one
-    concatenation per growth, never one per token (the pattern of mlx-lm's ``KVCache``). Appending writes
-    into the preallocated space with a slice assignment.
+    Capacity grows in whole steps of ``step`` tokens: every field gets one concatenation per growth (the held
+    tokens, those being appended where an append grows it, and a zero block), never one per token (the pattern of
+    mlx-lm's ``KVCache``). An append that fits writes into the preallocated space with a slice assignment.
 
     :param step: tokens per growth step.
     """

@@ -67,7 +67,7 @@ PASSED_ON = ("Every other option goes to mlx_lm.server unchanged, among them --h
              "compresses the cache itself (--method, --bits), and mlx-lm would serve requests one at a time.")
 
 
-def check_passed_on(rest: list[str], options: dict, method: str | None = None) -> None:
+def check_passed_on(rest: list[str], options: dict) -> None:
     """Refuse mlx-lm server options that cannot work with kvq's caches, before the model is loaded.
 
     ``--kv-bits`` asks mlx-lm to quantize each cache once it holds ``--quantized-kv-start`` tokens (5000 by
@@ -75,18 +75,19 @@ def check_passed_on(rest: list[str], options: dict, method: str | None = None) -
     CacheProtocol.to_quantized`), so long prompts would fail with HTTP 500 after the server started, and mlx-lm
     serves requests one at a time with it. kvq's own options give what it asks for, batched.
 
-    :param options: the cache's :func:`kvq.cli.generate_cmd.cache_options`; :param method: ``--method`` as given,
-        named in the message (else ``options``' method and bits).
+    :param options: the cache's :func:`kvq.cli.generate_cmd.cache_options`, named in the message by
+        :func:`kvq.cli.generate_cmd.cache_label` (as the server's log names them).
     :raises ValueError: ``--kv-bits`` among ``rest`` (the message names the kvq options that do the same).
     """
+    from .generate_cmd import cache_label
+
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--kv-bits", default=None)
     parser.add_argument("--kv-group-size", default="64")
     given, _ = parser.parse_known_args(rest)
     if given.kv_bits is not None:
-        serving = ", bits ".join(str(x) for x in (options.get("method"), options.get("bits")) if x is not None)
         raise ValueError(f"--kv-bits {given.kv_bits}: kvq serve's caches are compressed already "
-                         f"({method or serving}); mlx-lm's --kv-bits would "
+                         f"({cache_label(options)}); mlx-lm's --kv-bits would "
                          f"quantize them a second time (kvq refuses: requests would fail once a prompt passes "
                          f"--quantized-kv-start) and would serve requests one at a time. Drop --kv-bits; for the "
                          f"layout it names use --method affine --bits {given.kv_bits} --param "
@@ -146,7 +147,7 @@ def provider_class(options: dict):
             caches = self.model.make_cache()
             self.is_batchable = self.draft_model is None and all(hasattr(c, "merge") for c in caches)
             heads = distributed.kv_head_range(self.model)
-            logging.info(f"kvq serve: kvq caches ({cache_label(options)}) for every request: {len(caches)} "
+            logging.info(f"kvq serve: kvq caches of {cache_label(options)} for every request: {len(caches)} "
                          f"layers on this rank" + (f", KV heads {heads[0]}:{heads[1]}" if heads else ""))
             first = next((c for c in caches if hasattr(c, "config")), None)
             if first is not None:  # short chats stay uncompressed (kvq generate prints a NOTE when that happens)
@@ -198,7 +199,7 @@ def main(argv: list[str]) -> int:
     serve_handler.check_mlx_lm_version(mlx_lm.__version__)
     options = cache_options(args)
     make_config(**options)  # bad methods and parameters fail before the model is loaded
-    check_passed_on(rest, options, args.method + (f", bits {args.bits}" if args.bits else ""))
+    check_passed_on(rest, options)
     path = models.resolve_model(args.model)
     check_sharding(path, args.pipeline, mx.distributed.init().size())
     run = functools.partial(serve_run.run, policy=serve_policy(args, path), drain_seconds=args.drain_seconds)

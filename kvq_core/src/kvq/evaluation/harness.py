@@ -19,6 +19,7 @@ from ..textdata import bos_ids
 from ..cache.still import layer_still_channels
 from .attention_error import AttentionHook, InputRecorder, LayerReference, sliding_windows
 from .needle import CODES, greedy_answer, is_match, needle_prompt
+from ..cache.prefill import release_shared_mask
 from ..cache.prompt import prefill_prompt
 from .perplexity import score, summarize, token_metrics, window_offsets
 from .spec import MethodSpec, bits_per_coordinate, make_cache, model_dtype
@@ -133,6 +134,7 @@ class Evaluation:
 
     def _window(self, spec, hook, w, ids, seconds):
         s = self.settings
+        release_shared_mask()  # a mask the last scored chunk's layers shared is not this window's memory
         gc.collect()
         before = mx.get_active_memory()
         mx.reset_peak_memory()
