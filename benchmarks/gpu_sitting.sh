@@ -9,7 +9,7 @@
 #     && split -b 38M -a 2 /tmp/f .gpu/mlx-cuda.tar.xz.part-    # bundle in 38 MiB parts to stay under 64 MiB a call
 #   bash benchmarks/gpu_revisions.sh BEFORE HEAD .gpu/rev     # .gpu/rev/{before,after}/*.whl
 # Then, on the device (call B carries .gpu/mlx-cuda.tar.xz.part-ab, .gpu/wheels, .gpu/install.sh, .gpu/rev):
-#   bash benchmarks/gpu_sitting.sh install ktests dur [any gpu_session.sh step ...]
+#   bash benchmarks/gpu_sitting.sh install ktests dur [any gpu_session.sh step ...] pack
 # Steps:
 #   install  MLX into /tmp/kvq-site (.gpu/install.sh; the first part stashed in /tmp/stash by call A), each
 #            revision's wheels into /tmp/site-before and /tmp/site-after
@@ -21,6 +21,7 @@
 #   prefill  kvq bench prefill of each side of $PF_SIDES (before after) on random:llama3-8b at $PF_CONTEXTS, then
 #            benchmarks/investigations/prefill_host_profile.py's split of the host's time (8 layers, 8K)
 #   prefill-chunk  kvq bench prefill of the after side with chunks of $PF_CHUNK (8192) tokens, fp16 alike
+#   pack     every file under $OUT into one archive (put it last: the device tool returns a limited number of files)
 #   other    benchmarks/gpu_session.sh's step of that name, with the after revision on PYTHONPATH
 set -u
 export OUT=${OUT:-/tmp/res}; mkdir -p "$OUT"
@@ -75,6 +76,10 @@ for step in "$@"; do
                --methods ${PF_METHODS:-kvcache,turboquant:3,turboquant:4,affine:4} --out "$OUT/prefill" \
                --name "prefill-chunk${PF_CHUNK:-8192}" --no-progress > "$OUT/prefill-chunk.log" 2>&1
              grep "^| [a-z]" "$OUT/prefill/prefill-chunk${PF_CHUNK:-8192}.md" | cut -c1-160;;
+    pack) # everything under $OUT in one archive: the device tool brings back only so many files a call, and a
+          # step's results beyond that count were lost (2026-12-07)
+          (cd "$OUT" && tar czf "sitting-$(date +%H%M%S).tgz" --exclude='sitting-*.tgz' . && \
+             find . -mindepth 1 ! -name 'sitting-*.tgz' -delete) && ls "$OUT";;
     *) PYTHONPATH=$A bash benchmarks/gpu_session.sh $step;;
   esac
   echo "## $step took $(( $(date +%s) - t0 )) s"
