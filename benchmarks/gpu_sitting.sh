@@ -78,8 +78,9 @@ for step in "$@"; do
              grep "^| [a-z]" "$OUT/prefill/prefill-chunk${PF_CHUNK:-8192}.md" | cut -c1-160;;
     pack) # everything under $OUT in one archive: the device tool brings back only so many files a call, and a
           # step's results beyond that count were lost (2026-12-07)
-          (cd "$OUT" && tar czf "sitting-$(date +%H%M%S).tgz" --exclude='sitting-*.tgz' . && \
-             find . -mindepth 1 ! -name 'sitting-*.tgz' -delete) && ls "$OUT";;
+          name="sitting-$(date +%H%M%S).tgz"
+          (cd "$OUT" && tar czf "/tmp/$name" --exclude='sitting-*.tgz' . && \
+             find . -mindepth 1 ! -name 'sitting-*.tgz' -delete && mv "/tmp/$name" .) && ls "$OUT";;
     *) PYTHONPATH=$A bash benchmarks/gpu_session.sh $step;;
   esac
   echo "## $step took $(( $(date +%s) - t0 )) s"
