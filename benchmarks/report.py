@@ -24,6 +24,8 @@ MIB = 2**20
 REP = re.compile(r"-(rep|run)\d+$")
 #: A folder of runs made with launch knobs other than the library's (``benchmarks/knobs.py``): never a table here.
 SWEEPS = "knob-sweeps"
+#: Prefill chunk of the main tables (mlx-lm's ``prefill_step_size`` default); runs with other chunks get their own.
+PREFILL_STEP = 2048
 
 
 def load(path: Path) -> dict | None:
@@ -36,13 +38,13 @@ def load(path: Path) -> dict | None:
     if kind in ("e2e", "prefill", "batch", "capacity"):
         env, s = doc["environment"], doc["settings"]
         model = f"{doc['model']['name']} ({doc['model']['dtype']})"
-        chunk = s.get("chunk", 2048) if kind == "prefill" else 2048  # mlx-lm's prefill_step_size default
+        chunk = s.get("chunk", PREFILL_STEP) if kind == "prefill" else PREFILL_STEP
         shape = (s.get("batch", 1) if kind == "e2e" else
                  (tuple(s["batches"]), s["prompt"]) if kind == "batch" else
-                 chunk if chunk != 2048 else None)  # runs of other shapes: own tables
+                 chunk if chunk != PREFILL_STEP else None)  # runs of other shapes: own tables
         key = (kind, env["device"], model, shape)
         title = model + (f", {s['batch']} sequences at once" if s.get("batch", 1) > 1 else "")
-        if chunk != 2048:
+        if chunk != PREFILL_STEP:
             title += f", chunks of {chunk:,} tokens"
         if kind == "batch":
             title += f", prompts of {s['prompt']:,} tokens"
