@@ -241,12 +241,26 @@ def test_layers_of_a_chunk_share_its_mask_and_a_decode_step_drops_it(monkeypatch
     assert len(made) == 1 and made[0][0] == 0 and made[0][1] == 32  # rows 0..32, made once for both layers
     assert prefill._SHARED.masks[next(iter(prefill._SHARED.masks))] is shared
     np.testing.assert_array_equal(np.array(out_first), np.array(out_second))  # same tokens, same attention
-    monkeypatch.setattr(prefill, "_SHARED", prefill._Shared())  # a mask per layer, as before sharing
+    # a mask per layer, as before sharing: the same attention
+    monkeypatch.setattr(prefill, "shared_interval_mask",
+                        lambda parts, rows, end, dtype: real(parts, 0, rows, end, dtype))
     alone = layer(64).attend(q, 0.125)
     np.testing.assert_array_equal(np.array(alone), np.array(out_first))
+    monkeypatch.undo()
+    monkeypatch.setattr(KVQCache, "_prefill_on_device", lambda self, queries: self.compressed_keys.length > 0)
+    monkeypatch.setattr(prefill, "interval_mask", lambda *a, **k: made.append(a[1:4]) or real(*a, **k))
+    # the key: parts of the same sizes whose rows see other intervals are another chunk
+    from kvq.cache.parts import Part
+    cols = (mx.zeros((1, 1, 8, 1)),) * 2
+    one = [Part(*cols, False, 0, np.zeros(4, np.int64), np.array([1, 2, 3, 4]), 0)]
+    two = [Part(*cols, False, 0, np.zeros(4, np.int64), np.array([1, 2, 3, 5]), 0)]
+    assert prefill._chunk_key(one, 4) != prefill._chunk_key(two, 4)
+    assert prefill._chunk_key(one, 4) == prefill._chunk_key([Part(*cols, False, 0, np.zeros(4, np.int64),
+                                                                   np.array([1, 2, 3, 4]), 0)], 4)
+    made.clear()
     other = layer(48)  # other numbers of tokens: its own intervals and mask
     other.attend(q, 0.125)
-    assert len(made) == 3 and prefill._SHARED.key is not None
+    assert len(made) == 1 and prefill._SHARED.key is not None
     other.update_and_fetch(kv[0][:, :, 80:81], kv[1][:, :, 80:81])
     other.attend(q[:, :, :1], 0.125)  # a decode step
     assert prefill._SHARED.key is None and prefill._SHARED.masks is None
