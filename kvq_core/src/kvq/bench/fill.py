@@ -9,8 +9,6 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..cache.prompt import prefill_prompt
-
 #: Tokens per forward pass of a real prefill (as ``kvq eval``; on a 2-core CPU as fast as 2048, less memory).
 PREFILL_CHUNK = 512
 
@@ -42,6 +40,7 @@ class ReplayKV:
 
     def __init__(self, model, ids: mx.array) -> None:
         from ..cache.patch import mlx_lm_caches
+        from ..cache.prompt import prefill_prompt
         from ..evaluation.attention_error import InputRecorder
 
         caches = mlx_lm_caches(model)

@@ -112,7 +112,7 @@ class EncodedStore(_Trimmable):
         self._view = None  # first: a view (slices sharing the fields' buffers) would make the write a copy
         if self.length + n + spare > self.capacity:
             self.params, self.head_dim = encoded.params, encoded.head_dim
-            self._grow(encoded.data, self.length + n + spare, encoded)  # the tokens written in the same copy
+            self._grow(self.length + n + spare, encoded)  # the tokens written in the same copy
         else:
             write_fields(self.data, encoded, self.length)
         self.length += n
@@ -142,13 +142,13 @@ class EncodedStore(_Trimmable):
         32K); :class:`kvq.cache.KVQCache` calls this on a step of its own per layer (:meth:`KVQCache._grow_ahead`).
         """
         if self.data is not None and tokens > self.capacity:
-            self._grow(self.data, tokens)
+            self._grow(tokens)
 
-    def _grow(self, like: dict[str, mx.array], needed: int, encoded: Encoded | None = None) -> None:
+    def _grow(self, needed: int, encoded: Encoded | None = None) -> None:
         """Capacity for ``needed`` tokens: per field, the held tokens, then ``encoded``'s tokens where given (an
         append that grows writes them in the same concatenation rather than in a slice assignment after it: one
-        node fewer per field, for a prefill chunk per layer), then whole steps of zeros shaped like ``like``'s field
-        (only allocation on the first growth without tokens). The steps count from the held tokens, not the old
+        node fewer per field, for a prefill chunk per layer), then whole steps of zeros shaped like the field
+        (``encoded``'s where given, else the held one's). The steps count from the held tokens, not the old
         capacity: the two differ wherever the store had room left (after a trim, or a chunk shorter than the last
         one's slack), and counting from the capacity left a store too small for the block being appended (the write
         raised: a chunk of 384 compressed tokens after one of 387, at step 16)."""
@@ -156,7 +156,7 @@ class EncodedStore(_Trimmable):
         steps = -(-(needed - held) // self.step)
         new = 0 if encoded is None else encoded.num_tokens
         grown = {}
-        for name, array in like.items():
+        for name, array in (self.data if encoded is None else encoded.data).items():
             pieces = [] if self.data is None else [self.data[name][:, :, : self.length]]
             if encoded is not None:
                 pieces.append(encoded.data[name])

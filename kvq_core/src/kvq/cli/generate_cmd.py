@@ -167,9 +167,7 @@ def _default(field_: attrs.Attribute, params):
 
 def cache_label(options: dict) -> str:
     """One line naming the key and value methods of ``options`` (as :func:`cache_options` returns them)."""
-    from ..cache import make_config
-
-    from ..cache.config import CacheConfig
+    from ..cache import CacheConfig, make_config
 
     config = make_config(**options)
     fields = {f.name: f.default for f in attrs.fields(CacheConfig)}
