@@ -189,12 +189,16 @@ def streams_kernels(keep: str | None, sass: bool = False) -> None:
                                                                     finish=finish))):
             RECORDED.clear()
             streams.decode_attend_streams(prepared, call, "cuda", **kwargs)
-            kw = RECORDED[0]  # the attention launch (the merge follows)
+            kw = RECORDED[0]  # the attention launch (the merge, RECORDED[1], follows)
             with tempfile.TemporaryDirectory() as tmp:
                 path = Path(keep or tmp) / f"{km}_{kp.get('bits', '')}_{label}.cu"
                 line = compile_recorded(kw, path)
                 loops = main_loops(Path(str(path) + ".cubin")) if sass else []
             print(f"{km}:{kp.get('bits', '')}+{vm}:{vp.get('bits', '')} {label}: kernel {kw['name']} {line}")
+            merge = RECORDED[1]
+            with tempfile.TemporaryDirectory() as tmp:
+                merged = compile_recorded(merge, Path(keep or tmp) / f"{km}_{kp.get('bits', '')}_{label}_merge.cu")
+            print(f"    merge {merge['name']}: {merged}")
             for n, ops in sorted(loops, key=lambda loop: loop[0])[:1]:  # the shortest: the vector-load path's
                 print(f"    main loop: {n} instructions per warp step {ops}")
 
