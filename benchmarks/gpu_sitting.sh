@@ -21,6 +21,8 @@
 #   prefill  kvq bench prefill of each side of $PF_SIDES (before after) on random:llama3-8b at $PF_CONTEXTS, then
 #            benchmarks/investigations/prefill_host_profile.py's split of the host's time (8 layers, 8K)
 #   prefill-chunk  kvq bench prefill of the after side with chunks of $PF_CHUNK (8192) tokens, fp16 alike
+#   steps    decode_step_kernels.py (GPU time of decode steps by kernel, 2 layers at $STEPS_CONTEXT) of each side of
+#            $STEPS_SIDES (before after)
 #   pack     every file under $OUT into one archive (put it last: the device tool returns a limited number of files)
 #   other    benchmarks/gpu_session.sh's step of that name, with the after revision on PYTHONPATH
 set -u
@@ -76,6 +78,15 @@ for step in "$@"; do
                --methods ${PF_METHODS:-kvcache,turboquant:3,turboquant:4,affine:4} --out "$OUT/prefill" \
                --name "prefill-chunk${PF_CHUNK:-8192}" --no-progress > "$OUT/prefill-chunk.log" 2>&1
              grep "^| [a-z]" "$OUT/prefill/prefill-chunk${PF_CHUNK:-8192}.md" | cut -c1-160;;
+    steps) # #52: GPU time of whole decode steps by kernel (decode_step_kernels.py, 2 layers at $STEPS_CONTEXT, default
+           # 32K) for each side of $STEPS_SIDES (before after): the streams merge's microseconds before and after
+           for side in ${STEPS_SIDES:-before after}; do
+             PYTHONPATH=$S:/tmp/site-$side timeout ${STEPS_TIMEOUT:-200} python3 benchmarks/investigations/decode_step_kernels.py \
+               --out "$OUT/step-kernels-$side-${STEPS_CONTEXT:-32768}.json" --context ${STEPS_CONTEXT:-32768} --layers 2 \
+               --steps 36 --warmup 34 --methods ${STEPS_METHODS:-kvcache,qjl+affine:4,turboquant_prod:4} \
+               > "$OUT/step-kernels-$side.log" 2>&1
+             echo "== steps-$side"; grep -iE "merge|total|sdpa|streams" "$OUT/step-kernels-$side.log" | cut -c1-200 | head -30
+           done;;
     pack) # everything under $OUT in one archive: the device tool brings back only so many files a call, and a
           # step's results beyond that count were lost (2026-12-07)
           name="sitting-$(date +%H%M%S).tgz"
