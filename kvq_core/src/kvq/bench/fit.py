@@ -170,8 +170,9 @@ class CacheCost:
         those that left the window in blocks of ``flush`` (the window holds ``window`` to ``window + flush - 1``)."""
         if self.kind != "kvq":
             return tokens
-        rest = tokens - self.sinks - (self.window + self.flush - 1)
-        return max(0, -(-rest // self.flush) * self.flush)
+        from ..cache.schedule import leaving
+
+        return leaving(max(0, tokens - self.sinks), 0, self.window, self.flush)
 
     def store_bytes(self, tokens: int, kv_heads: int) -> int:
         """Bytes of one layer's coded tokens at ``tokens`` tokens, allocated in steps of ``step`` tokens."""
@@ -185,7 +186,9 @@ class CacheCost:
             return 0
         dense = 0
         if self.kind == "kvq":
-            dense = self.sinks + (self.window + self.flush - 1 if tokens > self.sinks else 0)
+            from ..cache.schedule import most_held
+
+            dense = self.sinks + (most_held(self.window, self.flush) if tokens > self.sinks else 0)
         return self.store_bytes(tokens, kv_heads) + 2 * kv_heads * dense * head_dim * DENSE_BITS // 8
 
     def transient(self, tokens: int, chunk: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:

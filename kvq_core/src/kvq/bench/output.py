@@ -64,7 +64,9 @@ def uncompressed_note(what: str, tokens: int, sinks: int, window: int, flush: in
     """The note a run needs when its sequences (``what``, ``tokens`` long at the end) never grow past a kvq cache's
     ``sinks`` and ``window`` (+ ``flush - 1`` before a flush): nothing is compressed, so its kvq rows measure
     16-bit caches; ``option`` is the length option to raise. ``[]`` otherwise."""
-    if tokens > sinks + window + flush - 1:
+    from ..cache.schedule import first_flush
+
+    if tokens >= first_flush(sinks, window, flush):
         return []
     return [f"{what} stay within the kvq caches' {sinks} sinks and {window}-token window (+ {flush - 1} before a "
             f"flush): nothing is compressed; use a longer {option} or a smaller --window"]

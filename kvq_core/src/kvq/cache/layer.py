@@ -34,7 +34,7 @@ from .choice import dequantize, encode_tokens
 from .config import CacheConfig
 from .depends import DependencySlots
 from .guard import guard_layer
-from .schedule import Fresh, growth_append, leaving, visible
+from .schedule import Fresh, growth_append, leaving, most_held, visible
 from .persist import PromptCacheState
 from .prefill import after_chunk
 from .protocol import CacheProtocol
@@ -69,7 +69,7 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
         self.offset = 0
         self.sinks = DenseBuffer(config.sinks)
         self._flush = config.flush_tokens  # decided once: the decode path reads it every step
-        self.window = DenseBuffer(config.window + self._flush - 1)
+        self.window = DenseBuffer(most_held(config.window, self._flush))
         self.compressed_keys = EncodedStore(config.step)
         self.compressed_values = EncodedStore(config.step)
         self._layout = None  # (B, H, D_k, D_v, dtype), fixed by the first update

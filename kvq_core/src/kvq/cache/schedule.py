@@ -21,6 +21,18 @@ def leaving(held: int, new: int, window: int, flush: int) -> int:
     return flush * max(0, (held + new - window) // flush)
 
 
+def most_held(window: int, flush: int) -> int:
+    """The most tokens a window of ``window`` holds uncompressed after its sinks (:func:`leaving`):
+    ``window + flush - 1``, reached just before a flush."""
+    return window + flush - 1
+
+
+def first_flush(sinks: int, window: int, flush: int) -> int:
+    """How many tokens a layer holds when its first tokens are compressed (:func:`leaving`): the ``sinks``, then
+    :func:`most_held` and one more; fewer tokens are all kept in 16 bits."""
+    return sinks + most_held(window, flush) + 1
+
+
 @attrs.frozen
 class Fresh:
     """What attention needs from the chunk just stored, to give each of its query rows what a token-by-token run

@@ -361,6 +361,7 @@ def megabytes(n: int) -> str:
 def summary_rows(model, run: Run, reference: Run | None) -> tuple[list[list[str]], list[str]]:
     """Table rows (label, reference, method) comparing ``run`` with the reference (mlx-lm's KVCache), and
     footnotes."""
+    from ..cache.schedule import first_flush, most_held
     from ..evaluation.spec import model_dtype, reference_label
 
     ref_nbytes, ref_measured, note = reference_bytes(model, run, reference)
@@ -368,7 +369,7 @@ def summary_rows(model, run: Run, reference: Run | None) -> tuple[list[list[str]
     width = model_dtype(model).size * 8
     dash = "-"
     sinks, window, flush = (run.options.get(k, d) for k, d in (("sinks", 4), ("window", 128), ("flush", DEFAULT_FLUSH)))
-    held = sinks + window + flush - 1  # the window grows to window + flush - 1 tokens before a flush
+    held = first_flush(sinks, window, flush) - 1  # the most tokens held before the first flush
     nothing = run.compressed_tokens == 0 if run.compressed_tokens is not None else run.cached_tokens <= held
     nothing = nothing and run.options.get("method") != "fp16"
     unmeant = " (none compressed)" if nothing else ""  # a ratio of allocations, not of compression (NOTE below)
@@ -395,7 +396,7 @@ def summary_rows(model, run: Run, reference: Run | None) -> tuple[list[list[str]
     notes = [note] if note else []
     if nothing:
         notes.append(f"NOTE: nothing was compressed: all {run.cached_tokens} tokens fit in the uncompressed sinks "
-                     f"({sinks}) and window ({window}, growing to {window + flush - 1} before a flush of {flush}); "
+                     f"({sinks}) and window ({window}, growing to {most_held(window, flush)} before a flush of {flush}); "
                      "the bytes differ only by allocation and storage. Use a longer prompt, or --sinks 0 --window 0 "
                      "--flush 1.")
     notes.append("measured: growth of mx.get_active_memory from the empty cache to the filled one (it also counts "

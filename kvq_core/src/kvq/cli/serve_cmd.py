@@ -151,11 +151,14 @@ def provider_class(options: dict):
                          f"layers on this rank" + (f", KV heads {heads[0]}:{heads[1]}" if heads else ""))
             first = next((c for c in caches if hasattr(c, "config")), None)
             if first is not None:  # short chats stay uncompressed (kvq generate prints a NOTE when that happens)
+                from ..cache.schedule import first_flush, most_held
+
                 config = first.config
                 logging.info(f"kvq serve: each sequence's first {config.sinks} tokens (sinks) and up to its newest "
-                             f"{config.window + config.flush - 1} (the window, flushed {config.flush} at a time) "
-                             f"stay in 16 bits: a conversation compresses from "
-                             f"{config.sinks + config.window + config.flush} tokens on (--sinks, --window, --flush)")
+                             f"{most_held(config.window, config.flush)} (the window, flushed {config.flush} at a "
+                             f"time) stay in 16 bits: a conversation compresses from "
+                             f"{first_flush(config.sinks, config.window, config.flush)} tokens on (--sinks, "
+                             f"--window, --flush)")
 
     return KVQModelProvider
 
