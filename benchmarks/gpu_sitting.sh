@@ -84,8 +84,17 @@ for step in "$@"; do
              PYTHONPATH=$S:/tmp/site-$side timeout ${STEPS_TIMEOUT:-200} python3 benchmarks/investigations/decode_step_kernels.py \
                --out "$OUT/step-kernels-$side-${STEPS_CONTEXT:-32768}.json" --context ${STEPS_CONTEXT:-32768} --layers 2 \
                --steps 36 --warmup 34 --methods ${STEPS_METHODS:-kvcache,qjl+affine:4,turboquant_prod:4} \
-               > "$OUT/step-kernels-$side.log" 2>&1
-             echo "== steps-$side"; grep -iE "merge|total|sdpa|streams" "$OUT/step-kernels-$side.log" | cut -c1-200 | head -30
+               --batch ${STEPS_BATCH:-1} > "$OUT/step-kernels-$side.log" 2>&1
+             echo "== steps-$side"; grep "normal step us" "$OUT/step-kernels-$side.log" | cut -c1-200 || tail -c 1500 "$OUT/step-kernels-$side.log"
+             python3 -c 'import json, sys
+for r in json.load(open(sys.argv[1]))["results"]:
+    normal = [s for s in r["steps"] if not s["flushed"]]
+    by = {}
+    for s in normal:
+        for name, us in s["kernels"]:
+            if "merge" in name or "streams" in name or "sdpa" in name or "attend" in name:
+                by.setdefault(name[:50], []).append(us)
+    print(r["method"], {k: round(sorted(v)[len(v) // 2], 1) for k, v in by.items()})' "$OUT/step-kernels-$side-${STEPS_CONTEXT:-32768}.json" 2>&1 | cut -c1-400
            done;;
     pack) # everything under $OUT in one archive: the device tool brings back only so many files a call, and a
           # step's results beyond that count were lost (2026-12-07)

@@ -2,7 +2,7 @@
 what a window-flush step adds.
 
 Builds a random-weight model (``--model random:PRESET``, ``--layers`` kept), fills each method's caches to
-``--context`` tokens with random keys and values, runs ``--steps`` greedy decode steps one at a time, and between
+``--context`` tokens with random keys and values (``--batch`` sequences), runs ``--steps`` greedy decode steps one at a time, and between
 steps launches a one-thread marker kernel (``kvq_step_marker``) so that ncu's launch list splits into steps. Run
 under ncu (``--ncu``): the script re-runs itself there, then groups the launches per method and step and writes
 ``--out`` (JSON): per step, whether the window flushed (compressed tokens grew), the summed GPU time and each
@@ -54,9 +54,9 @@ def run_steps(args) -> list[dict]:
     for spec in e2e.parse_methods(args.methods):
         caches = e2e.make_cache(model, spec, settings)
         source = RandomKV(config["num_key_value_heads"], config["hidden_size"] // config["num_attention_heads"],
-                          mx.bfloat16)
+                          mx.bfloat16, batch=args.batch)
         fill(caches, source, args.context, 4096)
-        y = mx.array([[1]])
+        y = mx.array([[1]] * args.batch)
         for _ in range(args.warmup):
             y = mx.argmax(model(y, cache=caches)[:, -1:, :], axis=-1)
             mx.eval(y)
@@ -85,6 +85,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=36)
     ap.add_argument("--warmup", type=int, default=34)
     ap.add_argument("--flush", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=1, help="sequences decoded together (the capacity shape: many)")
     ap.add_argument("--ncu", default=shutil.which("ncu") or "/usr/local/cuda/bin/ncu")
     ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -119,8 +120,8 @@ def main() -> None:
             steps.append({"flushed": flushed, "us": round(sum(k["gpu__time_duration.sum"] for k in seg), 2),
                           "kernels": [(k["kernel"][:80], round(k["gpu__time_duration.sum"], 2)) for k in seg]})
         results.append({"method": entry["method"], "steps": steps})
-    Path(args.out).write_text(json.dumps({"context": args.context, "layers": args.layers, "results": results},
-                                         indent=1))
+    Path(args.out).write_text(json.dumps({"context": args.context, "layers": args.layers, "batch": args.batch,
+                                          "results": results}, indent=1))
     for r in results:
         normal = [s["us"] for s in r["steps"] if not s["flushed"]]
         flush = [s["us"] for s in r["steps"] if s["flushed"]]
