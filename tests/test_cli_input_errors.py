@@ -76,7 +76,7 @@ def test_a_relative_path_is_not_taken_for_a_hub_id():
     from kvq.models import ModelError, resolve_model
 
     for name in ("./nope", "../nope", "~/nope"):
-        with pytest.raises(ModelError, match=f"unknown model '{name}'.*an existing mlx-lm folder"):
+        with pytest.raises(ModelError, match=f"model '{name}': no such file or folder.*an mlx-lm model folder"):
             resolve_model(name)
 
 

@@ -75,3 +75,13 @@ def test_the_readme_recommends_what_kvq_defaults_names_and_shows_the_demos_quest
     shown = text.split("```text\nkvq demo:")[1].split("```")[0]
     assert all(f"Q{i + 1}. {q}" in shown for i, q in enumerate(QUESTIONS))
     assert all(f"\n{label} " in shown for label in ("kvcache (float32)", RECOMMENDED, THREE_BIT))
+
+
+def test_the_readme_lists_the_random_shapes_bench_takes():
+    """The README's list of random-weight shapes is ``kvq.bench.random_model.PRESETS`` (a user offline has only
+    these for ``kvq bench`` and ``kvq fit``)."""
+    from kvq.bench.random_model import PREFIX, PRESETS
+
+    text = README.read_text()
+    listed = set(re.findall(r"`(random:[\w.-]+)`", text))
+    assert listed == {PREFIX + name for name in PRESETS}

@@ -234,7 +234,7 @@ def test_teacher_forcing_replays_the_reference_and_leaves_the_cache_alone(tmp_pa
 
 def test_unknown_model_path(cache, capsys):
     assert main(["generate", "--model", "/no/such/model", "--prompt", "hi"]) == 1
-    assert "unknown model '/no/such/model'" in one_line_error(capsys, "generate")
+    assert "model '/no/such/model': no such file or folder" in one_line_error(capsys, "generate")
 
 
 def test_gguf_of_unsupported_architecture(tmp_path, cache, capsys):
@@ -295,7 +295,7 @@ def test_exit_code_and_stderr_of_the_installed_script(cache):
     result = subprocess.run([str(script), "generate", "--model", "missing.gguf", "--prompt", "hi"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and result.stdout == ""
-    assert result.stderr.strip().count("\n") == 0 and "unknown model 'missing.gguf'" in result.stderr
+    assert result.stderr.strip().count("\n") == 0 and "model 'missing.gguf': no such file or folder" in result.stderr
 
 
 # kvq.quality ----------------------------------------------------------------------------------------------------

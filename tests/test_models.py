@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import gguf
@@ -241,9 +242,16 @@ def test_tiny_qwen2_gguf_converts_to_mlx_lm_qwen2(tmp_path, cache):
 
 # Errors ---------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["no-such-model", "/no/such/folder", "missing.gguf", "./relative/missing"])
-def test_unknown_model_is_a_model_error(name, cache):
-    with pytest.raises(ModelError, match="unknown model"):
+def test_unknown_model_is_a_model_error(cache):
+    with pytest.raises(ModelError, match="unknown model 'no-such-model'"):
+        models.resolve_model("no-such-model")
+
+
+@pytest.mark.parametrize("name", ["/no/such/folder", "missing.gguf", "./relative/missing", "a/b/missing"])
+def test_a_missing_path_is_named_as_missing(name, cache):
+    """A name that can only be a path (absolute, relative, ``~``, a ``.gguf`` name, or more than ``org/name``) and
+    does not exist is reported as a missing file, not as an unknown model name."""
+    with pytest.raises(ModelError, match=f"model '{re.escape(name)}': no such file or folder .*a .gguf file"):
         models.resolve_model(name)
 
 

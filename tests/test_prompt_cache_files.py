@@ -407,3 +407,6 @@ def test_prefill_prompt_saves_a_prompt_that_continues_as_a_generation_would(llam
                        (dict(prompt=mx.array([1.0, 2.0])), "integer token ids")):
         with pytest.raises(ValueError, match=match):
             kvq.prefill_prompt(llama_model, cache, **{"prompt": prompt, **bad})
+    with pytest.raises(TypeError, match=r"prompt must be token ids, not text \(str\).*tokenizer.encode"):
+        kvq.prefill_prompt(llama_model, cache, "hello world")  # a user's natural mistake: MLX's own error named no argument
+    assert [c.offset for c in cache] == offsets

@@ -36,9 +36,13 @@ def prefill_prompt(model, cache: list, prompt: Sequence[int] | mx.array, *, step
     :param on_chunk: called after each chunk with the number of its tokens (a progress bar's update).
     :return: ``cache``.
     :raises ValueError: ``step`` below 1, or ``prompt`` not 1-D or not integers.
+    :raises TypeError: ``prompt`` is text (a ``str`` or ``bytes``), not token ids.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
         raise ValueError(f"step must be an integer >= 1 (tokens per forward pass); got {step!r}")
+    if isinstance(prompt, (str, bytes)):
+        raise TypeError(f"prompt must be token ids, not text ({type(prompt).__name__}): encode it first, e.g. "
+                        f"prefill_prompt(model, cache, tokenizer.encode(text))")
     if isinstance(prompt, mx.array):
         ids = prompt
     elif isinstance(prompt, np.ndarray):

@@ -18,7 +18,10 @@ are checked before mlx-lm sees them and refused in OpenAI's error shape (``{"err
 it; a request naming another gets 404 ``model_not_found``, or with ``--any-model`` the served model's answer, and
 never unloads it); a prompt beyond the model's context is refused (``context_length_exceeded``); ``--api-key`` asks
 every request but ``/health`` for ``Authorization: Bearer KEY``; SIGTERM lets the requests in flight finish.
-Identical requests get identical answers, also when the server reuses a stored prompt cache (``kvq.cache.reuse``).
+A request's answer does not change when the server reuses a stored prompt cache (``kvq.cache.reuse``), nor with
+how its prompt is chunked. It can change with the batch it runs in, as with mlx-lm's own caches but more: a batched
+matmul rounds a row slightly differently beside other rows, and a quantized cache amplifies that wherever a value
+rounds to the other code (docs/usage.md, "Batches and float rounding").
 """
 
 from __future__ import annotations

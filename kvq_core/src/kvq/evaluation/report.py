@@ -65,16 +65,19 @@ def markdown(document: dict) -> str:
         parts.append(markdown_table(run["rows"]) + "\n")
         for r in run["rows"]:
             if r.get("outlier_layers"):
-                parts.append(f"{r['method']}: layers {', '.join(map(str, r['outlier_layers']))} stored with affine:8 "
+                layers = "layer" if len(r["outlier_layers"]) == 1 else "layers"
+                parts.append(f"{r['method']}: {layers} {', '.join(map(str, r['outlier_layers']))} stored with affine:8 "
                              "(outlier layers, kvq.cache.guard); bits/coord averages every layer.\n")
             if r.get("layer_bits_each"):
                 parts.append(f"{r['method']}: bits/coord of keys / values per layer (a bits budget, kvq.cache.budget): "
                              f"{_per_layer(r['layer_bits_each'])}.\n")
             if r.get("centred_layers"):
-                parts.append(f"{r['method']}: keys of layers {', '.join(map(str, r['centred_layers']))} stored "
+                layers = "layer" if len(r["centred_layers"]) == 1 else "layers"
+                parts.append(f"{r['method']}: keys of {layers} {', '.join(map(str, r['centred_layers']))} stored "
                              "centred (kvq.cache.guard; the mean counted in bits/coord).\n")
             if r.get("scaled_layers"):
-                parts.append(f"{r['method']}: keys of layers {_ranges(r['scaled_layers'])} stored with channel scales "
+                layers = "layer" if len(r["scaled_layers"]) == 1 else "layers"
+                parts.append(f"{r['method']}: keys of {layers} {_ranges(r['scaled_layers'])} stored with channel scales "
                              "(kvq.cache.guard; the scales counted in bits/coord).\n")
     parts.append(NOTES)
     return "\n".join(parts)
