@@ -23,6 +23,8 @@
 #   prefill-chunk  kvq bench prefill of the after side with chunks of $PF_CHUNK (8192) tokens, fp16 alike
 #   steps    decode_step_kernels.py (GPU time of decode steps by kernel, 2 layers at $STEPS_CONTEXT) of each side of
 #            $STEPS_SIDES (before after)
+#   stimes   streams_kernel_times.py (the streams kernel and merge per call, fp16 SDPA beside) of each side of $ST_SIDES
+#            (before after), the after side with the knob variants $ST_VARIANTS (JSON)
 #   pack     every file under $OUT into one archive (put it last: the device tool returns a limited number of files)
 #   other    benchmarks/gpu_session.sh's step of that name, with the after revision on PYTHONPATH
 set -u
@@ -96,6 +98,14 @@ for r in json.load(open(sys.argv[1]))["results"]:
                 by.setdefault(name[:50], []).append(us)
     print(r["method"], {k: round(sorted(v)[len(v) // 2], 1) for k, v in by.items()})' "$OUT/step-kernels-$side-${STEPS_CONTEXT:-32768}.json" 2>&1 | cut -c1-400
            done;;
+    stimes) # #52: the streams kernel's whole call (kernel and merge; streams_kernel_times.py) of each side of
+            # $ST_SIDES (before after) at $ST_CONTEXTS, the after side also with the knob variants $ST_VARIANTS
+            for side in ${ST_SIDES:-before after}; do
+              variants=""; [ "$side" = after ] && [ -n "${ST_VARIANTS:-}" ] && variants="--variants $ST_VARIANTS"
+              PYTHONPATH=$S:/tmp/site-$side MLX_ENABLE_TF32=0 timeout ${ST_TIMEOUT:-200} python3 benchmarks/streams_kernel_times.py \
+                --out "$OUT/stimes-$side.json" --contexts ${ST_CONTEXTS:-32768,131072} $variants > "$OUT/stimes-$side.log" 2>&1
+              echo "== stimes-$side"; tail -n 25 "$OUT/stimes-$side.log" | cut -c1-220
+            done;;
     pack) # everything under $OUT in one archive: the device tool brings back only so many files a call, and a
           # step's results beyond that count were lost (2026-12-07)
           name="sitting-$(date +%H%M%S).tgz"
