@@ -4,7 +4,7 @@
     uv run python benchmarks/report.py --out F    # writes F instead (tests/test_results_doc.py compares the two)
 
 Each benchmark gets one table: its latest run. Runs are grouped by what they measured (the benchmark, the device,
-the model and, for decode, the batch); within a group a newer run replaces every older run whose caches it covers,
+the model and, for decode, the batch); within a group newer runs replace every older run whose caches and contexts they cover,
 so a new result file replaces its table instead of adding prose. Files of one run differ only in a ``-repN`` or
 ``-runN`` suffix and are shown side by side. Runs under a ``knob-sweeps`` folder (made with launch knobs other than
 the library's, ``benchmarks/knobs.py``) are left out. Reads JSON only: no model, no MLX.
@@ -49,8 +49,9 @@ def load(path: Path) -> dict | None:
         if kind == "batch":
             title += f", prompts of {s['prompt']:,} tokens"
         device = f"CPU ({env['device']})" if env["device_kind"] == "cpu" else env["device"]
+        contexts = s.get("contexts") or [s.get("context")]
         return dict(kind=kind, key=key, title=title, date=env["date"], command=env["command"], device=device,
-                    mlx=env["mlx"], methods=renamed(s["methods"]), docs=[doc], paths=[path])
+                    mlx=env["mlx"], methods=renamed(s["methods"]), contexts=set(contexts), docs=[doc], paths=[path])
     if "meta" in doc and str(doc["meta"].get("command", "")).startswith("kvq eval"):
         m, s = doc["meta"], doc["runs"][0]["settings"]
         methods = renamed(r["method"] for run in doc["runs"] for r in run["rows"])
@@ -105,11 +106,18 @@ def runs(results: Path = RESULTS) -> list[dict]:
     return sorted(merged.values(), key=lambda r: (r["date"], str(r["paths"][0])), reverse=True)
 
 
+def measured(run: dict) -> set[tuple]:
+    """A run's (cache, context) pairs (every context ``None`` where a benchmark's group key holds the context)."""
+    return {(m, c) for m in run["methods"] for c in run.get("contexts", {None})}
+
+
 def latest(all_runs: list[dict]) -> list[dict]:
-    """The runs no newer run of the same group covers (a newer run covers an older one holding no other cache)."""
+    """The runs that newer runs of the same group do not cover: a run is left out where the newer runs kept hold
+    every (cache, context) pair it measured (a 32K run leaves an older run's 128K rows shown)."""
     kept: list[dict] = []
     for run in all_runs:  # newest first
-        if not any(k["key"] == run["key"] and run["methods"] <= k["methods"] for k in kept):
+        newer = [measured(k) for k in kept if k["key"] == run["key"]]
+        if not newer or not measured(run) <= set().union(*newer):
             kept.append(run)
     return kept
 

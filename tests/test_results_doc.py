@@ -44,3 +44,26 @@ def test_every_table_names_the_reference_as_the_commands_now_do():
     assert name({"method": "turboquant:3"}, "bfloat16") == "turboquant:3"
     text = (ROOT / "docs" / "results.md").read_text()
     assert "| fp16 |" not in text and "x fp16" not in text  # ("fp16 SDPA": mx.fast attention on 16-bit data)
+
+
+def test_a_newer_run_hides_an_older_one_only_where_it_measured_the_same_caches_and_contexts():
+    """A 32K run of three caches does not hide an older run's 128K rows of them (it did until 2026-12-07); the
+    32K and 128K runs after it together do; a run of no caches (serve load) is hidden by a newer one of its group
+    only."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import report
+
+    def run(name, methods, contexts=None, key="e2e"):
+        out = {"name": name, "key": key, "methods": set(methods)}
+        if contexts is not None:
+            out["contexts"] = set(contexts)
+        return out
+
+    old = run("old", {"kvcache", "qjl"}, {32768, 131072})
+    short = run("32K", {"kvcache", "qjl"}, {32768})
+    long = run("128K", {"kvcache", "qjl", "turboquant_prod"}, {131072})
+    names = lambda runs: [r["name"] for r in report.latest(runs)]  # noqa: E731  (newest first, as runs() orders)
+    assert names([short, old]) == ["32K", "old"]
+    assert names([long, short, old]) == ["128K", "32K"]
+    assert names([run("serve new", set(), key="serve"), run("serve old", set(), key="serve"),
+                  run("other", set(), key="other")]) == ["serve new", "other"]

@@ -90,6 +90,10 @@ class StreamsKnobs:
     registers must allow (0: none). On the H200 these defaults take 0.84x, 1.02x and 0.80x the GPU time of the
     former default (two tiles, prefetch where it fits) at 32K for qjl+affine:4, turboquant_prod:4 and :3, and
     1.02x, 1.02x, 0.88x at 128K (benchmarks/results/streams/2026-12-02-h200-streams-tc-variants-kernel-times.json).
+    ``minb`` 3 (168 registers; nvcc 13 spills 8 bytes for qjl+affine:4 with the sinks and window, 32-84 for
+    turboquant_prod) took on one H100 (2026-12-07, ``benchmarks/streams_kernel_times.py``, calls evaluated together)
+    0.80x, 0.88x, 0.97x the GPU time of no bound at 32K for those three methods, 0.87x, 0.85x, 0.98x at 128K, with
+    the same outputs (``benchmarks/results/streams/2026-12-07-h100-streams-merge-minb-9a24ff5.json``).
     ``slack`` as :class:`AttendKnobs`' (the online softmax's running max moves past this many log2 units only; 0 by
     default for the same reason: the values' per-vector scales are folded into the probabilities here too).
     """
@@ -102,7 +106,7 @@ class StreamsKnobs:
     pf: bool | None = False
     qsh: bool = True
     rep: bool | None = None
-    minb: int = 0
+    minb: int = 3
     slack: int = 0
 
 

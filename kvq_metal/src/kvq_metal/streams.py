@@ -59,9 +59,6 @@ DECODE_ATTEND_STREAMS_TC = load(KERNELS / "decode_attend_streams_tc.cu",
 INPUTS = ("q", "kc", "ka_s1", "ka_s2", "ka_t", "kb_c", "kb_s1", "kb_s2", "kb_t", "o_i", "o_c", "o_s", "o_m",
           "vc", "va_s1", "va_s2", "va_b", "va_t", "vb_c", "vb_s1", "vb_s2", "vb_t", "qr", "wk", "wv", "sk", "sv")
 MERGE_INPUTS = ("part", "ml", "fin")
-#: Threads of one merge thread group (:func:`merge_partitions`), by back end: the merge's loads over the splits are
-#: spread over ``threads // DO`` partitions of ``DO`` threads.
-MERGE_THREADS = {"cuda": 1024, "metal": 512}
 #: The launch knobs this module plans with (:class:`kvq_metal.knobs.StreamsKnobs`, frozen; read at each plan, so a
 #: benchmark may swap the object: ``benchmarks/knobs.py``).
 TUNING = StreamsKnobs()
@@ -251,22 +248,13 @@ def _launch_plan(call: StreamCall, rows: int, dense: tuple, inputs: list, backen
     bound, full_template, kept = kern.bound(template, inputs, same)
     merge = DECODE_MERGE_STREAMS.kernel(backend, MERGE_INPUTS, ("out", "lse"))
     merge_template = [("DO", call.out_dim), ("DV", out_dim), ("R", rows), ("ND", nd), ("FIN", finish),
-                      ("MAX_SPLITS", MAX_SPLITS), ("P", merge_partitions(call.out_dim, backend))]
+                      ("MAX_SPLITS", MAX_SPLITS)]
     pad = _constant((0.0,), mx.float32)
     merge_call, merge_full, _ = merge.bound(merge_template, [pad, pad, pad])
     if len(_PLANS) > 512:
         _PLANS.clear()
     plan = _PLANS[key] = _Plan(tc is not None, tile, bound, full_template, kept, merge_call, merge_full)
     return plan
-
-
-def merge_partitions(out_dim: int, backend: str) -> int:
-    """Partitions ``P`` of the merge's thread groups (``decode_merge_streams.kvq``): ``P * out_dim`` threads, at most
-    :data:`MERGE_THREADS` of the back end, at least one partition. A thread sums every ``P``-th split, so each issues
-    ``P`` times fewer dependent loads; with one partition (until 2026-12-07) the merge took 19-23 us a layer at 32K
-    tokens on an H100 for a few megabytes read (``benchmarks/results/streams/2026-12-07-h100-step-kernels-32k-
-    d05440f.json``): 32 thread groups, each thread looping over 128 splits."""
-    return max(1, MERGE_THREADS.get(backend, 512) // out_dim)
 
 
 def _launches(call: StreamCall, rows: int, batch: int, num_tokens: int, dense: tuple, inputs: list, backend: str,
@@ -278,10 +266,9 @@ def _launches(call: StreamCall, rows: int, batch: int, num_tokens: int, dense: t
     H = call.keys[0].codes.shape[1]
     blocks = splits_for(batch * H, num_tokens, backend, plan.tile, TUNING.groups) + dense[0]
     DO = call.out_dim
-    threads = DO * merge_partitions(DO, backend)
     main = KernelCall(plan.call, plan.template, (THREADS * batch * H, blocks, 1), (THREADS, 1, 1),
                       [(batch, H, blocks, rows, DO), (batch, H, blocks, rows, 2)], [mx.float32, mx.float32])
-    merge = KernelCall(plan.merge, plan.merge_template, (threads * batch * H * rows, 1, 1), (threads, 1, 1),
+    merge = KernelCall(plan.merge, plan.merge_template, (DO * batch * H * rows, 1, 1), (DO, 1, 1),
                        [(batch, H, rows, out_dim), (batch, H, rows)], [out_dtype, mx.float32])
     return plan, main, merge
 
