@@ -81,9 +81,9 @@ for step in "$@"; do
                --name "prefill-chunk${PF_CHUNK:-8192}" --no-progress > "$OUT/prefill-chunk.log" 2>&1
              grep "^| [a-z]" "$OUT/prefill/prefill-chunk${PF_CHUNK:-8192}.md" | cut -c1-160;;
     steps) # #52: GPU time of whole decode steps by kernel (decode_step_kernels.py, 2 layers at $STEPS_CONTEXT, default
-           # 32K) for each side of $STEPS_SIDES (before after): the streams merge's microseconds before and after
+           # 32K) for each side of $STEPS_SIDES (before after); under Nsight Compute, three methods take 3-5 minutes a side
            for side in ${STEPS_SIDES:-before after}; do
-             PYTHONPATH=$S:/tmp/site-$side timeout ${STEPS_TIMEOUT:-200} python3 benchmarks/investigations/decode_step_kernels.py \
+             PYTHONPATH=$S:/tmp/site-$side timeout ${STEPS_TIMEOUT:-400} python3 benchmarks/investigations/decode_step_kernels.py \
                --out "$OUT/step-kernels-$side-${STEPS_CONTEXT:-32768}.json" --context ${STEPS_CONTEXT:-32768} --layers 2 \
                --steps 36 --warmup 34 --methods ${STEPS_METHODS:-kvcache,qjl+affine:4,turboquant_prod:4} \
                --batch ${STEPS_BATCH:-1} > "$OUT/step-kernels-$side.log" 2>&1
