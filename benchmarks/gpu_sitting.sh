@@ -87,7 +87,7 @@ for step in "$@"; do
                --out "$OUT/step-kernels-$side-${STEPS_CONTEXT:-32768}.json" --context ${STEPS_CONTEXT:-32768} --layers 2 \
                --steps 36 --warmup 34 --methods ${STEPS_METHODS:-kvcache,qjl+affine:4,turboquant_prod:4} \
                --batch ${STEPS_BATCH:-1} > "$OUT/step-kernels-$side.log" 2>&1
-             echo "== steps-$side"; grep "normal step us" "$OUT/step-kernels-$side.log" | cut -c1-200 || tail -c 1500 "$OUT/step-kernels-$side.log"
+             echo "== steps-$side"; { grep "normal step us" "$OUT/step-kernels-$side.log" || tail -c 1500 "$OUT/step-kernels-$side.log"; } | cut -c1-200
              python3 -c 'import json, sys
 for r in json.load(open(sys.argv[1]))["results"]:
     normal = [s for s in r["steps"] if not s["flushed"]]

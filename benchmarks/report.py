@@ -48,6 +48,8 @@ def load(path: Path) -> dict | None:
             title += f", chunks of {chunk:,} tokens"
         if kind == "batch":
             title += f", prompts of {s['prompt']:,} tokens"
+        if kind == "capacity" and s.get("context"):
+            title += f", sequences of {s['context']:,} tokens"
         device = f"CPU ({env['device']})" if env["device_kind"] == "cpu" else env["device"]
         contexts = s.get("contexts") or [s.get("context")]
         return dict(kind=kind, key=key, title=title, date=env["date"], command=env["command"], device=device,
@@ -100,6 +102,9 @@ def runs(results: Path = RESULTS) -> list[dict]:
         if stem in merged:
             merged[stem]["docs"] += run["docs"]
             merged[stem]["paths"] += run["paths"]
+            merged[stem]["methods"] |= run["methods"]
+            if "contexts" in run:
+                merged[stem]["contexts"] = merged[stem].get("contexts", set()) | run["contexts"]
             merged[stem]["date"] = max(merged[stem]["date"], run["date"])
         else:
             merged[stem] = run
@@ -113,7 +118,8 @@ def measured(run: dict) -> set[tuple]:
 
 def latest(all_runs: list[dict]) -> list[dict]:
     """The runs that newer runs of the same group do not cover: a run is left out where the newer runs kept hold
-    every (cache, context) pair it measured (a 32K run leaves an older run's 128K rows shown)."""
+    every (cache, context) pair it measured; otherwise it is shown whole (a 32K run leaves an older run of 32K and
+    128K shown, its 32K rows included)."""
     kept: list[dict] = []
     for run in all_runs:  # newest first
         newer = [measured(k) for k in kept if k["key"] == run["key"]]

@@ -255,6 +255,13 @@ def test_a_missing_path_is_named_as_missing(name, cache):
         models.resolve_model(name)
 
 
+def test_a_missing_path_object_and_random_names_keep_their_messages(cache):
+    with pytest.raises(ModelError, match="model 'nothere': no such file or folder"):
+        models.resolve_model(Path("nothere"))  # a Path is a path, whatever its text
+    with pytest.raises(ModelError, match="unknown model 'random:foo/bar'.*kvq bench and kvq fit take them"):
+        models.resolve_model("random:foo/bar")
+
+
 def test_a_random_shape_outside_bench_says_where_it_runs(cache):
     """``random:llama3-1b`` given to a command that reads text (generate, eval) names the commands that take it."""
     with pytest.raises(ModelError, match=r"unknown model 'random:llama3-1b'.*kvq bench and kvq fit take them"):

@@ -87,13 +87,17 @@ class StreamsKnobs:
     tokens per warp step, ``pf`` the next step's loads before this step's math (``None``: where one key and one
     value stream leave the registers for it), ``qsh`` query fragments from shared memory, ``rep`` ``False`` for
     single code tables (``None``: per-lane copies while shared memory allows), ``minb`` the blocks per SM its
-    registers must allow (0: none). On the H200 these defaults take 0.84x, 1.02x and 0.80x the GPU time of the
+    registers must allow (0: none; at head_dim up to :data:`kvq_metal.streams_plan.MINB_HEAD_DIM` only). On the
+    H200 the defaults of ``nt``, ``pf``, ``qsh`` and ``rep`` take 0.84x, 1.02x and 0.80x the GPU time of the
     former default (two tiles, prefetch where it fits) at 32K for qjl+affine:4, turboquant_prod:4 and :3, and
     1.02x, 1.02x, 0.88x at 128K (benchmarks/results/streams/2026-12-02-h200-streams-tc-variants-kernel-times.json).
     ``minb`` 3 (168 registers; nvcc 13 spills 8 bytes for qjl+affine:4 with the sinks and window, 32-84 for
-    turboquant_prod) took on one H100 (2026-12-07, ``benchmarks/streams_kernel_times.py``, calls evaluated together)
-    0.80x, 0.88x, 0.97x the GPU time of no bound at 32K for those three methods, 0.87x, 0.85x, 0.98x at 128K, with
-    the same outputs (``benchmarks/results/streams/2026-12-07-h100-streams-merge-minb-9a24ff5.json``).
+    turboquant_prod) took on one H100 (2026-12-07, ``benchmarks/streams_kernel_times.py``: the wall time of 40
+    calls evaluated together, per call; one sequence, head_dim 128, 4 query rows, the sinks and window in the
+    launch) 0.80x, 0.88x, 0.97x the time of no bound at 32K for those three methods and 0.87x, 0.85x, 0.98x at
+    128K, with the same outputs (``benchmarks/results/streams/2026-12-07-h100-streams-merge-minb-9a24ff5.json``;
+    measured beside a merge since reverted, which changed nothing in the call). Other batches and row counts
+    are not measured.
     ``slack`` as :class:`AttendKnobs`' (the online softmax's running max moves past this many log2 units only; 0 by
     default for the same reason: the values' per-vector scales are folded into the probabilities here too).
     """

@@ -83,6 +83,11 @@ def plan(signature: tuple) -> tuple[list | None, str]:
 TC_SHARED_WORDS = 12288 - 256
 
 
+#: Widest head_dim the knob ``minb`` (:class:`kvq_metal.knobs.StreamsKnobs`) bounds the tensor-core kernel at: the
+#: bound was measured at 128 (``benchmarks/results/streams/README.md``, 2026-12-07).
+MINB_HEAD_DIM = 128
+
+
 @lru_cache(maxsize=1024)
 def tc_plan(signature: tuple, ddt: int, nt: int, pf: bool | None = None, qsh: bool = False,
              rep: bool | None = None, minb: int = 0,
@@ -106,7 +111,8 @@ def tc_plan(signature: tuple, ddt: int, nt: int, pf: bool | None = None, qsh: bo
     (one 64-bit load per k-step) instead of held in registers: about 32 registers fewer per thread, which bound the
     kernel's occupancy (compiled with nvcc, not yet run on a GPU: off by default). ``minb`` > 0: the kernel is
     built with ``__launch_bounds__(THREADS, minb)`` (:func:`kvq_metal.dialect.launch_bounds`), so the compiler keeps
-    its registers within what ``minb`` blocks per SM allow (registers only: the same arithmetic). ``slack``: the
+    its registers within what ``minb`` blocks per SM allow (registers only: the same arithmetic), at head_dim up to
+    :data:`MINB_HEAD_DIM` (the bound measured; wider heads would spill more) and unbounded above it. ``slack``: the
     online softmax's running max moves past that many log2 units only (:func:`kvq_metal.attend_tc.slack`, which
     raises ``ValueError`` for a value outside 0..8; the default is :class:`kvq_metal.knobs.StreamsKnobs`')."""
     rows, dq, keys, values, outliers, (nd, sinks, head_dim, qscale), _, _ = signature
@@ -159,7 +165,7 @@ def tc_plan(signature: tuple, ddt: int, nt: int, pf: bool | None = None, qsh: bo
     va_grouped = va[8] < va[0] or va[9]
     # the next step's loads issued before this step's math where registers allow: one key and one value stream
     pf = (kb is None and vb is None) if pf is None else bool(pf)
-    t = [("R", rows), ("DQ", dq), ("THREADS", THREADS), ("NT", nt), ("PF", pf), ("QSH", qsh), ("MINB", int(minb)),
+    t = [("R", rows), ("DQ", dq), ("THREADS", THREADS), ("NT", nt), ("PF", pf), ("QSH", qsh), ("MINB", int(minb) if head_dim <= MINB_HEAD_DIM else 0),
          ("SLACK", attend_tc.slack(slack)),
          ("D", max(head_dim, 16)),
          ("DDT", ddt),

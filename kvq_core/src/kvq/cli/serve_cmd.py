@@ -18,10 +18,10 @@ are checked before mlx-lm sees them and refused in OpenAI's error shape (``{"err
 it; a request naming another gets 404 ``model_not_found``, or with ``--any-model`` the served model's answer, and
 never unloads it); a prompt beyond the model's context is refused (``context_length_exceeded``); ``--api-key`` asks
 every request but ``/health`` for ``Authorization: Bearer KEY``; SIGTERM lets the requests in flight finish.
-A request's answer does not change when the server reuses a stored prompt cache (``kvq.cache.reuse``), nor with
-how its prompt is chunked. It can change with the batch it runs in, as with mlx-lm's own caches but more: a batched
-matmul rounds a row slightly differently beside other rows, and a quantized cache amplifies that wherever a value
-rounds to the other code (docs/usage.md, "Batches and float rounding").
+A request served from a stored prompt cache (``kvq.cache.reuse``), or with its prompt chunked otherwise, gets the
+cache a fresh run would build, up to float rounding. That rounding can differ with the batch a request runs in, as
+with mlx-lm's own caches, and a quantized cache amplifies it wherever a value rounds to the other code, so logits
+move slightly (docs/usage.md, "Batches, chunks and float rounding").
 """
 
 from __future__ import annotations
@@ -157,10 +157,11 @@ def provider_class(options: dict):
                 from ..cache.schedule import first_flush, most_held
 
                 config = first.config
+                flush = config.flush_tokens  # --flush made a multiple of the methods' blocks (QJL's groups)
                 logging.info(f"kvq serve: each sequence's first {config.sinks} tokens (sinks) and up to its newest "
-                             f"{most_held(config.window, config.flush)} (the window, flushed {config.flush} at a "
+                             f"{most_held(config.window, flush)} (the window, flushed {flush} at a "
                              f"time) stay in 16 bits: a conversation compresses from "
-                             f"{first_flush(config.sinks, config.window, config.flush)} tokens on (--sinks, "
+                             f"{first_flush(config.sinks, config.window, flush)} tokens on (--sinks, "
                              f"--window, --flush)")
 
     return KVQModelProvider

@@ -219,7 +219,9 @@ def resolve_model(name_or_path: str | os.PathLike | None = None, progress: bool 
             and not name_or_path.startswith((".", "~"))):  # ./name and ../name are paths, never Hub ids
         return _hub_folder(name_or_path)
     text = str(name_or_path)
-    if text.startswith(("/", ".", "~")) or text.lower().endswith(".gguf") or os.sep in text and not HUB_ID.match(text):
+    path_like = not isinstance(name_or_path, str) or text.startswith(("/", ".", "~")) or text.lower().endswith(".gguf") \
+        or ("/" in text or os.sep in text) and not HUB_ID.match(text)
+    if path_like and not text.startswith("random:"):
         raise ModelError(f"model {text!r}: no such file or folder ({path}); give an mlx-lm model folder, a .gguf "
                          f"file, one of {', '.join(PYPI_MODELS)} or a Hub id 'org/name'")
     hint = ("; random-weight shapes ('random:...') have no tokenizer: kvq bench and kvq fit take them, other commands"
