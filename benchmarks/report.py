@@ -4,8 +4,8 @@
     uv run python benchmarks/report.py --out F    # writes F instead (tests/test_results_doc.py compares the two)
 
 Each benchmark gets one table: its latest run. Runs are grouped by what they measured (the benchmark, the device,
-the model and, for decode, the batch); within a group newer runs replace every older run whose caches and contexts they cover,
-so a new result file replaces its table instead of adding prose. Files of one run differ only in a ``-repN`` or
+the model and, for decode, the batch); within a group newer runs replace every older run whose caches and contexts
+they cover, so a new result file replaces its table instead of adding prose. Files of one run differ only in a ``-repN`` or
 ``-runN`` suffix and are shown side by side. Runs under a ``knob-sweeps`` folder (made with launch knobs other than
 the library's, ``benchmarks/knobs.py``) are left out. Reads JSON only: no model, no MLX.
 """

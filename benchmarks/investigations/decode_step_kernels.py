@@ -2,9 +2,9 @@
 what a window-flush step adds.
 
 Builds a random-weight model (``--model random:PRESET``, ``--layers`` kept), fills each method's caches to
-``--context`` tokens with random keys and values (``--batch`` sequences), runs ``--steps`` greedy decode steps one at a time, and between
-steps launches a one-thread marker kernel (``kvq_step_marker``) so that ncu's launch list splits into steps. Run
-under ncu (``--ncu``): the script re-runs itself there, then groups the launches per method and step and writes
+``--context`` tokens with random keys and values (``--batch`` sequences), runs ``--steps`` greedy decode steps one
+at a time, and between steps launches a one-thread marker kernel (``kvq_step_marker``) so that ncu's launch list
+splits into steps. Run under ncu (``--ncu``): the script re-runs itself there, then groups the launches per method and step and writes
 ``--out`` (JSON): per step, whether the window flushed (compressed tokens grew), the summed GPU time and each
 kernel's name and microseconds.
 

@@ -165,7 +165,8 @@ def tc_plan(signature: tuple, ddt: int, nt: int, pf: bool | None = None, qsh: bo
     va_grouped = va[8] < va[0] or va[9]
     # the next step's loads issued before this step's math where registers allow: one key and one value stream
     pf = (kb is None and vb is None) if pf is None else bool(pf)
-    t = [("R", rows), ("DQ", dq), ("THREADS", THREADS), ("NT", nt), ("PF", pf), ("QSH", qsh), ("MINB", int(minb) if head_dim <= MINB_HEAD_DIM else 0),
+    minb = int(minb) if head_dim <= MINB_HEAD_DIM else 0
+    t = [("R", rows), ("DQ", dq), ("THREADS", THREADS), ("NT", nt), ("PF", pf), ("QSH", qsh), ("MINB", minb),
          ("SLACK", attend_tc.slack(slack)),
          ("D", max(head_dim, 16)),
          ("DDT", ddt),

@@ -396,7 +396,8 @@ def summary_rows(model, run: Run, reference: Run | None) -> tuple[list[list[str]
     notes = [note] if note else []
     if nothing:
         notes.append(f"NOTE: nothing was compressed: all {run.cached_tokens} tokens fit in the uncompressed sinks "
-                     f"({sinks}) and window ({window}, growing to {most_held(window, flush)} before a flush of {flush}); "
+                     f"({sinks}) and window ({window}, growing to {most_held(window, flush)} before a flush of "
+                     f"{flush}); "
                      "the bytes differ only by allocation and storage. Use a longer prompt, or --sinks 0 --window 0 "
                      "--flush 1.")
     notes.append("measured: growth of mx.get_active_memory from the empty cache to the filled one (it also counts "

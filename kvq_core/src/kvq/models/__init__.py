@@ -218,15 +218,15 @@ def resolve_model(name_or_path: str | os.PathLike | None = None, progress: bool 
     if (isinstance(name_or_path, str) and HUB_ID.match(name_or_path) and not name_or_path.lower().endswith(".gguf")
             and not name_or_path.startswith((".", "~"))):  # ./name and ../name are paths, never Hub ids
         return _hub_folder(name_or_path)
-    text = str(name_or_path)
-    path_like = not isinstance(name_or_path, str) or text.startswith(("/", ".", "~")) or text.lower().endswith(".gguf") \
-        or ("/" in text or os.sep in text) and not HUB_ID.match(text)
+    text = str(name_or_path)  # a Hub id never gets here: it returned above, unless it is a path (./, ~, .gguf)
+    path_like = (not isinstance(name_or_path, str) or "/" in text or os.sep in text
+                 or text.startswith((".", "~")) or text.lower().endswith(".gguf"))
     if path_like and not text.startswith("random:"):
         raise ModelError(f"model {text!r}: no such file or folder ({path}); give an mlx-lm model folder, a .gguf "
                          f"file, one of {', '.join(PYPI_MODELS)} or a Hub id 'org/name'")
     hint = ("; random-weight shapes ('random:...') have no tokenizer: kvq bench and kvq fit take them, other commands"
             " need a real model" if text.startswith("random:") else "")
-    raise ModelError(f"unknown model {str(name_or_path)!r}: not one of {', '.join(PYPI_MODELS)}, an existing "
+    raise ModelError(f"unknown model {text!r}: not one of {', '.join(PYPI_MODELS)}, an existing "
                      f"mlx-lm folder or .gguf file, or a Hub id 'org/name'{hint}")
 
 
