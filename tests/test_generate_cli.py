@@ -211,6 +211,16 @@ def test_generate_counts_the_tokens_a_flush_waits_for(tiny_gguf, cache, capsys):
     assert "NOTE: nothing was compressed" in capsys.readouterr().out
 
 
+def test_the_note_names_the_flush_the_cache_runs(tiny_gguf, cache, capsys):
+    """QJL compresses keys in groups of 32 tokens, so ``--flush 16`` flushes 32 (``CacheConfig.flush_tokens``): the
+    NOTE must name the 32 the cache runs and the window's most tokens (16 + 32 - 1), not the option's 16."""
+    argv = ["generate", "--model", str(tiny_gguf), "--method", "qjl+turboquant:4", "--window", "16", "--flush", "16",
+            "--prompt", "the the", "--max-tokens", "3", "--compare", "fp16"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "window (16, growing to 47 before a flush of 32)" in out
+
+
 def test_teacher_forcing_replays_the_reference_and_leaves_the_cache_alone(tmp_path, cache):
     from kvq.cli.generate_cmd import REFERENCE, run_cache
 

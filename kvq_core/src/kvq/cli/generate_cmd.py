@@ -65,6 +65,9 @@ class Run:
     comparison: quality.Comparison | None = None
     #: tokens compressed in the layer that holds the most (``None``: not kvq caches)
     compressed_tokens: int | None = None
+    #: the kvq caches' (sinks, window, flush_tokens) as configured (``None``: not kvq caches); flush_tokens is
+    #: ``--flush`` made a multiple of the methods' blocks (QJL's 32-token groups)
+    schedule: tuple[int, int, int] | None = None
 
 
 def cache_options(args: argparse.Namespace) -> dict:
@@ -300,7 +303,7 @@ def run_cache(model, tokenizer, ids: list[int], options: dict, max_tokens: int, 
     measured = quality.settle() - before
     return Run(label, options, tokens, "".join(pieces), len(ids), len(ids) / (prefill_seconds + first_token_seconds),
                generation_tps, cache[0].size(), quality.cache_nbytes(cache), measured, logprobs, comparison,
-               _most_compressed(cache))
+               _most_compressed(cache), _schedule(cache))
 
 
 def _make_cache(model, options: dict) -> tuple[list, str]:
@@ -353,6 +356,12 @@ def _most_compressed(cache: list) -> int | None:
     return max(counts) if counts else None
 
 
+def _schedule(cache: list) -> tuple[int, int, int] | None:
+    """The first kvq cache's ``(sinks, window, flush_tokens)``; ``None`` without kvq caches."""
+    config = next((c.config for c in cache if hasattr(c, "config")), None)
+    return None if config is None else (config.sinks, config.window, config.flush_tokens)
+
+
 def megabytes(n: int) -> str:
     """``"12.35 MB"`` (10^6 bytes)."""
     return f"{n / 1e6:.2f} MB"
@@ -368,7 +377,8 @@ def summary_rows(model, run: Run, reference: Run | None) -> tuple[list[list[str]
     kb, vb = bits_per_coordinate(run.options, model)
     width = model_dtype(model).size * 8
     dash = "-"
-    sinks, window, flush = (run.options.get(k, d) for k, d in (("sinks", 4), ("window", 128), ("flush", DEFAULT_FLUSH)))
+    sinks, window, flush = run.schedule or tuple(
+        run.options.get(k, d) for k, d in (("sinks", 4), ("window", 128), ("flush", DEFAULT_FLUSH)))
     held = first_flush(sinks, window, flush) - 1  # the most tokens held before the first flush
     nothing = run.compressed_tokens == 0 if run.compressed_tokens is not None else run.cached_tokens <= held
     nothing = nothing and run.options.get("method") != "fp16"
