@@ -22,7 +22,8 @@
 #            benchmarks/investigations/prefill_host_profile.py's split of the host's time (8 layers, 8K)
 #   prefill-chunk  kvq bench prefill of the after side with chunks of $PF_CHUNK (8192) tokens, fp16 alike
 #   steps    decode_step_kernels.py (GPU time of decode steps by kernel, 2 layers at $STEPS_CONTEXT) of each side of
-#            $STEPS_SIDES (before after)
+#            $STEPS_SIDES (before after), $STEPS_BATCH sequences; $STEPS_N timed steps after $STEPS_WARMUP (36, 34:
+#            with $STEPS_FLUSH 32 one flush among them; every launch is profiled, so fewer steps finish sooner)
 #   stimes   streams_kernel_times.py (the streams kernel and merge per call, fp16 SDPA beside) of each side of $ST_SIDES
 #            (before after), the after side with the knob variants $ST_VARIANTS (JSON)
 #   pack     every file under $OUT into one archive (put it last: the device tool returns a limited number of files)
@@ -85,7 +86,7 @@ for step in "$@"; do
            for side in ${STEPS_SIDES:-before after}; do
              PYTHONPATH=$S:/tmp/site-$side timeout ${STEPS_TIMEOUT:-400} python3 benchmarks/investigations/decode_step_kernels.py \
                --out "$OUT/step-kernels-$side-${STEPS_CONTEXT:-32768}.json" --context ${STEPS_CONTEXT:-32768} --layers 2 \
-               --steps 36 --warmup 34 --methods ${STEPS_METHODS:-kvcache,qjl+affine:4,turboquant_prod:4} \
+               --steps ${STEPS_N:-36} --warmup ${STEPS_WARMUP:-34} --flush ${STEPS_FLUSH:-32} --methods ${STEPS_METHODS:-kvcache,qjl+affine:4,turboquant_prod:4} \
                --batch ${STEPS_BATCH:-1} > "$OUT/step-kernels-$side.log" 2>&1
              echo "== steps-$side"; { grep "normal step us" "$OUT/step-kernels-$side.log" || tail -c 1500 "$OUT/step-kernels-$side.log"; } | cut -c1-200
              python3 -c 'import json, sys
