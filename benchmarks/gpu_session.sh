@@ -5,7 +5,7 @@
 #        e2e (kvq bench e2e on a random-weight Llama-3-8B shape), dist (2 GPUs: NCCL tests + 64K decode benchmark),
 #        durations (GPU time per decode-attention call, read by Nsight Compute), durations-loop (the same with the
 #        decode loop's knobs flat32 and slack on and off, one sequence at 128K and 122 x 32K), profile (ncu --set full at 128K),
-#        batch (kvq bench batch: BatchGenerator, 1 and 8 sequences of 2K prompts, 1 warm-up then $BATCH_REPS (3)
+#        batch (kvq bench batch: BatchGenerator, $BATCHES (1,8) sequences of $BATCH_PROMPT (2048) tokens, 1 warm-up then $BATCH_REPS (3)
 #        timed repetitions, their median and min-max reported), e2e-batch (kvq bench e2e --batch:
 #        8 sequences at 8K, 32 at 4K), hostsplit (building vs mx.async_eval of a decode step at 4K),
 #        growth (decode peak above the caches at 48 x 32K, turboquant:3, the stores grown at the flush and ahead of
@@ -87,8 +87,8 @@ for name, fn in [("quantize", lambda: k.kvq_quantize(x, p).data["codes"]),
              grep -E "Duration|Registers Per|Achieved Occ|DRAM Through|Issue Slots" "$OUT/attend_details.txt";;
     batch) mkdir -p "$OUT/batch"
            timeout ${BATCH_TIMEOUT:-500} python3 -m kvq.cli bench batch --model random:llama3-8b --dtype bfloat16 \
-             --methods fp16,turboquant:3,turboquant:4,affine:4 --batches ${BATCHES:-1,8} --prompt 2048 --tokens 64 \
-             --warmup 1 --reps ${BATCH_REPS:-3} --no-progress --out "$OUT/batch" --name "$(date +%F)-${DEV}-batch" \
+             --methods fp16,turboquant:3,turboquant:4,affine:4 --batches ${BATCHES:-1,8} --prompt ${BATCH_PROMPT:-2048} --tokens 64 \
+             --warmup 1 --reps ${BATCH_REPS:-3} --no-progress --out "$OUT/batch" --name "$(date +%F)-${DEV}-batch${BATCH_NAME:-}" \
              > "$OUT/batch.log" 2>&1
            grep -E "^(###|\| (kvcache|fp16|turbo|affine))" "$OUT/batch.log" || tail -c 2000 "$OUT/batch.log";;
     e2e-batch) mkdir -p "$OUT/e2e"
