@@ -1,0 +1,56 @@
+"""Does building ``mx.fast.rope`` wait for the device (issue #52: a batched decode step's build waited ~18 ms in
+mlx-lm's Llama-3 RoPE)? With a long chain of matmuls in flight, the host seconds to build (not evaluate) one rope
+call, for batches 1 and 32, an int or array offset, with and without ``freqs``; and, for comparison, other ops.
+
+    python benchmarks/investigations/rope_wait.py
+"""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+
+
+def in_flight():
+    a = mx.random.normal((8192, 8192)).astype(mx.bfloat16)
+    mx.eval(a)
+    x = a
+    for _ in range(int(__import__("os").environ.get("CHAIN", 40))):
+        x = x @ a  # ~40 x 1.1 TFLOP: tens of ms on an H100
+    mx.async_eval(x)
+    return x
+
+
+def timed(label, fn, dependent: bool):
+    x = in_flight()
+    if dependent:  # the op's input depends on the work in flight (as a step's input does)
+        dep = x[:1, :1].astype(mx.float32)
+    tic = time.perf_counter()
+    y = fn(dep if dependent else None)
+    built = time.perf_counter() - tic
+    mx.eval(y, x)
+    print(f"{label:60s} dependent={dependent!s:5s} build ms {built * 1e3:8.3f}", flush=True)
+
+
+def main():
+    freqs = mx.ones((64,), mx.float32)
+    mx.eval(freqs)
+    for B in (1, 32):
+        q = mx.random.normal((B, 32, 1, 128)).astype(mx.bfloat16)
+        mx.eval(q)
+        for dependent in (False, True):
+            def inp(d, q=q):
+                return q if d is None else q + d.astype(q.dtype)
+            timed(f"rope B={B} offset int, freqs", lambda d: mx.fast.rope(inp(d), 128, traditional=False, base=None,
+                                                                          scale=1.0, offset=32768, freqs=freqs), dependent)
+            timed(f"rope B={B} offset int, base", lambda d: mx.fast.rope(inp(d), 128, traditional=False, base=5e5,
+                                                                         scale=1.0, offset=32768), dependent)
+            timed(f"rope B={B} offset array, freqs", lambda d: mx.fast.rope(inp(d), 128, traditional=False, base=None,
+                                                                            scale=1.0, offset=mx.array(32768), freqs=freqs), dependent)
+            timed(f"multiply B={B}", lambda d: inp(d) * 2, dependent)
+            timed(f"mx.array(int)", lambda d: mx.array(32768), dependent)
+
+
+if __name__ == "__main__":
+    main()
