@@ -4,6 +4,17 @@
 build's own time, and the device's time alone).
 
     python benchmarks/investigations/batch_host_probe.py --methods turboquant:3 --batches 1,32 --context 32768
+        [--clear-cache] [--cache-limit-gb 4]
+
+Measured on one H100 (MLX 0.32.4, 2026-12-07; turboquant:3, 32K tokens; the results README in
+benchmarks/results/host/ has the table): at one sequence the pipelined build takes 1.8 ms and the step 5.3 ms (the
+host sets the pace); at 32 sequences the build takes 20 ms against 2.8 ms with nothing in flight: it waits for
+the device's previous step, so host and device work in turn (step 27.6 ms, about 20 ms of kernels). The wait shows
+in whichever call meets it (mlx-lm's RoPE under cProfile, mx.async_eval when timed call by call, the queue with one
+CUDA graph a step), and it stays with CUDA graphs off and with no megabyte limit per graph: a lock or a
+synchronising call inside MLX, not a call of kvq's. --clear-cache and --cache-limit-gb test the next lead: MLX's
+allocator frees cached buffers under memory pressure, holding its lock (cudaFree of managed memory waits for the
+device).
 """
 
 from __future__ import annotations
@@ -78,6 +89,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--clear-cache", action="store_true",
+                    help="mx.clear_cache() after the fill (MLX's buffer cache then holds none of the fill's temporaries)")
+    ap.add_argument("--cache-limit-gb", type=float, default=None, help="mx.set_cache_limit for the decode steps")
     args = ap.parse_args()
     config = random_model.random_config(args.model, args.layers)
     model = random_model.build_random_model(config, mx.bfloat16)
@@ -90,7 +104,14 @@ def main() -> None:
             source = RandomKV(config["num_key_value_heads"], config["hidden_size"] // config["num_attention_heads"],
                               mx.bfloat16, batch=batch)
             fill(caches, source, args.context, 4096)
-            row = {"method": spec.label, "batch": batch, **probe(model, caches, batch, args.steps)}
+            if args.clear_cache:
+                mx.clear_cache()
+            if args.cache_limit_gb is not None:
+                mx.set_cache_limit(int(args.cache_limit_gb * 1e9))
+            memory = {"active_gb": round(mx.get_active_memory() / 1e9, 2), "cache_gb": round(mx.get_cache_memory() / 1e9, 2)}
+            row = {"method": spec.label, "batch": batch, "after_fill": memory, **probe(model, caches, batch, args.steps),
+                   "after_steps": {"active_gb": round(mx.get_active_memory() / 1e9, 2),
+                                   "cache_gb": round(mx.get_cache_memory() / 1e9, 2)}}
             print(json.dumps(row), flush=True)
             rows.append(row)
             del caches
