@@ -1,6 +1,11 @@
 """Does building ``mx.fast.rope`` wait for the device (issue #52: a batched decode step's build waited ~18 ms in
 mlx-lm's Llama-3 RoPE)? With a long chain of matmuls in flight, the host seconds to build (not evaluate) one rope
-call, for batches 1 and 32, an int or array offset, with and without ``freqs``; and, for comparison, other ops.
+call, for batches 1 and 32, an int or array offset, with and without ``freqs``; and, for comparison, other ops;
+then the same with a chain that also reads scalars made from host data (MLX keeps those in a small pool of
+managed memory, which a host write may have to migrate while the device reads it: the lead in
+benchmarks/results/host/README.md, 2026-12-07).
+
+Measured on one H100 (2026-12-07), the first half only: no build waited (0.01-0.04 ms).
 
     python benchmarks/investigations/rope_wait.py
 """
@@ -12,12 +17,17 @@ import time
 import mlx.core as mx
 
 
+SCALARS = [False]
+
+
 def in_flight():
     a = mx.random.normal((8192, 8192)).astype(mx.bfloat16)
     mx.eval(a)
     x = a
-    for _ in range(int(__import__("os").environ.get("CHAIN", 40))):
+    for i in range(int(__import__("os").environ.get("CHAIN", 40))):
         x = x @ a  # ~40 x 1.1 TFLOP: tens of ms on an H100
+        if SCALARS[0]:  # the chain also reads scalars made from host data (MLX's small pool of managed memory), as
+            x = x * (1.0 + i * 1e-6)  # a decode step does (RoPE's offset, Python floats in ops)
     mx.async_eval(x)
     return x
 
@@ -36,6 +46,13 @@ def timed(label, fn, dependent: bool):
 def main():
     freqs = mx.ones((64,), mx.float32)
     mx.eval(freqs)
+    for scalars in (False, True):
+        SCALARS[0] = scalars
+        print(f"-- in-flight chain reads host-made scalars: {scalars}")
+        cases(freqs)
+
+
+def cases(freqs):
     for B in (1, 32):
         q = mx.random.normal((B, 32, 1, 128)).astype(mx.bfloat16)
         mx.eval(q)
