@@ -28,6 +28,8 @@
 #            (before after), the after side with the knob variants $ST_VARIANTS (JSON)
 #   rounds   kvq bench e2e, single sequence, $R_METHODS at $R_CONTEXTS, $R_ROUNDS (5) interleaved rounds of $R_STEPS
 #            (128) steps, fp16 in the same run; $R_NAME in the file names
+#   hostwait decode_host_split.py at 32K for $HW_METHODS (turboquant:3): batches 1-4 and 32, then 32 with the buffer
+#            cache emptied after the fill and with no cache (the leads for the batched step's wait, #52)
 #   pack     every file under $OUT into one archive (put it last: the device tool returns a limited number of files)
 #   other    benchmarks/gpu_session.sh's step of that name, with the after revision on PYTHONPATH
 set -u
@@ -118,6 +120,16 @@ for r in json.load(open(sys.argv[1]))["results"]:
               --no-progress --out "$OUT/e2e" --name "$name" > "$OUT/rounds-${R_NAME:-rounds}.log" 2>&1
             grep -E "^(###|\| (kvcache|fp16|turbo|affine|qjl))" "$OUT/rounds-${R_NAME:-rounds}.log" | cut -c1-260 ||
               tail -c 2000 "$OUT/rounds-${R_NAME:-rounds}.log";;
+    hostwait) # #52: the batched step's wait for the device (benchmarks/results/host/README.md, 2026-12-07): the
+              # step split at the 8-byte boundary of the tokens (batches 1-4), then 32 sequences with the buffer
+              # cache emptied after the fill and with no cache
+              for opts in "--batches 1,2,3,4,32" "--batches 32 --clear-cache" "--batches 32 --cache-limit-gb 0"; do
+                tag=$(echo "$opts" | tr -c 'a-z0-9' '_')
+                PYTHONPATH=$A timeout ${HW_TIMEOUT:-200} python3 benchmarks/decode_host_split.py --context 32768 \
+                  --methods ${HW_METHODS:-turboquant:3} --steps 24 $opts --out "$OUT/hostwait$tag.json" \
+                  > "$OUT/hostwait$tag.log" 2>&1
+                echo "== $opts"; grep "batch" "$OUT/hostwait$tag.log" | cut -c1-200 || tail -c 1000 "$OUT/hostwait$tag.log"
+              done;;
     pack) # everything under $OUT in one archive: the device tool brings back only so many files a call, and a
           # step's results beyond that count were lost (2026-12-07)
           name="sitting-$(date +%H%M%S).tgz"
