@@ -5,7 +5,8 @@
 ``async_eval`` returns at once. On MLX's CUDA back end it does not: it encodes every operation into CUDA graphs
 (``mlx/backend/cuda/device.cpp``), which costs microseconds per operation, and when it returns the previous token is
 already done (``wait`` ~ 0). Then the step is host time, and every operation a cache adds per layer costs twice:
-once to build, once to encode.
+once to build, once to encode. (At 32 sequences of 32K on an H100 that host time also held a ~17 ms wait for the
+device inside the build: below.)
 
     python benchmarks/decode_host_split.py [--model random:llama3-8b] [--context 4096] \
         [--methods fp16,turboquant:4,fp16,turboquant:4] [--steps 64] [--batches 1,32] [--profile] \
@@ -37,8 +38,9 @@ from kvq.bench.fill import RandomKV, fill
 
 def split(model, caches, steps: int, warmup: int = 36, batch: int = 1, profile: bool = False) -> dict:
     """Median milliseconds of a pipelined step and its parts (``build``, ``async_eval``, ``wait``), of a build with
-    nothing in flight (``build_alone``: after ``mx.synchronize``; a pipelined build much longer than it waited for
-    the device), and of a prebuilt step evaluated alone (``device``: its encoding plus the device's work).
+    nothing in flight (``build_alone``: after ``mx.synchronize``; a pipelined ``build`` much longer than it has
+    waited for the device), and of a prebuilt step evaluated alone (``device``: its encoding plus the device's
+    work).
     ``batch`` rows decode together (the caches hold that many). With ``profile``, one pipelined build runs under
     cProfile and ``profiled_build`` lists the functions with the most own time (a wait shows in whichever call
     meets it)."""
@@ -114,15 +116,15 @@ def main() -> None:
                       "cache_gb": round(mx.get_cache_memory() / 1e9, 2)}
             ms = split(model, caches, args.steps, batch=batch, profile=args.profile)
             rows.append({"method": label, "batch": batch, "context": args.context, "after_fill": memory, **ms})
+            if args.out:  # after every row: a later row that fails (out of memory, a timeout) loses nothing
+                with open(args.out, "w") as f:
+                    json.dump(rows, f, indent=1)
             print(label, f"batch {batch}", "  ".join(f"{k} {v:.2f}" for k, v in ms.items() if k != "profiled_build"),
                   ms.get("profiled_build", ""), flush=True)
             del caches
             mx.clear_cache()
             if previous is not None:
                 mx.set_cache_limit(previous)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ for step in "$@"; do
            PYTHONPATH=$S:/tmp/site-$side timeout ${DUR_TIMEOUT:-200} python3 benchmarks/kernel_durations.py \
              --out "$OUT/$name.json" --contexts ${DUR_CONTEXTS:-131072} --batch ${DUR_BATCH:-1} $variants \
              > "$OUT/$name.log" 2>&1
-           echo "== $name"; grep -E "bound|sdpa" "$OUT/$name.log" | cut -c1-200 || tail -c 1500 "$OUT/$name.log"
+           echo "== $name"; { grep -E "bound|sdpa" "$OUT/$name.log" || tail -c 1500 "$OUT/$name.log"; } | cut -c1-200
          done;;
     prefill) # kvq bench prefill of each side (random:llama3-8b, bfloat16, $PF_CONTEXTS, 2 reps, fp16 in the same
              # run), then prefill_host_profile.py's split of the host's time per layer and chunk (8 layers, 8K)
@@ -118,17 +118,17 @@ for r in json.load(open(sys.argv[1]))["results"]:
               --dtype bfloat16 --methods ${R_METHODS:-fp16,turboquant:3,turboquant:4,affine:4} \
               --contexts ${R_CONTEXTS:-4K,32K,128K} --steps ${R_STEPS:-128} --rounds ${R_ROUNDS:-5} --largest-first \
               --no-progress --out "$OUT/e2e" --name "$name" > "$OUT/rounds-${R_NAME:-rounds}.log" 2>&1
-            grep -E "^(###|\| (kvcache|fp16|turbo|affine|qjl))" "$OUT/rounds-${R_NAME:-rounds}.log" | cut -c1-260 ||
-              tail -c 2000 "$OUT/rounds-${R_NAME:-rounds}.log";;
+            { grep -E "^(###|\| (kvcache|fp16|turbo|affine|qjl))" "$OUT/rounds-${R_NAME:-rounds}.log" ||
+                tail -c 2000 "$OUT/rounds-${R_NAME:-rounds}.log"; } | cut -c1-260;;
     hostwait) # #52: the batched step's wait for the device (benchmarks/results/host/README.md, 2026-12-07): the
               # step split at the 8-byte boundary of the tokens (batches 1-4), then 32 sequences with the buffer
               # cache emptied after the fill and with no cache
               for opts in "--batches 1,2,3,4,32" "--batches 32 --clear-cache" "--batches 32 --cache-limit-gb 0"; do
-                tag=$(echo "$opts" | tr -c 'a-z0-9' '_')
+                tag=$(echo "$opts" | tr -s -c 'a-z0-9\n' '-' | sed 's/^-*//; s/-*$//')
                 PYTHONPATH=$A timeout ${HW_TIMEOUT:-200} python3 benchmarks/decode_host_split.py --context 32768 \
-                  --methods ${HW_METHODS:-turboquant:3} --steps 24 $opts --out "$OUT/hostwait$tag.json" \
-                  > "$OUT/hostwait$tag.log" 2>&1
-                echo "== $opts"; grep "batch" "$OUT/hostwait$tag.log" | cut -c1-200 || tail -c 1000 "$OUT/hostwait$tag.log"
+                  --methods ${HW_METHODS:-turboquant:3} --steps 24 $opts --out "$OUT/hostwait-$tag.json" \
+                  > "$OUT/hostwait-$tag.log" 2>&1
+                echo "== $opts"; { grep "batch" "$OUT/hostwait-$tag.log" || tail -c 1000 "$OUT/hostwait-$tag.log"; } | cut -c1-200
               done;;
     pack) # everything under $OUT in one archive: the device tool brings back only so many files a call, and a
           # step's results beyond that count were lost (2026-12-07)

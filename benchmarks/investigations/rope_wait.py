@@ -2,10 +2,11 @@
 mlx-lm's Llama-3 RoPE)? With a long chain of matmuls in flight, the host seconds to build (not evaluate) one rope
 call, for batches 1 and 32, an int or array offset, with and without ``freqs``; and, for comparison, other ops;
 then the same with a chain that also reads scalars made from host data (MLX keeps those in a small pool of
-managed memory, which a host write may have to migrate while the device reads it: the lead in
-benchmarks/results/host/README.md, 2026-12-07).
+managed memory, and a host write to a page the device is reading might have to wait: a guess beside the leads in
+benchmarks/results/host/README.md, 2026-12-07). The last line prints how long the chain still ran after the builds
+(it must be in flight while they are built).
 
-Measured on one H100 (2026-12-07), the first half only: no build waited (0.01-0.04 ms).
+Measured on one H100 (2026-12-07), the first half only (output not saved): no build waited (0.01-0.04 ms).
 
     python benchmarks/investigations/rope_wait.py
 """
@@ -39,8 +40,10 @@ def timed(label, fn, dependent: bool):
     tic = time.perf_counter()
     y = fn(dep if dependent else None)
     built = time.perf_counter() - tic
+    tic = time.perf_counter()
     mx.eval(y, x)
-    print(f"{label:60s} dependent={dependent!s:5s} build ms {built * 1e3:8.3f}", flush=True)
+    print(f"{label:60s} dependent={dependent!s:5s} build ms {built * 1e3:8.3f}, chain still ran "
+          f"{(time.perf_counter() - tic) * 1e3:8.1f} ms", flush=True)
 
 
 def main():

@@ -1,7 +1,8 @@
 """A summary of ``decode_step_kernels.py``'s JSON: per method, the median step that did not flush (GPU us in all,
 launches) and its kernels grouped by kind (the name up to its template arguments), largest first; with
-``--layers-of`` the model's layer count, what the step's per-layer kernels would cost in a whole model (the
-per-layer sum times that count, plus the rest once).
+``--layers-of`` a model's layer count, what the step would cost in that model: the kinds that run once a step (one
+launch where the profile kept two or more layers: the embedding, the lm_head, the argmax) once, the rest per layer
+(their sum over the profiled layers, scaled).
 
     python benchmarks/investigations/step_kernel_summary.py steps.json [--layers-of 32]
 """
@@ -42,6 +43,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("json")
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--layers-of", type=int, default=None, help="a model's layer count: the step scaled to it")
     args = ap.parse_args()
     data = json.load(open(args.json))
     print(f"context {data['context']}, {data['layers']} layers, batch {data.get('batch', 1)}")
@@ -53,6 +55,11 @@ def main() -> None:
               f"{[round(x) for x in s['flush_steps_us']]}")
         for name, (us, n) in list(s["kinds"].items())[: args.top]:
             print(f"  {us:9.1f} us  {n:3d}x  {name[:90]}")
+        if args.layers_of and data["layers"] > 1:
+            once = sum(us for us, n in s["kinds"].values() if n == 1)
+            per_layer = (s["us"] - once) / data["layers"]
+            print(f"  per layer {per_layer:.1f} us, once a step {once:.1f} us: {args.layers_of} layers "
+                  f"{(per_layer * args.layers_of + once) / 1e3:.2f} ms")
 
 
 if __name__ == "__main__":
