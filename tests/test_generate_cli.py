@@ -219,6 +219,7 @@ def test_the_note_names_the_flush_the_cache_runs(tiny_gguf, cache, capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "window (16, growing to 47 before a flush of 32)" in out
+    assert "(window 16, flush 16 (runs 32)) ---" in out  # the header names both
 
 
 def test_teacher_forcing_replays_the_reference_and_leaves_the_cache_alone(tmp_path, cache):

@@ -174,8 +174,11 @@ def cache_label(options: dict) -> str:
 
     config = make_config(**options)
     fields = {f.name: f.default for f in attrs.fields(CacheConfig)}
-    settings = ", ".join(f"{name} {getattr(config, name)}" for name in ("sinks", "window", "flush")
-                         if getattr(config, name) != fields[name])
+    shown = [f"{name} {getattr(config, name)}" for name in ("sinks", "window", "flush")
+             if getattr(config, name) != fields[name]]
+    if config.budget is None and config.flush_tokens != config.flush:  # QJL's groups: --flush 16 runs 32
+        shown = [f"{item} (runs {config.flush_tokens})" if item.startswith("flush ") else item for item in shown]
+    settings = ", ".join(shown)
     settings = f" ({settings})" if settings else ""  # the cache's settings where they are not the defaults
     if config.budget is not None:  # each layer's settings are chosen at its head_dims (kvq.cache.budget)
         method = config.key_params.method
