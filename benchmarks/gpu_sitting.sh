@@ -29,7 +29,8 @@
 #   rounds   kvq bench e2e, single sequence, $R_METHODS at $R_CONTEXTS, $R_ROUNDS (5) interleaved rounds of $R_STEPS
 #            (128) steps, fp16 in the same run; $R_NAME in the file names
 #   hostwait decode_host_split.py at 32K for $HW_METHODS (turboquant:3): batches 1-4 and 32, then 32 with the buffer
-#            cache emptied after the fill and with no cache (the leads for the batched step's wait, #52)
+#            cache emptied after the fill and with no cache (the leads for the batched step's wait, #52); then
+#            investigations/mlx_batch_wait.py, the same question asked of MLX alone
 #   pack     every file under $OUT into one archive (put it last: the device tool returns a limited number of files)
 #   other    benchmarks/gpu_session.sh's step of that name, with the after revision on PYTHONPATH
 set -u
@@ -129,7 +130,11 @@ for r in json.load(open(sys.argv[1]))["results"]:
                   --methods ${HW_METHODS:-turboquant:3} --steps 24 $opts --out "$OUT/hostwait-$tag.json" \
                   > "$OUT/hostwait-$tag.log" 2>&1
                 echo "== $opts"; { grep "batch" "$OUT/hostwait-$tag.log" || tail -c 1000 "$OUT/hostwait-$tag.log"; } | cut -c1-200
-              done;;
+              done
+              # the same question asked of MLX alone (no kvq, no mlx-lm): a toy decoder at batches 1-4 and 32
+              PYTHONPATH=$S timeout ${HW_TIMEOUT:-200} python3 benchmarks/investigations/mlx_batch_wait.py \
+                --out "$OUT/hostwait-mlx-alone.json" > "$OUT/hostwait-mlx-alone.log" 2>&1
+              echo "== MLX alone"; { grep '"batch"' "$OUT/hostwait-mlx-alone.log" || tail -c 1000 "$OUT/hostwait-mlx-alone.log"; } | cut -c1-200;;
     pack) # everything under $OUT in one archive: the device tool brings back only so many files a call, and a
           # step's results beyond that count were lost (2026-12-07)
           name="sitting-$(date +%H%M%S).tgz"
