@@ -132,7 +132,7 @@ for r in json.load(open(sys.argv[1]))["results"]:
                 echo "== $opts"; { grep "batch" "$OUT/hostwait-$tag.log" || tail -c 1000 "$OUT/hostwait-$tag.log"; } | cut -c1-200
               done
               # the same question asked of MLX alone (no kvq, no mlx-lm): a toy decoder at batches 1-4 and 32
-              PYTHONPATH=$S timeout ${HW_TIMEOUT:-200} python3 benchmarks/investigations/mlx_batch_wait.py \
+              PYTHONPATH=$A timeout ${HW_TIMEOUT:-200} python3 benchmarks/investigations/mlx_batch_wait.py \
                 --out "$OUT/hostwait-mlx-alone.json" > "$OUT/hostwait-mlx-alone.log" 2>&1
               echo "== MLX alone"; { grep '"batch"' "$OUT/hostwait-mlx-alone.log" || tail -c 1000 "$OUT/hostwait-mlx-alone.log"; } | cut -c1-200;;
     pack) # everything under $OUT in one archive: the device tool brings back only so many files a call, and a
