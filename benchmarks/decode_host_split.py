@@ -92,7 +92,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--profile", action="store_true", help="one pipelined build under cProfile")
     ap.add_argument("--clear-cache", action="store_true",
-                    help="mx.clear_cache() after the fill (MLX's buffer cache then holds none of the fill's temporaries)")
+                    help="mx.clear_cache() after the fill (MLX's buffer cache then holds none of its temporaries)")
     ap.add_argument("--cache-limit-gb", type=float, default=None, help="mx.set_cache_limit for the decode steps")
     ap.add_argument("--out", default=None, help="also write the rows as JSON")
     args = ap.parse_args()

@@ -1,5 +1,6 @@
 """A reproduction of the batched decode step's wait with MLX alone (issue #52: the program measured has no kvq cache
-and no mlx-lm model; kvq only times it): a toy decoder whose step is an embedding lookup of the last tokens ``[B, 1]`` int32, ``--layers`` of a matmul over a
+and no mlx-lm model; kvq only times it): a toy decoder whose step is an embedding lookup of the last tokens
+``[B, 1]`` int32, ``--layers`` of a matmul over a
 ``--width``-wide weight, RoPE, attention over one shared ``[B, 8, --context, 128]`` cache (so the device's step
 grows with the batch, as a decode step's does) and a Python float (host-made scalars, as a model's step has), an
 lm_head and an argmax; decoded pipelined as ``mlx_lm.generate`` does (build step n + 1, ``mx.async_eval`` it, then
