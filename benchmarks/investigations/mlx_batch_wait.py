@@ -1,11 +1,12 @@
 """A reproduction of the batched decode step's wait with MLX alone (issue #52: the program measured has no kvq cache
-and no mlx-lm model; kvq only times it): a toy decoder whose step is an embedding lookup of the last tokens
-``[B, 1]`` int32, ``--layers`` of a matmul over a ``--width``-wide weight, RoPE, attention over one shared
-``[B, 8, --context, 128]`` cache (so the device's step grows with the batch, as a decode step's does) and a Python
-float (host-made scalars, as a model's step has), an lm_head and an argmax; decoded pipelined as
-``mlx_lm.generate`` does (build step n + 1, ``mx.async_eval`` it, then read step n's tokens), timed by ``benchmarks/decode_host_split.py``'s ``split``: for each batch the median ms of the
-pipelined build, of ``mx.async_eval`` and of the wait for the tokens, of a build with nothing in flight and of a
-step evaluated alone. A build much longer pipelined than alone waited for the device.
+and no mlx-lm model; kvq only times it): a toy decoder whose step is an embedding lookup of the last tokens ``[B,
+1]`` int32, ``--layers`` of a matmul over a ``--width``-wide weight, RoPE, attention over one shared ``[B, 8,
+--context, 128]`` cache (so the device's step grows with the batch, as a decode step's does) and a Python float
+(host-made scalars, as a model's step has), an lm_head and an argmax; decoded pipelined as ``mlx_lm.generate`` does
+(build step n + 1, ``mx.async_eval`` it, then read step n's tokens), timed by ``benchmarks/decode_host_split.py``'s
+``split``: for each batch the median ms of the pipelined build, of ``mx.async_eval`` and of the wait for the tokens,
+of a build with nothing in flight and of a step evaluated alone. A build much longer pipelined than alone waited for
+the device.
 
     python benchmarks/investigations/mlx_batch_wait.py [--batches 1,2,3,4,32] [--layers 32] [--width 4096]
 
