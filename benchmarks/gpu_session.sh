@@ -2,7 +2,9 @@
 # One GPU sitting: kernel smoke compile, GPU tests, kernel benchmarks; every step logs under $OUT.
 #   bash benchmarks/gpu_session.sh [steps...]
 # steps: smoke tests bench (default: these three), sweep, ops (kvq bench ops + kvq autotune from it),
-#        e2e (kvq bench e2e on a random-weight Llama-3-8B shape), dist (2 GPUs: NCCL tests + 64K decode benchmark),
+#        e2e (kvq bench e2e on a random-weight Llama-3-8B shape: $E2E_METHODS at $E2E_CONTEXTS, $E2E_ROUNDS (1)
+#        interleaved rounds of $E2E_STEPS (64) steps, $E2E_NAME in the file name; #52's single-sequence bar:
+#        E2E_METHODS=fp16,turboquant:3,turboquant:4,affine:4 E2E_CONTEXTS=4K,32K,128K E2E_ROUNDS=5 E2E_STEPS=128), dist (2 GPUs: NCCL tests + 64K decode benchmark),
 #        durations (GPU time per decode-attention call, read by Nsight Compute), durations-loop (the same with the
 #        decode loop's knobs flat32 and slack on and off, one sequence at 128K and 122 x 32K), profile (ncu --set full at 128K),
 #        batch (kvq bench batch: BatchGenerator, $BATCHES (1,8) sequences of $BATCH_PROMPT (2048) tokens, 1 warm-up then $BATCH_REPS (3)
@@ -64,11 +66,12 @@ for name, fn in [("quantize", lambda: k.kvq_quantize(x, p).data["codes"]),
          timeout ${OPS_TIMEOUT:-240} python3 -m kvq.cli bench ops --no-progress --out "$OUT/ops" > "$OUT/ops/bench_ops.log" 2>&1
          python3 -m kvq.cli autotune --from-bench "$OUT/ops/bench_ops.json" --out-dir "$OUT/ops" >> "$OUT/ops/bench_ops.log" 2>&1
          tail -c 2000 "$OUT/ops/bench_ops.log";;
-    e2e) timeout ${E2E_TIMEOUT:-570} python3 -m kvq.cli bench e2e --model random:llama3-8b --dtype bfloat16 \
-           --methods fp16,mlx-affine:4,mlx-affine:8,affine:4,turboquant:4,turboquant:k4v3,turboquant:3 \
-           --contexts ${E2E_CONTEXTS:-4K,16K,32K,64K,128K} --steps ${E2E_STEPS:-64} --largest-first --no-progress --out "$OUT/e2e" \
-           --name "$(date +%F)-${DEV}-random-llama3-8b" > "$OUT/e2e.log" 2>&1
-         python3 -m kvq.cli bench e2e --report "$OUT/e2e/$(date +%F)-${DEV}-random-llama3-8b.json" > /dev/null 2>&1
+    e2e) name="$(date +%F)-${DEV}-${E2E_NAME:-random-llama3-8b}"
+         timeout ${E2E_TIMEOUT:-570} python3 -m kvq.cli bench e2e --model random:llama3-8b --dtype bfloat16 \
+           --methods ${E2E_METHODS:-fp16,mlx-affine:4,mlx-affine:8,affine:4,turboquant:4,turboquant:k4v3,turboquant:3} \
+           --contexts ${E2E_CONTEXTS:-4K,16K,32K,64K,128K} --steps ${E2E_STEPS:-64} --rounds ${E2E_ROUNDS:-1} \
+           --largest-first --no-progress --out "$OUT/e2e" --name "$name" > "$OUT/e2e.log" 2>&1
+         python3 -m kvq.cli bench e2e --report "$OUT/e2e/$name.json" > /dev/null 2>&1
          tail -c 3000 "$OUT/e2e.log";;
     durations) timeout ${DURATIONS_TIMEOUT:-200} python3 benchmarks/kernel_durations.py --out "$OUT/durations.json" \
                  --variants benchmarks/profile_variants.json > "$OUT/durations.log" 2>&1; tail -c 4000 "$OUT/durations.log";;

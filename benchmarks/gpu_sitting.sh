@@ -26,8 +26,6 @@
 #            with $STEPS_FLUSH 32 one flush among them; every launch is profiled, so fewer steps finish sooner)
 #   stimes   streams_kernel_times.py (the streams kernel and merge per call, fp16 SDPA beside) of each side of $ST_SIDES
 #            (before after), the after side with the knob variants $ST_VARIANTS (JSON)
-#   rounds   kvq bench e2e, single sequence, $R_METHODS at $R_CONTEXTS, $R_ROUNDS (5) interleaved rounds of $R_STEPS
-#            (128) steps, fp16 in the same run; $R_NAME in the file names
 #   hostwait decode_host_split.py at 32K for $HW_METHODS (turboquant:3): batches 1-4 and 32, then 32 with the buffer
 #            cache emptied after the fill and with no cache (the leads for the batched step's wait, #52); then
 #            investigations/mlx_batch_wait.py, the same question asked of MLX alone
@@ -112,15 +110,6 @@ for r in json.load(open(sys.argv[1]))["results"]:
                 --out "$OUT/stimes-$side.json" --contexts ${ST_CONTEXTS:-32768,131072} $variants > "$OUT/stimes-$side.log" 2>&1
               echo "== stimes-$side"; tail -n 25 "$OUT/stimes-$side.log" | cut -c1-220
             done;;
-    rounds) # #52's single-sequence bar: kvq bench e2e of $R_METHODS at $R_CONTEXTS, the median of $R_ROUNDS (5)
-            # interleaved rounds of $R_STEPS (128, a multiple of the flush) timed steps, fp16 in the same run
-            name="$(date +%F)-${DEV}-${R_NAME:-rounds}"
-            PYTHONPATH=$A timeout ${R_TIMEOUT:-560} python3 -m kvq.cli bench e2e --model random:llama3-8b \
-              --dtype bfloat16 --methods ${R_METHODS:-fp16,turboquant:3,turboquant:4,affine:4} \
-              --contexts ${R_CONTEXTS:-4K,32K,128K} --steps ${R_STEPS:-128} --rounds ${R_ROUNDS:-5} --largest-first \
-              --no-progress --out "$OUT/e2e" --name "$name" > "$OUT/rounds-${R_NAME:-rounds}.log" 2>&1
-            { grep -E "^(###|\| (kvcache|fp16|turbo|affine|qjl))" "$OUT/rounds-${R_NAME:-rounds}.log" ||
-                tail -c 2000 "$OUT/rounds-${R_NAME:-rounds}.log"; } | cut -c1-260;;
     hostwait) # #52: the batched step's wait for the device (benchmarks/results/host/README.md, 2026-12-07): the
               # step split at the 8-byte boundary of the tokens (batches 1-4), then 32 sequences with the buffer
               # cache emptied after the fill and with no cache

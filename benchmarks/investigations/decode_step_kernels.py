@@ -4,9 +4,9 @@ what a window-flush step adds.
 Builds a random-weight model (``--model random:PRESET``, ``--layers`` kept), fills each method's caches to
 ``--context`` tokens with random keys and values (``--batch`` sequences), runs ``--steps`` greedy decode steps one
 at a time, and between steps launches a one-thread marker kernel (``kvq_step_marker``) so that ncu's launch list
-splits into steps. Run under ncu (``--ncu``): the script re-runs itself there, then groups the launches per method and step and writes
-``--out`` (JSON): per step, whether the window flushed (compressed tokens grew), the summed GPU time and each
-kernel's name and microseconds.
+splits into steps. Run under ncu (``--ncu``): the script re-runs itself there, then groups the launches per method
+and step and writes ``--out`` (JSON): per step, whether the window flushed (compressed tokens grew), the summed GPU
+time and each kernel's name and microseconds.
 
     python benchmarks/investigations/decode_step_kernels.py --out steps.json --context 32768 --layers 2 \
         --methods fp16,turboquant:4 --steps 36
