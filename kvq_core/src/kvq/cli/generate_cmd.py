@@ -253,7 +253,7 @@ def prefill(model, cache: list, ids: list[int], step: int = PREFILL_STEP, label:
 
     start = time.perf_counter()
     with tqdm(total=len(ids), unit="tok", desc=f"prefill {label}".strip(), leave=False, disable=None) as bar:
-        prefill_prompt(model, cache, ids, step=step, on_chunk=lambda n: (mx.clear_cache(), bar.update(n)))
+        prefill_prompt(model, cache, ids, step=step, on_chunk=bar.update)
     return time.perf_counter() - start
 
 
