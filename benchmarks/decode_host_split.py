@@ -17,8 +17,10 @@ token, of a build with nothing in flight, and of evaluating a prebuilt step alon
 the host's speed drifts within a run.
 
 Batches (#52): on one H100 at 32 x 32K tokens a pipelined build took 20 ms against 3 with nothing in flight, so
-host and device took turns (benchmarks/results/host/README.md, 2026-12-07, where the leads and the tests that tell
-them apart are listed: ``--batches 1,2,3,4,32``, ``--clear-cache``, ``--cache-limit-gb 0``).
+host and device took turns. It waited behind the buffers the fill had left in MLX's buffer cache: with the cache
+emptied after the fill (``--clear-cache``) the build took 2.5 ms (benchmarks/results/host/README.md, 2026-12-07).
+Since ``ae25aa6`` the fill empties it after each chunk, as mlx-lm's ``generate_step`` does, so ``--clear-cache``
+now repeats what the fill did; ``--batches 1,2,3,4,32`` and ``--cache-limit-gb 0`` were the tests of other leads.
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@
 #   stimes   streams_kernel_times.py (the streams kernel and merge per call, fp16 SDPA beside) of each side of $ST_SIDES
 #            (before after), the after side with the knob variants $ST_VARIANTS (JSON)
 #   hostwait decode_host_split.py at 32K for $HW_METHODS (turboquant:3): batches 1-4 and 32, then 32 with the buffer
-#            cache emptied after the fill and with no cache (the leads for the batched step's wait, #52); then
+#            cache emptied after the fill and with no cache (the leads for the batched step's wait, #52: it was the
+#            fill's cached buffers, and the fill empties them since ae25aa6, so this step now checks the fix); then
 #            investigations/mlx_batch_wait.py, the same question asked of MLX alone
 #   pack     every file under $OUT into one archive (put it last: the device tool returns a limited number of files)
 #   other    benchmarks/gpu_session.sh's step of that name, with the after revision on PYTHONPATH
