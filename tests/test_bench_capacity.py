@@ -109,8 +109,10 @@ def test_the_chosen_batch_is_timed_reps_times_and_reported_as_their_median(monke
 def test_a_batch_whose_repetition_does_not_fit_is_not_the_capacity(monkeypatch):
     """On an H100 turboquant:4's search chose 54 sequences whose first row peaked within the budget, and the second
     timed decode at 54 ran out of device memory: a batch fits only if every repetition runs within the budget. Here
-    the 2nd row at 50 sequences fails and the 3rd peaks above the budget at 45: the search steps down a tenth each
-    time and reports 40, timed twice; the failed repetitions stay in ``tries``."""
+    the 2nd row at 50 sequences fails, 46-49 run out of memory at once, and 45's 2nd row peaks above the budget:
+    the search steps down a tenth from each failed repetition (50 -> 45 -> 40), narrows the gap above each batch
+    that fitted (47 and 46 above 45; 42, 43 and 44 above 40, :data:`MAX_NARROW` of them) and reports 44, timed
+    twice; the failed rows stay in ``tries``."""
     import mlx.core as mx
 
     from kvq.bench import capacity
@@ -121,7 +123,7 @@ def test_a_batch_whose_repetition_does_not_fit_is_not_the_capacity(monkeypatch):
     def row(self, spec, batch, steps):
         tried.append(batch)
         n = sum(b == batch for b in tried)  # this batch's n-th row
-        failing = batch == 50 and n == 2
+        failing = (batch == 50 and n == 2) or 45 < batch < 50
         peak = 1200 if batch == 45 and n == 2 else 100 + 10 * batch
         return {"error": "out of memory" if failing else None, "peak_memory": None if failing else peak,
                 "tokens_per_second": float(batch), "kv_bytes": 1, "latency_ms": {"mean": 1.0},
@@ -132,12 +134,14 @@ def test_a_batch_whose_repetition_does_not_fit_is_not_the_capacity(monkeypatch):
     monkeypatch.setattr(capacity, "release", lambda: None)
     settings = CapacitySettings(context=64, budget=1000, safety=1.0, max_batch=50, reps=2)
     (result,) = CapacityBench(None, settings).run([_spec("fp16")])
-    assert tried == [1, 2, 50, 50, 45, 45, 40, 40]
-    assert result["max_batch"] == 40 and not result["error"] and result["row"]["tokens_per_second"] == 40.0
-    assert [r["tokens_per_second"] for r in result["reps"]] == [40.0, 40.0] and result["peak_memory"] == 500
+    assert tried == [1, 2, 50, 50, 45, 47, 46, 45, 40, 42, 43, 44, 44]
+    assert result["max_batch"] == 44 and not result["error"] and result["row"]["tokens_per_second"] == 44.0
+    assert [r["tokens_per_second"] for r in result["reps"]] == [44.0, 44.0] and result["peak_memory"] == 540
+    oom = "out of memory"
     assert [(t["batch"], t["error"], t.get("repetition")) for t in result["tries"]] == [
-        (50, None, None), (50, "out of memory", 2), (45, None, None),
-        (45, "a repetition peaked above the budget", 2), (40, None, None)]
+        (50, None, None), (50, oom, 2), (45, None, None), (47, oom, None), (46, oom, None),
+        (45, "a repetition peaked above the budget", 2), (40, None, None), (42, None, None), (43, None, None),
+        (44, None, None)]
     assert not result["at_max_batch"]
     # every try failing at its repetition: MAX_TRIES batches, then the error names the first and the last
     tried.clear()
@@ -151,7 +155,8 @@ def test_a_batch_whose_repetition_does_not_fit_is_not_the_capacity(monkeypatch):
 
 def test_a_larger_batch_whose_repetition_does_not_fit_falls_back_to_the_batch_that_fitted(monkeypatch):
     """The first prediction (23) fits at once, the line through it predicts 90, which fits once and then fails a
-    repetition: the search measures 23 again (it fitted) instead of stepping down from 90."""
+    repetition: the search measures 23 again (it fitted) instead of stepping down from 90, then halves the gap up to
+    90 (56, 73, 81: :data:`MAX_NARROW` batches, each fitting) and times 81 again."""
     import mlx.core as mx
 
     from kvq.bench import capacity
@@ -171,7 +176,34 @@ def test_a_larger_batch_whose_repetition_does_not_fit_falls_back_to_the_batch_th
     monkeypatch.setattr(capacity, "release", lambda: None)
     (result,) = CapacityBench(None, CapacitySettings(context=64, budget=1000, safety=1.0, reps=2)).run(
         [_spec("fp16")])
-    assert tried == [1, 2, 23, 90, 90, 23, 23] and result["max_batch"] == 23 and not result["error"]
+    assert tried == [1, 2, 23, 90, 90, 23, 56, 73, 81, 81] and result["max_batch"] == 81 and not result["error"]
+
+
+def test_a_batch_that_runs_out_of_memory_is_narrowed_to_from_below(monkeypatch):
+    """On an H100 turboquant:3's probes predicted 71 sequences of 32K, 71 ran out of memory, and the tenth's step
+    down (63) was reported, where 69 had fitted the day before. Now the gap between the batch that fitted and the one
+    that did not is halved (67, then 69, which is within a thirty-second of 71): 69 is the capacity, timed twice."""
+    import mlx.core as mx
+
+    from kvq.bench import capacity
+    from kvq.bench.capacity import CapacityBench
+
+    tried = []
+
+    def row(self, spec, batch, steps):
+        tried.append(batch)
+        oom = batch >= 70
+        return {"error": "out of memory" if oom else None, "peak_memory": None if oom else 100 + 10 * batch,
+                "tokens_per_second": float(batch), "kv_bytes": 1, "latency_ms": {"mean": 1.0},
+                "host_ms": {"median": 0.1}}
+
+    monkeypatch.setattr(capacity.CapacityBench, "_row", row)
+    monkeypatch.setattr(mx, "get_active_memory", lambda: 0)
+    monkeypatch.setattr(capacity, "release", lambda: None)
+    (result,) = CapacityBench(None, CapacitySettings(context=64, budget=810, safety=1.0, reps=2)).run(
+        [_spec("fp16")])
+    assert tried == [1, 2, 71, 63, 67, 69, 69] and result["max_batch"] == 69 and not result["error"]
+    assert [t["batch"] for t in result["tries"] if t["error"]] == [71]
 
 
 def test_a_run_whose_every_row_fails_exits_1(tmp_path, capsys):

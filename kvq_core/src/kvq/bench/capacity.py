@@ -1,24 +1,26 @@
 """``kvq bench capacity``: the largest batch of equal-length sequences that fits in one device's memory with each
 cache, and its aggregate decode tokens/s (issue #22's capacity benchmark: the number a server operator cares about).
 
-Per method (kvcache, mlx-lm's KVCache, first): two probes of :class:`kvq.bench.e2e.E2EBench` rows at 1 and 2 sequences
-give the peak memory above the model as ``a + b * B`` (``b``: one more sequence's cache and decode temporaries, at
-least the probe's cache bytes per sequence: on an H100, mlx-lm's KVCache at 32K peaked 2.3 GB apart at 1 and 2
-sequences where each holds 4.3 GB, and the batch predicted from that slope did not fit);
-the largest ``B`` whose predicted peak stays within the budget, times a safety factor, is then measured like a
-``kvq bench e2e --batch B`` row (random keys and values in every row, one token per sequence per step, flushes
-included). A measured peak above the budget, or a failed row, steps ``B`` down by a tenth and measures again (at
-most :data:`MAX_TRIES` times). A batch that fits at once gives a third point: the line through the probe at 1 and
-its measured peak predicts again (the slope of two probes at 1 and 2 sequences is noisy: one more sequence's bytes
-moved by half between two runs on a CPU), and a larger prediction is measured too and kept if it fits, so a cautious
-first prediction does not understate a cache. A batch at ``max_batch`` is marked (``at_max_batch``): more might
-fit. The chosen batch's decode is timed ``reps`` times (the row that showed it fits, then ``reps - 1`` more rows
-at that batch); a repetition that fails or peaks above the budget means the batch does not fit after all, and ``B``
-steps down a tenth and is measured again (on an H100 turboquant:4's search chose 54 sequences whose first row
-peaked within the budget, and its second repetition ran out of device memory). Each repetition's tokens/s, ms per step (the timed steps' mean) and host ms per step (their
-median, as :func:`kvq.bench.fill.host_summary`) are in ``reps``, and their medians and ranges beside them. Every
-ratio compares with the kvcache row of the same run (the medians'; kvcache's repetitions ran before the method's,
-minutes apart, not in turn).
+Per method (kvcache, mlx-lm's KVCache, first): two probes of :class:`kvq.bench.e2e.E2EBench` rows at 1 and 2
+sequences give the peak memory above the model as ``a + b * B`` (``b``: one more sequence's cache and decode
+temporaries, at least the probe's cache bytes per sequence: on an H100, mlx-lm's KVCache at 32K peaked 2.3 GB apart
+at 1 and 2 sequences where each holds 4.3 GB, and the batch predicted from that slope did not fit); the largest
+``B`` whose predicted peak stays within the budget, times a safety factor, is then measured like a ``kvq bench e2e
+--batch B`` row (random keys and values in every row, one token per sequence per step, flushes included). A measured
+peak above the budget, or a failed row, steps ``B`` down by a tenth and measures again (at most :data:`MAX_TRIES`
+times); once one fits, the gap up to the smallest batch that did not is halved while it is wider than a thirty-
+second of the fitting batch (:meth:`CapacityBench._narrow`). A batch that fits at once gives a third point: the line
+through the probe at 1 and its measured peak predicts again (the slope of two probes at 1 and 2 sequences is noisy:
+one more sequence's bytes moved by half between two runs on a CPU), and a larger prediction is measured too and kept
+if it fits, so a cautious first prediction does not understate a cache. A batch at ``max_batch`` is marked
+(``at_max_batch``): more might fit. The chosen batch's decode is timed ``reps`` times (the row that showed it fits,
+then ``reps - 1`` more rows at that batch); a repetition that fails or peaks above the budget means the batch does
+not fit after all, and ``B`` steps down a tenth and is measured again (on an H100 turboquant:4's search chose 54
+sequences whose first row peaked within the budget, and its second repetition ran out of device memory). Each
+repetition's tokens/s, ms per step (the timed steps' mean) and host ms per step (their median, as
+:func:`kvq.bench.fill.host_summary`) are in ``reps``, and their medians and ranges beside them. Every ratio compares
+with the kvcache row of the same run (the medians'; kvcache's repetitions ran before the method's, minutes apart,
+not in turn).
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ from .rows import spread
 #: Batches measured per method after the probes, at most (each a tenth below the last that did not fit, in its
 #: first row or in a repetition; after a larger batch whose repetition failed, the one that fitted before it).
 MAX_TRIES = 3
+
+#: Batches measured between the largest that fitted and the smallest above it that did not, at most, per fit
+#: (:meth:`CapacityBench._narrow`).
+MAX_NARROW = 3
 
 
 @attrs.frozen
@@ -166,6 +172,7 @@ class CapacityBench:
             if row is not None:
                 if attempt == 0 and 2 < batch < s.max_batch:  # fitted at once: predict again from it
                     self._try_larger(spec, batch, row, peaks[1], headroom, result)
+                self._narrow(spec, result)
                 if self._repeat(spec, result):
                     return result
                 if self._unfit(result) > batch:
@@ -197,6 +204,22 @@ class CapacityBench:
         if larger > batch:
             self._try(spec, larger, result)
 
+
+    def _narrow(self, spec, result: dict) -> None:
+        """Where a batch above the largest that fitted (``result["max_batch"]``) did not fit (in its first row or a
+        repetition, as ``result["tries"]`` records), measure the batch halfway between them, and again, until they
+        are at most a thirty-second of the fitting batch apart (or one sequence) or :data:`MAX_NARROW` batches were
+        measured. A tenth's step down from a batch that ran out of memory otherwise undercounts: on an H100 the
+        line through turboquant:3's probes predicted 71 sequences of 32K, 71 ran out of memory, the search stepped
+        down to 63, and 69 had fitted in the previous day's run."""
+        budget = self.settings.budget
+        for _ in range(MAX_NARROW):
+            fitted = result["max_batch"]
+            unfit = [t["batch"] for t in result["tries"]
+                     if t["batch"] > fitted and (t["error"] or (t["peak_memory"] or 0) > budget)]
+            if not unfit or min(unfit) - fitted <= max(1, fitted // 32):
+                return
+            self._try(spec, (fitted + min(unfit)) // 2, result)
 
     def _repeat(self, spec, result: dict) -> bool:
         """Time the chosen batch ``reps - 1`` more times; put every repetition (``result["row"]`` first) and their
