@@ -220,6 +220,9 @@ def test_the_note_names_the_flush_the_cache_runs(tiny_gguf, cache, capsys):
     out = capsys.readouterr().out
     assert "window (16, growing to 47 before a flush of 32)" in out
     assert "(window 16, flush 16 (runs 32)) ---" in out  # the header names both
+    # and its advice: --flush 1 also runs 32 under QJL, so a prompt needs 32 tokens to compress any
+    assert "--sinks 0 --window 0 --flush 1 with a prompt of at least 32 tokens (this cache compresses whole " \
+           "blocks of 32)." in " ".join(out.split())
 
 
 def test_teacher_forcing_replays_the_reference_and_leaves_the_cache_alone(tmp_path, cache):

@@ -68,6 +68,9 @@ class Run:
     #: the kvq caches' (sinks, window, flush_tokens) as configured (``None``: not kvq caches); flush_tokens is
     #: ``--flush`` made a multiple of the methods' blocks (QJL's 32-token groups)
     schedule: tuple[int, int, int] | None = None
+    #: the flush the kvq caches would run with ``--flush 1``: their methods' block (1, or QJL's 32); ``None``: not
+    #: kvq caches
+    least_flush: int | None = None
 
 
 def cache_options(args: argparse.Namespace) -> dict:
@@ -306,7 +309,7 @@ def run_cache(model, tokenizer, ids: list[int], options: dict, max_tokens: int, 
     measured = quality.settle() - before
     return Run(label, options, tokens, "".join(pieces), len(ids), len(ids) / (prefill_seconds + first_token_seconds),
                generation_tps, cache[0].size(), quality.cache_nbytes(cache), measured, logprobs, comparison,
-               _most_compressed(cache), _schedule(cache))
+               _most_compressed(cache), _schedule(cache), _least_flush(cache))
 
 
 def _make_cache(model, options: dict) -> tuple[list, str]:
@@ -365,6 +368,13 @@ def _schedule(cache: list) -> tuple[int, int, int] | None:
     return None if config is None else (config.sinks, config.window, config.flush_tokens)
 
 
+def _least_flush(cache: list) -> int | None:
+    """The first kvq cache's flush with ``flush=1`` (:attr:`kvq.cache.CacheConfig.flush_tokens`: the least common
+    multiple of its methods' blocks); ``None`` without kvq caches."""
+    config = next((c.config for c in cache if hasattr(c, "config")), None)
+    return None if config is None else attrs.evolve(config, flush=1).flush_tokens
+
+
 def megabytes(n: int) -> str:
     """``"12.35 MB"`` (10^6 bytes)."""
     return f"{n / 1e6:.2f} MB"
@@ -412,7 +422,8 @@ def summary_rows(model, run: Run, reference: Run | None) -> tuple[list[list[str]
                      f"({sinks}) and window ({window}, growing to {most_held(window, flush)} before a flush of "
                      f"{flush}); "
                      "the bytes differ only by allocation and storage. Use a longer prompt, or --sinks 0 --window 0 "
-                     "--flush 1.")
+                     "--flush 1" + (f" with a prompt of at least {run.least_flush} tokens (this cache compresses "
+                                    f"whole blocks of {run.least_flush})." if (run.least_flush or 1) > 1 else "."))
     notes.append("measured: growth of mx.get_active_memory from the empty cache to the filled one (it also counts "
                  "constants a method allocates once, such as rotations and codebooks)")
     return rows, notes
