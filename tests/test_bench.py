@@ -43,6 +43,9 @@ def test_every_context_and_method_has_a_measured_row(run):
         # each step's host time (building and queueing the next graph) is part of that step's interval
         host = r["host_ms"]["all"]
         assert len(host) == 2 and all(0 < h <= t + 1e-3 for h, t in zip(host, r["latency_ms"]["all"]))
+        # the build (before mx.async_eval is called) is part of the host time
+        build = r["build_ms"]["all"]
+        assert len(build) == 2 and all(0 < b <= h + 1e-3 for b, h in zip(build, host))
     assert [r["cache"] for r in rows[:3]] == ["mlx-lm KVCache", "kvq KVQCache", "kvq KVQCache"]
     assert rows[1]["attend_implementation"] == "affine:mlx"
     # 2 timed steps with a flush every 32: the document says the flush's cost is misweighed (a new user's tiny run)
@@ -120,9 +123,9 @@ def test_rounds_interleave_the_caches_and_keep_every_step(monkeypatch):
         events.append(("fill", type(caches[0]).__name__))
         return original_fill(caches, source, context, chunk)
 
-    def logged_decode(model, caches, token, steps, warmup, host, batch):
+    def logged_decode(model, caches, token, steps, warmup, host, batch, build):
         events.append(("decode", type(caches[0]).__name__, warmup))
-        return original_decode(model, caches, token, steps, warmup, host, batch)
+        return original_decode(model, caches, token, steps, warmup, host, batch, build)
 
     monkeypatch.setattr(e2e, "fill", logged_fill)
     monkeypatch.setattr(e2e, "decode", logged_decode)
@@ -135,6 +138,7 @@ def test_rounds_interleave_the_caches_and_keep_every_step(monkeypatch):
         e2e.parse_methods("affine:4", 64))}
     for r in rows:
         assert r["error"] is None and len(r["latency_ms"]["all"]) == 6 and len(r["host_ms"]["all"]) == 6
+        assert len(r["build_ms"]["all"]) == 6  # every round's steps, as the host times
         assert len(r["warmup_ms"]) == 2 + 1 + 1
         assert r["kv_bytes"] == one[r["method"]]["kv_bytes"]
         # its own decode peak, not the other cache's bytes that were resident beside it

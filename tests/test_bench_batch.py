@@ -47,6 +47,8 @@ def test_every_batch_repetition_and_method_generates_every_token(run):
         host = r["host_ms"]["all"]
         assert len(host) == 5 and all(h > 0 for h in host) and r["host_ms"]["median"] == pytest.approx(
             statistics.median(host), abs=1e-3)  # "all" is rounded to 4 decimals
+        build = r["build_ms"]["all"]  # the part before mx.async_eval is called
+        assert len(build) == 5 and all(0 < b <= h + 1e-3 for b, h in zip(build, host))
         assert r["prefill_seconds"] > 0 and r["peak_memory_growth"] > 0
         reference = next(x for x in rows if (x["batch"], x["rep"], x["method"]) == (r["batch"], r["rep"], "kvcache"))
         assert r["decode_vs_fp16"] == pytest.approx(r["decode_tokens_per_second"]
@@ -67,6 +69,7 @@ def test_the_summary_is_the_median_and_range_of_the_timed_repetitions(run):
                            ("decode_tokens_per_second", lambda r: r["decode_tokens_per_second"]),
                            ("decode_vs_fp16", lambda r: r["decode_vs_fp16"]), ("step_ms", lambda r: r["step_ms"]),
                            ("host_ms", lambda r: r["host_ms"]["median"]),
+                           ("build_ms", lambda r: r["build_ms"]["median"]),
                            ("peak_memory_growth", lambda r: r["peak_memory_growth"])):
             values = [value(r) for r in same]
             assert s[key] == {"median": statistics.median(values), "min": min(values), "max": max(values),

@@ -8,7 +8,8 @@ chunks, then batched decode with the generator's cache merges, filters and extra
 and batches them as :class:`kvq.cache.BatchKVQCache`. Reported: the seconds until every sequence has its first token
 (prefill), the aggregate decode tokens/s after that (every sequence's tokens, over the time from the last first
 token to the end), the decode steps' milliseconds (step ms: the decode seconds over the generator's decode steps;
-host ms: each step's time on the host before its work is queued, below), the peak memory above the level before the
+host ms: each step's time on the host before its work is queued, and build ms its part before the queueing, below),
+the peak memory above the level before the
 generator was made, and the tokens (identical prompts give the same count for every method: the run is checked to
 have produced ``batch * tokens`` of them). Every repetition measures kvcache first, so each ratio compares rows of
 one repetition in one process; ``warmup`` untimed repetitions of every row come first (they compile kernels), and
@@ -18,8 +19,11 @@ Host ms per step is measured as ``kvq bench e2e`` measures it (:func:`kvq.bench.
 step's tokens reaching Python to this step's graph being queued (``mx.async_eval`` returning). ``BatchGenerator``
 does both inside ``GenerationBatch._step``, so while the generator runs, ``mlx_lm.generate``'s ``mx`` is a stand-in
 (:class:`StepClock`) that notes when its ``mx.eval`` (the step's tokens) and ``mx.async_eval`` (the next step
-queued) return; the time in between is the generator's bookkeeping, this loop's, the model's graph building and
-MLX queueing it (on CUDA, encoding its graphs). A step whose interval is about its host time was bound by the host.
+queued) return, and when ``mx.async_eval`` is called; the time in between is the generator's bookkeeping, this
+loop's, the model's graph building (build ms: up to the call) and MLX queueing it (on CUDA, encoding its graphs,
+which can wait for the device: 32 sequences of 32K on an H100 spent 19 ms of a 23.7 ms step in ``mx.async_eval``
+and 4.5 ms building, in ``kvq bench e2e``'s loop). A step whose interval is about its build time was bound by the
+host; one about its host time with a short build waited for the device.
 """
 
 from __future__ import annotations
@@ -90,13 +94,14 @@ def prompts(batch: int, length: int, vocab_size: int, seed: int) -> list[list[in
 class StepClock:
     """Stands in for ``mlx.core`` in one module (:func:`clocked`): every attribute is mlx.core's, but it notes when
     that module's ``mx.eval`` returns (a generator step's tokens have reached Python) and, at each ``mx.async_eval``
-    after one, the seconds from then until the queueing returned (``host``, one entry per step).
+    after one, the seconds from then until the queueing returned (``host``, one entry per step) and until it was
+    called (``build``).
 
     Only calls made through the module it stands in for are seen: the model's and kvq's own ``mx`` are untouched.
     """
 
     def __init__(self, real) -> None:
-        self._real, self.ready, self.host = real, None, []
+        self._real, self.ready, self.host, self.build = real, None, [], []
 
     def __getattr__(self, name: str):
         return getattr(self._real, name)
@@ -106,8 +111,10 @@ class StepClock:
         self.ready = time.perf_counter()
 
     def async_eval(self, *args) -> None:
+        called = time.perf_counter()
         self._real.async_eval(*args)
         if self.ready is not None:
+            self.build.append(called - self.ready)
             self.host.append(time.perf_counter() - self.ready)
             self.ready = None
 
@@ -133,11 +140,11 @@ def generate(model, prompts_: list[list[int]], tokens: int, chunk: int) -> dict:
     """Run one ``BatchGenerator`` over ``prompts_`` to the end (greedy, ``tokens`` each) and time it.
 
     :return: ``{"prefill_seconds", "decode_seconds", "decode_steps", "tokens", "decode_tokens_per_second",
-        "step_ms", "host_ms", "peak_memory_growth"}``: prefill = from insertion until every sequence has its first
+        "step_ms", "host_ms", "build_ms", "peak_memory_growth"}``: prefill = from insertion until every sequence has its first
         token, decode = from then to the last token over ``decode_steps`` generator steps; decode tokens/s = the
         tokens after each sequence's first, over the decode seconds; step ms = decode milliseconds / decode steps;
-        host ms = :func:`kvq.bench.fill.host_summary` of the decode steps' host times (module docstring; every
-        entry ``None`` where they could not be measured).
+        host ms and build ms = :func:`kvq.bench.fill.host_summary` of the decode steps' host times and of their
+        builds (module docstring; every entry ``None`` where they could not be measured).
     :raises RuntimeError: the generator stopped before ``tokens`` tokens per sequence.
     """
     from mlx_lm.generate import BatchGenerator
@@ -174,6 +181,7 @@ def generate(model, prompts_: list[list[int]], tokens: int, chunk: int) -> dict:
             "tokens": total, "decode_tokens_per_second": decoded / decode_seconds if decode_seconds > 0 else None,
             "step_ms": 1e3 * decode_seconds / steps if steps else None,
             "host_ms": host_summary(clock.host[mark:] if clock is not None else []),
+            "build_ms": host_summary(clock.build[mark:] if clock is not None else []),
             "peak_memory_growth": mx.get_peak_memory() - before}
 
 
@@ -236,6 +244,7 @@ SUMMARY = {"prefill_seconds": lambda r: r.get("prefill_seconds"),
            "decode_vs_fp16": lambda r: r.get("decode_vs_fp16"),
            "step_ms": lambda r: r.get("step_ms"),
            "host_ms": lambda r: (r.get("host_ms") or {}).get("median"),
+           "build_ms": lambda r: (r.get("build_ms") or {}).get("median"),
            "peak_memory_growth": lambda r: r.get("peak_memory_growth"),
            "peak_vs_fp16": lambda r: r.get("peak_vs_fp16")}
 

@@ -10,7 +10,7 @@ from .output import cache_style, header_lines, markdown_table, median_range, pyp
 MIB = 2**20
 COLUMNS = ("method", "cache", "timed reps", "prefill s", "prefill speed x kvcache",
            "decode tokens/s, all sequences", "decode x kvcache", "step ms", "host ms/step",
-           "peak MiB above (x kvcache)")
+           "build ms/step", "peak MiB above (x kvcache)")
 NOTES = """Every cell: the median over the timed repetitions, then [min–max] where they differ, so the spread is the \
 noise; the untimed warm-up repetitions (they compile kernels) are in neither. Columns: prefill s = from inserting the \
 prompts into mlx-lm's BatchGenerator until every sequence has its first token (speed x kvcache = the reference's \
@@ -18,8 +18,9 @@ seconds / these); decode tokens/s = every sequence's tokens after its first, ove
 token (the aggregate a server under concurrent load gives); step ms = that time over the generator's decode steps \
 (a mean); host ms/step = the median over a repetition's steps of the time from a step's tokens reaching Python to the next \
 step being queued (the generator's and the model's Python, graph building and mx.async_eval, which on MLX's CUDA back \
-end encodes it into CUDA graphs): where it is about the whole step, the host set the pace (on the CPU, where the \
-host also computes the step, it is the step, and a median can exceed the mean); peak = \
+end encodes it into CUDA graphs and can wait there for the device); build ms/step = its part before mx.async_eval \
+is called: where the build is about the whole step, the host set the pace (on the CPU, where the host also \
+computes the step, host time is the step, and a median can exceed the mean); peak = \
 mx.get_peak_memory() during the run minus the active memory before the generator was made (caches, prefill and \
 decode temporaries). Ratios compare with kvcache (mlx-lm's own caches, the model unpatched) in the same \
 repetition, measured first in each; the x kvcache columns are the medians of those per-repetition ratios. kvq rows \
@@ -36,6 +37,7 @@ def _cells(r: dict) -> list[str]:
     return head + [median_range(r["prefill_seconds"]), median_range(r["prefill_vs_fp16"], ".2f"),
                    median_range(r["decode_tokens_per_second"], ",.1f"), median_range(r["decode_vs_fp16"], ".2f"),
                    median_range(r["step_ms"]), median_range(r["host_ms"]),
+                   median_range(r.get("build_ms") or {"median": None}),  # absent before 2026-12-07
                    with_ratio(f"{peak / MIB:.1f}", ratio)]
 
 

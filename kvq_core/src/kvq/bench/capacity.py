@@ -239,6 +239,7 @@ class CapacityBench:
         result.update(reps=reps, tokens_per_second_spread=spread([r["tokens_per_second"] for r in reps]),
                       step_ms=spread([r["step_ms"] for r in reps]),
                       host_ms=spread([r["host_ms"] for r in reps if r["host_ms"] is not None]),
+                      build_ms=spread([r["build_ms"] for r in reps if r.get("build_ms") is not None]),
                       peak_memory=max(r["peak_memory"] for r in reps))
         result["tokens_per_second"] = result["tokens_per_second_spread"]["median"]
         return True
@@ -255,10 +256,11 @@ def repetition(row: dict) -> dict:
     """What one timed row at the chosen batch contributes: ``tokens_per_second``, ``step_ms`` (the mean step),
     ``host_ms`` (the median step's host time; ``None`` where not measured), ``peak_memory`` and ``error``."""
     if row["error"]:
-        return {"tokens_per_second": None, "step_ms": None, "host_ms": None, "peak_memory": None,
+        return {"tokens_per_second": None, "step_ms": None, "host_ms": None, "build_ms": None, "peak_memory": None,
                 "error": row["error"]}
     return {"tokens_per_second": row["tokens_per_second"], "step_ms": row["latency_ms"]["mean"],
-            "host_ms": (row.get("host_ms") or {}).get("median"), "peak_memory": row["peak_memory"], "error": None}
+            "host_ms": (row.get("host_ms") or {}).get("median"),
+            "build_ms": (row.get("build_ms") or {}).get("median"), "peak_memory": row["peak_memory"], "error": None}
 
 
 def add_ratios(row: dict, reference: dict | None) -> None:

@@ -8,15 +8,17 @@ from .output import header_lines, markdown_table, median_range, pyplot, with_rat
 
 MIB = 2**20
 COLUMNS = ("method", "sequences that fit (x kvcache)", "per sequence MiB", "peak MiB / budget",
-           "decode tokens/s, all sequences (x kvcache)", "ms/step", "host ms/step")
+           "decode tokens/s, all sequences (x kvcache)", "ms/step", "host ms/step", "build ms/step")
 NOTES = """Columns: sequences that fit = the largest batch of sequences of this length measured whose peak (model, \
 caches, decode temporaries) stayed within the budget in every timed repetition, the batches tried being those a line through measured peaks \
 predicts within the safety fraction of the headroom (the tries are in the JSON); ">= N" where --max-batch capped \
 it; per sequence = the peak's growth from 1 to 2 sequences (one \
 more sequence's cache and temporaries); peak = the largest of the repetitions at that batch; tokens/s = sequences / \
 mean step over the timed steps (flushes included), as kvq bench e2e --batch, and ms/step that mean step; host \
-ms/step = the median step's time from its tokens reaching Python to the next step being queued (where it is about \
-the whole step, the host set the pace). The decode at the chosen batch is timed --reps times (the row that showed \
+ms/step = the median step's time from its tokens reaching Python to the next step being queued \
+(mx.async_eval returning, which on MLX's CUDA back end can wait for the device), build ms/step the part before \
+mx.async_eval is called (Python and graph building): where the build is about the whole step, the host set the \
+pace. The decode at the chosen batch is timed --reps times (the row that showed \
 it fits, then more at that batch): each speed cell is the median, then [min–max] where they differ, so the spread \
 is the noise; every repetition is in the JSON. Every row holds random keys and values; ratios compare medians with \
 kvcache (mlx-lm's KVCache) in the same run."""
@@ -24,14 +26,15 @@ kvcache (mlx-lm's KVCache) in the same run."""
 
 def _cells(r: dict) -> list[str]:
     if r["error"]:
-        return [r["method"], "-", "-", "-", f"error: {r['error'][:160]}", "-", "-"]
+        return [r["method"], "-", "-", "-", f"error: {r['error'][:160]}", "-", "-", "-"]
     fit = (">= " if r.get("at_max_batch") else "") + str(r["max_batch"])
     failed = [x["error"] for x in r["reps"] if x["error"]]  # files written before a failed repetition ended a try
     speed = median_range(r["tokens_per_second_spread"], ",.1f")
     speed += f"; {len(failed)} of {len(r['reps'])} reps failed: {failed[0][:80]}" if failed else ""
     return [r["method"], with_ratio(fit, r["batch_vs_fp16"]),
             f"{r['per_sequence_bytes'] / MIB:,.1f}", f"{r['peak_memory'] / MIB:,.0f} / {r['budget'] / MIB:,.0f}",
-            with_ratio(speed, r["tokens_vs_fp16"]), median_range(r["step_ms"], ".2f"), median_range(r["host_ms"])]
+            with_ratio(speed, r["tokens_vs_fp16"]), median_range(r["step_ms"], ".2f"), median_range(r["host_ms"]),
+            median_range(r.get("build_ms") or {"median": None})]  # absent before 2026-12-07
 
 
 def markdown(rows: list[dict]) -> str:

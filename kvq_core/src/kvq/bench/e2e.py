@@ -254,10 +254,11 @@ class E2EBench:
             row.update(filled)
             bar.set_postfix_str(f"{context} tokens: {spec.label} decode")
             mx.reset_peak_memory()
-            host, s = [], self.settings
-            seconds, untimed = decode(self.model, caches, self._first(context), s.steps, s.warmup, host, s.batch)
+            host, build, s = [], [], self.settings
+            seconds, untimed = decode(self.model, caches, self._first(context), s.steps, s.warmup, host, s.batch,
+                                      build)
             peak = mx.get_peak_memory()
-            row.update(self._decoded(caches, seconds, untimed, host, peak, peak - before))
+            row.update(self._decoded(caches, seconds, untimed, host, build, peak, peak - before))
         except Exception as exc:  # noqa: BLE001 - one failing method must not end the run: the row says why
             row["error"] = error_text(exc)
             bar.write(f"kvq bench e2e: {spec.label} at {context} tokens failed: {row['error']}")
@@ -277,7 +278,8 @@ class E2EBench:
             try:
                 caches, filled, _ = self._fill(spec, context, source)
                 row.update(filled)
-                live.append((row, caches, {"seconds": [], "untimed": [], "host": [], "peak": 0, "growth": 0}))
+                live.append((row, caches, {"seconds": [], "untimed": [], "host": [], "build": [], "peak": 0,
+                                           "growth": 0}))
             except Exception as exc:  # noqa: BLE001 - the row says why; the others are measured
                 row["error"] = error_text(exc)
                 bar.write(f"kvq bench e2e: {spec.label} at {context} tokens failed: {row['error']}")
@@ -292,7 +294,7 @@ class E2EBench:
                     others = mx.get_active_memory() - row["active_memory_growth"]
                     mx.reset_peak_memory()
                     seconds, untimed = decode(self.model, caches, self._first(context), s.steps,
-                                              s.warmup if turn == 0 else 1, acc["host"], s.batch)
+                                              s.warmup if turn == 0 else 1, acc["host"], s.batch, acc["build"])
                     peak = mx.get_peak_memory()
                     acc["seconds"] += seconds
                     acc["untimed"] += untimed
@@ -305,8 +307,8 @@ class E2EBench:
                     release()
         for row, caches, acc in live:
             if not row["error"]:
-                row.update(self._decoded(caches, acc["seconds"], acc["untimed"], acc["host"], acc["peak"],
-                                         acc["growth"]))
+                row.update(self._decoded(caches, acc["seconds"], acc["untimed"], acc["host"], acc["build"],
+                                         acc["peak"], acc["growth"]))
             caches.clear()
         del live
         release()
@@ -337,12 +339,14 @@ class E2EBench:
                         **({"prefill_tokens_per_second": context / fill_seconds} if source is None else {}),
                         **memory, "resident_bits_per_coordinate": 8 * memory["kv_bytes"] / stored}, before
 
-    def _decoded(self, caches, seconds, untimed, host, peak, growth) -> dict:
-        """A row's decode fields from its timed steps ``seconds``, untimed ones, host times and decode peak."""
+    def _decoded(self, caches, seconds, untimed, host, build, peak, growth) -> dict:
+        """A row's decode fields from its timed steps ``seconds``, untimed ones, host times (whole, and the build
+        before ``mx.async_eval``: :func:`kvq.bench.fill.decode`) and decode peak."""
         s = self.settings
         return {"peak_memory": peak, "peak_memory_growth": growth,
                 "attend_implementation": attend_implementation(caches[0], self.model, s),
                 **latency_summary(seconds, s.batch), "host_ms": host_summary(host),
+                "build_ms": host_summary(build),
                 "warmup_ms": [round(t * 1e3, 4) for t in untimed], "error": None}
 
     def _describe(self, spec: MethodSpec, context: int) -> dict:

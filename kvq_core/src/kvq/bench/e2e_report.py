@@ -8,7 +8,7 @@ from .output import cache_style, context_axis, header_lines, pyplot, tables_by_c
 
 MIB = 2**20
 COLUMNS = ("method", "cache", "bits/coord (eff.)", "KV MiB (x kvcache)", "measured MiB (x kvcache)", "decode peak MiB",
-           "ms/step mean, median [p10, p90]", "host ms/step median", "tokens/s (x kvcache)", "attend")
+           "ms/step mean, median [p10, p90]", "host ms/step median (build)", "tokens/s (x kvcache)", "attend")
 NOTES = """Columns: bits/coord = stored bits per coordinate of compressed tokens (codes + norms + scales), keys and \
 values averaged; eff. = over the whole context with a kvq cache's sinks and window at 16 bits. KV MiB = the caches' \
 nbytes after the fill (allocated, preallocation included); measured = growth of mx.get_active_memory() from before \
@@ -16,8 +16,10 @@ the caches were made to after the fill; decode peak = mx.get_peak_memory() durin
 the caches were made (caches + decode temporaries). ms/step: one decode step (one greedy token for each \
 sequence: one, or the --batch count), the steps pipelined as mlx_lm.generate runs them, after the warmup steps; \
 host ms/step = the time Python spent building the next step's graph and MLX queueing it (mx.async_eval, which \
-on MLX's CUDA back end encodes it into CUDA graphs): where it is about the whole step, the host set the pace \
-(benchmarks/decode_host_split.py splits it; on the CPU the two come out equal); tokens/s = sequences / mean step \
+on MLX's CUDA back end encodes it into CUDA graphs and can wait there for the device), and in brackets the build \
+alone (before mx.async_eval): where the build is about the whole step, the host set the pace; a host time about \
+the whole step with a short build is a wait for the device (benchmarks/decode_host_split.py splits it further; on \
+the CPU host and step come out equal); tokens/s = sequences / mean step \
 (a kvq cache's window flush, once every flush steps, counts). \
 kvcache = mlx-lm's KVCache in the model's dtype, the reference (fp16 in older files); mlx-affine:N = mlx-lm's QuantizedKVCache (kv_bits N, group 64); the \
 others are kvq caches."""
@@ -36,7 +38,8 @@ def _rounds(settings: dict) -> str:
 
 def _host(r: dict) -> str:
     host = (r.get("host_ms") or {}).get("median")  # absent from results written before it was measured
-    return "-" if host is None else f"{host:.3g}"
+    build = (r.get("build_ms") or {}).get("median")  # absent before 2026-12-07
+    return "-" if host is None else f"{host:.3g}" + ("" if build is None else f" ({build:.3g})")
 
 
 def _rate(value: float) -> str:
