@@ -362,16 +362,21 @@ def _most_compressed(cache: list) -> int | None:
     return max(counts) if counts else None
 
 
+def _first_config(cache: list):
+    """The first kvq cache's :class:`~kvq.cache.CacheConfig`; ``None`` without kvq caches."""
+    return next((c.config for c in cache if hasattr(c, "config")), None)
+
+
 def _schedule(cache: list) -> tuple[int, int, int] | None:
     """The first kvq cache's ``(sinks, window, flush_tokens)``; ``None`` without kvq caches."""
-    config = next((c.config for c in cache if hasattr(c, "config")), None)
+    config = _first_config(cache)
     return None if config is None else (config.sinks, config.window, config.flush_tokens)
 
 
 def _least_flush(cache: list) -> int | None:
     """The first kvq cache's flush with ``flush=1`` (:attr:`kvq.cache.CacheConfig.flush_tokens`: the least common
     multiple of its methods' blocks); ``None`` without kvq caches."""
-    config = next((c.config for c in cache if hasattr(c, "config")), None)
+    config = _first_config(cache)
     return None if config is None else attrs.evolve(config, flush=1).flush_tokens
 
 
