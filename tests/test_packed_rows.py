@@ -2,6 +2,8 @@
 the same stored codes and the same attention as its rows decoding one by one (issue #22: batched decode in one
 launch)."""
 
+import io
+
 import attrs
 import mlx.core as mx
 import pytest
@@ -336,3 +338,35 @@ def test_packed_layers_grow_on_steps_of_their_own(lengths, monkeypatch):
         assert len(grew) <= 1, (t, grew)
         growths += len(grew)
     assert growths >= layers  # every layer grew (16-token steps, 8 tokens a flush, 40 steps)
+
+
+def graph_nodes(*arrays) -> int:
+    """Operations and inputs in the unevaluated graph of ``arrays`` (MLX's DOT export, one labelled line each)."""
+    dot = io.StringIO()
+    mx.export_to_dot(dot, *arrays)
+    return sum("label" in line for line in dot.getvalue().splitlines())
+
+
+def test_a_ragged_window_write_costs_what_an_even_one_does():
+    """Issue #52: rows whose windows hold different counts (mlx-lm's BatchGenerator admits prompts in waves, so rows
+    end a few tokens apart) write a decode token with one scatter a side, as rows of one count write it with one
+    slice update: the graph of a ragged append is at most a few nodes larger than an even one's (2 and 6 nodes
+    here; the advanced-index assignment it replaced built 29), and writes each row's token at its own count."""
+    nodes = {}
+    for lengths in ((14, 14, 14), (9, 14, 22)):
+        packed, _ = batch_pair(config("turboquant"), lengths)
+        decode((packed,), 1)  # packs the rows
+        rows = packed._packed
+        before = list(rows.window_lengths)
+        mx.eval(rows.window_keys, rows.window_values, rows.lengths())
+        dtype = rows.window_keys.dtype
+        k = mx.random.normal((3, 2, 1, 64), key=mx.random.key(3)).astype(dtype)
+        v = mx.random.normal((3, 2, 1, 64), key=mx.random.key(4)).astype(dtype)
+        mx.eval(k, v)
+        packed.update_and_fetch(k, v)
+        nodes[lengths] = graph_nodes(rows.window_keys, rows.window_values)
+        for b, n in enumerate(before):
+            assert mx.array_equal(rows.window_keys[b, :, n], k[b, :, 0]).item()
+            assert mx.array_equal(rows.window_values[b, :, n], v[b, :, 0]).item()
+        assert rows.window_lengths == [n + 1 for n in before]
+    assert nodes[(9, 14, 22)] <= nodes[(14, 14, 14)] + 6, nodes

@@ -212,19 +212,25 @@ class PackedRows:
         if not done and all(m == n for m in lengths):
             self.window_keys[:, :, n : n + 1] = keys
             self.window_values[:, :, n : n + 1] = values
-        elif not done:  # each row's token at its own window count, read on the device (no per-row host list)
-            rows, slots = mx.arange(B), self.lengths()[:, 1]
-            self.window_keys[rows, :, slots] = keys[:, :, 0]
-            self.window_values[rows, :, slots] = values[:, :, 0]
+        elif not done:  # each row's token at its own window count, read on the device (no per-row host list):
+            # one scatter along the token axis a side, the slots [B, 1, 1, 1] broadcast over heads and channels
+            # (an advanced-index assignment builds ~16 graph nodes a side here, issue #52)
+            slots = self.lengths()[:, 1:].reshape(B, 1, 1, 1)
+            self.window_keys = mx.put_along_axis(self.window_keys, slots, keys, axis=2)
+            self.window_values = mx.put_along_axis(self.window_values, slots, values, axis=2)
         elif len(done) < B:  # every row in done (each made its first compression this step): nothing to write
             rest = [b for b in range(B) if b not in done]
             rows, slots = mx.array(rest), mx.array([lengths[b] for b in rest])
             self.window_keys[rows, :, slots] = mx.take(keys, rows, axis=0)[:, :, 0]
             self.window_values[rows, :, slots] = mx.take(values, rows, axis=0)[:, :, 0]
-        for b in range(B):
-            if b not in done:
-                self.window_lengths[b] += 1
-                self.offsets[b] += 1
+        if not done:
+            self.window_lengths = [n + 1 for n in lengths]
+            self.offsets = [n + 1 for n in self.offsets]
+        else:
+            for b in range(B):
+                if b not in done:
+                    self.window_lengths[b] += 1
+                    self.offsets[b] += 1
         # the per-row counts on the device, advanced by one device operation each (moved by a flush, rebuilt after
         # a change of rows)
         if self._lengths is not None:
