@@ -12,6 +12,7 @@ from mlx_lm.generate import generate_step
 
 from kvq.cache import BatchKVQCache, KVQCache, make_config, make_prompt_cache, patch_model, unpatch_model
 from kvq.cache.packable import packable
+from kvq.cache import packed as packed_module
 from kvq.cache.packed import PackedRows
 
 from conftest import batch_greedy
@@ -89,6 +90,20 @@ def test_packed_decode_matches_rows_alone(method, lengths):
         for side_ours, side_theirs in zip(ours, theirs):
             assert all(mx.array_equal(side_ours[k], side_theirs[k]).item() for k in side_theirs)
     assert not packed.packed  # reading its rows unpacked it
+
+
+@pytest.mark.parametrize("method", ["affine", "turboquant"])
+@pytest.mark.parametrize("lengths", [(9, 14, 22), (13, 14, 17)])
+def test_flushes_written_by_scatter_match_rows_alone(method, lengths, monkeypatch):
+    """The scatter writes of flushing rows (taken where more than ``SLICED_ROWS`` rows flush in one step; forced
+    here) give what the per-row slice updates and the rows alone give: every step's attention and the codes."""
+    monkeypatch.setattr(packed_module, "SLICED_ROWS", 0)
+    packed, plain = batch_pair(config(method), lengths)
+    for got, want in decode((packed, plain), 13):
+        assert mx.allclose(got, want, **TOL).item()
+    for ours, theirs in zip(codes(packed), codes(plain)):
+        for side_ours, side_theirs in zip(ours, theirs):
+            assert all(mx.array_equal(side_ours[k], side_theirs[k]).item() for k in side_theirs)
 
 
 def test_packed_centred_layer_matches_rows():

@@ -40,6 +40,10 @@ from .store import spare
 from .views import plain_mask
 
 
+#: At most this many rows flushing in one decode step are written with slice updates of their own (a few nodes
+#: per row and field); more take one scatter per field (~16 nodes however many rows: issue #52).
+SLICED_ROWS = 4
+
 #: What one decode token adds to a row's (compressed, window) counts.
 _NEXT_WINDOW_TOKEN = mx.array([[0, 1]], dtype=mx.int32)
 
@@ -310,12 +314,21 @@ class PackedRows:
     def _flush_rows(self, rows: list) -> None:
         """Compress the oldest ``flush`` window tokens of the full-window ``rows`` into their compressed tokens, as
         each row alone would: one encoding call for these rows (``[len(rows), H, flush, D]``; quantizers encode
-        every token on its own), whole-batch writes where every row flushes at the same count and otherwise one scatter
-        per code field and one per window buffer (issue #52: no per-row host work in a decode step)."""
+        every token on its own), then the writes (issue #52: no per-row host work in a decode step): whole-batch
+        slice updates where every row flushes at the same count; a slice update per row and field where at most
+        :data:`SLICED_ROWS` rows flush (rows of different lengths flush on different steps, mostly one at a time);
+        otherwise one scatter per code field and one per window buffer."""
         f, full = self._flush, self.window_keys.shape[2]
         every = len(rows) == self.batch
-        index = None if every else mx.array(rows)  # the flushing rows: their gathers, and scatters where counts differ
-        pick = (lambda x: x) if every else (lambda x: mx.take(x, index, axis=0))
+        sliced = not every and len(rows) <= SLICED_ROWS
+        one = sliced and len(rows) == 1
+        index = None if every or one else mx.array(rows)  # the flushing rows' gathers and scatters
+        if every:
+            pick = (lambda x: x)
+        elif one:  # a view of the row, no gather
+            pick = (lambda x, b=rows[0]: x[b : b + 1])
+        else:
+            pick = (lambda x: mx.take(x, index, axis=0))
         keys, values = pick(self.window_keys[:, :, :f]), pick(self.window_values[:, :, :f])
         mean = None if self.key_mean is None else pick(self.key_mean)
         inverse = None if self.key_scale is None else pick(self.transform.inverse)
@@ -325,13 +338,16 @@ class PackedRows:
         if needed > self.capacity:  # with the next flush's room (store.spare)
             self._grow(needed + spare(needed, f))
         same = every and all(c == counts[0] for c in counts)
-        if not same:  # each row's codes go to its own count: one scatter per field, [rows, f] token positions
+        if not same and not sliced:  # each row's codes go to its own count: one scatter per field
             row_index = (mx.arange(self.batch) if index is None else index)[:, None]
             positions = mx.array(counts)[:, None] + mx.arange(f)[None]
         for side, enc in zip(self.sides, encoded):
             for name, array in enc.data.items():
                 if same:
                     side[name][:, :, counts[0] : counts[0] + f] = array
+                elif sliced:
+                    for i, (b, c) in enumerate(zip(rows, counts)):
+                        side[name][b : b + 1, :, c : c + f] = array[i : i + 1]
                 else:  # [n, H, f, W] written at [n, f] (advanced indices first, then the heads and words)
                     side[name][row_index, :, positions] = mx.swapaxes(array, 1, 2)
         # the tokens that stay move to the front (a new array: a slice assignment from the same buffer could
@@ -339,6 +355,9 @@ class PackedRows:
         for buffer in (self.window_keys, self.window_values):
             if every:
                 buffer[:, :, : full - f] = mx.array(buffer[:, :, f:full])
+            elif sliced:
+                for b in rows:
+                    buffer[b : b + 1, :, : full - f] = mx.array(buffer[b : b + 1, :, f:full])
             else:
                 buffer[index, :, : full - f] = pick(buffer)[:, :, f:full]
         for b in rows:
@@ -351,7 +370,10 @@ class PackedRows:
             self._bound = None
         if self._lengths is not None:
             delta = mx.array([[f, -f]], dtype=mx.int32)
-            self._lengths = self._lengths + delta if every else self._lengths.at[index].add(delta)
+            if every:
+                self._lengths = self._lengths + delta
+            else:
+                self._lengths = self._lengths.at[mx.array(rows) if index is None else index].add(delta)
 
     def _encoded(self, side: int, tokens: int) -> Encoded:
         """The rows' compressed tokens of ``side`` (0 keys, 1 values) up to ``tokens``; at the capacity, the
