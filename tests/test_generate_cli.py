@@ -292,6 +292,9 @@ def test_method_that_does_not_support_the_head_dim(default_folder, capsys):
     (["--method", "turboquant:3", "--sinks", "-1"], "--sinks must be an integer >= 0; got -1"),
     (["--flush", "0"], "--flush must be an integer >= 1; got 0"),
     (["--method", "turboquant:3", "--bits", "4"], "carries its own parameters: drop --bits"),
+    (["--method", "turboquant:4[window=16,flush=16]", "--window", "64"],
+     "sets window=16; got --window 64 as well: give each once"),
+    (["--method", "affine", "--bits", "4", "--param", "bits=3"], "--bits 4 and --param bits=3 disagree"),
     (["--method", "mlx-affine:4"], "mlx-affine (mlx-lm's own cache) is for kvq eval"),
     (["--method", "qjl"], "qjl compresses keys only"),
     (["--temp", "-1"], "--temp must be >= 0"),
@@ -339,3 +342,28 @@ def test_filled_cache_bytes_measures_the_cache_not_the_chunk_it_was_filled_with(
     assert nbytes > 0 and abs(measured - nbytes) <= 0.05 * nbytes
     nbytes3, measured3 = quality.filled_cache_bytes(model, 700, "turboquant", bits=3, sinks=4, window=128)
     assert nbytes3 < nbytes and abs(measured3 - nbytes3) <= 0.1 * nbytes3
+
+
+def test_sizes_of_a_model_with_sliding_window_layers_count_its_full_layers():
+    """Gemma 3's first layers keep a sliding window (16 tokens here): `kvq generate` counts the tokens the
+    full-attention layer holds (it had reported layer 0's window, and sized the fp16 reference for that many tokens
+    in every layer), and the reference filled with zeros holds what a real prefill and one decode token leave in
+    mlx-lm's caches (filled in one update, the sliding layers had kept every token)."""
+    from mlx_lm.models import cache as mlx_cache
+
+    from kvq import quality
+    from kvq.cache import make_prompt_cache
+    from kvq.cli.generate_cmd import PREFILL_STEP, filled_reference_bytes, prefill, tokens_held
+    from test_architectures import tiny
+
+    model = tiny("gemma3_text")
+    ids = [int(i) for i in mx.random.randint(0, 128, (PREFILL_STEP + 40,), key=mx.random.key(0))]
+    real = mlx_cache.make_prompt_cache(model)
+    prefill(model, real, ids[:-1])
+    mx.eval(model(mx.array([ids[-1:]]), cache=real))
+    assert [layer.size() for layer in real] == [16] * 5 + [len(ids)]
+    assert tokens_held(real) == len(ids)
+    assert filled_reference_bytes(model, len(ids))[0] == quality.cache_nbytes(real)
+    ours = make_prompt_cache(model, "turboquant:4")
+    prefill(model, ours, ids)
+    assert tokens_held(ours) == len(ids)

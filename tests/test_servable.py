@@ -1,6 +1,6 @@
 """kvq never hands a model an object it cannot use (issue #25): a model whose attention handles keys and values
 itself (mlx-lm's stablelm casts them) keeps mlx-lm's caches, with a warning naming the error; the probe builds a
-forward pass lazily, once per model class, and blames kvq only when mlx-lm's caches pass it."""
+forward pass lazily, once per model class and cache settings, and blames kvq only when mlx-lm's caches pass it."""
 
 from __future__ import annotations
 
@@ -37,12 +37,40 @@ def test_llama_is_served_and_probed_once(llama_model, monkeypatch):
     calls = []
     real = servable._builds
     monkeypatch.setattr(servable, "_builds", lambda model, caches: calls.append(1) or real(model, caches))
-    servable._VERDICTS.pop(type(llama_model), None)
+    for key in [key for key in servable._VERDICTS if key[0] is type(llama_model)]:
+        del servable._VERDICTS[key]
     with warnings.catch_warnings():
         warnings.simplefilter("error", UnservableModelWarning)
         for _ in range(3):
             assert all(isinstance(c, KVQCache) for c in kvq.make_prompt_cache(llama_model, "affine", bits=4))
-    assert len(calls) == 1  # one probe with kvq's caches, which built; the verdict is kept for the class
+    assert len(calls) == 1  # one probe with kvq's caches, which built; the verdict is kept for class and settings
+
+
+def test_a_setting_that_fails_the_probe_leaves_the_model_served_for_others():
+    """A new user's float bits (``key_params={"bits": 4.0}``) reached MLX's quantize inside the probe, and the
+    verdict, kept per model class, then gave every later cache of that model mlx-lm's caches. Verdicts are kept per
+    settings now, and whole-valued float parameters are ints."""
+
+    class Model:
+        def __call__(self, tokens, cache=None):
+            if cache == ["bad"]:
+                raise TypeError("quantize(): incompatible function arguments")
+
+    model = Model()
+    bad = servable.unservable_reason(model, lambda: ["bad"], lambda: ["mlx"], settings="bad")
+    assert bad == "TypeError: quantize(): incompatible function arguments"
+    assert servable.unservable_reason(model, lambda: ["good"], lambda: ["mlx"], settings="good") is None
+    assert servable.unservable_reason(model, lambda: ["bad"], lambda: ["mlx"], settings=["unhashable"]) == bad
+
+
+def test_whole_float_bits_make_kvq_caches(llama_model):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnservableModelWarning)
+        caches = kvq.make_prompt_cache(llama_model, key_method="affine", value_method="affine",
+                                       key_params={"bits": 4.0}, window=0, sinks=0, flush=1)
+    assert all(isinstance(c, KVQCache) for c in caches)
+    assert caches[0].config.key_params.bits == 4 and type(caches[0].config.key_params.bits) is int
+    assert kvq.make_params("turboquant", bits=4.0, outlier_channels=0.0) == kvq.make_params("turboquant", bits=4)
 
 
 def test_a_probe_that_fails_with_mlx_lm_caches_too_blames_nothing():

@@ -79,6 +79,8 @@ class Method:
     def make_params(self, **kwargs: Any):
         """Build validated parameters, naming the allowed parameters when one is unknown.
 
+        Whole-valued floats (``bits=4.0``) of parameters annotated ``int`` are taken as ints.
+
         :raises TypeError: an unknown parameter name.
         :raises ValueError: a value out of range (raised by the parameter class's validators).
         """
@@ -89,4 +91,19 @@ class Method:
                 f"unknown parameter(s) {', '.join(unknown)} for method {self.name!r}; "
                 f"allowed: {', '.join(fields) or '(none)'}"
             )
-        return self.params_class(**kwargs)
+        ints = {f.name for f in attrs.fields(self.params_class) if _whole_number_field(f)}
+        return self.params_class(**{k: int(v) if k in ints and _whole_float(v) else v for k, v in kwargs.items()})
+
+
+def _whole_float(value) -> bool:
+    """A float with no fraction (``4.0``: what a JSON file or arithmetic may give for ``4``)."""
+    return isinstance(value, float) and value.is_integer()
+
+
+def _whole_number_field(field: attrs.Attribute) -> bool:
+    """Whether a parameter holds whole numbers (annotated ``int`` or ``int | None``, not ``float``): its
+    whole-valued floats are taken as ints, as :func:`kvq.make_config` takes ``bits=4.0``, so ``4.0`` is ``4``
+    everywhere (a float reaching a code width had passed the range check and failed inside the quantizer)."""
+    kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", repr(field.type))
+    words = set(kind.replace("|", " ").replace(",", " ").replace("[", " ").replace("]", " ").split())
+    return "int" in words and "float" not in words

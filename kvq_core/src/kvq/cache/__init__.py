@@ -223,7 +223,7 @@ def make_prompt_cache(model, method: str | None = "affine", *, max_kv_size: int 
     ``max_size`` and ``keep`` (its ``keep`` tokens, not ``sinks``, stay uncompressed); other caches (SSM state) are
     kept. With ``max_kv_size``, the plain layers get ``RotatingKVQCache(max_size=max_kv_size, keep=4)``, what
     mlx-lm's ``make_prompt_cache`` gives a model without ``make_cache``. A model whose attention cannot use kvq's
-    caches (it handles keys and values itself: :mod:`kvq.cache.servable`, probed once per model class) keeps
+    caches (it handles keys and values itself: :mod:`kvq.cache.servable`, probed once per model class and settings) keeps
     mlx-lm's caches, with an :class:`UnservableModelWarning` naming the error. Layer ``i`` of ``model.layers`` gets
     ``config.for_layer(first + i)``, where ``first`` is the index of this
     rank's first layer in the whole model (:func:`~kvq.cache.sharding.first_layer`: 0 unless pipeline parallel),
@@ -278,7 +278,7 @@ def make_prompt_cache(model, method: str | None = "affine", *, max_kv_size: int 
                 for i, c in enumerate(made)]
 
     if heads is None and first == 0:  # (a sharded model's forward pass talks to other ranks: not probed)
-        reason = unservable_reason(model, kvq_caches, mlx_caches)
+        reason = unservable_reason(model, kvq_caches, mlx_caches, settings=(config, max_kv_size))
         if reason is not None:
             model_type = getattr(getattr(model, "args", None), "model_type", type(model).__module__)
             warnings.warn(f"kvq cannot serve the attention of this model ({model_type}: with kvq's caches its "

@@ -82,8 +82,12 @@ def cache_options(args: argparse.Namespace) -> dict:
     calibration unless ``--param model_id=...`` names another, and parameters that cannot encode yet (no such
     calibration) fail here, before the model is loaded (:func:`kvq.evaluation.spec.for_model`).
 
+    ``--sinks``, ``--window`` and ``--flush`` default to 4, 128 and :data:`kvq.cache.DEFAULT_FLUSH`; where a
+    method string sets one too (``turboquant:4[window=16]``), it is refused with another value.
+
     :raises ValueError: such a combination, a string that does not parse, bad or unready parameters, ``--sinks``
-        or ``--window`` below 0, ``--flush`` below 1.
+        or ``--window`` below 0, ``--flush`` below 1, a method string's sinks/window/flush or ``--param bits=``
+        contradicted by ``--sinks``/``--window``/``--flush`` or ``--bits``.
     """
     from ..cache.method_string import KVQ_FP16, REFERENCE, is_method_string, parse_method
 
@@ -93,10 +97,14 @@ def cache_options(args: argparse.Namespace) -> dict:
                    "kvq keeps the models it converts under kvq.models.models_dir())")
         raise ValueError(f"--method {REFERENCE} is the reference (mlx-lm's KVCache), which kvq does not compress: "
                          f"{compare}; kvq's own 16-bit cache is --method fp16 ({KVQ_FP16} in method strings)")
+    stated = {}  # --sinks, --window, --flush as given (None: not given; the parser's defaults are None)
     for name, low in (("sinks", 0), ("window", 0), ("flush", 1)):  # named as the command line spells them
         value = getattr(args, name, None)
         if value is not None and value < low:
             raise ValueError(f"--{name} must be an integer >= {low}; got {value}")
+        if value is not None:
+            stated[name] = value
+    layout = {**_LAYOUT_DEFAULTS, **stated}
     if is_method_string(args.method):
 
         given = [name for name, value in (("--bits", args.bits), ("--param", args.param),
@@ -110,14 +118,21 @@ def cache_options(args: argparse.Namespace) -> dict:
         if spec.is_mlx:
             raise ValueError(f"--method {args.method!r}: mlx-affine (mlx-lm's own cache) is for kvq eval and "
                              f"kvq bench; use --method affine for kvq's")
-        # a method string's own sinks/window/flush ("affine:4[flush=128]") win over the options' defaults
-        return _for_model({**spec.cache_kwargs(args.sinks, args.window, getattr(args, "flush", 1)),
+        # a method string's own sinks/window/flush ("affine:4[flush=128]") win over the options' defaults; given
+        # both ways with different values, neither is picked silently
+        clash = [name for name, value in stated.items() if spec.cache_options.get(name, value) != value]
+        if clash:
+            raise ValueError(f"--method {args.method!r} sets "
+                             f"{', '.join(f'{n}={spec.cache_options[n]}' for n in clash)}; got "
+                             f"{', '.join(f'--{n} {stated[n]}' for n in clash)} as well: give each once")
+        return _for_model({**spec.cache_kwargs(layout["sinks"], layout["window"], layout["flush"]),
                            "kernels": getattr(args, "kernels", "auto")}, args.model)
     shared = dict(parse_param(p) for p in args.param)
     if args.bits is not None:
+        if "bits" in shared and shared["bits"] != args.bits:
+            raise ValueError(f"--bits {args.bits} and --param bits={shared['bits']} disagree: give bits once")
         shared["bits"] = args.bits
-    options = {"method": args.method, "sinks": args.sinks, "window": args.window,
-               "kernels": getattr(args, "kernels", "auto"), "flush": getattr(args, "flush", 1), **shared}
+    options = {"method": args.method, **layout, "kernels": getattr(args, "kernels", "auto"), **shared}
     if args.key_method or args.key_param:
         options["key_method"] = args.key_method
         options["key_params"] = dict(parse_param(p) for p in args.key_param)
@@ -143,6 +158,9 @@ def _for_model(options: dict, model: str | None) -> dict:
                    + [f"--param {name}=..." for name in cache_settings() if name not in _CACHE_OPTIONS])
         raise ValueError(f"{exc.method_message}; the cache's own settings: {', '.join(spelled)}") from None
 
+
+#: What ``--sinks``, ``--window`` and ``--flush`` default to (:func:`kvq.cache.make_config`'s defaults).
+_LAYOUT_DEFAULTS = {"sinks": 4, "window": 128, "flush": DEFAULT_FLUSH}
 
 #: The option of :func:`add_cache_arguments` that sets each cache setting (:func:`kvq.cache.cache_settings`); the
 #: others go through ``--param NAME=VALUE``.
@@ -308,7 +326,7 @@ def run_cache(model, tokenizer, ids: list[int], options: dict, max_tokens: int, 
     del response
     measured = quality.settle() - before
     return Run(label, options, tokens, "".join(pieces), len(ids), len(ids) / (prefill_seconds + first_token_seconds),
-               generation_tps, cache[0].size(), quality.cache_nbytes(cache), measured, logprobs, comparison,
+               generation_tps, tokens_held(cache), quality.cache_nbytes(cache), measured, logprobs, comparison,
                _most_compressed(cache), _schedule(cache), _least_flush(cache))
 
 
@@ -324,19 +342,29 @@ def _make_cache(model, options: dict) -> tuple[list, str]:
     return make_prompt_cache(model, **options), cache_label(options)
 
 
+def tokens_held(cache: list) -> int:
+    """Tokens of the sequence the caches hold: the most any layer holds (a sliding-window layer, often layer 0 as
+    in Gemma 3, holds only its window)."""
+    return max(layer.size() for layer in cache)
+
+
 def filled_reference_bytes(model, num_tokens: int) -> tuple[int, int]:
     """``(nbytes, measured)`` of the reference caches filled with ``num_tokens`` zeros in the model's dtype (sizes
-    do not depend on the values)."""
+    do not depend on the values), as a run fills them: the prompt but its last token in chunks of
+    :data:`PREFILL_STEP`, then one token (a sliding-window layer trims to its window at that single-token update;
+    filled in one update it would hold every token)."""
     from ..evaluation.spec import model_dtype
 
     kv_heads, key_dim, value_dim = quality.kv_layout(model)
     cache, _ = _make_cache(model, REFERENCE)
     dtype = model_dtype(model)
+    chunks = [min(PREFILL_STEP, num_tokens - 1 - start) for start in range(0, num_tokens - 1, PREFILL_STEP)] + [1]
     before = quality.settle()
     for layer in cache:
-        layer.update_and_fetch(mx.zeros((1, kv_heads, num_tokens, key_dim), dtype),
-                               mx.zeros((1, kv_heads, num_tokens, value_dim), dtype))
-        mx.eval(layer.state)
+        for n in chunks:
+            layer.update_and_fetch(mx.zeros((1, kv_heads, n, key_dim), dtype),
+                                   mx.zeros((1, kv_heads, n, value_dim), dtype))
+            mx.eval(layer.state)
     return quality.cache_nbytes(cache), quality.settle() - before
 
 
@@ -474,9 +502,10 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--value-method", default=None, help="method for the values only")
     p.add_argument("--key-param", action="append", default=[], metavar="NAME=VALUE", help="keys' parameter")
     p.add_argument("--value-param", action="append", default=[], metavar="NAME=VALUE", help="values' parameter")
-    p.add_argument("--sinks", type=int, default=4, help="first tokens kept uncompressed (default 4)")
-    p.add_argument("--window", type=int, default=128, help="recent tokens kept uncompressed (default 128)")
-    p.add_argument("--flush", type=int, default=DEFAULT_FLUSH, metavar="N",
+    # defaults None: cache_options tells them from values given (a method string's own may not be contradicted)
+    p.add_argument("--sinks", type=int, default=None, help="first tokens kept uncompressed (default 4)")
+    p.add_argument("--window", type=int, default=None, help="recent tokens kept uncompressed (default 128)")
+    p.add_argument("--flush", type=int, default=None, metavar="N",
                    help=f"tokens leave the window in blocks of N (default {DEFAULT_FLUSH}): a decode step is then an "
                         "append, and quantizing runs once every N steps; 1 compresses every step")
     p.add_argument("--kernels", choices=KERNELS, default="auto",
