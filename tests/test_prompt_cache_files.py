@@ -240,6 +240,21 @@ def test_missing_file_and_reserved_metadata_key(saved, tmp_path):
         kvq.load_prompt_cache(str(tmp_path))
     with pytest.raises(ValueError, match="'kvq_checksum' is kvq's"):
         kvq.save_prompt_cache(str(tmp_path / "x.safetensors"), saved[1], {"kvq_checksum": "mine"})
+    with pytest.raises(ValueError, match="metadata: safetensors stores strings only .*'turn': 1"):
+        kvq.save_prompt_cache(str(tmp_path / "x.safetensors"), saved[1], {"turn": 1})
+
+
+def test_a_name_saved_without_its_suffix_loads_by_the_same_name(saved, tmp_path):
+    """save_prompt_cache("chat", ...) writes chat.safetensors (as mlx-lm's does); load_prompt_cache("chat") reads
+    it (a new user's round trip had failed with "does not exist")."""
+    cache = saved[1]
+    kvq.save_prompt_cache(str(tmp_path / "chat"), cache, {"note": "bare"})
+    assert (tmp_path / "chat.safetensors").is_file() and not (tmp_path / "chat").exists()
+    loaded, metadata = kvq.load_prompt_cache(str(tmp_path / "chat"), return_metadata=True)
+    assert metadata == {"note": "bare"} and len(loaded) == len(cache)
+    mine, theirs = dict(tree_flatten(loaded[0].state)), dict(tree_flatten(cache[0].state))
+    assert mine.keys() == theirs.keys()
+    assert all(mx.array_equal(v, theirs[k]).item() for k, v in mine.items() if isinstance(v, mx.array))
 
 
 # -- item 10: mlx-lm's loader in a fresh process (issue #50: after the documented call, not an import hook) ----

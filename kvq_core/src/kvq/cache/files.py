@@ -45,10 +45,14 @@ def save_prompt_cache(file_name: str, cache: list, metadata: dict[str, str] | No
     Cost: every array is evaluated and hashed once (SHA-256, roughly 1 GB/s on one CPU core).
 
     :param metadata: strings to store with the caches (``load_prompt_cache(..., return_metadata=True)``).
-    :raises ValueError: ``metadata`` uses kvq's key :data:`~kvq.cache.state.FILE_CHECKSUM`, or a cache's state
-        holds a value that cannot be stored.
+    :raises ValueError: ``metadata`` is not a dict of strings to strings, uses kvq's key
+        :data:`~kvq.cache.state.FILE_CHECKSUM`, or a cache's state holds a value that cannot be stored.
     """
     metadata = dict(metadata or {})
+    odd = [f"{k!r}: {v!r}" for k, v in metadata.items() if not (isinstance(k, str) and isinstance(v, str))]
+    if odd:
+        raise ValueError(f"metadata: safetensors stores strings only (keys and values); got {', '.join(odd[:3])}"
+                         f" (e.g. str(value))")
     if FILE_CHECKSUM in metadata:
         raise ValueError(f"metadata: the key {FILE_CHECKSUM!r} is kvq's (the file's checksum)")
     digests: dict = {}  # every array is hashed once, for its layer's checksum and the file's
@@ -93,6 +97,8 @@ def load_prompt_cache(file_name: str, *, expect: CacheConfig | None = None, retu
         parameters (state that a layer fitted from data, such as TurboQuant's data-chosen outlier channels, comes
         from the file), or be an outlier layer stored with affine 8-bit (:mod:`kvq.cache.guard`). ``expect``'s
         sinks, window and flush are not compared: the file carries its own, and the loaded cache keeps them.
+    :param file_name: the file; a name without ``.safetensors`` (as given to :func:`save_prompt_cache`, which adds
+        it) is read with it where no file of the bare name exists.
     :raises FileNotFoundError: no file ``file_name`` (:class:`IsADirectoryError` for a directory).
     :raises ValueError: naming ``file_name``: a file that is truncated or damaged (it cannot be read, or it does
         not match its checksum), one written by another kvq format, one of a method that is not installed, or one
@@ -100,6 +106,8 @@ def load_prompt_cache(file_name: str, *, expect: CacheConfig | None = None, retu
     """
     if os.path.isdir(file_name):
         raise IsADirectoryError(f"prompt-cache file {file_name!r} is a directory")
+    if not os.path.isfile(file_name) and os.path.isfile(f"{file_name}.safetensors"):
+        file_name = f"{file_name}.safetensors"  # what save_prompt_cache(file_name, ...) wrote, as mlx-lm's does
     if not os.path.isfile(file_name):
         raise FileNotFoundError(f"prompt-cache file {file_name!r} does not exist")
     try:
