@@ -109,16 +109,16 @@ def parse_ops(text: str | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(ops))
 
 
-def parse_sizes(text: str, name: str = "--sizes") -> tuple[int, ...]:
+def parse_sizes(text: str, name: str = "--sizes", example: str = "1K,64K,1M") -> tuple[int, ...]:
     """``"256,4K,1M"`` -> ``(256, 4096, 1048576)`` (K, M, G, T are powers of 1024), sorted, unique.
-    :raises ValueError: not positive integers (``name`` is the option named in the message)."""
+    :raises ValueError: not positive integers (``name`` is the option named in the message, with ``example``)."""
     values = []
     for item in (t.strip().upper() for t in text.split(",") if t.strip()):
         scale = _SUFFIX.get(item[-1:], 1)
         digits = item[:-1] if scale > 1 else item
         if not digits.isdigit() or int(digits) < 1:
             raise ValueError(f"{name} must be positive integers separated by commas (K, M, G, T suffixes allowed, "
-                             f"e.g. 1K,64K,1M); got {text!r}")
+                             f"e.g. {example}); got {text!r}")
         values.append(int(digits) * scale)
     if not values:
         raise ValueError(f"{name} must list at least one size; got {text!r}")

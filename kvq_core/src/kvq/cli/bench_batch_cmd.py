@@ -72,7 +72,7 @@ def check(args) -> dict:
     at_least(("--prompt", prompt, 1), ("--tokens", args.tokens, 2), ("--chunk", args.chunk, 1),
               ("--warmup", args.warmup, 0), ("--reps", args.reps, 1), ("--sinks", args.sinks, 0),
               ("--window", args.window, 0), ("--flush", args.flush, 1))
-    batches = parse_sizes(args.batches, "--batches") if args.batches else (1, 4) if on_cpu else (1, 8)
+    batches = parse_sizes(args.batches, "--batches", "1,8,32") if args.batches else (1, 4) if on_cpu else (1, 8)
     random = is_random(args.model)
     name, config, path = _model_config(args)
     limit = config.get("max_position_embeddings")

@@ -32,7 +32,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default=None,
                    help=f"comma-separated method strings (default: {','.join(DEFAULT_METHODS)}, if installed)")
     p.add_argument("--context", default=None, help="tokens per sequence, K suffix allowed (see below)")
-    p.add_argument("--budget", default=None, help="bytes the run may hold, K/M/G suffixes (see below)")
+    p.add_argument("--budget", "--memory", dest="budget", default=None, help="bytes the run may hold, K/M/G suffixes (see below)")
     p.add_argument("--safety", type=float, default=0.9,
                    help="fraction of the predicted headroom the first batch tried may use (default 0.9)")
     p.add_argument("--max-batch", type=int, default=1024, help="the largest batch tried (default 1024)")

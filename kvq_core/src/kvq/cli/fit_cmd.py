@@ -39,7 +39,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvq fit", description=__doc__.split("\n\n")[0].replace("``", ""),
                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model name, folder, Hub id, or random:PRESET (default model)")
-    p.add_argument("--memory", default=None, help="bytes in all, K/M/G/T suffixes (default: this device's)")
+    p.add_argument("--memory", "--budget", dest="memory", default=None, help="bytes in all, K/M/G/T suffixes (default: this device's)")
     p.add_argument("--context", default=None,
                    help="tokens per sequence for the sequences column (default 32K, or the model's maximum if less)")
     p.add_argument("--batch", type=int, default=1, help="sequences for the longest-context column (default 1)")
