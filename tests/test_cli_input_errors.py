@@ -90,6 +90,19 @@ def test_parameter_errors_name_the_method_and_say_when_a_number_came_as_text():
         kvq.make_params("turboquant_prod", bits=9)  # the variant that shares turboquant's fields is named itself
 
 
+def test_method_none_names_the_sides_left_without_a_method():
+    """``make_config(None)`` (the signature's ``str | None``) said "method must be one of ...; got None"; None is
+    for giving each side its own method, and the message now says which side lacks one."""
+    from kvq.cache import make_config
+
+    with pytest.raises(ValueError, match=r"^method=None leaves the key_method and value_method unnamed"):
+        make_config(None)
+    with pytest.raises(ValueError, match=r"^method=None leaves the value_method unnamed"):
+        make_config(None, key_method="qjl")
+    config = make_config(None, key_method="qjl", value_method="affine")
+    assert (config.key_params.method, config.value_params.method) == ("qjl", "affine")
+
+
 def test_an_unknown_parameter_on_the_command_line_names_the_commands_options(capsys):
     """``kvq generate --param bitz=4`` listed the cache's settings by their Python names (``key_params``,
     ``max_kv_size (make_prompt_cache)``); the command names its own options instead, before loading a model."""

@@ -62,7 +62,8 @@ def make_config(method: str | None = "affine", *, key_method: str | None = None,
     """A validated :class:`CacheConfig`: the methods, parameters and layout of one layer's cache, as
     :func:`make_prompt_cache` takes them (``CacheConfig.for_layer`` binds per-layer state).
 
-    :param method: method for keys and values (``key_method``/``value_method`` override it per side).
+    :param method: method for keys and values (``key_method``/``value_method`` override it per side; ``None``
+        where both of them are given).
     :param key_params: parameters for the keys only (merged over ``params``); ``value_params`` likewise.
     :param params: parameters shared by both sides (``bits=4``). A ``bits`` that is not a whole number (``bits=3.5``)
         is a budget in bits per coordinate: each layer stores the key and value settings it buys at its head_dims
@@ -95,6 +96,10 @@ def make_config(method: str | None = "affine", *, key_method: str | None = None,
         given = locals()  # the keyword arguments, every cache setting (cache_settings: one list, the signature's)
         return make_config(**_method_string_kwargs(method, {name: given[name] for name in cache_settings()}, params))
     check_kernels(kernels)
+    if method is None and (key_method is None or value_method is None):
+        missing = " and ".join(n for n, m in (("key_method", key_method), ("value_method", value_method)) if m is None)
+        raise ValueError(f"method=None leaves the {missing} unnamed: give a method for both sides (e.g. "
+                         f"'turboquant:4'), or key_method and value_method")
     budget = params.get("bits")
     if isinstance(budget, bool):
         raise ValueError(f"bits must be a number (whole bits, or a budget such as 3.5); got {budget!r}")
