@@ -30,6 +30,7 @@
 #            cache emptied after the fill and with no cache (the leads for the batched step's wait, #52: it was the
 #            fill's cached buffers, and the fill empties them since ae25aa6, so this step now checks the fix); then
 #            investigations/mlx_batch_wait.py, the same question asked of MLX alone
+#   batch-sides  kvq bench batch (BatchGenerator) of each side of $BS_SIDES at $BATCHES x $BATCH_PROMPT, fp16 in each
 #   pack     every file under $OUT into one archive (put it last: the device tool returns a limited number of files)
 #   other    benchmarks/gpu_session.sh's step of that name, with the after revision on PYTHONPATH
 set -u
@@ -125,6 +126,16 @@ for r in json.load(open(sys.argv[1]))["results"]:
               PYTHONPATH=$A timeout ${HW_TIMEOUT:-200} python3 benchmarks/investigations/mlx_batch_wait.py \
                 --out "$OUT/hostwait-mlx-alone.json" > "$OUT/hostwait-mlx-alone.log" 2>&1
               echo "== MLX alone"; { grep '"batch"' "$OUT/hostwait-mlx-alone.log" || tail -c 1000 "$OUT/hostwait-mlx-alone.log"; } | cut -c1-200;;
+    batch-sides) # #52: kvq bench batch (mlx-lm's BatchGenerator) of each side of $BS_SIDES (before after), fp16 in
+             # each run, $BATCHES sequences of $BATCH_PROMPT tokens, warm-up untimed, $BATCH_REPS (3) repetitions
+             for side in ${BS_SIDES:-before after}; do
+               name="$(date +%F)-$DEV-batch${BATCHES:-8}x${BATCH_PROMPT:-2048}-$side-$(cat .gpu/rev/$side/REVISION)"
+               PYTHONPATH=$S:/tmp/site-$side timeout ${BATCH_TIMEOUT:-280} python3 -m kvq.cli bench batch \
+                 --model random:llama3-8b --dtype bfloat16 --methods ${BATCH_METHODS:-fp16,turboquant:3,turboquant:4,affine:4} \
+                 --batches ${BATCHES:-8} --prompt ${BATCH_PROMPT:-2048} --tokens 64 --warmup 1 --reps ${BATCH_REPS:-3} \
+                 --no-progress --out "$OUT/batch" --name "$name" > "$OUT/$name.log" 2>&1
+               echo "== $name"; grep -E "^\| (kvcache|fp16|turbo|affine)" "$OUT/$name.log" | cut -c1-230 || tail -c 1500 "$OUT/$name.log"
+             done;;
     pack) # everything under $OUT in one archive: the device tool brings back only so many files a call, and a
           # step's results beyond that count were lost (2026-12-07)
           name="sitting-$(date +%H%M%S).tgz"
