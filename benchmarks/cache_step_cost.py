@@ -131,7 +131,9 @@ def stub_bound_steps(methods) -> None:
             mx.eval(out)
 
             def step(q, wk, wv, lengths=None):  # a single stream's step, or a batch's (with lengths)
-                return out
+                # the window and counts evaluated with the output, as a kernel's inputs are (else their writes
+                # pile up unevaluated from step to step)
+                return mx.depends([out], [wk, wv] + ([] if lengths is None else [lengths]))[0]
 
             step.reads_in_place = True  # as kvq_metal's DecodeStep: a batch keeps it across its flushes
             return step

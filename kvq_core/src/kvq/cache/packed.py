@@ -255,8 +255,8 @@ class PackedRows:
         rule of :meth:`kvq.cache.KVQCache._schedule_growth` for one sequence). A row whose window is full leaves no
         such append: its flush grows the arrays."""
         self._grow_in = 0
-        full, f = self.window_keys.shape[2], self._flush
-        need = [b for b, c in enumerate(self.compressed) if c + f > self.capacity]
+        full, f, capacity = self.window_keys.shape[2], self._flush, self.capacity
+        need = [b for b, c in enumerate(self.compressed) if c + f > capacity]
         if need:
             self._grow_in = growth_append(min(full - self.window_lengths[b] for b in need), self._slot)
 
