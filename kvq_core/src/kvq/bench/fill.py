@@ -99,9 +99,8 @@ def decode(model, caches: list, token: int, steps: int, warmup: int = 1,
 
     nxt = step(mx.full((batch, 1), token, dtype=mx.int32))
     mx.async_eval(nxt)
-    times, built = [], []
+    times, built, built_only = [], [], []
     tic = time.perf_counter()
-    built_only = []
     for _ in range(warmup + steps):
         y, nxt = nxt, None
         nxt = step(y)

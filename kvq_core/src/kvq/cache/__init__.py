@@ -111,9 +111,7 @@ def make_config(method: str | None = "affine", *, key_method: str | None = None,
             raise ValueError(f"bits={budget} is a budget for keys and values together (each layer's bits are chosen "
                              f"for it); drop the bits of {' and '.join(sided)}, or give whole bits per side")
     else:
-        budget = None
-        if isinstance(params.get("bits"), float):
-            params = {**params, "bits": int(params["bits"])}
+        budget = None  # whole bits; a whole-valued float (4.0) is made an int by Method.make_params, per side too
     try:
         kp = _params(key_method or method, key_params, params, "keys")
         vp = _params(value_method or method, value_params, params, "values")

@@ -227,14 +227,8 @@ class PackedRows:
             rows, slots = mx.array(rest), mx.array([lengths[b] for b in rest])
             self.window_keys[rows, :, slots] = mx.take(keys, rows, axis=0)[:, :, 0]
             self.window_values[rows, :, slots] = mx.take(values, rows, axis=0)[:, :, 0]
-        if not done:
-            self.window_lengths = [n + 1 for n in lengths]
-            self.offsets = [n + 1 for n in self.offsets]
-        else:
-            for b in range(B):
-                if b not in done:
-                    self.window_lengths[b] += 1
-                    self.offsets[b] += 1
+        self.window_lengths = [n + (b not in done) for b, n in enumerate(lengths)]
+        self.offsets = [n + (b not in done) for b, n in enumerate(self.offsets)]
         # the per-row counts on the device, advanced by one device operation each (moved by a flush, rebuilt after
         # a change of rows)
         if self._lengths is not None:
