@@ -185,7 +185,6 @@ def main(argv: list[str]) -> int:
     :raises ValueError: the default model cannot be fetched or converted (one line, exit 1).
     """
     from .. import models
-    from ..evaluation.spec import model_dtype
     from ..problem import device_kind
     from .generate_cmd import render_table
 
@@ -200,7 +199,7 @@ def main(argv: list[str]) -> int:
     document, suffixes = question_ids(tokenizer)
     print(f"kvq demo: {models.DEFAULT_MODEL} on {device_kind()} reads {len(document)} tokens (Python language "
           f"reference, topic {TOPIC!r}) once per cache and answers {len(QUESTIONS)} questions from a copy of it, "
-          f"greedily: mlx-lm's KVCache in {str(model_dtype(model)).split('.')[-1]} (the reference, 'kvcache' below), then {recommended} (recommended) and "
+          f"greedily: the reference {reference_label(model)}, which is mlx-lm's KVCache, then {recommended} (recommended) and "
           f"{three_bit} (~3 bits).\n", flush=True)
     reference = answer_all(model, tokenizer, None, document, suffixes, args.max_tokens)
     runs = [answer_all(model, tokenizer, m, document, suffixes, args.max_tokens) for m in (recommended, three_bit)]
