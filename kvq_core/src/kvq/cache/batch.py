@@ -17,7 +17,6 @@ import copy
 
 import mlx.core as mx
 
-from .guard import Batched, Deferred
 from .packed import PackedRows
 from .state import ROW_CLASSES
 from .views import CompressedView
@@ -111,24 +110,11 @@ class BatchKVQCache:
         counts = [T] * len(rows) if self._remaining is None else [min(T, r) for r in self._remaining]
         if len(counts) != len(rows):
             raise RuntimeError(f"BatchKVQCache: {len(counts)} remaining prompt lengths for {len(rows)} rows")
-        # rows' first-block checks wait for the device once for all of them (kvq.cache.guard.Batched); only a
-        # chunk's update is undone when it raises, so only chunks defer their checks, and only with two or more
-        defer = sum(n > 1 for n in counts) > 1
-        checks, stopped = Batched(), []
+        # a row's chunk makes its first compression without waiting for the device (kvq.cache.guard.decide_ahead):
+        # each row settles its first block's decisions when it attends, by when the device has made them all
         for i, (row, n) in enumerate(zip(rows, counts)):
             self._starts[i] = row.offset
-            if not (defer and n > 1):
-                self._update_row(i, row, row_keys[i], row_values[i], n)
-                continue
-            try:
-                with checks.collect():
-                    self._update_row(i, row, row_keys[i], row_values[i], n)
-            except Deferred:  # the row stopped at its first compression, undone: it runs again below
-                stopped.append(i)
-        if stopped:
-            with checks.replay():
-                for i in stopped:
-                    self._update_row(i, rows[i], row_keys[i], row_values[i], counts[i])
+            self._update_row(i, row, row_keys[i], row_values[i], n)
         return self.keys_and_values()
 
     def _update_row(self, i: int, row, keys: mx.array, values: mx.array, n: int) -> None:

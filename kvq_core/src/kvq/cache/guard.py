@@ -57,13 +57,14 @@ holds at its first compression, so the choice does not depend on how a prompt wa
   follow so the layer keeps one method and its fused kernels), with a warning naming the layer; ``"warn"`` only
   warns; ``"off"`` turns every remedy here off. The cost is in the bytes the cache reports and saves (the layer's
   parameters change), never hidden.
+
+The rule is :func:`first_block` (device arrays). :func:`guard_layer` waits for them; a prefill chunk's first
+compression does not (:func:`decide_ahead`, settled by :func:`settle` when the chunk attends:
+:meth:`kvq.cache.KVQCache.settle`).
 """
 
 from __future__ import annotations
 
-import collections
-import contextlib
-import threading
 import warnings
 
 import attrs
@@ -230,112 +231,138 @@ def safe_params():
     return registry().method(SAFE_METHOD).make_params(bits=SAFE_BITS)
 
 
+def applies(config, keys: mx.array) -> bool:
+    """Whether :func:`guard_layer` checks a first block of ``keys`` ``[B, H_kv, T, D]`` at all: not under
+    ``outlier_layers="off"``, not for keys stored at 8 bits or more (:func:`guarded`), not for a block of fewer than
+    :data:`MIN_TOKENS` tokens."""
+    return config.outlier_layers != "off" and guarded(config.key_params) and keys.shape[2] >= MIN_TOKENS
+
+
+@attrs.frozen
+class FirstBlock:
+    """What a layer's first compressed block says, as device arrays (:func:`first_block`; not evaluated): the three
+    decisions of :func:`guard_layer` as bool scalars, and what they are made of.
+
+    :ivar centre: the keys are centred (:func:`offset_energy` of ``config.still_channels`` at least
+        :data:`STILL_CENTER_LIMIT`; of the whole mean, without them, at least :data:`CENTER_LIMIT`).
+    :ivar outlier: an outlier layer (:func:`channel_concentration` at least :data:`CONCENTRATION_LIMIT`).
+    :ivar share: that concentration, float32 scalar (the warning names it).
+    :ivar heads: which heads :func:`key_scales` scales, bool ``[B, H_kv, 1, 1]``, or ``None`` where the key method
+        is never scaled (:func:`scales_keys`).
+    :ivar scaled: any of ``heads``, bool scalar, or ``None`` alike.
+    """
+
+    centre: mx.array
+    outlier: mx.array
+    share: mx.array
+    heads: mx.array | None
+    scaled: mx.array | None
+
+    def arrays(self) -> list:
+        """The arrays to evaluate."""
+        return [x for x in (self.centre, self.outlier, self.share, self.heads, self.scaled) if x is not None]
+
+    def decided(self) -> tuple[bool, bool, bool]:
+        """``(centre, outlier, scaled)`` as Python bools: evaluates the block's arrays (one wait for the device, none
+        where they have run already)."""
+        mx.eval(*self.arrays())
+        return bool(self.centre), bool(self.outlier), self.scaled is not None and bool(self.scaled)
+
+
+def first_block(config, keys: mx.array) -> FirstBlock:
+    """The statistics of a layer's first compressed block of ``keys`` ``[B, H_kv, T, D]`` and the decisions made of
+    them (:class:`FirstBlock`), on the device and not evaluated: the one statement of the guard's rule, which
+    :func:`guard_layer` (waiting for it) and :func:`decide_ahead` (not waiting) both read."""
+    limit = CENTER_LIMIT if config.still_channels is None else STILL_CENTER_LIMIT
+    share = _concentration(keys)
+    heads = _scaled_heads(keys) if scales_keys(config.key_params) else None
+    return FirstBlock(centre=_offset_energy(keys, config.still_channels) >= limit,
+                      outlier=share >= CONCENTRATION_LIMIT, share=share, heads=heads,
+                      scaled=None if heads is None else mx.any(heads))
+
+
+def rounded_mean(keys: mx.array, channels: tuple[int, ...] | None) -> mx.array:
+    """:func:`key_mean` of ``keys`` (of ``channels`` where known) with values of the keys' 16-bit dtype (float16 for
+    float32 keys), held as float32: the sinks' and window's dtype holds it exactly (the fused kernels score those
+    tokens centred in that dtype)."""
+    mean = key_mean(keys, channels).astype(mx.float16 if keys.dtype == mx.float32 else keys.dtype)
+    return mean.astype(mx.float32)
+
+
 def guard_layer(config, keys: mx.array):
     """What a layer does about the keys ``[B, H_kv, T, D]`` of the first block it compresses: ``(config, mean,
-    scales)``.
+    scales)``, from :func:`first_block`'s decisions, waiting for the device once.
 
-    ``mean`` is :func:`key_mean` (of ``config.still_channels`` where known) where the keys are to be centred
-    (:func:`offset_energy` of those channels at least :data:`STILL_CENTER_LIMIT`; of the whole mean, without them,
-    at least :data:`CENTER_LIMIT`), else ``None``; it is rounded to the keys' 16-bit dtype (float16 for float32 keys),
-    so the sinks' and window's dtype holds it exactly (the fused kernels score those tokens centred in that dtype).
-    ``config`` (a :class:`kvq.cache.CacheConfig`) is unchanged unless the layer is an outlier layer
-    (:func:`channel_concentration` >= :data:`CONCENTRATION_LIMIT`); then an :class:`OutlierLayerWarning` naming
-    the layer, ``outlier_layer`` set, and under ``"upgrade"`` both sides' parameters replaced by
-    :func:`safe_params`. ``scales`` is :func:`key_scales` of the keys less ``mean`` where the (returned) key method
-    may be scaled (:func:`scales_keys`), else ``None``. Nothing is done (``(config, None, None)``) under
-    ``outlier_layers="off"``, for keys stored at 8 bits or more (:func:`guarded`), or for a block of fewer than
-    :data:`MIN_TOKENS` tokens.
+    ``mean`` is :func:`rounded_mean` (of ``config.still_channels`` where known) where the keys are to be centred,
+    else ``None``. ``config`` (a :class:`kvq.cache.CacheConfig`) is unchanged unless the layer is an outlier layer;
+    then an :class:`OutlierLayerWarning` naming the layer, ``outlier_layer`` set, and under ``"upgrade"`` both sides'
+    parameters replaced by :func:`safe_params`. ``scales`` is :func:`key_scales` of the keys less ``mean`` where the
+    (returned) key method may be scaled (:func:`scales_keys`), else ``None``. Nothing is done (``(config, None,
+    None)``) where the guard does not apply (:func:`applies`).
 
-    The three decisions wait for the device once (the statistics evaluated together); a batch's rows wait once per
-    layer for all of them (:class:`Batched`).
+    A chunk's first compression need not wait: :func:`decide_ahead` and :func:`settle`.
     """
-    if config.outlier_layers == "off" or not guarded(config.key_params) or keys.shape[2] < MIN_TOKENS:
+    if not applies(config, keys):
         return config, None, None
-    still = config.still_channels
-    limit = CENTER_LIMIT if still is None else STILL_CENTER_LIMIT
-    stats = _statistics(config, keys)
-    energy, share, heads = float(stats[0]), float(stats[1]), stats[2]
-    mean = None
-    if energy >= limit:
-        mean = key_mean(keys, still).astype(mx.float16 if keys.dtype == mx.float32 else keys.dtype)
-        mean = mean.astype(mx.float32)
-    if share >= CONCENTRATION_LIMIT:
-        config = _outlier_layer(config, share)
+    block = first_block(config, keys)
+    centre, outlier, scaled = block.decided()
+    mean = rounded_mean(keys, config.still_channels) if centre else None
+    if outlier:
+        config = _outlier_layer(config, float(block.share))
     scales = None
-    if heads is not None and bool(stats[3]) and scales_keys(config.key_params):
-        scales = _scales(keys if mean is None else _finite32(keys) - mean, heads)
+    if scaled and scales_keys(config.key_params):
+        scales = _scales(keys if mean is None else _finite32(keys) - mean, block.heads)
     return config, mean, scales
 
 
-def _statistics(config, keys: mx.array) -> list:
-    """The first block's statistics :func:`guard_layer` decides on, evaluated: ``[offset energy, concentration,
-    scaled heads or None, any head scaled or None]`` (float32 scalars, bool ``[B, H_kv, 1, 1]``, bool scalar). Waits
-    for the device once, or not at all where a batch has evaluated them already (:class:`Batched`)."""
-    if _BATCH.replay:
-        shape, stats = _BATCH.replay.popleft()
-        if shape != tuple(keys.shape):  # the rows replay in the order they stopped: anything else is a bug
-            raise RuntimeError(f"kvq.cache.guard: a replayed first block {shape} is not this one {tuple(keys.shape)}")
-        return stats
-    heads = _scaled_heads(keys) if scales_keys(config.key_params) else None
-    stats = [_offset_energy(keys, config.still_channels), _concentration(keys), heads,
-             None if heads is None else mx.any(heads)]
-    if _BATCH.collecting is not None:
-        _BATCH.collecting.append((tuple(keys.shape), stats))
-        raise Deferred
-    mx.eval(*[x for x in stats if x is not None])  # the one wait (guard_layer's docstring)
-    return stats
+@attrs.frozen
+class Ahead:
+    """A first block's decisions still on the device (:func:`decide_ahead`), with the mean and scales a layer may
+    compress and attend with meanwhile: ``mean`` float32 ``[B, H_kv, 1, D]``, the :func:`rounded_mean` where the block
+    is centred and zeros where not; ``scales`` float32 ``[B, H_kv, 1, D]``, :func:`key_scales` of the keys less
+    ``mean`` (ones for the heads not scaled, so all ones where none is), or ``None`` where the key method is never
+    scaled."""
+
+    block: FirstBlock
+    mean: mx.array
+    scales: mx.array | None
 
 
-class Deferred(Exception):
-    """Raised by :func:`guard_layer` inside :meth:`Batched.collect`: the row's first-block statistics are recorded
-    and its update stops (its cache is left as it was: a chunk's update is undone when it raises)."""
+def decide_ahead(config, keys: mx.array) -> Ahead | None:
+    """:func:`guard_layer` of a chunk's first compression without waiting for the device (issue #51): the first
+    block's decisions are queued (``mx.async_eval``) and the layer goes on with a mean and scales that hold every
+    outcome but one (:class:`Ahead`): keys less a mean of zeros, divided by scales of ones, are the keys themselves,
+    bit for bit (:mod:`kvq.cache.centring`: a float32 subtraction of 0 and product by 1, rounded back to the keys'
+    dtype; queries times 1; log-sum-exps plus 0), so codes and attention are those of the decided layer. The outcome
+    it cannot hold is an outlier layer under ``"upgrade"``, whose method changes: :func:`settle` says so, and the
+    layer stores the chunk again. ``None`` where the guard does not apply (:func:`applies`).
 
-
-class _Batch(threading.local):
-    collecting: list | None = None  # statistics recorded by the rows stopped so far (inside Batched.collect)
-    replay: collections.deque | None = None  # evaluated statistics, consumed in the order they were recorded
-
-
-_BATCH = _Batch()
-
-
-class Batched:
-    """The first-block checks of a batch's rows, waiting for the device once for all of them
-    (:class:`kvq.cache.BatchKVQCache`'s prefill; each wait stops the host from building ahead of the device, and a
-    batch of ``B`` rows would otherwise wait ``B`` times per layer: ``benchmarks/results/batch/
-    2026-12-06-prefill-guard``).
-
-    Each row's chunk update runs inside :meth:`collect`: a row that reaches its first compression records its
-    statistics there and stops (:class:`Deferred`), undone; the others finish. :meth:`replay` evaluates every
-    recorded statistic in one ``mx.eval``; the stopped rows' updates then run again, in the same order, and each
-    finds its statistics evaluated. The decisions are the ones each row makes alone: the statistics are computed
-    from the same tokens. Only for updates that are undone when they raise (chunks of more than one token).
+    Why: the first block's keys come from the layer's projection of the chunk, so deciding on them waits for the
+    device to run every layer before; the host then builds the layer's update and attention while the device idles.
+    On an H100 that wait was 2.3 ms per layer in a prefill's first chunk, about a fifth of an 8K prefill on
+    random:llama3-8b (``benchmarks/results/prefill/2026-12-07-h100-host-profile-d05440f``).
     """
+    if not applies(config, keys):
+        return None
+    block = first_block(config, keys)
+    mx.async_eval(*block.arrays())
+    mean = mx.where(block.centre, rounded_mean(keys, config.still_channels), 0.0)
+    scales = None if block.heads is None else _scales(_finite32(keys) - mean, block.heads)
+    return Ahead(block, mean, scales)
 
-    def __init__(self) -> None:
-        self.recorded: list = []
 
-    @contextlib.contextmanager
-    def collect(self):
-        """Within: :func:`guard_layer` records the statistics and raises :class:`Deferred`."""
-        outer, _BATCH.collecting = _BATCH.collecting, self.recorded
-        try:
-            yield
-        finally:
-            _BATCH.collecting = outer
-
-    @contextlib.contextmanager
-    def replay(self):
-        """Evaluate every recorded statistic at once; within, :func:`guard_layer` takes them in recorded order.
-        :raises RuntimeError: a recorded statistic is left unused (a row did not replay what it recorded)."""
-        mx.eval(*[x for _, stats in self.recorded for x in stats if x is not None])
-        outer, _BATCH.replay = _BATCH.replay, collections.deque(self.recorded)
-        try:
-            yield
-            if _BATCH.replay:
-                raise RuntimeError(f"kvq.cache.guard: {len(_BATCH.replay)} recorded first blocks were not replayed")
-        finally:
-            _BATCH.replay = outer
+def settle(config, ahead: Ahead):
+    """What :func:`guard_layer` would have returned for the block :func:`decide_ahead` went on with, from its decisions
+    (evaluated by now, or waited for): ``(config, mean, scales)``, the arrays ``ahead`` holds where they are used
+    (its mean where the block is centred, its scales where a head is scaled) and ``None`` where not; or ``None``
+    where the layer is an outlier layer under ``"upgrade"`` (its chunk must be stored again, with
+    :func:`guard_layer`). An outlier layer under ``"warn"`` warns here."""
+    centre, outlier, scaled = ahead.block.decided()
+    if outlier:
+        if config.outlier_layers == "upgrade":
+            return None
+        config = _outlier_layer(config, float(ahead.block.share))
+    return config, ahead.mean if centre else None, ahead.scales if scaled else None
 
 
 def _outlier_layer(config, share: float):

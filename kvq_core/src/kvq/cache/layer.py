@@ -33,7 +33,7 @@ from .centring import KeyTransform
 from .choice import dequantize, encode_tokens
 from .config import CacheConfig
 from .depends import DependencySlots
-from .guard import guard_layer
+from .guard import decide_ahead, guard_layer, settle
 from .schedule import Fresh, growth_append, leaving, most_held, visible
 from .persist import PromptCacheState
 from .prefill import after_chunk
@@ -85,6 +85,7 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
     def key_mean(self) -> mx.array | None:
         """A centred layer's key mean, float32 ``[B, H_kv, 1, D_k]`` (values of the sinks' and window's 16-bit
         dtype), subtracted from its keys before they are compressed (:mod:`kvq.cache.guard`); ``None`` otherwise."""
+        self.settle()
         return self._transform.mean
 
     @property
@@ -92,6 +93,7 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
         """A scaled layer's per-channel key scales, float32 ``[B, H_kv, 1, D_k]`` (powers of two), by which its keys
         are divided before they are compressed and its queries multiplied (:func:`kvq.cache.guard.key_scales`);
         ``None`` otherwise."""
+        self.settle()
         return self._transform.scale
 
     @property
@@ -160,13 +162,22 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
 
         :raises ValueError/TypeError: mismatched shapes or dtypes, or a head_dim the methods do not support.
         """
+        if self._ahead is not None:
+            self.settle()  # a chunk stored without attending (release_chunk's callers): decided before the next
         if self._FAST_APPEND and self._append_one(keys, values):
             return self._views()
+        self._update(keys, values, ahead=self.DECIDE_AHEAD)
+        return self._views()
+
+    def _update(self, keys, values, ahead: bool) -> None:
+        """:meth:`update_and_fetch`'s general path. A chunk (``T > 1``) is undone where it raises, and with
+        ``ahead`` its first compression decides its guard without waiting for the device (:meth:`settle`)."""
         shape = getattr(keys, "shape", ())
         # a chunk (prefill): snapshot first, so a failure part-way leaves the cache as it was; a single token is
         # checked by _check before any change (decode steps, the hot path, make no snapshot)
         may_fail = len(shape) == 4 and shape[2] > 1
         saved = self._snapshot() if may_fail else None
+        self._undo = (saved, keys, values) if may_fail and ahead else None  # for _fit_params: see settle
         try:
             self._check(keys, values)
             self._store(keys, values)
@@ -174,9 +185,37 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
             if saved is not None:
                 self._restore(saved)  # a failed update leaves the cache as it was before the chunk
             raise
+        finally:
+            self._undo = None
         if 0 <= self._grow_at <= self.offset:  # a short chunk (speculative decoding's) stepped over it
             self._grow_ahead()
-        return self._views()
+
+    #: Whether a chunk's first compression decides the layer's guard (:mod:`kvq.cache.guard`) without waiting for
+    #: the device (:func:`kvq.cache.guard.decide_ahead`; settled when the chunk attends: :meth:`settle`). ``False``
+    #: waits there, as every single-token update does (a benchmark's before-and-after switch).
+    DECIDE_AHEAD = True
+    #: A chunk's first compression still to settle: ``(Ahead, (snapshot before the chunk, keys, values))``.
+    _ahead = None
+    #: What :meth:`_fit_params` would need to store the chunk again (set during :meth:`_update` of a chunk).
+    _undo = None
+
+    def settle(self) -> None:
+        """Take the decisions of a chunk's first compression (:func:`kvq.cache.guard.decide_ahead`), evaluated by
+        now, and keep what they say: the layer's mean and scales where it is centred or scaled, neither where not
+        (its codes are the same either way). An outlier layer under ``"upgrade"`` changes its method: the chunk is
+        stored again from the snapshot taken before it, deciding by waiting (:func:`kvq.cache.guard.guard_layer`),
+        and its queries attend again (:meth:`attend`). A no-op where nothing is left to settle; :meth:`attend`,
+        the next update and the readers of the layer's state (``state``, ``nbytes``, ``trim``, copies) call it."""
+        if self._ahead is None:
+            return
+        (ahead, (saved, keys, values)), self._ahead = self._ahead, None
+        decided = settle(self.config, ahead)
+        if decided is not None:
+            self.config, mean, scales = decided
+            self._transform.set(mean, scales)
+            return
+        self._restore(saved)
+        self._update(keys, values, ahead=False)
 
     #: Whether :meth:`update_and_fetch` takes :meth:`_append_one` (a subclass that stores tokens its own way: no).
     _FAST_APPEND = True
@@ -319,8 +358,13 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
 
         # keys with constant offsets are centred, outlier layers stored at 8 bits, keys whose channels hold very
         # unequal energy scaled (powers of two) after centring: kvq.cache.guard
-        self.config, mean, scales = guard_layer(self.config, keys)
-        self._transform.set(mean, scales)
+        ahead = None if self._undo is None else decide_ahead(self.config, keys)
+        if ahead is not None:  # settled when the chunk attends (settle)
+            self._ahead = (ahead, self._undo)
+            self._transform.set(ahead.mean, ahead.scales)
+        else:
+            self.config, mean, scales = guard_layer(self.config, keys)
+            self._transform.set(mean, scales)
         keys = self._transform.centred(keys)
         self.config = attrs.evolve(self.config, key_params=fit(self.config.key_params, keys),
                                    value_params=fit(self.config.value_params, values))
@@ -365,8 +409,16 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
         start_q = self.offset - Tq if query_start is None else query_start
         chunk = fresh if Tq > 1 else None
         on_device = chunk is not None and self._prefill_on_device(queries)
-        return engine.attend(queries, scale, self.parts(Tq, start_q, chunk), self.config, self._transform,
-                             user_mask=bool_mask(mask), sink_logits=sink_logits, on_device=on_device)
+        out = engine.attend(queries, scale, self.parts(Tq, start_q, chunk), self.config, self._transform,
+                            user_mask=bool_mask(mask), sink_logits=sink_logits, on_device=on_device)
+        return out if self._ahead is None else self._settled(out, queries, scale, mask, sink_logits, query_start)
+
+    def _settled(self, out: mx.array, *attend_args) -> mx.array:
+        """``out``, a chunk's attention after its first compression was decided ahead, once :meth:`settle` has kept
+        the decisions (made on the device by now); for an outlier layer under ``"upgrade"``, whose chunk settle
+        stores again, the chunk's queries attend again (``attend_args``: :meth:`attend`'s)."""
+        self.settle()
+        return out if self._fresh is None else self.attend(*attend_args)
 
     def parts(self, count: int, start_q: int, fresh: Fresh | None = None) -> list[Part]:
         """This cache's tokens as the engine's parts ``[sinks | compressed | dense]``, with what each of ``count``
@@ -410,7 +462,9 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
     def release_chunk(self) -> None:
         """Drop what the last update kept for its chunk's queries (the uncompressed window and chunk, up to
         ``window + flush - 1 + T`` tokens' keys and values): :meth:`attend` drops it itself, so only code that
-        stores tokens without attending needs this (filling caches with random tokens in ``kvq bench``)."""
+        stores tokens without attending needs this (filling caches with random tokens in ``kvq bench``). Settles the
+        chunk's first compression (:meth:`settle`)."""
+        self.settle()
         self._fresh = None
 
     def _prefill_on_device(self, queries) -> bool:
@@ -430,6 +484,7 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
 
         :raises ValueError: no compressed tokens.
         """
+        self.settle()
         if not self.compressed_keys.length:
             raise ValueError("this cache holds no compressed tokens to decode")
         keys = self._transform.uncentred(dequantize(self.config, self.config.key_params, self.compressed_keys.view(), dtype))
@@ -468,6 +523,7 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
     def nbytes(self) -> int:
         """Bytes resident: sinks, window, the allocated compressed store (codes and side data) and a centred
         layer's key mean and a scaled layer's key scales."""
+        self.settle()
         side = sum(x.nbytes for x in (self.key_mean, self.key_scale) if x is not None)
         return self.sinks.nbytes + self.window.nbytes + self.compressed_keys.nbytes + self.compressed_values.nbytes + side
 

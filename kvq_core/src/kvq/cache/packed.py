@@ -137,7 +137,10 @@ class PackedRows:
     @classmethod
     def pack(cls, rows: list, minimum: int = 2, template: "PackedRows | None" = None) -> "PackedRows | None":
         """The packed form of ``rows`` (:func:`packable` with ``minimum`` and ``template``), evaluated so the rows'
-        own arrays can be freed; ``None`` where they cannot be packed."""
+        own arrays can be freed; ``None`` where they cannot be packed. Each row's last chunk is settled first
+        (:meth:`kvq.cache.KVQCache.settle`)."""
+        for row in rows:
+            row.settle()
         if not packable(rows, minimum, template):
             return None
         return cls(rows, template)

@@ -18,7 +18,9 @@ class CacheProtocol:
     def __deepcopy__(self, memo):
         """A copy that shares nothing mutable (``mx.Dtype`` cannot be pickled, so every one the cache's tuples hold
         is passed through: a cache loaded from a file and then updated held two distinct dtype objects, and its
-        copy, which mlx-lm's server makes of every cache it reuses, raised ``cannot pickle 'Dtype' object``)."""
+        copy, which mlx-lm's server makes of every cache it reuses, raised ``cannot pickle 'Dtype' object``). A chunk's
+        first compression is settled first (:meth:`kvq.cache.KVQCache.settle`)."""
+        self.settle()
         for value in self.__dict__.values():
             if type(value) is tuple:
                 for item in value:
@@ -69,6 +71,7 @@ class CacheProtocol:
         would hold uncompressed. Inside :func:`kvq.cache.reuse.exact_trims` (mlx-lm's prompt-cache reuse) such a
         trim raises :class:`kvq.cache.reuse.InexactTrim` and changes nothing.
         """
+        self.settle()
         check_trim(self, n)
         n = max(0, min(n, self.offset))
         left = n - self.window.trim(n)

@@ -132,8 +132,9 @@ class RotatingKVQCache(KVQCache):
             fused = self._fused_attend(queries, scale)  # every held token is visible: KVQCache's fused decode
             if fused is not None:
                 return fused
-        return engine.attend(queries, scale, self.parts(Tq, start_q, fresh), self.config, self._transform,
-                             sink_logits=sink_logits)
+        out = engine.attend(queries, scale, self.parts(Tq, start_q, fresh), self.config, self._transform,
+                            sink_logits=sink_logits)
+        return out if self._ahead is None else self._settled(out, queries, scale, mask, sink_logits, query_start)
 
     def parts(self, count: int, start_q: int, fresh: Fresh | None = None) -> list[Part]:
         """The engine's parts (:meth:`KVQCache.parts`) of ``count`` query rows at positions ``start_q ...``: the
@@ -189,6 +190,7 @@ class RotatingKVQCache(KVQCache):
         how many were removed: 0 once the cache is not :meth:`is_trimmable` (tokens it would need again are gone).
         Tokens left behind keep the form they had, as in :meth:`KVQCache.trim` (and inexact trims are refused
         where that one refuses them)."""
+        self.settle()
         if not self.is_trimmable():
             return 0
         check_trim(self, n)

@@ -1,0 +1,278 @@
+"""A chunk's first compression decided ahead (:func:`kvq.cache.guard.decide_ahead`, :meth:`kvq.cache.KVQCache.settle`):
+the update does not wait for the device, and once settled the layer holds, stores and attends exactly what a layer
+that waited for the first block's decisions (:func:`kvq.cache.guard.guard_layer`) holds: centred, scaled, stored at
+8 bits (its chunk stored again), or none of these; alone, rotating, and as a batch's rows."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import kvq.cache.guard as guard
+from kvq.cache import BatchKVQCache, KVQCache, RotatingKVQCache, make_config
+from kvq.cache.guard import OutlierLayerWarning
+
+H, D, T = 2, 64, 48
+KINDS = ("plain", "offsets", "outlier", "scaled")
+SCALE = D**-0.5
+
+
+def row_keys(kind: str, seed: int, tokens: int = T):
+    """Keys and values ``[1, H, tokens, D]``: ``plain`` standard normal keys; ``offsets`` with constant offsets of +60
+    and -50 in channels 5 and 40 (centred); ``outlier`` those offsets and channel 9 swinging by 20 with position (one
+    channel holds over a quarter of the varying energy: stored at 8 bits); ``scaled`` the first 8 channels 4x louder
+    in both heads (key channel scales)."""
+    kk, kv = mx.random.split(mx.random.key(seed))
+    keys = mx.random.normal((1, H, tokens, D), key=kk)
+    if kind in ("offsets", "outlier"):
+        keys = keys + mx.zeros((D,)).at[5].add(60.0).at[40].add(-50.0)
+    if kind == "outlier":
+        swing = 20 * mx.sin(0.3 * mx.arange(tokens).astype(mx.float32))
+        keys = keys + swing[:, None] * mx.zeros((D,)).at[9].add(1.0)
+    if kind == "scaled":
+        keys = keys * mx.where(mx.arange(D) < 8, 4.0, 1.0)
+    return keys, mx.random.normal((1, H, tokens, D), key=kv)
+
+
+class CountingMx:
+    """``mlx.core`` with its ``eval`` calls counted (the guard's waits for the device)."""
+
+    def __init__(self) -> None:
+        self.evals = 0
+
+    def __getattr__(self, name):
+        return getattr(mx, name)
+
+    def eval(self, *args):
+        self.evals += 1
+        return mx.eval(*args)
+
+
+@contextlib.contextmanager
+def waiting(monkeypatch):
+    """Within: every chunk decides its guard by waiting (the reference)."""
+    with monkeypatch.context() as m:
+        m.setattr(KVQCache, "DECIDE_AHEAD", False)
+        yield
+
+
+def held(cache: KVQCache) -> dict:
+    """What the guard decided for a layer, and everything it stored."""
+    arrays = {f"{side}.{name}": np.array(value)
+              for side, store in (("k", cache.compressed_keys), ("v", cache.compressed_values)) if store.length
+              for name, value in store.view().data.items()}
+    for name, (k, v) in (("sinks", cache.sinks.view()), ("window", cache.window.view())):
+        if k is not None:
+            arrays[name] = np.array(mx.concatenate([k, v], axis=-1))
+    return {"method": cache.config.key_params.method, "values": cache.config.value_params.method,
+            "outlier": cache.config.outlier_layer, "offset": cache.offset, "nbytes": cache.nbytes,
+            "mean": None if cache.key_mean is None else np.array(cache.key_mean),
+            "scale": None if cache.key_scale is None else np.array(cache.key_scale), **arrays}
+
+
+def assert_same(ours: dict, theirs: dict) -> None:
+    assert ours.keys() == theirs.keys()
+    for name, value in theirs.items():
+        if isinstance(value, np.ndarray):
+            np.testing.assert_array_equal(ours[name], value, err_msg=name)
+        else:
+            assert ours[name] == value, name
+
+
+def make(kind_of_cache: str, config):
+    return KVQCache(config) if kind_of_cache == "plain" else RotatingKVQCache(config, max_size=40, keep=2)
+
+
+def run(cache, keys, values, queries, chunks, steps: int = 3) -> list:
+    """Prefill in ``chunks`` (token counts), each chunk's queries attended, then ``steps`` single-token decode steps;
+    every attention output, as numpy."""
+    outs, start = [], 0
+    for n in chunks:
+        cache.update_and_fetch(keys[:, :, start:start + n], values[:, :, start:start + n])
+        outs.append(np.array(cache.attend(queries[:, :, start:start + n], SCALE)))
+        start += n
+    for t in range(start, start + steps):
+        cache.update_and_fetch(keys[:, :, t:t + 1], values[:, :, t:t + 1])
+        outs.append(np.array(cache.attend(queries[:, :, t:t + 1], SCALE)))
+    return outs
+
+
+@pytest.mark.parametrize("policy", ["upgrade", "warn"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("cache_kind", ["plain", "rotating"])
+def test_a_chunk_decided_ahead_holds_and_attends_what_a_waiting_one_does(cache_kind, kind, policy, monkeypatch):
+    """Two chunks (the first compresses), then decode: the chunk's update waits for nothing, and the layer ends with
+    the method, outlier flag, mean, scales, codes, sinks, window and bytes of a layer that waited, every attention
+    output equal bit for bit, and the same warnings. An outlier layer under ``"upgrade"`` settles by storing its
+    chunk again: two waits, both when its queries attend."""
+    config = make_config("turboquant", bits=4, window=12, flush=4, kernels="off", outlier_layers=policy).for_layer(1)
+    keys, values = row_keys(kind, 3, tokens=T + 8)
+    queries = mx.random.normal((1, 2 * H, T + 8, D), key=mx.random.key(11))
+    chunks = [30, 18]
+
+    with waiting(monkeypatch), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        reference = make(cache_kind, config)
+        expected = run(reference, keys, values, queries, chunks)
+    expected_warnings = [str(w.message) for w in caught if w.category is OutlierLayerWarning]
+
+    counting = CountingMx()
+    monkeypatch.setattr(guard, "mx", counting)
+    cache = make(cache_kind, config)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cache.update_and_fetch(keys[:, :, :30], values[:, :, :30])
+        assert counting.evals == 0 and cache._ahead is not None  # decided ahead: nothing waited for
+        got = [np.array(cache.attend(queries[:, :, :30], SCALE))]
+        assert cache._ahead is None and cache._fresh is None
+        assert counting.evals == (2 if kind == "outlier" and policy == "upgrade" else 1)
+        got += run(cache, keys[:, :, 30:], values[:, :, 30:], queries[:, :, 30:], chunks[1:])
+    assert [str(w.message) for w in caught if w.category is OutlierLayerWarning] == expected_warnings
+    assert len(expected_warnings) == (kind == "outlier")
+    assert_same(held(cache), held(reference))
+    assert (cache.key_mean is not None) == (kind in ("offsets", "outlier"))
+    upgraded = kind == "outlier" and policy == "upgrade"
+    # the outlier channel's swing makes its head's channels unequal too: scaled where it keeps TurboQuant
+    assert (cache.key_scale is not None) == (kind == "scaled" or (kind == "outlier" and not upgraded))
+    assert cache.config.key_params.method == ("affine" if upgraded else "turboquant")
+    for i, (ours, theirs) in enumerate(zip(got, expected, strict=True)):
+        np.testing.assert_array_equal(ours, theirs, err_msg=f"attention {i}")
+
+
+@pytest.mark.parametrize("reader", ["update", "release_chunk", "state", "nbytes", "trim", "copy"])
+def test_a_chunk_stored_without_attending_is_settled_by_whatever_reads_the_layer_next(reader, monkeypatch):
+    """An outlier layer's chunk stored and never attended (as ``kvq bench`` fills caches): the next update, the
+    chunk's release, the prompt-cache state, the bytes, a trim or a copy settles it first, and the layer then holds
+    what a waiting layer holds (here its 8-bit stores)."""
+    import copy
+
+    config = make_config("turboquant", bits=4, window=12, flush=4, kernels="off").for_layer(1)
+    keys, values = row_keys("outlier", 5, tokens=T + 1)
+    with waiting(monkeypatch), warnings.catch_warnings():
+        warnings.simplefilter("ignore", OutlierLayerWarning)
+        reference = KVQCache(config)
+        reference.update_and_fetch(keys[:, :, :T], values[:, :, :T])
+        reference.release_chunk()
+    cache = KVQCache(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OutlierLayerWarning)
+        cache.update_and_fetch(keys[:, :, :T], values[:, :, :T])
+        assert cache._ahead is not None and cache.config.key_params.method == "turboquant"  # not yet settled
+        if reader == "update":
+            cache.update_and_fetch(keys[:, :, T:], values[:, :, T:])
+            reference.update_and_fetch(keys[:, :, T:], values[:, :, T:])
+        elif reader == "release_chunk":
+            cache.release_chunk()
+            assert cache._fresh is None
+        elif reader == "state":
+            assert "affine" in cache.state["config"]
+        elif reader == "nbytes":
+            assert cache.nbytes == reference.nbytes
+        elif reader == "trim":
+            assert cache.trim(1) == reference.trim(1) == 1
+        else:
+            cache = copy.deepcopy(cache)
+    assert cache._ahead is None and cache.config.key_params.method == "affine"
+    assert_same(held(cache), held(reference))
+
+
+def test_a_chunk_that_fails_leaves_nothing_to_settle(monkeypatch):
+    """A chunk whose quantizer raises after its first block was decided ahead: the error reaches the caller and the
+    layer is as it was, with nothing pending; the next chunk compresses and decides as a fresh layer does."""
+    config = make_config("turboquant", bits=4, window=12, flush=4, kernels="off").for_layer(1)
+    keys, values = row_keys("offsets", 2)
+    cache = KVQCache(config)
+    real = cache._encode
+
+    def failing(k, v):
+        raise RuntimeError("quantizer failed")
+
+    monkeypatch.setattr(cache, "_encode", failing)
+    with pytest.raises(RuntimeError, match="quantizer failed"):
+        cache.update_and_fetch(keys, values)
+    assert cache.offset == 0 and cache._ahead is None and cache._undo is None and cache.key_mean is None
+    monkeypatch.setattr(cache, "_encode", real)
+    with waiting(monkeypatch):
+        reference = KVQCache(config)
+        reference.update_and_fetch(keys, values)
+        reference.release_chunk()
+    cache.update_and_fetch(keys, values)
+    cache.release_chunk()
+    assert_same(held(cache), held(reference))
+
+
+@pytest.mark.parametrize("lengths", [None, [10, T, T, T]], ids=["equal", "one-short"])
+def test_a_batch_waits_for_nothing_while_storing_and_its_rows_decide_as_alone(lengths, monkeypatch):
+    """Four rows (plain, offsets, outlier, scaled keys) prefilled as one batch chunk: the update waits for the device
+    not once, and after attending every row holds what the same tokens give a lone waiting cache (method, mean,
+    scales, codes) and attends alike, the outlier row warning once. ``one-short``: the first row's prompt has 10
+    real tokens (right padding), too few to compress."""
+    config = make_config("turboquant", bits=4, window=12, flush=4, kernels="off").for_layer(1)
+    data = [row_keys(kind, seed) for seed, kind in enumerate(KINDS)]
+    counts = lengths or [T] * len(KINDS)
+    q = mx.random.normal((len(KINDS), 2 * H, T, D), key=mx.random.key(9))
+
+    alone = []
+    with waiting(monkeypatch), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i, ((k, v), n) in enumerate(zip(data, counts)):
+            cache = KVQCache(config)
+            cache.update_and_fetch(k[:, :, :n], v[:, :, :n])
+            alone.append((cache, np.array(cache.attend(q[i:i + 1, :, :n], SCALE))))
+    assert len([w for w in caught if w.category is OutlierLayerWarning]) == 1
+
+    counting = CountingMx()
+    monkeypatch.setattr(guard, "mx", counting)
+    batch = BatchKVQCache([KVQCache(config) for _ in KINDS])
+    if lengths is not None:
+        batch.prepare(lengths=lengths, right_padding=[T - n for n in lengths])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        batch.update_and_fetch(mx.concatenate([k for k, _ in data]), mx.concatenate([v for _, v in data]))
+        assert counting.evals == 0
+        out = batch.attend(q, SCALE)
+    assert len([w for w in caught if w.category is OutlierLayerWarning]) == 1
+    if lengths is not None:
+        batch.finalize()
+    decided = [held(row) for row in batch.rows]
+    assert [d["method"] for d in decided] == ["turboquant", "turboquant", "affine", "turboquant"]
+    assert [d["mean"] is not None for d in decided] == [False, True, True, False]
+    assert [d["scale"] is not None for d in decided] == [False, False, False, True]
+    for i, (ours, (cache, expected)) in enumerate(zip(decided, alone)):
+        assert_same(ours, held(cache))
+        np.testing.assert_array_equal(np.array(out[i:i + 1, :, :counts[i]]), expected)
+
+
+def test_rotating_rows_and_rows_of_one_token_decide_as_alone(monkeypatch):
+    """Rotating rows (a ring of 40, keep 2) over two chunks, where in the second a row has one real token left
+    (right padding): every row holds what a lone waiting cache holds, and the row whose first compression is a
+    single token (never undone, so never decided ahead) waits for it there."""
+    config = make_config("turboquant", bits=4, window=12, flush=4, kernels="off").for_layer(1)
+    data = [row_keys(kind, seed) for seed, kind in enumerate(KINDS)]
+    first, lengths = 10, [T - 10, 1, T - 10, T - 10]  # the second chunk's real tokens per row
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OutlierLayerWarning)
+        with waiting(monkeypatch):
+            alone = []
+            for (k, v), n in zip(data, lengths):
+                cache = RotatingKVQCache(config, max_size=40, keep=2)
+                cache.update_and_fetch(k[:, :, :first], v[:, :, :first])
+                cache.update_and_fetch(k[:, :, first:first + n], v[:, :, first:first + n])
+                cache.release_chunk()
+                alone.append(cache)
+        batch = BatchKVQCache([RotatingKVQCache(config, max_size=40, keep=2) for _ in KINDS])
+        batch.update_and_fetch(mx.concatenate([k[:, :, :first] for k, _ in data]),
+                               mx.concatenate([v[:, :, :first] for _, v in data]))
+        batch.prepare(lengths=lengths, right_padding=[T - first - n for n in lengths])
+        batch.update_and_fetch(mx.concatenate([k[:, :, first:] for k, _ in data]),
+                               mx.concatenate([v[:, :, first:] for _, v in data]))
+        assert [row._ahead is not None for row in batch.rows] == [True, False, True, True]
+        batch.release_chunk()
+        batch.finalize()
+    for row, cache in zip(batch.rows, alone):
+        assert row._ahead is None
+        assert_same(held(row), held(cache))
