@@ -143,10 +143,10 @@ def test_a_chunk_decided_ahead_holds_and_attends_what_a_waiting_one_does(cache_k
         np.testing.assert_array_equal(ours, theirs, err_msg=f"attention {i}")
 
 
-@pytest.mark.parametrize("reader", ["update", "release_chunk", "state", "nbytes", "trim", "copy"])
+@pytest.mark.parametrize("reader", ["update", "release_chunk", "config", "state", "nbytes", "trim", "copy"])
 def test_a_chunk_stored_without_attending_is_settled_by_whatever_reads_the_layer_next(reader, monkeypatch):
     """An outlier layer's chunk stored and never attended (as ``kvq bench`` fills caches): the next update, the
-    chunk's release, the prompt-cache state, the bytes, a trim or a copy settles it first, and the layer then holds
+    chunk's release, its configuration, the prompt-cache state, the bytes, a trim or a copy settles it first, and the layer then holds
     what a waiting layer holds (here its 8-bit stores)."""
     import copy
 
@@ -161,13 +161,15 @@ def test_a_chunk_stored_without_attending_is_settled_by_whatever_reads_the_layer
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", OutlierLayerWarning)
         cache.update_and_fetch(keys[:, :, :T], values[:, :, :T])
-        assert cache._ahead is not None and cache.config.key_params.method == "turboquant"  # not yet settled
+        assert cache._ahead is not None and cache._config.key_params.method == "turboquant"  # not yet settled
         if reader == "update":
             cache.update_and_fetch(keys[:, :, T:], values[:, :, T:])
             reference.update_and_fetch(keys[:, :, T:], values[:, :, T:])
         elif reader == "release_chunk":
             cache.release_chunk()
             assert cache._fresh is None
+        elif reader == "config":
+            assert cache.config.key_params.method == "affine"
         elif reader == "state":
             assert "affine" in cache.state["config"]
         elif reader == "nbytes":
@@ -176,7 +178,7 @@ def test_a_chunk_stored_without_attending_is_settled_by_whatever_reads_the_layer
             assert cache.trim(1) == reference.trim(1) == 1
         else:
             cache = copy.deepcopy(cache)
-    assert cache._ahead is None and cache.config.key_params.method == "affine"
+    assert cache._ahead is None and cache._config.key_params.method == "affine"
     assert_same(held(cache), held(reference))
 
 

@@ -37,6 +37,8 @@ class _Timers:
                                    (layer.KVQCache, "attend", "kvq_attend"),
                                    (prefill.InFlight, "push", "queue_push"),
                                    (layer, "guard_layer", "guard"),
+                                   (layer, "decide_ahead", "guard_ahead"),
+                                   (layer.KVQCache, "settle", "guard_settle"),
                                    (prefill, "columns", "decode_columns"),
                                    (prefill, "shared_interval_mask", "mask"),
                                    (prefill, "interval_mask", "mask_unshared"),

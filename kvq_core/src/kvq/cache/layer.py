@@ -65,7 +65,7 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
     KVQ_CACHE = True
 
     def __init__(self, config: CacheConfig) -> None:
-        self.config = config
+        self._config = config
         self.offset = 0
         self.sinks = DenseBuffer(config.sinks)
         self._flush = config.flush_tokens  # decided once: the decode path reads it every step
@@ -80,6 +80,19 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
         self._bound = None  # (compressed keys' view, signature, decode step): _fused_attend's binding
         self._slot = next(_SLOTS)  # spreads the layers' store growths over decode steps (_grow_ahead)
         self._grow_at = -1  # the offset at which _append_one grows the stores ahead of the next flush (-1: none)
+
+    @property
+    def config(self) -> CacheConfig:
+        """The layer's :class:`CacheConfig`: as made, with the budget's settings for its head_dims (at the first
+        update) and, after its first compression, what the guard decided (:mod:`kvq.cache.guard`: an outlier layer's
+        8-bit parameters) and fitted parameters (:class:`kvq.contract.Fits`). Settles a chunk's first compression
+        first (:meth:`settle`)."""
+        self.settle()
+        return self._config
+
+    @config.setter
+    def config(self, config: CacheConfig) -> None:
+        self._config = config
 
     @property
     def key_mean(self) -> mx.array | None:
@@ -136,9 +149,9 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
             raise TypeError(f"keys ({keys.dtype}) and values ({values.dtype}) must have the same dtype")
         layout = (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3], keys.dtype)
         if self._layout is None:
-            self.config = self.config.within_budget(keys.shape[3], values.shape[3])  # kvq.cache.budget
-            self.config.key_params.check_head_dim(keys.shape[3])
-            self.config.value_params.check_head_dim(values.shape[3])
+            self._config = self._config.within_budget(keys.shape[3], values.shape[3])  # kvq.cache.budget
+            self._config.key_params.check_head_dim(keys.shape[3])
+            self._config.value_params.check_head_dim(values.shape[3])
             self._layout = layout
         elif layout != self._layout:
             B, H, Dk, Dv, dt = self._layout
@@ -163,7 +176,7 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
         :raises ValueError/TypeError: mismatched shapes or dtypes, or a head_dim the methods do not support.
         """
         if self._ahead is not None:
-            self.settle()  # a chunk stored without attending (release_chunk's callers): decided before the next
+            self.settle()  # a chunk stored without attending: decided before the next update
         if self._FAST_APPEND and self._append_one(keys, values):
             return self._views()
         self._update(keys, values, ahead=self.DECIDE_AHEAD)
@@ -209,9 +222,9 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
         if self._ahead is None:
             return
         (ahead, (saved, keys, values)), self._ahead = self._ahead, None
-        decided = settle(self.config, ahead)
+        decided = settle(self._config, ahead)
         if decided is not None:
-            self.config, mean, scales = decided
+            self._config, mean, scales = decided
             self._transform.set(mean, scales)
             return
         self._restore(saved)
@@ -231,7 +244,7 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
         if (shapes is None or type(keys) is not mx.array or type(values) is not mx.array or keys.shape != shapes[0]
                 or values.shape != shapes[1] or keys.dtype != shapes[2] or values.dtype != shapes[2]
                 or window.keys is None or not window.length < window.capacity or window.capacity < 2
-                or self.sinks.length < self.config.sinks):
+                or self.sinks.length < self._config.sinks):
             return False
         if keys.dtype != window.keys.dtype:  # float32 models: the window holds float16 (DenseBuffer)
             keys, values = keys.astype(window.keys.dtype), values.astype(window.values.dtype)
@@ -291,7 +304,7 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
         restore(self._parts_objects(), saved)
 
     def _fill_sinks(self, keys, values):
-        take = min(self.config.sinks - self.sinks.length, keys.shape[2])
+        take = min(self._config.sinks - self.sinks.length, keys.shape[2])
         if take <= 0:
             return keys, values
         self.sinks.append(keys[:, :, :take], values[:, :, :take])
@@ -300,7 +313,7 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
     def _leaving(self, held: int, new: int) -> int:
         """Tokens that leave the window when ``new`` tokens join the ``held`` ones (:func:`kvq.cache.schedule.
         leaving` of this layer's window and flush)."""
-        return leaving(held, new, self.config.window, self._flush)
+        return leaving(held, new, self._config.window, self._flush)
 
     def _push_window(self, keys, values):
         """Append non-sink tokens to the window, compressing those that leave it (:meth:`_leaving`). Returns the
@@ -338,7 +351,7 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
         """``keys`` (centred and scaled where the layer is: :class:`~kvq.cache.centring.KeyTransform`) and
         ``values`` ``[B, H, T, D]`` quantized by the implementations :func:`kvq.select` picks: ``(Encoded keys,
         Encoded values)``."""
-        return encode_tokens(self.config, self._transform.centred(keys), values)
+        return encode_tokens(self._config, self._transform.centred(keys), values)
 
     def _fit_params(self, keys, values):
         """Parameters with the optional ``fit(block)`` (:class:`kvq.contract.Fits`: shared state chosen from data,
@@ -349,7 +362,7 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
         Later flushes return at once, before any slice is made (a trim keeps the fitted state)."""
         if self.compressed_keys.length or self._fitted:
             return  # fitted once (a trim that removed every compressed token keeps the fit: it is not redone)
-        first = self.config.window + self._flush
+        first = self._config.window + self._flush
         keys, values = keys[:, :, :first], values[:, :, :first]
 
         def fit(params, block):
@@ -358,16 +371,16 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
 
         # keys with constant offsets are centred, outlier layers stored at 8 bits, keys whose channels hold very
         # unequal energy scaled (powers of two) after centring: kvq.cache.guard
-        ahead = None if self._undo is None else decide_ahead(self.config, keys)
+        ahead = None if self._undo is None else decide_ahead(self._config, keys)
         if ahead is not None:  # settled when the chunk attends (settle)
             self._ahead = (ahead, self._undo)
             self._transform.set(ahead.mean, ahead.scales)
         else:
-            self.config, mean, scales = guard_layer(self.config, keys)
+            self._config, mean, scales = guard_layer(self._config, keys)
             self._transform.set(mean, scales)
         keys = self._transform.centred(keys)
-        self.config = attrs.evolve(self.config, key_params=fit(self.config.key_params, keys),
-                                   value_params=fit(self.config.value_params, values))
+        self._config = attrs.evolve(self._config, key_params=fit(self._config.key_params, keys),
+                                    value_params=fit(self._config.value_params, values))
         self._fitted = True
 
     def _views(self):
@@ -409,7 +422,7 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
         start_q = self.offset - Tq if query_start is None else query_start
         chunk = fresh if Tq > 1 else None
         on_device = chunk is not None and self._prefill_on_device(queries)
-        out = engine.attend(queries, scale, self.parts(Tq, start_q, chunk), self.config, self._transform,
+        out = engine.attend(queries, scale, self.parts(Tq, start_q, chunk), self._config, self._transform,
                             user_mask=bool_mask(mask), sink_logits=sink_logits, on_device=on_device)
         return out if self._ahead is None else self._settled(out, queries, scale, mask, sink_logits, query_start)
 
@@ -448,7 +461,7 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
                     lo, hi = causal(n, start, positions)
                     parts.append(Part(keys, values, compressed, 0, lo, hi, column=start))
             return parts
-        bounds = visible(fresh, start_q, count, self.config.window, self._flush)
+        bounds = visible(fresh, start_q, count, self._config.window, self._flush)
         if n_compressed and bounds[-1]:
             lo, hi = (None, None) if bounds[0] >= n_compressed else (np.zeros_like(bounds), bounds)
             parts.append(Part(self.compressed_keys.view(), self.compressed_values.view(), True, 0, lo, hi,
@@ -473,7 +486,7 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
         protocol is slow for many query rows, for methods that can dequantize; the CPU keeps the parts."""
         if mx.default_device() != mx.gpu or not self.compressed_keys.length:
             return False
-        kp, vp = self.config.key_params, self.config.value_params
+        kp, vp = self._config.key_params, self._config.value_params
         return all("dequantize" in implemented_ops(registry().implementations.get((p.method, "mlx")))
                    for p in (kp, vp))
 
@@ -487,8 +500,9 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
         self.settle()
         if not self.compressed_keys.length:
             raise ValueError("this cache holds no compressed tokens to decode")
-        keys = self._transform.uncentred(dequantize(self.config, self.config.key_params, self.compressed_keys.view(), dtype))
-        return keys, dequantize(self.config, self.config.value_params, self.compressed_values.view(), dtype)
+        config = self._config
+        keys = self._transform.uncentred(dequantize(config, config.key_params, self.compressed_keys.view(), dtype))
+        return keys, dequantize(config, config.value_params, self.compressed_values.view(), dtype)
 
     def _fused_attend(self, queries, scale):
         """Decode of one token in one fused call over the compressed tokens, the sinks and the window, where the
@@ -506,7 +520,7 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
         if bound is None or bound[0] is not keys or bound[1] != signature:
             sink_keys, sink_values = self.sinks.view()
             window_keys, window_values = self.window.view()
-            step = engine.bind_decode(self.config, self._transform.queries(queries), scale, keys,
+            step = engine.bind_decode(self._config, self._transform.queries(queries), scale, keys,
                                       self.compressed_values.view(),
                                       self._transform.centred_dense(sink_keys), sink_values, window_keys, window_values)
             bound = self._bound = (keys, signature, step)

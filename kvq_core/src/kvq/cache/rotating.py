@@ -60,7 +60,7 @@ class RotatingKVQCache(KVQCache):
             raise ValueError(f"keep must be an int with 0 <= keep < max_size ({max_size}); got {keep!r}")
         self.max_size, self.keep = max_size, keep
         super().__init__(attrs.evolve(config, sinks=keep, window=min(config.window, max_size - keep)))
-        limit = max_size - keep - self.config.window
+        limit = max_size - keep - self._config.window
         self.compressed_keys, self.compressed_values = RingStore(config.step, limit), RingStore(config.step, limit)
         self.left = 0  # tokens after the keep ones that have left the residual window (into the ring)
 
@@ -132,7 +132,7 @@ class RotatingKVQCache(KVQCache):
             fused = self._fused_attend(queries, scale)  # every held token is visible: KVQCache's fused decode
             if fused is not None:
                 return fused
-        out = engine.attend(queries, scale, self.parts(Tq, start_q, fresh), self.config, self._transform,
+        out = engine.attend(queries, scale, self.parts(Tq, start_q, fresh), self._config, self._transform,
                             sink_logits=sink_logits)
         return out if self._ahead is None else self._settled(out, queries, scale, mask, sink_logits, query_start)
 
@@ -162,7 +162,7 @@ class RotatingKVQCache(KVQCache):
             if window_k is not None:
                 parts.append(Part(window_k, window_v, False, self.left, lo, top))
             return parts
-        compressed = visible(fresh, start_q, count, self.config.window, self._flush)  # per row: left by then
+        compressed = visible(fresh, start_q, count, self._config.window, self._flush)  # per row: left by then
         if fresh.encoded is not None:
             keys, values = fresh.encoded
             total = keys.num_tokens
@@ -204,7 +204,7 @@ class RotatingKVQCache(KVQCache):
         self.sinks.trim(rest)
         self.offset -= n
         if self.offset == 0:
-            self.__init__(self.config, self.max_size, self.keep)  # a fresh cache accepts a new layout
+            self.__init__(self._config, self.max_size, self.keep)  # a fresh cache accepts a new layout
             self._fitted = False  # and fits its mean and scales again from its next first block
         return n
 
