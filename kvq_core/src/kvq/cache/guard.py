@@ -65,6 +65,7 @@ compression does not (:func:`decide_ahead`, settled by :func:`settle` when the c
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import attrs
@@ -111,18 +112,50 @@ def _finite32(keys: mx.array) -> mx.array:
     return mx.where(mx.isfinite(x), x, 0.0)
 
 
+class _Finite:
+    """A block of keys ``[B, H_kv, T, D]`` as the statistics read it, each part made once: ``x`` float32 with
+    non-finite values as 0, ``whole`` its per-channel mean over tokens (float32 ``[B, H_kv, 1, D]``), ``varying``
+    (made when first read) ``x`` less ``whole``. Built op by op, a first block's statistics made the same float32
+    copy ten times: 213 graph nodes a layer for the host to build and the device to run (issue #51)."""
+
+    def __init__(self, keys: mx.array) -> None:
+        self.x = _finite32(keys)
+        self.whole = mx.mean(self.x, axis=2, keepdims=True)
+
+    @functools.cached_property
+    def varying(self) -> mx.array:
+        """How the keys vary: ``x`` less its per-channel mean over the block. The outlier and scale checks read this,
+        not the offsets."""
+        return self.x - self.whole
+
+    def mean(self, channels: tuple[int, ...] | None) -> mx.array:
+        """:func:`key_mean` of the block."""
+        return _masked(self.whole, channels)
+
+
+def _masked(mean: mx.array, channels: tuple[int, ...] | None) -> mx.array:
+    """``mean`` ``[..., D]`` with zeros outside ``channels`` (all of it where ``None``)."""
+    if channels is None:
+        return mean
+    keep = np.zeros(mean.shape[-1], bool)
+    keep[list(channels)] = True
+    return mx.where(mx.array(keep), mean, 0.0)
+
+
 def offset_energy(keys: mx.array, channels: tuple[int, ...] | None = None) -> float:
     """The share of ``keys``' energy that is their per-channel mean over tokens: ``sum_h |mean_t k_h|^2 /
     sum_h mean_t |k_h|^2`` for ``keys`` ``[B, H_kv, T, D]`` (float32, non-finite values as 0); 0 for no tokens.
     1 means every key is the same vector; independent zero-mean keys give about ``1 / T``. With ``channels``, the
     mean's energy in those channels only (the whole keys' energy below the line)."""
-    return 0.0 if keys.shape[2] == 0 else float(_offset_energy(keys, channels))
+    if keys.shape[2] == 0:
+        return 0.0
+    block = _Finite(keys)
+    return float(_energy_share(block.x, block.mean(channels)))
 
 
-def _offset_energy(keys: mx.array, channels: tuple[int, ...] | None) -> mx.array:
-    """:func:`offset_energy` as a float32 scalar array, not evaluated (``keys`` holds at least one token)."""
-    x = _finite32(keys)
-    mean = key_mean(keys, channels)
+def _energy_share(x: mx.array, mean: mx.array) -> mx.array:
+    """:func:`offset_energy` of finite float32 keys ``x`` with their (masked) mean, a float32 scalar array, not
+    evaluated."""
     total = mx.sum(mx.mean(mx.sum(x * x, axis=-1), axis=2))
     return mx.sum(mean * mean) / mx.maximum(total, 1e-30)
 
@@ -132,48 +165,40 @@ def key_mean(keys: mx.array, channels: tuple[int, ...] | None = None) -> mx.arra
     values as 0); with ``channels``, zero outside them. :raises ValueError: no tokens."""
     if keys.shape[2] == 0:
         raise ValueError("keys: a mean needs at least one token")
-    mean = mx.mean(_finite32(keys), axis=2, keepdims=True)
-    if channels is None:
-        return mean
-    keep = np.zeros(keys.shape[-1], bool)
-    keep[list(channels)] = True
-    return mx.where(mx.array(keep), mean, 0.0)
+    return _masked(mx.mean(_finite32(keys), axis=2, keepdims=True), channels)
 
 
 def channel_concentration(keys: mx.array) -> float:
     """The largest share of one channel in the energy of ``keys`` ``[B, H_kv, T, D]`` once centred (their mean over
     tokens subtracted), over heads: ``max_h max_d sum_t c_hd^2 / sum_t |c_h|^2`` (float32; 0 for no tokens).
     ``1 / D`` when the varying energy is spread evenly; 1 when it is all in one channel."""
-    return 0.0 if keys.shape[2] == 0 else float(_concentration(keys))
+    return 0.0 if keys.shape[2] == 0 else float(_concentration(_Finite(keys).varying))
 
 
-def _concentration(keys: mx.array) -> mx.array:
-    """:func:`channel_concentration` as a float32 scalar array, not evaluated (``keys`` holds at least one token)."""
-    centred = _varying(keys)
-    per_channel = mx.sum(centred * centred, axis=(0, 2))  # [H_kv, D]
+def _concentration(varying: mx.array) -> mx.array:
+    """:func:`channel_concentration` of a block's :attr:`_Finite.varying`, a float32 scalar array, not evaluated."""
+    per_channel = mx.sum(varying * varying, axis=(0, 2))  # [H_kv, D]
     share = mx.max(per_channel, axis=-1) / mx.maximum(mx.sum(per_channel, axis=-1), 1e-30)
     return mx.max(share)
-
-
-def _varying(keys: mx.array) -> mx.array:
-    """How ``keys`` ``[B, H_kv, T, D]`` vary: float32, less their per-channel mean over the block (:func:`key_mean`;
-    non-finite values as 0). The outlier and scale checks read this, not the offsets."""
-    return _finite32(keys) - key_mean(keys)
 
 
 def channel_spread(keys: mx.array) -> mx.array:
     """How unequal the energy of ``keys`` ``[B, H_kv, T, D]`` is over channels, per row and head: ``D * sum_c E_c /
     (sum_c sqrt(E_c))^2``, ``E_c`` a channel's mean square over tokens (float32 ``[B, H_kv, 1, 1]``; non-finite
     values as 0). 1 where every channel holds the same energy, ``D`` where one holds it all."""
-    energy = _channel_energy(keys)
+    return _spread(_channel_energy(_finite32(keys)))
+
+
+def _spread(energy: mx.array) -> mx.array:
+    """:func:`channel_spread` of channel energies ``[B, H_kv, 1, D]`` (:func:`_channel_energy`)."""
     root = mx.sum(mx.sqrt(energy), axis=-1, keepdims=True)
     return energy.shape[-1] * mx.sum(energy, axis=-1, keepdims=True) / mx.maximum(root * root, 1e-30)
 
 
-def _channel_energy(keys: mx.array) -> mx.array:
-    """Each channel's mean square over tokens, float32 ``[B, H_kv, 1, D]``, at least ``1e-4`` of the head's mean
-    channel (a silent channel is scaled as a quiet one, not divided by 0)."""
-    x = _finite32(keys)
+def _channel_energy(x: mx.array) -> mx.array:
+    """Each channel's mean square over tokens of finite float32 keys ``x`` (:func:`_finite32`), float32
+    ``[B, H_kv, 1, D]``, at least ``1e-4`` of the head's mean channel (a silent channel is scaled as a quiet one, not
+    divided by 0)."""
     energy = mx.mean(x * x, axis=2, keepdims=True)
     return mx.maximum(energy, 1e-4 * mx.mean(energy, axis=-1, keepdims=True) + 1e-30)
 
@@ -186,20 +211,22 @@ def key_scales(keys: mx.array) -> mx.array | None:
     alone scales nothing: queries follow such offsets (module docstring). Dividing keys by it leaves each channel
     with about the square root of its energy (SmoothQuant's migration, Xiao et al., arXiv 2211.10438, with alpha 1/2
     of the keys' own energy)."""
-    heads = _scaled_heads(keys)
-    return _scales(keys, heads) if bool(mx.any(heads)) else None
+    block = _Finite(keys)
+    heads = _scaled_heads(block.varying)
+    return _scales(block.x, heads) if bool(mx.any(heads)) else None
 
 
-def _scaled_heads(keys: mx.array) -> mx.array:
-    """Which heads of ``keys`` ``[B, H_kv, T, D]`` :func:`key_scales` scales: bool ``[B, H_kv, 1, 1]``, not evaluated.
-    It reads the keys less their own per-channel mean, so keys centred by any per-channel mean give the same heads (up
-    to float32 rounding)."""
-    return channel_spread(_varying(keys)) >= SCALE_SPREAD_LIMIT
+def _scaled_heads(varying: mx.array) -> mx.array:
+    """Which heads of a block :func:`key_scales` scales, from its :attr:`_Finite.varying`: bool ``[B, H_kv, 1, 1]``,
+    not evaluated. It reads the keys less their own per-channel mean, so keys centred by any per-channel mean give
+    the same heads (up to float32 rounding)."""
+    return _spread(_channel_energy(_finite32(varying))) >= SCALE_SPREAD_LIMIT
 
 
-def _scales(keys: mx.array, heads: mx.array) -> mx.array:
-    """:func:`key_scales` of ``keys`` for the scaled ``heads`` (:func:`_scaled_heads`), not evaluated."""
-    root = mx.power(_channel_energy(keys), 0.25)
+def _scales(x: mx.array, heads: mx.array) -> mx.array:
+    """:func:`key_scales` of finite float32 keys ``x`` (:func:`_finite32`; less the layer's mean where it is centred)
+    for the scaled ``heads`` (:func:`_scaled_heads`), not evaluated."""
+    root = mx.power(_channel_energy(x), 0.25)
     root = root / mx.exp(mx.mean(mx.log(root), axis=-1, keepdims=True))
     return mx.where(heads, mx.power(2.0, mx.round(mx.log2(root))), 1.0).astype(mx.float32)
 
@@ -269,32 +296,32 @@ class FirstBlock:
         return bool(self.centre), bool(self.outlier), self.scaled is not None and bool(self.scaled)
 
 
-def first_block(config, keys: mx.array) -> FirstBlock:
-    """The statistics of a layer's first compressed block of ``keys`` ``[B, H_kv, T, D]`` and the decisions made of
-    them (:class:`FirstBlock`), on the device and not evaluated: the one statement of the guard's rule, which
-    :func:`guard_layer` (waiting for it) and :func:`decide_ahead` (not waiting) both read."""
+def first_block(config, block: _Finite) -> FirstBlock:
+    """The statistics of a layer's first compressed block of keys (``block``: :class:`_Finite` of the keys ``[B,
+    H_kv, T, D]``) and the decisions made of them (:class:`FirstBlock`), on the device and not evaluated: the one
+    statement of the guard's rule, which :func:`guard_layer` (waiting for it) and :func:`decide_ahead` (not waiting)
+    both read."""
     limit = CENTER_LIMIT if config.still_channels is None else STILL_CENTER_LIMIT
-    share = _concentration(keys)
-    heads = _scaled_heads(keys) if scales_keys(config.key_params) else None
-    return FirstBlock(centre=_offset_energy(keys, config.still_channels) >= limit,
+    share = _concentration(block.varying)
+    heads = _scaled_heads(block.varying) if scales_keys(config.key_params) else None
+    return FirstBlock(centre=_energy_share(block.x, block.mean(config.still_channels)) >= limit,
                       outlier=share >= CONCENTRATION_LIMIT, share=share, heads=heads,
                       scaled=None if heads is None else mx.any(heads))
 
 
-def rounded_mean(keys: mx.array, channels: tuple[int, ...] | None) -> mx.array:
-    """:func:`key_mean` of ``keys`` (of ``channels`` where known) with values of the keys' 16-bit dtype (float16 for
-    float32 keys), held as float32: the sinks' and window's dtype holds it exactly (the fused kernels score those
-    tokens centred in that dtype)."""
-    mean = key_mean(keys, channels).astype(mx.float16 if keys.dtype == mx.float32 else keys.dtype)
-    return mean.astype(mx.float32)
+def _rounded(mean: mx.array, dtype: mx.Dtype) -> mx.array:
+    """A float32 key ``mean`` with values of the keys' 16-bit dtype (``dtype``; float16 for float32 keys), held as
+    float32: the sinks' and window's dtype holds it exactly (the fused kernels score those tokens centred in that
+    dtype)."""
+    return mean.astype(mx.float16 if dtype == mx.float32 else dtype).astype(mx.float32)
 
 
 def guard_layer(config, keys: mx.array):
     """What a layer does about the keys ``[B, H_kv, T, D]`` of the first block it compresses: ``(config, mean,
     scales)``, from :func:`first_block`'s decisions, waiting for the device once.
 
-    ``mean`` is :func:`rounded_mean` (of ``config.still_channels`` where known) where the keys are to be centred,
-    else ``None``. ``config`` (a :class:`kvq.cache.CacheConfig`) is unchanged unless the layer is an outlier layer;
+    ``mean`` is :func:`key_mean` (of ``config.still_channels`` where known) where the keys are to be centred, with
+    values of the keys' 16-bit dtype (float16 for float32 keys, :func:`_rounded`), else ``None``. ``config`` (a :class:`kvq.cache.CacheConfig`) is unchanged unless the layer is an outlier layer;
     then an :class:`OutlierLayerWarning` naming the layer, ``outlier_layer`` set, and under ``"upgrade"`` both sides'
     parameters replaced by :func:`safe_params`. ``scales`` is :func:`key_scales` of the keys less ``mean`` where the
     (returned) key method may be scaled (:func:`scales_keys`), else ``None``. Nothing is done (``(config, None,
@@ -304,22 +331,23 @@ def guard_layer(config, keys: mx.array):
     """
     if not applies(config, keys):
         return config, None, None
-    block = first_block(config, keys)
-    centre, outlier, scaled = block.decided()
-    mean = rounded_mean(keys, config.still_channels) if centre else None
+    block = _Finite(keys)
+    decisions = first_block(config, block)
+    centre, outlier, scaled = decisions.decided()
+    mean = _rounded(block.mean(config.still_channels), keys.dtype) if centre else None
     if outlier:
-        config = _outlier_layer(config, float(block.share))
+        config = _outlier_layer(config, float(decisions.share))
     scales = None
     if scaled and scales_keys(config.key_params):
-        scales = _scales(keys if mean is None else _finite32(keys) - mean, block.heads)
+        scales = _scales(block.x if mean is None else _finite32(block.x - mean), decisions.heads)
     return config, mean, scales
 
 
 @attrs.frozen
 class Ahead:
     """A first block's decisions still on the device (:func:`decide_ahead`), with the mean and scales a layer may
-    compress and attend with meanwhile: ``mean`` float32 ``[B, H_kv, 1, D]``, the :func:`rounded_mean` where the block
-    is centred and zeros where not; ``scales`` float32 ``[B, H_kv, 1, D]``, :func:`key_scales` of the keys less
+    compress and attend with meanwhile: ``mean`` float32 ``[B, H_kv, 1, D]``, :func:`guard_layer`'s mean where the
+    block is centred and zeros where not; ``scales`` float32 ``[B, H_kv, 1, D]``, :func:`key_scales` of the keys less
     ``mean`` (ones for the heads not scaled, so all ones where none is), or ``None`` where the key method is never
     scaled."""
 
@@ -344,11 +372,12 @@ def decide_ahead(config, keys: mx.array) -> Ahead | None:
     """
     if not applies(config, keys):
         return None
-    block = first_block(config, keys)
-    mx.async_eval(*block.arrays())
-    mean = mx.where(block.centre, rounded_mean(keys, config.still_channels), 0.0)
-    scales = None if block.heads is None else _scales(_finite32(keys) - mean, block.heads)
-    return Ahead(block, mean, scales)
+    block = _Finite(keys)
+    decisions = first_block(config, block)
+    mx.async_eval(*decisions.arrays())
+    mean = mx.where(decisions.centre, _rounded(block.mean(config.still_channels), keys.dtype), 0.0)
+    scales = None if decisions.heads is None else _scales(_finite32(block.x - mean), decisions.heads)
+    return Ahead(decisions, mean, scales)
 
 
 def settle(config, ahead: Ahead):
