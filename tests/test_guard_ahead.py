@@ -143,10 +143,11 @@ def test_a_chunk_decided_ahead_holds_and_attends_what_a_waiting_one_does(cache_k
         np.testing.assert_array_equal(ours, theirs, err_msg=f"attention {i}")
 
 
-@pytest.mark.parametrize("reader", ["update", "release_chunk", "config", "state", "nbytes", "trim", "copy"])
+@pytest.mark.parametrize("reader", ["update", "release_chunk", "config", "state", "keys", "nbytes", "trim", "copy"])
 def test_a_chunk_stored_without_attending_is_settled_by_whatever_reads_the_layer_next(reader, monkeypatch):
     """An outlier layer's chunk stored and never attended (as ``kvq bench`` fills caches): the next update, the
-    chunk's release, its configuration, the prompt-cache state, the bytes, a trim or a copy settles it first, and the layer then holds
+    chunk's release, its configuration, the prompt-cache state (a file of it loads as the waiting layer's), the
+    ``keys`` of pipeline parallelism, the bytes, a trim or a copy settles it first, and the layer then holds
     what a waiting layer holds (here its 8-bit stores)."""
     import copy
 
@@ -171,7 +172,11 @@ def test_a_chunk_stored_without_attending_is_settled_by_whatever_reads_the_layer
         elif reader == "config":
             assert cache.config.key_params.method == "affine"
         elif reader == "state":
-            assert "affine" in cache.state["config"]
+            state = cache.state
+            assert "affine" in state["config"]
+            assert_same(held(KVQCache.from_state(state)), held(KVQCache.from_state(reference.state)))
+        elif reader == "keys":
+            assert cache.keys.shape == reference.keys.shape
         elif reader == "nbytes":
             assert cache.nbytes == reference.nbytes
         elif reader == "trim":
@@ -278,3 +283,68 @@ def test_rotating_rows_and_rows_of_one_token_decide_as_alone(monkeypatch):
     for row, cache in zip(batch.rows, alone):
         assert row._ahead is None
         assert_same(held(row), held(cache))
+
+
+def test_an_outlier_layer_whose_chunk_fails_to_store_again_keeps_it_and_says_why(monkeypatch):
+    """An outlier layer under ``"upgrade"`` whose chunk, stored again at 8 bits when it settles (here at the next
+    update), fails there: no token is lost (the chunk stays as stored ahead, with the layer's method), the layer is
+    marked an outlier layer with a warning naming the error, and it holds and attends what a layer under ``"warn"``
+    does (its next update went on as usual)."""
+    from kvq.cache.layer import KVQCache as Layer
+
+    keys, values = row_keys("outlier", 4, tokens=T + 8)
+    config = make_config("turboquant", bits=4, window=12, flush=4, kernels="off").for_layer(1)
+    with waiting(monkeypatch), warnings.catch_warnings():
+        warnings.simplefilter("ignore", OutlierLayerWarning)
+        reference = KVQCache(make_config("turboquant", bits=4, window=12, flush=4, kernels="off",
+                                         outlier_layers="warn").for_layer(1))
+        reference.update_and_fetch(keys[:, :, :T], values[:, :, :T])
+        reference.update_and_fetch(keys[:, :, T:], values[:, :, T:])
+    real = Layer._encode
+
+    def encode(self, k, v):
+        if self._config.key_params.method == "affine":
+            raise RuntimeError("no 8-bit encoder here")
+        return real(self, k, v)
+
+    monkeypatch.setattr(Layer, "_encode", encode)
+    cache = KVQCache(config)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cache.update_and_fetch(keys[:, :, :T], values[:, :, :T])
+        cache.update_and_fetch(keys[:, :, T:], values[:, :, T:])
+    messages = [str(w.message) for w in caught if w.category is OutlierLayerWarning]
+    # the attempt's own warning ("stored with affine:8 instead"), then what came of it
+    assert len(messages) == 2 and "failed (RuntimeError: no 8-bit encoder here), so it keeps" in messages[-1]
+    assert cache.offset == T + 8 and cache.config.outlier_layer
+    assert_same(held(cache), held(reference))
+    q = mx.random.normal((1, 2 * H, 1, D), key=mx.random.key(5))
+    np.testing.assert_array_equal(np.array(cache.attend(q, SCALE)), np.array(reference.attend(q, SCALE)))
+
+
+def test_a_chunk_with_learned_sink_logits_settles_before_it_attends(monkeypatch):
+    """Learned sink logits (gpt-oss): the chunk's layer is settled before its attention is built (on a GPU that path
+    decodes the keys otherwise while the layer holds a mean), and attends as a waiting layer does."""
+    from kvq.cache import engine
+
+    config = make_config("turboquant", bits=4, window=12, flush=4, kernels="off").for_layer(1)
+    keys, values = row_keys("offsets", 6)
+    queries = mx.random.normal((1, 2 * H, T, D), key=mx.random.key(8))
+    sinks = mx.array([0.5, -1.0, 2.0, 0.0])
+    with waiting(monkeypatch):
+        reference = KVQCache(config)
+        reference.update_and_fetch(keys, values)
+        expected = np.array(reference.attend(queries, SCALE, sink_logits=sinks))
+    seen, real = [], engine.attend
+
+    def spy(*args, **kwargs):
+        seen.append(cache._ahead is None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "attend", spy)
+    cache = KVQCache(config)
+    cache.update_and_fetch(keys, values)
+    assert cache._ahead is not None
+    np.testing.assert_array_equal(np.array(cache.attend(queries, SCALE, sink_logits=sinks)), expected)
+    assert seen == [True]
+    assert_same(held(cache), held(reference))

@@ -52,7 +52,8 @@ class DependencySlots:
 
     def _dependency_slot(self, side: str):
         """``(dict, name)`` where :attr:`keys` (``side="keys"``) or :attr:`values` is held, or ``(None, None)``
-        when the cache is empty."""
+        when the cache is empty. A chunk's first compression is settled first (its stores may be replaced)."""
+        self.settle()
         store = self.compressed_keys if side == "keys" else self.compressed_values
         if self.window.length:
             return vars(self.window), side

@@ -357,13 +357,17 @@ class Ahead:
 
 
 def decide_ahead(config, keys: mx.array) -> Ahead | None:
-    """:func:`guard_layer` of a chunk's first compression without waiting for the device (issue #51): the first
-    block's decisions are queued (``mx.async_eval``) and the layer goes on with a mean and scales that hold every
-    outcome but one (:class:`Ahead`): keys less a mean of zeros, divided by scales of ones, are the keys themselves,
-    bit for bit (:mod:`kvq.cache.centring`: a float32 subtraction of 0 and product by 1, rounded back to the keys'
-    dtype; queries times 1; log-sum-exps plus 0), so codes and attention are those of the decided layer. The outcome
-    it cannot hold is an outlier layer under ``"upgrade"``, whose method changes: :func:`settle` says so, and the
-    layer stores the chunk again. ``None`` where the guard does not apply (:func:`applies`).
+    """:func:`guard_layer` of a chunk's first compression, the update not waiting for the device (issue #51): the
+    first block's decisions are queued (``mx.async_eval``) and the layer goes on with a mean and scales that hold
+    every outcome but one (:class:`Ahead`): keys less a mean of zeros, divided by scales of ones, are the keys
+    themselves, bit for bit (:mod:`kvq.cache.centring`: a float32 subtraction of 0 and product by 1, rounded back to
+    the keys' dtype; queries times 1; log-sum-exps plus 0; a device that flushes float32 subnormals to zero would
+    zero keys below 1.2e-38), so codes and attention are those of the decided layer. The layer settles
+    (:func:`settle`) once its chunk's attention is built and queued, reading the decisions, by then made or nearly;
+    a chunk with learned sink logits settles before it attends (on a GPU it decodes its keys otherwise while the
+    mean is there). The outcome it cannot hold is an outlier layer under ``"upgrade"``, whose method changes:
+    :func:`settle` says so, and the layer stores the chunk again. ``None`` where the guard does not apply
+    (:func:`applies`).
 
     Why: the first block's keys come from the layer's projection of the chunk, so deciding on them waits for the
     device to run every layer before; the host then builds the layer's update and attention while the device idles.
@@ -380,28 +384,36 @@ def decide_ahead(config, keys: mx.array) -> Ahead | None:
     return Ahead(decisions, mean, scales)
 
 
-def settle(config, ahead: Ahead):
+def settle(config, ahead: Ahead, failed: Exception | None = None):
     """What :func:`guard_layer` would have returned for the block :func:`decide_ahead` went on with, from its decisions
     (evaluated by now, or waited for): ``(config, mean, scales)``, the arrays ``ahead`` holds where they are used
     (its mean where the block is centred, its scales where a head is scaled) and ``None`` where not; or ``None``
     where the layer is an outlier layer under ``"upgrade"`` (its chunk must be stored again, with
-    :func:`guard_layer`). An outlier layer under ``"warn"`` warns here."""
+    :func:`guard_layer`). An outlier layer under ``"warn"`` warns here.
+
+    :param failed: the error that storing an outlier layer's chunk again raised: the layer keeps its method (the
+        chunk as stored), marked an outlier layer, with an :class:`OutlierLayerWarning` that says so and why.
+    """
     centre, outlier, scaled = ahead.block.decided()
     if outlier:
-        if config.outlier_layers == "upgrade":
+        if config.outlier_layers == "upgrade" and failed is None:
             return None
-        config = _outlier_layer(config, float(ahead.block.share))
+        config = _outlier_layer(config, float(ahead.block.share), failed)
     return config, ahead.mean if centre else None, ahead.scales if scaled else None
 
 
-def _outlier_layer(config, share: float):
+def _outlier_layer(config, share: float, failed: Exception | None = None):
     """``config`` for an outlier layer whose keys hold ``share`` of their varying energy in one channel: warns (an
     :class:`OutlierLayerWarning` naming the layer) and, under ``"upgrade"``, stores both sides with
-    :func:`safe_params`."""
+    :func:`safe_params`; where storing them so ``failed`` (:func:`settle`), keeps the method and says why."""
     layer = "a layer" if config.layer is None else f"layer {config.layer}"
     method = config.key_params.method + (f":{config.key_params.bits}" if hasattr(config.key_params, "bits") else "")
     found = (f"kvq: {layer}'s keys hold {share:.0%} of their varying energy in one channel (outlier channels, as "
              f"in Qwen2.5), which {method} keys cannot hold without breaking that layer's attention")
+    if failed is not None:
+        warnings.warn(f"{found}; storing it with {SAFE_METHOD}:{SAFE_BITS} failed ({type(failed).__name__}: "
+                      f"{failed}), so it keeps {method}", OutlierLayerWarning, stacklevel=4)
+        return attrs.evolve(config, outlier_layer=True)
     if config.outlier_layers == "warn":
         warnings.warn(f"{found}; outlier_layers='upgrade' (the default) would store it with affine:8",
                       OutlierLayerWarning, stacklevel=4)

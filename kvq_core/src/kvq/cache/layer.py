@@ -217,18 +217,28 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
         now, and keep what they say: the layer's mean and scales where it is centred or scaled, neither where not
         (its codes are the same either way). An outlier layer under ``"upgrade"`` changes its method: the chunk is
         stored again from the snapshot taken before it, deciding by waiting (:func:`kvq.cache.guard.guard_layer`),
-        and its queries attend again (:meth:`attend`). A no-op where nothing is left to settle; :meth:`attend`,
-        the next update and the readers of the layer's state (``state``, ``nbytes``, ``trim``, copies) call it."""
+        and its queries attend again (:meth:`attend`); should that fail, the chunk stays as it was stored, with the
+        layer's method, and a warning says why (:func:`kvq.cache.guard.settle`). A no-op where nothing is left to
+        settle; :meth:`attend`, the next update and the readers of the layer's state (``config``, ``state``,
+        ``nbytes``, ``trim``, ``keys``/``values``, copies) call it, so a reader may store a chunk again: readers of one
+        layer from two threads at once are not supported (nor are its updates)."""
         if self._ahead is None:
             return
         (ahead, (saved, keys, values)), self._ahead = self._ahead, None
         decided = settle(self._config, ahead)
-        if decided is not None:
-            self._config, mean, scales = decided
-            self._transform.set(mean, scales)
-            return
-        self._restore(saved)
-        self._update(keys, values, ahead=False)
+        if decided is None:  # an outlier layer under "upgrade": the chunk stored again with the safe parameters
+            stored = self._snapshot()
+            self._restore(saved)
+            try:
+                self._update(keys, values, ahead=False)
+                return
+            except BaseException as error:
+                self._restore(stored)  # the chunk as stored ahead: no token is lost
+                if not isinstance(error, Exception):
+                    raise
+                decided = settle(self._config, ahead, failed=error)
+        self._config, mean, scales = decided
+        self._transform.set(mean, scales)
 
     #: Whether :meth:`update_and_fetch` takes :meth:`_append_one` (a subclass that stores tokens its own way: no).
     _FAST_APPEND = True
@@ -419,6 +429,12 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
             fused = self._fused_attend(queries, scale)
             if fused is not None:
                 return fused
+        if sink_logits is not None and self._ahead is not None:
+            # on a GPU a chunk with learned sink logits attends its keys decoded and uncentred, which a layer not
+            # centred decodes otherwise: settled first, it attends as the layer decided (an outlier layer's chunk,
+            # stored again, with its own fresh chunk)
+            self.settle()
+            fresh, self._fresh = (fresh if self._fresh is None else self._fresh), None
         start_q = self.offset - Tq if query_start is None else query_start
         chunk = fresh if Tq > 1 else None
         on_device = chunk is not None and self._prefill_on_device(queries)

@@ -23,8 +23,10 @@ class PromptCacheState:
 
         A dict of arrays (compressed fields trimmed to the stored length; ``key_mean`` and ``key_scale``, float32
         ``[B, H, 1, D_k]``, for a centred or scaled layer only), ints and one JSON string holding the configuration, the layout, the
-        kvq version and the file-format version.
+        kvq version and the file-format version. A chunk's first compression is settled first
+        (:meth:`kvq.cache.KVQCache.settle`: an outlier layer's chunk may be stored again).
         """
+        self.settle()
         keys, values = self.compressed_keys.view(), self.compressed_values.view()
         transform = {name: x for name, x in (("key_mean", self.key_mean), ("key_scale", self.key_scale))
                      if x is not None}
