@@ -31,6 +31,10 @@
 #            fill's cached buffers, and the fill empties them since ae25aa6, so this step now checks the fix); then
 #            investigations/mlx_batch_wait.py, the same question asked of MLX alone
 #   batch-sides  kvq bench batch (BatchGenerator) of each side of $BS_SIDES at $BATCHES x $BATCH_PROMPT, fp16 in each
+#   ctests   the CPU suite's files $CT_FILES (the chunk, guard and rotating tests) run on the GPU, against each side of
+#            $CT_SIDES (before after), all in parallel, each cut at $CT_TIMEOUT (270) s; prints the failures of each
+#            side (several fail on a GPU at both revisions: exactness and hook counts written for the CPU, so a
+#            change shows as a failure of its side only); $CT_AFTER_ONLY: files the before side lacks
 #   pack     every file under $OUT into one archive (put it last: the device tool returns a limited number of files)
 #   other    benchmarks/gpu_session.sh's step of that name, with the after revision on PYTHONPATH
 set -u
@@ -136,6 +140,17 @@ for r in json.load(open(sys.argv[1]))["results"]:
                  --no-progress --out "$OUT/batch" --name "$name" > "$OUT/$name.log" 2>&1
                echo "== $name"; grep -E "^\| (kvcache|fp16|turbo|affine)" "$OUT/$name.log" | cut -c1-230 || tail -c 1500 "$OUT/$name.log"
              done;;
+    ctests) for side in ${CT_SIDES:-before after}; do
+              for f in ${CT_FILES:-tests/test_prefill_chunks.py tests/test_outlier_layers.py tests/test_key_scales.py tests/test_rotating_cache.py tests/test_guard_ahead.py}; do
+                case " ${CT_AFTER_ONLY-tests/test_guard_ahead.py} " in *" $f "*) [ "$side" = before ] && continue;; esac
+                (PYTHONPATH=$S:/tmp/site-$side timeout ${CT_TIMEOUT:-270} python3 -m pytest -v -p no:cacheprovider --tb=line $f \
+                   > "$OUT/ctests-$side-$(basename $f .py).log" 2>&1) &
+              done
+            done
+            wait
+            for side in ${CT_SIDES:-before after}; do
+              echo "== ctests $side"; grep -h -E "^FAILED|^ERROR| passed| failed" "$OUT"/ctests-$side-*.log | cut -c1-200
+            done;;
     pack) # everything under $OUT in one archive: the device tool brings back only so many files a call, and a
           # step's results beyond that count were lost (2026-12-07)
           name="sitting-$(date +%H%M%S).tgz"
