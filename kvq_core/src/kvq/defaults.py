@@ -12,6 +12,12 @@ from __future__ import annotations
 #: tokens/s ratio to fp16 rose from 0.83-0.92 to 0.98-1.02 at 4K and from 0.90-0.96 to 0.95-1.01 at 128K), for 96
 #: more uncompressed tokens per layer at most (12 MB at Llama-3-8B's shape).
 DEFAULT_FLUSH = 128
+#: First tokens of a sequence a kvq cache keeps uncompressed (:class:`kvq.cache.CacheConfig`'s ``sinks``; StreamingLLM's
+#: attention sinks, Xiao et al., arXiv 2309.17453, which keeps 4).
+DEFAULT_SINKS = 4
+#: Most recent tokens a kvq cache keeps uncompressed (:class:`kvq.cache.CacheConfig`'s ``window``; KIVI's residual
+#: length, arXiv 2402.02750).
+DEFAULT_WINDOW = 128
 
 #: The cache kvq recommends (a method string of ``kvq eval``): perplexity within 1% of the reference on the three
 #: models tested, at 4.06-4.44 bits per coordinate (``docs/results.md``, against mlx-lm's float32 KVCache at 2K:

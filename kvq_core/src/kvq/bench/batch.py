@@ -36,7 +36,7 @@ from typing import Callable
 import attrs
 import mlx.core as mx
 
-from ..defaults import DEFAULT_FLUSH
+from ..defaults import DEFAULT_FLUSH, DEFAULT_SINKS, DEFAULT_WINDOW
 from ..evaluation.spec import MethodSpec
 from .fill import host_summary
 from .measure import error_text, release
@@ -69,8 +69,8 @@ class BatchSettings:
     reps: int = 3
     warmup: int = 1
     chunk: int = 2048
-    sinks: int = 4
-    window: int = 128
+    sinks: int = DEFAULT_SINKS
+    window: int = DEFAULT_WINDOW
     flush: int = DEFAULT_FLUSH
     kernels: str = "auto"
     seed: int = 0

@@ -31,7 +31,7 @@ import attrs
 import mlx.core as mx
 from tqdm import tqdm
 
-from ..defaults import DEFAULT_FLUSH
+from ..defaults import DEFAULT_FLUSH, DEFAULT_SINKS, DEFAULT_WINDOW
 from .e2e import REFERENCE, E2EBench, E2ESettings
 from .measure import release
 from .output import uncompressed_note
@@ -68,8 +68,8 @@ class CapacitySettings:
     reps: int = 2
     warmup: int = 1
     chunk: int = 4096
-    sinks: int = 4
-    window: int = 128
+    sinks: int = DEFAULT_SINKS
+    window: int = DEFAULT_WINDOW
     kernels: str = "auto"
     flush: int = DEFAULT_FLUSH
     seed: int = 0

@@ -37,7 +37,7 @@ import attrs
 import mlx.core as mx
 from tqdm import tqdm
 
-from ..defaults import DEFAULT_FLUSH
+from ..defaults import DEFAULT_FLUSH, DEFAULT_SINKS, DEFAULT_WINDOW
 from ..evaluation.spec import (MethodSpec, bits_per_coordinate, checked_with_reference, model_dtype, parse_method,
                                split_methods)
 from ..cache.prompt import prefill_prompt
@@ -84,8 +84,8 @@ class E2ESettings:
     warmup: int = 1
     chunk: int = 4096
     fill: str = attrs.field(default="random", validator=attrs.validators.in_(FILLS))
-    sinks: int = 4
-    window: int = 128
+    sinks: int = DEFAULT_SINKS
+    window: int = DEFAULT_WINDOW
     kernels: str = "auto"
     seed: int = 0
     progress: bool = True
@@ -103,8 +103,9 @@ class E2ESettings:
                              f"got --fill {self.fill}")
 
 
-def parse_methods(text: str | None, head_dim: int | None = None, sinks: int = 4, window: int = 128,
-                  installed: set[str] | None = None, defaults: tuple[str, ...] = DEFAULT_METHODS) -> list[MethodSpec]:
+def parse_methods(text: str | None, head_dim: int | None = None, sinks: int = DEFAULT_SINKS,
+                  window: int = DEFAULT_WINDOW, installed: set[str] | None = None,
+                  defaults: tuple[str, ...] = DEFAULT_METHODS) -> list[MethodSpec]:
     """``--methods`` (``None``: the installed ``defaults``), validated; the reference first, added if missing.
 
     :param installed: installed method names (for the defaults; default: the registry's).

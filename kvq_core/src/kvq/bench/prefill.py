@@ -15,7 +15,7 @@ from typing import Callable
 import attrs
 import mlx.core as mx
 
-from ..defaults import DEFAULT_FLUSH
+from ..defaults import DEFAULT_FLUSH, DEFAULT_SINKS, DEFAULT_WINDOW
 from ..evaluation.spec import MethodSpec
 from .e2e import cache_kind, make_cache
 from .fill import cache_arrays
@@ -41,8 +41,8 @@ class PrefillSettings:
     contexts: tuple[int, ...]
     chunk: int = 2048
     reps: int = 2
-    sinks: int = 4
-    window: int = 128
+    sinks: int = DEFAULT_SINKS
+    window: int = DEFAULT_WINDOW
     flush: int = DEFAULT_FLUSH
     kernels: str = "auto"
     seed: int = 0

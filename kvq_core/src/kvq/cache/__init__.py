@@ -23,7 +23,7 @@ import attrs
 import mlx_lm.models.cache as mlx_cache
 
 from ..contract import ChecksReady, SideDefaults, optional_hook
-from ..defaults import DEFAULT_FLUSH
+from ..defaults import DEFAULT_FLUSH, DEFAULT_SINKS, DEFAULT_WINDOW
 from ..plugins import registry
 from . import patch as _patch
 from .batch import BatchKVQCache
@@ -56,8 +56,8 @@ def _params(method: str | None, overrides: dict | None, shared: dict, side: str)
 
 
 def make_config(method: str | None = "affine", *, key_method: str | None = None, value_method: str | None = None,
-                key_params: dict | None = None, value_params: dict | None = None, sinks: int = 4,
-                window: int = 128, step: int = 256, kernels: str = "auto", flush: int = DEFAULT_FLUSH,
+                key_params: dict | None = None, value_params: dict | None = None, sinks: int = DEFAULT_SINKS,
+                window: int = DEFAULT_WINDOW, step: int = 256, kernels: str = "auto", flush: int = DEFAULT_FLUSH,
                 outlier_layers: str = "upgrade", **params: Any) -> CacheConfig:
     """A validated :class:`CacheConfig`: the methods, parameters and layout of one layer's cache, as
     :func:`make_prompt_cache` takes them (``CacheConfig.for_layer`` binds per-layer state).

@@ -9,7 +9,7 @@ from typing import Any
 import attrs
 
 from ..contract import EncodesBlocks, ForHeads, ForLayer, optional_hook
-from ..defaults import DEFAULT_FLUSH
+from ..defaults import DEFAULT_FLUSH, DEFAULT_SINKS, DEFAULT_WINDOW
 from ..selection import check_kernels
 from .budget import check_budget, spend
 from .guard import check_policy
@@ -56,8 +56,8 @@ class CacheConfig:
 
     key_params: Any
     value_params: Any
-    sinks: int = attrs.field(default=4)
-    window: int = attrs.field(default=128)
+    sinks: int = attrs.field(default=DEFAULT_SINKS)
+    window: int = attrs.field(default=DEFAULT_WINDOW)
     step: int = attrs.field(default=256)
     kernels: str = attrs.field(default="auto", validator=lambda i, a, v: check_kernels(v))
     flush: int = attrs.field(default=DEFAULT_FLUSH)

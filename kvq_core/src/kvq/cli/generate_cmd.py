@@ -32,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import quality
-from ..defaults import DEFAULT_FLUSH
+from ..defaults import DEFAULT_FLUSH, DEFAULT_SINKS, DEFAULT_WINDOW
 from ..selection import KERNELS
 from .select_cmd import parse_param
 
@@ -160,7 +160,7 @@ def _for_model(options: dict, model: str | None) -> dict:
 
 
 #: What ``--sinks``, ``--window`` and ``--flush`` default to (:func:`kvq.cache.make_config`'s defaults).
-_LAYOUT_DEFAULTS = {"sinks": 4, "window": 128, "flush": DEFAULT_FLUSH}
+_LAYOUT_DEFAULTS = {"sinks": DEFAULT_SINKS, "window": DEFAULT_WINDOW, "flush": DEFAULT_FLUSH}
 
 #: The option of :func:`add_cache_arguments` that sets each cache setting (:func:`kvq.cache.cache_settings`); the
 #: others go through ``--param NAME=VALUE``.
@@ -503,8 +503,9 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--key-param", action="append", default=[], metavar="NAME=VALUE", help="keys' parameter")
     p.add_argument("--value-param", action="append", default=[], metavar="NAME=VALUE", help="values' parameter")
     # defaults None: cache_options tells them from values given (a method string's own may not be contradicted)
-    p.add_argument("--sinks", type=int, default=None, help="first tokens kept uncompressed (default 4)")
-    p.add_argument("--window", type=int, default=None, help="recent tokens kept uncompressed (default 128)")
+    p.add_argument("--sinks", type=int, default=None, help=f"first tokens kept uncompressed (default {DEFAULT_SINKS})")
+    p.add_argument("--window", type=int, default=None,
+                   help=f"recent tokens kept uncompressed (default {DEFAULT_WINDOW})")
     p.add_argument("--flush", type=int, default=None, metavar="N",
                    help=f"tokens leave the window in blocks of N (default {DEFAULT_FLUSH}): a decode step is then an "
                         "append, and quantizing runs once every N steps; 1 compresses every step")

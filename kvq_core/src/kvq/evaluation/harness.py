@@ -14,7 +14,7 @@ import attrs
 import mlx.core as mx
 from tqdm import tqdm
 
-from ..defaults import DEFAULT_FLUSH
+from ..defaults import DEFAULT_FLUSH, DEFAULT_SINKS, DEFAULT_WINDOW
 from ..textdata import bos_ids
 from ..cache.still import layer_still_channels
 from .attention_error import AttentionHook, InputRecorder, LayerReference, sliding_windows
@@ -47,8 +47,8 @@ class EvalSettings:
     windows: int = 3
     score_tokens: int = 256
     chunk: int = 512
-    sinks: int = 4
-    window: int = 128
+    sinks: int = DEFAULT_SINKS
+    window: int = DEFAULT_WINDOW
     needle_depths: tuple[float, ...] = (0.1, 0.5, 0.9)
     dequantize_mlx: bool = True
     progress: bool = True

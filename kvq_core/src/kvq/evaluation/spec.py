@@ -9,6 +9,7 @@ import shlex
 
 import attrs
 
+from ..defaults import DEFAULT_SINKS, DEFAULT_WINDOW
 from ..cache.method_string import (  # noqa: F401
     CACHE_OPTIONS,
     KVQ_FP16,
@@ -58,7 +59,8 @@ def _check_mlx(spec: MethodSpec, head_dim: int | None) -> None:
         raise ValueError(f"method {spec.label!r}: group_size {group_size} does not divide head_dim {head_dim}")
 
 
-def validate(spec: MethodSpec, head_dim: int | None = None, sinks: int = 4, window: int = 128) -> None:
+def validate(spec: MethodSpec, head_dim: int | None = None, sinks: int = DEFAULT_SINKS,
+             window: int = DEFAULT_WINDOW) -> None:
     """Check a spec against the installed methods (and ``head_dim`` when known), without building a cache.
 
     :raises ValueError: unknown method (the installed ones are listed), parameter out of range, or a head_dim
@@ -78,7 +80,8 @@ def validate(spec: MethodSpec, head_dim: int | None = None, sinks: int = 4, wind
         raise ValueError(f"method {spec.label!r}: {exc}") from None
 
 
-def parse_methods(text: str, head_dim: int | None = None, sinks: int = 4, window: int = 128) -> list[MethodSpec]:
+def parse_methods(text: str, head_dim: int | None = None, sinks: int = DEFAULT_SINKS,
+                  window: int = DEFAULT_WINDOW) -> list[MethodSpec]:
     """Parse and validate ``--methods``; the reference (:data:`REFERENCE`) is put first, added if missing.
 
     :raises ValueError: a string that does not parse, an unknown method or parameter, a duplicate label.
@@ -167,8 +170,8 @@ def for_model(cache_kwargs: dict, model: str | None) -> dict:
     return kwargs
 
 
-def spec_for_model(spec: MethodSpec, model: str | None, head_dim: int | None = None, sinks: int = 4,
-                   window: int = 128, *, calibrated: bool = True) -> MethodSpec:
+def spec_for_model(spec: MethodSpec, model: str | None, head_dim: int | None = None, sinks: int = DEFAULT_SINKS,
+                   window: int = DEFAULT_WINDOW, *, calibrated: bool = True) -> MethodSpec:
     """``spec`` for a cache of ``model``, as :func:`for_model`, and validated for ``head_dim`` (:func:`validate`).
 
     :param calibrated: ``False`` for a model that has no calibration (``kvq bench``'s ``random:PRESET``): a
