@@ -215,9 +215,10 @@ def test_a_chunk_that_fails_leaves_nothing_to_settle(monkeypatch):
 @pytest.mark.parametrize("lengths", [None, [10, T, T, T]], ids=["equal", "one-short"])
 def test_a_batch_waits_for_nothing_while_storing_and_its_rows_decide_as_alone(lengths, monkeypatch):
     """Four rows (plain, offsets, outlier, scaled keys) prefilled as one batch chunk: the update waits for the device
-    not once, and after attending every row holds what the same tokens give a lone waiting cache (method, mean,
-    scales, codes) and attends alike, the outlier row warning once. ``one-short``: the first row's prompt has 10
-    real tokens (right padding), too few to compress."""
+    not once, the rows that compress decide their first blocks in one graph (one :func:`guard.decide_ahead_rows` of
+    all of them, none alone), and after attending every row holds what the same tokens give a lone waiting cache
+    (method, mean, scales, codes) and attends alike, the outlier row warning once. ``one-short``: the first row's
+    prompt has 10 real tokens (right padding), too few to compress."""
     config = make_config("turboquant", bits=4, window=12, flush=4, kernels="off").for_layer(1)
     data = [row_keys(kind, seed) for seed, kind in enumerate(KINDS)]
     counts = lengths or [T] * len(KINDS)
@@ -234,6 +235,10 @@ def test_a_batch_waits_for_nothing_while_storing_and_its_rows_decide_as_alone(le
 
     counting = CountingMx()
     monkeypatch.setattr(guard, "mx", counting)
+    decided_rows = []
+    rows_decider = guard.decide_ahead_rows
+    monkeypatch.setattr(guard, "decide_ahead_rows",
+                        lambda config, blocks: decided_rows.append(blocks.shape[0]) or rows_decider(config, blocks))
     batch = BatchKVQCache([KVQCache(config) for _ in KINDS])
     if lengths is not None:
         batch.prepare(lengths=lengths, right_padding=[T - n for n in lengths])
@@ -241,6 +246,7 @@ def test_a_batch_waits_for_nothing_while_storing_and_its_rows_decide_as_alone(le
         warnings.simplefilter("always")
         batch.update_and_fetch(mx.concatenate([k for k, _ in data]), mx.concatenate([v for _, v in data]))
         assert counting.evals == 0
+        assert decided_rows == [len([n for n in counts if n == T])]
         out = batch.attend(q, SCALE)
     assert len([w for w in caught if w.category is OutlierLayerWarning]) == 1
     if lengths is not None:
@@ -348,3 +354,57 @@ def test_a_chunk_with_learned_sink_logits_settles_before_it_attends(monkeypatch)
     np.testing.assert_array_equal(np.array(cache.attend(queries, SCALE, sink_logits=sinks)), expected)
     assert seen == [True]
     assert_same(held(cache), held(reference))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+def test_blocks_decided_together_are_decided_as_alone_bit_for_bit(dtype):
+    """:func:`guard.decide_ahead_rows` of five rows' first blocks (each kind of keys, and non-finite ones): each row's
+    decisions, concentration, mean and scales equal those :func:`guard.decide_ahead` and :func:`guard.guard_layer`
+    give its block alone, bit for bit."""
+    config = make_config("turboquant", bits=3).for_layer(1)
+    blocks = [row_keys(kind, seed)[0] for seed, kind in enumerate(KINDS)]
+    blocks.append(mx.where(mx.arange(D) == 3, mx.inf, blocks[0]))
+    blocks = [b.astype(dtype) for b in blocks]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OutlierLayerWarning)
+        together = guard.decide_ahead_rows(config, mx.stack(blocks))
+        for r, block in enumerate(blocks):
+            alone = guard.decide_ahead(config, block)
+            ours = together[r]
+            assert ours.row == r and alone.row == 0
+            assert ours.block.decided(r) == alone.block.decided()
+            assert ours.block.concentration(r) == alone.block.concentration()
+            np.testing.assert_array_equal(np.array(ours.mean), np.array(alone.mean))
+            np.testing.assert_array_equal(np.array(ours.scales), np.array(alone.scales))
+            waited, mean, scales = guard.guard_layer(config, block)
+            if alone.block.decided()[1]:  # an outlier layer under "upgrade": stored again, waiting
+                assert guard.settle(config, ours) is None and waited.outlier_layer
+            else:
+                kept = guard.settle(config, ours)
+                assert kept[0] == waited
+                for x, y in zip(kept[1:], (mean, scales)):
+                    assert (x is None) == (y is None)
+                    if x is not None:
+                        np.testing.assert_array_equal(np.array(x), np.array(y))
+
+
+def test_rows_of_another_configuration_decide_alone(monkeypatch):
+    """A batch whose middle row has another configuration (its guard off): the other two decide together, it alone
+    (where its guard does not apply), and each row holds what a lone waiting cache holds."""
+    config = make_config("turboquant", bits=4, window=12, flush=4, kernels="off").for_layer(1)
+    off = make_config("turboquant", bits=4, window=12, flush=4, kernels="off", outlier_layers="off").for_layer(1)
+    configs = [config, off, config]
+    data = [row_keys("offsets", seed) for seed in range(3)]
+    with waiting(monkeypatch):
+        alone = []
+        for c, (k, v) in zip(configs, data):
+            cache = KVQCache(c)
+            cache.update_and_fetch(k, v)
+            cache.release_chunk()
+            alone.append(cache)
+    batch = BatchKVQCache([KVQCache(c) for c in configs])
+    batch.update_and_fetch(mx.concatenate([k for k, _ in data]), mx.concatenate([v for _, v in data]))
+    batch.release_chunk()
+    assert [held(row)["mean"] is not None for row in batch.rows] == [True, False, True]
+    for row, cache in zip(batch.rows, alone):
+        assert_same(held(row), held(cache))

@@ -58,9 +58,10 @@ holds at its first compression, so the choice does not depend on how a prompt wa
   warns; ``"off"`` turns every remedy here off. The cost is in the bytes the cache reports and saves (the layer's
   parameters change), never hidden.
 
-The rule is :func:`first_block` (device arrays). :func:`guard_layer` waits for them; a prefill chunk's first
-compression does not (:func:`decide_ahead`, settled by :func:`settle` when the chunk attends:
-:meth:`kvq.cache.KVQCache.settle`).
+The rule is :func:`first_block` (device arrays, for ``R`` layers' blocks at once: one layer's is ``R = 1``).
+:func:`guard_layer` waits for them; a prefill chunk's first compression does not (:func:`decide_ahead`, settled by
+:func:`settle` when the chunk attends: :meth:`kvq.cache.KVQCache.settle`), and the rows of a batch that start a
+prefill together decide theirs in one graph (:func:`decide_ahead_rows`, :class:`SharedFirstBlocks`).
 """
 
 from __future__ import annotations
@@ -113,14 +114,16 @@ def _finite32(keys: mx.array) -> mx.array:
 
 
 class _Finite:
-    """A block of keys ``[B, H_kv, T, D]`` as the statistics read it, each part made once: ``x`` float32 with
-    non-finite values as 0, ``whole`` its per-channel mean over tokens (float32 ``[B, H_kv, 1, D]``), ``varying``
+    """First blocks of keys as the statistics read them, ``[R, B, H_kv, T, D]``: ``R`` layers' blocks (rows of a
+    batch, each a layer of its own; 1 for one layer), decided apart, each part made once: ``x`` float32 with
+    non-finite values as 0, ``whole`` its per-channel mean over tokens (float32 ``[R, B, H_kv, 1, D]``), ``varying``
     (made when first read) ``x`` less ``whole``. Built op by op, a first block's statistics made the same float32
-    copy ten times: 213 graph nodes a layer for the host to build and the device to run (issue #51)."""
+    copy ten times: 213 graph nodes a layer for the host to build and the device to run (issue #51); a batch's rows
+    had their own graph each (:func:`decide_ahead_rows`)."""
 
-    def __init__(self, keys: mx.array) -> None:
-        self.x = _finite32(keys)
-        self.whole = mx.mean(self.x, axis=2, keepdims=True)
+    def __init__(self, blocks: mx.array) -> None:
+        self.x = _finite32(blocks)
+        self.whole = mx.mean(self.x, axis=-2, keepdims=True)
 
     @functools.cached_property
     def varying(self) -> mx.array:
@@ -149,15 +152,15 @@ def offset_energy(keys: mx.array, channels: tuple[int, ...] | None = None) -> fl
     mean's energy in those channels only (the whole keys' energy below the line)."""
     if keys.shape[2] == 0:
         return 0.0
-    block = _Finite(keys)
-    return float(_energy_share(block.x, block.mean(channels)))
+    block = _Finite(keys[None])
+    return _energy_share(block.x, block.mean(channels)).item()
 
 
 def _energy_share(x: mx.array, mean: mx.array) -> mx.array:
-    """:func:`offset_energy` of finite float32 keys ``x`` with their (masked) mean, a float32 scalar array, not
-    evaluated."""
-    total = mx.sum(mx.mean(mx.sum(x * x, axis=-1), axis=2))
-    return mx.sum(mean * mean) / mx.maximum(total, 1e-30)
+    """:func:`offset_energy` of each of ``R`` blocks of finite float32 keys ``x`` ``[R, B, H_kv, T, D]`` with their
+    (masked) mean ``[R, B, H_kv, 1, D]``: float32 ``[R]``, not evaluated."""
+    total = mx.sum(mx.mean(mx.sum(x * x, axis=-1), axis=-1), axis=(1, 2))
+    return mx.sum(mean * mean, axis=(1, 2, 3, 4)) / mx.maximum(total, 1e-30)
 
 
 def key_mean(keys: mx.array, channels: tuple[int, ...] | None = None) -> mx.array:
@@ -172,14 +175,15 @@ def channel_concentration(keys: mx.array) -> float:
     """The largest share of one channel in the energy of ``keys`` ``[B, H_kv, T, D]`` once centred (their mean over
     tokens subtracted), over heads: ``max_h max_d sum_t c_hd^2 / sum_t |c_h|^2`` (float32; 0 for no tokens).
     ``1 / D`` when the varying energy is spread evenly; 1 when it is all in one channel."""
-    return 0.0 if keys.shape[2] == 0 else float(_concentration(_Finite(keys).varying))
+    return 0.0 if keys.shape[2] == 0 else _concentration(_Finite(keys[None]).varying).item()
 
 
 def _concentration(varying: mx.array) -> mx.array:
-    """:func:`channel_concentration` of a block's :attr:`_Finite.varying`, a float32 scalar array, not evaluated."""
-    per_channel = mx.sum(varying * varying, axis=(0, 2))  # [H_kv, D]
+    """:func:`channel_concentration` of each of ``R`` blocks, from their :attr:`_Finite.varying` ``[R, B, H_kv, T,
+    D]``: float32 ``[R]``, not evaluated."""
+    per_channel = mx.sum(varying * varying, axis=(1, 3))  # [R, H_kv, D]
     share = mx.max(per_channel, axis=-1) / mx.maximum(mx.sum(per_channel, axis=-1), 1e-30)
-    return mx.max(share)
+    return mx.max(share, axis=-1)
 
 
 def channel_spread(keys: mx.array) -> mx.array:
@@ -199,7 +203,7 @@ def _channel_energy(x: mx.array) -> mx.array:
     """Each channel's mean square over tokens of finite float32 keys ``x`` (:func:`_finite32`), float32
     ``[B, H_kv, 1, D]``, at least ``1e-4`` of the head's mean channel (a silent channel is scaled as a quiet one, not
     divided by 0)."""
-    energy = mx.mean(x * x, axis=2, keepdims=True)
+    energy = mx.mean(x * x, axis=-2, keepdims=True)
     return mx.maximum(energy, 1e-4 * mx.mean(energy, axis=-1, keepdims=True) + 1e-30)
 
 
@@ -211,14 +215,14 @@ def key_scales(keys: mx.array) -> mx.array | None:
     alone scales nothing: queries follow such offsets (module docstring). Dividing keys by it leaves each channel
     with about the square root of its energy (SmoothQuant's migration, Xiao et al., arXiv 2211.10438, with alpha 1/2
     of the keys' own energy)."""
-    block = _Finite(keys)
+    block = _Finite(keys[None])
     heads = _scaled_heads(block.varying)
-    return _scales(block.x, heads) if bool(mx.any(heads)) else None
+    return _scales(block.x, heads)[0] if bool(mx.any(heads)) else None
 
 
 def _scaled_heads(varying: mx.array) -> mx.array:
-    """Which heads of a block :func:`key_scales` scales, from its :attr:`_Finite.varying`: bool ``[B, H_kv, 1, 1]``,
-    not evaluated. It reads the keys less their own per-channel mean, so keys centred by any per-channel mean give
+    """Which heads of a block :func:`key_scales` scales, from its :attr:`_Finite.varying` (``[..., B, H_kv, T, D]``:
+    any leading axes): bool ``[..., B, H_kv, 1, 1]``, not evaluated. It reads the keys less their own per-channel mean, so keys centred by any per-channel mean give
     the same heads (up to float32 rounding)."""
     return _spread(_channel_energy(_finite32(varying))) >= SCALE_SPREAD_LIMIT
 
@@ -259,24 +263,26 @@ def safe_params():
 
 
 def applies(config, keys: mx.array) -> bool:
-    """Whether :func:`guard_layer` checks a first block of ``keys`` ``[B, H_kv, T, D]`` at all: not under
-    ``outlier_layers="off"``, not for keys stored at 8 bits or more (:func:`guarded`), not for a block of fewer than
-    :data:`MIN_TOKENS` tokens."""
-    return config.outlier_layers != "off" and guarded(config.key_params) and keys.shape[2] >= MIN_TOKENS
+    """Whether :func:`guard_layer` checks a first block of ``keys`` ``[B, H_kv, T, D]`` (or blocks ``[R, B, H_kv, T,
+    D]``) at all: not under ``outlier_layers="off"``, not for keys stored at 8 bits or more (:func:`guarded`), not for
+    a block of fewer than :data:`MIN_TOKENS` tokens."""
+    return config.outlier_layers != "off" and guarded(config.key_params) and keys.shape[-2] >= MIN_TOKENS
 
 
 @attrs.frozen
 class FirstBlock:
-    """What a layer's first compressed block says, as device arrays (:func:`first_block`; not evaluated): the three
-    decisions of :func:`guard_layer` as bool scalars, and what they are made of.
+    """What ``R`` layers' first compressed blocks say, as device arrays (:func:`first_block`; not evaluated): the
+    three decisions of :func:`guard_layer` per layer, and what they are made of. One layer's are row 0 of ``R = 1``;
+    a batch's rows (each a layer of its own) are decided in one graph (:func:`decide_ahead_rows`).
 
-    :ivar centre: the keys are centred (:func:`offset_energy` of ``config.still_channels`` at least
+    :ivar centre: bool ``[R]``: the keys are centred (:func:`offset_energy` of ``config.still_channels`` at least
         :data:`STILL_CENTER_LIMIT`; of the whole mean, without them, at least :data:`CENTER_LIMIT`).
-    :ivar outlier: an outlier layer (:func:`channel_concentration` at least :data:`CONCENTRATION_LIMIT`).
-    :ivar share: that concentration, float32 scalar (the warning names it).
-    :ivar heads: which heads :func:`key_scales` scales, bool ``[B, H_kv, 1, 1]``, or ``None`` where the key method
+    :ivar outlier: bool ``[R]``: an outlier layer (:func:`channel_concentration` at least
+        :data:`CONCENTRATION_LIMIT`).
+    :ivar share: float32 ``[R]``, that concentration (the warning names it).
+    :ivar heads: which heads :func:`key_scales` scales, bool ``[R, B, H_kv, 1, 1]``, or ``None`` where the key method
         is never scaled (:func:`scales_keys`).
-    :ivar scaled: any of ``heads``, bool scalar, or ``None`` alike.
+    :ivar scaled: bool ``[R]``, any of a row's ``heads``, or ``None`` alike.
     """
 
     centre: mx.array
@@ -284,29 +290,42 @@ class FirstBlock:
     share: mx.array
     heads: mx.array | None
     scaled: mx.array | None
+    #: The decisions as Python values, made by the first :meth:`decided` (every row's at once).
+    _host: dict = attrs.field(factory=dict, init=False, eq=False, repr=False)
 
     def arrays(self) -> list:
         """The arrays to evaluate."""
         return [x for x in (self.centre, self.outlier, self.share, self.heads, self.scaled) if x is not None]
 
-    def decided(self) -> tuple[bool, bool, bool]:
-        """``(centre, outlier, scaled)`` as Python bools: evaluates the block's arrays (one wait for the device, none
-        where they have run already)."""
-        mx.eval(*self.arrays())
-        return bool(self.centre), bool(self.outlier), self.scaled is not None and bool(self.scaled)
+    def decided(self, row: int = 0) -> tuple[bool, bool, bool]:
+        """``(centre, outlier, scaled)`` of block ``row`` as Python bools. The first call evaluates the arrays (one
+        wait for the device, none where they have run already) and keeps every row's values: a batch's rows read
+        theirs without evaluating again."""
+        host = self._host
+        if not host:
+            mx.eval(*self.arrays())
+            host.update(centre=self.centre.tolist(), outlier=self.outlier.tolist(), share=self.share.tolist(),
+                        scaled=None if self.scaled is None else self.scaled.tolist())
+        scaled = host["scaled"] is not None and host["scaled"][row]
+        return bool(host["centre"][row]), bool(host["outlier"][row]), bool(scaled)
+
+    def concentration(self, row: int = 0) -> float:
+        """:attr:`share` of block ``row`` as a float (:meth:`decided` first)."""
+        self.decided(row)
+        return float(self._host["share"][row])
 
 
 def first_block(config, block: _Finite) -> FirstBlock:
-    """The statistics of a layer's first compressed block of keys (``block``: :class:`_Finite` of the keys ``[B,
+    """The statistics of first compressed blocks of keys (``block``: :class:`_Finite` of ``R`` layers' keys ``[R, B,
     H_kv, T, D]``) and the decisions made of them (:class:`FirstBlock`), on the device and not evaluated: the one
-    statement of the guard's rule, which :func:`guard_layer` (waiting for it) and :func:`decide_ahead` (not waiting)
-    both read."""
+    statement of the guard's rule, which :func:`guard_layer` (waiting for it) and :func:`decide_ahead_rows` (not
+    waiting) both read."""
     limit = CENTER_LIMIT if config.still_channels is None else STILL_CENTER_LIMIT
     share = _concentration(block.varying)
     heads = _scaled_heads(block.varying) if scales_keys(config.key_params) else None
     return FirstBlock(centre=_energy_share(block.x, block.mean(config.still_channels)) >= limit,
                       outlier=share >= CONCENTRATION_LIMIT, share=share, heads=heads,
-                      scaled=None if heads is None else mx.any(heads))
+                      scaled=None if heads is None else mx.any(heads, axis=(1, 2, 3, 4)))
 
 
 def _rounded(mean: mx.array, dtype: mx.Dtype) -> mx.array:
@@ -331,15 +350,16 @@ def guard_layer(config, keys: mx.array):
     """
     if not applies(config, keys):
         return config, None, None
-    block = _Finite(keys)
+    block = _Finite(keys[None])
     decisions = first_block(config, block)
     centre, outlier, scaled = decisions.decided()
-    mean = _rounded(block.mean(config.still_channels), keys.dtype) if centre else None
+    mean = _rounded(block.mean(config.still_channels)[0], keys.dtype) if centre else None
     if outlier:
-        config = _outlier_layer(config, float(decisions.share))
+        config = _outlier_layer(config, decisions.concentration())
     scales = None
     if scaled and scales_keys(config.key_params):
-        scales = _scales(block.x if mean is None else _finite32(block.x - mean), decisions.heads)
+        x = block.x[0]
+        scales = _scales(x if mean is None else _finite32(x - mean), decisions.heads[0])
     return config, mean, scales
 
 
@@ -349,11 +369,12 @@ class Ahead:
     compress and attend with meanwhile: ``mean`` float32 ``[B, H_kv, 1, D]``, :func:`guard_layer`'s mean where the
     block is centred and zeros where not; ``scales`` float32 ``[B, H_kv, 1, D]``, :func:`key_scales` of the keys less
     ``mean`` (ones for the heads not scaled, so all ones where none is), or ``None`` where the key method is never
-    scaled."""
+    scaled. ``row``: the block's row of ``block`` (a batch's rows share one :class:`FirstBlock`)."""
 
     block: FirstBlock
     mean: mx.array
     scales: mx.array | None
+    row: int = 0
 
 
 def decide_ahead(config, keys: mx.array) -> Ahead | None:
@@ -374,14 +395,56 @@ def decide_ahead(config, keys: mx.array) -> Ahead | None:
     On an H100 that wait was 2.3 ms per layer in a prefill's first chunk, about a fifth of an 8K prefill on
     random:llama3-8b (``benchmarks/results/prefill/2026-12-07-h100-host-profile-d05440f``).
     """
-    if not applies(config, keys):
+    ahead = decide_ahead_rows(config, keys[None])
+    return None if ahead is None else ahead[0]
+
+
+def decide_ahead_rows(config, blocks: mx.array) -> list[Ahead] | None:
+    """:func:`decide_ahead` of ``R`` layers' first blocks at once, ``blocks`` ``[R, B, H_kv, T, D]`` (the rows of a
+    batch starting their prefill together, each a layer of its own with ``config``): one graph and one queue for all
+    of them instead of one per row, each row's :class:`Ahead` what :func:`decide_ahead` of its block alone gives (the
+    same statistics, reduced over the same axes: ``tests/test_guard_ahead.py`` compares them bit for bit). ``None``
+    where the guard does not apply (:func:`applies`).
+
+    Why: a batch's prefill (mlx-lm's ``BatchGenerator``: 8 prompts of 2,048, each row's first chunk its first
+    compression) built and queued each row's statistics apart, about 40 graph nodes a row and layer that the host
+    builds and MLX encodes while the device waits (issue #51: kvq's prefill there was 0.70x fp16's on an H100)."""
+    if not applies(config, blocks):
         return None
-    block = _Finite(keys)
+    block = _Finite(blocks)
     decisions = first_block(config, block)
     mx.async_eval(*decisions.arrays())
-    mean = mx.where(decisions.centre, _rounded(block.mean(config.still_channels), keys.dtype), 0.0)
+    centre = decisions.centre.reshape(-1, 1, 1, 1, 1)
+    mean = mx.where(centre, _rounded(block.mean(config.still_channels), blocks.dtype), 0.0)
     scales = None if decisions.heads is None else _scales(_finite32(block.x - mean), decisions.heads)
-    return Ahead(decisions, mean, scales)
+    means = _each_row(mean)
+    scales = [None] * len(means) if scales is None else _each_row(scales)
+    return [Ahead(decisions, m, s, r) for r, (m, s) in enumerate(zip(means, scales))]
+
+
+def _each_row(x: mx.array) -> list:
+    """``x`` ``[R, ...]`` as ``R`` arrays ``[...]``: one split of views (a reshape for one row), not a slice each."""
+    if x.shape[0] == 1:
+        return [x.reshape(x.shape[1:])]
+    return [part.squeeze(0) for part in mx.split(x, x.shape[0], axis=0)]
+
+
+class SharedFirstBlocks:
+    """The first blocks of a batch's rows that start a prefill together, ``blocks`` ``[R, B, H_kv, T, D]``, decided in
+    one graph (:func:`decide_ahead_rows`) when the first of them asks (:meth:`decide`): each row is a layer of its
+    own, and its chunk's update asks with its configuration as it stands then."""
+
+    def __init__(self, blocks: mx.array) -> None:
+        self.blocks = blocks
+        self._config = None
+        self._aheads: list[Ahead] | None = None
+
+    def decide(self, row: int, config) -> Ahead | None:
+        """Row ``row``'s :class:`Ahead` (what :func:`decide_ahead` of its block gives), or ``None`` where the guard
+        does not apply or ``config`` is not the configuration the rows were decided with (the row decides alone)."""
+        if self._config is None:
+            self._config, self._aheads = config, decide_ahead_rows(config, self.blocks)
+        return self._aheads[row] if self._aheads is not None and config == self._config else None
 
 
 def settle(config, ahead: Ahead, failed: Exception | None = None):
@@ -394,11 +457,11 @@ def settle(config, ahead: Ahead, failed: Exception | None = None):
     :param failed: the error that storing an outlier layer's chunk again raised: the layer keeps its method (the
         chunk as stored), marked an outlier layer, with an :class:`OutlierLayerWarning` that says so and why.
     """
-    centre, outlier, scaled = ahead.block.decided()
+    centre, outlier, scaled = ahead.block.decided(ahead.row)
     if outlier:
         if config.outlier_layers == "upgrade" and failed is None:
             return None
-        config = _outlier_layer(config, float(ahead.block.share), failed)
+        config = _outlier_layer(config, ahead.block.concentration(ahead.row), failed)
     return config, ahead.mean if centre else None, ahead.scales if scaled else None
 
 

@@ -199,7 +199,7 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
                 self._restore(saved)  # a failed update leaves the cache as it was before the chunk
             raise
         finally:
-            self._undo = None
+            self._undo = self._planned = None
         if 0 <= self._grow_at <= self.offset:  # a short chunk (speculative decoding's) stepped over it
             self._grow_ahead()
 
@@ -211,6 +211,29 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
     _ahead = None
     #: What :meth:`_fit_params` would need to store the chunk again (set during :meth:`_update` of a chunk).
     _undo = None
+    #: The next update's first block decided together with other layers' (a batch's rows:
+    #: :meth:`first_block_span`, :meth:`kvq.cache.BatchKVQCache.update_and_fetch`): a callable ``(config) -> Ahead
+    #: | None`` that :meth:`_fit_params` asks before deciding alone; dropped when the update ends.
+    _planned = None
+
+    def first_block_span(self, tokens: int) -> tuple[int, int] | None:
+        """Where the first block this layer compresses lies in the next update's chunk of ``tokens`` tokens,
+        ``(start, stop)`` along its tokens, where that update makes the layer's first compression from an empty
+        cache and decides its guard ahead (:func:`kvq.cache.guard.decide_ahead`): the tokens after the sinks, as many
+        as ``window + flush`` (:meth:`_fit_params`). ``None`` otherwise. A batch whose rows start a prefill together
+        decides those blocks in one graph (:func:`kvq.cache.guard.decide_ahead_rows`)."""
+        if self.offset or self._fitted or not self.DECIDE_AHEAD or tokens < 2:
+            return None
+        sinks = min(self._config.sinks, tokens)
+        if not self._leaving(0, tokens - sinks):
+            return None
+        return sinks, sinks + min(self._config.window + self._flush, tokens - sinks)
+
+    def share_first_block(self, decide) -> None:
+        """Let the next update's first compression take its guard's decisions from ``decide(config) -> Ahead |
+        None`` (a batch's rows decided together: :class:`kvq.cache.guard.SharedFirstBlocks`, over the block
+        :meth:`first_block_span` names), deciding alone where it gives ``None``; only for that update."""
+        self._planned = decide
 
     def settle(self) -> None:
         """Take the decisions of a chunk's first compression (:func:`kvq.cache.guard.decide_ahead`), evaluated by
@@ -381,7 +404,10 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
 
         # keys with constant offsets are centred, outlier layers stored at 8 bits, keys whose channels hold very
         # unequal energy scaled (powers of two) after centring: kvq.cache.guard
-        ahead = None if self._undo is None else decide_ahead(self._config, keys)
+        ahead = None
+        if self._undo is not None:  # a chunk: decided ahead (with a batch's other rows where they planned it)
+            ahead = None if self._planned is None else self._planned(self._config)
+            ahead = decide_ahead(self._config, keys) if ahead is None else ahead
         if ahead is not None:  # settled when the chunk attends (settle)
             self._ahead = (ahead, self._undo)
             self._transform.set(ahead.mean, ahead.scales)

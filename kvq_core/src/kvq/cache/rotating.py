@@ -83,6 +83,11 @@ class RotatingKVQCache(KVQCache):
             encoded = before
         self._fresh = Fresh(self.offset - keys.shape[2], left, held, keys.shape[2], dense, encoded, before_first)
 
+    def first_block_span(self, tokens: int) -> None:
+        """``None``: a rotating layer's first block is decided by the layer alone (:meth:`KVQCache.first_block_span`;
+        its ring stores its own way)."""
+        return None
+
     def _push(self, keys, values):
         """Append tokens after the ``keep`` ones to the residual window; those leaving it (:meth:`_leaving`) are
         compressed into the ring (dropped where the ring holds nothing: they are out of every later query's
