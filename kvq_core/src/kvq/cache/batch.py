@@ -18,6 +18,7 @@ import functools
 
 import mlx.core as mx
 
+from . import engine
 from .guard import SharedFirstBlocks
 from .packed import PackedRows
 from .state import ROW_CLASSES
@@ -187,9 +188,33 @@ class BatchKVQCache:
         never stored); ``[B, H_q, T_q, D_v]``. Packed rows (decode) attend in one call (:meth:`PackedRows.attend`)."""
         if self._packed is not None and queries.shape[2] == 1:
             return self._packed.attend(queries, scale, sink_logits)
+        if queries.shape[2] > 1 and sink_logits is None:
+            out = self._attend_chunk(queries, scale)
+            if out is not None:
+                return out
         outs = [row.attend(q, scale, None, sink_logits, query_start=self._starts[i])
                 for i, (row, q) in enumerate(zip(self.rows, _rows(queries)))]
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+
+    def _attend_chunk(self, queries: mx.array, scale: float) -> mx.array | None:
+        """A prefill chunk of every row attended in one call on a GPU (:func:`kvq.cache.engine.attend_rows`), where
+        each row takes the GPU chunk path (:meth:`KVQCache.chunk_rows`) under one configuration and the rows' parts
+        agree; then each row settles (:meth:`KVQCache.chunk_attended`). ``None`` where they do not (the rows attend
+        one by one, the same result)."""
+        rows = self.rows
+        if len(rows) < 2:
+            return None
+        T = queries.shape[2]
+        chunks = [getattr(row, "chunk_rows", lambda *a: None)(T, self._starts[i]) for i, row in enumerate(rows)]
+        if any(chunk is None for chunk in chunks) or any(chunk[1] != chunks[0][1] for chunk in chunks[1:]):
+            return None
+        out = engine.attend_rows(queries, scale, [c[0] for c in chunks], chunks[0][1], [c[2] for c in chunks])
+        if out is None:
+            return None
+        outs = _rows(out)
+        kept = [row.chunk_attended(o, q, scale, None, None, self._starts[i])
+                for i, (row, o, q) in enumerate(zip(rows, outs, _rows(queries)))]
+        return out if all(k is o for k, o in zip(kept, outs)) else mx.concatenate(kept, axis=0)
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
         """Positions are handled per row inside attention; the rows' ``make_mask`` checks ``window_size``

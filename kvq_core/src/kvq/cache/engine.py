@@ -30,7 +30,7 @@ from .centring import KeyTransform
 from .choice import attend_fn, attend_plan, own_attend
 from .config import CacheConfig
 from .parts import Part, rows_mask
-from .prefill import attend_dequantized
+from .prefill import attend_dequantized, stack_rows
 
 #: Query rows per slice of a dense part (each slice reads only the keys its rows may see).
 CHUNK_ROWS = 256
@@ -125,6 +125,24 @@ def attend(queries: mx.array, scale: float, parts: list[Part], config: CacheConf
         results.append(sink_logits_part(sink_logits, queries, results[0][0].shape[-1]))
     out, _ = merge_parts(results)
     return out.astype(queries.dtype)
+
+
+def attend_rows(queries: mx.array, scale: float, rows: list, config: CacheConfig, transforms: list) -> mx.array | None:
+    """A prefill chunk of a batch's rows on a GPU in one call: ``queries [B, H_q, T_q, D]``, row ``b`` over its own
+    parts ``rows[b]`` (:class:`~kvq.cache.parts.Part` lists of ``B = 1`` each, what :func:`attend` with
+    ``on_device`` would take for that row alone) with its layer's :class:`~kvq.cache.centring.KeyTransform`
+    ``transforms[b]``, every row under ``config``. Where the rows' parts agree in sizes and intervals
+    (:func:`kvq.cache.prefill.stack_rows`), they are stacked along the batch and attended as one
+    (:func:`kvq.cache.prefill.attend_dequantized`: one decode per side, one masked attention, one queue), with what
+    each row would see alone; ``None`` where they do not (each row attends alone).
+
+    Why: mlx-lm's ``BatchGenerator`` prefills its prompts as one batch; attended row by row, each row and layer
+    built, encoded and queued its own decode, mask and attention call (issue #51)."""
+    stacked = stack_rows(queries, rows, transforms)
+    if stacked is None:
+        return None
+    queries, parts = stacked
+    return attend_dequantized(queries, scale, parts, config, KeyTransform())
 
 
 def bind_decode(config: CacheConfig, queries: mx.array, scale: float, keys, values, sink_keys, sink_values,

@@ -468,6 +468,23 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
                             user_mask=bool_mask(mask), sink_logits=sink_logits, on_device=on_device)
         return out if self._ahead is None else self._settled(out, queries, scale, mask, sink_logits, query_start)
 
+    def chunk_rows(self, count: int, query_start: int) -> tuple | None:
+        """What a batch needs to attend this layer's chunk with its other rows' (:func:`kvq.cache.engine.attend_rows`):
+        ``(parts, config, transform)`` for ``count`` query rows from position ``query_start`` over the chunk the last
+        update stored, where :meth:`attend` would take the GPU chunk path (:meth:`_prefill_on_device`); ``None``
+        otherwise (the row attends alone). Reads without settling: the decisions made ahead are kept by
+        :meth:`chunk_attended`, after the call is queued."""
+        if self._fresh is None or count < 2 or not self._prefill_on_device(None):
+            return None
+        return self.parts(count, query_start, self._fresh), self._config, self._transform
+
+    def chunk_attended(self, out: mx.array, *attend_args) -> mx.array:
+        """The end of :meth:`attend` for a chunk a batch attended with its other rows: ``out`` (this row's, ``[1,
+        H_q, T_q, D_v]``) once the chunk is dropped and the first compression settled (:meth:`_settled`; ``out`` itself
+        unless settling stored the chunk again, then this row's own attention). ``attend_args``: :meth:`attend`'s."""
+        self._fresh = None
+        return out if self._ahead is None else self._settled(out, *attend_args)
+
     def _settled(self, out: mx.array, *attend_args) -> mx.array:
         """``out``, a chunk's attention after its first compression was decided ahead, once :meth:`settle` has kept
         the decisions (made on the device by now); for an outlier layer under ``"upgrade"``, whose chunk settle

@@ -25,9 +25,11 @@ from __future__ import annotations
 import threading
 import time
 
+import attrs
 import mlx.core as mx
 import numpy as np
 
+from ..encoded import Encoded
 from .choice import columns_attention, dequantize, dequantize_into
 
 
@@ -223,6 +225,51 @@ def attend_dequantized(queries: mx.array, scale: float, parts: list, config, tra
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
     IN_FLIGHT.push(out)
     return out
+
+
+def stack_rows(queries: mx.array, rows: list, transforms: list) -> tuple | None:
+    """A batch's rows' chunk as one batch for :func:`attend_dequantized`: ``(queries, parts)`` where every row's parts
+    (``rows``, one list of :class:`kvq.cache.parts.Part` per batch row, each of ``B = 1``) have the same sizes,
+    indices and per-row intervals, one compressed part whose codes have the same parameters, fields and head_dim,
+    and no mask column positions are needed. The compressed parts are stacked along the batch (so each side is
+    decoded once for every row), the dense ones too, each row's keys transformed as its layer stores them
+    (:meth:`kvq.cache.centring.KeyTransform.centred_dense`), and each row's queries scaled as its layer scores
+    (:meth:`~kvq.cache.centring.KeyTransform.queries`): the parts then need no transform of their own. ``None`` where
+    the rows differ (each row then attends alone: the same result).
+
+    :param queries: ``[B, H_q, T_q, D]``, row ``b``'s queries at ``b``. :param transforms: each row's
+        :class:`kvq.cache.centring.KeyTransform`.
+    """
+    first, Tq = rows[0], queries.shape[2]
+    key = _chunk_key(first, Tq)
+    compressed = [i for i, part in enumerate(first) if part.compressed]
+    if len(compressed) != 1 or any(_chunk_key(parts, Tq) != key for parts in rows[1:]):
+        return None
+    (c,) = compressed
+    for side in ("keys", "values"):
+        codes = [getattr(parts[c], side) for parts in rows]
+        if any((e.params, e.head_dim, set(e.data)) != (codes[0].params, codes[0].head_dim, set(codes[0].data))
+               for e in codes[1:]):
+            return None
+    stacked = []
+    for i, part in enumerate(first):
+        if i == c:
+            keys, values = (_stack_encoded([getattr(parts[c], side) for parts in rows]) for side in ("keys", "values"))
+        else:
+            keys = mx.concatenate([t.centred_dense(parts[i].keys) for parts, t in zip(rows, transforms)], axis=0)
+            values = mx.concatenate([parts[i].values for parts in rows], axis=0)
+        stacked.append(attrs.evolve(part, keys=keys, values=values, column=None))
+    if any(t.scale is not None for t in transforms):
+        queries = mx.concatenate([t.queries(q) for q, t in zip(mx.split(queries, len(rows), axis=0), transforms)],
+                                 axis=0)
+    return queries, stacked
+
+
+def _stack_encoded(blocks: list) -> Encoded:
+    """Blocks of codes of one method's parameters (``[1, H, T, ...]`` fields each) as one ``[B, H, T, ...]`` block."""
+    first = blocks[0]
+    return Encoded(first.params, {name: mx.concatenate([b.data[name] for b in blocks], axis=0) for name in first.data},
+                   first.head_dim)
 
 
 def columns(parts: list, config, transform, dtype: mx.Dtype, centre: bool, user: bool = False) -> tuple:

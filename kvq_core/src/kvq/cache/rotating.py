@@ -83,6 +83,11 @@ class RotatingKVQCache(KVQCache):
             encoded = before
         self._fresh = Fresh(self.offset - keys.shape[2], left, held, keys.shape[2], dense, encoded, before_first)
 
+    def chunk_rows(self, count: int, query_start: int) -> None:
+        """``None``: a rotating layer's chunk is attended by the layer alone (:meth:`KVQCache.chunk_rows`; its parts
+        are a ring's)."""
+        return None
+
     def first_block_span(self, tokens: int) -> None:
         """``None``: a rotating layer's first block is decided by the layer alone (:meth:`KVQCache.first_block_span`;
         its ring stores its own way)."""

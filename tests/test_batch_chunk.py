@@ -1,0 +1,152 @@
+"""A batch's prefill chunk attended in one call (:func:`kvq.cache.engine.attend_rows`, issue #51): mlx-lm's
+``BatchGenerator`` prefills its prompts as one batch, and on a GPU every row took its own decode, mask and attention
+call per layer. The GPU chunk path is forced on the CPU here (as in ``test_prefill_chunks.py``); each row must see
+and hold what it does alone."""
+
+from __future__ import annotations
+
+import warnings
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import kvq.cache.engine as engine
+from kvq.cache import BatchKVQCache, KVQCache, RotatingKVQCache, make_config
+from kvq.cache import prefill
+from kvq.cache.guard import OutlierLayerWarning
+
+H, D, T = 2, 64, 48
+SCALE = D**-0.5
+KINDS = ("plain", "offsets", "outlier", "scaled")
+
+
+def row_keys(kind: str, seed: int, tokens: int = T, dtype=mx.float16):
+    """Keys and values ``[1, H, tokens, D]`` of ``dtype``: ``plain`` standard normal; ``offsets`` constant offsets in
+    two channels (the layer is centred); ``outlier`` those offsets and one channel swinging with position (an
+    outlier layer: stored again at 8 bits when it settles); ``scaled`` eight channels 4x louder (key scales)."""
+    kk, kv = mx.random.split(mx.random.key(seed))
+    keys = mx.random.normal((1, H, tokens, D), key=kk)
+    if kind in ("offsets", "outlier"):
+        keys = keys + mx.zeros((D,)).at[5].add(6.0).at[40].add(-5.0) * 10
+    if kind == "outlier":
+        keys = keys + (20 * mx.sin(0.3 * mx.arange(tokens).astype(mx.float32)))[:, None] * mx.zeros((D,)).at[9].add(1.0)
+    if kind == "scaled":
+        keys = keys * mx.where(mx.arange(D) < 8, 4.0, 1.0)
+    return keys.astype(dtype), mx.random.normal((1, H, tokens, D), key=kv).astype(dtype)
+
+
+@pytest.fixture
+def on_device(monkeypatch):
+    """The GPU's chunk path (a decoded copy, one masked fused attention per call) taken on the CPU; counts the
+    attention calls queued (:data:`kvq.cache.prefill.IN_FLIGHT`) and the batches attended as one."""
+    monkeypatch.setattr(KVQCache, "_prefill_on_device", lambda self, queries: self.compressed_keys.length > 0)
+    calls = {"queued": 0, "together": 0}
+    monkeypatch.setattr(prefill.IN_FLIGHT, "push", lambda out: calls.__setitem__("queued", calls["queued"] + 1))
+    together = engine.attend_rows
+
+    def counted(*args):
+        out = together(*args)
+        calls["together"] += out is not None
+        return out
+
+    monkeypatch.setattr(engine, "attend_rows", counted)
+    return calls
+
+
+def alone(configs, data, q, chunks):
+    """Each row prefilled alone in ``chunks``: its outputs per chunk and the cache."""
+    results = []
+    for i, (config, (k, v)) in enumerate(zip(configs, data)):
+        cache, outs, start = KVQCache(config), [], 0
+        for n in chunks:
+            cache.update_and_fetch(k[:, :, start:start + n], v[:, :, start:start + n])
+            outs.append(np.array(cache.attend(q[i:i + 1, :, start:start + n], SCALE).astype(mx.float32)))
+            start += n
+        results.append((cache, outs))
+    return results
+
+
+def _np(x: mx.array) -> np.ndarray:
+    return np.array(x.astype(mx.float32) if x.dtype == mx.bfloat16 else x)
+
+
+def held(cache) -> dict:
+    """What a layer decided and stored."""
+    arrays = {f"{side}.{name}": _np(value)
+              for side, store in (("k", cache.compressed_keys), ("v", cache.compressed_values)) if store.length
+              for name, value in store.view().data.items()}
+    return {"config": cache.config, "offset": cache.offset,
+            "mean": None if cache.key_mean is None else np.array(cache.key_mean),
+            "scale": None if cache.key_scale is None else np.array(cache.key_scale), **arrays}
+
+
+def assert_held_alike(ours: dict, theirs: dict) -> None:
+    assert ours.keys() == theirs.keys()
+    for name, value in theirs.items():
+        if isinstance(value, np.ndarray):
+            np.testing.assert_array_equal(ours[name], value, err_msg=name)
+        else:
+            assert ours[name] == value, name
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("chunks", [[T], [20, T - 20]], ids=["one-chunk", "two-chunks"])
+def test_a_batch_chunk_is_attended_in_one_call_and_each_row_sees_what_it_sees_alone(on_device, chunks, dtype):
+    """Four rows (plain, centred, outlier, scaled keys) prefilled as one batch: each chunk is queued once for the
+    batch (not once per row), except a chunk whose rows' configurations differ (after the outlier row's upgrade to
+    8 bits, the second chunk's rows attend alone), and every row's output and everything it holds equal those of the
+    row prefilled alone, the outlier row's chunk stored again and attended again when it settles."""
+    config = make_config("turboquant", bits=4, window=12, flush=4, kernels="off").for_layer(1)
+    data = [row_keys(kind, seed, dtype=dtype) for seed, kind in enumerate(KINDS)]
+    q = mx.random.normal((len(KINDS), 2 * H, T, D), key=mx.random.key(9)).astype(dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OutlierLayerWarning)
+        expected = alone([config] * len(KINDS), data, q, chunks)
+        on_device.update(queued=0, together=0)
+        batch = BatchKVQCache([KVQCache(config) for _ in KINDS])
+        outs, start = [], 0
+        for n in chunks:
+            batch.update_and_fetch(mx.concatenate([k[:, :, start:start + n] for k, _ in data]),
+                                   mx.concatenate([v[:, :, start:start + n] for _, v in data]))
+            outs.append(np.array(batch.attend(q[:, :, start:start + n], SCALE).astype(mx.float32)))
+            start += n
+    # first chunk: one call for the four rows, then the outlier row alone again once it settles (stored at 8 bits);
+    # a second chunk: its rows' configurations differ (the upgraded row), so each attends alone
+    assert on_device["together"] == 1
+    assert on_device["queued"] == 2 + (len(KINDS) if len(chunks) == 2 else 0)
+    for i, (cache, their_outs) in enumerate(expected):
+        assert_held_alike(held(batch.rows[i]), held(cache))
+        for c, theirs in enumerate(their_outs):
+            np.testing.assert_array_equal(outs[c][i:i + 1], theirs, err_msg=f"row {i}, chunk {c}")
+
+
+def test_rows_whose_parts_differ_attend_alone(on_device):
+    """Rows of different lengths (right padding: one row's prompt is 30 tokens of 48) hold parts of other sizes: the
+    batch attends row by row (no call for the batch), each row as alone."""
+    config = make_config("turboquant", bits=4, window=12, flush=4, kernels="off").for_layer(1)
+    data = [row_keys("plain", seed) for seed in range(3)]
+    lengths = [T, 30, T]
+    q = mx.random.normal((3, 2 * H, T, D), key=mx.random.key(9)).astype(mx.float16)
+    expected = [alone([config], [(k[:, :, :n], v[:, :, :n])], q[i:i + 1, :, :n], [n])[0]
+                for i, ((k, v), n) in enumerate(zip(data, lengths))]
+    on_device.update(queued=0, together=0)
+    batch = BatchKVQCache([KVQCache(config) for _ in data])
+    batch.prepare(lengths=lengths, right_padding=[T - n for n in lengths])
+    batch.update_and_fetch(mx.concatenate([k for k, _ in data]), mx.concatenate([v for _, v in data]))
+    out = np.array(batch.attend(q, SCALE).astype(mx.float32))
+    batch.finalize()
+    assert on_device["together"] == 0 and on_device["queued"] == 3
+    for i, ((cache, theirs), n) in enumerate(zip(expected, lengths)):
+        assert_held_alike(held(batch.rows[i]), held(cache))
+        np.testing.assert_array_equal(out[i:i + 1, :, :n], theirs[0])
+
+
+def test_rotating_rows_attend_alone(on_device):
+    """Rotating rows keep their own path (their parts are a ring's): no call for the batch."""
+    config = make_config("turboquant", bits=4, window=12, flush=4, kernels="off").for_layer(1)
+    data = [row_keys("plain", seed) for seed in range(2)]
+    batch = BatchKVQCache([RotatingKVQCache(config, max_size=40, keep=2) for _ in data])
+    batch.update_and_fetch(mx.concatenate([k for k, _ in data]), mx.concatenate([v for _, v in data]))
+    batch.attend(mx.random.normal((2, 2 * H, T, D)).astype(mx.float16), SCALE)
+    assert on_device["together"] == 0
