@@ -10,7 +10,7 @@ once:
   (:func:`kvq.attention.merge_parts`); or, for a prefill chunk on a GPU, MLX's fused attention over a transient
   decoded copy with an additive mask made from the same intervals (:func:`kvq.cache.prefill.attend_dequantized`),
   or a fused kernel that reads the intervals themselves (:class:`kvq.contract.AttendsColumns`; next: one that
-  decodes the codes itself).
+  decodes the codes itself). :func:`attend_rows`: a batch's rows whose chunks agree, stacked into one such call.
 - :func:`bind_decode` / :func:`bind_ragged`: one query row per sequence, every held token visible, bound once per
   layer and replayed each decode step (the implementation's :class:`kvq.contract.BindsDense` /
   :class:`kvq.contract.BindsRaggedDense`).
