@@ -150,3 +150,29 @@ def test_rotating_rows_attend_alone(on_device):
     batch.update_and_fetch(mx.concatenate([k for k, _ in data]), mx.concatenate([v for _, v in data]))
     batch.attend(mx.random.normal((2, 2 * H, T, D)).astype(mx.float16), SCALE)
     assert on_device["together"] == 0
+
+
+def test_stacked_rows_make_one_call_with_the_chunks_mask_and_groups_bound_their_copy(on_device, monkeypatch):
+    """Four rows stacked: one fused attention call for the batch where each row alone makes one (the additive mask
+    is one ``[rows, keys]`` array broadcast over the batch, so the batch does not cut the call into slices); with
+    :data:`kvq.cache.prefill.STACKED_ROWS_BYTES` below two rows' decoded copy, the rows go in groups of one, each
+    group queued on its own. The outputs are each row's alone either way."""
+    monkeypatch.setattr(prefill, "PREFILL_MASK_BYTES", T * 96 * 2)  # one call for one row of up to 96 keys
+    calls = []
+    sdpa = mx.fast.scaled_dot_product_attention
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: calls.append(q.shape[0]) or sdpa(q, k, v, **kw))
+    config = make_config("turboquant", bits=4, window=12, flush=4, kernels="off").for_layer(1)
+    data = [row_keys("plain", seed) for seed in range(4)]
+    q = mx.random.normal((4, 2 * H, T, D), key=mx.random.key(9)).astype(mx.float16)
+    expected = [alone([config], [d], q[i:i + 1], [T])[0][1][0] for i, d in enumerate(data)]
+    for budget, groups in ((1 << 30, [4]), (1, [1, 1, 1, 1])):
+        monkeypatch.setattr(prefill, "STACKED_ROWS_BYTES", budget)
+        calls.clear()
+        on_device.update(queued=0)
+        batch = BatchKVQCache([KVQCache(config) for _ in data])
+        batch.update_and_fetch(mx.concatenate([k for k, _ in data]), mx.concatenate([v for _, v in data]))
+        out = np.array(batch.attend(q, SCALE))
+        assert calls == groups and on_device["queued"] == len(groups)
+        for i, theirs in enumerate(expected):
+            np.testing.assert_array_equal(out[i:i + 1], theirs)

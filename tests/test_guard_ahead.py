@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import warnings
 
+import attrs
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -408,3 +410,49 @@ def test_rows_of_another_configuration_decide_alone(monkeypatch):
     assert [held(row)["mean"] is not None for row in batch.rows] == [True, False, True]
     for row, cache in zip(batch.rows, alone):
         assert_same(held(row), held(cache))
+
+
+def test_rows_whose_still_channels_differ_decide_with_their_own():
+    """Two rows whose configurations differ only in their still channels (which ``CacheConfig`` equality leaves out,
+    and which set the centring rule and the mean's channels): the second row decides with its own (its mean zero
+    outside its still channel), as alone."""
+    base = make_config("turboquant", bits=4, window=12, flush=4, kernels="off").for_layer(1)
+    still = attrs.evolve(base, still_channels=(5,))
+    data = [row_keys("offsets", seed) for seed in range(2)]
+    expected = []
+    for config, (k, v) in zip((base, still), data):
+        cache = KVQCache(config)
+        cache.update_and_fetch(k, v)
+        cache.release_chunk()
+        expected.append(held(cache))
+    assert np.all(expected[1]["mean"][..., np.arange(D) != 5] == 0) and np.any(expected[0]["mean"][..., 40] != 0)
+    batch = BatchKVQCache([KVQCache(base), KVQCache(still)])
+    batch.update_and_fetch(mx.concatenate([k for k, _ in data]), mx.concatenate([v for _, v in data]))
+    batch.release_chunk()
+    for row, theirs in zip(batch.rows, expected):
+        assert_same(held(row), theirs)
+
+
+def test_a_failed_batch_update_leaves_no_shared_decision_behind():
+    """A batch's chunk whose second row's update raises: the third row, never updated, keeps no decision made from
+    that chunk's keys; reused for keys without offsets it decides on its own (not centred), as alone."""
+    config = make_config("turboquant", bits=4, window=12, flush=4, kernels="off").for_layer(1)
+    data = [row_keys("offsets", seed) for seed in range(3)]
+    batch = BatchKVQCache([KVQCache(config) for _ in range(3)])
+
+    def fails(*args):
+        raise RuntimeError("row 1 failed")
+
+    batch.rows[1].update_and_fetch = fails
+    with pytest.raises(RuntimeError, match="row 1 failed"):
+        batch.update_and_fetch(mx.concatenate([k for k, _ in data]), mx.concatenate([v for _, v in data]))
+    row = batch.rows[2]
+    assert row.offset == 0
+    k, v = row_keys("plain", 7)
+    row.update_and_fetch(k, v)
+    row.release_chunk()
+    alone = KVQCache(config)
+    alone.update_and_fetch(k, v)
+    alone.release_chunk()
+    assert row.key_mean is None
+    assert_same(held(row), held(alone))

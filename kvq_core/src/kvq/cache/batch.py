@@ -116,25 +116,30 @@ class BatchKVQCache:
         # a row's chunk makes its first compression without waiting for the device (kvq.cache.guard.decide_ahead):
         # each row settles its first block's decisions when it attends, by when the device has made them all; rows
         # that start a prefill together decide theirs in one graph
-        self._share_first_blocks(rows, counts, keys)
-        for i, (row, n) in enumerate(zip(rows, counts)):
-            self._starts[i] = row.offset
-            self._update_row(i, row, row_keys[i], row_values[i], n)
+        planned = self._share_first_blocks(rows, counts, keys)
+        try:
+            for i, (row, n) in enumerate(zip(rows, counts)):
+                self._starts[i] = row.offset
+                self._update_row(i, row, row_keys[i], row_values[i], n)
+        finally:  # a row whose update did not run (an earlier row's raised) keeps no plan of this chunk's
+            for i in planned:
+                rows[i].share_first_block(None)
         return self.keys_and_values()
 
     @staticmethod
-    def _share_first_blocks(rows: list, counts: list, keys: mx.array) -> None:
+    def _share_first_blocks(rows: list, counts: list, keys: mx.array) -> list:
         """Where two or more rows make their first compression in this chunk from empty caches
         (:meth:`KVQCache.first_block_span`, the same span of the chunk for each), their first blocks are decided in
         one graph (:class:`kvq.cache.guard.SharedFirstBlocks`): per row and layer the guard's statistics were about 40
-        graph nodes for the host to build and encode, most of the host's work in a batch's first chunk (issue #51)."""
+        graph nodes for the host to build and encode, most of the host's work in a batch's first chunk (issue #51).
+        Returns the rows given the shared decisions."""
         if keys.shape[2] < 2:
-            return
+            return []
         spans = [getattr(row, "first_block_span", lambda n: None)(n) for row, n in zip(rows, counts)]
         first = next((span for span in spans if span is not None), None)
         chosen = [i for i, span in enumerate(spans) if span is not None and span == first]
         if len(chosen) < 2:
-            return
+            return []
         start, stop = first
         block = keys[:, :, start:stop]
         if len(chosen) < len(rows):
@@ -142,6 +147,7 @@ class BatchKVQCache:
         shared = SharedFirstBlocks(mx.expand_dims(block, 1))
         for r, i in enumerate(chosen):
             rows[i].share_first_block(functools.partial(shared.decide, r))
+        return chosen
 
     def _update_row(self, i: int, row, keys: mx.array, values: mx.array, n: int) -> None:
         """Store the first ``n`` of ``keys``/``values`` ``[1, H, T, D]`` in row ``i`` (its real tokens) and count them

@@ -30,7 +30,8 @@ from .centring import KeyTransform
 from .choice import attend_fn, attend_plan, own_attend
 from .config import CacheConfig
 from .parts import Part, rows_mask
-from .prefill import attend_dequantized, stack_rows
+from . import prefill
+from .prefill import attend_dequantized, decoded_bytes, rows_agree, stack_rows
 
 #: Query rows per slice of a dense part (each slice reads only the keys its rows may see).
 CHUNK_ROWS = 256
@@ -134,15 +135,21 @@ def attend_rows(queries: mx.array, scale: float, rows: list, config: CacheConfig
     ``transforms[b]``, every row under ``config``. Where the rows' parts agree in sizes and intervals
     (:func:`kvq.cache.prefill.stack_rows`), they are stacked along the batch and attended as one
     (:func:`kvq.cache.prefill.attend_dequantized`: one decode per side, one masked attention, one queue), with what
-    each row would see alone; ``None`` where they do not (each row attends alone).
+    each row would see alone, in groups of rows whose decoded copy fits
+    :data:`kvq.cache.prefill.STACKED_ROWS_BYTES`; ``None`` where they do not agree (each row attends alone).
 
     Why: mlx-lm's ``BatchGenerator`` prefills its prompts as one batch; attended row by row, each row and layer
     built, encoded and queued its own decode, mask and attention call (issue #51)."""
-    stacked = stack_rows(queries, rows, transforms)
-    if stacked is None:
+    if not rows_agree(rows, queries.shape[2]):
         return None
-    queries, parts = stacked
-    return attend_dequantized(queries, scale, parts, config, KeyTransform())
+    group = max(1, prefill.STACKED_ROWS_BYTES // decoded_bytes(rows[0], queries.dtype))
+    outs = []
+    for b0 in range(0, len(rows), group):
+        b1 = min(len(rows), b0 + group)
+        rows_q = queries if b1 - b0 == len(rows) else queries[b0:b1]
+        stacked_q, parts = stack_rows(rows_q, rows[b0:b1], transforms[b0:b1])
+        outs.append(attend_dequantized(stacked_q, scale, parts, config, KeyTransform()))
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
 
 
 def bind_decode(config: CacheConfig, queries: mx.array, scale: float, keys, values, sink_keys, sink_values,

@@ -194,14 +194,15 @@ def channel_spread(keys: mx.array) -> mx.array:
 
 
 def _spread(energy: mx.array) -> mx.array:
-    """:func:`channel_spread` of channel energies ``[B, H_kv, 1, D]`` (:func:`_channel_energy`)."""
+    """:func:`channel_spread` of channel energies ``[..., B, H_kv, 1, D]`` (:func:`_channel_energy`; any leading
+    axes): ``[..., B, H_kv, 1, 1]``."""
     root = mx.sum(mx.sqrt(energy), axis=-1, keepdims=True)
     return energy.shape[-1] * mx.sum(energy, axis=-1, keepdims=True) / mx.maximum(root * root, 1e-30)
 
 
 def _channel_energy(x: mx.array) -> mx.array:
-    """Each channel's mean square over tokens of finite float32 keys ``x`` (:func:`_finite32`), float32
-    ``[B, H_kv, 1, D]``, at least ``1e-4`` of the head's mean channel (a silent channel is scaled as a quiet one, not
+    """Each channel's mean square over tokens of finite float32 keys ``x`` ``[..., B, H_kv, T, D]`` (:func:`_finite32`;
+    any leading axes), float32 ``[..., B, H_kv, 1, D]``, at least ``1e-4`` of the head's mean channel (a silent channel is scaled as a quiet one, not
     divided by 0)."""
     energy = mx.mean(x * x, axis=-2, keepdims=True)
     return mx.maximum(energy, 1e-4 * mx.mean(energy, axis=-1, keepdims=True) + 1e-30)
@@ -222,14 +223,15 @@ def key_scales(keys: mx.array) -> mx.array | None:
 
 def _scaled_heads(varying: mx.array) -> mx.array:
     """Which heads of a block :func:`key_scales` scales, from its :attr:`_Finite.varying` (``[..., B, H_kv, T, D]``:
-    any leading axes): bool ``[..., B, H_kv, 1, 1]``, not evaluated. It reads the keys less their own per-channel mean, so keys centred by any per-channel mean give
-    the same heads (up to float32 rounding)."""
+    any leading axes): bool ``[..., B, H_kv, 1, 1]``, not evaluated. It reads the keys less their own per-channel
+    mean, so keys centred by any per-channel mean give the same heads (up to float32 rounding)."""
     return _spread(_channel_energy(_finite32(varying))) >= SCALE_SPREAD_LIMIT
 
 
 def _scales(x: mx.array, heads: mx.array) -> mx.array:
-    """:func:`key_scales` of finite float32 keys ``x`` (:func:`_finite32`; less the layer's mean where it is centred)
-    for the scaled ``heads`` (:func:`_scaled_heads`), not evaluated."""
+    """:func:`key_scales` of finite float32 keys ``x`` ``[..., B, H_kv, T, D]`` (:func:`_finite32`; less the layer's
+    mean where it is centred) for the scaled ``heads`` ``[..., B, H_kv, 1, 1]`` (:func:`_scaled_heads`): float32
+    ``[..., B, H_kv, 1, D]``, not evaluated."""
     root = mx.power(_channel_energy(x), 0.25)
     root = root / mx.exp(mx.mean(mx.log(root), axis=-1, keepdims=True))
     return mx.where(heads, mx.power(2.0, mx.round(mx.log2(root))), 1.0).astype(mx.float32)
@@ -439,12 +441,17 @@ class SharedFirstBlocks:
         self._config = None
         self._aheads: list[Ahead] | None = None
 
-    def decide(self, row: int, config) -> Ahead | None:
-        """Row ``row``'s :class:`Ahead` (what :func:`decide_ahead` of its block gives), or ``None`` where the guard
-        does not apply or ``config`` is not the configuration the rows were decided with (the row decides alone)."""
+    def decide(self, row: int, config, shape: tuple) -> Ahead | None:
+        """Row ``row``'s :class:`Ahead` (what :func:`decide_ahead` of its block gives), or ``None`` (the row then
+        decides alone) where the guard does not apply, where ``config`` is not the configuration the rows were
+        decided with (its still channels included: they set the centring rule, and ``CacheConfig`` equality leaves
+        them out), or where the row's first block is not of ``shape`` ``[B, H_kv, T, D]``, the blocks' (what the
+        batch read from the chunk is not what the row compresses first)."""
         if self._config is None:
             self._config, self._aheads = config, decide_ahead_rows(config, self.blocks)
-        return self._aheads[row] if self._aheads is not None and config == self._config else None
+        same = (config == self._config and config.still_channels == self._config.still_channels
+                and tuple(shape) == tuple(self.blocks.shape[1:]))
+        return self._aheads[row] if self._aheads is not None and same else None
 
 
 def settle(config, ahead: Ahead, failed: Exception | None = None):

@@ -212,8 +212,9 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
     #: What :meth:`_fit_params` would need to store the chunk again (set during :meth:`_update` of a chunk).
     _undo = None
     #: The next update's first block decided together with other layers' (a batch's rows:
-    #: :meth:`first_block_span`, :meth:`kvq.cache.BatchKVQCache.update_and_fetch`): a callable ``(config) -> Ahead
-    #: | None`` that :meth:`_fit_params` asks before deciding alone; dropped when the update ends.
+    #: :meth:`first_block_span`, :meth:`kvq.cache.BatchKVQCache.update_and_fetch`): a callable ``(config, shape of
+    #: the first block) -> Ahead | None`` that :meth:`_fit_params` asks before deciding alone; dropped when the update
+    #: ends.
     _planned = None
 
     def first_block_span(self, tokens: int) -> tuple[int, int] | None:
@@ -230,9 +231,10 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
         return sinks, sinks + min(self._config.window + self._flush, tokens - sinks)
 
     def share_first_block(self, decide) -> None:
-        """Let the next update's first compression take its guard's decisions from ``decide(config) -> Ahead |
-        None`` (a batch's rows decided together: :class:`kvq.cache.guard.SharedFirstBlocks`, over the block
-        :meth:`first_block_span` names), deciding alone where it gives ``None``; only for that update."""
+        """Let the next update's first compression take its guard's decisions from ``decide(config, shape) -> Ahead
+        | None`` (``shape``: of the first block it compresses; a batch's rows decided together:
+        :class:`kvq.cache.guard.SharedFirstBlocks`, over the block :meth:`first_block_span` names), deciding alone
+        where it gives ``None``; only for that update (``None``: no plan)."""
         self._planned = decide
 
     def settle(self) -> None:
@@ -406,7 +408,7 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
         # unequal energy scaled (powers of two) after centring: kvq.cache.guard
         ahead = None
         if self._undo is not None:  # a chunk: decided ahead (with a batch's other rows where they planned it)
-            ahead = None if self._planned is None else self._planned(self._config)
+            ahead = None if self._planned is None else self._planned(self._config, keys.shape)
             ahead = decide_ahead(self._config, keys) if ahead is None else ahead
         if ahead is not None:  # settled when the chunk attends (settle)
             self._ahead = (ahead, self._undo)

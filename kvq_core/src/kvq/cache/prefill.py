@@ -39,6 +39,11 @@ PREFILL_MASK_BYTES = 1 << 30
 #: Bytes of attention scores one call may materialise where MLX has no fused attention for the chunk (float32, or
 #: head_dim above 128, on CUDA: MLX computes rows x keys x query heads scores, float32 for the softmax).
 PREFILL_SCORES_BYTES = 1 << 29
+#: Bytes of decoded keys and values one call over a batch's stacked rows may hold (:func:`stack_rows`,
+#: :func:`kvq.cache.engine.attend_rows`): more rows are attended in groups, so with :class:`InFlight`'s two layers a
+#: batch's chunk keeps at most about twice this above the cache (8 rows of 2,048 tokens at Llama-3-8B's shape: 67 MB,
+#: one group; 8 rows of 32K: 1.07 GB, groups of 3).
+STACKED_ROWS_BYTES = 1 << 29
 
 
 class _Shared(threading.local):
@@ -185,7 +190,7 @@ def attend_dequantized(queries: mx.array, scale: float, parts: list, config, tra
     see. The decoded copy is transient: the call is queued on the device
     (:data:`IN_FLIGHT`) and the copy freed once it has run; the cache keeps only the codes. Memory above the cache:
     two layers' ``T * H_kv * (D_k + D_v) * 2`` bytes of decoded keys and values (twice that where the parts are
-    concatenated, :func:`columns`) and
+    concatenated, :func:`columns`; for a batch's stacked rows, a group's: :data:`STACKED_ROWS_BYTES`) and
     ``T_q * T * 2`` bytes of mask (16-bit queries), for ``T`` tokens held.
 
     A centred or scaled layer attends its keys as stored throughout (as the fused decode kernel does), with scaled
@@ -210,7 +215,7 @@ def attend_dequantized(queries: mx.array, scale: float, parts: list, config, tra
             IN_FLIGHT.push(out)
             return out
     sinks = None if sink_logits is None else sink_logits.astype(dtype)
-    rows = rows_per_call(queries, keys.shape[2], PREFILL_MASK_BYTES, PREFILL_SCORES_BYTES)
+    rows = rows_per_call(queries, keys.shape[2], PREFILL_MASK_BYTES, PREFILL_SCORES_BYTES, user_mask is not None)
     outs = []
     for r0 in range(0, Tq, rows):
         r1 = min(Tq, r0 + rows)
@@ -240,17 +245,10 @@ def stack_rows(queries: mx.array, rows: list, transforms: list) -> tuple | None:
     :param queries: ``[B, H_q, T_q, D]``, row ``b``'s queries at ``b``. :param transforms: each row's
         :class:`kvq.cache.centring.KeyTransform`.
     """
-    first, Tq = rows[0], queries.shape[2]
-    key = _chunk_key(first, Tq)
-    compressed = [i for i, part in enumerate(first) if part.compressed]
-    if len(compressed) != 1 or any(_chunk_key(parts, Tq) != key for parts in rows[1:]):
+    first = rows[0]
+    if not rows_agree(rows, queries.shape[2]):
         return None
-    (c,) = compressed
-    for side in ("keys", "values"):
-        codes = [getattr(parts[c], side) for parts in rows]
-        if any((e.params, e.head_dim, set(e.data)) != (codes[0].params, codes[0].head_dim, set(codes[0].data))
-               for e in codes[1:]):
-            return None
+    (c,) = [i for i, part in enumerate(first) if part.compressed]
     stacked = []
     for i, part in enumerate(first):
         if i == c:
@@ -263,6 +261,31 @@ def stack_rows(queries: mx.array, rows: list, transforms: list) -> tuple | None:
         queries = mx.concatenate([t.queries(q) for q, t in zip(mx.split(queries, len(rows), axis=0), transforms)],
                                  axis=0)
     return queries, stacked
+
+
+def rows_agree(rows: list, count: int) -> bool:
+    """Whether a batch's rows' parts (``rows``: one :class:`kvq.cache.parts.Part` list per row, for ``count`` query
+    rows) stack (:func:`stack_rows`): the same sizes, indices and per-row intervals, and one compressed part whose
+    codes have the same parameters, fields and head_dim in every row."""
+    first = rows[0]
+    key = _chunk_key(first, count)
+    compressed = [i for i, part in enumerate(first) if part.compressed]
+    if len(compressed) != 1 or any(_chunk_key(parts, count) != key for parts in rows[1:]):
+        return False
+    (c,) = compressed
+    for side in ("keys", "values"):
+        codes = [getattr(parts[c], side) for parts in rows]
+        if any((e.params, e.head_dim, set(e.data)) != (codes[0].params, codes[0].head_dim, set(codes[0].data))
+               for e in codes[1:]):
+            return False
+    return True
+
+
+def decoded_bytes(parts: list, dtype: mx.Dtype) -> int:
+    """Bytes of the decoded keys and values of one row's ``parts`` side by side in ``dtype`` (:func:`columns`)."""
+    part = next(p for p in parts if not p.compressed)  # a dense part (a chunk has one) gives heads and head_dims
+    H, Dk, Dv = part.keys.shape[1], part.keys.shape[3], part.values.shape[3]
+    return sum(p.size for p in parts) * H * (Dk + Dv) * dtype.size
 
 
 def _stack_encoded(blocks: list) -> Encoded:
@@ -340,13 +363,15 @@ def last_column(parts: list, r0: int, r1: int) -> int:
     return first + int(np.clip(last.hi[r1 - 1] - last.index, 0, last.size))
 
 
-def rows_per_call(queries: mx.array, num_keys: int, mask_bytes: int, scores_bytes: int) -> int:
+def rows_per_call(queries: mx.array, num_keys: int, mask_bytes: int, scores_bytes: int, per_batch_row: bool = True) -> int:
     """Query rows per attention call: bounded by ``mask_bytes`` of additive mask where MLX's fused attention
     serves (float16 or bfloat16 queries, head_dim at most 128), by ``scores_bytes`` of float32 scores where MLX
-    materialises them. At least 16."""
+    materialises them. At least 16. ``per_batch_row``: the mask has a row per batch row (mlx-lm's mask of a padded
+    batch); else it is one ``[rows, keys]`` array broadcast over the batch (the intervals alone: a batch's stacked
+    rows, :func:`stack_rows`), whose bytes do not grow with it."""
     B, Hq, _, D = queries.shape
     if queries.dtype in (mx.float16, mx.bfloat16) and D <= 128:
-        return max(16, mask_bytes // (num_keys * queries.dtype.size * B))
+        return max(16, mask_bytes // (num_keys * queries.dtype.size * (B if per_batch_row else 1)))
     return max(16, scores_bytes // (num_keys * Hq * B * 4))
 
 
