@@ -41,7 +41,7 @@ PREFILL_MASK_BYTES = 1 << 30
 PREFILL_SCORES_BYTES = 1 << 29
 #: Bytes of decoded keys and values one call over a batch's stacked rows may hold (:func:`stack_rows`,
 #: :func:`kvq.cache.engine.attend_rows`): more rows are attended in groups, so with :class:`InFlight`'s two layers a
-#: batch's chunk keeps at most about twice this above the cache (8 rows of 2,048 tokens at Llama-3-8B's shape: 67 MB,
+#: batch's chunk keeps at most about twice this above the cache (8 rows of 2,048 tokens at Llama-3-8B's shape: about 70 MB,
 #: one group; 8 rows of 32K: 1.07 GB, groups of 3).
 STACKED_ROWS_BYTES = 1 << 29
 
