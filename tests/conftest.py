@@ -190,6 +190,36 @@ def cache_state(cache, ring: bool = False) -> tuple:
             part(cache.compressed_keys), part(cache.compressed_values))
 
 
+def layer_held(cache) -> dict:
+    """What a kvq layer decided and stored, as numpy (bfloat16 as float32, exactly): its methods and whether it is an
+    outlier layer, offset, resident bytes, key mean and scales, each side's compressed fields, and the sinks' and
+    window's tokens: the tests that compare a layer with one that stored the same tokens otherwise
+    (:func:`assert_same_held`)."""
+    def host(x):
+        return np.array(x.astype(mx.float32) if x.dtype == mx.bfloat16 else x)
+
+    arrays = {f"{side}.{name}": host(value)
+              for side, store in (("k", cache.compressed_keys), ("v", cache.compressed_values)) if store.length
+              for name, value in store.view().data.items()}
+    for name, (k, v) in (("sinks", cache.sinks.view()), ("window", cache.window.view())):
+        if k is not None:
+            arrays[name] = host(mx.concatenate([k, v], axis=-1))
+    return {"method": cache.config.key_params.method,
+            "values": cache.config.value_params.method, "outlier": cache.config.outlier_layer, "offset": cache.offset,
+            "nbytes": cache.nbytes, "mean": None if cache.key_mean is None else np.array(cache.key_mean),
+            "scale": None if cache.key_scale is None else np.array(cache.key_scale), **arrays}
+
+
+def assert_same_held(ours: dict, theirs: dict) -> None:
+    """Two :func:`layer_held` results are equal: every field, every array bit for bit."""
+    assert ours.keys() == theirs.keys()
+    for name, value in theirs.items():
+        if isinstance(value, np.ndarray):
+            np.testing.assert_array_equal(ours[name], value, err_msg=name)
+        else:
+            assert ours[name] == value, name
+
+
 def same_state(a: tuple, b: tuple) -> bool:
     """Whether two :func:`cache_state` results are equal: counts, and every array bit for bit."""
     if a[:4] != b[:4]:

@@ -16,6 +16,8 @@ from kvq.cache import BatchKVQCache, KVQCache, RotatingKVQCache, make_config
 from kvq.cache import prefill
 from kvq.cache.guard import OutlierLayerWarning
 
+from conftest import assert_same_held as assert_held_alike, layer_held as held
+
 H, D, T = 2, 64, 48
 SCALE = D**-0.5
 KINDS = ("plain", "offsets", "outlier", "scaled")
@@ -65,29 +67,6 @@ def alone(configs, data, q, chunks):
             start += n
         results.append((cache, outs))
     return results
-
-
-def _np(x: mx.array) -> np.ndarray:
-    return np.array(x.astype(mx.float32) if x.dtype == mx.bfloat16 else x)
-
-
-def held(cache) -> dict:
-    """What a layer decided and stored."""
-    arrays = {f"{side}.{name}": _np(value)
-              for side, store in (("k", cache.compressed_keys), ("v", cache.compressed_values)) if store.length
-              for name, value in store.view().data.items()}
-    return {"config": cache.config, "offset": cache.offset,
-            "mean": None if cache.key_mean is None else np.array(cache.key_mean),
-            "scale": None if cache.key_scale is None else np.array(cache.key_scale), **arrays}
-
-
-def assert_held_alike(ours: dict, theirs: dict) -> None:
-    assert ours.keys() == theirs.keys()
-    for name, value in theirs.items():
-        if isinstance(value, np.ndarray):
-            np.testing.assert_array_equal(ours[name], value, err_msg=name)
-        else:
-            assert ours[name] == value, name
 
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])

@@ -18,6 +18,8 @@ import kvq.cache.guard as guard
 from kvq.cache import BatchKVQCache, KVQCache, RotatingKVQCache, make_config
 from kvq.cache.guard import OutlierLayerWarning
 
+from conftest import assert_same_held as assert_same, layer_held as held
+
 H, D, T = 2, 64, 48
 KINDS = ("plain", "offsets", "outlier", "scaled")
 SCALE = D**-0.5
@@ -60,29 +62,6 @@ def waiting(monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(KVQCache, "DECIDE_AHEAD", False)
         yield
-
-
-def held(cache: KVQCache) -> dict:
-    """What the guard decided for a layer, and everything it stored."""
-    arrays = {f"{side}.{name}": np.array(value)
-              for side, store in (("k", cache.compressed_keys), ("v", cache.compressed_values)) if store.length
-              for name, value in store.view().data.items()}
-    for name, (k, v) in (("sinks", cache.sinks.view()), ("window", cache.window.view())):
-        if k is not None:
-            arrays[name] = np.array(mx.concatenate([k, v], axis=-1))
-    return {"method": cache.config.key_params.method, "values": cache.config.value_params.method,
-            "outlier": cache.config.outlier_layer, "offset": cache.offset, "nbytes": cache.nbytes,
-            "mean": None if cache.key_mean is None else np.array(cache.key_mean),
-            "scale": None if cache.key_scale is None else np.array(cache.key_scale), **arrays}
-
-
-def assert_same(ours: dict, theirs: dict) -> None:
-    assert ours.keys() == theirs.keys()
-    for name, value in theirs.items():
-        if isinstance(value, np.ndarray):
-            np.testing.assert_array_equal(ours[name], value, err_msg=name)
-        else:
-            assert ours[name] == value, name
 
 
 def make(kind_of_cache: str, config):
