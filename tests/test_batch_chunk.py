@@ -155,3 +155,28 @@ def test_stacked_rows_make_one_call_with_the_chunks_mask_and_groups_bound_their_
         assert calls == groups and on_device["queued"] == len(groups)
         for i, theirs in enumerate(expected):
             np.testing.assert_array_equal(out[i:i + 1], theirs)
+
+
+def test_batch_generator_prompts_attended_together_give_the_tokens_of_rows_attended_alone(on_device, monkeypatch):
+    """mlx-lm's ``BatchGenerator`` (the server's path) over three prompts of 40 tokens and one of 27, in chunks of 16,
+    windows that flush during the prompt: the equal-length prompts' chunks are attended together, and every prompt's
+    greedy tokens are those of the same run with every row attending alone."""
+    from kvq.cache import patch_model, unpatch_model
+
+    from conftest import batch_greedy, tiny_llama
+
+    model = tiny_llama(hidden=128, heads=4, kv_heads=2)
+    prompts = [[(7 * i + 3 * p) % 256 for i in range(n)] for p, n in enumerate((40, 40, 27, 40))]
+    runs = {}
+    for together in (True, False):
+        if not together:
+            monkeypatch.setattr(engine, "attend_rows", lambda *args: None)
+        on_device.update(together=0)
+        patch_model(model, "turboquant", bits=4, window=4, flush=4, sinks=2)
+        try:
+            runs[together] = batch_greedy(model, prompts, 6)
+        finally:
+            unpatch_model(model)
+        if together:
+            assert on_device["together"] > 0
+    assert runs[True] == runs[False]
