@@ -19,27 +19,15 @@ of its own ops (its fused attention decomposes: an upper bound there).
 from __future__ import annotations
 
 import argparse
-import collections
 import json
-import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from chunk_graph import emulate_cuda  # noqa: E402
-
-
-def node_counts(arrays: list) -> dict:
-    """Primitive name -> nodes in the graph of ``arrays`` (not evaluated)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "graph.dot"
-        mx.export_to_dot(str(path), *arrays)
-        text = path.read_text()
-    return dict(collections.Counter(re.findall(r'label\s*=\s*"([A-Za-z_]+)', text)).most_common())
+from chunk_graph import emulate_cuda, node_counts  # noqa: E402
 
 
 def measure(method: str, batch: int, chunk: int) -> dict:
