@@ -135,7 +135,7 @@ class BatchKVQCache:
         Returns the rows given the shared decisions."""
         if keys.shape[2] < 2:
             return []
-        spans = [getattr(row, "first_block_span", lambda n: None)(n) for row, n in zip(rows, counts)]
+        spans = [row.first_block_span(n) for row, n in zip(rows, counts)]
         first = next((span for span in spans if span is not None), None)
         chosen = [i for i, span in enumerate(spans) if span is not None and span == first]
         if len(chosen) < 2:
@@ -211,7 +211,7 @@ class BatchKVQCache:
         if len(rows) < 2:
             return None
         T = queries.shape[2]
-        chunks = [getattr(row, "chunk_rows", lambda *a: None)(T, self._starts[i]) for i, row in enumerate(rows)]
+        chunks = [row.chunk_rows(T, self._starts[i]) for i, row in enumerate(rows)]
         if any(chunk is None for chunk in chunks) or any(chunk[1] != chunks[0][1] for chunk in chunks[1:]):
             return None
         out = engine.attend_rows(queries, scale, [c[0] for c in chunks], chunks[0][1], [c[2] for c in chunks])

@@ -133,9 +133,9 @@ def attend_rows(queries: mx.array, scale: float, rows: list, config: CacheConfig
     parts ``rows[b]`` (:class:`~kvq.cache.parts.Part` lists of ``B = 1`` each, what :func:`attend` with
     ``on_device`` would take for that row alone) with its layer's :class:`~kvq.cache.centring.KeyTransform`
     ``transforms[b]``, every row under ``config``. Where the rows' parts agree in sizes and intervals
-    (:func:`kvq.cache.prefill.stack_rows`), they are stacked along the batch and attended as one
-    (:func:`kvq.cache.prefill.attend_dequantized`: one decode per side, one masked attention, one queue), with what
-    each row would see alone, in groups of rows whose decoded copy fits
+    (:func:`kvq.cache.prefill.rows_agree`), they are stacked along the batch (:func:`kvq.cache.prefill.stack_rows`)
+    and attended as one (:func:`kvq.cache.prefill.attend_dequantized`: one decode per side, one masked attention, one
+    queue), with what each row would see alone, in groups of rows whose decoded copy fits
     :data:`kvq.cache.prefill.STACKED_ROWS_BYTES`; ``None`` where they do not agree (each row attends alone).
 
     Why: mlx-lm's ``BatchGenerator`` prefills its prompts as one batch; attended row by row, each row and layer

@@ -202,8 +202,8 @@ def _spread(energy: mx.array) -> mx.array:
 
 def _channel_energy(x: mx.array) -> mx.array:
     """Each channel's mean square over tokens of finite float32 keys ``x`` ``[..., B, H_kv, T, D]`` (:func:`_finite32`;
-    any leading axes), float32 ``[..., B, H_kv, 1, D]``, at least ``1e-4`` of the head's mean channel (a silent channel is scaled as a quiet one, not
-    divided by 0)."""
+    any leading axes), float32 ``[..., B, H_kv, 1, D]``, at least ``1e-4`` of the head's mean channel (a silent
+    channel is scaled as a quiet one, not divided by 0)."""
     energy = mx.mean(x * x, axis=-2, keepdims=True)
     return mx.maximum(energy, 1e-4 * mx.mean(energy, axis=-1, keepdims=True) + 1e-30)
 
@@ -342,27 +342,18 @@ def guard_layer(config, keys: mx.array):
     scales)``, from :func:`first_block`'s decisions, waiting for the device once.
 
     ``mean`` is :func:`key_mean` (of ``config.still_channels`` where known) where the keys are to be centred, with
-    values of the keys' 16-bit dtype (float16 for float32 keys, :func:`_rounded`), else ``None``. ``config`` (a :class:`kvq.cache.CacheConfig`) is unchanged unless the layer is an outlier layer;
-    then an :class:`OutlierLayerWarning` naming the layer, ``outlier_layer`` set, and under ``"upgrade"`` both sides'
+    values of the keys' 16-bit dtype (float16 for float32 keys, :func:`_rounded`), else ``None``. ``config`` (a
+    :class:`kvq.cache.CacheConfig`) is unchanged unless the layer is an outlier layer; then an
+    :class:`OutlierLayerWarning` naming the layer, ``outlier_layer`` set, and under ``"upgrade"`` both sides'
     parameters replaced by :func:`safe_params`. ``scales`` is :func:`key_scales` of the keys less ``mean`` where the
     (returned) key method may be scaled (:func:`scales_keys`), else ``None``. Nothing is done (``(config, None,
     None)``) where the guard does not apply (:func:`applies`).
 
-    A chunk's first compression need not wait: :func:`decide_ahead` and :func:`settle`.
+    :func:`decide_ahead`'s block, waited for and settled where it is stored (:func:`settle` with ``stored_ahead``
+    off); a chunk's first compression need not wait: :func:`decide_ahead` and :func:`settle`.
     """
-    if not applies(config, keys):
-        return config, None, None
-    block = _Finite(keys[None])
-    decisions = first_block(config, block)
-    centre, outlier, scaled = decisions.decided()
-    mean = _rounded(block.mean(config.still_channels)[0], keys.dtype) if centre else None
-    if outlier:
-        config = _outlier_layer(config, decisions.concentration())
-    scales = None
-    if scaled and scales_keys(config.key_params):
-        x = block.x[0]
-        scales = _scales(x if mean is None else _finite32(x - mean), decisions.heads[0])
-    return config, mean, scales
+    ahead = decide_ahead(config, keys)
+    return (config, None, None) if ahead is None else settle(config, ahead, stored_ahead=False)
 
 
 @attrs.frozen
@@ -454,21 +445,26 @@ class SharedFirstBlocks:
         return self._aheads[row] if self._aheads is not None and same else None
 
 
-def settle(config, ahead: Ahead, failed: Exception | None = None):
-    """What :func:`guard_layer` would have returned for the block :func:`decide_ahead` went on with, from its decisions
-    (evaluated by now, or waited for): ``(config, mean, scales)``, the arrays ``ahead`` holds where they are used
-    (its mean where the block is centred, its scales where a head is scaled) and ``None`` where not; or ``None``
-    where the layer is an outlier layer under ``"upgrade"`` (its chunk must be stored again, with
-    :func:`guard_layer`). An outlier layer under ``"warn"`` warns here.
+def settle(config, ahead: Ahead, failed: Exception | None = None, stored_ahead: bool = True):
+    """What the guard decided for the block :func:`decide_ahead` went on with, from its decisions (evaluated by now,
+    or waited for): ``(config, mean, scales)`` as :func:`guard_layer` returns them, the arrays ``ahead`` holds where
+    they are used (its mean where the block is centred, its scales where a head is scaled and the returned key method
+    may be scaled) and ``None`` where not; or ``None`` where the layer is an outlier layer under ``"upgrade"`` whose
+    block was ``stored_ahead`` (its chunk must be stored again, with :func:`guard_layer`). An outlier layer warns
+    here.
 
     :param failed: the error that storing an outlier layer's chunk again raised: the layer keeps its method (the
         chunk as stored), marked an outlier layer, with an :class:`OutlierLayerWarning` that says so and why.
+    :param stored_ahead: whether the block was stored with ``ahead``'s mean and scales before settling (a chunk's
+        first compression); off (:func:`guard_layer`), an outlier layer under ``"upgrade"`` gets its 8-bit
+        configuration here, the block not stored yet.
     """
     centre, outlier, scaled = ahead.block.decided(ahead.row)
     if outlier:
-        if config.outlier_layers == "upgrade" and failed is None:
+        if stored_ahead and config.outlier_layers == "upgrade" and failed is None:
             return None
         config = _outlier_layer(config, ahead.block.concentration(ahead.row), failed)
+    scaled = scaled and scales_keys(config.key_params)
     return config, ahead.mean if centre else None, ahead.scales if scaled else None
 
 

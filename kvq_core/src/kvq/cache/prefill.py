@@ -41,8 +41,8 @@ PREFILL_MASK_BYTES = 1 << 30
 PREFILL_SCORES_BYTES = 1 << 29
 #: Bytes of decoded keys and values one call over a batch's stacked rows may hold (:func:`stack_rows`,
 #: :func:`kvq.cache.engine.attend_rows`): more rows are attended in groups, so with :class:`InFlight`'s two layers a
-#: batch's chunk keeps at most about twice this above the cache (8 rows of 2,048 tokens at Llama-3-8B's shape: about 70 MB,
-#: one group; 8 rows of 32K: 1.07 GB, groups of 3).
+#: batch's chunk keeps at most about twice this above the cache (8 rows of 2,048 tokens at Llama-3-8B's shape: about
+#: 70 MB, one group; 8 rows of 32K: 1.07 GB, groups of 3).
 STACKED_ROWS_BYTES = 1 << 29
 
 
@@ -232,22 +232,18 @@ def attend_dequantized(queries: mx.array, scale: float, parts: list, config, tra
     return out
 
 
-def stack_rows(queries: mx.array, rows: list, transforms: list) -> tuple | None:
-    """A batch's rows' chunk as one batch for :func:`attend_dequantized`: ``(queries, parts)`` where every row's parts
-    (``rows``, one list of :class:`kvq.cache.parts.Part` per batch row, each of ``B = 1``) have the same sizes,
-    indices and per-row intervals, one compressed part whose codes have the same parameters, fields and head_dim,
-    and no mask column positions are needed. The compressed parts are stacked along the batch (so each side is
-    decoded once for every row), the dense ones too, each row's keys transformed as its layer stores them
+def stack_rows(queries: mx.array, rows: list, transforms: list) -> tuple:
+    """A batch's rows' chunk as one batch for :func:`attend_dequantized`: ``(queries, parts)``, for rows whose parts
+    (``rows``, one list of :class:`kvq.cache.parts.Part` per batch row, each of ``B = 1``) agree (:func:`rows_agree`:
+    the caller checks) and need no mask column positions. The compressed parts are stacked along the batch (so each
+    side is decoded once for every row), the dense ones too, each row's keys transformed as its layer stores them
     (:meth:`kvq.cache.centring.KeyTransform.centred_dense`), and each row's queries scaled as its layer scores
-    (:meth:`~kvq.cache.centring.KeyTransform.queries`): the parts then need no transform of their own. ``None`` where
-    the rows differ (each row then attends alone: the same result).
+    (:meth:`~kvq.cache.centring.KeyTransform.queries`): the parts then need no transform of their own.
 
     :param queries: ``[B, H_q, T_q, D]``, row ``b``'s queries at ``b``. :param transforms: each row's
         :class:`kvq.cache.centring.KeyTransform`.
     """
     first = rows[0]
-    if not rows_agree(rows, queries.shape[2]):
-        return None
     (c,) = [i for i, part in enumerate(first) if part.compressed]
     stacked = []
     for i, part in enumerate(first):
@@ -363,7 +359,8 @@ def last_column(parts: list, r0: int, r1: int) -> int:
     return first + int(np.clip(last.hi[r1 - 1] - last.index, 0, last.size))
 
 
-def rows_per_call(queries: mx.array, num_keys: int, mask_bytes: int, scores_bytes: int, per_batch_row: bool = True) -> int:
+def rows_per_call(queries: mx.array, num_keys: int, mask_bytes: int, scores_bytes: int,
+                  per_batch_row: bool = True) -> int:
     """Query rows per attention call: bounded by ``mask_bytes`` of additive mask where MLX's fused attention
     serves (float16 or bfloat16 queries, head_dim at most 128), by ``scores_bytes`` of float32 scores where MLX
     materialises them. At least 16. ``per_batch_row``: the mask has a row per batch row (mlx-lm's mask of a padded
