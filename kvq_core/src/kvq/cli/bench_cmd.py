@@ -14,7 +14,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from ..defaults import DEFAULT_FLUSH, DEFAULT_SINKS, DEFAULT_WINDOW
+from ..defaults import DEFAULT_FLUSH
+from .argtypes import add_layout_options
 
 #: name -> ("module:function", one-line help).
 SUBCOMMANDS = {
@@ -72,10 +73,7 @@ def add_model_and_cache_options(p: argparse.ArgumentParser) -> None:
                    help="model dtype (default: random models bfloat16 on a GPU, float32 on the CPU; real models "
                         "as stored)")
     p.add_argument("--layers", type=int, default=None, help="random models: keep this many layers")
-    p.add_argument("--sinks", type=int, default=DEFAULT_SINKS,
-                   help=f"kvq caches: uncompressed first tokens (default {DEFAULT_SINKS})")
-    p.add_argument("--window", type=int, default=DEFAULT_WINDOW,
-                   help=f"kvq caches: uncompressed last tokens (default {DEFAULT_WINDOW})")
+    add_layout_options(p)
     p.add_argument("--flush", type=int, default=DEFAULT_FLUSH, metavar="N",
                    help=f"kvq caches: tokens leave the window in blocks of N (default {DEFAULT_FLUSH}, as kvq "
                         "generate)")

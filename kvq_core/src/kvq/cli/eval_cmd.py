@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 from ..cache import method_string
-from ..defaults import DEFAULT_SINKS, DEFAULT_WINDOW
 from ..evaluation import spec as spec_module
+from .argtypes import add_layout_options
 
 EPILOG = "method strings:\n" + method_string.__doc__.split("Grammar", 1)[1].split("\n", 1)[1] + """
 A method calibrated per model (vecinfer) uses the calibration of --model unless [model_id=...] names another.
@@ -78,10 +78,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--windows", type=int, default=3, help="text windows per context (default 3)")
     p.add_argument("--score-tokens", type=int, default=256, help="tokens scored per window (default 256)")
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk size (default 512)")
-    p.add_argument("--sinks", type=int, default=DEFAULT_SINKS,
-                   help=f"kvq caches: uncompressed first tokens (default {DEFAULT_SINKS})")
-    p.add_argument("--window", type=int, default=DEFAULT_WINDOW,
-                   help=f"kvq caches: uncompressed last tokens (default {DEFAULT_WINDOW})")
+    add_layout_options(p)
     p.add_argument("--flush", type=int, default=None,
                    help="kvq caches: tokens compressed together as they leave the window (default 128, "
                         "kvq.defaults.DEFAULT_FLUSH; a method string's [flush=N] wins)")

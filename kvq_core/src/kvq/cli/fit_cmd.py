@@ -11,7 +11,7 @@ import datetime
 import os
 import shlex
 
-from ..defaults import DEFAULT_SINKS, DEFAULT_WINDOW
+from .argtypes import add_layout_options
 
 EPILOG = """
 Predicted from: the model's weights (the sizes of its .safetensors files, read without loading it; random:PRESET
@@ -51,10 +51,7 @@ def parser() -> argparse.ArgumentParser:
                    help="the model's dtype (default as kvq bench: real models as stored, random models bfloat16 "
                         "for a GPU, float32 for a CPU: the --device predicted for)")
     p.add_argument("--layers", type=int, default=None, help="random models: keep this many layers")
-    p.add_argument("--sinks", type=int, default=DEFAULT_SINKS,
-                   help=f"kvq caches: uncompressed first tokens (default {DEFAULT_SINKS})")
-    p.add_argument("--window", type=int, default=DEFAULT_WINDOW,
-                   help=f"kvq caches: uncompressed last tokens (default {DEFAULT_WINDOW})")
+    add_layout_options(p)
     p.add_argument("--flush", type=int, default=None, help="kvq caches: tokens per compression (default kvq's)")
     p.add_argument("--safety", type=float, default=0.9, help="fraction of the free memory caches may use (0.9)")
     p.add_argument("--chunk", type=int, default=4096, help="tokens per cache update, for the transient (4096)")
