@@ -13,7 +13,7 @@ import pytest
 
 import kvq.cache.engine as engine
 from kvq.cache import BatchKVQCache, KVQCache, RotatingKVQCache, make_config
-from kvq.cache import prefill
+from kvq.cache import prefill, stacked
 from kvq.cache.guard import OutlierLayerWarning
 
 from conftest import assert_same_held as assert_held_alike, layer_held as held
@@ -49,7 +49,7 @@ def on_device(monkeypatch):
 
     def counted(*args):
         out = together(*args)
-        calls["together"] += out is not None
+        calls["together"] += len(out)
         return out
 
     monkeypatch.setattr(engine, "attend_rows", counted)
@@ -73,9 +73,10 @@ def alone(configs, data, q, chunks):
 @pytest.mark.parametrize("chunks", [[T], [20, T - 20]], ids=["one-chunk", "two-chunks"])
 def test_a_batch_chunk_is_attended_in_one_call_and_each_row_sees_what_it_sees_alone(on_device, chunks, dtype):
     """Four rows (plain, centred, outlier, scaled keys) prefilled as one batch: each chunk is queued once for the
-    batch (not once per row), except a chunk whose rows' configurations differ (after the outlier row's upgrade to
-    8 bits, the second chunk's rows attend alone), and every row's output and everything it holds equal those of the
-    row prefilled alone, the outlier row's chunk stored again and attended again when it settles."""
+    rows of one configuration (not once per row: after the outlier row's upgrade to 8 bits, the second chunk's other
+    three rows are still attended together, the upgraded one alone), and every row's output and everything it holds
+    equal those of the row prefilled alone, the outlier row's chunk stored again and attended again when it
+    settles."""
     config = make_config("turboquant", bits=4, window=12, flush=4, kernels="off").for_layer(1)
     data = [row_keys(kind, seed, dtype=dtype) for seed, kind in enumerate(KINDS)]
     q = mx.random.normal((len(KINDS), 2 * H, T, D), key=mx.random.key(9)).astype(dtype)
@@ -91,22 +92,26 @@ def test_a_batch_chunk_is_attended_in_one_call_and_each_row_sees_what_it_sees_al
             outs.append(np.array(batch.attend(q[:, :, start:start + n], SCALE).astype(mx.float32)))
             start += n
     # first chunk: one call for the four rows, then the outlier row alone again once it settles (stored at 8 bits);
-    # a second chunk: its rows' configurations differ (the upgraded row), so each attends alone
-    assert on_device["together"] == 1
-    assert on_device["queued"] == 2 + (len(KINDS) if len(chunks) == 2 else 0)
+    # a second chunk: one call for the three rows of the first configuration, one for the upgraded row
+    assert on_device["together"] == len(chunks)
+    assert on_device["queued"] == 2 + (2 if len(chunks) == 2 else 0)
     for i, (cache, their_outs) in enumerate(expected):
         assert_held_alike(held(batch.rows[i]), held(cache))
         for c, theirs in enumerate(their_outs):
             np.testing.assert_array_equal(outs[c][i:i + 1], theirs, err_msg=f"row {i}, chunk {c}")
 
 
-def test_rows_whose_parts_differ_attend_alone(on_device):
-    """Rows of different lengths (right padding: one row's prompt is 30 tokens of 48) hold parts of other sizes: the
-    batch attends row by row (no call for the batch), each row as alone."""
+@pytest.mark.parametrize("kinds", [("plain",) * 3, ("plain", "offsets", "scaled")], ids=["plain", "mixed"])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_rows_of_different_lengths_are_attended_together_each_as_alone(on_device, kinds, dtype):
+    """Rows of different lengths (right padding: one prompt of 36 tokens, one of 30, one of 48) hold parts of other
+    sizes: they are still attended in one call, each part padded to the longest row's and each batch row keeping its
+    own intervals; every row holds exactly what it holds alone and its real query rows' outputs are its own (the
+    padded, hidden columns can change only the order of float additions)."""
     config = make_config("turboquant", bits=4, window=12, flush=4, kernels="off").for_layer(1)
-    data = [row_keys("plain", seed) for seed in range(3)]
-    lengths = [T, 30, T]
-    q = mx.random.normal((3, 2 * H, T, D), key=mx.random.key(9)).astype(mx.float16)
+    data = [row_keys(kind, seed, dtype=dtype) for seed, kind in enumerate(kinds)]
+    lengths = [36, 30, T]
+    q = mx.random.normal((3, 2 * H, T, D), key=mx.random.key(9)).astype(dtype)
     expected = [alone([config], [(k[:, :, :n], v[:, :, :n])], q[i:i + 1, :, :n], [n])[0]
                 for i, ((k, v), n) in enumerate(zip(data, lengths))]
     on_device.update(queued=0, together=0)
@@ -115,10 +120,15 @@ def test_rows_whose_parts_differ_attend_alone(on_device):
     batch.update_and_fetch(mx.concatenate([k for k, _ in data]), mx.concatenate([v for _, v in data]))
     out = np.array(batch.attend(q, SCALE).astype(mx.float32))
     batch.finalize()
-    assert on_device["together"] == 0 and on_device["queued"] == 3
+    assert on_device["together"] == 1 and on_device["queued"] == 1
+    # bit for bit on the CPU (its attention adds the hidden columns' exact zeros); a GPU's fused attention may sum
+    # in another order over the wider rows
+    tolerance = 0 if mx.default_device() == mx.cpu else 2e-3 if dtype == mx.float16 else 1.6e-2
     for i, ((cache, theirs), n) in enumerate(zip(expected, lengths)):
         assert_held_alike(held(batch.rows[i]), held(cache))
-        np.testing.assert_array_equal(out[i:i + 1, :, :n], theirs[0])
+        np.testing.assert_allclose(out[i:i + 1, :, :n], theirs[0], rtol=tolerance, atol=tolerance,
+                                   err_msg=f"row {i}")
+    assert np.isfinite(out).all()
 
 
 def test_rotating_rows_attend_alone(on_device):
@@ -146,7 +156,7 @@ def test_stacked_rows_make_one_call_with_the_chunks_mask_and_groups_bound_their_
     q = mx.random.normal((4, 2 * H, T, D), key=mx.random.key(9)).astype(mx.float16)
     expected = [alone([config], [d], q[i:i + 1], [T])[0][1][0] for i, d in enumerate(data)]
     for budget, groups in ((1 << 30, [4]), (1, [1, 1, 1, 1])):
-        monkeypatch.setattr(prefill, "STACKED_ROWS_BYTES", budget)
+        monkeypatch.setattr(stacked, "STACKED_ROWS_BYTES", budget)
         calls.clear()
         on_device.update(queued=0)
         batch = BatchKVQCache([KVQCache(config) for _ in data])
@@ -170,7 +180,7 @@ def test_batch_generator_prompts_attended_together_give_the_tokens_of_rows_atten
     runs = {}
     for together in (True, False):
         if not together:
-            monkeypatch.setattr(engine, "attend_rows", lambda *args: None)
+            monkeypatch.setattr(engine, "attend_rows", lambda *args: [])
         on_device.update(together=0)
         patch_model(model, "turboquant", bits=4, window=4, flush=4, sinks=2)
         try:

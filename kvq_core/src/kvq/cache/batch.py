@@ -203,24 +203,40 @@ class BatchKVQCache:
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
 
     def _attend_chunk(self, queries: mx.array, scale: float) -> mx.array | None:
-        """A prefill chunk of every row attended in one call on a GPU (:func:`kvq.cache.engine.attend_rows`), where
-        each row takes the GPU chunk path (:meth:`KVQCache.chunk_rows`) under one configuration and the rows' parts
-        agree; then each row settles (:meth:`KVQCache.chunk_attended`). ``None`` where they do not (the rows attend
-        one by one, the same result)."""
+        """A prefill chunk of the rows attended in as few calls as stack on a GPU (:func:`kvq.cache.engine.
+        attend_rows`): the rows that take the GPU chunk path (:meth:`KVQCache.chunk_rows`), per configuration, stacked
+        where their parts do (:mod:`kvq.cache.stacked`: prompts of different lengths included); each stacked row then
+        settles (:meth:`KVQCache.chunk_attended`), the others attend alone. ``None`` where no rows stack (each row
+        attends alone: the same result)."""
         rows = self.rows
         if len(rows) < 2:
             return None
         T = queries.shape[2]
         chunks = [row.chunk_rows(T, self._starts[i]) for i, row in enumerate(rows)]
-        if any(chunk is None for chunk in chunks) or any(chunk[1] != chunks[0][1] for chunk in chunks[1:]):
+        configs = []
+        for chunk in chunks:
+            if chunk is not None and chunk[1] not in configs:
+                configs.append(chunk[1])
+        transforms = [None if chunk is None else chunk[2] for chunk in chunks]
+        attended, whole = {}, None
+        for config in configs:
+            offered = [chunk[0] if chunk is not None and chunk[1] == config else None for chunk in chunks]
+            if sum(parts is not None for parts in offered) < 2:
+                continue
+            for group, out in engine.attend_rows(queries, scale, offered, config, transforms):
+                whole = out if len(group) == len(rows) else None
+                attended.update(zip(group, _rows(out)))
+        if not attended:
             return None
-        out = engine.attend_rows(queries, scale, [c[0] for c in chunks], chunks[0][1], [c[2] for c in chunks])
-        if out is None:
-            return None
-        outs = _rows(out)
-        kept = [row.chunk_attended(o, q, scale, None, None, self._starts[i])
-                for i, (row, o, q) in enumerate(zip(rows, outs, _rows(queries)))]
-        return out if all(k is o for k, o in zip(kept, outs)) else mx.concatenate(kept, axis=0)
+        outs = []
+        for i, (row, q) in enumerate(zip(rows, _rows(queries))):
+            if i in attended:
+                outs.append(row.chunk_attended(attended[i], q, scale, None, None, self._starts[i]))
+            else:
+                outs.append(row.attend(q, scale, None, None, query_start=self._starts[i]))
+        if whole is not None and all(out is attended[i] for i, out in enumerate(outs)):
+            return whole
+        return mx.concatenate(outs, axis=0)
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
         """Positions are handled per row inside attention; the rows' ``make_mask`` checks ``window_size``

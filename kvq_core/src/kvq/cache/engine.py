@@ -10,7 +10,8 @@ once:
   (:func:`kvq.attention.merge_parts`); or, for a prefill chunk on a GPU, MLX's fused attention over a transient
   decoded copy with an additive mask made from the same intervals (:func:`kvq.cache.prefill.attend_dequantized`),
   or a fused kernel that reads the intervals themselves (:class:`kvq.contract.AttendsColumns`; next: one that
-  decodes the codes itself). :func:`attend_rows`: a batch's rows whose chunks agree, stacked into one such call.
+  decodes the codes itself). :func:`attend_rows`: a batch's rows' chunks stacked into such calls
+  (:mod:`kvq.cache.stacked`).
 - :func:`bind_decode` / :func:`bind_ragged`: one query row per sequence, every held token visible, bound once per
   layer and replayed each decode step (the implementation's :class:`kvq.contract.BindsDense` /
   :class:`kvq.contract.BindsRaggedDense`).
@@ -30,8 +31,8 @@ from .centring import KeyTransform
 from .choice import attend_fn, attend_plan, own_attend
 from .config import CacheConfig
 from .parts import Part, rows_mask
-from . import prefill
-from .prefill import attend_dequantized, decoded_bytes, rows_agree, stack_rows
+from . import stacked
+from .prefill import attend_dequantized
 
 #: Query rows per slice of a dense part (each slice reads only the keys its rows may see).
 CHUNK_ROWS = 256
@@ -128,28 +129,32 @@ def attend(queries: mx.array, scale: float, parts: list[Part], config: CacheConf
     return out.astype(queries.dtype)
 
 
-def attend_rows(queries: mx.array, scale: float, rows: list, config: CacheConfig, transforms: list) -> mx.array | None:
-    """A prefill chunk of a batch's rows on a GPU in one call: ``queries [B, H_q, T_q, D]``, row ``b`` over its own
-    parts ``rows[b]`` (:class:`~kvq.cache.parts.Part` lists of ``B = 1`` each, what :func:`attend` with
-    ``on_device`` would take for that row alone) with its layer's :class:`~kvq.cache.centring.KeyTransform`
-    ``transforms[b]``, every row under ``config``. Where the rows' parts agree in sizes and intervals
-    (:func:`kvq.cache.prefill.rows_agree`), they are stacked along the batch (:func:`kvq.cache.prefill.stack_rows`)
-    and attended as one (:func:`kvq.cache.prefill.attend_dequantized`: one decode per side, one masked attention, one
-    queue), with what each row would see alone, in groups of rows whose decoded copy fits
-    :data:`kvq.cache.prefill.STACKED_ROWS_BYTES`; ``None`` where they do not agree (each row attends alone).
+def attend_rows(queries: mx.array, scale: float, rows: list, config: CacheConfig,
+                transforms: list) -> list[tuple[list[int], mx.array]]:
+    """A prefill chunk of a batch's rows on a GPU in as few calls as stack: ``queries [B, H_q, T_q, D]``, row ``b``
+    over its own parts ``rows[b]`` (a :class:`~kvq.cache.parts.Part` list of ``B = 1``, what :func:`attend` with
+    ``on_device`` would take for that row alone; ``None``: a row not offered) with its layer's
+    :class:`~kvq.cache.centring.KeyTransform` ``transforms[b]``, every offered row under ``config``. Rows whose parts
+    stack are grouped (:func:`kvq.cache.stacked.groups`: one structure of parts, the decoded copy within
+    :data:`kvq.cache.stacked.STACKED_ROWS_BYTES`, rows of similar lengths), stacked along the batch
+    (:func:`kvq.cache.stacked.stack`) and attended as one (:func:`kvq.cache.prefill.attend_dequantized`: one decode
+    per side, one masked attention, one queue), each row seeing what it sees alone.
 
     Why: mlx-lm's ``BatchGenerator`` prefills its prompts as one batch; attended row by row, each row and layer
-    built, encoded and queued its own decode, mask and attention call (issue #51)."""
-    if not rows_agree(rows, queries.shape[2]):
-        return None
-    group = max(1, prefill.STACKED_ROWS_BYTES // decoded_bytes(rows[0], queries.dtype))
-    outs = []
-    for b0 in range(0, len(rows), group):
-        b1 = min(len(rows), b0 + group)
-        rows_q = queries if b1 - b0 == len(rows) else queries[b0:b1]
-        stacked_q, parts = stack_rows(rows_q, rows[b0:b1], transforms[b0:b1])
-        outs.append(attend_dequantized(stacked_q, scale, parts, config, KeyTransform()))
-    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+    built, encoded and queued its own decode, mask and attention call (issue #51).
+
+    :return: ``(indices, out)`` per group: the batch rows attended (ascending) and their outputs ``[len(indices),
+        H_q, T_q, D_v]`` in that order. Rows in no group (an empty list where none stack) attend alone.
+    """
+    out = []
+    for group in stacked.groups(rows, queries.dtype):
+        if group == list(range(group[0], group[-1] + 1)):
+            rows_q = queries if len(group) == queries.shape[0] else queries[group[0] : group[-1] + 1]
+        else:
+            rows_q = queries[mx.array(group)]
+        stacked_q, parts = stacked.stack(rows_q, [rows[i] for i in group], [transforms[i] for i in group])
+        out.append((group, attend_dequantized(stacked_q, scale, parts, config, KeyTransform())))
+    return out
 
 
 def bind_decode(config: CacheConfig, queries: mx.array, scale: float, keys, values, sink_keys, sink_values,

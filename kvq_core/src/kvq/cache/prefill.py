@@ -25,11 +25,9 @@ from __future__ import annotations
 import threading
 import time
 
-import attrs
 import mlx.core as mx
 import numpy as np
 
-from ..encoded import Encoded
 from .choice import columns_attention, dequantize, dequantize_into
 
 
@@ -39,11 +37,6 @@ PREFILL_MASK_BYTES = 1 << 30
 #: Bytes of attention scores one call may materialise where MLX has no fused attention for the chunk (float32, or
 #: head_dim above 128, on CUDA: MLX computes rows x keys x query heads scores, float32 for the softmax).
 PREFILL_SCORES_BYTES = 1 << 29
-#: Bytes of decoded keys and values one call over a batch's stacked rows may hold (:func:`stack_rows`,
-#: :func:`kvq.cache.engine.attend_rows`): more rows are attended in groups, so with :class:`InFlight`'s two layers a
-#: batch's chunk keeps at most about twice this above the cache (8 rows of 2,048 tokens at Llama-3-8B's shape: about
-#: 70 MB, one group; 8 rows of 32K: 1.07 GB, groups of 3).
-STACKED_ROWS_BYTES = 1 << 29
 
 
 class _Shared(threading.local):
@@ -76,7 +69,7 @@ def _chunk_key(parts: list, rows: int) -> tuple:
     """What a chunk's intervals (and so its masks, given the columns and dtype) are a function of: its rows and each
     part's size, index and rows' intervals (arrays as bytes: equal tuples, equal intervals)."""
     def ints(x):
-        return x.tobytes() if isinstance(x, np.ndarray) else x
+        return (x.shape, x.tobytes()) if isinstance(x, np.ndarray) else x
 
     return rows, tuple((p.size, ints(p.index), ints(p.lo), ints(p.hi)) for p in parts)
 
@@ -129,17 +122,24 @@ def interval_mask(parts: list, r0: int, r1: int, end: int, dtype: mx.Dtype, user
 
     :param user_mask: mlx-lm's mask as booleans (batch padding), ``[..., T_q, all columns]``, with ``user_cols`` the
         position of each key column; ``None``: the intervals alone.
-    :return: ``[r1 - r0, end]`` (``[..., r1 - r0, end]`` with ``user_mask``) in ``dtype``.
+    :return: ``[r1 - r0, end]`` (``[..., r1 - r0, end]`` with ``user_mask``; ``[B, 1, r1 - r0, end]`` for parts with
+        per-batch-row intervals, a batch's stacked rows of different lengths: :mod:`kvq.cache.stacked`) in ``dtype``.
+    :raises ValueError: per-batch-row intervals with a ``user_mask``.
     """
-    if end == 0:  # (a shapeless compiled function would broadcast the empty columns against the bounds' one)
-        shape = (r1 - r0, 0) if user_mask is None else (*user_mask.shape[:-2], r1 - r0, 0)
-        return mx.zeros(shape, dtype)
     intervals = column_intervals(parts, r0, r1)
-    bounds = [mx.array(np.ascontiguousarray(intervals[:, p, i : i + 1])) for p in range(len(parts)) for i in (0, 1)]
+    if intervals.ndim == 4 and user_mask is not None:
+        raise ValueError("user_mask: parts with per-batch-row intervals take no mask of mlx-lm's")
+    batch = intervals.shape[:-3]  # () or (B,)
+    if end == 0:  # (a shapeless compiled function would broadcast the empty columns against the bounds' one)
+        lead = (batch[0], 1) if batch else () if user_mask is None else user_mask.shape[:-2]
+        return mx.zeros((*lead, r1 - r0, 0), dtype)
+    flat = intervals.reshape(-1, *intervals.shape[-2:])  # [B * rows, parts, 2]: one compiled form for both
+    bounds = [mx.array(np.ascontiguousarray(flat[:, p, i : i + 1])) for p in range(len(parts)) for i in (0, 1)]
     columns = mx.arange(end, dtype=mx.int32)
     hidden = mx.array(mx.finfo(dtype).min, dtype)
     if user_mask is None:
-        return _interval_mask(columns, mx.array(0, dtype), hidden, *bounds)
+        mask = _interval_mask(columns, mx.array(0, dtype), hidden, *bounds)
+        return mask if not batch else mask.reshape(batch[0], 1, r1 - r0, end)
     rows_mask = user_mask[..., r0:r1, :] if user_mask.shape[-2] > 1 else user_mask
     shown = _interval_shown(columns, *bounds) & mx.take(rows_mask, user_cols[:end], axis=-1)
     return mx.where(shown, mx.array(0, dtype), hidden)
@@ -162,20 +162,23 @@ _interval_mask = mx.compile(lambda columns, visible, hidden, *bounds: mx.where(_
 
 def column_intervals(parts: list, r0: int, r1: int) -> np.ndarray:
     """Each of rows ``r0 .. r1``'s visible columns of ``parts`` laid side by side, as one ``[lo, hi)`` interval per
-    part: int32 ``[r1 - r0, len(parts), 2]`` (an empty interval where a row sees none of a part). The same rule as
-    :func:`interval_mask` (:func:`kvq.cache.parts.visible` per part), in the form a kernel that computes
-    visibility itself reads (:func:`kvq_metal.prefill.prefill_attend`'s ``intervals``).
+    part: int32 ``[r1 - r0, len(parts), 2]`` (an empty interval where a row sees none of a part); ``[B, r1 - r0,
+    len(parts), 2]`` where a part has per-batch-row intervals (``[B, T_q]``: a batch's stacked rows,
+    :mod:`kvq.cache.stacked`). The same rule as :func:`interval_mask` (:func:`kvq.cache.parts.visible` per part), in
+    the form a kernel that computes visibility itself reads (:func:`kvq_metal.prefill.prefill_attend`'s
+    ``intervals``).
 
     :param parts: contiguous :class:`kvq.cache.parts.Part` objects (an int ``index``), in order.
     """
-    out = np.zeros((r1 - r0, len(parts), 2), np.int32)
+    batch = next((p.lo.shape[:1] for p in parts if p.lo is not None and p.lo.ndim == 2), ())
+    out = np.zeros((*batch, r1 - r0, len(parts), 2), np.int32)
     first = 0
     for p, part in enumerate(parts):
         if part.lo is None:
-            out[:, p] = (first, first + part.size)
+            out[..., p, :] = (first, first + part.size)
         else:
-            out[:, p, 0] = first + np.clip(part.lo[r0:r1] - part.index, 0, part.size)
-            out[:, p, 1] = first + np.clip(part.hi[r0:r1] - part.index, 0, part.size)
+            out[..., p, 0] = first + np.clip(part.lo[..., r0:r1] - part.index, 0, part.size)
+            out[..., p, 1] = first + np.clip(part.hi[..., r0:r1] - part.index, 0, part.size)
         first += part.size
     return out
 
@@ -190,8 +193,9 @@ def attend_dequantized(queries: mx.array, scale: float, parts: list, config, tra
     see. The decoded copy is transient: the call is queued on the device
     (:data:`IN_FLIGHT`) and the copy freed once it has run; the cache keeps only the codes. Memory above the cache:
     two layers' ``T * H_kv * (D_k + D_v) * 2`` bytes of decoded keys and values (twice that where the parts are
-    concatenated, :func:`columns`; for a batch's stacked rows, a group's: :data:`STACKED_ROWS_BYTES`) and
-    ``T_q * T * 2`` bytes of mask (16-bit queries), for ``T`` tokens held.
+    concatenated, :func:`columns`; for a batch's stacked rows, a group's:
+    :data:`kvq.cache.stacked.STACKED_ROWS_BYTES`) and ``T_q * T * 2`` bytes of mask (16-bit queries; times the
+    batch where each batch row has its own intervals), for ``T`` tokens held.
 
     A centred or scaled layer attends its keys as stored throughout (as the fused decode kernel does), with scaled
     queries: every score lacks the same ``scale * q . mu``, which the softmax does not see, and 16-bit centred keys
@@ -207,7 +211,9 @@ def attend_dequantized(queries: mx.array, scale: float, parts: list, config, tra
     keys, values, user_cols = columns(parts, config, transform, dtype, centre, user_mask is not None)
     if centre:
         queries = transform.queries(queries)
-    hooks = columns_attention(config) if user_mask is None else []  # no mask of mlx-lm's: the intervals alone
+    per_batch_row = user_mask is not None or any(p.lo is not None and p.lo.ndim == 2 for p in parts)
+    # a kernel reads one set of intervals for the batch: no mask of mlx-lm's, no rows of their own
+    hooks = [] if per_batch_row else columns_attention(config)
     intervals = shared_intervals(parts, Tq) if hooks else None
     for hook in hooks:  # a kernel that reads the intervals itself makes no mask (issue #51)
         out = hook(queries, keys, values, intervals, scale, sink_logits)
@@ -215,7 +221,7 @@ def attend_dequantized(queries: mx.array, scale: float, parts: list, config, tra
             IN_FLIGHT.push(out)
             return out
     sinks = None if sink_logits is None else sink_logits.astype(dtype)
-    rows = rows_per_call(queries, keys.shape[2], PREFILL_MASK_BYTES, PREFILL_SCORES_BYTES, user_mask is not None)
+    rows = rows_per_call(queries, keys.shape[2], PREFILL_MASK_BYTES, PREFILL_SCORES_BYTES, per_batch_row)
     outs = []
     for r0 in range(0, Tq, rows):
         r1 = min(Tq, r0 + rows)
@@ -230,65 +236,6 @@ def attend_dequantized(queries: mx.array, scale: float, parts: list, config, tra
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
     IN_FLIGHT.push(out)
     return out
-
-
-def stack_rows(queries: mx.array, rows: list, transforms: list) -> tuple:
-    """A batch's rows' chunk as one batch for :func:`attend_dequantized`: ``(queries, parts)``, for rows whose parts
-    (``rows``, one list of :class:`kvq.cache.parts.Part` per batch row, each of ``B = 1``) agree (:func:`rows_agree`:
-    the caller checks) and need no mask column positions. The compressed parts are stacked along the batch (so each
-    side is decoded once for every row), the dense ones too, each row's keys transformed as its layer stores them
-    (:meth:`kvq.cache.centring.KeyTransform.centred_dense`), and each row's queries scaled as its layer scores
-    (:meth:`~kvq.cache.centring.KeyTransform.queries`): the parts then need no transform of their own.
-
-    :param queries: ``[B, H_q, T_q, D]``, row ``b``'s queries at ``b``. :param transforms: each row's
-        :class:`kvq.cache.centring.KeyTransform`.
-    """
-    first = rows[0]
-    (c,) = [i for i, part in enumerate(first) if part.compressed]
-    stacked = []
-    for i, part in enumerate(first):
-        if i == c:
-            keys, values = (_stack_encoded([getattr(parts[c], side) for parts in rows]) for side in ("keys", "values"))
-        else:
-            keys = mx.concatenate([t.centred_dense(parts[i].keys) for parts, t in zip(rows, transforms)], axis=0)
-            values = mx.concatenate([parts[i].values for parts in rows], axis=0)
-        stacked.append(attrs.evolve(part, keys=keys, values=values, column=None))
-    if any(t.scale is not None for t in transforms):
-        queries = mx.concatenate([t.queries(q) for q, t in zip(mx.split(queries, len(rows), axis=0), transforms)],
-                                 axis=0)
-    return queries, stacked
-
-
-def rows_agree(rows: list, count: int) -> bool:
-    """Whether a batch's rows' parts (``rows``: one :class:`kvq.cache.parts.Part` list per row, for ``count`` query
-    rows) stack (:func:`stack_rows`): the same sizes, indices and per-row intervals, and one compressed part whose
-    codes have the same parameters, fields and head_dim in every row."""
-    first = rows[0]
-    key = _chunk_key(first, count)
-    compressed = [i for i, part in enumerate(first) if part.compressed]
-    if len(compressed) != 1 or any(_chunk_key(parts, count) != key for parts in rows[1:]):
-        return False
-    (c,) = compressed
-    for side in ("keys", "values"):
-        codes = [getattr(parts[c], side) for parts in rows]
-        if any((e.params, e.head_dim, set(e.data)) != (codes[0].params, codes[0].head_dim, set(codes[0].data))
-               for e in codes[1:]):
-            return False
-    return True
-
-
-def decoded_bytes(parts: list, dtype: mx.Dtype) -> int:
-    """Bytes of the decoded keys and values of one row's ``parts`` side by side in ``dtype`` (:func:`columns`)."""
-    part = next(p for p in parts if not p.compressed)  # a dense part (a chunk has one) gives heads and head_dims
-    H, Dk, Dv = part.keys.shape[1], part.keys.shape[3], part.values.shape[3]
-    return sum(p.size for p in parts) * H * (Dk + Dv) * dtype.size
-
-
-def _stack_encoded(blocks: list) -> Encoded:
-    """Blocks of codes of one method's parameters (``[1, H, T, ...]`` fields each) as one ``[B, H, T, ...]`` block."""
-    first = blocks[0]
-    return Encoded(first.params, {name: mx.concatenate([b.data[name] for b in blocks], axis=0) for name in first.data},
-                   first.head_dim)
 
 
 def columns(parts: list, config, transform, dtype: mx.Dtype, centre: bool, user: bool = False) -> tuple:
@@ -351,12 +298,13 @@ def _joined_in_place(parts: list, config, transform, dtype: mx.Dtype, centre: bo
 
 def last_column(parts: list, r0: int, r1: int) -> int:
     """One past the last column of ``parts`` (side by side) that any of rows ``r0 .. r1`` sees (the last part's
-    interval of the slice's last row: every row sees its own token, in the last part)."""
+    interval of the slice's last row, of any batch row where each has its own: every row sees its own token, in the
+    last part)."""
     first = sum(p.size for p in parts[:-1])
     last = parts[-1]
     if last.lo is None:
         return first + last.size
-    return first + int(np.clip(last.hi[r1 - 1] - last.index, 0, last.size))
+    return first + int(np.clip(last.hi[..., r1 - 1] - last.index, 0, last.size).max())
 
 
 def rows_per_call(queries: mx.array, num_keys: int, mask_bytes: int, scores_bytes: int,
@@ -364,8 +312,9 @@ def rows_per_call(queries: mx.array, num_keys: int, mask_bytes: int, scores_byte
     """Query rows per attention call: bounded by ``mask_bytes`` of additive mask where MLX's fused attention
     serves (float16 or bfloat16 queries, head_dim at most 128), by ``scores_bytes`` of float32 scores where MLX
     materialises them. At least 16. ``per_batch_row``: the mask has a row per batch row (mlx-lm's mask of a padded
-    batch); else it is one ``[rows, keys]`` array broadcast over the batch (the intervals alone: a batch's stacked
-    rows, :func:`stack_rows`), whose bytes do not grow with it."""
+    batch, a batch's stacked rows of different lengths); else it is one ``[rows, keys]`` array broadcast over the
+    batch (the intervals alone: stacked rows that agree, :mod:`kvq.cache.stacked`), whose bytes do not grow with
+    it."""
     B, Hq, _, D = queries.shape
     if queries.dtype in (mx.float16, mx.bfloat16) and D <= 128:
         return max(16, mask_bytes // (num_keys * queries.dtype.size * (B if per_batch_row else 1)))
