@@ -131,6 +131,68 @@ def test_rows_of_different_lengths_are_attended_together_each_as_alone(on_device
     assert np.isfinite(out).all()
 
 
+def prefill_batch(rows, data, q, prefixes, lengths, chunk):
+    """``rows`` (caches holding ``prefixes[b]`` tokens of ``data[b]``) prefilled as one batch with the next
+    ``lengths[b]`` tokens each, right-padded to the longest, in chunks of ``chunk``: each chunk's outputs (every
+    query row, padding rows too) and the rows."""
+    batch = BatchKVQCache(rows)
+    longest = max(lengths)
+    batch.prepare(lengths=list(lengths), right_padding=[longest - n for n in lengths])
+
+    def tokens(x, b, s, e):  # row b's tokens s..e after its prefix, zeros past its data
+        p = prefixes[b]
+        piece = x[b:b + 1, :, p + s:p + e]
+        return mx.pad(piece, [(0, 0), (0, 0), (0, e - s - piece.shape[2]), (0, 0)])
+
+    outs = []
+    for s in range(0, longest, chunk):
+        e = min(longest, s + chunk)
+        k, v = (mx.concatenate([tokens(x, b, s, e) for b in range(len(rows))]) for x in data)
+        batch.update_and_fetch(k, v)
+        outs.append(np.array(batch.attend(mx.concatenate([tokens(q, b, s, e) for b in range(len(rows))]), SCALE)
+                             .astype(mx.float32)))
+    batch.finalize()
+    return outs, batch.rows
+
+
+@pytest.mark.parametrize("mask_bytes", [1 << 30, 1], ids=["one-call", "sliced"])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_rows_of_other_offsets_and_lengths_stacked_in_groups_see_what_they_see_alone(on_device, monkeypatch, dtype,
+                                                                                    mask_bytes):
+    """Rows that hold other numbers of tokens before the batch's chunk (prompt-cache prefixes: one row's sinks seen
+    causally, another's whole) and prompts of other lengths, in chunks of 16: the rows stack in groups that are not
+    ranges of the batch (a short row between them; ``MIN_FILL``), and with ``PREFILL_MASK_BYTES`` at 1 each call's
+    ``[B, 1, rows, keys]`` mask is cut into slices of 16 rows; every query row's output (right padding's too) and
+    everything each row holds equal those of the same batch attending row by row."""
+    monkeypatch.setattr(prefill, "PREFILL_MASK_BYTES", mask_bytes)
+    config = make_config("turboquant", bits=3, sinks=2, window=4, flush=2, kernels="off").for_layer(1)
+    kinds, prefixes, lengths = ("plain", "offsets", "plain", "scaled"), (2, 0, 17, 30), (40, 8, 33, 36)
+    total = max(prefixes) + max(lengths)
+    data = [mx.concatenate(side) for side in zip(*(row_keys(k, s, total, dtype) for s, k in enumerate(kinds)))]
+    q = mx.random.normal((len(kinds), 2 * H, total, D), key=mx.random.key(9)).astype(dtype)
+    runs, groups = {}, []
+    for together in (True, False):
+        rows = []
+        for b, p in enumerate(prefixes):
+            rows.append(KVQCache(config))
+            if p:
+                rows[-1].update_and_fetch(data[0][b:b + 1, :, :p], data[1][b:b + 1, :, :p])
+                rows[-1].attend(q[b:b + 1, :, :p], SCALE)
+        if not together:
+            monkeypatch.setattr(engine, "attend_rows", lambda *args: [])
+        else:
+            real = stacked.groups
+            monkeypatch.setattr(stacked, "groups", lambda *args: groups.append(real(*args)) or groups[-1])
+        runs[together] = prefill_batch(rows, data, q, prefixes, lengths, 16)
+    stacked_groups = [g for chunk in groups for g in chunk]
+    assert any(g != list(range(g[0], g[-1] + 1)) for g in stacked_groups)  # groups that are not ranges (a row apart)
+    (outs, rows), (their_outs, their_rows) = runs[True], runs[False]
+    for c, (ours, theirs) in enumerate(zip(outs, their_outs)):
+        np.testing.assert_array_equal(ours, theirs, err_msg=f"chunk {c}")
+    for ours, theirs in zip(rows, their_rows):
+        assert_held_alike(held(ours), held(theirs))
+
+
 def test_rotating_rows_attend_alone(on_device):
     """Rotating rows keep their own path (their parts are a ring's): no call for the batch."""
     config = make_config("turboquant", bits=4, window=12, flush=4, kernels="off").for_layer(1)
@@ -144,8 +206,8 @@ def test_rotating_rows_attend_alone(on_device):
 def test_stacked_rows_make_one_call_with_the_chunks_mask_and_groups_bound_their_copy(on_device, monkeypatch):
     """Four rows stacked: one fused attention call for the batch where each row alone makes one (the additive mask
     is one ``[rows, keys]`` array broadcast over the batch, so the batch does not cut the call into slices); with
-    :data:`kvq.cache.prefill.STACKED_ROWS_BYTES` below two rows' decoded copy, the rows go in groups of one, each
-    group queued on its own. The outputs are each row's alone either way."""
+    :data:`kvq.cache.stacked.STACKED_ROWS_BYTES` below two rows' decoded copy, no rows stack and each attends
+    alone, one call each. The outputs are each row's alone either way."""
     monkeypatch.setattr(prefill, "PREFILL_MASK_BYTES", T * 96 * 2)  # one call for one row of up to 96 keys
     calls = []
     sdpa = mx.fast.scaled_dot_product_attention

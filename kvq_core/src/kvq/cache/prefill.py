@@ -8,7 +8,8 @@ the implementation can: :func:`columns`), and attended in one
 (:func:`interval_mask`): every query row sees what a token-by-token run would have shown it. Where a kernel
 implementation of the key method attends columns itself (:class:`kvq.contract.AttendsColumns`: kvq_metal's
 tensor-core prefill kernel on CUDA, once its knob is on), it gets the intervals instead (:func:`column_intervals`)
-and no mask is made. The decoded copy is freed once the call has run: :class:`InFlight` keeps at most two layers'
+and no mask is made (one set of intervals for the batch: stacked rows of different lengths,
+:mod:`kvq.cache.stacked`, take the mask). The decoded copy is freed once the call has run: :class:`InFlight` keeps at most two layers'
 copies on the device, so the cache never holds an fp16 copy of its tokens.
 
 Two facts about MLX 0.32's attention on CUDA shape this module (measured on an H200, ``benchmarks/prefill_parts.py``):
@@ -187,7 +188,8 @@ def attend_dequantized(queries: mx.array, scale: float, parts: list, config, tra
                        sink_logits=None) -> mx.array:
     """A chunk's attention over ``parts`` (:class:`kvq.cache.parts.Part`: contiguous, in order; the compressed one
     decoded to the queries' dtype): in one call of a kernel implementation's attention over columns where one
-    serves (:class:`kvq.contract.AttendsColumns`, given :func:`column_intervals`; no mask array), else in
+    serves (:class:`kvq.contract.AttendsColumns`, given :func:`column_intervals`; no mask array; not for parts whose
+    intervals are per batch row, a batch's stacked rows of different lengths, nor with ``user_mask``), else in
     ``mx.fast.scaled_dot_product_attention`` with the additive mask of :func:`interval_mask`, one call per chunk
     unless :func:`rows_per_call` cuts it. Each slice of rows reads only the columns up to the last one its rows may
     see. The decoded copy is transient: the call is queued on the device

@@ -59,23 +59,23 @@ def signature(parts: list) -> tuple | None:
 
 def decoded_bytes(rows: list, dtype: mx.Dtype) -> int:
     """Bytes of the decoded keys and values of ``rows`` (part lists of one :func:`signature`) stacked in ``dtype``,
-    each part padded to the longest row's (:func:`kvq.cache.prefill.columns`)."""
-    part = next(p for p in rows[0] if not p.compressed)  # a dense part (a chunk has one) gives heads and head_dims
-    H, Dk, Dv = part.keys.shape[1], part.keys.shape[3], part.values.shape[3]
-    return len(rows) * _columns(rows) * H * (Dk + Dv) * dtype.size
+    each part padded to its widest row's (:func:`kvq.cache.prefill.columns`)."""
+    widths = [max(parts[i].size for parts in rows) for i in range(len(rows[0]))]
+    return len(rows) * sum(widths) * _column_bytes(rows[0], dtype)
 
 
-def _columns(rows: list) -> int:
-    """Columns of ``rows``' parts stacked: each part as wide as its widest row's."""
-    return sum(max(parts[i].size for parts in rows) for i in range(len(rows[0])))
+def _column_bytes(parts: list, dtype: mx.Dtype) -> int:
+    """Bytes of one decoded column (a key and a value of every KV head) of ``parts`` in ``dtype``."""
+    part = next(p for p in parts if not p.compressed)  # a dense part (a chunk has one) gives heads and head_dims
+    return part.keys.shape[1] * (part.keys.shape[3] + part.values.shape[3]) * dtype.size
 
 
 def groups(rows: list, dtype: mx.Dtype) -> list[list[int]]:
     """The batch rows to stack together: ``rows`` one part list per batch row (``None``: a row not offered), grouped
     by :func:`signature`; within one, from the row of most columns down, a row joins the open group while it holds at
     least :data:`MIN_FILL` of the group's first row's columns and the group's decoded copy stays within
-    :data:`STACKED_ROWS_BYTES` (:func:`decoded_bytes`). Returns groups of two or more rows, each its indices in
-    ascending order."""
+    :data:`STACKED_ROWS_BYTES` (:func:`decoded_bytes`, kept as the group grows: one pass over the rows). Returns
+    groups of two or more rows, each its indices in ascending order."""
     by_signature: list[tuple[tuple, list[int]]] = []
     for i, parts in enumerate(rows):
         key = None if parts is None else signature(parts)
@@ -89,16 +89,18 @@ def groups(rows: list, dtype: mx.Dtype) -> list[list[int]]:
             by_signature.append((key, [i]))
     out = []
     for _, members in by_signature:
-        members = sorted(members, key=lambda i: -_columns([rows[i]]))  # stable: equal rows keep the batch's order
-        group: list[int] = []
+        sizes = {i: [part.size for part in rows[i]] for i in members}
+        members = sorted(members, key=lambda i: -sum(sizes[i]))  # stable: equal rows keep the batch's order
+        column_bytes = _column_bytes(rows[members[0]], dtype)
+        group, widths = [], []
         for i in members:
-            joined = group + [i]
-            if group and (_columns([rows[i]]) < MIN_FILL * _columns([rows[group[0]]])
-                          or decoded_bytes([rows[j] for j in joined], dtype) > STACKED_ROWS_BYTES):
+            joined = [max(w, n) for w, n in zip(widths, sizes[i])]
+            if group and (sum(sizes[i]) < MIN_FILL * sum(sizes[group[0]])
+                          or (len(group) + 1) * sum(joined) * column_bytes > STACKED_ROWS_BYTES):
                 if len(group) > 1:
                     out.append(sorted(group))
-                joined = [i]
-            group = joined
+                group = []
+            group, widths = group + [i], (joined if group else sizes[i])
         if len(group) > 1:
             out.append(sorted(group))
     return out
@@ -149,6 +151,7 @@ def _intervals_key(parts: list, count: int) -> tuple:
 def _row_intervals(parts: list, count: int) -> tuple[np.ndarray, np.ndarray]:
     """``(lo, hi)`` int64 ``[B, count]``: each batch row's intervals of its part (``parts[b]``), every row's clipped
     to its own columns (a part every row sees whole: ``[0, size)``)."""
+    # (the parts' columns are indexed from 0, which signature requires: an index is then a column)
     lo = np.zeros((len(parts), count), np.int64)
     hi = np.zeros((len(parts), count), np.int64)
     for b, part in enumerate(parts):
