@@ -157,6 +157,11 @@ def test_a_model_folder_is_read_from_its_safetensors_without_loading(tmp_path, c
     assert shape.dtype == "bfloat16" and shape.sliding == (256, None)
     assert 1 <= shape.weight_bytes / sum(v.nbytes for v in weights.values()) < 1.01
     assert shape.layer_tokens(1000) == [256, 1000]
+    # gemma-3's own configs (and kvq's GGUF conversion) give a pattern instead: every 6th layer full, as mlx-lm builds
+    pattern = {k: v for k, v in config.items() if k != "layer_types"} | {"sliding_window_pattern": 6,
+                                                                        "num_hidden_layers": 12}
+    assert fit.model_shape("m", pattern, tmp_path, None).sliding == ((256,) * 5 + (None,)) * 2
+    assert fit.model_shape("m", pattern | {"sliding_window_pattern": 1}, tmp_path, None).sliding == (None,) * 12
     assert main(["fit", "--model", str(tmp_path), "--memory", "1M", "--methods", "fp16", "--out", str(tmp_path),
                  "--name", "f", "--no-plot"]) == 0
     rows = json.loads((tmp_path / "f.json").read_text())["rows"]

@@ -13,7 +13,8 @@ The prediction, in bytes, for ``batch`` sequences of ``tokens`` tokens each:
   in the model's dtype in steps of 256 tokens; a kvq cache holds its sinks and its window buffer (``window + flush -
   1`` tokens) in 16 bits and its compressed tokens (those that left the window in blocks of ``flush``) at the
   method's bits per token (:meth:`kvq.BitsAccounting.bytes_for`), in steps of the store's ``step`` tokens.
-  Sliding-window layers (``layer_types`` in the model's config) hold at most ``sliding_window`` tokens.
+  Sliding-window layers (``layer_types`` or ``sliding_window_pattern`` in the model's config) hold at most
+  ``sliding_window`` tokens.
 - ``transient``: what storing a chunk of ``chunk`` tokens in one layer adds on top for a moment: the chunk's keys
   and values as they arrive and the cache's copy of them (model dtype), the work of encoding them (kvq caches:
   :data:`ENCODE_WORK`), and the copy of that layer's buffer that growing it makes (mlx-lm's ``KVCache`` and kvq's
@@ -113,10 +114,17 @@ def safetensors_info(folder: Path) -> tuple[int, str | None]:
 
 
 def _sliding(config: dict) -> tuple[int | None, ...]:
+    """Per layer, its sliding window (``config["sliding_window"]`` tokens) or ``None`` (full attention), from the
+    config's ``layer_types`` (Hugging Face's list) or else its ``sliding_window_pattern`` ``p`` (gemma-3's and
+    cohere2's configs, kvq's GGUF conversion of gemma-3: every ``p``-th layer full, the rest sliding, as mlx-lm's
+    ``gemma3_text`` and ``cohere2`` build them); ``()`` where neither says (every layer full)."""
     types, window = config.get("layer_types"), config.get("sliding_window")
-    if not types or not window:
+    pattern = config.get("sliding_window_pattern")
+    if not window or not (types or pattern):
         return ()
-    return tuple(window if "sliding" in kind else None for kind in types)
+    if types:
+        return tuple(window if "sliding" in kind else None for kind in types)
+    return tuple(None if (i + 1) % pattern == 0 else window for i in range(config["num_hidden_layers"]))
 
 
 def model_shape(name: str, config: dict, path: Path | None, dtype: str | None) -> ModelShape:
