@@ -12,7 +12,7 @@ from kvq.bench import measure, ops
 from kvq.cli import bench_ops_cmd
 
 TINY = ["--sizes", "64,128", "--contexts", "32,64", "--reps", "2", "--warmup", "0", "--bandwidth-bytes", "1M",
-        "--no-progress"]
+        "--no-progress", "--dtype", "float16"]
 
 
 FakeKernel = fake_kernel_class()
@@ -114,3 +114,17 @@ def test_kvq_bench_ops_is_a_bench_subcommand(capsys):
 
     assert main(["bench", "ops", "--ops", "quantize,compress"]) == 1
     assert "kvq bench ops: error: --ops must be a comma-separated subset of" in capsys.readouterr().err
+
+
+def test_the_cpu_measures_in_float32_by_default_and_the_reference_row_says_its_dtype(tmp_path, capsys):
+    """On the CPU ``--dtype`` defaults to float32 (MLX's 16-bit attention there is several times slower than its
+    float32: in float16 the reference looked slower than kvq's attention), the reference row is named after its
+    dtype and the summary says which dtype was measured."""
+    assert bench_ops_cmd.settings_from(bench_ops_cmd.parser().parse_args([])).dtype == mx.float32
+    tiny = TINY[:-2] + ["--ops", "attend", "--methods", "affine:4", "--no-plot", "--out", str(tmp_path)]
+    assert bench_ops_cmd.main(tiny) == 0
+    doc = json.loads((tmp_path / "bench_ops.json").read_text())
+    assert doc["settings"]["dtype"] == "float32"
+    assert {r["method"] for r in doc["rows"] if r["implementation"] == ops.SDPA} == {"fp32"}
+    assert {r["dtype"] for r in doc["rows"]} == {"float32"}
+    assert "\nfloat32; elementwise bandwidth" in capsys.readouterr().out

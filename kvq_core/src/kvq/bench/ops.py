@@ -37,6 +37,8 @@ ATTEND_BATCH, ATTEND_Q_HEADS, ATTEND_KV_HEADS = 1, 32, 8
 CODEC_HEADS = 8
 #: The implementation name of the fp16 reference line in attend rows.
 SDPA = "mx.fast.sdpa"
+#: The reference attention row's method label per dtype (uncompressed keys and values of that dtype).
+REFERENCE_LABELS = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 _SUFFIX = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
@@ -242,7 +244,8 @@ def _row(method_label: str, name: str, params: Any, op: str, impl: str, size: in
 def _sdpa_row(base: dict, size: int, settings: Settings) -> dict:
     q, k, v = base["q"], base["k"], base["v"]
     scale = settings.head_dim**-0.5
-    row = _row("fp16", "fp16", None, "attend", SDPA, size, k.shape, settings)
+    label = REFERENCE_LABELS[str(settings.dtype).removeprefix("mlx.core.")]
+    row = _row(label, label, None, "attend", SDPA, size, k.shape, settings)
     row.update(_measure(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale), settings))
     row.update(input_bytes=q.nbytes + k.nbytes + v.nbytes, kv_bytes=k.nbytes + v.nbytes, selected=None)
     return row
@@ -285,7 +288,8 @@ def run(settings: Settings, progress: bool = False, on_step: Any = None) -> dict
     """Measure every (method, op, size, implementation) of ``settings`` on MLX's default device.
 
     :return: ``{"rows": [...], "skipped": [...]}``. A row: ``method`` (label), ``method_name``, ``params``,
-        ``op``, ``implementation`` (backend, or ``mx.fast.sdpa`` for the fp16 reference), ``size`` and
+        ``op``, ``implementation`` (backend, or ``mx.fast.sdpa`` for the uncompressed reference, whose ``method`` is
+        :data:`REFERENCE_LABELS`' name of the dtype), ``size`` and
         ``size_unit`` (``vectors`` or ``tokens``), ``shape``, ``dtype``, ``median_s``/``min_s`` (seconds),
         ``reps``, ``peak_delta_bytes``/``output_bytes``/``intermediate_bytes``, ``input_bytes``, ``selected``
         (whether ``kvq.select`` picks this implementation here) and, for attend, ``kv_bytes`` (bytes of K and V

@@ -11,7 +11,7 @@ def _lines(rows: list[dict], op: str) -> dict[str, list[tuple[int, float]]]:
     lines: dict[str, list[tuple[int, float]]] = {}
     for row in rows:
         if row["op"] == op:
-            label = "fp16 mx.fast SDPA" if row["implementation"] == "mx.fast.sdpa" else \
+            label = f"{row['method']} mx.fast SDPA" if row["implementation"] == "mx.fast.sdpa" else \
                 f"{row['method']} {row['implementation']}"
             lines.setdefault(label, []).append((row["size"], row["median_s"] * 1e3))
     return lines
@@ -29,7 +29,7 @@ def plot_ops(rows: list[dict], out_dir: str | Path, device: str) -> list[str]:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for label, points in sorted(_lines(rows, op).items()):
             points.sort()
-            style = dict(color="black", linestyle="--") if label.startswith("fp16 mx.fast") else {}
+            style = dict(color="black", linestyle="--") if label.endswith(" mx.fast SDPA") else {}
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label, **style)
         unit = "context length T (tokens)" if op == "attend" else "N (vectors)"
         ax.set(xscale="log", yscale="log", xlabel=unit, ylabel="median time per call (ms)",

@@ -31,7 +31,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sizes", default=None, help="N vectors for quantize/dequantize, e.g. 1K,64K,1M")
     p.add_argument("--contexts", default=None, help="context lengths T for attend, e.g. 4K,16K,64K,128K")
     p.add_argument("--head-dim", type=int, default=128, help="head_dim D (default 128)")
-    p.add_argument("--dtype", choices=sorted(ops.DTYPES), default="float16")
+    p.add_argument("--dtype", choices=sorted(ops.DTYPES), default=None,
+                   help="dtype of the vectors, queries and fp16 SDPA's keys and values (default float16 on a GPU, "
+                        "float32 on the CPU, whose 16-bit attention is several times slower than its float32)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls before timing (default 3)")
     p.add_argument("--reps", type=int, default=10, help="timed calls; the median is reported (default 10)")
     p.add_argument("--bandwidth-bytes", default=None,
@@ -57,7 +59,14 @@ def settings_from(args: argparse.Namespace) -> ops.Settings:
         methods=ops.parse_methods(args.methods, args.head_dim), ops=ops.parse_ops(args.ops),
         sizes=ops.parse_sizes(args.sizes, "--sizes") if args.sizes else sizes,
         contexts=ops.parse_sizes(args.contexts, "--contexts") if args.contexts else contexts,
-        head_dim=args.head_dim, dtype=ops.DTYPES[args.dtype], warmup=args.warmup, reps=args.reps)
+        head_dim=args.head_dim, dtype=ops.DTYPES[args.dtype or default_dtype()], warmup=args.warmup, reps=args.reps)
+
+
+def default_dtype() -> str:
+    """``--dtype``'s default: float32 on the CPU (MLX's 16-bit attention there is several times slower than its
+    float32, so the fp16 SDPA reference line looked slower than kvq's attention: 89 ms against 22.5 ms at 4K, where
+    in float32 it is 13.8 ms), float16 on a GPU."""
+    return "float32" if device_kind() == "cpu" else "float16"
 
 
 def describe(settings: ops.Settings) -> dict:
@@ -104,6 +113,7 @@ def main(argv: list[str]) -> int:
     plots = [] if args.no_plot else plot.plot_ops(result["rows"], out, env["device"])
     write(result, complete=True, plots=[Path(p).name for p in plots])
     print(_summary(result["rows"]))
-    print(f"\nelementwise bandwidth {bandwidth['bandwidth_Bps'] / 1e9:.0f} GB/s; {env['device']}, MLX {env['mlx']}")
+    print(f"\n{document['settings']['dtype']}; elementwise bandwidth {bandwidth['bandwidth_Bps'] / 1e9:.0f} GB/s; "
+          f"{env['device']}, MLX {env['mlx']}")
     print(f"wrote {out / 'bench_ops.json'}" + "".join(f", {p}" for p in plots))
     return 0
