@@ -367,3 +367,16 @@ def test_sizes_of_a_model_with_sliding_window_layers_count_its_full_layers():
     ours = make_prompt_cache(model, "turboquant:4")
     prefill(model, ours, ids)
     assert tokens_held(ours) == len(ids)
+
+
+def test_the_report_takes_its_sinks_and_window_from_a_full_attention_layer():
+    """The summary's schedule (sinks, window, flush: the "nothing was compressed" note) is a full-attention layer's:
+    gemma-3's layer 0 slides (mlx-lm's keep 0, a window capped by its size), which showed "--sinks 4" as 0."""
+    from kvq.cache import KVQCache, RotatingKVQCache, make_config
+    from kvq.cli.generate_cmd import _schedule
+
+    config = make_config("turboquant", bits=4, sinks=4, window=16, flush=8)
+    layers = [RotatingKVQCache(config, max_size=12, keep=0), KVQCache(config)]
+    assert _schedule(layers) == (4, 16, 8)
+    assert _schedule(layers[:1])[0] == 0  # only sliding layers: theirs
+    assert _schedule([object()]) is None

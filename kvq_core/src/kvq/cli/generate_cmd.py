@@ -391,19 +391,25 @@ def _most_compressed(cache: list) -> int | None:
 
 
 def _first_config(cache: list):
-    """The first kvq cache's :class:`~kvq.cache.CacheConfig`; ``None`` without kvq caches."""
-    return next((c.config for c in cache if hasattr(c, "config")), None)
+    """The :class:`~kvq.cache.CacheConfig` of the first full-attention kvq cache (else of the first kvq cache);
+    ``None`` without kvq caches. A sliding-window layer's (:class:`~kvq.cache.RotatingKVQCache`: gemma-3's layer 0)
+    has the model's ``keep`` for sinks (0) and a window capped by its size, not what ``--sinks``/``--window`` set."""
+    from ..cache import RotatingKVQCache
+
+    kvq_caches = [c for c in cache if hasattr(c, "config")]
+    full = [c for c in kvq_caches if not isinstance(c, RotatingKVQCache)]
+    return next((c.config for c in full or kvq_caches), None)
 
 
 def _schedule(cache: list) -> tuple[int, int, int] | None:
-    """The first kvq cache's ``(sinks, window, flush_tokens)``; ``None`` without kvq caches."""
+    """:func:`_first_config`'s ``(sinks, window, flush_tokens)``; ``None`` without kvq caches."""
     config = _first_config(cache)
     return None if config is None else (config.sinks, config.window, config.flush_tokens)
 
 
 def _least_flush(cache: list) -> int | None:
-    """The first kvq cache's flush with ``flush=1`` (:attr:`kvq.cache.CacheConfig.flush_tokens`: the least common
-    multiple of its methods' blocks); ``None`` without kvq caches."""
+    """:func:`_first_config`'s flush with ``flush=1`` (:attr:`kvq.cache.CacheConfig.flush_tokens`: the least
+    common multiple of its methods' blocks); ``None`` without kvq caches."""
     config = _first_config(cache)
     return None if config is None else attrs.evolve(config, flush=1).flush_tokens
 
@@ -503,7 +509,9 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--key-param", action="append", default=[], metavar="NAME=VALUE", help="keys' parameter")
     p.add_argument("--value-param", action="append", default=[], metavar="NAME=VALUE", help="values' parameter")
     # defaults None: cache_options tells them from values given (a method string's own may not be contradicted)
-    p.add_argument("--sinks", type=int, default=None, help=f"first tokens kept uncompressed (default {DEFAULT_SINKS})")
+    p.add_argument("--sinks", type=int, default=None,
+                   help=f"first tokens kept uncompressed (default {DEFAULT_SINKS}; a sliding-window layer keeps the "
+                        "model's own, mlx-lm's keep: 0 for gemma-3's)")
     p.add_argument("--window", type=int, default=None,
                    help=f"recent tokens kept uncompressed (default {DEFAULT_WINDOW})")
     p.add_argument("--flush", type=int, default=None, metavar="N",
