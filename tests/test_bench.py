@@ -340,8 +340,8 @@ def test_default_warmup_leaves_the_first_flush_untimed_on_a_gpu(monkeypatch, on_
 def test_default_name_never_overwrites_an_earlier_run(tmp_path, capsys):
     """Two runs of one day, device and model: the second gets DATE-DEVICE-MODEL-2 and says so; --name overwrites
     (and says so too)."""
-    argv = ["bench", "e2e", "--model", "random:tiny", "--contexts", "64", "--methods", "fp16", "--steps", "1",
-            "--warmup", "0", "--out", str(tmp_path), "--no-progress", "--no-plot"]
+    argv = ["bench", "e2e", "--model", "random:tiny", "--contexts", "64", "--methods", "fp16,affine:4", "--steps",
+            "1", "--warmup", "0", "--out", str(tmp_path), "--no-progress", "--no-plot"]
     assert main(argv) == 0
     (first,) = tmp_path.glob("*.json")
     capsys.readouterr()
@@ -354,3 +354,6 @@ def test_default_name_never_overwrites_an_earlier_run(tmp_path, capsys):
     assert main([*argv, "--name", first.stem]) == 0
     assert f"overwriting {first} (--name {first.stem})" in capsys.readouterr().err
     assert set(tmp_path.glob("*.json")) == {first, second}
+    # no kvq cache measured, no window flushes to weigh: no note about --flush
+    assert main([*argv[:6], "--methods", "fp16", *argv[8:], "--name", "reference"]) == 0
+    assert "--flush" not in capsys.readouterr().err

@@ -215,3 +215,14 @@ def test_memory_takes_gb_and_gib_as_g_and_device_gpu_predicts_a_random_model_in_
 def test_memory_below_the_weights_says_so(tmp_path, capsys):
     assert main(["fit", "--model", "random:llama3-1b", "--no-plot", "--memory", "100M", "--out", str(tmp_path)]) == 0
     assert "NOTE: the weights alone" in capsys.readouterr().out
+
+
+def test_a_memory_below_one_gib_is_written_in_mib_or_kib(tmp_path, capsys):
+    """``--memory 1K`` for a model of some MiB: the note and the file name say 1.00 KiB and 1k (they said 0.00 GiB
+    and 0g), the weights in MiB."""
+    import re
+
+    assert main(["fit", "--model", "random:tiny", "--memory", "1K", "--no-plot", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"NOTE: the weights alone \([\d.]+ MiB\) do not fit in 1\.00 KiB", out), out
+    assert [p.name.endswith("-1k.json") for p in tmp_path.iterdir()] == [True]

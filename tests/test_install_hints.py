@@ -201,5 +201,6 @@ def test_import_kvq_without_mlx_backend_library_says_how_to_install_it(tmp_path)
         r = subprocess.run([sys.executable, "-c", "import kvq"], capture_output=True, text=True, env=env)
         last = r.stderr.strip().splitlines()[-1]
         assert r.returncode == 1 and last.startswith("ImportError: ") and expected in last, r.stderr[-2000:]
-        if "libmlx" in message:  # the install command for the CPU's extra, from this checkout
+        if "libmlx" in message:  # the install command for the CPU's extra, from this checkout, after one traceback
             assert "[cpu] for the CPU, [cuda12] or [cuda13] for NVIDIA GPUs" in last and "kvq_core[cpu]" in last
+            assert r.stderr.count("Traceback") == 1, r.stderr

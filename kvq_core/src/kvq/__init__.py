@@ -22,7 +22,8 @@ except ImportError as _exc:
         raise
     from .install_hints import missing_backend_text
 
-    raise ImportError(missing_backend_text(_exc)) from _exc
+    # (from None: the message holds MLX's own; the kvq command printed both tracebacks, 14 lines, before it)
+    raise ImportError(missing_backend_text(_exc)) from None
 
 from . import contract
 from .contract import Implementation, Params

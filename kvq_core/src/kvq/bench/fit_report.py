@@ -12,6 +12,16 @@ COLUMNS = ("cache", "bits per coordinate", "KiB per token", "longest context, {b
            "sequences of {context} tokens")
 
 
+
+def size_text(n: int) -> str:
+    """``n`` bytes in the largest of GiB, MiB, KiB that leaves at least 1 (``"0.25 GiB"`` read "0.00 GiB" for a
+    small ``--memory``): ``"1.50 GiB"``, ``"512.00 KiB"``, ``"100 B"``."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n} B"
+
+
 def row(budget: Budget, cost: CacheCost, context: int, batch: int) -> dict:
     """One cache's answers: ``longest`` (tokens, ``batch`` sequences), ``sequences`` (of ``context`` tokens), the
     bytes behind them (``per_sequence_bytes`` at ``context``, ``fixed_bytes``) and its bits per coordinate."""
@@ -38,7 +48,7 @@ def markdown(document: dict) -> str:
     m = document["model"]
     lines = [markdown_table(headers, [_cells(r, rows[0]) for r in rows]), "",
              f"{m['name']}: {m['layers']} layers, {m['kv_heads']} KV heads, head_dim {m['head_dim']}, {m['dtype']}; "
-             f"weights {m['weight_bytes'] / GIB:,.2f} GiB. Memory {s['memory'] / GIB:,.2f} GiB ({s['memory_source']}), "
+             f"weights {size_text(m['weight_bytes'])}. Memory {size_text(s['memory'])} ({s['memory_source']}), "
              f"safety {s['safety']}, chunk {s['chunk']} tokens; fixed term {FIXED_OVERHEAD / MIB:g} MiB plus the "
              "methods' shared constants."]
     if s.get("device") == "cpu":
@@ -47,8 +57,8 @@ def markdown(document: dict) -> str:
                      f"bytes per coordinate of the chunk, affine {cpu['affine']}), which can let a cache of fewer bits "
                      f"fit fewer sequences here; --device gpu predicts for a GPU's fused encoders ({gpu}).")
     if m["weight_bytes"] >= s["memory"]:
-        lines.append(f"NOTE: the weights alone ({m['weight_bytes'] / GIB:,.2f} GiB) do not fit in "
-                     f"{s['memory'] / GIB:,.2f} GiB: no cache fits (give --memory the memory of the machine to run on).")
+        lines.append(f"NOTE: the weights alone ({size_text(m['weight_bytes'])}) do not fit in "
+                     f"{size_text(s['memory'])}: no cache fits (give --memory the memory of the machine to run on).")
     elif not any(r["longest"] for r in rows):
         lines.append("NOTE: no cache fits one token beside the weights and the fixed term in this memory.")
     if m["max_context"] and any(r["longest"] > m["max_context"] for r in rows):

@@ -133,6 +133,16 @@ def document(args, checked: dict, argv: list[str]) -> dict:
             "rows": [fit_report.row(budget, c, context, args.batch) for c in costs]}
 
 
+
+def size_tag(n: int) -> str:
+    """``n`` bytes as a file name's tag, in the largest of G, M, K (powers of 1024) that is at least 1: ``"24g"``,
+    ``"512m"``, ``"1k"`` (a memory below 1 GiB was named ``0g``)."""
+    for unit, size in (("g", 2**30), ("m", 2**20), ("k", 2**10)):
+        if n >= size:
+            return f"{n / size:.0f}{unit}"
+    return f"{n}b"
+
+
 def main(argv: list[str]) -> int:
     """Run ``kvq fit``: check every input (and matplotlib, for the plot), predict, print and write the files."""
     from ..bench import fit_report, output
@@ -142,7 +152,7 @@ def main(argv: list[str]) -> int:
         output.pyplot()
     checked = check(args)
     doc = document(args, checked, argv)
-    memory = f"{checked['budget'].memory / 2**30:.0f}g"
+    memory = size_tag(checked["budget"].memory)
     stem = args.name or f"fit-{datetime.date.today().isoformat()}-{output.slug(doc['model']['name'])}-{memory}"
     paths = output.output_paths(args.out, stem, (".json", ".png"))
     output.write_json(doc, paths[".json"])
