@@ -236,10 +236,10 @@ def test_layers_of_a_chunk_share_its_mask_and_a_decode_step_drops_it(monkeypatch
 
     first, second = layer(64), layer(64)
     out_first = first.attend(q, 0.125)
-    shared = prefill._SHARED.masks[next(iter(prefill._SHARED.masks))]
+    (shared,) = shared_masks()
     out_second = second.attend(q, 0.125)
     assert len(made) == 1 and made[0][0] == 0 and made[0][1] == 32  # rows 0..32, made once for both layers
-    assert prefill._SHARED.masks[next(iter(prefill._SHARED.masks))] is shared
+    assert shared_masks() == [shared]
     np.testing.assert_array_equal(np.array(out_first), np.array(out_second))  # same tokens, same attention
     # a mask per layer, as before sharing: the same attention
     monkeypatch.setattr(prefill, "shared_interval_mask",
@@ -258,12 +258,47 @@ def test_layers_of_a_chunk_share_its_mask_and_a_decode_step_drops_it(monkeypatch
     assert prefill._chunk_key(one, 4) == prefill._chunk_key([Part(*cols, False, 0, np.zeros(4, np.int64),
                                                                    np.array([1, 2, 3, 4]), 0)], 4)
     made.clear()
-    other = layer(48)  # other numbers of tokens: its own intervals and mask
+    other = layer(48)  # other numbers of tokens: its own intervals and mask, the next chunk's (the last one's dropped)
     other.attend(q, 0.125)
-    assert len(made) == 1 and prefill._SHARED.key is not None
+    assert len(made) == 1 and len(shared_masks()) == 1 and shared_masks()[0] is not shared
     other.update_and_fetch(kv[0][:, :, 80:81], kv[1][:, :, 80:81])
     other.attend(q[:, :, :1], 0.125)  # a decode step
-    assert prefill._SHARED.key is None and prefill._SHARED.masks is None
+    assert prefill._SHARED.chunks is None
+
+
+def shared_masks() -> list:
+    """The masks the layers of the current chunk share (kvq.cache.prefill._SHARED), in the order they were used."""
+    from kvq.cache import prefill
+
+    chunks = prefill._SHARED.chunks or {}
+    return [mask for entry in chunks.values() for mask in entry["masks"].values()]
+
+
+def test_a_chunks_masks_of_several_groups_are_each_made_once_and_the_next_chunk_drops_them(monkeypatch):
+    """A chunk whose layers each attend two sets of intervals (a batch's two groups of stacked rows) makes each mask
+    once for all its layers; the next chunk's first layer drops both before making its
+    own; at most SHARED_CHUNKS sets are kept however many a layer asks for."""
+    from kvq.cache import prefill
+    from kvq.cache.parts import Part
+
+    prefill.release_shared_mask()
+    made = []
+    real = prefill.interval_mask
+    monkeypatch.setattr(prefill, "interval_mask", lambda *a, **k: made.append(a[0][0].size) or real(*a, **k))
+
+    def parts(n):  # n columns, 4 rows seeing the last 4 causally
+        cols = (mx.zeros((1, 1, n, 1)),) * 2
+        return [Part(*cols, False, 0, np.zeros(4, np.int64), np.arange(n - 3, n + 1), 0)]
+
+    for chunk in ((8, 9), (12, 13)):
+        for _layer in range(3):
+            masks = [prefill.shared_interval_mask(parts(n), 4, n, mx.float16) for n in chunk]
+        assert made == list(chunk) and len(shared_masks()) == 2 and shared_masks() == masks
+        made.clear()
+    for n in range(20, 30):  # ten sets in one layer: the oldest dropped beyond SHARED_CHUNKS
+        prefill.shared_interval_mask(parts(n), 4, n, mx.float16)
+    assert len(prefill._SHARED.chunks) == prefill.SHARED_CHUNKS
+    prefill.release_shared_mask()
 
 
 def test_in_flight_waits_for_the_layer_before(monkeypatch):

@@ -23,6 +23,7 @@ calls are cut into slices of rows.
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 
@@ -40,14 +41,19 @@ PREFILL_MASK_BYTES = 1 << 30
 PREFILL_SCORES_BYTES = 1 << 29
 
 
-class _Shared(threading.local):
-    """What the layers of the last chunk shared (:func:`shared_interval_mask`, :func:`shared_intervals`), per thread:
-    ``key`` the chunk's :func:`_chunk_key`, ``intervals`` its :func:`column_intervals` on the device, ``masks`` its
-    whole-chunk masks by ``(end, dtype)``."""
+#: At most this many chunks' shared arrays are kept (:func:`shared_interval_mask`): a batch whose rows attend in
+#: groups (:mod:`kvq.cache.stacked`) has one set of intervals per group, and rows attending alone one each.
+SHARED_CHUNKS = 4
 
-    key: tuple | None = None
-    intervals: mx.array | None = None
-    masks: dict | None = None
+
+class _Shared(threading.local):
+    """What the layers of the current chunk shared (:func:`shared_interval_mask`, :func:`shared_intervals`), per
+    thread: ``chunks`` by :func:`_chunk_key`, the most recently used last, each ``{"intervals": its
+    :func:`column_intervals` on the device or None, "masks": its whole-chunk masks by (end, dtype)}`` (``None`` while
+    there are none); ``repeated`` whether the last mask asked for was one already made (a layer after the first)."""
+
+    chunks: collections.OrderedDict | None = None
+    repeated: bool = False
 
 
 _SHARED = _Shared()
@@ -56,14 +62,14 @@ _SHARED = _Shared()
 def after_chunk() -> None:
     """Called by every single-token attention of a kvq cache (a decode step): drops the last chunk's shared arrays
     the first time (:func:`release_shared_mask`); otherwise one attribute read."""
-    if _SHARED.key is not None:
+    if _SHARED.chunks is not None:
         release_shared_mask()
 
 
 def release_shared_mask() -> None:
     """Drop what the layers of the last chunk shared (:func:`shared_interval_mask`): a decode step does, the first
     time any kvq cache attends a single token after a chunk, and ``kvq bench``'s measurements between rows."""
-    _SHARED.key = _SHARED.intervals = _SHARED.masks = None
+    _SHARED.chunks, _SHARED.repeated = None, False
 
 
 def _chunk_key(parts: list, rows: int) -> tuple:
@@ -75,13 +81,19 @@ def _chunk_key(parts: list, rows: int) -> tuple:
     return rows, tuple((p.size, ints(p.index), ints(p.lo), ints(p.hi)) for p in parts)
 
 
-def _shared(parts: list, rows: int) -> _Shared:
-    """:data:`_SHARED`, emptied first where it holds another chunk's arrays than that of ``parts`` (``rows`` rows)."""
+def _shared(parts: list, rows: int) -> dict:
+    """The shared arrays of the chunk of ``parts`` (``rows`` rows), made empty where there are none (the oldest
+    dropped beyond :data:`SHARED_CHUNKS`), marked as the most recently used."""
     key = _chunk_key(parts, rows)
-    if _SHARED.key != key:
-        release_shared_mask()  # the old arrays are freed before new ones are made
-        _SHARED.key, _SHARED.masks = key, {}
-    return _SHARED
+    if _SHARED.chunks is None:
+        _SHARED.chunks = collections.OrderedDict()
+    entry = _SHARED.chunks.get(key)
+    if entry is None:
+        entry = _SHARED.chunks[key] = {"intervals": None, "masks": {}}
+        while len(_SHARED.chunks) > SHARED_CHUNKS:
+            _SHARED.chunks.popitem(last=False)
+    _SHARED.chunks.move_to_end(key)
+    return entry
 
 
 def shared_interval_mask(parts: list, rows: int, end: int, dtype: mx.Dtype) -> mx.array:
@@ -89,23 +101,31 @@ def shared_interval_mask(parts: list, rows: int, end: int, dtype: mx.Dtype) -> m
     layers that ask for the same one: every layer of a model whose caches hold the same numbers of tokens sees its
     chunk's rows through the same intervals, so the second layer on reuses the first one's array (the device makes
     it once, the host builds it once: ``benchmarks/results/prefill/2026-12-07-h100-*`` found the host setting a
-    prefill's pace at 8K). The last chunk's arrays are kept, for the thread that made them, until a chunk needs
-    others or :func:`release_shared_mask`; one mask then replaces the two layers' transient masks :class:`InFlight`
-    allowed before, so the peak does not grow."""
-    shared = _shared(parts, rows)
-    mask = shared.masks.get((end, dtype))
+    prefill's pace at 8K). A chunk's masks (one per group of a batch's stacked rows or row attending alone, at most
+    :data:`SHARED_CHUNKS`) are kept, for the thread that made them, until the next chunk's first layer, a decode
+    step or :func:`release_shared_mask`: a new mask asked for right after one was reused begins a new chunk, and the
+    last chunk's arrays are dropped before it is made. So a prefill keeps one chunk's masks, as it kept one mask
+    before batches attended in groups, and they replace the layers' transient masks :class:`InFlight` allowed."""
+    entry = _shared(parts, rows)
+    mask = entry["masks"].get((end, dtype))
     if mask is None:
-        mask = shared.masks[end, dtype] = interval_mask(parts, 0, rows, end, dtype)
+        if _SHARED.repeated:  # the first layer of a new chunk
+            for key in [k for k, e in _SHARED.chunks.items() if e is not entry]:
+                del _SHARED.chunks[key]
+        mask = entry["masks"][end, dtype] = interval_mask(parts, 0, rows, end, dtype)
+        _SHARED.repeated = False
+    else:
+        _SHARED.repeated = True
     return mask
 
 
 def shared_intervals(parts: list, rows: int) -> mx.array:
     """:func:`column_intervals` of all ``rows`` of a chunk on the device (int32 ``[rows, len(parts), 2]``), made once
     per chunk and shared as :func:`shared_interval_mask` is."""
-    shared = _shared(parts, rows)
-    if shared.intervals is None:
-        shared.intervals = mx.array(column_intervals(parts, 0, rows))
-    return shared.intervals
+    entry = _shared(parts, rows)
+    if entry["intervals"] is None:
+        entry["intervals"] = mx.array(column_intervals(parts, 0, rows))
+    return entry["intervals"]
 
 
 def interval_mask(parts: list, r0: int, r1: int, end: int, dtype: mx.Dtype, user_mask: mx.array | None = None,
