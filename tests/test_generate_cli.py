@@ -106,6 +106,7 @@ def test_demo_prints_answers_side_by_side_and_a_table(capsys):
     assert reference[2:4] == ["1.00x", f"{len(QUESTIONS)}/{len(QUESTIONS)}"]
     assert recommended[0] == "4.25" and float(recommended[2].rstrip("x")) > 4
     assert three_bit[0] == "3.25" and float(three_bit[2].rstrip("x")) > float(recommended[2].rstrip("x"))
+    assert f"{THREE_BIT} (3.25 bits per coordinate)." in out  # the opening line says what the 3-bit cache stores
     # the questions are those on which the recommended cache and the reference agree (demo_cmd.QUESTIONS)
     same, asked = map(int, recommended[3].split("/"))
     assert asked == len(QUESTIONS) and same >= asked - 1
