@@ -131,6 +131,40 @@ def test_rows_of_different_lengths_are_attended_together_each_as_alone(on_device
     assert np.isfinite(out).all()
 
 
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_short_prompts_with_nothing_compressed_attend_as_kvcache_and_together(on_device, monkeypatch, dtype):
+    """Prompts shorter than the sinks and the window (a chat's first turn: nothing compressed) hold only dense
+    parts, which a GPU attends in MLX's fused attention as mlx-lm's KVCache does (the parts path, a dense attention
+    per slice of rows merged in float32, differed from it by up to 0.07 in bfloat16 for keys with offsets in the
+    tens), a batch of them in one call: each row holds what it holds alone, and its real query rows' outputs are
+    its own alone and KVCache's (MLX's fused attention over the row's tokens, causal), bit for bit on the CPU."""
+    monkeypatch.setattr(KVQCache, "_prefill_on_device", lambda self, queries: True)  # a GPU's rule, any method here
+    config = make_config("turboquant", bits=4, window=12, flush=4, kernels="off").for_layer(1)
+    lengths = [18, 10, 15, 18]
+    data = [row_keys(kind, seed, tokens=18, dtype=dtype) for seed, kind in enumerate(("plain", "offsets") * 2)]
+    q = mx.random.normal((4, 2 * H, 18, D), key=mx.random.key(9)).astype(dtype)
+    expected = [alone([config], [(k[:, :, :n], v[:, :, :n])], q[i:i + 1, :, :n], [n])[0]
+                for i, ((k, v), n) in enumerate(zip(data, lengths))]
+    assert on_device["queued"] == 4  # alone: each row's chunk one fused call too
+    on_device.update(queued=0, together=0)
+    batch = BatchKVQCache([KVQCache(config) for _ in data])
+    batch.prepare(lengths=lengths, right_padding=[18 - n for n in lengths])
+    batch.update_and_fetch(mx.concatenate([k for k, _ in data]), mx.concatenate([v for _, v in data]))
+    out = np.array(batch.attend(q, SCALE).astype(mx.float32))
+    batch.finalize()
+    assert on_device["together"] == 1 and on_device["queued"] == 1
+    assert all(not row.compressed_keys.length for row in batch.rows)
+    tolerance = 0 if mx.default_device() == mx.cpu else 2e-3 if dtype == mx.float16 else 1.6e-2
+    for i, ((cache, theirs), n) in enumerate(zip(expected, lengths)):
+        assert_held_alike(held(batch.rows[i]), held(cache))
+        k, v = data[i]
+        kvcache = mx.fast.scaled_dot_product_attention(q[i:i + 1, :, :n], k[:, :, :n], v[:, :, :n], scale=SCALE,
+                                                       mask="causal")
+        for reference in (theirs[0], np.array(kvcache.astype(mx.float32))):
+            np.testing.assert_allclose(out[i:i + 1, :, :n], reference, rtol=tolerance, atol=tolerance,
+                                       err_msg=f"row {i}")
+
+
 def prefill_batch(rows, data, q, prefixes, lengths, chunk):
     """``rows`` (caches holding ``prefixes[b]`` tokens of ``data[b]``) prefilled as one batch with the next
     ``lengths[b]`` tokens each, right-padded to the longest, in chunks of ``chunk``: each chunk's outputs (every

@@ -34,16 +34,18 @@ def row(sinks: int, compressed: int, window: int, bits: int = 4, dtype=mx.float1
 
 def test_rows_stack_only_with_parts_of_one_structure():
     """A row stacks with rows whose parts have its structure (sinks or not, the codes' parameters, the dense
-    dtype), never with a ring's parts (columns not contiguous from 0) or parts of no codes; rows in no group of two
-    or more are left to attend alone."""
+    dtype; rows of no codes, short prompts, with each other), never with a ring's parts (columns not contiguous from
+    0); rows in no group of two or more are left to attend alone."""
     rows = [row(4, 40, 20), row(4, 36, 24), row(0, 40, 20), row(4, 40, 20, bits=3), row(4, 40, 20, dtype=mx.bfloat16),
-            [Part(*dense(20), False)], None, row(4, 40, 20)]
+            [Part(*dense(4), False), Part(*dense(20), False)], None, row(4, 40, 20),
+            [Part(*dense(4), False), Part(*dense(14), False)]]
     ring = row(4, 40, 20)
     ring[-1] = Part(*dense(20), False, np.arange(20)[::-1].copy())
     rows.append(ring)
-    assert stacked.signature(rows[5]) is None and stacked.signature(ring) is None
+    assert stacked.signature(ring) is None and stacked.signature(rows[0] + rows[0][1:2]) is None  # two with codes
     assert stacked.signature(rows[0]) == stacked.signature(rows[1]) != stacked.signature(rows[3])
-    assert stacked.groups(rows, mx.float16) == [[0, 1, 7]]
+    assert stacked.signature(rows[5]) == stacked.signature(rows[8]) != stacked.signature(rows[0])
+    assert stacked.groups(rows, mx.float16) == [[0, 1, 7], [5, 8]]
 
 
 def test_groups_bound_the_padding_and_the_decoded_copy(monkeypatch):

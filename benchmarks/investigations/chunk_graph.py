@@ -71,7 +71,7 @@ def emulate_cuda() -> None:
                 module.gpu_backend = lambda: "cuda"
             if hasattr(module, "first_use_check"):
                 module.first_use_check = lambda *a, **k: True
-    KVQCache._prefill_on_device = lambda self, queries: bool(self.compressed_keys.length)
+    KVQCache._prefill_on_device = lambda self, queries: self._chunk_fused()  # the GPU's rule
     prefill.InFlight.push = lambda self, out: None
 
 

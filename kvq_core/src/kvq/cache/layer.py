@@ -544,9 +544,17 @@ class KVQCache(CacheProtocol, DependencySlots, PromptCacheState):
     def _prefill_on_device(self, queries) -> bool:
         """Whether a chunk attends through MLX's fused attention over a transient dequantized copy of the
         compressed tokens (:func:`kvq.cache.prefill.attend_dequantized`): on a GPU, where the pure-MLX block
-        protocol is slow for many query rows, for methods that can dequantize; the CPU keeps the parts."""
-        if mx.default_device() != mx.gpu or not self.compressed_keys.length:
-            return False
+        protocol is slow for many query rows, for methods that can dequantize, and where nothing is compressed yet
+        (a short prompt, a chat's first turn: its tokens all dense, attended as mlx-lm's KVCache attends them, in
+        one fused call, and a batch's short prompts stacked in one: :mod:`kvq.cache.stacked`); the CPU keeps the
+        parts."""
+        return mx.default_device() == mx.gpu and self._chunk_fused()
+
+    def _chunk_fused(self) -> bool:
+        """:meth:`_prefill_on_device` on a GPU: nothing compressed yet, or methods whose pure-MLX implementations
+        dequantize."""
+        if not self.compressed_keys.length:
+            return True
         kp, vp = self._config.key_params, self._config.value_params
         return all("dequantize" in implemented_ops(registry().implementations.get((p.method, "mlx")))
                    for p in (kp, vp))

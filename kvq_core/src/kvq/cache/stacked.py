@@ -43,8 +43,9 @@ MIN_FILL = 0.5
 def signature(parts: list) -> tuple | None:
     """What must be equal for two rows' parts (one :class:`kvq.cache.parts.Part` list each, ``B = 1``) to stack:
     per part whether it holds codes, the codes' parameters, head_dim and fields, or the dense tokens' heads, head_dims
-    and dtypes. ``None`` where the parts do not stack at all: not exactly one compressed part, or a part whose columns
-    are not contiguous from index 0 (a ring's)."""
+    and dtypes (rows with nothing compressed, short prompts, stack among themselves). ``None`` where the parts do not
+    stack at all: more than one compressed part, or a part whose columns are not contiguous from index 0 (a
+    ring's)."""
     out = []
     for part in parts:
         if not isinstance(part.index, (int, np.integer)) or part.index != 0:
@@ -54,7 +55,7 @@ def signature(parts: list) -> tuple | None:
         else:
             k, v = part.keys, part.values
             out.append((k.shape[1], k.shape[3], v.shape[3], k.dtype, v.dtype))
-    return tuple(out) if sum(part.compressed for part in parts) == 1 else None
+    return tuple(out) if sum(part.compressed for part in parts) <= 1 else None
 
 
 def decoded_bytes(rows: list, dtype: mx.Dtype) -> int:
