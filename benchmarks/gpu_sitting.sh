@@ -131,12 +131,14 @@ for r in json.load(open(sys.argv[1]))["results"]:
                 --out "$OUT/hostwait-mlx-alone.json" > "$OUT/hostwait-mlx-alone.log" 2>&1
               echo "== MLX alone"; { grep '"batch"' "$OUT/hostwait-mlx-alone.log" || tail -c 1000 "$OUT/hostwait-mlx-alone.log"; } | cut -c1-200;;
     batch-sides) # #52: kvq bench batch (mlx-lm's BatchGenerator) of each side of $BS_SIDES (before after), fp16 in
-             # each run, $BATCHES sequences of $BATCH_PROMPT tokens, warm-up untimed, $BATCH_REPS (3) repetitions
+             # each run, $BATCHES sequences of $BATCH_PROMPT tokens, warm-up untimed, $BATCH_REPS (3) repetitions;
+             # $BATCH_SHORTEST: prompts spread from $BATCH_PROMPT down to it (--shortest: a revision from f1f21d1 on)
              for side in ${BS_SIDES:-before after}; do
-               name="$(date +%F)-$DEV-batch${BATCHES:-8}x${BATCH_PROMPT:-2048}-$side-$(cat .gpu/rev/$side/REVISION)"
+               name="$(date +%F)-$DEV-batch${BATCHES:-8}x${BATCH_PROMPT:-2048}${BATCH_SHORTEST:+-to$BATCH_SHORTEST}-$side-$(cat .gpu/rev/$side/REVISION)"
                PYTHONPATH=$S:/tmp/site-$side timeout ${BATCH_TIMEOUT:-280} python3 -m kvq.cli bench batch \
                  --model random:llama3-8b --dtype bfloat16 --methods ${BATCH_METHODS:-fp16,turboquant:3,turboquant:4,affine:4} \
-                 --batches ${BATCHES:-8} --prompt ${BATCH_PROMPT:-2048} --tokens 64 --warmup 1 --reps ${BATCH_REPS:-3} \
+                 --batches ${BATCHES:-8} --prompt ${BATCH_PROMPT:-2048} ${BATCH_SHORTEST:+--shortest $BATCH_SHORTEST} \
+                 --tokens 64 --warmup 1 --reps ${BATCH_REPS:-3} \
                  --no-progress --out "$OUT/batch" --name "$name" > "$OUT/$name.log" 2>&1
                echo "== $name"; grep -E "^\| (kvcache|fp16|turbo|affine)" "$OUT/$name.log" | cut -c1-230 || tail -c 1500 "$OUT/$name.log"
              done;;

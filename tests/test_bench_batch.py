@@ -196,8 +196,20 @@ def test_the_step_clock_stands_in_for_mlx_lm_generate_s_mx_only_while_it_runs():
     (["--batches", "2,0"], "--batches must be positive integers"),
     (["--prompt", "131072"], "exceed the model's max_position_embeddings (131072)"),
     (["--methods", "frobnicate:4"], "method must be one of"),
+    (["--prompt", "64", "--shortest", "65"], "--shortest must be from 1 to --prompt (64); got 65"),
+    (["--shortest", "0"], "--shortest must be from 1 to --prompt"),
 ])
 def test_bad_input_fails_before_model_work(no_model_work, tmp_path, capsys, args, message):
     assert main(["bench", "batch", "--model", "random:tiny", *args, "--out", str(tmp_path / "out")]) == 1
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_prompts_of_different_lengths_are_spread_from_prompt_down_to_shortest():
+    """``--shortest``: a batch's prompts evenly spaced from ``--prompt`` down to it (a server's requests differ),
+    each a prefix of the equal-length run's prompt; one sequence, or no --shortest, keeps ``--prompt`` tokens."""
+    equal = batch.prompts(5, 100, 50, 0)
+    spread = batch.prompts(5, 100, 50, 0, shortest=20)
+    assert [len(p) for p in spread] == [100, 80, 60, 40, 20] and {len(p) for p in equal} == {100}
+    assert all(p == q[:len(p)] for p, q in zip(spread, equal))
+    assert [len(p) for p in batch.prompts(1, 100, 50, 0, shortest=20)] == [100]

@@ -52,7 +52,10 @@ class BatchSettings:
     """What one ``kvq bench batch`` run measures.
 
     :param batches: sequences generated together (each >= 1), measured in this order.
-    :param prompt: tokens of each (random) prompt (>= 1).
+    :param prompt: tokens of each (random) prompt (>= 1); with ``shortest``, of the longest.
+    :param shortest: ``None`` (every prompt ``prompt`` tokens), or the shortest prompt's tokens (1 .. ``prompt``):
+        a batch's prompts then have lengths evenly spaced from ``prompt`` down to it, as a server's requests differ
+        (right-padded by the generator; kvq's rows store only their own tokens).
     :param tokens: new tokens per sequence (>= 2: one comes from the prefill, the rest are decoded).
     :param reps: timed repetitions of every (batch, method) row (>= 1); reports give their median and range.
     :param warmup: untimed repetitions of every row of a batch size before its timed ones (>= 0; they compile the
@@ -74,6 +77,7 @@ class BatchSettings:
     flush: int = DEFAULT_FLUSH
     kernels: str = "auto"
     seed: int = 0
+    shortest: int | None = None
     progress: bool = True
 
 
@@ -85,10 +89,13 @@ def notes(settings: BatchSettings) -> list[str]:
                              "--prompt")
 
 
-def prompts(batch: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
-    """``batch`` lists of ``length`` random token ids (the same for every method of a run)."""
-    ids = mx.random.randint(0, vocab_size, (batch, length), key=mx.random.key(seed * 1_000_003 + batch))
-    return ids.tolist()
+def prompts(batch: int, length: int, vocab_size: int, seed: int, shortest: int | None = None) -> list[list[int]]:
+    """``batch`` lists of random token ids (the same for every method of a run): ``length`` each, or with
+    ``shortest`` lengths evenly spaced from ``length`` (the first) down to ``shortest`` (the last; rounded)."""
+    ids = mx.random.randint(0, vocab_size, (batch, length), key=mx.random.key(seed * 1_000_003 + batch)).tolist()
+    if shortest is None or batch == 1:
+        return ids
+    return [row[: round(length - (length - shortest) * i / (batch - 1))] for i, row in enumerate(ids)]
 
 
 class StepClock:
@@ -199,7 +206,8 @@ class BatchBench:
         """Every batch size, then its warm-up and timed repetitions, then every spec (the reference, kvcache,
         first); returns the timed rows, ``on_row(row)`` after each (warm-up rows are neither)."""
         s = self.settings
-        return repeated_rows(s.batches, s.reps, specs, lambda batch: prompts(batch, s.prompt, self.vocab_size, s.seed),
+        return repeated_rows(s.batches, s.reps, specs,
+                             lambda batch: prompts(batch, s.prompt, self.vocab_size, s.seed, s.shortest),
                              self._measure, add_ratios, desc="kvq bench batch", what=lambda batch: f"{batch} sequences",
                              progress=s.progress, on_row=on_row, warmup=s.warmup)
 

@@ -39,6 +39,9 @@ def parser() -> argparse.ArgumentParser:
                    help=f"comma-separated method strings (default: {','.join(batch.DEFAULT_METHODS)}, if installed)")
     p.add_argument("--batches", default=None, help="sequences generated together, comma-separated (see below)")
     p.add_argument("--prompt", type=int, default=None, help="tokens per prompt (see below)")
+    p.add_argument("--shortest", type=int, default=None,
+                   help="the shortest prompt's tokens: a batch's prompt lengths evenly spaced from --prompt down to "
+                        "it, as a server's requests differ (default: every prompt --prompt tokens)")
     p.add_argument("--tokens", type=int, default=64, help="new tokens per sequence (default 64)")
     p.add_argument("--chunk", type=int, default=2048,
                    help="BatchGenerator's prefill_step_size (default 2048, mlx-lm's)")
@@ -72,6 +75,8 @@ def check(args) -> dict:
     at_least(("--prompt", prompt, 1), ("--tokens", args.tokens, 2), ("--chunk", args.chunk, 1),
               ("--warmup", args.warmup, 0), ("--reps", args.reps, 1), ("--sinks", args.sinks, 0),
               ("--window", args.window, 0), ("--flush", args.flush, 1))
+    if args.shortest is not None and not 1 <= args.shortest <= prompt:
+        raise ValueError(f"--shortest must be from 1 to --prompt ({prompt}); got {args.shortest}")
     batches = parse_sizes(args.batches, "--batches", "1,8,32") if args.batches else (1, 4) if on_cpu else (1, 8)
     random = is_random(args.model)
     name, config, path = _model_config(args)
@@ -86,7 +91,8 @@ def check(args) -> dict:
                          "choose kvcache and kvq methods")
     settings = batch.BatchSettings(batches, prompt, tokens=args.tokens, reps=args.reps, warmup=args.warmup,
                                    chunk=args.chunk, sinks=args.sinks, window=args.window, flush=args.flush,
-                                   kernels=args.kernels, seed=args.seed, progress=not args.no_progress)
+                                   kernels=args.kernels, seed=args.seed, progress=not args.no_progress,
+                                   shortest=args.shortest)
     return checked_bench((name, config, path), settings, specs, args, random)
 
 
@@ -99,7 +105,7 @@ def main(argv: list[str]) -> int:
 
     settings = checked["settings"]
     return run_bench("kvq bench batch", argv, args, checked, "batch-",
-                     ("batches", "prompt", "tokens", "warmup", "reps", "chunk", "sinks", "window", "flush", "kernels",
-                      "seed"),
+                     ("batches", "prompt", "shortest", "tokens", "warmup", "reps", "chunk", "sinks", "window", "flush",
+                      "kernels", "seed"),
                      lambda model, info, text_ids: batch.BatchBench(model, settings, info["vocab_size"]),
                      batch_report, notes=lambda info: batch.notes(settings), summary=batch.summarize)
