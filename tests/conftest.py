@@ -253,3 +253,10 @@ def fused_and_parts_decode(method: str, bits: int, keys, values, queries, kept) 
         if kernels == "off":  # the parts merged in float32: the reference
             outs["float32"] = cache.attend(queries.astype(mx.float32), scale)
     return outs
+
+
+def gpu_chunk_rule(self, queries) -> bool:
+    """``KVQCache._prefill_on_device`` as a GPU answers it, its device check left out (``KVQCache._chunk_fused``):
+    monkeypatched in, the CPU takes the GPU's chunk path (a decoded copy, one fused attention) wherever a GPU
+    would, nothing compressed included."""
+    return self._chunk_fused()

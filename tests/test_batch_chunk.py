@@ -16,7 +16,7 @@ from kvq.cache import BatchKVQCache, KVQCache, RotatingKVQCache, make_config
 from kvq.cache import prefill, stacked
 from kvq.cache.guard import OutlierLayerWarning
 
-from conftest import assert_same_held as assert_held_alike, layer_held as held
+from conftest import assert_same_held as assert_held_alike, gpu_chunk_rule, layer_held as held
 
 H, D, T = 2, 64, 48
 SCALE = D**-0.5
@@ -42,7 +42,7 @@ def row_keys(kind: str, seed: int, tokens: int = T, dtype=mx.float16):
 def on_device(monkeypatch):
     """The GPU's chunk path (a decoded copy, one masked fused attention per call) taken on the CPU; counts the
     attention calls queued (:data:`kvq.cache.prefill.IN_FLIGHT`) and the batches attended as one."""
-    monkeypatch.setattr(KVQCache, "_prefill_on_device", lambda self, queries: self.compressed_keys.length > 0)
+    monkeypatch.setattr(KVQCache, "_prefill_on_device", gpu_chunk_rule)
     calls = {"queued": 0, "together": 0}
     monkeypatch.setattr(prefill.IN_FLIGHT, "push", lambda out: calls.__setitem__("queued", calls["queued"] + 1))
     together = engine.attend_rows
@@ -138,7 +138,7 @@ def test_short_prompts_with_nothing_compressed_attend_as_kvcache_and_together(on
     per slice of rows merged in float32, differed from it by up to 0.07 in bfloat16 for keys with offsets in the
     tens), a batch of them in one call: each row holds what it holds alone, and its real query rows' outputs are
     its own alone and KVCache's (MLX's fused attention over the row's tokens, causal), bit for bit on the CPU."""
-    monkeypatch.setattr(KVQCache, "_prefill_on_device", lambda self, queries: True)  # a GPU's rule, any method here
+    # (the on_device fixture takes the GPU's rule: nothing compressed takes the fused path too)
     config = make_config("turboquant", bits=4, window=12, flush=4, kernels="off").for_layer(1)
     lengths = [18, 10, 15, 18]
     data = [row_keys(kind, seed, tokens=18, dtype=dtype) for seed, kind in enumerate(("plain", "offsets") * 2)]

@@ -58,7 +58,7 @@ def _run(label: str, sizes: list[int], on_device: bool):
     keys, values, queries = _stream()
     cache, rows, start = KVQCache(_config(label)), [], 0
     if on_device:  # the GPU's chunk path, where the cache holds compressed tokens (as on a GPU)
-        cache._prefill_on_device = lambda q: cache.compressed_keys.length > 0
+        cache._prefill_on_device = lambda q: cache._chunk_fused()  # the GPU's rule (conftest.gpu_chunk_rule)
     for n in sizes:
         cache.update_and_fetch(keys[:, :, start:start + n], values[:, :, start:start + n])
         rows.append(cache.attend(queries[:, :, start:start + n], D ** -0.5).astype(mx.float32))

@@ -17,6 +17,8 @@ from kvq.cache import BatchKVQCache, KVQCache, make_config
 from kvq.cache import patch as kvq_patch
 from kvq.plugins import registry
 
+from conftest import gpu_chunk_rule
+
 DECODE_FRAMES = 4
 PREFILL_FRAMES = 6
 
@@ -109,7 +111,7 @@ def test_prefill_chunk_reaches_fused_attention_within_six_frames(monkeypatch, me
         return original(*args, **kwargs)
 
     monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", recording_attention)
-    monkeypatch.setattr(KVQCache, "_prefill_on_device", lambda self, queries: self.compressed_keys.length > 0)
+    monkeypatch.setattr(KVQCache, "_prefill_on_device", gpu_chunk_rule)
     cache = KVQCache(make_config(method, bits=4, sinks=4, window=16, flush=8))
     k, v = _data(1, 96)
     for start in range(0, 96, 32):

@@ -15,7 +15,7 @@ from kvq.cache.centring import KeyTransform
 from kvq.cache.guard import SCALE_SPREAD_LIMIT, channel_spread, key_scales
 from kvq.evaluation.attention_error import dense_kv
 
-from conftest import fused_and_parts_decode
+from conftest import fused_and_parts_decode, gpu_chunk_rule
 
 B, H, D, T = 1, 2, 64, 320
 #: 16 loud channels at 4x the others' standard deviation: spread 64 * (16 * 16 + 48) / (16 * 4 + 48)^2 = 1.55
@@ -138,7 +138,7 @@ def test_chunked_prefill_of_a_scaled_layer_matches_token_by_token(device_path, m
     keys, values = keys.astype(mx.float16), values.astype(mx.float16)
     q = mx.random.normal((B, 2 * H, T, D), key=mx.random.key(9))
     if device_path:
-        monkeypatch.setattr(KVQCache, "_prefill_on_device", lambda self, queries: bool(self.compressed_keys.length))
+        monkeypatch.setattr(KVQCache, "_prefill_on_device", gpu_chunk_rule)
 
     def run(chunk):
         cache = KVQCache(make_config("turboquant", bits=4, window=32, kernels="off").for_layer(0))

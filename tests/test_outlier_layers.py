@@ -17,7 +17,7 @@ from kvq.cache.guard import (CENTER_LIMIT, CONCENTRATION_LIMIT, MIN_TOKENS, chan
                              offset_energy)
 from kvq.evaluation.attention_error import dense_kv
 
-from conftest import fused_and_parts_decode
+from conftest import fused_and_parts_decode, gpu_chunk_rule
 
 B, H, D, T = 1, 2, 64, 320
 
@@ -184,7 +184,7 @@ def test_chunked_prefill_of_a_centred_layer_matches_token_by_token(device_path, 
     keys, values, q = centred_prompt()
     reference = centred_run(keys, values, q.astype(mx.float32), 1)
     if device_path:
-        monkeypatch.setattr(KVQCache, "_prefill_on_device", lambda self, queries: bool(self.compressed_keys.length))
+        monkeypatch.setattr(KVQCache, "_prefill_on_device", gpu_chunk_rule)
     if device_path == "into":
         from kvq.plugins import registry
         from test_prefill_chunks import DecodeInto
@@ -215,7 +215,7 @@ def test_a_centred_layer_with_learned_sink_logits_adds_the_mean_back(monkeypatch
         return mx.concatenate(rows, axis=2)
 
     reference = run(1)
-    monkeypatch.setattr(KVQCache, "_prefill_on_device", lambda self, queries: bool(self.compressed_keys.length))
+    monkeypatch.setattr(KVQCache, "_prefill_on_device", gpu_chunk_rule)
     assert relative(run(T), reference) < 2e-3
 
 

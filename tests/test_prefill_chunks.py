@@ -13,7 +13,7 @@ import time
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import tiny_llama
+from conftest import gpu_chunk_rule, tiny_llama
 
 from kvq.cache import KVQCache, make_config
 from kvq.evaluation.spec import make_cache, parse_method
@@ -150,7 +150,7 @@ def test_gpu_prefill_path_sees_what_token_by_token_sees(model32, label, monkeypa
     visibility as an additive mask), forced on the CPU: KL to the token-by-token run < 1e-4 (measured 2e-10 ..
     8e-5; turboquant_prod's QJL residual is the most sensitive) for chunks of 16, 100 and the whole prompt."""
     reference = run(model32, label, 1)
-    monkeypatch.setattr(KVQCache, "_prefill_on_device", lambda self, queries: self.compressed_keys.length > 0)
+    monkeypatch.setattr(KVQCache, "_prefill_on_device", gpu_chunk_rule)
     for chunk in (16, 100, PROMPT.shape[1]):
         assert mean_kl(reference, run(model32, label, chunk)) < 1e-4, chunk
 
@@ -219,7 +219,7 @@ def test_layers_of_a_chunk_share_its_mask_and_a_decode_step_drops_it(monkeypatch
     gets its own; the first decode step drops the shared arrays. The mask itself is the rule (the test above)."""
     from kvq.cache import prefill
 
-    monkeypatch.setattr(KVQCache, "_prefill_on_device", lambda self, queries: self.compressed_keys.length > 0)
+    monkeypatch.setattr(KVQCache, "_prefill_on_device", gpu_chunk_rule)
     made = []
     real = prefill.interval_mask
     monkeypatch.setattr(prefill, "interval_mask", lambda *a, **k: made.append(a[1:4]) or real(*a, **k))
@@ -247,7 +247,7 @@ def test_layers_of_a_chunk_share_its_mask_and_a_decode_step_drops_it(monkeypatch
     alone = layer(64).attend(q, 0.125)
     np.testing.assert_array_equal(np.array(alone), np.array(out_first))
     monkeypatch.undo()
-    monkeypatch.setattr(KVQCache, "_prefill_on_device", lambda self, queries: self.compressed_keys.length > 0)
+    monkeypatch.setattr(KVQCache, "_prefill_on_device", gpu_chunk_rule)
     monkeypatch.setattr(prefill, "interval_mask", lambda *a, **k: made.append(a[1:4]) or real(*a, **k))
     # the key: parts of the same sizes whose rows see other intervals are another chunk
     from kvq.cache.parts import Part
@@ -258,7 +258,9 @@ def test_layers_of_a_chunk_share_its_mask_and_a_decode_step_drops_it(monkeypatch
     assert prefill._chunk_key(one, 4) == prefill._chunk_key([Part(*cols, False, 0, np.zeros(4, np.int64),
                                                                    np.array([1, 2, 3, 4]), 0)], 4)
     made.clear()
-    other = layer(48)  # other numbers of tokens: its own intervals and mask, the next chunk's (the last one's dropped)
+    other = layer(48)  # other numbers of tokens: its own intervals and mask
+    assert other.make_mask(32) == "causal"  # mlx-lm's model asks first in its next forward pass: the last one's go
+    assert prefill._SHARED.chunks is None
     other.attend(q, 0.125)
     assert len(made) == 1 and len(shared_masks()) == 1 and shared_masks()[0] is not shared
     other.update_and_fetch(kv[0][:, :, 80:81], kv[1][:, :, 80:81])
@@ -274,10 +276,11 @@ def shared_masks() -> list:
     return [mask for entry in chunks.values() for mask in entry["masks"].values()]
 
 
-def test_a_chunks_masks_of_several_groups_are_each_made_once_and_the_next_chunk_drops_them(monkeypatch):
-    """A chunk whose layers each attend two sets of intervals (a batch's two groups of stacked rows) makes each mask
-    once for all its layers; the next chunk's first layer drops both before making its
-    own; at most SHARED_CHUNKS sets are kept however many a layer asks for."""
+def test_a_passs_masks_of_several_groups_are_each_made_once_and_the_next_pass_drops_them(monkeypatch):
+    """A forward pass whose layers each attend several sets of intervals (a batch's groups of stacked rows, rows
+    attending alone) makes each mask once for all its layers, however the layers order them; the next pass's
+    ``make_mask`` (mlx-lm's models call it before their layers) drops them all; beyond SHARED_MASK_BYTES the least
+    recently used masks are dropped, never the one just made."""
     from kvq.cache import prefill
     from kvq.cache.parts import Part
 
@@ -290,14 +293,20 @@ def test_a_chunks_masks_of_several_groups_are_each_made_once_and_the_next_chunk_
         cols = (mx.zeros((1, 1, n, 1)),) * 2
         return [Part(*cols, False, 0, np.zeros(4, np.int64), np.arange(n - 3, n + 1), 0)]
 
-    for chunk in ((8, 9), (12, 13)):
-        for _layer in range(3):
-            masks = [prefill.shared_interval_mask(parts(n), 4, n, mx.float16) for n in chunk]
-        assert made == list(chunk) and len(shared_masks()) == 2 and shared_masks() == masks
+    cache = KVQCache(make_config("turboquant", bits=3))
+    for chunk in ((8, 9, 10, 11, 12, 13), (20, 21)):
+        cache.make_mask(4)
+        for layer in range(3):
+            order = chunk if layer % 2 == 0 else chunk[::-1]
+            masks = {n: prefill.shared_interval_mask(parts(n), 4, n, mx.float16) for n in order}
+        assert sorted(made) == list(chunk) and len(shared_masks()) == len(chunk)
         made.clear()
-    for n in range(20, 30):  # ten sets in one layer: the oldest dropped beyond SHARED_CHUNKS
-        prefill.shared_interval_mask(parts(n), 4, n, mx.float16)
-    assert len(prefill._SHARED.chunks) == prefill.SHARED_CHUNKS
+    monkeypatch.setattr(prefill, "SHARED_MASK_BYTES", masks[21].nbytes + 4 * 22 * 2)  # room for 21's and 22's
+    prefill.shared_interval_mask(parts(22), 4, 22, mx.float16)  # a third: the least recently used (20) goes
+    assert [len(e["masks"]) for e in prefill._SHARED.chunks.values()] == [1, 1] and made == [22]
+    monkeypatch.setattr(prefill, "SHARED_MASK_BYTES", 0)
+    prefill.shared_interval_mask(parts(23), 4, 23, mx.float16)  # over any budget: it alone is kept
+    assert len(shared_masks()) == 1
     prefill.release_shared_mask()
 
 
@@ -393,13 +402,14 @@ def test_a_columns_kernel_sees_what_token_by_token_sees(model32, label, serve, m
     from kvq.plugins import registry
 
     reference = run(model32, label, 1)
-    monkeypatch.setattr(KVQCache, "_prefill_on_device", lambda self, queries: self.compressed_keys.length > 0)
+    monkeypatch.setattr(KVQCache, "_prefill_on_device", gpu_chunk_rule)
     hook = ColumnsAttention(serve)
     method = label.partition(":")[0]  # its CUDA kernel implementation's hook (whatever dequantize chose)
     monkeypatch.setattr(registry().implementations[(method, "cuda")], "attend_columns", hook)
     for chunk in (16, 100, PROMPT.shape[1]):
         assert mean_kl(reference, run(model32, label, chunk)) < 1e-4, chunk
-    assert hook.calls >= 8 and hook.widths == {3}  # sinks, compressed, dense
+    # sinks, compressed, dense; a first chunk of 16 (nothing compressed yet): sinks, dense
+    assert hook.calls >= 8 and hook.widths == {2, 3}
 
 
 def test_the_prefill_kernel_serves_nothing_off_cuda_or_with_its_knob_off(monkeypatch):
@@ -447,7 +457,7 @@ def test_decoding_into_the_joined_columns_sees_what_token_by_token_sees(model32,
     from kvq.plugins import registry
 
     reference = run(model32, label, 1)
-    monkeypatch.setattr(KVQCache, "_prefill_on_device", lambda self, queries: self.compressed_keys.length > 0)
+    monkeypatch.setattr(KVQCache, "_prefill_on_device", gpu_chunk_rule)
     impl = registry().implementations[(label.partition(":")[0], "mlx")]  # what dequantize picks on the CPU
     hook = DecodeInto(impl)
     monkeypatch.setattr(impl, "dequantize_into", hook, raising=False)

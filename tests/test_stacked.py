@@ -111,9 +111,9 @@ def test_batch_generator_prompts_of_different_lengths_attend_together_and_give_t
     import kvq.cache.engine as engine
     from kvq.cache import patch_model, unpatch_model
 
-    from conftest import batch_greedy, tiny_llama
+    from conftest import batch_greedy, gpu_chunk_rule, tiny_llama
 
-    monkeypatch.setattr(KVQCache, "_prefill_on_device", lambda self, queries: self.compressed_keys.length > 0)
+    monkeypatch.setattr(KVQCache, "_prefill_on_device", gpu_chunk_rule)
     stack = stacked.stack
     ragged = []  # per stacked call, whether its rows held other numbers of tokens (intervals per batch row)
     monkeypatch.setattr(stacked, "stack", lambda *args: ragged.append(stack(*args)) or ragged[-1])

@@ -41,35 +41,37 @@ PREFILL_MASK_BYTES = 1 << 30
 PREFILL_SCORES_BYTES = 1 << 29
 
 
-#: At most this many chunks' shared arrays are kept (:func:`shared_interval_mask`): a batch whose rows attend in
-#: groups (:mod:`kvq.cache.stacked`) has one set of intervals per group, and rows attending alone one each.
-SHARED_CHUNKS = 4
+#: Bytes of the masks one forward pass keeps to share (:func:`shared_interval_mask`): beyond them the least recently
+#: used are dropped (made again if asked for again), never the one just made. A batch whose rows attend in groups
+#: (:mod:`kvq.cache.stacked`, or alone) asks for one mask per group: 8 rows of 2,048 tokens make one of about 75 MB.
+SHARED_MASK_BYTES = 1 << 28
 
 
 class _Shared(threading.local):
-    """What the layers of the current chunk shared (:func:`shared_interval_mask`, :func:`shared_intervals`), per
-    thread: ``chunks`` by :func:`_chunk_key`, the most recently used last, each ``{"intervals": its
-    :func:`column_intervals` on the device or None, "masks": its whole-chunk masks by (end, dtype)}`` (``None`` while
-    there are none); ``repeated`` whether the last mask asked for was one already made (a layer after the first)."""
+    """What the layers of the current forward pass shared (:func:`shared_interval_mask`, :func:`shared_intervals`),
+    per thread: ``chunks`` by :func:`_chunk_key`, the most recently used last, each ``{"intervals": its
+    :func:`column_intervals` on the device or None, "masks": its whole-chunk masks by (end, dtype)}``; ``None``
+    while there are none."""
 
     chunks: collections.OrderedDict | None = None
-    repeated: bool = False
 
 
 _SHARED = _Shared()
 
 
 def after_chunk() -> None:
-    """Called by every single-token attention of a kvq cache (a decode step): drops the last chunk's shared arrays
-    the first time (:func:`release_shared_mask`); otherwise one attribute read."""
+    """Called by every single-token attention of a kvq cache (a decode step), and by every kvq cache's
+    ``make_mask``, which mlx-lm's models call once per forward pass before their layers run
+    (``create_attention_mask``): drops the last pass's shared arrays the first time (:func:`release_shared_mask`;
+    their calls are queued, which keeps what they read); otherwise one attribute read."""
     if _SHARED.chunks is not None:
         release_shared_mask()
 
 
 def release_shared_mask() -> None:
-    """Drop what the layers of the last chunk shared (:func:`shared_interval_mask`): a decode step does, the first
-    time any kvq cache attends a single token after a chunk, and ``kvq bench``'s measurements between rows."""
-    _SHARED.chunks, _SHARED.repeated = None, False
+    """Drop what the layers of the last pass shared (:func:`shared_interval_mask`): the next pass does
+    (:func:`after_chunk`), and ``kvq bench``'s measurements between rows."""
+    _SHARED.chunks = None
 
 
 def _chunk_key(parts: list, rows: int) -> tuple:
@@ -82,40 +84,36 @@ def _chunk_key(parts: list, rows: int) -> tuple:
 
 
 def _shared(parts: list, rows: int) -> dict:
-    """The shared arrays of the chunk of ``parts`` (``rows`` rows), made empty where there are none (the oldest
-    dropped beyond :data:`SHARED_CHUNKS`), marked as the most recently used."""
+    """The shared arrays of the chunk of ``parts`` (``rows`` rows), made empty where there are none, marked as the
+    most recently used."""
     key = _chunk_key(parts, rows)
     if _SHARED.chunks is None:
         _SHARED.chunks = collections.OrderedDict()
     entry = _SHARED.chunks.get(key)
     if entry is None:
         entry = _SHARED.chunks[key] = {"intervals": None, "masks": {}}
-        while len(_SHARED.chunks) > SHARED_CHUNKS:
-            _SHARED.chunks.popitem(last=False)
     _SHARED.chunks.move_to_end(key)
     return entry
 
 
 def shared_interval_mask(parts: list, rows: int, end: int, dtype: mx.Dtype) -> mx.array:
-    """:func:`interval_mask` of all ``rows`` of a chunk (no mask of mlx-lm's), made once per chunk and shared by the
-    layers that ask for the same one: every layer of a model whose caches hold the same numbers of tokens sees its
-    chunk's rows through the same intervals, so the second layer on reuses the first one's array (the device makes
-    it once, the host builds it once: ``benchmarks/results/prefill/2026-12-07-h100-*`` found the host setting a
-    prefill's pace at 8K). A chunk's masks (one per group of a batch's stacked rows or row attending alone, at most
-    :data:`SHARED_CHUNKS`) are kept, for the thread that made them, until the next chunk's first layer, a decode
-    step or :func:`release_shared_mask`: a new mask asked for right after one was reused begins a new chunk, and the
-    last chunk's arrays are dropped before it is made. So a prefill keeps one chunk's masks, as it kept one mask
-    before batches attended in groups, and they replace the layers' transient masks :class:`InFlight` allowed."""
+    """:func:`interval_mask` of all ``rows`` of a chunk (no mask of mlx-lm's), made once per forward pass and shared
+    by the layers that ask for the same one: every layer of a model whose caches hold the same numbers of tokens sees
+    its chunk's rows through the same intervals, so the second layer on reuses the first one's array (the device
+    makes it once, the host builds it once: ``benchmarks/results/prefill/2026-12-07-h100-*`` found the host setting
+    a prefill's pace at 8K). A batch whose rows attend in groups reuses each group's. The masks are kept, for the
+    thread that made them, until the next forward pass or decode step (:func:`after_chunk`) or
+    :func:`release_shared_mask`, within :data:`SHARED_MASK_BYTES` (the least recently used dropped first, never the
+    one just made); they replace the layers' transient masks :class:`InFlight` allowed before."""
     entry = _shared(parts, rows)
     mask = entry["masks"].get((end, dtype))
     if mask is None:
-        if _SHARED.repeated:  # the first layer of a new chunk
-            for key in [k for k, e in _SHARED.chunks.items() if e is not entry]:
-                del _SHARED.chunks[key]
         mask = entry["masks"][end, dtype] = interval_mask(parts, 0, rows, end, dtype)
-        _SHARED.repeated = False
-    else:
-        _SHARED.repeated = True
+        held = sum(m.nbytes for e in _SHARED.chunks.values() for m in e["masks"].values())
+        for key in [k for k, e in _SHARED.chunks.items() if e is not entry]:  # oldest first
+            if held <= SHARED_MASK_BYTES:
+                break
+            held -= sum(m.nbytes for m in _SHARED.chunks.pop(key)["masks"].values())
     return mask
 
 

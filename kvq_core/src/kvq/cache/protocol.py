@@ -7,6 +7,7 @@ import copy
 
 import mlx.core as mx
 
+from .prefill import after_chunk
 from .reuse import check_trim, trimmable_now
 from .views import plain_mask
 
@@ -94,7 +95,10 @@ class CacheProtocol:
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """mlx-lm's mask hook (:func:`kvq.cache.views.plain_mask`): kvq enforces causality from positions, so only
-        sliding windows are refused (a sliding-window layer gets a :class:`kvq.cache.RotatingKVQCache`)."""
+        sliding windows are refused (a sliding-window layer gets a :class:`kvq.cache.RotatingKVQCache`). mlx-lm's
+        models call it once per forward pass, before their layers: the last pass's shared masks are dropped then
+        (:func:`kvq.cache.prefill.after_chunk`)."""
+        after_chunk()
         return plain_mask(N, window_size)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):

@@ -23,6 +23,7 @@ import numpy as np
 
 from . import engine
 from .parts import Part, causal
+from .prefill import after_chunk
 from .config import CacheConfig
 from .layer import KVQCache
 from .reuse import check_trim, trimmable_now
@@ -228,6 +229,7 @@ class RotatingKVQCache(KVQCache):
         if window_size is not None and window_size != self.max_size:
             raise ValueError(f"this RotatingKVQCache shows each query its max_size={self.max_size} tokens; the model "
                              f"asks for a window of {window_size}")
+        after_chunk()  # a forward pass begins: the last one's shared masks are dropped (KVQCache.make_mask)
         return None if N == 1 else "causal"
 
     # -- prompt-cache files ---------------------------------------------------------------------------
