@@ -119,7 +119,7 @@ def shared_interval_mask(parts: list, rows: int, end: int, dtype: mx.Dtype) -> m
 
 def shared_intervals(parts: list, rows: int) -> mx.array:
     """:func:`column_intervals` of all ``rows`` of a chunk on the device (int32 ``[rows, len(parts), 2]``), made once
-    per chunk and shared as :func:`shared_interval_mask` is."""
+    per forward pass and shared as :func:`shared_interval_mask` is."""
     entry = _shared(parts, rows)
     if entry["intervals"] is None:
         entry["intervals"] = mx.array(column_intervals(parts, 0, rows))
@@ -248,7 +248,7 @@ def attend_dequantized(queries: mx.array, scale: float, parts: list, config, tra
         end = last_column(parts, r0, r1)
         if user_mask is None and r1 - r0 == Tq:  # the whole chunk in one call: the layers share its mask
             mask = shared_interval_mask(parts, Tq, end, dtype)
-        else:  # a mask of its own: an earlier chunk's shared one (up to PREFILL_MASK_BYTES) is not kept beside it
+        else:  # a mask of its own: the pass's shared ones (up to SHARED_MASK_BYTES) are not kept beside it
             release_shared_mask()
             mask = interval_mask(parts, r0, r1, end, dtype, user_mask, user_cols)
         outs.append(mx.fast.scaled_dot_product_attention(queries[:, :, r0:r1], keys[:, :, :end], values[:, :, :end],
