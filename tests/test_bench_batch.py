@@ -205,6 +205,13 @@ def test_bad_input_fails_before_model_work(no_model_work, tmp_path, capsys, args
     assert not (tmp_path / "out").exists()
 
 
+def test_a_results_file_says_how_long_the_prompts_were():
+    from kvq.bench.batch_report import prompt_lengths
+
+    assert prompt_lengths({"prompt": 2048}) == prompt_lengths({"prompt": 2048, "shortest": None}) == "2048"
+    assert prompt_lengths({"prompt": 2048, "shortest": 256}) == "2048 down to 256 (evenly spaced)"
+
+
 def test_prompts_of_different_lengths_are_spread_from_prompt_down_to_shortest():
     """``--shortest``: a batch's prompts evenly spaced from ``--prompt`` down to it (a server's requests differ),
     each a prefix of the equal-length run's prompt; one sequence, or no --shortest, keeps ``--prompt`` tokens."""

@@ -52,11 +52,21 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(parts + [NOTES])
 
 
+def prompt_lengths(settings: dict) -> str:
+    """``"2048"`` or, with ``--shortest``, ``"2048 down to 256 (evenly spaced)"``: the prompts' lengths in a results
+    file's ``settings`` (files before ``--shortest`` have no such key)."""
+    shortest = settings.get("shortest")
+    if shortest is None or shortest == settings["prompt"]:
+        return str(settings["prompt"])
+    return f"{settings['prompt']} down to {shortest} (evenly spaced)"
+
+
 def markdown_file(document: dict) -> str:
     """A results file: title, exact command, device, versions, model and settings, then :func:`markdown`."""
     s = document["settings"]
     lines = [*header_lines("kvq bench batch", document),
-             f"Prompts: {s['prompt']} random tokens each, {s['tokens']} new tokens per sequence (greedy, no stop "
+             f"Prompts: {prompt_lengths(s)} random tokens{'' if s.get('shortest') else ' each'}, {s['tokens']} new "
+             f"tokens per sequence (greedy, no stop "
              f"token), prefill_step_size {s['chunk']}, {s.get('warmup', 0)} untimed warm-up and {s['reps']} timed "
              f"repetitions; kvq caches: sinks {s['sinks']}, "
              f"window {s['window']}, flush {s['flush']}, kernels {s['kernels']}.",
@@ -92,7 +102,7 @@ def plot(document: dict, path: str | Path) -> None:
     axes[0].legend(fontsize=8)
     env, m, s = document["environment"], document["model"], document["settings"]
     fig.suptitle(f"kvq bench batch: {m['name']} ({m['dtype']}) on {env['device']}, MLX {env['mlx']}, "
-                 f"{s['prompt']}-token prompts, median of {s['reps']} repetitions (bars: min-max)")
+                 f"prompts of {prompt_lengths(s)} tokens, median of {s['reps']} repetitions (bars: min-max)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
