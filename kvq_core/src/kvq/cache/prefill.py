@@ -9,8 +9,8 @@ the implementation can: :func:`columns`), and attended in one
 implementation of the key method attends columns itself (:class:`kvq.contract.AttendsColumns`: kvq_metal's
 tensor-core prefill kernel on CUDA, once its knob is on), it gets the intervals instead (:func:`column_intervals`)
 and no mask is made (one set of intervals for the batch: stacked rows of different lengths,
-:mod:`kvq.cache.stacked`, take the mask). The decoded copy is freed once the call has run: :class:`InFlight` keeps at most two layers'
-copies on the device, so the cache never holds an fp16 copy of its tokens.
+:mod:`kvq.cache.stacked`, take the mask). The decoded copy is freed once the call has run: :class:`InFlight` keeps
+at most two layers' copies on the device, so the cache never holds an fp16 copy of its tokens.
 
 Two facts about MLX 0.32's attention on CUDA shape this module (measured on an H200, ``benchmarks/prefill_parts.py``):
 a boolean mask is expanded by MLX to ``[B, H_q, T_q, keys]`` before the fused kernel (8x slower than causal
@@ -189,8 +189,7 @@ def column_intervals(parts: list, r0: int, r1: int) -> np.ndarray:
 
     :param parts: contiguous :class:`kvq.cache.parts.Part` objects (an int ``index``), in order.
     """
-    batch = next((p.lo.shape[:1] for p in parts if p.lo is not None and p.lo.ndim == 2), ())
-    out = np.zeros((*batch, r1 - r0, len(parts), 2), np.int32)
+    out = np.zeros((*_row_batch(parts), r1 - r0, len(parts), 2), np.int32)
     first = 0
     for p, part in enumerate(parts):
         if part.lo is None:
@@ -200,6 +199,12 @@ def column_intervals(parts: list, r0: int, r1: int) -> np.ndarray:
             out[..., p, 1] = first + np.clip(part.hi[..., r0:r1] - part.index, 0, part.size)
         first += part.size
     return out
+
+
+def _row_batch(parts: list) -> tuple:
+    """``(B,)`` where a part's intervals are per batch row (``[B, T_q]``: a batch's stacked rows of different
+    lengths), else ``()``."""
+    return next((p.lo.shape[:1] for p in parts if p.lo is not None and p.lo.ndim == 2), ())
 
 
 def attend_dequantized(queries: mx.array, scale: float, parts: list, config, transform, user_mask=None,
@@ -231,7 +236,7 @@ def attend_dequantized(queries: mx.array, scale: float, parts: list, config, tra
     keys, values, user_cols = columns(parts, config, transform, dtype, centre, user_mask is not None)
     if centre:
         queries = transform.queries(queries)
-    per_batch_row = user_mask is not None or any(p.lo is not None and p.lo.ndim == 2 for p in parts)
+    per_batch_row = user_mask is not None or bool(_row_batch(parts))
     # a kernel reads one set of intervals for the batch: no mask of mlx-lm's, no rows of their own
     hooks = [] if per_batch_row else columns_attention(config)
     intervals = shared_intervals(parts, Tq) if hooks else None

@@ -29,6 +29,7 @@ import numpy as np
 
 from ..encoded import Encoded
 from .parts import Part
+from .prefill import _chunk_key
 
 #: Bytes of decoded keys and values one call over a batch's stacked rows may hold (padding included): more rows are
 #: attended in groups, so with :class:`kvq.cache.prefill.InFlight`'s two layers a batch's chunk keeps at most about
@@ -122,7 +123,8 @@ def stack(queries: mx.array, rows: list, transforms: list) -> tuple:
     :return: ``queries [B, H_q, T_q, D]`` and the stacked parts (``column`` ``None``: no mlx-lm mask).
     """
     count = queries.shape[2]
-    same = all(_intervals_key(parts, count) == _intervals_key(rows[0], count) for parts in rows[1:])
+    key = _chunk_key(rows[0], count)  # equal keys: the same intervals, one mask for the batch
+    same = all(_chunk_key(parts, count) == key for parts in rows[1:])
     stacked = []
     for i, part in enumerate(rows[0]):
         width = max(parts[i].size for parts in rows)
@@ -139,14 +141,6 @@ def stack(queries: mx.array, rows: list, transforms: list) -> tuple:
         queries = mx.concatenate([t.queries(q) for q, t in zip(mx.split(queries, len(rows), axis=0), transforms)],
                                  axis=0)
     return queries, stacked
-
-
-def _intervals_key(parts: list, count: int) -> tuple:
-    """Each part's size and rows' intervals (arrays as bytes): equal keys, the same mask for ``count`` rows."""
-    def ints(x):
-        return x.tobytes() if isinstance(x, np.ndarray) else x
-
-    return count, tuple((p.size, ints(p.lo), ints(p.hi)) for p in parts)
 
 
 def _row_intervals(parts: list, count: int) -> tuple[np.ndarray, np.ndarray]:
