@@ -65,7 +65,8 @@ def markdown_file(document: dict) -> str:
     """A results file: title, exact command, device, versions, model and settings, then :func:`markdown`."""
     s = document["settings"]
     lines = [*header_lines("kvq bench batch", document),
-             f"Prompts: {prompt_lengths(s)} random tokens{'' if s.get('shortest') else ' each'}, {s['tokens']} new "
+             f"Prompts: {prompt_lengths(s)} random tokens{' each' if prompt_lengths(s) == str(s['prompt']) else ''}, "
+             f"{s['tokens']} new "
              f"tokens per sequence (greedy, no stop "
              f"token), prefill_step_size {s['chunk']}, {s.get('warmup', 0)} untimed warm-up and {s['reps']} timed "
              f"repetitions; kvq caches: sinks {s['sinks']}, "

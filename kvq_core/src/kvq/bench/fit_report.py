@@ -13,13 +13,19 @@ COLUMNS = ("cache", "bits per coordinate", "KiB per token", "longest context, {b
 
 
 
-def size_text(n: int) -> str:
-    """``n`` bytes in the largest of GiB, MiB, KiB that leaves at least 1 (``"0.25 GiB"`` read "0.00 GiB" for a
-    small ``--memory``): ``"1.50 GiB"``, ``"512.00 KiB"``, ``"100 B"``."""
+def size_unit(n: int) -> tuple[float, str]:
+    """``n`` bytes as ``(value, unit)`` in the largest of GiB, MiB, KiB that leaves at least 1 (``n`` and ``"B"``
+    below 1 KiB): a small ``--memory`` read "0.00 GiB" in GiB."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
-            return f"{n / size:,.2f} {unit}"
-    return f"{n} B"
+            return n / size, unit
+    return n, "B"
+
+
+def size_text(n: int) -> str:
+    """``n`` bytes in :func:`size_unit`'s unit: ``"1.50 GiB"``, ``"512.00 KiB"``, ``"100 B"``."""
+    value, unit = size_unit(n)
+    return f"{value:,.2f} {unit}" if unit != "B" else f"{n} B"
 
 
 def row(budget: Budget, cost: CacheCost, context: int, batch: int) -> dict:

@@ -135,12 +135,12 @@ def document(args, checked: dict, argv: list[str]) -> dict:
 
 
 def size_tag(n: int) -> str:
-    """``n`` bytes as a file name's tag, in the largest of G, M, K (powers of 1024) that is at least 1: ``"24g"``,
-    ``"512m"``, ``"1k"`` (a memory below 1 GiB was named ``0g``)."""
-    for unit, size in (("g", 2**30), ("m", 2**20), ("k", 2**10)):
-        if n >= size:
-            return f"{n / size:.0f}{unit}"
-    return f"{n}b"
+    """``n`` bytes as a file name's tag in :func:`kvq.bench.fit_report.size_unit`'s unit: ``"24g"``, ``"512m"``,
+    ``"1k"``, ``"100b"`` (a memory below 1 GiB was named ``0g``)."""
+    from ..bench.fit_report import size_unit
+
+    value, unit = size_unit(n)
+    return f"{value:.0f}{unit[0].lower()}"
 
 
 def main(argv: list[str]) -> int:
