@@ -11,6 +11,8 @@ import importlib
 import statistics
 
 import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
 import pytest
 
 from kvq.bench import batch, e2e, random_model
@@ -55,6 +57,33 @@ def test_every_batch_repetition_and_method_generates_every_token(run):
                                                     / reference["decode_tokens_per_second"])
         assert r["prefill_vs_fp16"] == pytest.approx(reference["prefill_seconds"] / r["prefill_seconds"])
     assert [r["cache"] for r in rows[:3]] == ["mlx-lm KVCache", "kvq BatchKVQCache", "kvq BatchKVQCache"]
+
+
+def test_cache_bytes_mid_decode_and_the_memory_bound_ceiling(run):
+    """Every row notes its caches' allocated bytes after the middle decode step and the model's weight bytes; the
+    ceiling is (weights + kvcache's cache bytes) / (weights + the row's), the same repetition's."""
+    _, doc = run
+    config = random_model.random_config("random:tiny")
+    weights = sum(v.nbytes for _, v in tree_flatten(
+        random_model.build_random_model(config, mx.float16).parameters()))
+    # float16 keys and values of one token, every layer
+    per_token = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * config["head_dim"] * 2
+    for r in doc["rows"]:
+        assert r["weights_bytes"] == weights
+        reference = next(x for x in doc["rows"] if (x["batch"], x["rep"], x["method"]) == (r["batch"], r["rep"],
+                                                                                            "kvcache"))
+        assert r["ceiling_vs_fp16"] == pytest.approx((weights + reference["cache_bytes"])
+                                                     / (weights + r["cache_bytes"]))
+        if r["method"] == "kvcache":
+            # mlx-lm's cache holds every token so far (48 of the prompt, 3 decoded at the middle step) in
+            # steps of 256 tokens
+            assert r["cache_bytes"] == r["batch"] * 256 * per_token and r["ceiling_vs_fp16"] == 1.0
+        else:
+            # 16 dense window tokens and 4-bit codes, with room to grow: more than the window alone, fewer than
+            # kvcache's 256 tokens
+            assert 16 * r["batch"] * per_token < r["cache_bytes"] < reference["cache_bytes"]
+            assert r["ceiling_vs_fp16"] > 1.0 and r["cache_vs_fp16"] == pytest.approx(
+                r["cache_bytes"] / reference["cache_bytes"])
 
 
 def test_the_summary_is_the_median_and_range_of_the_timed_repetitions(run):
@@ -152,7 +181,7 @@ def test_warm_up_repetitions_run_first_and_stay_out_of_the_rows(monkeypatch):
     monkeypatch.setattr(batch, "generate", fake)
     settings = batch.BatchSettings((1, 2), prompt=4, tokens=3, reps=3, warmup=2, progress=False)
     seen = []
-    rows = batch.BatchBench(object(), settings, 32).run(e2e.parse_methods("kvcache"), on_row=seen.append)
+    rows = batch.BatchBench(nn.Module(), settings, 32).run(e2e.parse_methods("kvcache"), on_row=seen.append)
     assert calls == [1] * 5 + [2] * 5 and rows == seen
     assert [(r["batch"], r["rep"]) for r in rows] == [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]
     one, two = batch.summarize(rows)

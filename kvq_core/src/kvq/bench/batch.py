@@ -147,11 +147,13 @@ def generate(model, prompts_: list[list[int]], tokens: int, chunk: int) -> dict:
     """Run one ``BatchGenerator`` over ``prompts_`` to the end (greedy, ``tokens`` each) and time it.
 
     :return: ``{"prefill_seconds", "decode_seconds", "decode_steps", "tokens", "decode_tokens_per_second",
-        "step_ms", "host_ms", "build_ms", "peak_memory_growth"}``: prefill = from insertion until every sequence has its first
-        token, decode = from then to the last token over ``decode_steps`` generator steps; decode tokens/s = the
-        tokens after each sequence's first, over the decode seconds; step ms = decode milliseconds / decode steps;
-        host ms and build ms = :func:`kvq.bench.fill.host_summary` of the decode steps' host times and of their
-        builds (module docstring; every entry ``None`` where they could not be measured).
+        "step_ms", "host_ms", "build_ms", "cache_bytes", "peak_memory_growth"}``: prefill = from insertion until
+        every sequence has its first token, decode = from then to the last token over ``decode_steps`` generator
+        steps; decode tokens/s = the tokens after each sequence's first, over the decode seconds; step ms = decode
+        milliseconds / decode steps; host ms and build ms = :func:`kvq.bench.fill.host_summary` of the decode steps'
+        host times and of their builds (module docstring; every entry ``None`` where they could not be measured);
+        cache bytes = the generator's ``prompt_cache_nbytes`` (every layer's cache of every sequence, as allocated)
+        after the middle decode step, ``None`` where this mlx-lm has no such property.
     :raises RuntimeError: the generator stopped before ``tokens`` tokens per sequence.
     """
     from mlx_lm.generate import BatchGenerator
@@ -165,13 +167,15 @@ def generate(model, prompts_: list[list[int]], tokens: int, chunk: int) -> dict:
         tic = time.perf_counter()
         uids = gen.insert(prompts_, [tokens] * len(prompts_))
         counts = {u: 0 for u in uids}
-        first_all, steps, mark = None, 0, 0
+        first_all, steps, mark, cache_bytes = None, 0, 0, None
         try:
             for _ in range(10 * tokens * len(prompts_) + 100):  # bounded, whatever the generator does
                 responses = gen.next_generated()
                 if not responses:
                     break
                 steps += first_all is not None
+                if steps == tokens // 2 and cache_bytes is None:  # mid-decode: one sum over the layers' caches
+                    cache_bytes = getattr(gen, "prompt_cache_nbytes", None)
                 for r in responses:
                     counts[r.uid] += 1
                 if first_all is None and all(counts.values()):
@@ -189,7 +193,7 @@ def generate(model, prompts_: list[list[int]], tokens: int, chunk: int) -> dict:
             "step_ms": 1e3 * decode_seconds / steps if steps else None,
             "host_ms": host_summary(clock.host[mark:] if clock is not None else []),
             "build_ms": host_summary(clock.build[mark:] if clock is not None else []),
-            "peak_memory_growth": mx.get_peak_memory() - before}
+            "cache_bytes": cache_bytes, "peak_memory_growth": mx.get_peak_memory() - before}
 
 
 class BatchBench:
@@ -201,6 +205,7 @@ class BatchBench:
 
     def __init__(self, model, settings: BatchSettings, vocab_size: int) -> None:
         self.model, self.settings, self.vocab_size = model, settings, vocab_size
+        self.weights_bytes = weights_bytes(model)
 
     def run(self, specs: list[MethodSpec], on_row: Callable[[dict], None] | None = None) -> list[dict]:
         """Every batch size, then its warm-up and timed repetitions, then every spec (the reference, kvcache,
@@ -216,7 +221,8 @@ class BatchBench:
 
         s = self.settings
         row = {"batch": batch, "rep": rep, "method": spec.label,
-               "cache": "mlx-lm KVCache" if spec.label == REFERENCE else "kvq BatchKVQCache", "error": None}
+               "cache": "mlx-lm KVCache" if spec.label == REFERENCE else "kvq BatchKVQCache", "error": None,
+               "weights_bytes": self.weights_bytes}
         release()
         patched = spec.label != REFERENCE
         try:
@@ -234,15 +240,33 @@ class BatchBench:
         return row
 
 
+def weights_bytes(model) -> int:
+    """Bytes of ``model``'s parameters (every array of ``model.parameters()``, as stored: quantized weights count
+    their packed bytes and scales)."""
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
 def add_ratios(row: dict, reference: dict | None) -> None:
-    """Add ``decode_vs_fp16``, ``prefill_vs_fp16`` (speed: the reference's seconds / this row's) and ``peak_vs_fp16``
-    (method / kvcache of the same batch and repetition; ``None`` when either row failed)."""
+    """Add ``decode_vs_fp16``, ``prefill_vs_fp16`` (speed: the reference's seconds / this row's), ``peak_vs_fp16``
+    and ``cache_vs_fp16`` (method / kvcache of the same batch and repetition; ``None`` when either row failed or,
+    for the cache, lacks ``cache_bytes``) and ``ceiling_vs_fp16``:
+    the decode speed-up a step bound by memory bandwidth could reach, (weights + the reference's cache bytes) /
+    (weights + this row's), each step reading the weights and every cache byte once (``None`` without both rows'
+    ``cache_bytes``). Where the weights outweigh the caches it is near 1 whatever the cache's bits: 8 prompts of
+    2,048 on Llama-3-8B read 16 GB of weights beside 2.2 GB of float16 keys and values, so even a cache of no bytes
+    could be at most 1.14x faster there."""
     ok = reference is not None and not row["error"]
     row["decode_vs_fp16"] = (row["decode_tokens_per_second"] / reference["decode_tokens_per_second"]
                              if ok and row["decode_tokens_per_second"] and reference["decode_tokens_per_second"]
                              else None)
     row["prefill_vs_fp16"] = reference["prefill_seconds"] / row["prefill_seconds"] if ok else None
     row["peak_vs_fp16"] = row["peak_memory_growth"] / max(reference["peak_memory_growth"], 1) if ok else None
+    weights, mine, theirs = row.get("weights_bytes"), row.get("cache_bytes"), (reference or {}).get("cache_bytes")
+    known = ok and weights is not None and bool(mine) and bool(theirs)
+    row["cache_vs_fp16"] = mine / theirs if known else None
+    row["ceiling_vs_fp16"] = (weights + theirs) / (weights + mine) if known else None
 
 
 #: Per-repetition quantities :func:`summarize` gives the median and range of: summary key -> how a row gives it.
@@ -253,6 +277,9 @@ SUMMARY = {"prefill_seconds": lambda r: r.get("prefill_seconds"),
            "step_ms": lambda r: r.get("step_ms"),
            "host_ms": lambda r: (r.get("host_ms") or {}).get("median"),
            "build_ms": lambda r: (r.get("build_ms") or {}).get("median"),
+           "cache_bytes": lambda r: r.get("cache_bytes"),
+           "cache_vs_fp16": lambda r: r.get("cache_vs_fp16"),
+           "ceiling_vs_fp16": lambda r: r.get("ceiling_vs_fp16"),
            "peak_memory_growth": lambda r: r.get("peak_memory_growth"),
            "peak_vs_fp16": lambda r: r.get("peak_vs_fp16")}
 

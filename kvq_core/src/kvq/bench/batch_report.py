@@ -9,8 +9,8 @@ from .output import cache_style, header_lines, markdown_table, median_range, pyp
 
 MIB = 2**20
 COLUMNS = ("method", "cache", "timed reps", "prefill s", "prefill speed x kvcache",
-           "decode tokens/s, all sequences", "decode x kvcache", "step ms", "host ms/step",
-           "build ms/step", "peak MiB above (x kvcache)")
+           "decode tokens/s, all sequences", "decode x kvcache", "ceiling x kvcache", "step ms", "host ms/step",
+           "build ms/step", "cache MiB (x kvcache)", "peak MiB above (x kvcache)")
 NOTES = """Every cell: the median over the timed repetitions, then [min–max] where they differ, so the spread is the \
 noise; the untimed warm-up repetitions (they compile kernels) are in neither. Columns: prefill s = from inserting the \
 prompts into mlx-lm's BatchGenerator until every sequence has its first token (speed x kvcache = the reference's \
@@ -20,7 +20,11 @@ token (the aggregate a server under concurrent load gives); step ms = that time 
 step being queued (the generator's and the model's Python, graph building and mx.async_eval, which on MLX's CUDA back \
 end encodes it into CUDA graphs and can wait there for the device); build ms/step = its part before mx.async_eval \
 is called: where the build is about the whole step, the host set the pace (on the CPU, where the host also \
-computes the step, host time is the step, and a median can exceed the mean); peak = \
+computes the step, host time is the step, and a median can exceed the mean); cache MiB = every sequence's caches, \
+every layer, as allocated after the middle decode step (mlx-lm's BatchGenerator.prompt_cache_nbytes); ceiling x \
+kvcache = (weights + kvcache's cache bytes) / (weights + this row's): the decode speed-up over kvcache that a step \
+bound by memory bandwidth, reading the weights and every cache byte once, could reach (where the weights outweigh \
+the caches, no cache can beat kvcache by much, whatever its bits); peak = \
 mx.get_peak_memory() during the run minus the active memory before the generator was made (caches, prefill and \
 decode temporaries). Ratios compare with kvcache (mlx-lm's own caches, the model unpatched) in the same \
 repetition, measured first in each; the x kvcache columns are the medians of those per-repetition ratios. kvq rows \
@@ -34,10 +38,13 @@ def _cells(r: dict) -> list[str]:
     if not ok:
         return head + ["-"] * (len(COLUMNS) - len(head))
     peak, ratio = r["peak_memory_growth"]["median"], r["peak_vs_fp16"]["median"]
+    absent = {"median": None}  # build ms, cache bytes and the ceiling: absent from files before 2026-12-07
+    cache = (r.get("cache_bytes") or absent)["median"]
     return head + [median_range(r["prefill_seconds"]), median_range(r["prefill_vs_fp16"], ".2f"),
                    median_range(r["decode_tokens_per_second"], ",.1f"), median_range(r["decode_vs_fp16"], ".2f"),
-                   median_range(r["step_ms"]), median_range(r["host_ms"]),
-                   median_range(r.get("build_ms") or {"median": None}),  # absent before 2026-12-07
+                   median_range(r.get("ceiling_vs_fp16") or absent, ".2f"),
+                   median_range(r["step_ms"]), median_range(r["host_ms"]), median_range(r.get("build_ms") or absent),
+                   "-" if cache is None else with_ratio(f"{cache / MIB:.1f}", (r.get("cache_vs_fp16") or absent)["median"]),
                    with_ratio(f"{peak / MIB:.1f}", ratio)]
 
 
