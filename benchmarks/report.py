@@ -192,11 +192,13 @@ def prefill(run: dict) -> str:
 
 
 def batch(run: dict) -> str:
-    heads = ["sequences", "cache", "rep", "decode tokens/s, all sequences (x kvcache)", "prefill speed x kvcache",
-             "peak MiB above the model (x kvcache)"]
+    heads = ["sequences", "cache", "rep", "decode tokens/s, all sequences (x kvcache)",
+             "bandwidth ceiling x kvcache", "prefill speed x kvcache", "peak MiB above the model (x kvcache)"]
     rows = [[str(r["batch"]), cache_name(r, doc["model"]["dtype"]), str(r["rep"] + 1),
-             *(failed(r, 3) if r["error"] else
+             *(failed(r, 4) if r["error"] else
                [ratio(f"{r['decode_tokens_per_second']:,.1f}", r["decode_vs_fp16"]),
+                # (weights + kvcache's cache bytes) / (weights + this row's); files before 2026-12-07 lack it
+                "-" if r.get("ceiling_vs_fp16") is None else f"{r['ceiling_vs_fp16']:.2f}",
                 "-" if r["prefill_vs_fp16"] is None else f"{r['prefill_vs_fp16']:.2f}",
                 ratio(f"{r['peak_memory_growth'] / MIB:,.0f}", r["peak_vs_fp16"])])]
             for doc in run["docs"] for r in doc["rows"]]
@@ -285,7 +287,9 @@ SECTIONS = {  # kind: (title, renderer, what the table shows)
     "prefill": ("Prefill (`kvq bench prefill`)", prefill,
                 "The prompt prefilled in chunks as `mlx_lm.generate` does; the first repetition includes compiling."),
     "batch": ("Concurrent sequences (`kvq bench batch`, mlx-lm's BatchGenerator)", batch,
-              "Aggregate decode tokens/s of every sequence, as a server under concurrent load gives."),
+              "Aggregate decode tokens/s of every sequence, as a server under concurrent load gives. Bandwidth "
+              "ceiling = (weights + kvcache's cache bytes) / (weights + this cache's), the bytes allocated after the "
+              "middle decode step: the most a step bound by memory bandwidth could gain over kvcache."),
     "capacity": ("Capacity (`kvq bench capacity`)", capacity,
                  "The largest batch of equal-length sequences whose measured peak fits the device's memory."),
     "kernels": ("Fused decode-attention kernels (`benchmarks/kernel_durations.py`)", kernels,

@@ -20,7 +20,9 @@ token (the aggregate a server under concurrent load gives); step ms = that time 
 step being queued (the generator's and the model's Python, graph building and mx.async_eval, which on MLX's CUDA back \
 end encodes it into CUDA graphs and can wait there for the device); build ms/step = its part before mx.async_eval \
 is called: where the build is about the whole step, the host set the pace (on the CPU, where the host also \
-computes the step, host time is the step, and a median can exceed the mean); cache MiB = every sequence's caches, \
+computes the step, host time is the step, and a median can exceed the mean; kvq's pure-MLX attention, the CPU's \
+path, starts its blocks of stored tokens one at a time and waits for the one before to bound memory, \
+kvq.attention.run_block, so there its build includes computing: it is not all graph building); cache MiB = every sequence's caches, \
 every layer, as allocated after the middle decode step (mlx-lm's BatchGenerator.prompt_cache_nbytes); ceiling x \
 kvcache = (weights + kvcache's cache bytes) / (weights + this row's): the decode speed-up over kvcache that a step \
 bound by memory bandwidth, reading the weights and every cache byte once, could reach (where the weights outweigh \
