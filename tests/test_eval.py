@@ -55,8 +55,12 @@ def test_fp16_alone_is_the_reference_by_its_older_name():
     reference, mlx-lm's KVCache, everywhere (accepted as before), and ``kvq-fp16`` is kvq's 16-bit cache."""
     assert parse_method("fp16") == parse_method("kvcache") and parse_method("fp16").is_reference
     assert [s.label for s in parse_methods("affine:4,fp16")] == ["kvcache", "affine:4"]
-    with pytest.raises(ValueError, match="more than once"):
+    # the message says why: the two names are one cache
+    with pytest.raises(ValueError, match=r"kvcache given more than once \(fp16 also names kvcache, mlx-lm's own "
+                                         r"cache; kvq's 16-bit cache is kvq-fp16\)"):
         parse_methods("fp16,kvcache")
+    with pytest.raises(ValueError, match=r"^--methods: affine:4 given more than once$"):
+        parse_methods("affine:4,affine:4")
     assert not parse_method("kvq-fp16").is_reference
 
 

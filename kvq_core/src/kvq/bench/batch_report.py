@@ -10,7 +10,7 @@ from .output import cache_style, header_lines, markdown_table, median_range, pyp
 MIB = 2**20
 COLUMNS = ("method", "cache", "timed reps", "prefill s", "prefill speed x kvcache",
            "decode tokens/s, all sequences", "decode x kvcache", "ceiling x kvcache", "step ms", "host ms/step",
-           "build ms/step", "cache MiB (x kvcache)", "peak MiB above (x kvcache)")
+           "build ms/step", "cache MiB (x kvcache)", "peak MiB above the start (x kvcache)")
 NOTES = """Every cell: the median over the timed repetitions, then [min–max] where they differ, so the spread is the \
 noise; the untimed warm-up repetitions (they compile kernels) are in neither. Columns: prefill s = from inserting the \
 prompts into mlx-lm's BatchGenerator until every sequence has its first token (speed x kvcache = the reference's \
@@ -23,7 +23,8 @@ is called: where the build is about the whole step, the host set the pace (on th
 computes the step, host time is the step, and a median can exceed the mean; kvq's pure-MLX attention, the CPU's \
 path, starts its blocks of stored tokens one at a time and waits for the one before to bound memory, \
 kvq.attention.run_block, so there its build includes computing: it is not all graph building); cache MiB = every sequence's caches, \
-every layer, as allocated after the middle decode step (mlx-lm's BatchGenerator.prompt_cache_nbytes); ceiling x \
+every layer, as allocated after the middle decode step (mlx-lm's BatchGenerator.prompt_cache_nbytes; caches grow \
+in steps of tokens, so a step reads a little less); ceiling x \
 kvcache = (weights + kvcache's cache bytes) / (weights + this row's): the decode speed-up over kvcache that a step \
 bound by memory bandwidth, reading the weights and every cache byte once, could reach (where the weights outweigh \
 the caches, no cache can beat kvcache by much, whatever its bits); peak = \

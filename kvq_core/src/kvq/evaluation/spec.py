@@ -98,7 +98,10 @@ def checked_with_reference(specs: list[MethodSpec], head_dim: int | None, sinks:
     labels = [s.label for s in specs]
     duplicates = sorted({label for label in labels if labels.count(label) > 1})
     if duplicates:
-        raise ValueError(f"--methods: {', '.join(duplicates)} given more than once")
+        aliases = (f" ({' and '.join(REFERENCE_ALIASES)} also name{'s' if len(REFERENCE_ALIASES) == 1 else ''} "
+                   f"{REFERENCE}, mlx-lm's own cache; kvq's 16-bit cache is {KVQ_FP16})"
+                   if REFERENCE in duplicates else "")
+        raise ValueError(f"--methods: {', '.join(duplicates)} given more than once{aliases}")
     for spec in specs:
         validate(spec, head_dim, sinks, window)
     first = [s for s in specs if s.label == reference] or [parse_method(reference)]
