@@ -86,6 +86,18 @@ def test_cache_bytes_mid_decode_and_the_memory_bound_ceiling(run):
                 r["cache_bytes"] / reference["cache_bytes"])
 
 
+def test_a_step_reads_the_embedding_table_only_where_it_is_the_output_projection():
+    """weights_bytes: every parameter with tied embeddings (the table is the output projection); with an lm_head of
+    its own, the input table (a step looks up one row per sequence) is left out."""
+    tied = random_model.random_config("random:tiny")
+    for tie in (True, False):
+        model = random_model.build_random_model({**tied, "tie_word_embeddings": tie}, mx.float16)
+        total = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+        table = model.model.embed_tokens.weight.nbytes
+        assert table == tied["vocab_size"] * tied["hidden_size"] * 2
+        assert batch.weights_bytes(model) == (total if tie else total - table)
+
+
 def test_the_summary_is_the_median_and_range_of_the_timed_repetitions(run):
     out, doc = run
     summary = doc["summary"]

@@ -241,11 +241,18 @@ class BatchBench:
 
 
 def weights_bytes(model) -> int:
-    """Bytes of ``model``'s parameters (every array of ``model.parameters()``, as stored: quantized weights count
-    their packed bytes and scales)."""
+    """Bytes of ``model``'s parameters that a decode step reads: every array of ``model.parameters()`` as stored
+    (quantized weights: their packed bytes and scales), less the input embedding tables where the model has an
+    output projection of its own (``lm_head``: a step then reads one embedding row per sequence, not the table;
+    a model with tied embeddings reads the whole table as its output projection)."""
+    import mlx.nn as nn
     from mlx.utils import tree_flatten
 
-    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    total = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    if hasattr(model, "lm_head"):
+        total -= sum(v.nbytes for _, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding))
+                     for _, v in tree_flatten(m.parameters()))
+    return total
 
 
 def add_ratios(row: dict, reference: dict | None) -> None:
@@ -253,10 +260,10 @@ def add_ratios(row: dict, reference: dict | None) -> None:
     and ``cache_vs_fp16`` (method / kvcache of the same batch and repetition; ``None`` when either row failed or,
     for the cache, lacks ``cache_bytes``) and ``ceiling_vs_fp16``:
     the decode speed-up a step bound by memory bandwidth could reach, (weights + the reference's cache bytes) /
-    (weights + this row's), each step reading the weights and every cache byte once (``None`` without both rows'
+    (weights + this row's), each step reading the weights (:func:`weights_bytes`) and every cache byte once (``None`` without both rows'
     ``cache_bytes``). Where the weights outweigh the caches it is near 1 whatever the cache's bits: 8 prompts of
-    2,048 on Llama-3-8B read 16 GB of weights beside 2.2 GB of float16 keys and values, so even a cache of no bytes
-    could be at most 1.14x faster there."""
+    2,048 on Llama-3-8B read 15 GB of weights beside 2.2 GB of float16 keys and values, so even a cache of no bytes
+    could be at most 1.15x faster there."""
     ok = reference is not None and not row["error"]
     row["decode_vs_fp16"] = (row["decode_tokens_per_second"] / reference["decode_tokens_per_second"]
                              if ok and row["decode_tokens_per_second"] and reference["decode_tokens_per_second"]

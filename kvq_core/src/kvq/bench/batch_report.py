@@ -25,7 +25,8 @@ path, starts its blocks of stored tokens one at a time and waits for the one bef
 kvq.attention.run_block, so there its build includes computing: it is not all graph building); cache MiB = every sequence's caches, \
 every layer, as allocated after the middle decode step (mlx-lm's BatchGenerator.prompt_cache_nbytes; caches grow \
 in steps of tokens, so a step reads a little less); ceiling x \
-kvcache = (weights + kvcache's cache bytes) / (weights + this row's): the decode speed-up over kvcache that a step \
+kvcache = (weights + kvcache's cache bytes) / (weights + this row's), weights being those a step reads (the input \
+embedding table left out where the model has an lm_head): the decode speed-up over kvcache that a step \
 bound by memory bandwidth, reading the weights and every cache byte once, could reach (where the weights outweigh \
 the caches, no cache can beat kvcache by much, whatever its bits); peak = \
 mx.get_peak_memory() during the run minus the active memory before the generator was made (caches, prefill and \
