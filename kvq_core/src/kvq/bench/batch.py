@@ -9,7 +9,8 @@ and batches them as :class:`kvq.cache.BatchKVQCache`. Reported: the seconds unti
 (prefill), the aggregate decode tokens/s after that (every sequence's tokens, over the time from the last first
 token to the end), the decode steps' milliseconds (step ms: the decode seconds over the generator's decode steps;
 host ms: each step's time on the host before its work is queued, and build ms its part before the queueing, below),
-the peak memory above the level before the
+the caches' bytes after the middle decode step and the ceiling a step bound by memory bandwidth could reach over
+kvcache (:func:`add_ratios`), the peak memory above the level before the
 generator was made, and the tokens (identical prompts give the same count for every method: the run is checked to
 have produced ``batch * tokens`` of them). Every repetition measures kvcache first, so each ratio compares rows of
 one repetition in one process; ``warmup`` untimed repetitions of every row come first (they compile kernels), and
@@ -250,20 +251,20 @@ def weights_bytes(model) -> int:
 
     total = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     if hasattr(model, "lm_head"):
-        total -= sum(v.nbytes for _, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding))
-                     for _, v in tree_flatten(m.parameters()))
+        tables = [m for _, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding))]
+        total -= sum(v.nbytes for m in tables for _, v in tree_flatten(m.parameters()))
     return total
 
 
 def add_ratios(row: dict, reference: dict | None) -> None:
     """Add ``decode_vs_fp16``, ``prefill_vs_fp16`` (speed: the reference's seconds / this row's), ``peak_vs_fp16``
     and ``cache_vs_fp16`` (method / kvcache of the same batch and repetition; ``None`` when either row failed or,
-    for the cache, lacks ``cache_bytes``) and ``ceiling_vs_fp16``:
-    the decode speed-up a step bound by memory bandwidth could reach, (weights + the reference's cache bytes) /
-    (weights + this row's), each step reading the weights (:func:`weights_bytes`) and every cache byte once (``None`` without both rows'
-    ``cache_bytes``). Where the weights outweigh the caches it is near 1 whatever the cache's bits: 8 prompts of
-    2,048 on Llama-3-8B read 15 GB of weights beside 2.2 GB of float16 keys and values, so even a cache of no bytes
-    could be at most 1.15x faster there."""
+    for the cache, lacks ``cache_bytes``) and ``ceiling_vs_fp16``: the decode speed-up a step bound by memory
+    bandwidth could reach, (weights + the reference's cache bytes) / (weights + this row's), each step reading the
+    weights (:func:`weights_bytes`) and every cache byte once (``None`` without both rows' ``cache_bytes``).
+    Where the weights outweigh the caches it is near 1 whatever the cache's bits: 8 prompts of 2,048 on
+    Llama-3-8B read 15 GB of weights beside 2.2 GB of 16-bit keys and values, so even a cache of no bytes could be
+    at most 1.15x faster there."""
     ok = reference is not None and not row["error"]
     row["decode_vs_fp16"] = (row["decode_tokens_per_second"] / reference["decode_tokens_per_second"]
                              if ok and row["decode_tokens_per_second"] and reference["decode_tokens_per_second"]

@@ -22,9 +22,9 @@ end encodes it into CUDA graphs and can wait there for the device); build ms/ste
 is called: where the build is about the whole step, the host set the pace (on the CPU, where the host also \
 computes the step, host time is the step, and a median can exceed the mean; kvq's pure-MLX attention, the CPU's \
 path, starts its blocks of stored tokens one at a time and waits for the one before to bound memory, \
-kvq.attention.run_block, so there its build includes computing: it is not all graph building); cache MiB = every sequence's caches, \
-every layer, as allocated after the middle decode step (mlx-lm's BatchGenerator.prompt_cache_nbytes; caches grow \
-in steps of tokens, so a step reads a little less); ceiling x \
+kvq.attention.run_block, so there its build includes computing: it is not all graph building); cache MiB = every \
+sequence's caches, every layer, as allocated after the middle decode step (mlx-lm's \
+BatchGenerator.prompt_cache_nbytes; caches grow in steps of tokens, so a step reads a little less); ceiling x \
 kvcache = (weights + kvcache's cache bytes) / (weights + this row's), weights being those a step reads (the input \
 embedding table left out where the model has an lm_head): the decode speed-up over kvcache that a step \
 bound by memory bandwidth, reading the weights and every cache byte once, could reach (where the weights outweigh \
