@@ -43,12 +43,13 @@ def _cells(r: dict) -> list[str]:
         return head + ["-"] * (len(COLUMNS) - len(head))
     peak, ratio = r["peak_memory_growth"]["median"], r["peak_vs_fp16"]["median"]
     absent = {"median": None}  # build ms, cache bytes and the ceiling: absent from files before 2026-12-07
-    cache = (r.get("cache_bytes") or absent)["median"]
+    cache, cache_ratio = ((r.get(key) or absent)["median"] for key in ("cache_bytes", "cache_vs_fp16"))
+    cache_cell = "-" if cache is None else with_ratio(f"{cache / MIB:.1f}", cache_ratio)
     return head + [median_range(r["prefill_seconds"]), median_range(r["prefill_vs_fp16"], ".2f"),
                    median_range(r["decode_tokens_per_second"], ",.1f"), median_range(r["decode_vs_fp16"], ".2f"),
                    median_range(r.get("ceiling_vs_fp16") or absent, ".2f"),
                    median_range(r["step_ms"]), median_range(r["host_ms"]), median_range(r.get("build_ms") or absent),
-                   "-" if cache is None else with_ratio(f"{cache / MIB:.1f}", (r.get("cache_vs_fp16") or absent)["median"]),
+                   cache_cell,
                    with_ratio(f"{peak / MIB:.1f}", ratio)]
 
 
@@ -75,13 +76,13 @@ def prompt_lengths(settings: dict) -> str:
 def markdown_file(document: dict) -> str:
     """A results file: title, exact command, device, versions, model and settings, then :func:`markdown`."""
     s = document["settings"]
+    lengths = prompt_lengths(s)
+    each = " each" if lengths == str(s["prompt"]) else ""
     lines = [*header_lines("kvq bench batch", document),
-             f"Prompts: {prompt_lengths(s)} random tokens{' each' if prompt_lengths(s) == str(s['prompt']) else ''}, "
-             f"{s['tokens']} new "
-             f"tokens per sequence (greedy, no stop "
+             f"Prompts: {lengths} random tokens{each}, {s['tokens']} new tokens per sequence (greedy, no stop "
              f"token), prefill_step_size {s['chunk']}, {s.get('warmup', 0)} untimed warm-up and {s['reps']} timed "
-             f"repetitions; kvq caches: sinks {s['sinks']}, "
-             f"window {s['window']}, flush {s['flush']}, kernels {s['kernels']}.",
+             f"repetitions; kvq caches: sinks {s['sinks']}, window {s['window']}, flush {s['flush']}, kernels "
+             f"{s['kernels']}.",
              *(f"Note: {n}" for n in document.get("notes", [])), "", markdown(document["rows"])]
     return "\n".join(lines) + "\n"
 
